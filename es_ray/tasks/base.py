@@ -1,0 +1,90 @@
+"""The task interface: a fixed training pool, a fixed held-out set, a prompt and a reward per problem."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from es_ray.config import TaskConfig
+
+
+class TaskLoadError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    """The user message."""
+    answer: Any
+    """What the reward compares against (task specific)."""
+    meta: dict = field(default_factory=dict, compare=False)
+
+
+class Task(ABC):
+    name: str = "task"
+    system_prompt: str | None = None
+
+    def __init__(self, cfg: TaskConfig):
+        self.cfg = cfg
+        self.skipped_rows = 0
+        self.train, self.eval = self.load()
+        if not self.train:
+            raise TaskLoadError(f"task {self.name}: the training pool is empty; check task.path / task.train_size")
+
+    @abstractmethod
+    def load(self) -> tuple[list[Problem], list[Problem]]:
+        """(training pool, held-out set), both fixed for a given task config."""
+
+    @abstractmethod
+    def reward(self, completion: str, problem: Problem) -> float:
+        """Scalar reward of one completion; may raise on malformed output (the caller scores that 0)."""
+
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return msgs + [{"role": "user", "content": problem.question}]
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Rows of a local JSONL / JSON / Parquet / CSV file in the hub schema."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise TaskLoadError(f"task.path={str(path)!r} does not exist; point it at a JSONL/JSON/Parquet file")
+    suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        rows = []
+        for i, line in enumerate(p.read_text().splitlines()):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                rows.append({"__malformed__": i + 1})
+        return rows
+    if suffix == ".json":
+        data = json.loads(p.read_text())
+        return data if isinstance(data, list) else data.get("data", data.get("rows", []))
+    if suffix in (".parquet", ".csv"):
+        import pandas as pd
+
+        df = pd.read_parquet(p) if suffix == ".parquet" else pd.read_csv(p)
+        return df.to_dict(orient="records")
+    raise TaskLoadError(f"task.path={str(path)!r}: unsupported file type {suffix}; use .jsonl, .json, .parquet or .csv")
+
+
+def hub_rows(hub_id: str, config: str | None, split: str, task: str) -> list[dict]:
+    """Rows of a hub dataset through `datasets`; a failure says how to use a local file instead."""
+    try:
+        import datasets
+
+        return list(datasets.load_dataset(hub_id, config, split=split))
+    except Exception as exc:  # no network, no package, gated, unknown split
+        raise TaskLoadError(
+            f"task {task}: could not load {hub_id}"
+            + (f" ({config})" if config else "")
+            + f" split {split!r}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}. "
+            f"Download it elsewhere and point task.path= at a local JSONL file in the same schema."
+        ) from exc

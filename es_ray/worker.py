@@ -1,0 +1,112 @@
+"""The ES Ray actor: one engine with its fp32 master replica, the task, and nothing else.
+
+It receives only integers and floats (``EvalRequest`` / ``UpdateRequest``) and returns only scalars. Heavy
+imports (torch, transformers, vLLM) happen here, inside the actor process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+
+from es_ray.config import TrainConfig
+from es_ray.protocol import EvalRequest, EvalResult, MemberResult, UpdateRequest, UpdateResult
+
+
+def replica_spec(cfg: TrainConfig):
+    from es_ray.replica import ReplicaSpec
+
+    es = cfg.es
+    return ReplicaSpec(
+        run_seed=cfg.run.seed, noise=es.noise, noise_table_size=es.noise_table_size, trainable=cfg.model.trainable,
+        optimizer=es.optimizer, lr=es.lr, adam_beta1=es.adam_beta1, adam_beta2=es.adam_beta2, adam_eps=es.adam_eps,
+        weight_decay=es.weight_decay, anchor_decay=es.anchor_decay, engine_dtype=cfg.engine.dtype,
+    )
+
+
+class ESWorker:
+    """Plain class; the driver wraps it with ``ray.remote``. Tests also use it in-process."""
+
+    def __init__(self, cfg: TrainConfig, rank: int = 0):
+        import torch
+
+        threads = cfg.engine.threads or max(1, int(cfg.cluster.cpus_per_actor))
+        torch.set_num_threads(threads)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from es_ray.engines.base import make_engine
+        from es_ray.models import resolve_model
+        from es_ray.tasks import load_task
+
+        self.cfg, self.rank = cfg, rank
+        self.model_dir = resolve_model(cfg.model.path)
+        self.engine = make_engine(str(self.model_dir), cfg.engine)
+        self.engine.es_setup(replica_spec(cfg))
+        self.task = load_task(cfg.task)
+        self._prompts = {
+            split: [self.engine.apply_chat_template(self.task.messages(p)) for p in problems]
+            for split, problems in (("train", self.task.train), ("eval", self.task.eval))
+        }
+
+    def ready(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), "train_size": len(self.task.train),
+                "eval_size": len(self.task.eval), "skipped_rows": self.task.skipped_rows}
+
+    def _score(self, split: str, prompt_ids, seed: int) -> tuple[float, int, int, float, float]:
+        problems = self.task.train if split == "train" else self.task.eval
+        prompts = [self._prompts[split][i] for i in prompt_ids]
+        t0 = time.perf_counter()
+        completions = self.engine.generate(prompts, self.cfg.sampling, seed)
+        t1 = time.perf_counter()
+        total, errors = 0.0, 0
+        for c, i in zip(completions, prompt_ids):
+            try:
+                total += float(self.task.reward(c.text, problems[i]))
+            except Exception:  # a reward that raises on one completion scores it 0, counted
+                errors += 1
+        tokens = sum(c.num_tokens for c in completions)
+        return total / max(1, len(prompt_ids)), tokens, errors, t1 - t0, time.perf_counter() - t1
+
+    def evaluate(self, req: EvalRequest) -> EvalResult:
+        timing = {"perturb": 0.0, "generate": 0.0, "reward": 0.0, "restore": 0.0}
+        results = []
+        for m in req.members:
+            t0 = time.perf_counter()
+            self.engine.es_call("perturb", req.iteration, m.noise_id, m.sign, req.sigma)
+            timing["perturb"] += time.perf_counter() - t0
+            reward, tokens, errors, t_gen, t_rew = self._score("train", req.prompt_ids, req.sample_seed)
+            timing["generate"] += t_gen
+            timing["reward"] += t_rew
+            results.append(MemberResult(m.index, reward, tokens, errors))
+        t0 = time.perf_counter()
+        self.engine.es_call("restore")
+        timing["restore"] += time.perf_counter() - t0
+        return EvalResult(tuple(results), timing)
+
+    def evaluate_center(self, split: str, seed: int) -> dict:
+        """Reward of the unperturbed weights on a whole split (the held-out curve)."""
+        n = len(self.task.eval if split == "eval" else self.task.train)
+        reward, tokens, errors, t_gen, _ = self._score(split, list(range(n)), seed)
+        return {"reward": reward, "tokens": tokens, "errors": errors, "seconds": t_gen}
+
+    def update(self, req: UpdateRequest) -> UpdateResult:
+        t0 = time.perf_counter()
+        stats = self.engine.es_call("update", req.iteration, list(req.members), list(req.fitness), req.sigma)
+        digest = self.engine.es_call("checksum") if req.want_checksum else ""
+        return UpdateResult(stats["update_norm"], stats["realised_cos"], stats["realised_norm"], digest,
+                            time.perf_counter() - t0)
+
+    def checksum(self) -> str:
+        return self.engine.es_call("checksum")
+
+    def save_checkpoint(self, path: str, extra: dict) -> str:
+        from es_ray.checkpoint import save_checkpoint
+
+        state = self.engine.es_call("state_dict")
+        save_checkpoint(path, state, self.model_dir, {**extra, "engine": asdict(self.cfg.engine)})
+        return path
+
+    def peak_memory_bytes(self) -> int:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
