@@ -140,10 +140,12 @@ def run(cfg: TrainConfig) -> dict:
 
     from es_ray.checkpoint import SeedLog
 
-    if not cfg.cluster.address:
+    if not cfg.cluster.address:  # fail fast on this machine; on a remote cluster the actors check
         from es_ray.models import resolve_model
+        from es_ray.tasks import load_task
 
-        resolve_model(cfg.model.path)  # fail fast, and convert the embedded model once before actors start
+        resolve_model(cfg.model.path)  # also converts the embedded model once, before actors start
+        load_task(cfg.task)
     connect(cfg.cluster)
     run_dir = make_run_dir(cfg)
     tracker = Tracker(run_dir, cfg.es.iterations, cfg.run.tensorboard, cfg.run.progress)

@@ -136,7 +136,8 @@ class Replica:
                 dot += float((realised * g).sum())
                 sq_real += float(realised.square().sum())
         self.restore()
-        if cast == torch.float32:
+        if cast == torch.float32:  # the engine holds exactly the fp32 master: realised == intended
+            sq_real = sq_update
             cos = 1.0 if sq_update > 0 else 0.0
         else:
             cos = dot / (sq_update**0.5 * sq_real**0.5) if sq_update > 0 and sq_real > 0 else 0.0

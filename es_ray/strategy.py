@@ -127,4 +127,4 @@ class Optimizer:
 
     def load_state_dict(self, sd: dict) -> None:
         self.t = int(sd["t"])
-        self.state = sd["state"]
+        self.state = {name: {k: v.detach().clone() for k, v in st.items()} for name, st in sd["state"].items()}

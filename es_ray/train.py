@@ -15,16 +15,14 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 def _main(dict_cfg) -> None:
     from es_ray.config import ConfigError, to_config
     from es_ray.driver import run
+    from es_ray.models import ModelNotFoundError
+    from es_ray.tasks.base import TaskLoadError
 
     try:
         cfg = to_config(dict_cfg)
-    except ConfigError as exc:
-        print(f"es-train: configuration error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    try:
         run(cfg)
-    except ConfigError as exc:
-        print(f"es-train: configuration error: {exc}", file=sys.stderr)
+    except (ConfigError, ModelNotFoundError, TaskLoadError) as exc:
+        print(f"es-train: {type(exc).__name__}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

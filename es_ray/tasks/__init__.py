@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 from es_ray.config import TaskConfig
+from es_ray.tasks.base import TaskLoadError
 
 TASKS = {
     "arithmetic": "es_ray.tasks.arithmetic:ArithmeticTask",
@@ -13,8 +14,20 @@ TASKS = {
 }
 
 
+def task_class(name: str):
+    """A built-in task by name, or a user task given as an import path ``package.module:ClassName``."""
+    target = TASKS.get(name, name if ":" in name else None)
+    if target is None:
+        raise TaskLoadError(
+            f"unknown task.name={name!r}; known tasks: {', '.join(sorted(TASKS))} "
+            "(or an import path package.module:TaskClass)"
+        )
+    module, cls = target.split(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as exc:
+        raise TaskLoadError(f"task.name={name!r}: cannot import {target} ({exc})") from exc
+
+
 def load_task(cfg: TaskConfig):
-    if cfg.name not in TASKS:
-        raise ValueError(f"unknown task.name={cfg.name!r}; known tasks: {', '.join(sorted(TASKS))}")
-    module, cls = TASKS[cfg.name].split(":")
-    return getattr(importlib.import_module(module), cls)(cfg)
+    return task_class(cfg.name)(cfg)

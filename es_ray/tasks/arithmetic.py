@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from es_ray.grading.numbers import final_number
-from es_ray.tasks.base import Problem, Task
+from es_ray.tasks.base import Problem, Task, TaskLoadError
 
 
 class ArithmeticTask(Task):
@@ -30,18 +30,26 @@ class ArithmeticTask(Task):
 
     def load(self):
         if not self.cfg.operations or set(self.cfg.operations) - set("+-*"):
-            raise ValueError(f"task.operations={self.cfg.operations!r}: use a non-empty subset of '+-*'")
+            raise TaskLoadError(f"task.operations={self.cfg.operations!r}: use a non-empty subset of '+-*'")
         if not 1 <= self.cfg.digits <= 9:
-            raise ValueError(f"task.digits={self.cfg.digits} must be between 1 and 9")
+            raise TaskLoadError(f"task.digits={self.cfg.digits} must be between 1 and 9")
         rng = random.Random(self.cfg.seed)
         seen: set[str] = set()
         problems: list[Problem] = []
         want = self.cfg.train_size + self.cfg.eval_size
-        while len(problems) < want and len(seen) < 50 * want:
+        attempts = 0
+        while len(problems) < want and attempts < 50 * want:
+            attempts += 1
             p = self._problem(rng)
             if p.question not in seen:  # the held-out set never repeats a training problem
                 seen.add(p.question)
                 problems.append(p)
+        if len(problems) < want:
+            raise TaskLoadError(
+                f"task arithmetic: only {len(problems)} distinct problems found for digits={self.cfg.digits}, "
+                f"operations={self.cfg.operations!r}; lower task.train_size + task.eval_size ({want}) "
+                "or raise task.digits"
+            )
         return problems[: self.cfg.train_size], problems[self.cfg.train_size :]
 
     def reward(self, completion: str, problem: Problem) -> float:

@@ -11,7 +11,7 @@ from typing import Any
 from es_ray.config import TaskConfig
 
 
-class TaskLoadError(RuntimeError):
+class TaskLoadError(ValueError):
     pass
 
 

@@ -1,0 +1,160 @@
+"""Config: validate / to_config refuse bad input naming the key; Hydra composes the default and every preset."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from es_ray.config import (ConfigError, ESConfig, RunConfig, TaskConfig, TrainConfig, register_configs, to_config,
+                           validate)
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+PRIMARY = "es_train"
+
+
+def _cfg(**sections) -> TrainConfig:
+    return TrainConfig(**sections)
+
+
+def test_defaults_validate():
+    cfg = validate(TrainConfig())
+    assert cfg.es.population >= 2 and cfg.es.sigma > 0
+
+
+@pytest.mark.parametrize("cfg,key", [
+    (_cfg(es=ESConfig(population=1)), "es.population"),
+    (_cfg(es=ESConfig(population=0)), "es.population"),
+    (_cfg(es=ESConfig(population=7, estimator="antithetic")), "es.population"),
+    (_cfg(es=ESConfig(sigma=0.0)), "es.sigma"),
+    (_cfg(es=ESConfig(sigma=-1e-3)), "es.sigma"),
+    (_cfg(es=ESConfig(lr=-1.0)), "es.lr"),
+    (_cfg(es=ESConfig(shaping="softmax")), "es.shaping"),
+    (_cfg(es=ESConfig(estimator="two_point")), "es.estimator"),
+    (_cfg(es=ESConfig(optimizer="rmsprop")), "es.optimizer"),
+    (_cfg(es=ESConfig(noise="uniform")), "es.noise"),
+    (_cfg(task=TaskConfig(name="not_a_task")), "task.name"),
+    (_cfg(run=RunConfig(dir="runs/relative")), "run.dir"),
+])
+def test_validate_refuses_naming_the_key(cfg, key):
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert key in str(info.value)
+
+
+def test_validate_refuses_unknown_engine():
+    cfg = TrainConfig()
+    cfg.engine.name = "tensorrt"
+    with pytest.raises(ConfigError, match=r"engine\.name"):
+        validate(cfg)
+
+
+def test_validate_accepts_even_antithetic_and_absolute_run_dir(tmp_path):
+    cfg = _cfg(es=ESConfig(population=6, estimator="antithetic"), run=RunConfig(dir=str(tmp_path)))
+    assert validate(cfg) is cfg
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+# -- to_config --------------------------------------------------------------------------------------------
+
+
+def test_to_config_builds_nested_dataclasses_from_a_dict(tmp_path):
+    cfg = to_config({"es": {"population": 4, "sigma": 0.01}, "task": {"name": "gsm8k"}, "run": {"dir": str(tmp_path)},
+                     "hydra": {"ignored": True}})
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.es.population == 4 and cfg.es.sigma == 0.01 and cfg.task.name == "gsm8k"
+    assert cfg.es.lr == ESConfig().lr  # untouched fields keep their defaults
+
+
+@pytest.mark.parametrize("data,key", [
+    ({"es": {"population": 1}}, "es.population"),
+    ({"es": {"population": 5, "estimator": "antithetic"}}, "es.population"),
+    ({"es": {"sigma": 0}}, "es.sigma"),
+    ({"task": {"name": "unknown"}}, "task.name"),
+    ({"engine": {"name": "llamacpp"}}, "engine.name"),
+    ({"run": {"dir": "relative/dir"}}, "run.dir"),
+    ({"es": {"popsize": 8}}, "es.popsize"),
+    ({"nonsense": 1}, "nonsense"),
+    ({"engine": {"dtype": "bfloat16", "gpu_memory": 0.5}}, "engine.gpu_memory"),
+])
+def test_to_config_refuses_naming_the_key(data, key):
+    with pytest.raises(ConfigError) as info:
+        to_config(data)
+    assert key in str(info.value)
+
+
+def test_to_config_accepts_a_dictconfig():
+    cfg = to_config(OmegaConf.create({"es": {"population": 6}, "sampling": {"max_new_tokens": 8}}))
+    assert cfg.es.population == 6 and cfg.sampling.max_new_tokens == 8
+
+
+# -- Hydra ------------------------------------------------------------------------------------------------
+
+
+def _default_groups() -> set[str]:
+    """Config groups that the primary config's defaults list names (overridable as group=option)."""
+    groups = set()
+    for entry in OmegaConf.to_container(OmegaConf.load(CONF_DIR / f"{PRIMARY}.yaml")).get("defaults", []):
+        if isinstance(entry, dict):
+            for key in entry:
+                groups.add(key.replace("optional ", "").replace("override ", "").strip())
+    return groups
+
+
+def _presets() -> list[tuple[str, str]]:
+    """(group, option) of every YAML under conf/ subfolders, so a new preset is covered without editing this file."""
+    out = []
+    for path in sorted(CONF_DIR.rglob("*.yaml")):
+        rel = path.relative_to(CONF_DIR)
+        if len(rel.parts) < 2 or rel.parts[0] == "hydra":
+            continue
+        out.append((rel.parent.as_posix(), path.stem))
+    return out
+
+
+PRESETS = _presets()
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name=PRIMARY, overrides=overrides)
+
+
+def test_presets_are_discovered():
+    assert PRESETS, "no preset YAML found under conf/*/"
+    assert ("model", "smollm2-135m") in PRESETS
+
+
+def test_compose_default_config():
+    composed = _compose([])
+    cfg = to_config(composed)
+    assert isinstance(cfg, TrainConfig)
+    assert dataclasses.asdict(cfg)["es"] == dataclasses.asdict(ESConfig())
+
+
+def test_compose_with_command_line_overrides():
+    cfg = to_config(_compose(["es.population=4", "es.estimator=antithetic", "task.name=countdown"]))
+    assert cfg.es.population == 4 and cfg.es.estimator == "antithetic" and cfg.task.name == "countdown"
+
+
+def test_compose_refuses_a_key_missing_from_the_schema():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="es.popsize"):
+        _compose(["es.popsize=4"])
+
+
+@pytest.mark.parametrize("group,option", PRESETS, ids=[f"{g}/{o}" for g, o in PRESETS])
+def test_compose_every_preset(group, option):
+    prefix = "" if group in _default_groups() else "+"
+    composed = _compose([f"{prefix}{group}={option}"])
+    cfg = to_config(composed)
+    assert isinstance(cfg, TrainConfig)

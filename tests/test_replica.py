@@ -1,0 +1,289 @@
+"""Replica exactness (DESIGN "ES, precisely" 2, 3): exact restore, exact perturbation, identical replicas."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from es_ray.noise import NoiseSource
+from es_ray.replica import Replica, ReplicaSpec, checksum, tensor_checksum
+from es_ray.strategy import ask, zscore
+
+SEED = 7
+SIGMA = 0.05
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def initial_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(99)
+    return {
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(16, 8, generator=g),
+        "model.layers.0.self_attn.v_proj.weight": torch.randn(16, 8, generator=g),  # same shape as q_proj
+        "model.layers.0.mlp.up_proj.weight": 0.02 * torch.randn(24, 8, generator=g),
+        "model.norm.weight": torch.ones(8),  # norm weights at exactly 1.0 (the drift case in DESIGN)
+    }
+
+
+class Engine:
+    def __init__(self, params: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.dtype = dtype
+        self.weights = {k: v.to(dtype).clone() for k, v in params.items()}
+        self.writes: list[str] = []
+
+    def write(self, named) -> None:
+        for name, t in named:
+            assert t.dtype == torch.float32
+            self.writes.append(name)
+            self.weights[name].copy_(t)
+
+
+def make_replica(dtype=torch.bfloat16, params=None, **spec_kw):
+    params = initial_params() if params is None else params
+    engine = Engine(params, dtype)
+    spec = ReplicaSpec(run_seed=SEED, engine_dtype=str(dtype).removeprefix("torch."), **spec_kw)
+    return Replica(params.items(), spec, engine.write), engine
+
+
+def clone(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in d.items()}
+
+
+def possible_perturbed(master: torch.Tensor, eps: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """master + alpha * eps in fp32, computed in numpy: rounded once (fused multiply-add) or twice."""
+    a32 = np.float32(alpha)
+    m, e = master.numpy(), eps.numpy()
+    once = (m.astype(np.float64) + np.float64(a32) * e.astype(np.float64)).astype(np.float32)
+    twice = m + a32 * e
+    return torch.from_numpy(once), torch.from_numpy(twice)
+
+
+# -- perturb / restore ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("noise", ["per_tensor", "table"])
+def test_perturb_then_restore_is_exact_and_master_unchanged(dtype, noise):
+    replica, engine = make_replica(dtype, noise=noise, noise_table_size=1 << 12)
+    master0 = clone(replica.master)
+    initial_engine = clone(engine.weights)
+    for it in range(3):
+        for m in ask(4, "antithetic"):
+            replica.perturb(it, m.noise_id, m.sign, SIGMA)
+            assert any(not torch.equal(engine.weights[k], initial_engine[k]) for k in engine.weights)
+            for k in master0:
+                assert torch.equal(replica.master[k], master0[k]), f"perturb changed the master {k}"
+            replica.restore()
+            for k, v in replica.master.items():
+                assert torch.equal(engine.weights[k], v.to(dtype)), k
+    # many perturb/restore cycles: the engine is back to its initial weights bit for bit (no drift)
+    for k in initial_engine:
+        assert torch.equal(engine.weights[k], initial_engine[k])
+    assert torch.equal(engine.weights["model.norm.weight"], torch.ones(8, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_perturbed_engine_weights_are_cast_of_master_plus_sigma_eps(dtype, sign):
+    replica, engine = make_replica(dtype)
+    it, noise_id = 4, 2
+    replica.perturb(it, noise_id, sign, SIGMA)
+    src = NoiseSource(SEED)
+    changed = 0
+    for name, master in replica.master.items():
+        eps = src.noise(it, noise_id, name, master.shape)
+        once, twice = possible_perturbed(master, eps, sign * SIGMA)
+        got = engine.weights[name]
+        ok = (got == once.to(dtype)) | (got == twice.to(dtype))
+        assert bool(ok.all()), f"{name}: {int((~ok).sum())} elements differ from cast(master + sign*sigma*eps)"
+        changed += int((got != master.to(dtype)).sum())
+    assert changed > 100  # the perturbation is visible in the engine dtype
+
+
+def test_perturbed_iterator_yields_each_trainable_tensor_once_in_sorted_order():
+    replica, _ = make_replica(torch.float32)
+    names = [name for name, _ in replica.perturbed(0, 0, 1, SIGMA)]
+    assert names == sorted(initial_params())
+
+
+def test_equal_shaped_tensors_get_different_perturbations():
+    replica, engine = make_replica(torch.float32)
+    params = initial_params()
+    replica.perturb(0, 0, 1, SIGMA)
+    dq = engine.weights["model.layers.0.self_attn.q_proj.weight"] - params["model.layers.0.self_attn.q_proj.weight"]
+    dv = engine.weights["model.layers.0.self_attn.v_proj.weight"] - params["model.layers.0.self_attn.v_proj.weight"]
+    assert not torch.allclose(dq, dv, atol=1e-3)
+
+
+# -- checksum ---------------------------------------------------------------------------------------------
+
+
+def test_checksum_equal_for_equal_masters_and_sensitive_to_one_bit():
+    a, _ = make_replica(torch.bfloat16)
+    b, _ = make_replica(torch.float32)  # the engine dtype does not enter the master checksum
+    assert a.checksum() == b.checksum()
+    assert isinstance(a.checksum(), str) and len(a.checksum()) == 16
+    for name in ("model.norm.weight", "model.layers.0.mlp.up_proj.weight"):
+        for bit in (0, 22, 31):
+            c, _ = make_replica(torch.bfloat16)
+            flat = c.master[name].view(-1).view(torch.int32)
+            flat[3] ^= 1 << bit
+            assert c.checksum() != a.checksum(), (name, bit)
+
+
+def test_tensor_checksum_flipping_one_bit_changes_it():
+    t = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    base = tensor_checksum(t)
+    assert base == tensor_checksum(t.clone())
+    u = t.clone()
+    u.view(torch.int32)[17] ^= 1
+    assert tensor_checksum(u) != base
+    h = t.to(torch.bfloat16)
+    h2 = h.clone()
+    h2.view(torch.int16)[5] ^= 1 << 3
+    assert tensor_checksum(h2) != tensor_checksum(h)
+
+
+def test_checksum_depends_on_names_and_values_not_on_order():
+    t1, t2 = torch.ones(3), torch.zeros(3)
+    assert checksum([("a", t1), ("b", t2)]) == checksum([("b", t2), ("a", t1)])
+    assert checksum([("a", t1), ("b", t2)]) != checksum([("a", t2), ("b", t1)])
+    assert checksum([("a", t1)]) != checksum([("c", t1)])
+
+
+# -- identical replicas -----------------------------------------------------------------------------------
+
+
+def run_sequence(replica: Replica, n_iter: int = 4, population: int = 6, estimator: str = "one_point"):
+    members = ask(population, estimator)
+    stats = []
+    for it in range(n_iter):
+        for m in members:  # evaluation phase: perturb and restore every member
+            replica.perturb(it, m.noise_id, m.sign, 1e-3)
+            replica.restore()
+        rewards = np.random.default_rng(it).uniform(size=population)
+        stats.append(replica.update(it, members, zscore(rewards), 1e-3))
+    return stats
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("estimator", ["one_point", "antithetic"])
+def test_two_replicas_fed_the_same_updates_stay_bit_identical(optimizer, estimator):
+    kw = dict(optimizer=optimizer, lr=1e-3 if optimizer == "adam" else 5e-4, weight_decay=0.01, anchor_decay=0.1)
+    a, ea = make_replica(torch.bfloat16, **kw)
+    b, eb = make_replica(torch.float32, **kw)
+    start = a.checksum()
+    sa = run_sequence(a, estimator=estimator)
+    sb = run_sequence(b, estimator=estimator)
+    assert a.checksum() == b.checksum() != start
+    for k in a.master:
+        assert torch.equal(a.master[k], b.master[k]), k
+        assert torch.equal(ea.weights[k], a.master[k].to(torch.bfloat16))
+        assert torch.equal(eb.weights[k], b.master[k])
+    assert [s["update_norm"] for s in sa] == [s["update_norm"] for s in sb]
+
+
+def test_replicas_diverge_when_fed_different_fitness():
+    a, _ = make_replica(torch.float32, lr=1e-3)
+    b, _ = make_replica(torch.float32, lr=1e-3)
+    members = ask(4)
+    a.update(0, members, np.array([1.0, -1.0, 0.0, 0.0]), 1e-3)
+    b.update(0, members, np.array([-1.0, 1.0, 0.0, 0.0]), 1e-3)
+    assert a.checksum() != b.checksum()
+
+
+# -- trainable --------------------------------------------------------------------------------------------
+
+
+def test_trainable_regex_restricts_which_tensors_change():
+    params = initial_params()
+    replica, engine = make_replica(torch.bfloat16, trainable=r"self_attn\.(q|v)_proj", lr=1e-2)
+    assert replica.names == ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight"]
+    frozen = ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+    replica.perturb(0, 0, 1, SIGMA)
+    assert set(engine.writes) == set(replica.names)
+    for k in frozen:
+        assert torch.equal(engine.weights[k], params[k].to(torch.bfloat16)), k
+    for k in replica.names:
+        assert not torch.equal(engine.weights[k], params[k].to(torch.bfloat16)), k
+    replica.update(0, ask(4), np.array([1.0, 0.5, -0.5, -1.0]), SIGMA)
+    for k in frozen:
+        assert torch.equal(engine.weights[k], params[k].to(torch.bfloat16)), k
+    for k in replica.names:
+        assert not torch.equal(replica.master[k], params[k]), k
+
+
+def test_trainable_regex_matching_nothing_raises():
+    with pytest.raises(ValueError, match="trainable"):
+        make_replica(torch.bfloat16, trainable=r"^lm_head\.")
+
+
+# -- update health ----------------------------------------------------------------------------------------
+
+
+def test_realised_cos_is_one_for_an_fp32_engine():
+    replica, engine = make_replica(torch.float32, lr=1e-3)
+    before = clone(replica.master)
+    stats = replica.update(0, ask(4), np.array([1.0, -0.2, 0.3, -1.1]), 1e-3)
+    delta = torch.cat([(replica.master[k] - before[k]).view(-1) for k in before]).double()
+    assert stats["update_norm"] > 0
+    assert stats["update_norm"] == pytest.approx(float(delta.norm()), rel=1e-3)
+    assert stats["realised_cos"] == pytest.approx(1.0, abs=1e-9)
+    assert stats["realised_norm"] == pytest.approx(stats["update_norm"], rel=1e-12)
+
+
+def test_realised_cos_in_bf16_matches_the_cast_weights():
+    replica, engine = make_replica(torch.bfloat16, lr=2e-3)
+    before = clone(replica.master)
+    stats = replica.update(0, ask(4), np.array([1.0, -0.2, 0.3, -1.1]), 1e-2)
+    intended = torch.cat([(replica.master[k] - before[k]).view(-1) for k in before]).double()
+    realised = torch.cat([(replica.master[k].bfloat16().double() - before[k].bfloat16().double()).view(-1)
+                          for k in before])
+    cos = float(intended @ realised / (intended.norm() * realised.norm()))
+    assert stats["realised_cos"] == pytest.approx(cos, abs=1e-4)
+    assert stats["realised_norm"] == pytest.approx(float(realised.norm()), rel=1e-4)
+    assert 0.0 < stats["realised_cos"] <= 1.0
+
+
+def test_update_below_bf16_resolution_is_reported_as_not_realised():
+    # norm weights at 1.0: a step of ~1e-7 is far below bf16's spacing there (2**-8), so the cast loses it
+    replica, engine = make_replica(torch.bfloat16, lr=1e-9, trainable=r"norm")
+    stats = replica.update(0, ask(4), np.array([1.0, -1.0, 0.5, -0.5]), 1e-3)
+    assert stats["update_norm"] > 0
+    assert stats["realised_norm"] == 0.0
+    assert stats["realised_cos"] == 0.0
+    assert not torch.equal(replica.master["model.norm.weight"], torch.ones(8))  # the fp32 master did move
+    assert torch.equal(engine.weights["model.norm.weight"], torch.ones(8, dtype=torch.bfloat16))
+
+
+# -- state ------------------------------------------------------------------------------------------------
+
+
+def test_state_dict_round_trip_resumes_identically():
+    kw = dict(optimizer="adam", lr=1e-3, anchor_decay=0.5)
+    a, _ = make_replica(torch.bfloat16, **kw)
+    members = ask(4)
+    fits = [zscore(np.random.default_rng(i).uniform(size=4)) for i in range(4)]
+    for it in range(2):
+        a.update(it, members, fits[it], 1e-2)
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    # a fresh replica from other weights: loading must restore the master, theta0 and Adam's state
+    other = {k: torch.full_like(v, 0.5) for k, v in initial_params().items()}
+    b, eb = make_replica(torch.bfloat16, params=other, **kw)
+    b.load_state_dict(torch.load(buf, weights_only=False))
+    assert b.checksum() == a.checksum()
+    assert b.opt.t == a.opt.t == 2
+    for k in a.master:
+        assert torch.equal(b.master[k], a.master[k])
+        assert torch.equal(b.theta0[k], initial_params()[k])
+        assert torch.equal(eb.weights[k], b.master[k].to(torch.bfloat16))  # load writes into the engine
+    for it in range(2, 4):
+        a.update(it, members, fits[it], 1e-2)
+        b.update(it, members, fits[it], 1e-2)
+    assert b.checksum() == a.checksum()
+    for k in a.master:
+        assert torch.equal(b.master[k], a.master[k])
