@@ -147,6 +147,7 @@ def run(cfg: TrainConfig) -> dict:
         resolve_model(cfg.model.path)  # also converts the embedded model once, before actors start
         load_task(cfg.task)
     connect(cfg.cluster)
+    _sigterm_as_exit()
     run_dir = make_run_dir(cfg)
     tracker = Tracker(run_dir, cfg.es.iterations, cfg.run.tensorboard, cfg.run.progress)
     seed_log = SeedLog(run_dir / "seed_log.jsonl")
@@ -159,7 +160,13 @@ def run(cfg: TrainConfig) -> dict:
                         f"run dir {run_dir}")
         history = []
         for t in range(cfg.es.iterations):
-            row = iteration(cfg, workers, t, pool, seed_log)
+            try:
+                row = iteration(cfg, workers, t, pool, seed_log)
+            except ray.exceptions.RayActorError as exc:
+                raise RuntimeError(
+                    f"iteration {t}: an ES actor died ({type(exc).__name__}); iterations 0..{t - 1} are in "
+                    f"{run_dir / 'seed_log.jsonl'}, which with the initial weights determines the run"
+                ) from exc
             if cfg.eval.every and ((t + 1) % cfg.eval.every == 0 or t == 0):
                 res = ray.get(workers[0].evaluate_center.remote("eval", sample_seed(cfg, -1)))
                 row["eval/reward"], row["eval/tokens"] = res["reward"], res["tokens"]
@@ -182,6 +189,18 @@ def run(cfg: TrainConfig) -> dict:
         tracker.close()
         for w in workers:
             ray.kill(w)
+
+
+def _sigterm_as_exit() -> None:
+    """`ray job stop` sends SIGTERM: turn it into SystemExit so the finally blocks close logs and kill actors."""
+    import signal
+    import threading
+
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit)
 
 
 def iteration(cfg: TrainConfig, workers: list, t: int, pool: int, seed_log) -> dict:

@@ -80,12 +80,13 @@ class Replica:
             raise ValueError(f"model.trainable={spec.trainable!r} matches no parameter; fix the regex")
         self.names = sorted(self.master)
         self.theta0 = {k: v.clone() for k, v in self.master.items()} if spec.anchor_decay else None
-        self.noise = NoiseSource(spec.run_seed, spec.noise, spec.noise_table_size, device=self.device)
+        kind = spec.noise if spec.noise != "auto" else ("per_tensor" if self.device.type == "cuda" else "table")
+        self.noise = NoiseSource(spec.run_seed, kind, spec.noise_table_size, device=self.device)
         self.opt = Optimizer(spec.optimizer, spec.lr, (spec.adam_beta1, spec.adam_beta2), spec.adam_eps,
                              spec.weight_decay, spec.anchor_decay)
         largest = max(t.numel() for t in self.master.values())
         self._buf = torch.empty(largest, dtype=torch.float32, device=self.device)
-        self._nbuf = torch.empty(largest, dtype=torch.float32, device=self.device) if spec.noise != "table" else None
+        self._nbuf = torch.empty(largest, dtype=torch.float32, device=self.device) if kind != "table" else None
         self.engine_dtype = _dtype(spec.engine_dtype)
 
     # -- buffers -------------------------------------------------------------------------------------------
@@ -124,17 +125,21 @@ class Replica:
         cast = self.engine_dtype
         for name in self.names:
             theta = self.master[name]
-            g = self._view(self._buf, theta).zero_()
-            for noise_id, c in coeffs:
-                if c != 0.0:
-                    g.add_(self._eps(iteration, noise_id, name), alpha=c * scale)
+            g = self._view(self._buf, theta)
+            for k, (noise_id, c) in enumerate(coeffs):
+                eps = self._eps(iteration, noise_id, name)
+                if k == 0:  # the first term initialises g: one pass less than zero_() then add_()
+                    torch.mul(eps, c * scale, out=g)
+                else:
+                    g.add_(eps, alpha=c * scale)
             before = theta.to(cast) if cast != torch.float32 else None
             self.opt.step(name, theta, g, self.theta0[name] if self.theta0 is not None else None)
-            sq_update += float(g.square().sum())
+            flat = g.view(-1)
+            sq_update += float(torch.dot(flat, flat))
             if before is not None:
-                realised = theta.to(cast).float() - before.float()
-                dot += float((realised * g).sum())
-                sq_real += float(realised.square().sum())
+                realised = (theta.to(cast).float() - before.float()).view(-1)
+                dot += float(torch.dot(realised, flat))
+                sq_real += float(torch.dot(realised, realised))
         self.restore()
         if cast == torch.float32:  # the engine holds exactly the fp32 master: realised == intended
             sq_real = sq_update
