@@ -34,7 +34,8 @@ class ModelConfig:
 @dataclass
 class TaskConfig:
     name: str = "arithmetic"
-    """arithmetic, countdown, gsm8k, or a user task as an import path package.module:TaskClass."""
+    """arithmetic, countdown, gsm8k, deepscaler, math500, aime24, aime25, amc23, gpqa, csqa, mbpp, or a user task
+    as an import path package.module:TaskClass."""
     path: str = ""
     """Local JSONL/JSON/Parquet file in the hub schema (for offline clusters); empty uses the hub id."""
     split: str = "train"
@@ -111,6 +112,12 @@ class EngineConfig:
     """Largest generation batch (prompts per forward pass) for the transformers engine."""
     threads: int = 0
     """torch threads per actor on CPU (0: the CPUs Ray gives the actor)."""
+    gpu_memory_utilization: float = 0.0
+    """vLLM: share of the GPU's memory for weights and KV cache (0: vLLM's default on GPU, a 1 GiB KV cache on CPU)."""
+    max_model_len: int = 0
+    """vLLM: longest prompt + completion in tokens (0: the model's own maximum)."""
+    tensor_parallel_size: int = 1
+    """vLLM: GPUs per engine; noise stays per HF tensor, so it does not depend on this."""
 
 
 @dataclass
@@ -189,6 +196,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("engine.dtype", cfg.engine.dtype, DTYPES)
     _choice("engine.device", cfg.engine.device, ("auto", "cpu", "cuda"))
     _positive("engine.batch_size", cfg.engine.batch_size)
+    if not 0 <= cfg.engine.gpu_memory_utilization <= 1:
+        raise ConfigError(f"engine.gpu_memory_utilization={cfg.engine.gpu_memory_utilization} must be in [0, 1] "
+                          "(0: vLLM's default)")
+    _positive("engine.max_model_len", cfg.engine.max_model_len, allow_zero=True)
+    _positive("engine.tensor_parallel_size", cfg.engine.tensor_parallel_size)
+    if cfg.engine.tensor_parallel_size > 1 and cfg.engine.name != "vllm":
+        raise ConfigError(f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size} needs engine.name=vllm")
+    if cfg.engine.name == "vllm" and cfg.cluster.gpus_per_actor and \
+            cfg.cluster.gpus_per_actor < cfg.engine.tensor_parallel_size:
+        raise ConfigError(f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size} needs that many GPUs per "
+                          f"actor; set cluster.gpus_per_actor={cfg.engine.tensor_parallel_size}")
     _positive("sampling.max_new_tokens", cfg.sampling.max_new_tokens)
     _positive("sampling.temperature", cfg.sampling.temperature, allow_zero=True)
     if not 0 < cfg.sampling.top_p <= 1:
@@ -218,6 +236,8 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="es_train_schema", node=TrainConfig)
+    cs.store(name="es_eval_schema", node=EvaluateConfig)
+    cs.store(name="es_drift_schema", node=DriftConfig)
 
 
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:
@@ -243,3 +263,122 @@ def to_config(cfg: Any, cls: type = TrainConfig) -> Any:
     cfg = {k: v for k, v in cfg.items() if k != "hydra"}
     out = _build(cls, cfg, "")
     return validate(out) if isinstance(out, TrainConfig) else out
+
+
+# -- es-eval and es-drift -----------------------------------------------------------------------------------
+
+EVAL_TASK_NAMES = ("gpqa", "mbpp", "csqa", "countdown", "aime24", "aime25", "amc23", "math500")
+
+
+@dataclass
+class EvalSuiteConfig:
+    tasks: list[str] = field(default_factory=lambda: list(EVAL_TASK_NAMES))
+    """Tasks to evaluate (any task.name; default: the paper's eight evaluation sets)."""
+    n: int = 32
+    """Samples per problem (must be >= max(k))."""
+    k: list[int] = field(default_factory=lambda: [1, 16, 32])
+    """pass@k and maj@k are reported for each k."""
+    temperature: float = 0.6
+    """Sampling temperature (0 is greedy, which only makes sense with n=1)."""
+    top_p: float = 0.95
+    max_new_tokens: int = 1024
+    limit: int = 0
+    """Problems per task, the first ones in dataset order (0: all)."""
+    data_dir: str = ""
+    """Directory of local files named <task>.jsonl (or .json/.parquet/.csv) in each hub schema; empty: the hub."""
+    paths: dict[str, str] = field(default_factory=dict)
+    """Per-task local file, overriding data_dir: +eval.paths.gpqa=/data/gpqa_diamond.jsonl"""
+    entropy: bool = True
+    """Token entropy of the completions from a teacher-forced forward pass (one extra forward per completion)."""
+    save_samples: bool = True
+    """Write every completion with its grade to samples.jsonl."""
+    chunk_size: int = 0
+    """Completions per generation call (0: engine.batch_size); chunks are the unit spread over the actors."""
+    math_timeout_s: float = 10.0
+    """Per-answer math-verify time limit (the worker is killed past it; the sample scores 0, counted)."""
+    code_timeout_s: float = 10.0
+    """MBPP: wall-clock limit per program (CPU limit: the same, rounded up)."""
+    code_memory_mb: int = 1024
+    """MBPP: address-space limit per program."""
+    grader_workers: int = 2
+    """Grader processes per actor (math-verify workers; concurrent sandboxed programs)."""
+
+
+@dataclass
+class EvaluateConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    eval: EvalSuiteConfig = field(default_factory=EvalSuiteConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """cluster.num_actors: generation actors (0: in this process, without Ray)."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """run.dir for results (absolute); run.seed fixes the sampling."""
+
+
+def validate_eval(cfg: EvaluateConfig) -> EvaluateConfig:
+    ev = cfg.eval
+    if not ev.tasks:
+        raise ConfigError("eval.tasks is empty; list at least one task, e.g. eval.tasks=[gsm8k]")
+    from es_ray.tasks import TASKS
+
+    for name in ev.tasks:
+        if ":" not in name:
+            _choice("eval.tasks", name, tuple(sorted(TASKS)))
+    _positive("eval.n", ev.n)
+    if not ev.k or any(k < 1 for k in ev.k):
+        raise ConfigError(f"eval.k={list(ev.k)} must be a non-empty list of integers >= 1, e.g. eval.k=[1,16,32]")
+    if max(ev.k) > ev.n:
+        raise ConfigError(f"eval.k={list(ev.k)} needs eval.n >= {max(ev.k)} samples per problem (eval.n={ev.n}); "
+                          f"raise eval.n or drop k > {ev.n}")
+    _positive("eval.temperature", ev.temperature, allow_zero=True)
+    if ev.temperature == 0 and ev.n > 1:
+        raise ConfigError(f"eval.temperature=0 is greedy decoding: all eval.n={ev.n} samples would be identical; "
+                          "set eval.temperature > 0 or eval.n=1 eval.k=[1]")
+    if not 0 < ev.top_p <= 1:
+        raise ConfigError(f"eval.top_p={ev.top_p} must be in (0, 1]")
+    _positive("eval.max_new_tokens", ev.max_new_tokens)
+    _positive("eval.limit", ev.limit, allow_zero=True)
+    _positive("eval.chunk_size", ev.chunk_size, allow_zero=True)
+    _positive("eval.math_timeout_s", ev.math_timeout_s)
+    _positive("eval.code_timeout_s", ev.code_timeout_s)
+    _positive("eval.code_memory_mb", ev.code_memory_mb)
+    _positive("eval.grader_workers", ev.grader_workers)
+    unknown = sorted(set(ev.paths) - set(ev.tasks))
+    if unknown:
+        raise ConfigError(f"eval.paths names tasks not in eval.tasks: {unknown}")
+    _choice("engine.name", cfg.engine.name, ENGINES)
+    _choice("engine.dtype", cfg.engine.dtype, DTYPES)
+    _choice("engine.device", cfg.engine.device, ("auto", "cpu", "cuda"))
+    _positive("engine.batch_size", cfg.engine.batch_size)
+    _positive("cluster.num_actors", cfg.cluster.num_actors, allow_zero=True)
+    _positive("cluster.gpus_per_actor", cfg.cluster.gpus_per_actor, allow_zero=True)
+    _positive("cluster.cpus_per_actor", cfg.cluster.cpus_per_actor, allow_zero=True)
+    if cfg.run.dir and not os.path.isabs(cfg.run.dir):
+        raise ConfigError(f"run.dir={cfg.run.dir!r} must be an absolute path (Ray Jobs run in a temporary directory)")
+    return cfg
+
+
+@dataclass
+class DriftConfig:
+    base: str = ""
+    """The reference checkpoint: HF directory, hub id, or empty for the embedded SmolLM2-135M-Instruct."""
+    tuned: str = ""
+    """The checkpoint compared with it (e.g. runs/es-.../checkpoints/final)."""
+    thresholds: list[float] = field(default_factory=lambda: [1.0e-3, 1.5e-3, 2.0e-3])
+    """Share of non-zero updates with |delta| below each threshold."""
+    top: int = 5
+    """Largest updates listed per module type."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """run.dir for drift.json and drift_hist.png (absolute; empty: runs/drift-<timestamp>)."""
+
+
+def validate_drift(cfg: DriftConfig) -> DriftConfig:
+    if not cfg.tuned:
+        raise ConfigError("tuned= is required: the checkpoint to compare with base= "
+                          "(e.g. tuned=/abs/run/checkpoints/final)")
+    if not cfg.thresholds or any(t <= 0 for t in cfg.thresholds):
+        raise ConfigError(f"thresholds={list(cfg.thresholds)} must be a non-empty list of positive numbers")
+    _positive("top", cfg.top, allow_zero=True)
+    if cfg.run.dir and not os.path.isabs(cfg.run.dir):
+        raise ConfigError(f"run.dir={cfg.run.dir!r} must be an absolute path")
+    return cfg

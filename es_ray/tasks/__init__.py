@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import importlib
 
-from es_ray.config import TaskConfig
+from es_ray.config import EVAL_TASK_NAMES, TaskConfig
 from es_ray.tasks.base import TaskLoadError
 
 TASKS = {
     "arithmetic": "es_ray.tasks.arithmetic:ArithmeticTask",
     "countdown": "es_ray.tasks.countdown:CountdownTask",
     "gsm8k": "es_ray.tasks.gsm8k:GSM8KTask",
+    "deepscaler": "es_ray.tasks.deepscaler:DeepScaleRTask",
+    "math500": "es_ray.tasks.math500:Math500Task",
+    "aime24": "es_ray.tasks.aime24:AIME24Task",
+    "aime25": "es_ray.tasks.aime25:AIME25Task",
+    "amc23": "es_ray.tasks.amc23:AMC23Task",
+    "gpqa": "es_ray.tasks.gpqa:GPQATask",
+    "csqa": "es_ray.tasks.csqa:CSQATask",
+    "mbpp": "es_ray.tasks.mbpp:MBPPTask",
 }
+EVAL_TASKS = EVAL_TASK_NAMES  # the paper's evaluation suite (es-eval's default eval.tasks)
 
 
 def task_class(name: str):

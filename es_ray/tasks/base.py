@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from es_ray.config import TaskConfig
+from es_ray.grading.result import Grade, GraderFailure
 
 
 class TaskLoadError(ValueError):
@@ -27,6 +28,8 @@ class Problem:
 class Task(ABC):
     name: str = "task"
     system_prompt: str | None = None
+    majority_vote: bool = False
+    """Whether completions have a canonical answer to vote on (``answer_key``), i.e. whether maj@k is defined."""
 
     def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
@@ -46,6 +49,30 @@ class Task(ABC):
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return msgs + [{"role": "user", "content": problem.question}]
+
+    # -- evaluation (es-eval) -------------------------------------------------------------------------------
+
+    def eval_problems(self) -> list[Problem]:
+        """The problems an evaluation scores (es-eval): the held-out set unless a task says otherwise."""
+        return list(self.eval)
+
+    def answer_key(self, completion: str, problem: Problem) -> str | None:
+        """The completion's final answer in canonical form, for maj@k; None when there is nothing to vote on."""
+        return None
+
+    def grade(self, completion: str, problem: Problem) -> Grade:
+        """Score, correctness (score >= 1), failure kind and vote key; a grader that raises scores 0, counted."""
+        try:
+            score = float(self.reward(completion, problem))
+        except GraderFailure as exc:
+            return Grade(0.0, False, exc.kind)
+        except Exception:
+            return Grade(0.0, False, "error")
+        return Grade(score, score >= 1.0, None, self.answer_key(completion, problem))
+
+    def grade_batch(self, completions: list[str], problems: list[Problem]) -> list[Grade]:
+        """One Grade per (completion, problem); tasks whose graders run in subprocesses run them in parallel."""
+        return [self.grade(c, p) for c, p in zip(completions, problems)]
 
 
 def read_rows(path: str | Path) -> list[dict]:

@@ -53,7 +53,12 @@ class CountdownTask(Task):
         else:
             rng = random.Random(self.cfg.seed)
             problems = [self._generate(rng) for _ in range(want)]
+        self._file_problems = problems if self.cfg.path else None
         return problems[: self.cfg.train_size], problems[self.cfg.train_size : want]
+
+    def eval_problems(self) -> list[Problem]:
+        """es-eval: every problem of ``task.path`` in file order, else the generated held-out set."""
+        return list(self._file_problems) if self._file_problems is not None else list(self.eval)
 
     def reward(self, completion: str, problem: Problem) -> float:
         return score(completion, problem.meta["nums"], problem.answer)

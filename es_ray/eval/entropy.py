@@ -1,0 +1,88 @@
+"""Token entropy of generated completions from a teacher-forced forward pass (torch; no Ray, no vLLM).
+
+For each completion token t the entropy of the model's next-token distribution at the position that produced
+it, H_t = logsumexp(l) - sum softmax(l) * l over the vocabulary (natural log, nats), at temperature 1 unless
+given. Reported as the mean per token over all completion tokens, the mean of per-completion means, quantiles,
+and a fixed-bin histogram (so histograms from many actors add up).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+HIST_EDGES = np.linspace(0.0, 12.0, 121)
+"""Histogram bins in nats (0.1 wide); values above 12 go into the last bin (log(49152) is about 10.8)."""
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[..., V] logits -> [...] entropy in nats of softmax(logits / temperature), computed in fp32."""
+    z = logits.float() / temperature
+    logp = torch.log_softmax(z, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+@torch.no_grad()
+def completion_entropies(model, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float = 1.0,
+                         chunk: int = 512) -> torch.Tensor:
+    """[len(completion_ids)] entropies for one completion, by one forward pass over prompt + completion.
+
+    Only the logits that predict completion tokens are materialised (``logits_to_keep``), in chunks of
+    ``chunk`` positions, so memory is chunk x vocabulary, not sequence x vocabulary.
+    """
+    L = len(completion_ids)
+    if L == 0:
+        return torch.zeros(0)
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt_ids) + list(completion_ids)], device=device)
+    # positions len(prompt)-1 .. end-2 predict the completion tokens: the last L+1 logits minus the final one
+    logits = model(input_ids=ids, logits_to_keep=L + 1).logits[0, :-1]
+    return torch.cat([entropy_from_logits(logits[i : i + chunk], temperature) for i in range(0, L, chunk)]).cpu()
+
+
+def histogram(values: np.ndarray, edges: np.ndarray = HIST_EDGES) -> np.ndarray:
+    """Counts per bin; values beyond the last edge are counted in the last bin."""
+    return np.histogram(np.clip(np.asarray(values, dtype=np.float64), edges[0], edges[-1]), bins=edges)[0]
+
+
+def hist_quantile(counts: np.ndarray, edges: np.ndarray, q: float) -> float:
+    """The q-quantile of histogrammed values, interpolated linearly inside its bin."""
+    counts = np.asarray(counts, dtype=np.float64)
+    cum = np.cumsum(counts)
+    target = q * cum[-1]
+    i = int(np.searchsorted(cum, target, side="left"))
+    i = min(i, len(counts) - 1)
+    below = cum[i - 1] if i else 0.0
+    frac = (target - below) / counts[i] if counts[i] else 0.0
+    return float(edges[i] + frac * (edges[i + 1] - edges[i]))
+
+
+def summarize_stats(sums: Sequence[float], counts: Sequence[int], hist_counts: np.ndarray,
+                    edges: np.ndarray = HIST_EDGES) -> dict:
+    """Summary from per-completion (sum of entropies, token count) and the pooled per-token histogram.
+
+    This is what crosses from the actors: two numbers per completion and one histogram, not every token's
+    entropy. Quantiles come from the histogram (to within a bin, 0.1 nats).
+    """
+    sums_c, counts_c = np.asarray(sums, dtype=np.float64), np.asarray(counts, dtype=np.int64)
+    keep = counts_c > 0
+    if not keep.any():
+        return {"mean_per_token": None, "mean_per_completion": None, "tokens": 0, "completions": 0}
+    hist_counts = np.asarray(hist_counts, dtype=np.int64)
+    return {
+        "mean_per_token": float(sums_c[keep].sum() / counts_c[keep].sum()),
+        "mean_per_completion": float(np.mean(sums_c[keep] / counts_c[keep])),
+        "tokens": int(counts_c[keep].sum()),
+        "completions": int(keep.sum()),
+        "quantiles": {f"p{int(q * 100)}": hist_quantile(hist_counts, edges, q) for q in (0.1, 0.25, 0.5, 0.75, 0.9)},
+        "histogram": {"edges": [float(x) for x in edges], "counts": [int(c) for c in hist_counts]},
+    }
+
+
+def summarize(per_completion: Sequence[np.ndarray], edges: np.ndarray = HIST_EDGES) -> dict:
+    """summarize_stats from per-token entropies grouped by completion."""
+    arrays = [np.asarray(e, dtype=np.float64) for e in per_completion]
+    hist = sum((histogram(a, edges) for a in arrays), np.zeros(len(edges) - 1, dtype=np.int64))
+    return summarize_stats([a.sum() for a in arrays], [a.size for a in arrays], hist, edges)

@@ -1,0 +1,49 @@
+"""Plots (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def plot_update_histograms(report: dict, path: str | Path, title: str = "") -> Path:
+    """One panel per module type: counts of log10 |delta| over the non-zero updates, thresholds marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    edges = np.asarray(report["histogram_edges"])
+    types = [k for k, v in report["by_module_type"].items() if "histogram_log10" in v]
+    cols = min(3, max(1, len(types)))
+    rows = max(1, math.ceil(len(types) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    centers = (edges[:-1] + edges[1:]) / 2
+    for ax, kind in zip(axes.flat, types):
+        rep = report["by_module_type"][kind]
+        counts = np.asarray(rep["histogram_log10"])
+        ax.bar(centers, counts, width=edges[1] - edges[0], color="#4C72B0")
+        for t in report["thresholds"]:
+            ax.axvline(math.log10(t), color="#C44E52", lw=0.8, ls="--")
+        nonzero = counts.nonzero()[0]
+        if nonzero.size:  # the populated range, widened to show the thresholds
+            marks = [math.log10(t) for t in report["thresholds"]]
+            lo = min(edges[max(0, nonzero[0] - 2)], min(marks) - 0.2)
+            hi = max(edges[min(len(edges) - 1, nonzero[-1] + 3)], max(marks) + 0.2)
+            ax.set_xlim(lo, hi)
+        share = rep["share_below"].get(f"{report['thresholds'][1]:g}") if len(report["thresholds"]) > 1 else None
+        sub = f"  ({share:.1%} < {report['thresholds'][1]:g})" if share is not None else ""
+        ax.set_title(f"{kind}{sub}", fontsize=9)
+        ax.set_xlabel("log10 |delta|", fontsize=8)
+        ax.set_ylabel("parameters", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(types):]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,45 @@
+"""MBPP-style code grading: take the program out of a completion, append the task's tests, run it sandboxed."""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+from es_ray.grading.result import Grade
+from es_ray.grading.sandbox import SandboxLimits, SandboxResult, run_many
+
+_FENCE = re.compile(r"```[ \t]*([\w+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.S)
+# sandbox statuses that are grading failures (counted by kind); "failed" is an ordinary wrong answer
+SANDBOX_FAILURES = {"timeout": "timeout", "memory": "memory", "output_limit": "output_limit", "blocked": "blocked",
+             "error": "unavailable"}
+
+
+def extract_code(completion: str) -> str:
+    """The first fenced block that defines something (```python preferred), else the first block, else the text.
+
+    An unterminated fence (a completion cut at max_new_tokens) runs to the end of the text.
+    """
+    blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(completion)]
+    if not blocks:
+        return completion.strip()
+    for want in (lambda lang, body: lang in ("python", "py", "python3") and "def " in body,
+                 lambda lang, body: "def " in body, lambda lang, body: True):
+        for lang, body in blocks:
+            if want(lang, body):
+                return body.strip()
+    return blocks[0][1].strip()
+
+
+def build_program(code: str, tests: Sequence[str], setup: str = "") -> str:
+    """Setup (imports the tests need), then the candidate, then the asserts."""
+    parts = [setup.strip(), code, "\n".join(t.strip() for t in tests)]
+    return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def grade_results(results: Sequence[SandboxResult]) -> list[Grade]:
+    return [Grade(1.0 if r.passed else 0.0, r.passed, SANDBOX_FAILURES.get(r.status)) for r in results]
+
+
+def grade_programs(programs: Sequence[str], limits: SandboxLimits = SandboxLimits(), workers: int = 2
+                   ) -> list[Grade]:
+    return grade_results(run_many(programs, limits, workers))

@@ -1,0 +1,152 @@
+"""Shared loading for dataset tasks: hub id or ``task.path`` (a local file in the hub schema), rows parsed one by
+one (a malformed row is skipped and counted in ``skipped_rows``), and the split into a training pool and a
+held-out set. Also the two grader families most tasks share: math answers (math-verify) and multiple choice.
+
+Training sets (``train_split`` set, e.g. GSM8K): from the hub, the training pool is ``train_split`` and the
+held-out set the first ``task.eval_size`` problems of ``test_split``; from one file (or another split, or a
+dataset with no test split) a fixed shuffle (``task.seed``) splits it. es-eval scores the whole test split (or
+the whole file).
+
+Benchmarks (``train_split = None``, e.g. MATH-500): one split, ``eval_split``, read in order (``task.split`` is
+used instead when set to something other than its default "train"). The held-out set is the first
+``task.eval_size`` problems (0: all); the training pool is the rest, or the same problems when none are left (a
+benchmark used as ES fitness then trains on what it is scored on: do that knowingly). es-eval scores them all.
+"""
+
+from __future__ import annotations
+
+import random
+
+from es_ray.grading.choice import extract_letter
+from es_ray.grading.mathverify import check_one, default_pool
+from es_ray.grading.result import Grade
+from es_ray.tasks.base import Problem, Task, hub_rows, read_rows
+
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+_MALFORMED = (KeyError, TypeError, ValueError, IndexError, AttributeError)
+
+
+class RowError(ValueError):
+    """A row that does not fit the task's schema (skipped and counted)."""
+
+
+def text_field(row: dict, *keys: str) -> str:
+    """The first of ``keys`` present in ``row`` as a non-empty string; RowError when none is."""
+    for key in keys:
+        value = row.get(key)
+        if value is not None and str(value).strip():
+            return str(value).strip()
+    raise RowError(f"none of {keys} in the row")
+
+
+def answer_text(value) -> str:
+    """A reference answer as text: 27.0 -> "27" (float columns), strings stripped; RowError when empty."""
+    if isinstance(value, bool) or value is None:
+        raise RowError("no answer")
+    if isinstance(value, float):
+        if value != value:  # NaN: an empty cell from a CSV/Parquet file
+            raise RowError("no answer")
+        return str(int(value)) if value.is_integer() else repr(value)
+    text = str(value).strip()
+    if not text:
+        raise RowError("empty answer")
+    return text
+
+
+class DatasetTask(Task):
+    hub_id: str = ""
+    hub_configs: tuple[str | None, ...] = (None,)
+    """Hub configs whose rows are concatenated (AIME 2025 has two, one per exam)."""
+    train_split: str | None = None
+    """None: a benchmark (evaluation set)."""
+    test_split: str | None = "test"
+    """Train sets: the held-out split (None: the training split is split by a fixed shuffle)."""
+    eval_split: str = "test"
+    """Benchmarks: the split that holds the benchmark."""
+
+    def parse(self, row: dict) -> Problem:
+        """One row -> Problem; raise RowError (or KeyError/TypeError/ValueError) for a malformed row."""
+        raise NotImplementedError
+
+    def rows(self, split: str) -> list[dict]:
+        if self.cfg.path:
+            return read_rows(self.cfg.path)
+        out: list[dict] = []
+        for config in self.hub_configs:
+            out.extend(hub_rows(self.hub_id, config, split, self.name))
+        return out
+
+    def problems(self, rows: list[dict]) -> list[Problem]:
+        out = []
+        for row in rows:
+            try:
+                if not isinstance(row, dict) or "__malformed__" in row:
+                    raise RowError("not a JSON object")
+                out.append(self.parse(row))
+            except _MALFORMED:
+                self.skipped_rows += 1
+        return out
+
+    def load(self):
+        cfg = self.cfg
+        if self.train_split is None:
+            split = cfg.split if cfg.split != "train" else self.eval_split
+            self._all = self.problems(self.rows(split))
+            held = self._all[: cfg.eval_size] if cfg.eval_size else list(self._all)
+            train = self._all[len(held):] or list(held)
+        elif cfg.path or cfg.split != self.train_split or self.test_split is None:
+            pool = self.problems(self.rows(cfg.split))
+            self._all = list(pool)
+            random.Random(cfg.seed).shuffle(pool)  # one file or split: a fixed shuffle splits it
+            held, train = pool[: cfg.eval_size], pool[cfg.eval_size:]
+        else:
+            train = self.problems(self.rows(self.train_split))
+            self._all = self.problems(self.rows(self.test_split))
+            held = self._all[: cfg.eval_size]
+        if cfg.train_size:
+            train = train[: cfg.train_size]
+        return train, held
+
+    def eval_problems(self) -> list[Problem]:
+        return list(self._all)
+
+
+class MathTask(DatasetTask):
+    """Free-form math: the prompt asks for \\boxed{}; math-verify (in its worker pool) decides equivalence."""
+    majority_vote = True
+
+    question_keys: tuple[str, ...] = ("problem",)
+    answer_keys: tuple[str, ...] = ("answer",)
+
+    def parse(self, row: dict) -> Problem:
+        question = text_field(row, *self.question_keys)
+        value = next((row[k] for k in self.answer_keys if k in row), None)
+        return Problem(question=f"{question}\n\n{MATH_INSTRUCTION}", answer=answer_text(value),
+                       meta={"id": row.get("id", row.get("unique_id"))})
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        return check_one(problem.answer, completion).score
+
+    def grade(self, completion: str, problem: Problem) -> Grade:
+        return self.grade_batch([completion], [problem])[0]
+
+    def grade_batch(self, completions: list[str], problems: list[Problem]) -> list[Grade]:
+        return default_pool().check([(p.answer, c) for c, p in zip(completions, problems)])
+
+
+def choice_question(question: str, options: list[str], letters: str) -> str:
+    lines = [question.strip(), ""] + [f"{letter}) {text.strip()}" for letter, text in zip(letters, options)]
+    fmt = ", ".join(letters)
+    lines += ["", f"Think it through briefly, then end with a line of the form 'Answer: X', where X is one of {fmt}."]
+    return "\n".join(lines)
+
+
+class ChoiceTask(DatasetTask):
+    """Multiple choice: the answer is a letter; ``problem.meta['letters']`` holds the valid ones."""
+    majority_vote = True
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        return 1.0 if extract_letter(completion, problem.meta["letters"]) == problem.answer else 0.0
+
+    def answer_key(self, completion: str, problem: Problem) -> str | None:
+        return extract_letter(completion, problem.meta["letters"])

@@ -1,0 +1,190 @@
+"""es-eval and es-drift as subprocesses (the real CLIs), plus their Hydra presets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from es_ray.config import (ConfigError, DriftConfig, EvaluateConfig, register_configs, to_config, validate_drift,
+                           validate_eval)
+from es_ray.tasks import EVAL_TASKS
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+TINY = ["eval.n=2", "eval.k=[1,2]", "eval.limit=2", "eval.max_new_tokens=8", f"eval.data_dir={FIXTURES}",
+        "run.progress=false"]
+
+
+def cli(prog: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([prog, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+# -- presets and validation --------------------------------------------------------------------------------
+
+
+def _compose(name: str, overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=name, overrides=overrides)
+
+
+def test_es_eval_preset_composes_with_overrides():
+    cfg = _compose("es_eval", ["eval.tasks=[gpqa,math500]", "eval.n=4", "eval.k=[1,4]", "+eval.paths.gpqa=/x.jsonl",
+                               "cluster.num_actors=2", "engine.name=hf"])
+    ev = to_config(cfg, EvaluateConfig)
+    assert isinstance(ev, EvaluateConfig)
+    assert ev.eval.tasks == ["gpqa", "math500"] and ev.eval.k == [1, 4] and ev.eval.paths == {"gpqa": "/x.jsonl"}
+    assert validate_eval(ev) is ev
+    default = to_config(_compose("es_eval", []), EvaluateConfig)
+    assert default.eval.tasks == list(EVAL_TASKS) and default.eval.k == [1, 16, 32] and default.eval.n >= 32
+    validate_eval(default)
+
+
+def test_es_drift_preset_composes():
+    cfg = to_config(_compose("es_drift", ["base=/a", "tuned=/b", "thresholds=[0.001]", "run.dir=/tmp/x"]), DriftConfig)
+    assert (cfg.base, cfg.tuned, cfg.thresholds, cfg.run.dir) == ("/a", "/b", [0.001], "/tmp/x")
+    assert validate_drift(cfg) is cfg
+    with pytest.raises(ConfigError, match="tuned="):
+        validate_drift(DriftConfig())
+
+
+@pytest.mark.parametrize("change,key", [
+    ({"n": 2, "k": [1, 4]}, "eval.n"),
+    ({"k": []}, "eval.k"),
+    ({"k": [0]}, "eval.k"),
+    ({"tasks": ["nope"]}, "eval.tasks"),
+    ({"tasks": []}, "eval.tasks"),
+    ({"temperature": 0.0, "n": 4, "k": [1]}, "eval.temperature"),
+    ({"limit": -1}, "eval.limit"),
+    ({"paths": {"mbpp": "/x"}, "tasks": ["gpqa"]}, "eval.paths"),
+])
+def test_validate_eval_refuses_naming_the_key(change, key):
+    cfg = EvaluateConfig()
+    for k, v in change.items():
+        setattr(cfg.eval, k, v)
+    with pytest.raises(ConfigError) as info:
+        validate_eval(cfg)
+    assert key in str(info.value)
+
+
+def test_greedy_single_sample_is_allowed():
+    cfg = EvaluateConfig()
+    cfg.eval.temperature, cfg.eval.n, cfg.eval.k = 0.0, 1, [1]
+    assert validate_eval(cfg) is cfg
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["eval.n=2", "eval.k=[1,4]"], "eval.n"),
+    (["eval.tasks=[nope]"], "eval.tasks"),
+    (["run.dir=relative/dir"], "run.dir"),
+    (["model.path=/nonexistent/model"], "model.path"),
+    (["eval.tasks=[gpqa]", "+eval.paths.gpqa=/nonexistent/gpqa.jsonl"], "task.path"),
+])
+def test_es_eval_refuses_bad_input_before_any_work(args, expected, tmp_path):
+    extra = [] if any(a.startswith("run.dir") for a in args) else [f"run.dir={tmp_path / 'run'}"]
+    res = cli("es-eval", *args, *extra, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert expected in res.stderr
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+# -- end to end ----------------------------------------------------------------------------------------------
+
+
+def _check_results(run_dir: Path, n: int, ks: list[int], limit: int) -> dict:
+    results = json.loads((run_dir / "results.json").read_text())
+    assert list(results["tasks"]) == list(EVAL_TASKS)
+    for name, t in results["tasks"].items():
+        assert t["problems"] == limit and t["n"] == n, name
+        assert set(t["pass@k"]) == {str(k) for k in ks}
+        assert all(0.0 <= v <= 1.0 for v in t["pass@k"].values())
+        if name in ("mbpp", "countdown"):
+            assert t["maj@k"] is None  # no canonical answer to vote on
+        else:
+            assert set(t["maj@k"]) == {str(k) for k in ks}
+        assert t["skipped_rows"] >= 1  # every fixture has a malformed row
+        assert set(t["grader_failures"]) >= {"timeout", "crash", "error"}
+        assert t["tokens"]["generated"] > 0
+        assert t["entropy"]["mean_per_token"] > 0
+        assert Path(t["source"]).parent == FIXTURES
+    assert results["entropy"]["mean_per_token"] > 0
+    assert results["sandbox"]["network"]
+    md = (run_dir / "results.md").read_text()
+    for name in EVAL_TASKS:
+        assert f"| {name} |" in md
+    assert "pass@1" in md and "maj@1" in md
+    lines = (run_dir / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == len(EVAL_TASKS) * limit * n
+    return results
+
+
+def _samples(run_dir: Path) -> list[tuple]:
+    rows = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    return [(r["task"], r["problem"], r["sample"], r["text"], r["score"]) for r in rows]
+
+
+def test_es_eval_on_the_tiny_model_runs_every_eval_task_from_fixtures(tiny_model_dir, tmp_path):
+    """All eight evaluation sets from local files, generation spread over two Ray actors; the same run in one
+    process gives the same samples (each chunk has its own seed)."""
+    ray_dir, local_dir = tmp_path / "ray", tmp_path / "local"
+    res = cli("es-eval", f"model.path={tiny_model_dir}", *TINY, "cluster.num_actors=2", "engine.batch_size=4",
+              f"run.dir={ray_dir}")
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "| gpqa |" in res.stdout
+    results = _check_results(ray_dir, n=2, ks=[1, 2], limit=2)
+    assert results["settings"]["actors"] == 2
+    res = cli("es-eval", f"model.path={tiny_model_dir}", *TINY, "cluster.num_actors=0", "engine.batch_size=4",
+              f"run.dir={local_dir}")
+    assert res.returncode == 0, res.stderr[-4000:]
+    _check_results(local_dir, n=2, ks=[1, 2], limit=2)
+    assert _samples(ray_dir) == _samples(local_dir)
+
+
+def test_es_drift_between_a_checkpoint_and_a_perturbed_copy(tiny_model_dir, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tuned = tmp_path / "tuned"
+    shutil.copytree(tiny_model_dir, tuned)
+    weights = load_file(str(tuned / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    for name, t in weights.items():
+        if "mlp" in name or "embed" in name:
+            weights[name] = t + 1e-3 * torch.randn(t.shape, generator=g)
+    save_file(weights, str(tuned / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "drift"
+    res = cli("es-drift", f"base={tiny_model_dir}", f"tuned={tuned}", f"run.dir={out}", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "total" in res.stdout and "mlp" in res.stdout
+    report = json.loads((out / "drift.json").read_text())
+    by = report["by_module_type"]
+    assert by["attention"]["nonzero"] == 0 and by["norm"]["nonzero"] == 0
+    assert by["mlp"]["nonzero"] == by["mlp"]["numel"] and by["embedding"]["nonzero"] > 0
+    # |N(0, 1e-3^2)| < 1.5e-3 with probability 2 * Phi(1.5) - 1 = 0.866
+    assert by["mlp"]["share_below"]["0.0015"] == pytest.approx(0.866, abs=0.02)
+    assert report["total"]["l2"] > 0
+    assert (out / "drift_hist.png").read_bytes()[:4] == b"\x89PNG"
+    res = cli("es-drift", f"base={tiny_model_dir}", f"run.dir={out}", timeout=300)
+    assert res.returncode == 2 and "tuned=" in res.stderr
+
+
+@pytest.mark.slow
+def test_es_eval_on_the_default_model(tmp_path):
+    """The real SmolLM2-135M-Instruct (model.path empty) over all eight eval tasks, kept tiny: 1 problem each."""
+    run_dir = tmp_path / "run"
+    res = cli("es-eval", "eval.n=2", "eval.k=[1,2]", "eval.limit=1", "eval.max_new_tokens=16",
+              f"eval.data_dir={FIXTURES}", "run.progress=false", "cluster.num_actors=1", f"run.dir={run_dir}")
+    assert res.returncode == 0, res.stderr[-4000:]
+    results = _check_results(run_dir, n=2, ks=[1, 2], limit=1)
+    assert results["model"].startswith("embedded")
+    # a trained model is far from uniform over its 49k-token vocabulary (log 49152 = 10.8 nats)
+    assert results["entropy"]["mean_per_token"] < 8

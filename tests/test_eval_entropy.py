@@ -1,0 +1,71 @@
+"""Token entropy: closed forms, the teacher-forced pass against a full forward, and the summaries."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from es_ray.eval.entropy import (HIST_EDGES, completion_entropies, entropy_from_logits, hist_quantile, histogram,
+                                 summarize, summarize_stats)
+
+
+def test_entropy_closed_forms():
+    assert entropy_from_logits(torch.zeros(8)).item() == pytest.approx(math.log(8))
+    assert entropy_from_logits(torch.tensor([1000.0, 0.0, 0.0])).item() == pytest.approx(0.0, abs=1e-6)
+    p = torch.tensor([0.5, 0.25, 0.25])
+    assert entropy_from_logits(p.log()).item() == pytest.approx(1.5 * math.log(2))
+    batch = torch.zeros(2, 3, 4)
+    assert entropy_from_logits(batch).shape == (2, 3)
+
+
+def test_temperature_rescales_the_logits():
+    logits = torch.tensor([2.0, 0.5, -1.0, 0.0])
+    assert entropy_from_logits(logits, 0.5).item() == pytest.approx(entropy_from_logits(2 * logits).item())
+    assert entropy_from_logits(logits, 1e6).item() == pytest.approx(math.log(4), abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_teacher_forced_entropy_equals_a_full_forward(small_model):
+    prompt, completion = [3, 7, 11, 2], [5, 9, 1, 40, 33]
+    got = completion_entropies(small_model, prompt, completion, chunk=2)
+    with torch.no_grad():
+        logits = small_model(input_ids=torch.tensor([prompt + completion])).logits[0]
+    # position t predicts token t+1: the completion's tokens are predicted from len(prompt)-1 to the one before last
+    want = entropy_from_logits(logits[len(prompt) - 1 : -1])
+    assert got.shape == (len(completion),)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert completion_entropies(small_model, prompt, []).numel() == 0
+
+
+def test_summary_hand_values():
+    s = summarize([np.array([1.0, 2.0]), np.array([3.0]), np.array([])])
+    assert s["mean_per_token"] == pytest.approx(2.0)
+    assert s["mean_per_completion"] == pytest.approx((1.5 + 3.0) / 2)
+    assert (s["tokens"], s["completions"]) == (3, 2)
+    assert sum(s["histogram"]["counts"]) == 3
+    assert s["quantiles"]["p50"] == pytest.approx(2.0, abs=0.1)  # to within a bin
+    same = summarize_stats([3.0, 3.0, 0.0], [2, 1, 0],
+                           histogram(np.array([1.0, 2.0])) + histogram(np.array([3.0])))
+    assert same["mean_per_token"] == s["mean_per_token"] and same["mean_per_completion"] == s["mean_per_completion"]
+    assert summarize([])["mean_per_token"] is None
+
+
+def test_histogram_and_quantiles():
+    h = histogram(np.array([0.05, 0.05, 20.0]))
+    assert h[0] == 2 and h[-1] == 1  # beyond the last edge goes into the last bin
+    counts = np.zeros(len(HIST_EDGES) - 1, dtype=np.int64)
+    counts[10] = 4  # four values in [1.0, 1.1)
+    assert hist_quantile(counts, HIST_EDGES, 0.5) == pytest.approx(1.05)
+    assert hist_quantile(counts, HIST_EDGES, 1.0) == pytest.approx(1.1)

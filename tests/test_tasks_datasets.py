@@ -1,0 +1,203 @@
+"""Every dataset of the paper loads from a local file in its hub schema (tests/fixtures/), skips and counts
+malformed rows, states the answer format in its prompt and grades right and wrong answers; hub loading asks for
+the right ids, configs and splits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from es_ray.config import TaskConfig
+from es_ray.tasks import EVAL_TASKS, TASKS, load_task
+from es_ray.tasks.base import TaskLoadError
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+# name -> (valid rows in the fixture, malformed rows in it)
+FIXTURE_ROWS = {"deepscaler": (4, 2), "math500": (4, 1), "aime24": (3, 1), "aime25": (3, 1), "amc23": (3, 1),
+                "gpqa": (3, 1), "csqa": (3, 1), "mbpp": (3, 1), "gsm8k": (4, 1), "countdown": (5, 2)}
+
+
+def _load(name: str, **kw):
+    return load_task(TaskConfig(name=name, path=str(FIXTURES / f"{name}.jsonl"), eval_size=kw.pop("eval_size", 0),
+                                **kw))
+
+
+def test_every_dataset_of_the_paper_is_registered():
+    assert set(EVAL_TASKS) == {"gpqa", "mbpp", "csqa", "countdown", "aime24", "aime25", "amc23", "math500"}
+    assert set(EVAL_TASKS) | {"gsm8k", "deepscaler", "arithmetic"} == set(TASKS)
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURE_ROWS))
+def test_fixture_loads_and_malformed_rows_are_skipped_and_counted(name):
+    task = _load(name)
+    valid, malformed = FIXTURE_ROWS[name]
+    assert task.skipped_rows == malformed
+    assert len(task.eval_problems()) == valid
+    assert task.train  # usable as a training pool too
+
+
+@pytest.mark.parametrize("name", ["deepscaler", "math500", "aime24", "aime25", "amc23"])
+def test_math_prompts_ask_for_a_boxed_answer_and_math_verify_grades(name):
+    task = _load(name)
+    problems = task.eval_problems()
+    for p in problems:
+        assert "\\boxed{}" in p.question
+    right = [f"Some reasoning.\nThe final answer is $\\boxed{{{p.answer}}}$." for p in problems]
+    grades = task.grade_batch(right + ["\\boxed{123456789}"] * len(problems), problems + problems)
+    assert [g.correct for g in grades] == [True] * len(problems) + [False] * len(problems)
+    assert all(g.failure is None for g in grades)
+    assert task.reward(right[0], problems[0]) == 1.0
+    assert task.reward("no idea", problems[0]) == 0.0
+    assert task.majority_vote
+
+
+def test_math_answers_in_other_forms():
+    math500 = _load("math500")
+    by_answer = {p.answer: p for p in math500.eval_problems()}
+    assert math500.grade("so $\\boxed{\\frac{10}{12}}$", by_answer["\\frac{5}{6}"]).correct
+    assert math500.grade("\\boxed{(3, \\pi/2)}", by_answer["\\left( 3, \\frac{\\pi}{2} \\right)"]).correct
+    amc = _load("amc23")
+    assert [p.answer for p in amc.eval_problems()] == ["11", "15", "0.75"]  # float column 11.0 read as 11
+    assert amc.grade("\\boxed{3/4}", amc.eval_problems()[2]).correct
+    deepscaler = _load("deepscaler")
+    sqrt2 = next(p for p in deepscaler.eval_problems() if p.answer == "\\sqrt{2}")
+    assert deepscaler.grade("x = \\boxed{2^{1/2}}", sqrt2).correct
+
+
+def test_gpqa_shuffles_choices_with_a_fixed_seed():
+    a, b = _load("gpqa"), _load("gpqa")
+    assert [(p.question, p.answer) for p in a.eval_problems()] == [(p.question, p.answer) for p in b.eval_problems()]
+    other = _load("gpqa", seed=99)
+    assert [p.question for p in other.eval_problems()] != [p.question for p in a.eval_problems()]
+    rows = [json.loads(x) for x in (FIXTURES / "gpqa.jsonl").read_text().splitlines()]
+    good = [r for r in rows if "Incorrect Answer 3" in r]
+    for p, row in zip(a.eval_problems(), good):
+        assert p.question.startswith(row["Question"])
+        assert f"{p.answer}) {row['Correct Answer']}" in p.question  # the letter points at the right answer
+        for i in (1, 2, 3):
+            assert row[f"Incorrect Answer {i}"] in p.question
+        assert "Answer: X" in p.question  # the answer format is stated
+
+
+def test_gpqa_shuffle_is_independent_of_row_order(tmp_path):
+    rows = (FIXTURES / "gpqa.jsonl").read_text().splitlines()
+    path = tmp_path / "gpqa_reversed.jsonl"
+    path.write_text("\n".join(reversed(rows)) + "\n")
+    fwd = {p.question: p.answer for p in _load("gpqa").eval_problems()}
+    reordered = load_task(TaskConfig(name="gpqa", path=str(path), eval_size=0))
+    rev = {p.question: p.answer for p in reordered.eval_problems()}
+    assert fwd == rev
+
+
+def test_gpqa_letters_are_spread_over_many_questions(tmp_path):
+    rows = [{"Question": f"Question number {i}?", "Correct Answer": f"right {i}", "Incorrect Answer 1": f"w1 {i}",
+             "Incorrect Answer 2": f"w2 {i}", "Incorrect Answer 3": f"w3 {i}"} for i in range(200)]
+    path = tmp_path / "gpqa.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    letters = [p.answer for p in load_task(TaskConfig(name="gpqa", path=str(path), eval_size=0)).eval_problems()]
+    assert all(25 <= letters.count(x) <= 75 for x in "ABCD"), {x: letters.count(x) for x in "ABCD"}
+
+
+@pytest.mark.parametrize("name", ["gpqa", "csqa"])
+def test_multiple_choice_grading(name):
+    task = _load(name)
+    p = task.eval_problems()[0]
+    wrong = next(x for x in p.meta["letters"] if x != p.answer)
+    assert task.grade(f"Let me think.\nAnswer: {p.answer}", p).correct
+    g = task.grade(f"Answer: {wrong}", p)
+    assert (g.correct, g.answer) == (False, wrong)
+    assert task.grade("I am not sure.", p).answer is None
+    assert "Answer: X" in p.question
+
+
+def test_csqa_has_five_options_and_skips_unlabelled_rows():
+    task = _load("csqa")
+    problems = task.eval_problems()
+    assert [p.answer for p in problems] == ["B", "A", "C"]
+    assert all(p.meta["letters"] == "ABCDE" for p in problems)
+    assert "E) attic" in problems[0].question
+
+
+def test_mbpp_prompt_and_sandboxed_grading():
+    task = _load("mbpp")
+    problems = task.eval_problems()
+    add, rev, largest = problems
+    assert "assert add(1, 2) == 3" in add.question and "```python" in add.question
+    good = "Here is the code:\n```python\ndef add(a, b):\n    return a + b\n```"
+    bad = "```python\ndef add(a, b):\n    return a * b\n```"
+    hang = "```python\ndef add(a, b):\n    while True:\n        pass\n```"
+    heap = "```python\ndef largest(xs):\n    return heapq.nlargest(1, xs)[0]\n```"  # needs the setup code's import
+    task.sandbox_limits = type(task.sandbox_limits)(wall_s=3.0, cpu_s=1.0)
+    grades = task.grade_batch([good, bad, hang, heap], [add, add, add, largest])
+    assert [(g.score, g.failure) for g in grades] == [(1.0, None), (0.0, None), (0.0, "timeout"), (1.0, None)]
+    assert task.reward(good, add) == 1.0
+    assert not task.majority_vote
+
+
+def test_aime25_from_the_hub_concatenates_both_parts(monkeypatch):
+    import es_ray.tasks.dataset as dataset
+
+    calls = []
+
+    def fake_hub_rows(hub_id, config, split, task):
+        calls.append((hub_id, config, split))
+        part = config[-2:].strip("-")
+        return [{"question": f"{part} problem {i}", "answer": str(i)} for i in range(15)]
+
+    monkeypatch.setattr(dataset, "hub_rows", fake_hub_rows)
+    task = load_task(TaskConfig(name="aime25", eval_size=0))
+    assert calls == [("opencompass/AIME2025", "AIME2025-I", "test"), ("opencompass/AIME2025", "AIME2025-II", "test")]
+    problems = task.eval_problems()
+    assert len(problems) == 30
+    assert problems[0].question.startswith("I problem 0") and problems[15].question.startswith("II problem 0")
+
+
+@pytest.mark.parametrize("name,hub_id,config,split", [
+    ("deepscaler", "agentica-org/DeepScaleR-Preview-Dataset", None, "train"),
+    ("math500", "HuggingFaceH4/MATH-500", None, "test"),
+    ("aime24", "HuggingFaceH4/aime_2024", None, "train"),
+    ("amc23", "math-ai/amc23", None, "test"),
+    ("gpqa", "Idavidrein/gpqa", "gpqa_diamond", "train"),
+    ("csqa", "tau/commonsense_qa", None, "validation"),
+    ("mbpp", "google-research-datasets/mbpp", "full", "test"),
+])
+def test_hub_ids_configs_and_splits(monkeypatch, name, hub_id, config, split):
+    import es_ray.tasks.dataset as dataset
+
+    calls = []
+    fixture_rows = [json.loads(x) for x in (FIXTURES / f"{name}.jsonl").read_text().splitlines()
+                    if x.strip().startswith("{") and x.strip().endswith("}")]
+
+    def fake_hub_rows(hub_id_, config_, split_, task):
+        calls.append((hub_id_, config_, split_))
+        return fixture_rows
+
+    monkeypatch.setattr(dataset, "hub_rows", fake_hub_rows)
+    task = load_task(TaskConfig(name=name, eval_size=1))
+    assert calls[0] == (hub_id, config, split)
+    assert task.eval_problems()
+
+
+def test_hub_failure_says_to_use_a_local_file(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as on a machine without the package or the network
+    with pytest.raises(TaskLoadError, match="task.path"):
+        load_task(TaskConfig(name="math500"))
+
+
+def test_a_file_of_only_malformed_rows_is_an_error_not_a_silent_zero(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"problem": "no answer"}\nnot json\n{"answer": "1"}\n')
+    with pytest.raises(TaskLoadError, match="empty"):
+        load_task(TaskConfig(name="math500", path=str(path)))
+
+
+def test_benchmark_held_out_and_training_pool():
+    task = _load("math500", eval_size=2)
+    assert len(task.eval) == 2 and len(task.train) == 2
+    assert not {p.question for p in task.eval} & {p.question for p in task.train}
+    assert len(task.eval_problems()) == 4  # es-eval scores the whole benchmark
