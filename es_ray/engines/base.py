@@ -23,6 +23,8 @@ class Completion:
     text: str
     num_tokens: int
     """Generated tokens, the end-of-sequence token included when one was produced."""
+    token_ids: tuple[int, ...] = ()
+    """The generated token ids (for teacher-forced entropy without re-tokenising); empty if not kept."""
 
 
 class Engine(ABC):

@@ -70,7 +70,7 @@ class HFEngine(Engine):
                         n = j + 1
                         break
                 text = self.tokenizer.decode(row[:n], skip_special_tokens=True)
-                out.append(Completion(text=text, num_tokens=n))
+                out.append(Completion(text=text, num_tokens=n, token_ids=tuple(row[:n])))
         return out
 
     @torch.no_grad()
