@@ -58,6 +58,9 @@ class Engine(ABC):
     def es_call(self, op: str, *args: Any) -> Any:
         """Run a Replica method (perturb, restore, update, checksum, ...) where the weights live."""
 
+    def close(self) -> None:
+        """Release what the engine holds beyond its Python objects (vLLM: its engine core and process groups)."""
+
 
 def resolve_device(cfg: EngineConfig) -> str:
     if cfg.device != "auto":

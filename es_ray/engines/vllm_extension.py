@@ -4,17 +4,15 @@ vLLM mixes ``ESExtension`` into its Worker class; every method here runs where t
 master, the noise and the update never leave that process. Arguments are ints, floats and strings only.
 Every name is ``es_``-prefixed: vLLM refuses an extension attribute that its Worker already has.
 
-Weights are written through the model's own ``load_weights`` with HF names, which maps them onto vLLM's fused
-tensors (qkv_proj, gate_up_proj) and tensor-parallel shards: the noise is drawn per HF tensor, so it does not
-depend on how vLLM stores the weights (DESIGN "ES, precisely" 4).
-
-CPU: vLLM's CPU backend prepacks linear weights for its GEMM kernel at load time and drops ``layer.weight``,
-so a later write would not reach them. ``keep_linear_weights`` (applied when this module is imported in the
-worker, before the model loads) keeps linear layers and the LM head unpacked: they multiply with
-``torch.nn.functional.linear`` on ``layer.weight``, which every write updates in place. On GPU vLLM computes
-from ``layer.weight`` anyway and the patch does nothing. The alternative, re-running vLLM's post-load
-processing after each write (``reload_weights``), was measured and rejected: see ``benchmarks/engines.py``
-and the README's engine section.
+A write goes through the model's own ``load_weights`` with HF names, which maps them onto vLLM's fused tensors
+(qkv_proj, gate_up_proj) and tensor-parallel shards, so the noise, drawn per HF tensor, does not depend on how
+vLLM stores the weights (DESIGN "ES, precisely" 4). Then vLLM's own post-load step
+(``quant_method.process_weights_after_loading``) runs again on every layer the write touched. On GPU that step
+does nothing for unquantized layers; on CPU it repacks the layer's weight for vLLM's GEMM kernel (oneDNN),
+which is where vLLM's CPU speed comes from. One patch makes that repacking keep ``layer.weight`` (vLLM drops it
+after packing), so the next write and ``es_read_weights`` still find it. Measured alternatives, in the README's
+engine section: vLLM's ``reload_weights`` (rebuilds every layer from meta tensors, writes 1.6x slower, leaves a
+tied LM head stale), and F.linear on unpacked weights (writes 4x cheaper, generation 2x slower at batch 16).
 """
 
 from __future__ import annotations
@@ -24,24 +22,23 @@ from typing import Iterable
 import torch
 
 
-def keep_linear_weights() -> None:
-    """CPU only: make vLLM's CPU GEMM dispatch keep ``layer.weight`` and use F.linear on it."""
+def keep_weights_when_packing() -> None:
+    """CPU: vLLM's GEMM dispatch packs ``layer.weight`` and then drops it; keep it (the packed copy is used)."""
     from vllm.model_executor.layers import utils as layer_utils
-    from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu() or getattr(layer_utils, "_es_ray_patched", False):
+    dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+    if getattr(dispatch, "_es_ray_keeps_weight", False):
         return
 
-    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:  # signature of the vLLM function
-        layer.cpu_linear = torch.nn.functional.linear
+    def keep(layer: torch.nn.Module, remove_weight: bool) -> None:
+        dispatch(layer, remove_weight=False)
 
-    # linear.py and vocab_parallel_embedding.py import this function at call time, so the module attribute
-    # is what they get.
-    layer_utils.dispatch_cpu_unquantized_gemm = dispatch
-    layer_utils._es_ray_patched = True
+    keep._es_ray_keeps_weight = True
+    # linear.py and vocab_parallel_embedding.py import it from this module at call time.
+    layer_utils.dispatch_cpu_unquantized_gemm = keep
 
 
-keep_linear_weights()
+keep_weights_when_packing()  # imported by vLLM in the worker before the model loads
 
 
 def hf_parameter_names(model_dir: str) -> list[str]:
@@ -66,13 +63,18 @@ class ESExtension:
         from es_ray.replica import Replica, ReplicaSpec
 
         model = self.model_runner.get_model()
-        self._es_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         spec = ReplicaSpec(
             run_seed=run_seed, noise=noise, noise_table_size=noise_table_size, trainable=trainable,
             optimizer=optimizer, lr=lr, adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps,
-            weight_decay=weight_decay, anchor_decay=anchor_decay,
-            engine_dtype=str(self._es_dtype).removeprefix("torch."),
+            weight_decay=weight_decay, anchor_decay=anchor_decay, engine_dtype=str(dtype).removeprefix("torch."),
         )
+        # Layers whose post-load step must rerun when a parameter changes (a tied LM head shares the embedding).
+        self._es_layers: dict[int, list[torch.nn.Module]] = {}
+        for module in model.modules():
+            if getattr(module, "quant_method", None) is not None:
+                for param in module.parameters(recurse=False):
+                    self._es_layers.setdefault(id(param), []).append(module)
         names = hf_parameter_names(model_dir)
         source = load_hf_weights(model_dir, names)
         missing = [n for n in names if n not in source]
@@ -83,10 +85,17 @@ class ESExtension:
         return spec.engine_dtype
 
     def _es_write(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy (HF name, fp32 tensor) pairs into the model through its weight loader, cast to its dtype."""
+        """(HF name, fp32 tensor) pairs -> the model's weight loader (casts, fuses, shards) -> post-load step."""
         model = self.model_runner.get_model()
         with torch.no_grad():
-            model.load_weights((name, t) for name, t in named)
+            loaded = model.load_weights(named)  # copies each tensor before taking the next
+            params = dict(model.named_parameters(remove_duplicate=False))
+            if loaded is None:  # a model whose loader does not say what it loaded: redo every layer
+                loaded = params
+            touched = {id(layer): layer for name in loaded if name in params
+                       for layer in self._es_layers.get(id(params[name]), ())}
+            for layer in touched.values():
+                layer.quant_method.process_weights_after_loading(layer)
 
     def _es(self):
         replica = getattr(self, "_es_replica", None)
@@ -114,8 +123,7 @@ class ESExtension:
         self._es_write((name, t.to(self.device)) for name, t in named)
 
     def es_state_dict(self) -> dict:
-        sd = self._es().state_dict()
-        return _to_cpu(sd)
+        return _to_cpu(self._es().state_dict())
 
     def es_load_state_dict(self, sd: dict) -> None:
         self._es().load_state_dict(sd)
@@ -133,7 +141,7 @@ class ESExtension:
             module_name, _, leaf = name.rpartition(".")
             prefix, _, short = module_name.rpartition(".")
             value = param.detach().to("cpu", torch.float32, copy=True)
-            if short in packed and param.dim() >= 1:
+            if short in packed:
                 sizes = model.get_submodule(module_name).output_sizes
                 for part, chunk in zip(packed[short], value.split(list(sizes), dim=0)):
                     out[f"{prefix}.{part}.{leaf}"] = chunk.clone()
