@@ -17,6 +17,7 @@ OPTIMIZERS = ("sgd", "adam")
 NOISE_KINDS = ("auto", "per_tensor", "table")
 ENGINES = ("hf", "vllm")
 DTYPES = ("bfloat16", "float16", "float32", "auto")
+PLACEMENTS = ("pack", "spread")
 
 
 class ConfigError(ValueError):
@@ -133,6 +134,12 @@ class ClusterConfig:
     cpus_per_actor: float = 1.0
     num_cpus: int = 0
     """CPUs for a local Ray (0: all of this machine's)."""
+    placement: str = "pack"
+    """Actors go into one Ray placement group, one bundle each: pack (fill a node before the next) or spread
+    (one node per actor where possible)."""
+    wait_for_resources_s: float = 0.0
+    """Seconds to wait for the actors' resources to be reserved, e.g. while an autoscaling cluster adds GPU nodes.
+    0: the cluster must already hold them; the run fails at once saying how many GPUs/CPUs it needs and has."""
 
 
 @dataclass
@@ -144,7 +151,9 @@ class EvalConfig:
 @dataclass
 class RunConfig:
     dir: str = ""
-    """Absolute run directory (created); empty makes runs/es-<timestamp> under the current directory."""
+    """Absolute run directory (created); empty makes <run.root>/es-<timestamp>."""
+    root: str = ""
+    """Absolute parent of the default run directory, e.g. shared storage on a cluster (empty: ./runs)."""
     seed: int = 0
     """Run seed: the noise of member i of iteration t on tensor `name` is a function of (seed, t, i, name)."""
     checkpoint_every: int = 0
@@ -217,6 +226,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _positive("cluster.num_actors", cfg.cluster.num_actors)
     _positive("cluster.gpus_per_actor", cfg.cluster.gpus_per_actor, allow_zero=True)
     _positive("cluster.cpus_per_actor", cfg.cluster.cpus_per_actor, allow_zero=True)
+    _check_cluster_and_run(cfg.cluster, cfg.run)
     if cfg.cluster.num_actors > es.population:
         raise ConfigError(
             f"cluster.num_actors={cfg.cluster.num_actors} exceeds es.population={es.population}; "
@@ -232,6 +242,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         # Ray Jobs run the driver in a temporary directory: relative outputs would vanish.
         raise ConfigError(f"run.dir={cfg.run.dir!r} must be an absolute path (Ray Jobs run in a temporary directory)")
     return cfg
+
+
+def _check_cluster_and_run(cluster: ClusterConfig, run: RunConfig) -> None:
+    _choice("cluster.placement", cluster.placement, PLACEMENTS)
+    _positive("cluster.wait_for_resources_s", cluster.wait_for_resources_s, allow_zero=True)
+    if run.root and not os.path.isabs(run.root):
+        raise ConfigError(f"run.root={run.root!r} must be an absolute path (Ray Jobs run in a temporary directory)")
 
 
 def register_configs() -> None:
@@ -356,6 +373,7 @@ def validate_eval(cfg: EvaluateConfig) -> EvaluateConfig:
     _positive("cluster.num_actors", cfg.cluster.num_actors, allow_zero=True)
     _positive("cluster.gpus_per_actor", cfg.cluster.gpus_per_actor, allow_zero=True)
     _positive("cluster.cpus_per_actor", cfg.cluster.cpus_per_actor, allow_zero=True)
+    _check_cluster_and_run(cfg.cluster, cfg.run)
     if cfg.run.dir and not os.path.isabs(cfg.run.dir):
         raise ConfigError(f"run.dir={cfg.run.dir!r} must be an absolute path (Ray Jobs run in a temporary directory)")
     return cfg

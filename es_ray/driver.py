@@ -63,7 +63,8 @@ def connect(cluster: ClusterConfig) -> None:
 
 
 def make_run_dir(cfg: TrainConfig, prefix: str = "es") -> Path:
-    run_dir = Path(cfg.run.dir or Path.cwd() / "runs" / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    root = Path(cfg.run.root or Path.cwd() / "runs")
+    run_dir = Path(cfg.run.dir or root / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     return run_dir
@@ -91,16 +92,17 @@ def sample_seed(cfg: TrainConfig, iteration: int) -> int:
 
 
 def start_workers(cfg: TrainConfig) -> tuple[list, list[dict]]:
+    """One actor per bundle of the run's placement group (es_ray.placement: fit checked first). The returned
+    list is a placement.ActorGroup: `workers.placement.options(rank)` places a replacement actor."""
     import ray
 
+    from es_ray.placement import ActorGroup, place
     from es_ray.worker import ESWorker
 
     actor_cls = ray.remote(ESWorker)
-    workers = [
-        actor_cls.options(num_cpus=cfg.cluster.cpus_per_actor, num_gpus=cfg.cluster.gpus_per_actor,
-                          max_concurrency=1).remote(cfg, rank)
-        for rank in range(cfg.cluster.num_actors)
-    ]
+    placement = place(cfg.cluster, "es")
+    workers = ActorGroup([actor_cls.options(max_concurrency=1, **placement.options(rank)).remote(cfg, rank)
+                          for rank in range(cfg.cluster.num_actors)], placement)
     infos = ray.get([w.ready.remote() for w in workers])
     return workers, infos
 

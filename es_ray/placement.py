@@ -1,0 +1,154 @@
+"""Where the actors run: one Ray placement group per run, one bundle per actor (rank i -> bundle i).
+
+`cluster.placement=pack` (default) fills a node before the next, which keeps an 8-GPU node's actors together;
+`spread` puts actors on different nodes where it can. Before any actor starts, `check_fit` compares what the
+actors need (num_actors x gpus_per_actor GPUs, num_actors x cpus_per_actor CPUs, each bundle on one node) with
+the cluster's nodes and fails with both numbers, instead of Ray's silent wait for resources that never come.
+
+`actor_options(placement, rank)` gives the Ray options for rank i's actor, so a replacement for a dead actor
+lands in the same bundle (Ray reschedules a bundle whose node died). Ray is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from es_ray.config import ClusterConfig, ConfigError
+
+# With cluster.wait_for_resources_s=0 the resources exist in total but may be held by other jobs for a while.
+BUSY_WAIT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What the run's actors ask the cluster for, in Ray resource names."""
+
+    bundle: dict[str, float]
+    num_actors: int
+
+    @property
+    def total(self) -> dict[str, float]:
+        return {k: v * self.num_actors for k, v in self.bundle.items()}
+
+
+def needs(cluster: ClusterConfig) -> Needs:
+    bundle = {"CPU": float(cluster.cpus_per_actor), "GPU": float(cluster.gpus_per_actor)}
+    return Needs({k: v for k, v in bundle.items() if v > 0}, cluster.num_actors)
+
+
+def fit_problem(need: Needs, nodes: list[dict[str, float]]) -> str:
+    """Why the actors cannot all be placed on these nodes (their total resources), or '' when they can.
+
+    Pure: `nodes` is one resource dict per alive node. Checks the cluster's totals and that every bundle fits on
+    one node; a bin-packing failure of several bundles is left to Ray's placement (it then waits).
+    """
+    names = {"GPU": ("GPUs", "gpus_per_actor"), "CPU": ("CPUs", "cpus_per_actor")}
+    for key, (label, field) in names.items():
+        want = need.total.get(key, 0.0)
+        have = sum(n.get(key, 0.0) for n in nodes)
+        if want > have:
+            return (f"cluster.num_actors={need.num_actors} x cluster.{field}={_num(need.bundle[key])} needs "
+                    f"{_num(want)} {label}; the cluster has {_num(have)} on {len(nodes)} node(s). Lower "
+                    f"cluster.num_actors or cluster.{field}, add nodes with {label}, or on an autoscaling cluster "
+                    "set cluster.wait_for_resources_s= to wait for them")
+        largest = max((n.get(key, 0.0) for n in nodes), default=0.0)
+        if need.bundle.get(key, 0.0) > largest:
+            return (f"cluster.{field}={_num(need.bundle[key])}: each actor needs that many {label} on one node; the "
+                    f"largest node has {_num(largest)}. Lower cluster.{field} or add bigger nodes")
+    return ""
+
+
+def check_fit(cluster: ClusterConfig) -> None:
+    """Fail before any actor starts when the connected cluster cannot hold the actors."""
+    import ray
+
+    nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+    problem = fit_problem(needs(cluster), nodes)
+    if problem:
+        raise ConfigError(problem)
+
+
+class Placement:
+    """The run's placement group and the per-rank options; `release()` frees its reserved resources."""
+
+    def __init__(self, cluster: ClusterConfig, group: Any | None):
+        self.cluster, self.group = cluster, group
+
+    def options(self, rank: int) -> dict[str, Any]:
+        return actor_options(self, rank)
+
+    def release(self) -> None:
+        if self.group is not None:
+            from ray.util import remove_placement_group
+
+            remove_placement_group(self.group)
+            self.group = None
+
+
+def place(cluster: ClusterConfig, name: str = "es") -> Placement:
+    """Check the fit, reserve one bundle per actor with the configured strategy, and wait until it is ready."""
+    import ray
+    from ray.util import placement_group
+
+    bundle = needs(cluster).bundle
+    if not bundle:  # actors that ask for nothing need no reservation (Ray refuses empty bundles)
+        return Placement(cluster, None)
+    if not cluster.wait_for_resources_s:
+        check_fit(cluster)
+    strategy = {"pack": "PACK", "spread": "SPREAD"}[cluster.placement]
+    group = placement_group([dict(bundle) for _ in range(cluster.num_actors)], strategy=strategy,
+                            name=f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    timeout = cluster.wait_for_resources_s or BUSY_WAIT_S
+    ready, _ = ray.wait([group.ready()], timeout=timeout)
+    if not ready:
+        from ray.util import remove_placement_group
+
+        remove_placement_group(group)
+        nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+        problem = fit_problem(needs(cluster), nodes) or (
+            f"the cluster holds the {_describe(needs(cluster).total)} the actors need, but they stayed in use by "
+            "other jobs or actors (see `ray status`)")
+        raise ConfigError(f"the actors' resources were not reserved within {timeout:g} s: {problem}")
+    return Placement(cluster, group)
+
+
+def actor_options(placement: Placement, rank: int) -> dict[str, Any]:
+    """Ray `.options()` for the actor of `rank`: its CPUs/GPUs, inside bundle `rank` of the run's group.
+
+    Child tasks are not captured: an actor's own helpers (vLLM's engine processes, grader pools) are not counted
+    against its bundle.
+    """
+    cluster = placement.cluster
+    opts: dict[str, Any] = {"num_cpus": cluster.cpus_per_actor, "num_gpus": cluster.gpus_per_actor}
+    if placement.group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not 0 <= rank < cluster.num_actors:
+            raise ValueError(f"rank {rank} is outside the placement group's {cluster.num_actors} bundles")
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement.group, placement_group_bundle_index=rank, placement_group_capture_child_tasks=False)
+    return opts
+
+
+class ActorGroup(list):
+    """The run's actor handles (a list, by rank) with their placement; the group's resources are released when
+    `release()` is called or the list is garbage-collected (the driver's run ends)."""
+
+    def __init__(self, actors, placement: Placement):
+        super().__init__(actors)
+        self.placement = placement
+        self._finalizer = weakref.finalize(self, placement.release)
+
+    def release(self) -> None:
+        self._finalizer()
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def _describe(total: dict[str, float]) -> str:
+    return " and ".join(f"{_num(v)} {k}s" for k, v in total.items())

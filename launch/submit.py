@@ -1,0 +1,276 @@
+"""`es-submit`: run any entry point as a Ray Job, Hydra overrides passed through unchanged.
+
+    es-submit --address http://HEAD:8265 --run-root /mnt/shared/runs -- es-train model=qwen2.5-1.5b cluster=gpu8
+    es-submit --address http://HEAD:8265 --run-root /mnt/shared/runs --sweep es.sigma=1e-3,2e-3 es.lr=1e-6,5e-7 \
+        -- es-train experiment=es_reference_gsm8k
+    es-submit --wait -- es-eval model.path=/mnt/shared/runs/<id>/checkpoints/final
+
+The working directory is shipped with launch/runtime_env.yaml (minus .git and run outputs). A Ray Job's driver runs
+in a temporary copy of it, so for the project's entry points es-submit sets `run.dir=<run root>/<job id>` (or keeps
+an absolute `run.dir=` given), on storage every node sees. `--sweep` submits one job per combination of values,
+each with its own run directory (Hydra's Ray launcher plugin is not used). `--wait` streams the job's logs and exits
+0 when it SUCCEEDED, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import re
+import secrets
+import shlex
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+LAUNCH_DIR = Path(__file__).resolve().parent
+REPO_DIR = LAUNCH_DIR.parent
+RUNTIME_ENV = LAUNCH_DIR / "runtime_env.yaml"
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+class SubmitError(ValueError):
+    """Bad es-submit input; the message says what to change."""
+
+
+@dataclass
+class Submission:
+    submission_id: str
+    command: list[str]
+    run_dir: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def entrypoint(self) -> str:
+        return shlex.join(self.command)
+
+
+def project_scripts() -> dict[str, str]:
+    """The project's console scripts, name -> target, from pyproject.toml beside launch/ (else the installed
+    metadata): these are the Hydra entry points that get a run directory."""
+    pyproject = REPO_DIR / "pyproject.toml"
+    if pyproject.is_file():
+        return dict(tomllib.loads(pyproject.read_text())["project"].get("scripts", {}))
+    from importlib.metadata import distribution
+
+    return {ep.name: ep.value for ep in distribution("es-ray").entry_points if ep.group == "console_scripts"}
+
+
+def hydra_entry_points() -> set[str]:
+    return {name for name in project_scripts() if name != "es-submit"}
+
+
+def split_values(text: str) -> list[str]:
+    """'a,b,[1,2]' -> ['a', 'b', '[1,2]']: commas inside brackets or quotes do not split."""
+    out, depth, quote, cur = [], 0, "", ""
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+            continue
+        cur += ch
+    out.append(cur)
+    return out
+
+
+def expand_sweep(specs: list[str]) -> list[list[str]]:
+    """['a=1,2', 'b=x,y'] -> [['a=1', 'b=x'], ['a=1', 'b=y'], ['a=2', 'b=x'], ['a=2', 'b=y']]."""
+    axes = []
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        if not sep or not key or not values:
+            raise SubmitError(f"--sweep {spec!r} is not key=v1,v2,...; e.g. --sweep es.sigma=1e-3,2e-3")
+        vals = split_values(values)
+        if any(v == "" for v in vals):
+            raise SubmitError(f"--sweep {spec!r} has an empty value; list values as key=v1,v2")
+        axes.append([f"{key}={v}" for v in vals])
+    if len({a[0].partition("=")[0] for a in axes}) != len(axes):
+        raise SubmitError(f"--sweep names a key twice: {specs}; give each key once with all its values")
+    return [list(combo) for combo in itertools.product(*axes)] if axes else [[]]
+
+
+def _override(overrides: list[str], key: str) -> str | None:
+    for o in overrides:
+        k, sep, v = o.lstrip("+").partition("=")
+        if sep and k == key:
+            return v
+    return None
+
+
+def _slug(overrides: list[str]) -> str:
+    """A directory name for a sweep combination: es.sigma=1e-3 es.lr=5e-7 -> es.sigma_1e-3-es.lr_5e-7."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", "-".join(overrides))[:120]
+
+
+def _hydra_value(text: str) -> str:
+    """Quote a value for Hydra's override grammar unless it is a plain path."""
+    return text if re.fullmatch(r"[A-Za-z0-9._/:~+-]+", text) else "'" + text.replace("'", "\\'") + "'"
+
+
+def plan(command: list[str], sweep: list[str], run_root: str, name: str = "") -> list[Submission]:
+    """One Submission per sweep combination: ids, entrypoints and absolute run directories."""
+    if not command:
+        raise SubmitError("no command after `--`; e.g. es-submit --address http://HEAD:8265 -- es-train es.iterations=5")
+    program, overrides = command[0], command[1:]
+    if any(a in ("-m", "--multirun") for a in overrides):
+        raise SubmitError("Hydra multirun (-m) is not used on a cluster; use es-submit --sweep key=a,b (one job each)")
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    base_id = f"{name or Path(program).name}-{stamp}"
+    combos = expand_sweep(sweep)
+    is_hydra = program in hydra_entry_points()
+    if not is_hydra:
+        return [Submission(base_id if len(combos) == 1 else f"{base_id}-{i:02d}", [program, *overrides, *combo],
+                           metadata={"sweep": " ".join(combo)} if combo else {})
+                for i, combo in enumerate(combos)]
+    swept = {c.partition("=")[0] for c in combos[0]}
+    clash = swept & {o.lstrip("+").partition("=")[0] for o in overrides}
+    if clash:
+        raise SubmitError(f"{sorted(clash)} given both after `--` and in --sweep; give each once")
+    fixed_dir = _override(overrides, "run.dir")
+    if fixed_dir:
+        if not os.path.isabs(fixed_dir):
+            raise SubmitError(f"run.dir={fixed_dir!r} must be absolute: a Ray Job runs in a temporary directory")
+        if len(combos) > 1:
+            raise SubmitError("run.dir= with --sweep would give every job the same directory; use --run-root instead")
+        return [Submission(base_id, command, fixed_dir, {"run_dir": fixed_dir})]
+    root = _override(overrides, "run.root") or run_root
+    if not root:
+        raise SubmitError("no run root: pass --run-root /shared/runs (or set ES_RUN_ROOT, or run.root=/abs after "
+                          "`--`), a directory every node of the cluster sees; a Ray Job's own directory is temporary")
+    if not os.path.isabs(root):
+        raise SubmitError(f"run root {root!r} must be an absolute path on storage every node sees")
+    subs = []
+    for i, combo in enumerate(combos):
+        sid = base_id if len(combos) == 1 else f"{base_id}-{i:02d}"
+        run_dir = str(Path(root) / sid) if len(combos) == 1 else str(Path(root) / base_id / f"{i:02d}-{_slug(combo)}")
+        meta = {"run_dir": run_dir, **({"sweep": " ".join(combo)} if combo else {})}
+        subs.append(Submission(sid, [program, *overrides, *combo, f"run.dir={_hydra_value(run_dir)}"], run_dir, meta))
+    return subs
+
+
+def check_overrides(command: list[str]) -> None:
+    """Compose a project entry point's config locally (`<script> --cfg job`) so that a misspelt key or a bad value
+    fails here, in a second, not on the cluster."""
+    if command[0] not in hydra_entry_points():
+        return
+    res = subprocess.run([command[0], *command[1:], "--cfg", "job"], capture_output=True, text=True, timeout=300)
+    if res.returncode != 0:
+        raise SubmitError(f"{shlex.join(command)} does not compose against the schema:\n{res.stderr.strip()}")
+
+
+def runtime_env(working_dir: Path, path: Path = RUNTIME_ENV) -> dict:
+    env = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(env, dict):
+        raise SubmitError(f"{path}: a runtime_env must be a mapping")
+    env["working_dir"] = str(working_dir)
+    return env
+
+
+def use_auth_token_if_present() -> None:
+    """Send the cluster's auth token when one is at hand (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token),
+    as `ray.init` does when it joins a cluster: Ray's job client sends it only with RAY_AUTH_MODE=token."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or path.is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def follow_hint(address: str, sid: str) -> str:
+    return (f"  follow: ray job logs --address {address} --follow {sid}\n"
+            f"  status: ray job status --address {address} {sid}\n"
+            f"  stop:   ray job stop --address {address} {sid}")
+
+
+def wait(client, sid: str, stream: bool) -> str:
+    if stream:
+        async def tail() -> None:
+            async for lines in client.tail_job_logs(sid):
+                print(lines, end="", flush=True)
+
+        asyncio.run(tail())
+    while (status := getattr(client.get_job_status(sid), "value", "")) not in TERMINAL:
+        time.sleep(1.0)
+    return status
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1:]
+    else:
+        command = []
+    p = argparse.ArgumentParser(prog="es-submit", description=__doc__.split("\n\n")[0],
+                                usage="es-submit [options] -- COMMAND [hydra overrides ...]")
+    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"),
+                   help="the cluster's dashboard/job server (default: $RAY_ADDRESS or http://127.0.0.1:8265)")
+    p.add_argument("--run-root", default=os.environ.get("ES_RUN_ROOT", ""),
+                   help="absolute directory on shared storage; each job's run.dir is created under it "
+                        "(default: $ES_RUN_ROOT)")
+    p.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
+                   help="one job per combination of these values")
+    p.add_argument("--working-dir", default=".", help="directory shipped to the cluster (default: the current one)")
+    p.add_argument("--runtime-env", default=str(RUNTIME_ENV), help="runtime_env YAML (default: launch/runtime_env.yaml)")
+    p.add_argument("--name", default="", help="prefix of the job ids (default: the command's name)")
+    p.add_argument("--wait", action="store_true", help="stream the logs and exit with the job's status")
+    p.add_argument("--no-check", action="store_true", help="skip composing the overrides locally before submitting")
+    p.add_argument("--dry-run", action="store_true", help="print the jobs without submitting them")
+    args = p.parse_args(argv)
+    if not command:
+        p.error("no command: put the entry point and its overrides after `--`, e.g. -- es-train es.iterations=5")
+    return args, command
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, command = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        subs = plan(command, args.sweep, args.run_root, args.name)
+        if not args.no_check:
+            for s in subs:
+                check_overrides(s.command)
+        env = runtime_env(Path(args.working_dir).resolve(), Path(args.runtime_env))
+    except SubmitError as exc:
+        print(f"es-submit: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.dry_run:
+        for s in subs:
+            print(f"{s.submission_id}\t{s.run_dir or '-'}\t{s.entrypoint}")
+        return
+    use_auth_token_if_present()
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(args.address)
+    for s in subs:
+        client.submit_job(entrypoint=s.entrypoint, submission_id=s.submission_id, runtime_env=env,
+                          metadata={"command": s.entrypoint, **s.metadata})
+        print(f"submitted {s.submission_id}" + (f"  run dir {s.run_dir}" if s.run_dir else ""))
+        print(follow_hint(args.address, s.submission_id), flush=True)
+    if not args.wait:
+        return
+    try:
+        statuses = {s.submission_id: wait(client, s.submission_id, stream=len(subs) == 1) for s in subs}
+    except KeyboardInterrupt:
+        print("\nes-submit: stopped waiting; the job(s) keep running (ray job stop ... to stop them)", file=sys.stderr)
+        raise SystemExit(130) from None
+    for sid, status in statuses.items():
+        print(f"{sid}: {status}")
+    raise SystemExit(0 if all(v == "SUCCEEDED" for v in statuses.values()) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Placement groups for the ES actors: the fit check's arithmetic and messages, the options per rank, the early
+failure of `es-train` on a cluster too small for it, and the config keys."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from es_ray.config import ClusterConfig, ConfigError, RunConfig, TrainConfig, validate
+from es_ray.placement import fit_problem, needs
+
+GPU_NODE = {"CPU": 16.0, "GPU": 1.0}
+HEAD = {"CPU": 8.0}
+
+
+def cluster(**kw) -> ClusterConfig:
+    return ClusterConfig(**{"num_actors": 2, "cpus_per_actor": 1.0, "gpus_per_actor": 0.0, **kw})
+
+
+def test_needs_counts_per_actor_and_drops_zero_resources():
+    need = needs(cluster(num_actors=8, gpus_per_actor=1, cpus_per_actor=4))
+    assert need.bundle == {"CPU": 4.0, "GPU": 1.0}
+    assert need.total == {"CPU": 32.0, "GPU": 8.0}
+    assert needs(cluster(cpus_per_actor=0)).bundle == {}
+
+
+def test_too_few_gpus_says_how_many_it_needs_and_has():
+    msg = fit_problem(needs(cluster(num_actors=8, gpus_per_actor=1)), [HEAD, GPU_NODE, GPU_NODE])
+    assert "cluster.num_actors=8 x cluster.gpus_per_actor=1 needs 8 GPUs" in msg
+    assert "the cluster has 2 on 3 node(s)" in msg
+    assert "cluster.wait_for_resources_s" in msg
+
+
+def test_too_few_cpus_is_reported_as_cpus():
+    msg = fit_problem(needs(cluster(num_actors=4, cpus_per_actor=2)), [{"CPU": 2.0}])
+    assert "needs 8 CPUs; the cluster has 2" in msg
+
+
+def test_an_actor_larger_than_any_node_is_refused_even_when_the_total_fits():
+    msg = fit_problem(needs(cluster(num_actors=1, gpus_per_actor=2)), [GPU_NODE, GPU_NODE])
+    assert "cluster.gpus_per_actor=2: each actor needs that many GPUs on one node; the largest node has 1" in msg
+
+
+def test_fitting_requests_pass():
+    assert fit_problem(needs(cluster(num_actors=8, gpus_per_actor=1, cpus_per_actor=4)), [HEAD, {"CPU": 96, "GPU": 8}]) == ""
+    assert fit_problem(needs(cluster(num_actors=2, gpus_per_actor=0.5)), [GPU_NODE]) == ""
+
+
+@pytest.mark.parametrize("key, value", [("placement", "strict"), ("wait_for_resources_s", -1.0)])
+def test_bad_cluster_keys_are_refused(key, value):
+    cfg = TrainConfig(cluster=ClusterConfig(**{key: value}))
+    with pytest.raises(ConfigError, match=f"cluster.{key}"):
+        validate(cfg)
+
+
+def test_run_root_must_be_absolute():
+    with pytest.raises(ConfigError, match="run.root"):
+        validate(TrainConfig(run=RunConfig(root="relative/runs")))
+
+
+def test_options_place_each_rank_in_its_own_bundle(ray_local):
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from es_ray.placement import place
+
+    placement = place(cluster(num_actors=2, cpus_per_actor=0.5, placement="spread"), "test")
+    try:
+        opts = [placement.options(rank) for rank in range(2)]
+        assert all(isinstance(o["scheduling_strategy"], PlacementGroupSchedulingStrategy) for o in opts)
+        assert [o["scheduling_strategy"].placement_group_bundle_index for o in opts] == [0, 1]
+        assert opts[0]["num_cpus"] == 0.5 and opts[0]["num_gpus"] == 0.0
+        assert placement.group.bundle_specs == [{"CPU": 0.5}, {"CPU": 0.5}]
+        with pytest.raises(ValueError, match="rank 2"):
+            placement.options(2)
+    finally:
+        placement.release()
+    assert placement.group is None
+
+
+def test_a_cluster_too_small_fails_before_any_actor_starts(ray_local):
+    from es_ray.placement import place
+
+    with pytest.raises(ConfigError, match="needs 3 GPUs; the cluster has 0"):
+        place(cluster(num_actors=3, gpus_per_actor=1))
+
+
+def test_es_train_on_a_machine_without_gpus_fails_early_with_the_numbers(tmp_path, tiny_model_dir):
+    res = subprocess.run(
+        ["es-train", f"model.path={tiny_model_dir}", "cluster.num_actors=2", "cluster.gpus_per_actor=1",
+         "cluster.num_cpus=2", "engine.device=cpu", "es.iterations=1", f"run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "cluster.num_actors=2 x cluster.gpus_per_actor=1 needs 2 GPUs; the cluster has 0" in res.stderr
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text().strip(), "an iteration ran"
+    assert not (tmp_path / "run" / "checkpoints").exists()
