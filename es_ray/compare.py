@@ -1,0 +1,330 @@
+"""`es-compare`: the paper's comparison in one command: base, ES, GRPO, ES->GRPO and GRPO->ES, with a report.
+
+    es-compare experiment=cpu_demo
+    es-compare experiment=paper_easy model=qwen2.5-1.5b cluster=gpu8 run.dir=/shared/runs/cmp-qwen
+    es-compare experiment=cpu_demo methods=[base,es] budget.epochs=4 run.dir=/abs/cmp
+
+Budgets are matched by the number of training prompts seen, in epochs over the training pool (the paper's
+unit): ES runs ``epochs * pool / es.prompts_per_iteration`` iterations, GRPO ``epochs * pool /
+grpo.prompts_per_step`` steps; in ES->GRPO and GRPO->ES each half gets half the epochs and the second starts from
+the first's final checkpoint. Every method is evaluated with the same es-eval settings (tasks, n, k, sampling,
+seed) and compared with the base weights (es-drift).
+
+The work is cut into stages (a training run, an evaluation, a drift report), each in its own directory under
+``run.dir/stages``; a finished stage writes ``done.json`` and is never run again, so repeating the command after an
+interruption finishes only what is missing (a stage cut off midway is started again from its beginning). Training
+and evaluation run as Ray actors on the cluster (``cluster.address``), exactly as es-train, grpo-train and
+es-eval do; this process only orchestrates and writes report.md, report.json and the plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from es_ray.config import (ClusterConfig, ConfigError, EngineConfig, ESConfig, EvalSuiteConfig, ModelConfig,
+                           RunConfig, SamplingConfig, TaskConfig, _positive)
+
+METHODS = ("base", "es", "grpo", "es_grpo", "grpo_es")
+TRAINED = {"es": ("es",), "grpo": ("grpo",), "es_grpo": ("es", "grpo"), "grpo_es": ("grpo", "es")}
+
+
+def _grpo_section():
+    from grpo.config import GRPOConfig
+
+    return GRPOConfig()
+
+
+def _grpo_sampling():
+    from grpo.config import GRPOSamplingConfig
+
+    return GRPOSamplingConfig()
+
+
+@dataclass
+class BudgetConfig:
+    epochs: float = 4.0
+    """Training budget of each method in epochs over the training pool (sequential methods: half per part)."""
+
+
+@dataclass
+class CompareConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The base model every method starts from."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The training task (its pool of task.train_size prompts defines an epoch)."""
+    es: ESConfig = field(default_factory=ESConfig)
+    """ES settings; es.iterations is set from the budget."""
+    es_sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """ES training generation (greedy by default, as in es-train)."""
+    grpo: Any = field(default_factory=_grpo_section)
+    """GRPO settings (grpo.config.GRPOConfig); grpo.steps is set from the budget."""
+    grpo_sampling: Any = field(default_factory=_grpo_sampling)
+    """GRPO training generation (sampled: groups need variance)."""
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    """Which of base, es, grpo, es_grpo, grpo_es to run (the report covers those run)."""
+    eval: EvalSuiteConfig = field(default_factory=EvalSuiteConfig)
+    """Evaluation of every method (es-eval's eval section)."""
+    drift_thresholds: list[float] = field(default_factory=lambda: [1.0e-3, 1.5e-3, 2.0e-3])
+    """Functional-sparsity thresholds on |delta| (es-drift's thresholds)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """cluster.num_actors: ES actors and evaluation actors; resources per actor for every stage."""
+    grpo_rollout_actors: int = 1
+    """GRPO rollout actors (GRPO also starts one learner actor with the same resources)."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """run.dir: the comparison's directory (absolute; repeat the command with the same run.dir to resume)."""
+
+
+def validate_compare(cfg: CompareConfig) -> CompareConfig:
+    unknown = [m for m in cfg.methods if m not in METHODS]
+    if unknown or not cfg.methods:
+        raise ConfigError(f"methods={list(cfg.methods)}: choose from {', '.join(METHODS)} (at least one)")
+    _positive("budget.epochs", cfg.budget.epochs)
+    _positive("grpo_rollout_actors", cfg.grpo_rollout_actors)
+    # Each stage's own validation runs before any work: build every stage's config once.
+    for method in cfg.methods:
+        for spec in stage_plan(cfg, method, Path("/tmp")):
+            spec.config()
+    return cfg
+
+
+def pool_size(cfg: CompareConfig) -> int:
+    from es_ray.tasks import load_task
+
+    return len(load_task(cfg.task).train)
+
+
+def budget_units(epochs: float, pool: int, per_unit: int) -> int:
+    """Iterations (steps) that show ``epochs * pool`` training prompts, at ``per_unit`` prompts each (at least 1)."""
+    return max(1, round(epochs * pool / per_unit))
+
+
+# -- stages -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Stage:
+    name: str
+    kind: str  # train_es | train_grpo | eval | drift
+    config: Callable[[], Any]
+    run: Callable[[Any], dict]
+
+    def dir(self, root: Path) -> Path:
+        return root / "stages" / self.name
+
+
+def _common(cfg: CompareConfig, model_path: str, run_dir: Path) -> dict:
+    return {"model": dataclasses.replace(cfg.model, path=model_path), "engine": cfg.engine,
+            "run": dataclasses.replace(cfg.run, dir=str(run_dir), checkpoint_every=0)}
+
+
+def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int):
+    from es_ray.config import EvalConfig, TrainConfig, validate
+
+    iterations = budget_units(epochs, pool, cfg.es.prompts_per_iteration)
+    return validate(TrainConfig(task=cfg.task, es=dataclasses.replace(cfg.es, iterations=iterations),
+                                sampling=cfg.es_sampling, cluster=cfg.cluster, eval=EvalConfig(every=0),
+                                **_common(cfg, model_path, run_dir)))
+
+
+def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int):
+    from es_ray.config import EvalConfig
+    from grpo.config import GRPOClusterConfig, GRPOTrainConfig, validate_grpo
+
+    steps = budget_units(epochs, pool, cfg.grpo.prompts_per_step)
+    cluster = GRPOClusterConfig(**{**dataclasses.asdict(cfg.cluster), "num_actors": cfg.grpo_rollout_actors})
+    return validate_grpo(GRPOTrainConfig(task=cfg.task, grpo=dataclasses.replace(cfg.grpo, steps=steps),
+                                         sampling=cfg.grpo_sampling, cluster=cluster, eval=EvalConfig(every=0),
+                                         **_common(cfg, model_path, run_dir)))
+
+
+def _run_es(train_cfg) -> dict:
+    from es_ray.driver import run
+
+    return run(train_cfg)
+
+
+def _run_grpo(train_cfg) -> dict:
+    from grpo.driver import run
+
+    return run(train_cfg)
+
+
+def _eval_config(cfg: CompareConfig, model_path: str, run_dir: Path):
+    from es_ray.config import EvaluateConfig, validate_eval
+
+    return validate_eval(EvaluateConfig(model=dataclasses.replace(cfg.model, path=model_path), eval=cfg.eval,
+                                        engine=cfg.engine, cluster=cfg.cluster,
+                                        run=dataclasses.replace(cfg.run, dir=str(run_dir))))
+
+
+def _run_eval(eval_cfg) -> dict:
+    from es_ray.evaluate import run
+
+    return run(eval_cfg)
+
+
+def _drift_config(cfg: CompareConfig, tuned: str, run_dir: Path):
+    from es_ray.config import DriftConfig, validate_drift
+
+    return validate_drift(DriftConfig(base=cfg.model.path, tuned=tuned, thresholds=list(cfg.drift_thresholds),
+                                      run=dataclasses.replace(cfg.run, dir=str(run_dir))))
+
+
+def _run_drift(drift_cfg) -> dict:
+    from es_ray.evaluate import run_drift
+
+    return run_drift(drift_cfg)
+
+
+def stage_plan(cfg: CompareConfig, method: str, root: Path, pool: int | None = None) -> list[Stage]:
+    """The stages of one method, in order: its training part(s), its evaluation, its drift from the base."""
+    pool = pool if pool is not None else max(1, cfg.task.train_size)
+    stages: list[Stage] = []
+    model_path = cfg.model.path
+    parts = TRAINED.get(method, ())
+    epochs = cfg.budget.epochs / max(1, len(parts))
+    for part in parts:
+        # A sequential method's first half is its own run (not a prefix of the one-method run), so its compute
+        # is measured, not apportioned.
+        name = f"{method}.{part}" if len(parts) > 1 else method
+        run_dir = root / "stages" / f"train.{name}"
+        start = model_path
+        if part == "es":
+            stages.append(Stage(f"train.{name}", "train_es",
+                                (lambda s=start, d=run_dir: _es_config(cfg, s, d, epochs, pool)), _run_es))
+        else:
+            stages.append(Stage(f"train.{name}", "train_grpo",
+                                (lambda s=start, d=run_dir: _grpo_config(cfg, s, d, epochs, pool)), _run_grpo))
+        model_path = str(run_dir / "checkpoints" / "final")
+    eval_dir = root / "stages" / f"eval.{method}"
+    stages.append(Stage(f"eval.{method}", "eval", (lambda p=model_path, d=eval_dir: _eval_config(cfg, p, d)),
+                        _run_eval))
+    if parts:
+        drift_dir = root / "stages" / f"drift.{method}"
+        stages.append(Stage(f"drift.{method}", "drift", (lambda p=model_path, d=drift_dir: _drift_config(cfg, p, d)),
+                            _run_drift))
+    return stages
+
+
+def _json_safe(x):
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x if isinstance(x, (str, int, float, bool)) or x is None else str(x)
+
+
+def run_stage(stage: Stage, root: Path, log: Callable[[str], None]) -> dict:
+    """Run one stage unless its done.json exists; a directory without it is a cut-off attempt and is cleared."""
+    d = stage.dir(root)
+    done = d / "done.json"
+    if done.is_file():
+        log(f"es-compare: {stage.name}: done earlier, skipped")
+        return json.loads(done.read_text())
+    if d.exists():
+        log(f"es-compare: {stage.name}: an earlier attempt did not finish; starting it again")
+        shutil.rmtree(d)
+    log(f"es-compare: {stage.name}: running")
+    t0 = time.perf_counter()
+    out = stage.run(stage.config())
+    record = {"stage": stage.name, "kind": stage.kind, "seconds": time.perf_counter() - t0,
+              "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "result": _json_safe(_stage_result(stage, out))}
+    tmp = d / "done.json.tmp"
+    tmp.write_text(json.dumps(record, indent=2))
+    tmp.replace(done)
+    log(f"es-compare: {stage.name}: finished in {record['seconds']:.0f} s")
+    return record
+
+
+def _stage_result(stage: Stage, out: dict) -> dict:
+    if stage.kind.startswith("train"):
+        return {"run_dir": out.get("run_dir"), "final_checkpoint": out.get("final_checkpoint")}
+    return {"run_dir": out.get("run_dir")}
+
+
+def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
+    from es_ray.driver import connect
+    from es_ray.eval.compare_report import write_report
+    from es_ray.models import resolve_model
+
+    if not cfg.run.dir:
+        raise ConfigError("run.dir= is required: the comparison's absolute directory (repeat the command with the "
+                          "same run.dir to resume it)")
+    root = Path(cfg.run.dir).expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    resolve_model(cfg.model.path)  # converts the embedded model once, before any stage starts
+    pool = pool_size(cfg)
+    plan = {m: stage_plan(cfg, m, root, pool) for m in cfg.methods}
+    (root / "compare_config.json").write_text(json.dumps(_json_safe(dataclasses.asdict(cfg)), indent=2))
+    connect(cfg.cluster)
+    records = {}
+    for method in cfg.methods:
+        for stage in plan[method]:
+            records[stage.name] = run_stage(stage, root, log)
+    report = write_report(root, cfg, plan, pool)
+    log(f"es-compare: report in {root / 'report.md'}")
+    return report
+
+
+# -- entry point ------------------------------------------------------------------------------------------------
+
+
+def register_configs() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    from es_ray.config import register_configs as register_es
+
+    register_es()
+    ConfigStore.instance().store(name="es_compare_schema", node=_schema())
+
+
+def _schema():
+    """CompareConfig with its GRPO sections typed (Hydra needs the concrete dataclasses to check overrides)."""
+    from grpo.config import GRPOConfig, GRPOSamplingConfig
+
+    return dataclasses.make_dataclass(
+        "CompareSchema",
+        [("grpo", GRPOConfig, field(default_factory=GRPOConfig)),
+         ("grpo_sampling", GRPOSamplingConfig, field(default_factory=GRPOSamplingConfig))],
+        bases=(CompareConfig,))
+
+
+def to_compare_config(dict_cfg: Any) -> CompareConfig:
+    from es_ray.config import to_config
+
+    return validate_compare(to_config(dict_cfg, _schema()))
+
+
+def _main(dict_cfg) -> None:
+    from es_ray.models import ModelNotFoundError
+    from es_ray.tasks.base import TaskLoadError
+
+    try:
+        cfg = to_compare_config(dict_cfg)
+        report = run(cfg)
+    except (ConfigError, ModelNotFoundError, TaskLoadError) as exc:
+        print(f"es-compare: {type(exc).__name__}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print((Path(report["run_dir"]) / "report.md").read_text())
+
+
+def main() -> None:
+    from es_ray.evaluate import _hydra
+
+    _hydra("es_compare", _main, "es-compare", register=register_configs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""es-compare: budgets, the stage plan, the whole pipeline shrunk (tiny model, tiny budgets), and resumption."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from es_ray.compare import (METHODS, BudgetConfig, CompareConfig, budget_units, run, stage_plan,
+                            validate_compare)
+from es_ray.config import ClusterConfig, ConfigError, EngineConfig, ESConfig, EvalSuiteConfig, ModelConfig, RunConfig, SamplingConfig, TaskConfig
+
+
+def _cfg(model_dir: Path, run_dir: Path, **over) -> CompareConfig:
+    from grpo.config import GRPOConfig, GRPOSamplingConfig
+
+    cfg = CompareConfig(
+        model=ModelConfig(path=str(model_dir)),
+        task=TaskConfig(name="arithmetic", train_size=4, eval_size=4),
+        es=ESConfig(population=2, prompts_per_iteration=4, noise="per_tensor"),
+        es_sampling=SamplingConfig(max_new_tokens=4),
+        grpo=GRPOConfig(prompts_per_step=4, group_size=2, micro_batch_size=8),
+        grpo_sampling=GRPOSamplingConfig(max_new_tokens=4),
+        budget=BudgetConfig(epochs=2.0),
+        eval=EvalSuiteConfig(tasks=["arithmetic"], n=4, k=[1, 2, 4], max_new_tokens=4, limit=3, entropy=True,
+                             grader_workers=1),
+        engine=EngineConfig(batch_size=16),
+        cluster=ClusterConfig(num_actors=1, cpus_per_actor=1),
+        run=RunConfig(dir=str(run_dir), seed=0, tensorboard=False, progress=False),
+    )
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def test_budget_is_matched_in_prompts_seen():
+    assert budget_units(4.0, 16, 16) == 4  # ES: 16 prompts per iteration, pool 16 -> one epoch per iteration
+    assert budget_units(4.0, 16, 8) == 8  # GRPO: 8 prompts per step -> two steps per epoch
+    assert budget_units(0.1, 16, 16) == 1  # never zero
+
+
+def test_stage_plan_chains_sequential_halves(tmp_path):
+    cfg = _cfg(Path("/models/base"), tmp_path)
+    plan = {m: stage_plan(cfg, m, tmp_path, pool=4) for m in METHODS}
+    assert [s.name for s in plan["base"]] == ["eval.base"]
+    assert [s.name for s in plan["es_grpo"]] == ["train.es_grpo.es", "train.es_grpo.grpo", "eval.es_grpo",
+                                                 "drift.es_grpo"]
+    es_half, grpo_half = (s.config() for s in plan["es_grpo"][:2])
+    full_es = plan["es"][0].config()
+    # Each half gets half the budget in prompts seen; the second half starts from the first's final checkpoint.
+    assert full_es.es.iterations == 2 and es_half.es.iterations == 1
+    assert grpo_half.grpo.steps == 1 and plan["grpo"][0].config().grpo.steps == 2
+    assert grpo_half.model.path == str(tmp_path / "stages" / "train.es_grpo.es" / "checkpoints" / "final")
+    assert es_half.model.path == "/models/base"
+    ev = plan["grpo_es"][2].config()
+    assert ev.model.path == str(tmp_path / "stages" / "train.grpo_es.es" / "checkpoints" / "final")
+    assert plan["grpo"][0].config().cluster.num_actors == cfg.grpo_rollout_actors
+
+
+def test_bad_settings_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="methods"):
+        validate_compare(_cfg(Path("/m"), tmp_path, methods=["base", "ppo"]))
+    with pytest.raises(ConfigError, match="budget.epochs"):
+        validate_compare(_cfg(Path("/m"), tmp_path, budget=BudgetConfig(epochs=0)))
+    bad = _cfg(Path("/m"), tmp_path)
+    bad.grpo.group_size = 1  # a stage's own validation runs before any work
+    with pytest.raises(ConfigError, match="group_size"):
+        validate_compare(bad)
+
+
+def _numbers(x, path="report"):
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _numbers(v, f"{path}.{k}")
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from _numbers(v, f"{path}[{i}]")
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        yield path, x
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_path, monkeypatch):
+    import es_ray.compare as compare
+
+    root = tmp_path / "cmp"
+    cfg = validate_compare(_cfg(tiny_model_dir, root))
+
+    # First attempt is cut off when the GRPO->ES comparison reaches its ES half.
+    real = compare.run_stage
+
+    def cut(stage, r, log):
+        if stage.name == "train.grpo_es.es":
+            (stage.dir(r) / "checkpoints").mkdir(parents=True)  # a half-written stage directory
+            raise _Interrupt
+        return real(stage, r, log)
+
+    monkeypatch.setattr(compare, "run_stage", cut)
+    with pytest.raises(_Interrupt):
+        run(cfg, log=lambda s: None)
+    monkeypatch.setattr(compare, "run_stage", real)
+    finished_first = sorted(p.parent.name for p in (root / "stages").glob("*/done.json"))
+    assert "train.grpo_es.grpo" in finished_first and "eval.grpo_es" not in finished_first
+
+    lines: list[str] = []
+    report = run(cfg, log=lines.append)
+    ran = [s.split(":")[1].strip() for s in lines if s.endswith(": running")]
+    assert ran == ["train.grpo_es.es", "eval.grpo_es", "drift.grpo_es"]  # only what was missing
+    assert any("did not finish; starting it again" in s for s in lines)
+
+    for name in ["report.md", "report.json", "reward_curves.png", "entropy.png", "update_histograms.png",
+                 "passk_arithmetic.png"]:
+        assert (root / name).is_file() and (root / name).stat().st_size > 0, name
+    rep = json.loads((root / "report.json").read_text())
+    assert set(rep["methods"]) == set(METHODS)
+    bad = [(p, v) for p, v in _numbers(rep) if not math.isfinite(v)]
+    assert not bad, bad
+    md = (root / "report.md").read_text()
+    for label in ["Base", "ES", "GRPO", "ES->GRPO", "GRPO->ES"]:
+        assert f"| {label} |" in md
+    # Measured compute: ES back-propagates nothing, GRPO does; both generated tokens and have a memory peak.
+    led = {m: rep["methods"][m]["ledger"] for m in ("es", "grpo")}
+    assert led["es"]["tokens_backpropagated"] == 0 and led["grpo"]["tokens_backpropagated"] > 0
+    assert led["es"]["tokens_generated"] > 0 and led["grpo"]["peak_rss_bytes_max"] > 0
+    assert rep["methods"]["es"]["drift"]["l2"] > 0 and rep["drift_l2_ratio_es_over_grpo"] > 0
+    assert len(rep["methods"]["base"]["passk_curve"]["arithmetic"]) == 4
+    assert report["run_dir"] == str(root)
+
+    # A repeat after the end trains nothing and evaluates nothing.
+    lines.clear()
+    run(cfg, log=lines.append)
+    assert not [s for s in lines if s.endswith(": running")]
