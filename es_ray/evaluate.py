@@ -406,12 +406,12 @@ def _drift_main(dict_cfg) -> None:
     print(f"es-drift: drift.json and drift_hist.png in {report['run_dir']}")
 
 
-def _hydra(config_name: str, fn, prog: str) -> None:
+def _hydra(config_name: str, fn, prog: str, register=None) -> None:
     import hydra
 
     from es_ray.config import register_configs
 
-    register_configs()
+    (register or register_configs)()
     if not CONF_DIR.is_dir():
         raise SystemExit(f"{prog}: Hydra presets not found at {CONF_DIR}; install the project with `pip install -e .`")
     hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(fn)()
