@@ -1,0 +1,108 @@
+"""GRPO math, pure torch (no Ray, no vLLM): group-relative advantages, token log-probs, the clipped surrogate with
+an optional k3 KL, and the three loss aggregations.
+
+Shapes: P prompts x G completions per prompt; B = P * G sequences; T = the longest completion in a micro-batch.
+``mask_bt`` is 1 on completion tokens and 0 on padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards_pg: torch.Tensor, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+    """[P, G] rewards -> [P, G] advantages A = (r - mean_group(r)) / (s + eps).
+
+    s is the group's std (``group``), the std of all P * G rewards (``batch``), or 1 with no eps (``none``).
+    Std is the population std (divide by G, not G - 1). A group whose rewards are all equal gets A = 0 exactly
+    (the numerator is 0), never NaN.
+    """
+    r = rewards_pg.to(torch.float64)
+    centred = r - r.mean(dim=1, keepdim=True)
+    if scale == "group":
+        return centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    if scale == "batch":
+        return centred / (r.std(unbiased=False) + eps)
+    if scale == "none":
+        return centred
+    raise ValueError(f"unknown advantage scale {scale!r}; use group, batch or none")
+
+
+def token_log_probs(logits_btv: torch.Tensor, tokens_bt: torch.Tensor) -> torch.Tensor:
+    """[B, T, V] logits that predict [B, T] tokens -> [B, T] log-probabilities, in fp32."""
+    logp = torch.log_softmax(logits_btv.float(), dim=-1)
+    return logp.gather(-1, tokens_bt.unsqueeze(-1)).squeeze(-1)
+
+
+def k3_kl(logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1 (>= 0, unbiased)."""
+    d = ref_logp_bt - logp_bt
+    return torch.exp(d) - d - 1.0
+
+
+def aggregate(per_token_bt: torch.Tensor, mask_bt: torch.Tensor, loss_type: str, max_tokens: int,
+              num_sequences: float | None = None, num_tokens: float | None = None) -> torch.Tensor:
+    """Reduce a [B, T] per-token loss to a scalar; L_i is sequence i's token count, N the sequences, M the tokens.
+
+    grpo:    (1/N) sum_i (1/L_i) sum_t l_it                 mean over sequences of per-sequence token means
+    dr_grpo: (1/(N * max_tokens)) sum_i sum_t l_it           a constant normaliser (Dr. GRPO): no length bias
+    dapo:    (1/M) sum_i sum_t l_it                          token mean over the batch (DAPO)
+
+    ``num_sequences`` / ``num_tokens`` are N and M of the whole batch when this is one micro-batch of it, so that
+    micro-batch losses add up to the batch loss exactly; by default they are this tensor's own.
+    """
+    mask = mask_bt.to(per_token_bt.dtype)
+    n = float(mask.shape[0]) if num_sequences is None else float(num_sequences)
+    summed_b = (per_token_bt * mask).sum(dim=1)
+    if loss_type == "grpo":
+        return (summed_b / mask.sum(dim=1).clamp(min=1.0)).sum() / n
+    if loss_type == "dr_grpo":
+        return summed_b.sum() / (n * max_tokens)
+    if loss_type == "dapo":
+        m = mask.sum() if num_tokens is None else torch.tensor(float(num_tokens), dtype=per_token_bt.dtype)
+        return summed_b.sum() / m.clamp(min=1.0)
+    raise ValueError(f"unknown loss_type {loss_type!r}; use grpo, dr_grpo or dapo")
+
+
+def grpo_loss(logp_bt: torch.Tensor, old_logp_bt: torch.Tensor, adv_b: torch.Tensor, mask_bt: torch.Tensor, *,
+              loss_type: str = "grpo", clip_eps: float = 0.2, clip_eps_high: float = 0.0, beta: float = 0.0,
+              ref_logp_bt: torch.Tensor | None = None, max_tokens: int = 1, num_sequences: float | None = None,
+              num_tokens: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO objective for one (micro-)batch, to minimise.
+
+    Per token, with rho = exp(logp - old_logp) and A the sequence's advantage:
+        l_t = -min(rho * A, clip(rho, 1 - clip_eps, 1 + eps_high) * A) + beta * k3(logp, ref_logp)
+    with eps_high = clip_eps_high or clip_eps, aggregated by ``aggregate``. Returns (loss, stats), the stats as
+    token sums over the mask (detached) so that micro-batches add up: clipped tokens (the clip is active: rho
+    below 1 - clip_eps with A < 0, or above 1 + eps_high with A > 0), kl, ratio, and the token count.
+    """
+    high = clip_eps_high or clip_eps
+    adv_bt = adv_b.to(logp_bt.dtype).unsqueeze(1)
+    ratio = torch.exp(logp_bt - old_logp_bt)
+    unclipped = ratio * adv_bt
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * adv_bt
+    per_token = -torch.minimum(unclipped, clipped)
+    mask = mask_bt.to(logp_bt.dtype)
+    kl = torch.zeros_like(logp_bt)
+    if beta > 0:
+        if ref_logp_bt is None:
+            raise ValueError("beta > 0 needs the reference log-probs (ref_logp_bt)")
+        kl = k3_kl(logp_bt, ref_logp_bt)
+        per_token = per_token + beta * kl
+    loss = aggregate(per_token, mask, loss_type, max_tokens, num_sequences, num_tokens)
+    with torch.no_grad():
+        is_clipped = ((ratio < 1.0 - clip_eps) & (adv_bt < 0)) | ((ratio > 1.0 + high) & (adv_bt > 0))
+        stats = {"clipped_tokens": (is_clipped.to(mask.dtype) * mask).sum(), "kl_sum": (kl * mask).sum(),
+                 "ratio_sum": (ratio * mask).sum(), "tokens": mask.sum()}
+    return loss, stats
+
+
+@torch.no_grad()
+def model_log_probs(model, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    """log p(completion token | prefix) under a transformers causal LM, one unpadded forward pass (the sync probe:
+    the learner and a transformers engine compute it the same way)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt_ids) + list(completion_ids)], device=device)
+    n = len(completion_ids)
+    logits = model(input_ids=ids, logits_to_keep=n + 1).logits[:, :-1]
+    return token_log_probs(logits, ids[:, -n:])[0].cpu().tolist()

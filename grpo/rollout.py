@@ -1,0 +1,116 @@
+"""The GRPO rollout Ray actor: one es_ray engine (transformers or vLLM) and the task, as an ES actor holds.
+
+It samples groups of completions from the current policy and scores them with the task's reward, takes the
+learner's weights through the engine interface (``Engine.write_weights``), and reports the engine's own
+log-probabilities of a probe sequence so the driver can verify a sync.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from grpo.config import GRPOTrainConfig
+
+PROBE_TEXT = "The answer is 42. Let me check: 40 + 2 = 42, so the answer is 42."
+"""Completion of the sync probe: fixed, so every check compares the same sequence."""
+
+
+class RolloutWorker:
+    """Plain class; the driver wraps it with ``ray.remote``. Tests also use it in-process."""
+
+    def __init__(self, cfg: GRPOTrainConfig, rank: int = 0):
+        import torch
+
+        torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.cluster.cpus_per_actor)))
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from es_ray.engines.base import make_engine
+        from es_ray.models import resolve_model
+        from es_ray.tasks import load_task
+
+        self.cfg, self.rank = cfg, rank
+        self.engine = make_engine(str(resolve_model(cfg.model.path)), cfg.engine)
+        self.task = load_task(cfg.task)
+        self._prompts = {
+            split: [self.engine.apply_chat_template(self.task.messages(p)) for p in problems]
+            for split, problems in (("train", self.task.train), ("eval", self.task.eval))
+        }
+
+    def ready(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), "train_size": len(self.task.train),
+                "eval_size": len(self.task.eval)}
+
+    def _tokens(self, text: str) -> list[int]:
+        return list(self.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def generate(self, prompt_indices: list[int], group_size: int, seed: int) -> dict:
+        """group_size completions of each training prompt -> per completion its prompt index, prompt and completion
+        token ids, and reward (a reward that raises scores 0, counted)."""
+        problems = [self.task.train[i] for i in prompt_indices for _ in range(group_size)]
+        index = [i for i in prompt_indices for _ in range(group_size)]
+        prompts = [self._prompts["train"][i] for i in index]
+        t0 = time.perf_counter()
+        completions = self.engine.generate(prompts, self.cfg.sampling, seed)
+        t1 = time.perf_counter()
+        prompt_ids = {i: self._tokens(self._prompts["train"][i]) for i in set(index)}
+        samples, errors = [], 0
+        for i, c, problem in zip(index, completions, problems):
+            try:
+                reward = float(self.task.reward(c.text, problem))
+            except Exception:
+                reward, errors = 0.0, errors + 1
+            # The transformers engine returns the sampled ids; re-tokenising the text is the fallback.
+            ids = list(c.token_ids) if c.token_ids else self._tokens(c.text)
+            samples.append({"prompt_index": i, "prompt_ids": prompt_ids[i], "completion_ids": ids, "reward": reward})
+        return {"samples": samples, "reward_errors": errors, "generate_s": t1 - t0,
+                "reward_s": time.perf_counter() - t1, "tokens": sum(c.num_tokens for c in completions)}
+
+    def evaluate(self, split: str, seed: int) -> dict:
+        """Greedy mean reward of the current weights on a whole split (the held-out curve, as ES logs it)."""
+        from es_ray.config import SamplingConfig
+
+        problems = self.task.eval if split == "eval" else self.task.train
+        greedy = SamplingConfig(max_new_tokens=self.cfg.sampling.max_new_tokens, temperature=0.0)
+        t0 = time.perf_counter()
+        completions = self.engine.generate(self._prompts[split], greedy, seed)
+        total = 0.0
+        for c, p in zip(completions, problems):
+            try:
+                total += float(self.task.reward(c.text, p))
+            except Exception:
+                pass
+        return {"reward": total / max(1, len(problems)), "seconds": time.perf_counter() - t0}
+
+    def write_weights(self, weights: dict) -> float:
+        """Copy the learner's (HF name -> tensor) weights into the engine; returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.engine.write_weights(weights.items())
+        return time.perf_counter() - t0
+
+    def probe_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+        return engine_logprobs(self.engine, prompt_ids, completion_ids)
+
+    def probe(self) -> tuple[list[int], list[int]]:
+        """The sync probe: the first training prompt and a fixed completion, as token ids."""
+        return self._tokens(self._prompts["train"][0]), self._tokens(PROBE_TEXT)
+
+    def peak_memory(self) -> dict:
+        from es_ray.ledger import process_peak_memory
+
+        return process_peak_memory()
+
+
+def engine_logprobs(engine, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    """log p(completion token | prefix) under the engine's own weights and kernels, in fp32."""
+    if engine.name == "vllm":
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        ids = list(prompt_ids) + list(completion_ids)
+        out = engine.llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                                  SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)
+        per_pos = out[0].prompt_logprobs  # position j: {token id: Logprob} for ids[j] given ids[:j]
+        return [float(per_pos[j][ids[j]].logprob) for j in range(len(prompt_ids), len(ids))]
+    from grpo.loss import model_log_probs
+
+    return model_log_probs(engine.model, prompt_ids, completion_ids)

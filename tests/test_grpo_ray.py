@@ -1,0 +1,72 @@
+"""GRPO on a local Ray with the tiny model: the reward rises on a reward a tiny model can move; a stopped run
+resumes to bit-identical final weights; a dead rollout actor is replaced and re-synced; a dead learner stops the
+run with a message saying how to resume."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from es_test_tasks import VowelTask
+from grpo.config import to_grpo_config
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def peaked_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with its (tied) embedding scaled up: its next-token distribution is peaked on a few tokens
+    per context instead of uniform over 49k, so a reward over the text is a small bandit GRPO can solve; with the
+    uniform distribution no token is sampled twice and nothing generalises from one token to another."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(EMBED_SCALE)
+    out = tmp_path_factory.mktemp("peaked-llama")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out
+
+
+EMBED_SCALE = 10.0
+
+
+class WhitespaceTask(VowelTask):
+    """Reward: share of the completion's characters that are whitespace. Newline and space-prefixed tokens are a
+    few token ids shared by every context, so the tiny model can raise it in a few steps."""
+
+    name = "whitespace"
+
+    def reward(self, completion: str, problem) -> float:
+        return sum(c.isspace() for c in completion) / len(completion) if completion else 0.0
+
+
+def tiny_cfg(model_dir, run_dir, **grpo):
+    return to_grpo_config({
+        "model": {"path": str(model_dir)}, "task": {"name": "test_grpo_ray:WhitespaceTask", "train_size": 8},
+        "grpo": {"steps": 4, "lr": 1e-3, "group_size": 4, "prompts_per_step": 4, "micro_batch_size": 16, **grpo},
+        "sampling": {"max_new_tokens": 8, "temperature": 1.0}, "engine": {"threads": 1},
+        "eval": {"every": 0}, "run": {"dir": str(run_dir), "progress": False, "tensorboard": False},
+    })
+
+
+def rewards(run_dir):
+    return [json.loads(x)["reward/mean"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_mean_reward_rises(ray_local, peaked_model_dir, tmp_path):
+    from grpo.driver import run
+
+    run(tiny_cfg(peaked_model_dir, tmp_path, steps=10, lr=3e-3))
+    r = rewards(tmp_path)
+    first, last = np.mean(r[:3]), np.mean(r[-3:])
+    assert last > first + 0.2, r
+    ledger = json.loads((tmp_path / "ledger.json").read_text())
+    assert ledger["tokens_generated"] > 0 and ledger["tokens_backpropagated"] > ledger["tokens_generated"]
+    assert set(ledger["peak_memory"]) == {"learner", "rollout_0"}
+    assert all(m["peak_rss_bytes"] > 1 << 20 for m in ledger["peak_memory"].values())
+    assert ledger["phase_seconds"]["train"] > 0 and ledger["phase_seconds"]["sync"] > 0
