@@ -121,7 +121,7 @@ def _kill_processes_of(temp_dir: str) -> None:
             p.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=15)
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=5)
     for p in alive:
         try:
             p.kill()

@@ -79,7 +79,8 @@ def test_es_actors_on_two_nodes_stay_bit_identical(two_nodes, tiny_model_dir, tm
 
     from es_ray.driver import run, start_workers
 
-    cfg = tiny_cfg(tiny_model_dir, tmp_path / "spread", cluster__num_actors=2, cluster__placement="spread")
+    small = dict(es__iterations=2, es__prompts_per_iteration=4)
+    cfg = tiny_cfg(tiny_model_dir, tmp_path / "spread", cluster__num_actors=2, cluster__placement="spread", **small)
     workers, _ = start_workers(cfg)
     assert sorted(_node_of(w) for w in workers) == sorted(two_nodes[1]), "the two actors share a node"
     for w in workers:
@@ -88,9 +89,9 @@ def test_es_actors_on_two_nodes_stay_bit_identical(two_nodes, tiny_model_dir, tm
     _wait_all_cpus_free()
 
     spread = run(cfg)
-    one = run(tiny_cfg(tiny_model_dir, tmp_path / "one", cluster__num_actors=1))
+    one = run(tiny_cfg(tiny_model_dir, tmp_path / "one", cluster__num_actors=1, **small))
     rows = [json.loads(x) for x in (tmp_path / "spread" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 3 and all(r["es/checksums_verified"] for r in rows)  # compared across nodes every iteration
+    assert len(rows) == 2 and all(r["es/checksums_verified"] for r in rows)  # compared across nodes every iteration
     w2 = load_file(Path(spread["final_checkpoint"]) / "model.safetensors")
     w1 = load_file(Path(one["final_checkpoint"]) / "model.safetensors")
     base = load_file(Path(tiny_model_dir) / "model.safetensors")

@@ -95,3 +95,10 @@ def test_es_train_on_a_machine_without_gpus_fails_early_with_the_numbers(tmp_pat
     metrics = tmp_path / "run" / "metrics.jsonl"
     assert not metrics.exists() or not metrics.read_text().strip(), "an iteration ran"
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_waiting_for_an_autoscaler_gives_up_with_the_numbers(ray_local):
+    from es_ray.placement import place
+
+    with pytest.raises(ConfigError, match=r"not reserved within 1 s: .*needs 3 CPUs; the cluster has 2"):
+        place(cluster(num_actors=3, cpus_per_actor=1, wait_for_resources_s=1.0))
