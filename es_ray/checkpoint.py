@@ -78,3 +78,63 @@ class SeedLog:
             if line.strip():
                 rows.append(json.loads(line))
         return rows
+
+    @staticmethod
+    def recover(path: str | Path) -> list[dict]:
+        """The complete records of a log a crash may have cut mid-line; the torn tail is cut off the file.
+
+        Records must number the iterations 0, 1, 2, ... in order; a gap means the log is not this run's.
+        """
+        path = Path(path)
+        if not path.is_file():
+            return []
+        rows, good = [], 0
+        data = path.read_bytes()
+        for line in data.splitlines(keepends=True):
+            try:
+                row = json.loads(line) if line.endswith(b"\n") else None
+            except ValueError:
+                row = None
+            if row is None:
+                break
+            if row.get("iteration") != len(rows):
+                raise ValueError(f"{path}: record {len(rows)} is for iteration {row.get('iteration')}; the seed log "
+                                 "must hold iterations 0, 1, 2, ... in order")
+            rows.append(row)
+            good += len(line)
+        if good < len(data):
+            with open(path, "r+b") as f:
+                f.truncate(good)
+        return rows
+
+
+def replay_record(record: dict) -> dict:
+    """What replaying one seed-log record needs (the shaped fitness as logged: JSON floats round-trip exactly)."""
+    return {k: record[k] for k in ("iteration", "sigma", "members", "fitness")}
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path, dict]]:
+    """(iteration, path, meta) of every finished checkpoint under run_dir/checkpoints, oldest first."""
+    out = []
+    for meta_file in Path(run_dir, "checkpoints").glob("*/es_meta.json"):
+        meta = json.loads(meta_file.read_text())
+        out.append((int(meta["iteration"]), meta_file.parent, meta))
+    return sorted(out, key=lambda x: (x[0], x[1].name))
+
+
+def load_es_state(path: str | Path) -> dict:
+    """A replica state dict from a checkpoint directory, or from the initial model directory (no optimizer state).
+
+    The master holds every tensor of the directory in fp32; the replica takes the names it trains. A tied LM
+    head, which checkpoints store once, is aliased to the input embedding.
+    """
+    from es_ray.models import load_hf_weights
+
+    path = Path(path)
+    master = load_hf_weights(path)
+    if "lm_head.weight" not in master and "model.embed_tokens.weight" in master:
+        master["lm_head.weight"] = master["model.embed_tokens.weight"]
+    extra = {"optimizer": {"t": 0, "state": {}}, "theta0": None}
+    if (path / "es_state.pt").is_file():
+        extra = torch.load(path / "es_state.pt", map_location="cpu", weights_only=True)
+    return {"master": master, "optimizer": extra["optimizer"], "theta0": extra.get("theta0")}

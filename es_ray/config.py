@@ -17,6 +17,8 @@ OPTIMIZERS = ("sgd", "adam")
 NOISE_KINDS = ("auto", "per_tensor", "table")
 ENGINES = ("hf", "vllm")
 DTYPES = ("bfloat16", "float16", "float32", "auto")
+ON_MISMATCH = ("stop", "rebuild")
+KILL_PHASES = ("evaluate", "update")
 PLACEMENTS = ("pack", "spread")
 
 
@@ -90,6 +92,9 @@ class ESConfig:
     """Number of fp32 values in the shared noise table (noise=table); must exceed the largest tensor."""
     checksum_every: int = 1
     """Compare the replicas' master-weight checksums every k iterations (0 disables)."""
+    on_mismatch: str = "stop"
+    """When replica checksums differ: stop (with an error) or rebuild (the odd actors are rebuilt from the last
+    checkpoint plus the seed log, logged)."""
 
 
 @dataclass
@@ -158,8 +163,39 @@ class RunConfig:
     """Run seed: the noise of member i of iteration t on tensor `name` is a function of (seed, t, i, name)."""
     checkpoint_every: int = 0
     """Write checkpoints/iter_<t> every k iterations (0: only the final one)."""
+    resume: bool = False
+    """Continue the run in run.dir from its last checkpoint (ES: plus a replay of the seed log since it); the
+    result equals an uninterrupted run. A run.dir with nothing to resume starts a new run."""
     tensorboard: bool = True
     progress: bool = True
+
+
+@dataclass
+class FaultsConfig:
+    """Fault tolerance (how long to wait for an actor, how many to replace) and fault injection, which the tests
+    use and users can use to rehearse a failure. Injection keys: -1 = off; each fires once (a replacement actor
+    started during iteration t ignores the faults of iterations up to t)."""
+
+    actor_timeout_s: float = 1800.0
+    """An actor call unanswered this long counts as a dead actor: it is killed and replaced (0: wait forever).
+    A killed process or a lost node is noticed by Ray itself, without waiting for this."""
+    max_replacements: int = 8
+    """Dead actors replaced per run before the run stops (it can then be resumed with run.resume=true)."""
+    actor_rank: int = 0
+    """The actor the injected faults hit."""
+    kill_actor_at_iteration: int = -1
+    """That actor's process exits in the middle of this iteration (see kill_actor_phase)."""
+    kill_actor_phase: str = "evaluate"
+    """evaluate: after scoring its first member; update: before applying the update."""
+    hang_actor_at_iteration: int = -1
+    """That actor stops answering during this iteration's evaluation (needs actor_timeout_s > 0)."""
+    corrupt_replica_at_iteration: int = -1
+    """That actor flips one bit of its master weights after this iteration's update (a replica mismatch)."""
+    interrupt_at_iteration: int = -1
+    """The driver sends itself SIGTERM while this iteration's members are being evaluated (rehearses
+    `ray job stop`)."""
+    actor_delay_s: float = 0.0
+    """Every actor sleeps this long before each evaluation (a slow node; tests use it to pace a run)."""
 
 
 @dataclass
@@ -172,6 +208,7 @@ class TrainConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
 
 def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
@@ -241,7 +278,32 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.run.dir and not os.path.isabs(cfg.run.dir):
         # Ray Jobs run the driver in a temporary directory: relative outputs would vanish.
         raise ConfigError(f"run.dir={cfg.run.dir!r} must be an absolute path (Ray Jobs run in a temporary directory)")
+    validate_resume(cfg)
     return cfg
+
+
+def validate_resume(cfg: TrainConfig) -> None:
+    """run.resume, es.on_mismatch and the faults group."""
+    if cfg.run.resume and not cfg.run.dir:
+        raise ConfigError("run.resume=true needs run.dir= the absolute directory of the run to continue")
+    _choice("es.on_mismatch", cfg.es.on_mismatch, ON_MISMATCH)
+    f = cfg.faults
+    _positive("faults.actor_timeout_s", f.actor_timeout_s, allow_zero=True)
+    _positive("faults.max_replacements", f.max_replacements, allow_zero=True)
+    _positive("faults.actor_delay_s", f.actor_delay_s, allow_zero=True)
+    _choice("faults.kill_actor_phase", f.kill_actor_phase, KILL_PHASES)
+    if not 0 <= f.actor_rank < cfg.cluster.num_actors:
+        raise ConfigError(f"faults.actor_rank={f.actor_rank} is not an actor: set it in "
+                          f"[0, cluster.num_actors={cfg.cluster.num_actors})")
+    for key in ("kill_actor_at_iteration", "hang_actor_at_iteration", "corrupt_replica_at_iteration",
+                "interrupt_at_iteration"):
+        value = getattr(f, key)
+        if value < -1 or value >= cfg.es.iterations:
+            raise ConfigError(f"faults.{key}={value} never fires: set it in [0, es.iterations={cfg.es.iterations}) "
+                              "or -1 (off)")
+    if f.hang_actor_at_iteration >= 0 and not f.actor_timeout_s:
+        raise ConfigError("faults.hang_actor_at_iteration needs faults.actor_timeout_s > 0 (with 0 the driver "
+                          "would wait for the hung actor forever)")
 
 
 def _check_cluster_and_run(cluster: ClusterConfig, run: RunConfig) -> None:

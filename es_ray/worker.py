@@ -28,17 +28,20 @@ def replica_spec(cfg: TrainConfig):
 class ESWorker:
     """Plain class; the driver wraps it with ``ray.remote``. Tests also use it in-process."""
 
-    def __init__(self, cfg: TrainConfig, rank: int = 0):
+    def __init__(self, cfg: TrainConfig, rank: int = 0, immune_through: int = -1):
+        """``immune_through``: a replacement started during iteration t ignores injected faults up to t."""
         import torch
 
         threads = cfg.engine.threads or max(1, int(cfg.cluster.cpus_per_actor))
         torch.set_num_threads(threads)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from es_ray.engines.base import make_engine
+        from es_ray.faults import FaultInjector
         from es_ray.models import resolve_model
         from es_ray.tasks import load_task
 
         self.cfg, self.rank = cfg, rank
+        self.faults = FaultInjector(cfg.faults, rank, immune_through)
         self.model_dir = resolve_model(cfg.model.path)
         self.engine = make_engine(str(self.model_dir), cfg.engine)
         self.engine.es_setup(replica_spec(cfg))
@@ -70,7 +73,10 @@ class ESWorker:
     def evaluate(self, req: EvalRequest) -> EvalResult:
         timing = {"perturb": 0.0, "generate": 0.0, "reward": 0.0, "restore": 0.0}
         results = []
+        self.faults.before_evaluate(req.iteration)
         for m in req.members:
+            if _cancelled():  # the driver was interrupted: stop between members, restore, answer early
+                break
             t0 = time.perf_counter()
             self.engine.es_call("perturb", req.iteration, m.noise_id, m.sign, req.sigma)
             timing["perturb"] += time.perf_counter() - t0
@@ -78,6 +84,7 @@ class ESWorker:
             timing["generate"] += t_gen
             timing["reward"] += t_rew
             results.append(MemberResult(m.index, reward, tokens, errors))
+            self.faults.member_done(req.iteration, len(results), len(req.members))
         t0 = time.perf_counter()
         self.engine.es_call("restore")
         timing["restore"] += time.perf_counter() - t0
@@ -91,7 +98,9 @@ class ESWorker:
 
     def update(self, req: UpdateRequest) -> UpdateResult:
         t0 = time.perf_counter()
+        self.faults.before_update(req.iteration)
         stats = self.engine.es_call("update", req.iteration, list(req.members), list(req.fitness), req.sigma)
+        self.faults.after_update(req.iteration, self.engine)
         digest = self.engine.es_call("checksum") if req.want_checksum else ""
         return UpdateResult(stats["update_norm"], stats["realised_cos"], stats["realised_norm"], digest,
                             time.perf_counter() - t0)
@@ -103,10 +112,46 @@ class ESWorker:
         from es_ray.checkpoint import save_checkpoint
 
         state = self.engine.es_call("state_dict")
-        save_checkpoint(path, state, self.model_dir, {**extra, "engine": asdict(self.cfg.engine)})
+        meta = {**extra, "checksum": self.engine.es_call("checksum"), "engine": asdict(self.cfg.engine)}
+        save_checkpoint(path, state, self.model_dir, meta)
         return path
+
+    def rebuild(self, checkpoint: str, records: list[dict]) -> dict:
+        """Load the replica from a checkpoint on disk ('' = the initial weights), then replay the seed-log
+        records since it, update by update: the weights never cross the network.
+
+        Returns the master's checksum, the seconds taken, the updates replayed and the model's fp32 size in bytes;
+        ``{"unreadable": checkpoint}`` when this node cannot read that checkpoint (no shared disk), so the
+        driver can send the whole log instead.
+        """
+        from es_ray.checkpoint import load_es_state
+        from es_ray.strategy import Member
+
+        t0 = time.perf_counter()
+        source = checkpoint or str(self.model_dir)
+        if not os.path.isfile(os.path.join(source, "config.json")):
+            return {"unreadable": checkpoint}
+        state = load_es_state(source)
+        model_bytes = sum(t.numel() * 4 for t in {id(t): t for t in state["master"].values()}.values())
+        self.engine.es_call("load_state_dict", state)
+        del state
+        for r in records:
+            members = [Member(*m) for m in r["members"]]
+            self.engine.es_call("update", r["iteration"], members, r["fitness"], r["sigma"])
+        return {"checksum": self.engine.es_call("checksum"), "seconds": time.perf_counter() - t0,
+                "replayed": len(records), "model_bytes": model_bytes}
 
     def peak_memory_bytes(self) -> int:
         import resource
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _cancelled() -> bool:
+    """True inside a Ray actor task the driver has cancelled (ray.cancel); False outside Ray."""
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().is_canceled()
+    except RuntimeError:  # the driver or no task context (in-process use): never cancelled
+        return False

@@ -1,0 +1,64 @@
+"""Fault injection inside an ES actor (the `faults.*` config group): tests use it, users rehearse with it.
+
+A fault fires once: a replacement actor started during iteration t is immune to the faults of iterations up to
+t (it gets t's work again), so a run with faults injected must end exactly where the same run without them ends.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from es_ray.config import FaultsConfig
+
+KILL_EXIT_CODE = 75
+
+
+class FaultInjector:
+    def __init__(self, cfg: FaultsConfig, rank: int, immune_through: int = -1):
+        self.cfg = cfg
+        self.armed = rank == cfg.actor_rank
+        self.immune_through = immune_through
+
+    def _fires(self, key: str, iteration: int) -> bool:
+        return self.armed and getattr(self.cfg, key) == iteration > self.immune_through
+
+    def before_evaluate(self, iteration: int) -> None:
+        if self.cfg.actor_delay_s:
+            time.sleep(self.cfg.actor_delay_s)
+        if self._fires("hang_actor_at_iteration", iteration):
+            time.sleep(10 * self.cfg.actor_timeout_s)  # the driver's timeout kills this process first
+
+    def member_done(self, iteration: int, done: int, total: int) -> None:
+        """Called after each evaluated member: the kill lands after the first one, mid-iteration."""
+        if self.cfg.kill_actor_phase == "evaluate" and self._fires("kill_actor_at_iteration", iteration) \
+                and done == 1:
+            _die(f"evaluating iteration {iteration} ({done}/{total} members done)")
+
+    def before_update(self, iteration: int) -> None:
+        if self.cfg.kill_actor_phase == "update" and self._fires("kill_actor_at_iteration", iteration):
+            _die(f"before applying the update of iteration {iteration}")
+
+    def after_update(self, iteration: int, engine: Any) -> None:
+        if self._fires("corrupt_replica_at_iteration", iteration):
+            corrupt_one_bit(engine)
+
+
+def _die(where: str) -> None:
+    print(f"faults: actor process {os.getpid()} exits {where} (faults.kill_actor_at_iteration)", flush=True)
+    os._exit(KILL_EXIT_CODE)
+
+
+def corrupt_one_bit(engine: Any) -> str:
+    """Flip the lowest mantissa bit of one master weight (through the replica's own state round trip)."""
+    import torch
+
+    state = engine.es_call("state_dict")
+    name = sorted(state["master"])[0]
+    flat = state["master"][name].view(-1)
+    bits = flat[:1].clone().view(torch.int32)
+    bits ^= 1
+    flat[:1] = bits.view(torch.float32)
+    engine.es_call("load_state_dict", state)
+    return name
