@@ -6,7 +6,9 @@ actors need (num_actors x gpus_per_actor GPUs, num_actors x cpus_per_actor CPUs,
 the cluster's nodes and fails with both numbers, instead of Ray's silent wait for resources that never come.
 
 `actor_options(placement, rank)` gives the Ray options for rank i's actor, so a replacement for a dead actor
-lands in the same bundle (Ray reschedules a bundle whose node died). Ray is imported inside the functions.
+lands in the same bundle (Ray reschedules a bundle whose node died). A driver with more actors of the same shape
+than cluster.num_actors (GRPO: the rollout actors and a learner) passes `count=`. Ray is imported inside the
+functions.
 """
 
 from __future__ import annotations
@@ -28,15 +30,21 @@ class Needs:
 
     bundle: dict[str, float]
     num_actors: int
+    who: str = ""
+    """How the count reads in messages (default: cluster.num_actors=<n>)."""
 
     @property
     def total(self) -> dict[str, float]:
         return {k: v * self.num_actors for k, v in self.bundle.items()}
 
 
-def needs(cluster: ClusterConfig) -> Needs:
+def needs(cluster: ClusterConfig, count: int | None = None) -> Needs:
+    """One bundle per actor: cluster.num_actors of them, or `count` (e.g. num_actors + 1 with a learner)."""
     bundle = {"CPU": float(cluster.cpus_per_actor), "GPU": float(cluster.gpus_per_actor)}
-    return Needs({k: v for k, v in bundle.items() if v > 0}, cluster.num_actors)
+    n = cluster.num_actors if count is None else count
+    extra = n - cluster.num_actors
+    who = f"{n} actors (cluster.num_actors={cluster.num_actors} + {extra})" if extra else ""
+    return Needs({k: v for k, v in bundle.items() if v > 0}, n, who)
 
 
 def fit_problem(need: Needs, nodes: list[dict[str, float]]) -> str:
@@ -46,11 +54,12 @@ def fit_problem(need: Needs, nodes: list[dict[str, float]]) -> str:
     one node; a bin-packing failure of several bundles is left to Ray's placement (it then waits).
     """
     names = {"GPU": ("GPUs", "gpus_per_actor"), "CPU": ("CPUs", "cpus_per_actor")}
+    who = need.who or f"cluster.num_actors={need.num_actors}"
     for key, (label, field) in names.items():
         want = need.total.get(key, 0.0)
         have = sum(n.get(key, 0.0) for n in nodes)
         if want > have:
-            return (f"cluster.num_actors={need.num_actors} x cluster.{field}={_num(need.bundle[key])} needs "
+            return (f"{who} x cluster.{field}={_num(need.bundle[key])} needs "
                     f"{_num(want)} {label}; the cluster has {_num(have)} on {len(nodes)} node(s). Lower "
                     f"cluster.num_actors or cluster.{field}, add nodes with {label}, or on an autoscaling cluster "
                     "set cluster.wait_for_resources_s= to wait for them")
@@ -61,12 +70,12 @@ def fit_problem(need: Needs, nodes: list[dict[str, float]]) -> str:
     return ""
 
 
-def check_fit(cluster: ClusterConfig) -> None:
+def check_fit(cluster: ClusterConfig, count: int | None = None) -> None:
     """Fail before any actor starts when the connected cluster cannot hold the actors."""
     import ray
 
     nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
-    problem = fit_problem(needs(cluster), nodes)
+    problem = fit_problem(needs(cluster, count), nodes)
     if problem:
         raise ConfigError(problem)
 
@@ -74,8 +83,9 @@ def check_fit(cluster: ClusterConfig) -> None:
 class Placement:
     """The run's placement group and the per-rank options; `release()` frees its reserved resources."""
 
-    def __init__(self, cluster: ClusterConfig, group: Any | None):
+    def __init__(self, cluster: ClusterConfig, group: Any | None, count: int | None = None):
         self.cluster, self.group = cluster, group
+        self.count = cluster.num_actors if count is None else count
 
     def options(self, rank: int) -> dict[str, Any]:
         return actor_options(self, rank)
@@ -88,18 +98,19 @@ class Placement:
             self.group = None
 
 
-def place(cluster: ClusterConfig, name: str = "es") -> Placement:
-    """Check the fit, reserve one bundle per actor with the configured strategy, and wait until it is ready."""
+def place(cluster: ClusterConfig, name: str = "es", count: int | None = None) -> Placement:
+    """Check the fit, reserve one bundle per actor (cluster.num_actors, or `count`) with the configured strategy,
+    and wait until it is ready."""
     import ray
     from ray.util import placement_group
 
-    bundle = needs(cluster).bundle
-    if not bundle:  # actors that ask for nothing need no reservation (Ray refuses empty bundles)
-        return Placement(cluster, None)
+    need = needs(cluster, count)
+    if not need.bundle:  # actors that ask for nothing need no reservation (Ray refuses empty bundles)
+        return Placement(cluster, None, need.num_actors)
     if not cluster.wait_for_resources_s:
-        check_fit(cluster)
+        check_fit(cluster, count)
     strategy = {"pack": "PACK", "spread": "SPREAD"}[cluster.placement]
-    group = placement_group([dict(bundle) for _ in range(cluster.num_actors)], strategy=strategy,
+    group = placement_group([dict(need.bundle) for _ in range(need.num_actors)], strategy=strategy,
                             name=f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     timeout = cluster.wait_for_resources_s or BUSY_WAIT_S
     ready, _ = ray.wait([group.ready()], timeout=timeout)
@@ -108,11 +119,11 @@ def place(cluster: ClusterConfig, name: str = "es") -> Placement:
 
         remove_placement_group(group)
         nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
-        problem = fit_problem(needs(cluster), nodes) or (
-            f"the cluster holds the {_describe(needs(cluster).total)} the actors need, but they stayed in use by "
+        problem = fit_problem(need, nodes) or (
+            f"the cluster holds the {_describe(need.total)} the actors need, but they stayed in use by "
             "other jobs or actors (see `ray status`)")
         raise ConfigError(f"the actors' resources were not reserved within {timeout:g} s: {problem}")
-    return Placement(cluster, group)
+    return Placement(cluster, group, need.num_actors)
 
 
 def actor_options(placement: Placement, rank: int) -> dict[str, Any]:
@@ -126,8 +137,8 @@ def actor_options(placement: Placement, rank: int) -> dict[str, Any]:
     if placement.group is not None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if not 0 <= rank < cluster.num_actors:
-            raise ValueError(f"rank {rank} is outside the placement group's {cluster.num_actors} bundles")
+        if not 0 <= rank < placement.count:
+            raise ValueError(f"rank {rank} is outside the placement group's {placement.count} bundles")
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement.group, placement_group_bundle_index=rank, placement_group_capture_child_tasks=False)
     return opts

@@ -125,7 +125,8 @@ def _hydra_value(text: str) -> str:
 def plan(command: list[str], sweep: list[str], run_root: str, name: str = "") -> list[Submission]:
     """One Submission per sweep combination: ids, entrypoints and absolute run directories."""
     if not command:
-        raise SubmitError("no command after `--`; e.g. es-submit --address http://HEAD:8265 -- es-train es.iterations=5")
+        raise SubmitError("no command after `--`; e.g. es-submit --address http://HEAD:8265 -- es-train "
+                          "es.iterations=5")
     program, overrides = command[0], command[1:]
     if any(a in ("-m", "--multirun") for a in overrides):
         raise SubmitError("Hydra multirun (-m) is not used on a cluster; use es-submit --sweep key=a,b (one job each)")
@@ -245,7 +246,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
                    help="one job per combination of these values")
     p.add_argument("--working-dir", default=".", help="directory shipped to the cluster (default: the current one)")
-    p.add_argument("--runtime-env", default=str(RUNTIME_ENV), help="runtime_env YAML (default: launch/runtime_env.yaml)")
+    p.add_argument("--runtime-env", default=str(RUNTIME_ENV),
+                   help="runtime_env YAML (default: launch/runtime_env.yaml)")
     p.add_argument("--name", default="", help="prefix of the job ids (default: the command's name)")
     p.add_argument("--wait", action="store_true", help="stream the logs and exit with the job's status")
     p.add_argument("--no-check", action="store_true", help="skip composing the overrides locally before submitting")

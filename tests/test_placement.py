@@ -43,8 +43,14 @@ def test_an_actor_larger_than_any_node_is_refused_even_when_the_total_fits():
     assert "cluster.gpus_per_actor=2: each actor needs that many GPUs on one node; the largest node has 1" in msg
 
 
+def test_a_driver_with_extra_actors_counts_them():
+    msg = fit_problem(needs(cluster(num_actors=4, gpus_per_actor=1), count=5), [GPU_NODE] * 4)
+    assert "5 actors (cluster.num_actors=4 + 1) x cluster.gpus_per_actor=1 needs 5 GPUs; the cluster has 4" in msg
+
+
 def test_fitting_requests_pass():
-    assert fit_problem(needs(cluster(num_actors=8, gpus_per_actor=1, cpus_per_actor=4)), [HEAD, {"CPU": 96, "GPU": 8}]) == ""
+    eight = needs(cluster(num_actors=8, gpus_per_actor=1, cpus_per_actor=4))
+    assert fit_problem(eight, [HEAD, {"CPU": 96, "GPU": 8}]) == ""
     assert fit_problem(needs(cluster(num_actors=2, gpus_per_actor=0.5)), [GPU_NODE]) == ""
 
 
@@ -65,15 +71,15 @@ def test_options_place_each_rank_in_its_own_bundle(ray_local):
 
     from es_ray.placement import place
 
-    placement = place(cluster(num_actors=2, cpus_per_actor=0.5, placement="spread"), "test")
+    placement = place(cluster(num_actors=2, cpus_per_actor=0.5, placement="spread"), "test", count=3)
     try:
-        opts = [placement.options(rank) for rank in range(2)]
+        opts = [placement.options(rank) for rank in range(3)]
         assert all(isinstance(o["scheduling_strategy"], PlacementGroupSchedulingStrategy) for o in opts)
-        assert [o["scheduling_strategy"].placement_group_bundle_index for o in opts] == [0, 1]
+        assert [o["scheduling_strategy"].placement_group_bundle_index for o in opts] == [0, 1, 2]
         assert opts[0]["num_cpus"] == 0.5 and opts[0]["num_gpus"] == 0.0
-        assert placement.group.bundle_specs == [{"CPU": 0.5}, {"CPU": 0.5}]
-        with pytest.raises(ValueError, match="rank 2"):
-            placement.options(2)
+        assert placement.group.bundle_specs == [{"CPU": 0.5}] * 3
+        with pytest.raises(ValueError, match="rank 3"):
+            placement.options(3)
     finally:
         placement.release()
     assert placement.group is None
