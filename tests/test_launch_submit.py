@@ -150,6 +150,7 @@ def ray_head():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.mark.ray
 def test_es_train_job_succeeds_with_outputs_in_the_absolute_run_dir(ray_head, tiny_model_dir, tmp_path):
     address, env = ray_head
     res = es_submit("--address", address, "--run-root", str(tmp_path / "runs"), "--wait", "--",
@@ -169,6 +170,7 @@ def test_es_train_job_succeeds_with_outputs_in_the_absolute_run_dir(ray_head, ti
     assert json.loads((run_dir / "config.json").read_text())["run"]["dir"] == str(run_dir)
 
 
+@pytest.mark.ray
 def test_failing_job_exits_1_and_ships_the_tree_without_git_or_outputs(ray_head):
     address, env = ray_head
     probe = "import os, sys; print('LISTING', sorted(os.listdir('.'))); sys.exit(3)"

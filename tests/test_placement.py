@@ -66,6 +66,7 @@ def test_run_root_must_be_absolute():
         validate(TrainConfig(run=RunConfig(root="relative/runs")))
 
 
+@pytest.mark.ray
 def test_options_place_each_rank_in_its_own_bundle(ray_local):
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -85,6 +86,7 @@ def test_options_place_each_rank_in_its_own_bundle(ray_local):
     assert placement.group is None
 
 
+@pytest.mark.ray
 def test_a_cluster_too_small_fails_before_any_actor_starts(ray_local):
     from es_ray.placement import place
 
@@ -92,6 +94,7 @@ def test_a_cluster_too_small_fails_before_any_actor_starts(ray_local):
         place(cluster(num_actors=64, gpus_per_actor=1))
 
 
+@pytest.mark.ray
 def test_es_train_on_a_cluster_with_too_few_gpus_fails_early_with_the_numbers(tmp_path, tiny_model_dir):
     res = subprocess.run(
         ["es-train", f"model.path={tiny_model_dir}", "cluster.num_actors=64", "es.population=64",
@@ -106,6 +109,7 @@ def test_es_train_on_a_cluster_with_too_few_gpus_fails_early_with_the_numbers(tm
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.ray
 def test_waiting_for_an_autoscaler_gives_up_with_the_numbers(ray_local):
     from es_ray.placement import place
 
