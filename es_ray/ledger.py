@@ -74,3 +74,15 @@ class Ledger:
         path = Path(run_dir) / "ledger.json"
         path.write_text(json.dumps(self.to_dict(extra), indent=2))
         return path
+
+
+def write_es_ledger(run_dir: str | Path, history: list[dict], peak_rss_by_rank: dict[int, int],
+                    extra: dict | None = None) -> Path:
+    """The ES run's ledger from its metrics rows (``perf/tokens``, ``timing_s/*``) and each actor's peak RSS.
+    ES back-propagates nothing: tokens_backpropagated stays 0."""
+    ledger = Ledger("es")
+    for row in history:
+        ledger.add_step(row, row.get("perf/tokens", 0))
+    for rank, rss in sorted(peak_rss_by_rank.items()):
+        ledger.add_memory(f"actor_{rank}", {"peak_rss_bytes": int(rss), "peak_gpu_bytes": None})
+    return ledger.write(run_dir, extra)

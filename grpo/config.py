@@ -17,7 +17,7 @@ LEARNER_DTYPES = ("float32", "bfloat16")
 
 @dataclass
 class GRPOConfig:
-    steps: int = 20
+    steps: int = 12
     """Optimizer steps (one batch of prompts_per_step x group_size completions each, epochs_per_batch passes)."""
     lr: float = 1e-5
     """AdamW learning rate (constant after warmup_steps of linear warmup)."""

@@ -179,8 +179,6 @@ def _truncate_metrics(run_dir: Path, start: int) -> None:
 def run(cfg: GRPOTrainConfig) -> dict:
     import json
 
-    from es_ray.config import ConfigError
-
     g = cfg.grpo
     if not cfg.cluster.address:  # fail fast on this machine; on a remote cluster the actors check
         from es_ray.models import resolve_model
@@ -191,11 +189,9 @@ def run(cfg: GRPOTrainConfig) -> dict:
     run_dir = make_run_dir(cfg, prefix="grpo")
     start, ckpt = 0, None
     if getattr(cfg.run, "resume", False):
-        ckpt = last_checkpoint(run_dir)
-        if ckpt is None:
-            raise ConfigError(f"run.resume=true but {run_dir / 'checkpoints'} holds no step_* checkpoint; set "
-                              "run.checkpoint_every>0 for runs you may resume, or drop run.resume")
-        start = json.loads((ckpt / "es_meta.json").read_text())["step"]
+        ckpt = last_checkpoint(run_dir)  # none yet: a new run, as es-train does
+        if ckpt is not None:
+            start = json.loads((ckpt / "es_meta.json").read_text())["step"]
         _truncate_metrics(run_dir, start)
     if not cfg.cluster.address:
         # ray.init() without an address joins the newest Ray on this machine (another run's, or a test's), whose
@@ -232,18 +228,29 @@ def run(cfg: GRPOTrainConfig) -> dict:
                 cluster._learner_call(cluster.learner.save.remote(str(path), {"step": t + 1}))
         final = run_dir / "checkpoints" / "final"
         cluster._learner_call(cluster.learner.save.remote(str(final), {"step": g.steps}))
-        for role, report in cluster.memory().items():
-            ledger.add_memory(role, report)
-        ledger.write(run_dir, {"rollout_actors_replaced": cluster.replaced, "start_step": start})
+        write_ledger(ledger, cluster, run_dir, start, finished=True)
         summary.update(final_checkpoint=str(final), steps=g.steps, reward_mean=[h["reward/mean"] for h in history],
                        eval_reward=[h["eval/reward"] for h in history if "eval/reward" in h])
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         tracker.message(f"grpo: done; final checkpoint {final}")
         return summary
+    except BaseException:
+        if cluster is not None:  # what the run cost until it stopped (best effort: an actor may be gone)
+            try:
+                write_ledger(ledger, cluster, run_dir, start, finished=False)
+            except Exception:
+                ledger.write(run_dir, {"start_step": start, "finished": False})
+        raise
     finally:
         tracker.close()
         if cluster is not None:
             cluster.kill()
+
+
+def write_ledger(ledger: Ledger, cluster: Cluster, run_dir: Path, start: int, finished: bool) -> None:
+    for role, report in cluster.memory().items():
+        ledger.add_memory(role, report)
+    ledger.write(run_dir, {"rollout_actors_replaced": cluster.replaced, "start_step": start, "finished": finished})
 
 
 def ray_get(ref):

@@ -45,12 +45,12 @@ class WhitespaceTask(VowelTask):
         return sum(c.isspace() for c in completion) / len(completion) if completion else 0.0
 
 
-def tiny_cfg(model_dir, run_dir, **grpo):
+def tiny_cfg(model_dir, run_dir, run=None, **grpo):
     return to_grpo_config({
         "model": {"path": str(model_dir)}, "task": {"name": "test_grpo_ray:WhitespaceTask", "train_size": 8},
         "grpo": {"steps": 4, "lr": 1e-3, "group_size": 4, "prompts_per_step": 4, "micro_batch_size": 16, **grpo},
         "sampling": {"max_new_tokens": 8, "temperature": 1.0}, "engine": {"threads": 1},
-        "eval": {"every": 0}, "run": {"dir": str(run_dir), "progress": False, "tensorboard": False},
+        "eval": {"every": 0}, "run": {"dir": str(run_dir), "progress": False, "tensorboard": False, **(run or {})},
     })
 
 
@@ -70,3 +70,61 @@ def test_mean_reward_rises(ray_local, peaked_model_dir, tmp_path):
     assert set(ledger["peak_memory"]) == {"learner", "rollout_0"}
     assert all(m["peak_rss_bytes"] > 1 << 20 for m in ledger["peak_memory"].values())
     assert ledger["phase_seconds"]["train"] > 0 and ledger["phase_seconds"]["sync"] > 0
+
+
+class Stop(Exception):
+    pass
+
+
+def test_dead_rollout_is_replaced_and_a_stopped_run_resumes_bit_identical(ray_local, peaked_model_dir, tmp_path,
+                                                                          monkeypatch):
+    import ray
+    from safetensors.torch import load_file
+
+    import grpo.driver as driver
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    driver.run(tiny_cfg(peaked_model_dir, full, run={"checkpoint_every": 2}))
+    real_step = driver.step
+
+    def faulty_step(cfg, cluster, t, pool):
+        if t == 1:
+            ray.kill(cluster.rollouts[0])  # dies before generating: replaced, re-synced, asked again
+        if t == 3:
+            raise Stop  # after the step-2 checkpoint
+        return real_step(cfg, cluster, t, pool)
+
+    monkeypatch.setattr(driver, "step", faulty_step)
+    with pytest.raises(Stop):
+        driver.run(tiny_cfg(peaked_model_dir, cut, run={"checkpoint_every": 2}))
+    assert rewards(cut) == rewards(full)[:3]  # the replacement generated what the original would have
+    ledger = json.loads((cut / "ledger.json").read_text())
+    assert ledger["rollout_actors_replaced"] == 1 and ledger["finished"] is False
+    monkeypatch.setattr(driver, "step", real_step)
+    summary = driver.run(tiny_cfg(peaked_model_dir, cut, run={"checkpoint_every": 2, "resume": True}))
+    assert summary["resumed_from"].endswith("step_000002")
+    assert rewards(cut) == rewards(full)
+    a, b = load_file(full / "checkpoints/final/model.safetensors"), load_file(cut / "checkpoints/final/model.safetensors")
+    assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
+
+
+def torch_equal(x, y) -> bool:
+    import torch
+
+    return bool(torch.equal(x, y))
+
+
+def test_dead_learner_stops_the_run_with_resume_advice(ray_local, peaked_model_dir, tmp_path, monkeypatch):
+    import ray
+
+    import grpo.driver as driver
+
+    real_step = driver.step
+
+    def kill_learner(cfg, cluster, t, pool):
+        ray.kill(cluster.learner)
+        return real_step(cfg, cluster, t, pool)
+
+    monkeypatch.setattr(driver, "step", kill_learner)
+    with pytest.raises(driver.LearnerDiedError, match="run.resume=true"):
+        driver.run(tiny_cfg(peaked_model_dir, tmp_path, steps=2))
