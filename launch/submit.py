@@ -168,9 +168,15 @@ def _validators() -> dict:
     """Entry points whose composed config es_ray can also validate (value checks beyond the schema's types)."""
     from es_ray import config as c
 
+    def grpo(d: dict):
+        from grpo.config import to_grpo_config
+
+        return to_grpo_config(d)
+
     return {"es-train": lambda d: c.to_config(d, c.TrainConfig),
             "es-eval": lambda d: c.validate_eval(c.to_config(d, c.EvaluateConfig)),
-            "es-drift": lambda d: c.validate_drift(c.to_config(d, c.DriftConfig))}
+            "es-drift": lambda d: c.validate_drift(c.to_config(d, c.DriftConfig)),
+            "grpo-train": grpo}
 
 
 def check_overrides(command: list[str]) -> dict | None:
