@@ -73,6 +73,10 @@ class VLLMEngine(Engine):
             kwargs["gpu_memory_utilization"] = _GPU_MEMORY_UTILIZATION
         if cfg.enforce_eager:
             kwargs["enforce_eager"] = True
+        if cfg.tensor_parallel_size > 1:
+            # Inside a Ray actor vLLM would pick its Ray executor and ask for placement-group bundles of its own;
+            # the actor already holds its GPUs (one bundle), so its TP workers are local processes on them.
+            kwargs["distributed_executor_backend"] = "mp"
         self.llm = LLM(**kwargs)
         _quiet_thread_warning()
         self.tokenizer = self.llm.get_tokenizer()
