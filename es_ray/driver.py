@@ -57,7 +57,10 @@ def connect(cluster: ClusterConfig) -> None:
         check_address(cluster.address)
         ray.init(address=cluster.address, runtime_env=env, log_to_driver=True)
     else:
-        ray.init(num_cpus=cluster.num_cpus or None, include_dashboard=False, runtime_env=env,
+        # A new local Ray, never a session someone else started on this machine (under Ray Jobs, RAY_ADDRESS
+        # names the job's cluster and wins)
+        local = None if os.environ.get("RAY_ADDRESS") else "local"
+        ray.init(address=local, num_cpus=cluster.num_cpus or None, include_dashboard=False, runtime_env=env,
                  configure_logging=False, log_to_driver=True)
 
 
@@ -168,6 +171,7 @@ def run(cfg: TrainConfig) -> dict:
         try:
             workers, infos = start_workers(cfg)
             crew = Supervisor(cfg, workers, run_dir, tracker, point)
+            crew.check_interrupt = guard.check
             pool = infos[0]["train_size"]
             tracker.message(f"es: {len(workers)} actor(s), training pool {pool}, held-out {infos[0]['eval_size']}, "
                             f"run dir {run_dir}")

@@ -32,6 +32,8 @@ from es_ray.config import ConfigError, TrainConfig
 
 # Starting an actor and rebuilding it (loading a checkpoint, replaying) may take longer than an ordinary call.
 SLOW_CALL_FLOOR_S = 900.0
+# How often a waiting driver looks for SIGTERM / Ctrl-C.
+POLL_S = 0.5
 
 # Settings that may change between a run and its resume: none of them changes the weights.
 RESUME_FREE = {"es.iterations", "es.checksum_every", "es.on_mismatch", "run.resume", "run.dir", "run.root",
@@ -56,9 +58,11 @@ class Interrupted(BaseException):
 
 
 class InterruptGuard:
-    """SIGTERM and SIGINT raise Interrupted in the main thread, except inside ``critical()``, which they wait for.
+    """SIGTERM and SIGINT become Interrupted in the main thread at the next ``check()`` outside ``critical()``.
 
-    `ray job stop` sends SIGTERM (then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S, 3 s by default).
+    The handler only records the signal: an exception raised inside Ray's blocking wait comes out as a
+    SystemError, so the supervisor's wait loop polls ``check()`` instead. `ray job stop` sends SIGTERM (then
+    SIGKILL after RAY_JOB_STOP_WAIT_TIME_S, 3 s by default).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -76,9 +80,12 @@ class InterruptGuard:
             signal.signal(s, handler)
 
     def _handle(self, signum, frame) -> None:
-        if self._depth:
-            self._pending = signum
-        else:
+        self._pending = signum
+
+    def check(self) -> None:
+        """Raise Interrupted if a signal came (and we are not inside ``critical()``)."""
+        if self._pending and not self._depth:
+            signum, self._pending = self._pending, 0
             raise Interrupted(signum)
 
     @contextmanager
@@ -88,9 +95,7 @@ class InterruptGuard:
             yield
         finally:
             self._depth -= 1
-        if not self._depth and self._pending:
-            signum, self._pending = self._pending, 0
-            raise Interrupted(signum)
+        self.check()
 
 
 # -- resume ------------------------------------------------------------------------------------------------
@@ -208,6 +213,8 @@ class Supervisor:
         self.replacements = 0
         self.events: list[dict] = []
         self._inflight: set = set()
+        self.check_interrupt = lambda: None
+        """Called while waiting on actors; the driver sets it to its InterruptGuard's check."""
 
     @property
     def committed(self) -> int:
@@ -235,8 +242,9 @@ class Supervisor:
             send(rank)
         out: dict[int, Any] = {}
         while pending:
-            wait = min(d for _, d in pending.values()) - time.monotonic()
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=None if wait == math.inf else max(0.0, wait))
+            self.check_interrupt()
+            wait = min(min(d for _, d in pending.values()) - time.monotonic(), POLL_S)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, wait))
             if not ready:
                 for ref, (rank, deadline) in list(pending.items()):
                     if deadline <= time.monotonic():

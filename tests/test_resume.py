@@ -1,0 +1,103 @@
+"""run.resume=true continues a stopped ES run to the same final weights, bit for bit, as the run left alone: after
+a run stopped on a replica mismatch (checkpoint + seed-log replay) and after `es-train` got SIGTERM."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from es_ray.checkpoint import SeedLog
+from es_ray.config import ConfigError, TrainConfig
+from es_ray.driver import run
+from es_ray.recovery import ReplicaMismatchError, check_same_run
+from test_faults import alive_es_actors, assert_same_weights, final_weights, log_rows
+from test_ray_es import tiny_cfg
+
+pytestmark = pytest.mark.ray
+
+ITERATIONS = 4
+
+
+def resume_cfg(model_dir, run_dir, **over):
+    """Adam, so the optimizer state must survive the checkpoint too."""
+    base = dict(es__iterations=ITERATIONS, es__optimizer="adam", es__lr=1e-3, run__checkpoint_every=2,
+                eval__every=0)
+    return tiny_cfg(model_dir, run_dir, **{**base, **over})
+
+
+@pytest.fixture(scope="module")
+def reference(ray_local, tiny_model_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    return run_dir, final_weights(run(resume_cfg(tiny_model_dir, run_dir)))
+
+
+def test_run_stopped_on_a_mismatch_resumes_to_the_same_weights(reference, tiny_model_dir, tmp_path):
+    """Two actors stop at iteration 3 (one replica corrupted); one actor resumes from iter_2 + 1 replayed update."""
+    stopped = resume_cfg(tiny_model_dir, tmp_path, cluster__num_actors=2, faults__corrupt_replica_at_iteration=3,
+                         faults__actor_rank=1)
+    with pytest.raises(ReplicaMismatchError, match=r"iteration 3: replica checksums differ.*es\.on_mismatch=rebuild"):
+        run(stopped)
+    assert len(SeedLog.read(tmp_path / "seed_log.jsonl")) == 3
+    with open(tmp_path / "seed_log.jsonl", "a") as f:  # a crash mid-write leaves a torn line: it must be cut
+        f.write('{"iteration": 3, "sigma"')
+    summary = run(resume_cfg(tiny_model_dir, tmp_path, run__resume=True))
+    assert_same_weights(final_weights(summary), reference[1])
+    ref_log, log = log_rows(reference[0], "seed_log.jsonl"), log_rows(tmp_path, "seed_log.jsonl")
+    assert [r["checksum"] for r in log] == [r["checksum"] for r in ref_log] and len(log) == ITERATIONS
+    assert [r["iteration"] for r in log_rows(tmp_path, "metrics.jsonl")] == list(range(ITERATIONS))
+    assert len(summary["reward_mean"]) == ITERATIONS
+
+
+def _cli_overrides(cfg: TrainConfig) -> list[str]:
+    """The settings of cfg that differ from the defaults, as es-train arguments."""
+    default = dataclasses.asdict(TrainConfig())
+    out = []
+    for section, fields in dataclasses.asdict(cfg).items():
+        for key, value in fields.items():
+            if value != default[section][key]:
+                text = json.dumps(value) if isinstance(value, bool) else repr(value)
+                out.append(f"{section}.{key}={text}")
+    return out
+
+
+def test_sigterm_writes_a_checkpoint_exits_cleanly_and_resumes_exactly(reference, ray_local, tiny_model_dir,
+                                                                        tmp_path):
+    cfg = resume_cfg(tiny_model_dir, tmp_path, faults__actor_delay_s=1.5)
+    address = ray_local.get_runtime_context().gcs_address
+    proc = subprocess.Popen(["es-train", *_cli_overrides(cfg), f"cluster.address={address}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "seed_log.jsonl"
+    deadline = time.monotonic() + 240
+    while not (log.is_file() and log.read_text().count("\n") >= 1) and proc.poll() is None:
+        assert time.monotonic() < deadline, "es-train logged no iteration in time"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "stopped by SIGTERM" in out and "run.resume=true" in out, out[-3000:]
+    done = len(SeedLog.read(log))
+    assert 1 <= done < ITERATIONS
+    assert (tmp_path / "checkpoints" / f"iter_{done:06d}" / "model.safetensors").is_file()
+    assert not alive_es_actors()
+
+    summary = run(resume_cfg(tiny_model_dir, tmp_path, run__resume=True))
+    assert_same_weights(final_weights(summary), reference[1])
+
+
+def test_resume_refuses_settings_that_change_the_run(tiny_model_dir, tmp_path):
+    old = dataclasses.asdict(resume_cfg(tiny_model_dir, tmp_path))
+    check_same_run(old, resume_cfg(tiny_model_dir, tmp_path, es__iterations=9, cluster__num_actors=2,
+                                   run__resume=True, faults__actor_delay_s=1.0))
+    with pytest.raises(ConfigError, match=r"es\.sigma"):
+        check_same_run(old, resume_cfg(tiny_model_dir, tmp_path, es__sigma=0.05, run__resume=True))
+    os.makedirs(tmp_path / "checkpoints")
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    (tmp_path / "seed_log.jsonl").write_text(json.dumps({"iteration": 1}) + "\n")
+    with pytest.raises(ConfigError, match="iterations 0, 1, 2"):
+        run(resume_cfg(tiny_model_dir, tmp_path, run__resume=True))
