@@ -6,7 +6,7 @@ Both sample at the same temperature. Each trainer writes run.dir/ledger.json (es
 set of each actor process (and the peak GPU allocation where there is one), measured by the actor itself. This
 script runs both on one local Ray and prints the table and the GRPO / ES ratios.
 
-    python benchmarks/memory.py                       # SmolLM2-135M, 4 prompts x 8, 16 tokens, 2 steps each
+    python benchmarks/memory.py                       # SmolLM2-135M, 4 prompts x 4, 8 tokens, 2 steps each
     python benchmarks/memory.py --model /abs/hf/dir --engine vllm --gpus 1
 """
 
@@ -25,8 +25,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="model.path (empty: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--group", type=int, default=8, help="GRPO group size = ES population")
-    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--group", type=int, default=4, help="GRPO group size = ES population")
+    ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2, help="ES iterations = GRPO steps")
     ap.add_argument("--engine", default="hf")
     ap.add_argument("--gpus", type=float, default=0.0, help="cluster.gpus_per_actor")

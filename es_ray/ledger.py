@@ -85,4 +85,6 @@ def write_es_ledger(run_dir: str | Path, history: list[dict], peak_rss_by_rank: 
         ledger.add_step(row, row.get("perf/tokens", 0))
     for rank, rss in sorted(peak_rss_by_rank.items()):
         ledger.add_memory(f"actor_{rank}", {"peak_rss_bytes": int(rss), "peak_gpu_bytes": None})
-    return ledger.write(run_dir, extra)
+    # the ledger is built after the run: its wall time is the iterations' own
+    wall = sum(row.get("timing_s/iteration", 0.0) for row in history)
+    return ledger.write(run_dir, {"wall_s": wall, **(extra or {})})

@@ -84,24 +84,24 @@ def test_dead_rollout_is_replaced_and_a_stopped_run_resumes_bit_identical(ray_lo
     import grpo.driver as driver
 
     full, cut = tmp_path / "full", tmp_path / "cut"
-    driver.run(tiny_cfg(peaked_model_dir, full, run={"checkpoint_every": 2}))
+    driver.run(tiny_cfg(peaked_model_dir, full, steps=3, run={"checkpoint_every": 2}))
     real_step = driver.step
 
     def faulty_step(cfg, cluster, t, pool):
         if t == 1:
             ray.kill(cluster.rollouts[0])  # dies before generating: replaced, re-synced, asked again
-        if t == 3:
+        if t == 2:
             raise Stop  # after the step-2 checkpoint
         return real_step(cfg, cluster, t, pool)
 
     monkeypatch.setattr(driver, "step", faulty_step)
     with pytest.raises(Stop):
-        driver.run(tiny_cfg(peaked_model_dir, cut, run={"checkpoint_every": 2}))
-    assert rewards(cut) == rewards(full)[:3]  # the replacement generated what the original would have
+        driver.run(tiny_cfg(peaked_model_dir, cut, steps=3, run={"checkpoint_every": 2}))
+    assert rewards(cut) == rewards(full)[:2]  # the replacement generated what the original would have
     ledger = json.loads((cut / "ledger.json").read_text())
     assert ledger["rollout_actors_replaced"] == 1 and ledger["finished"] is False
     monkeypatch.setattr(driver, "step", real_step)
-    summary = driver.run(tiny_cfg(peaked_model_dir, cut, run={"checkpoint_every": 2, "resume": True}))
+    summary = driver.run(tiny_cfg(peaked_model_dir, cut, steps=3, run={"checkpoint_every": 2, "resume": True}))
     assert summary["resumed_from"].endswith("step_000002")
     assert rewards(cut) == rewards(full)
     a, b = load_file(full / "checkpoints/final/model.safetensors"), load_file(cut / "checkpoints/final/model.safetensors")

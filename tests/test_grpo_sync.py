@@ -57,3 +57,27 @@ def test_a_wrong_weight_in_the_engine_is_caught(pair):
 def test_probe_length_mismatch_is_a_failed_sync():
     with pytest.raises(WeightSyncError):
         check_sync([0.0, -1.0], [[0.0]], 1.0, 0)
+
+
+def test_vllm_engine_takes_the_learner_weights_and_verifies(pair, tiny_model_dir):
+    pytest.importorskip("vllm")
+    from grpo.rollout import RolloutWorker
+
+    cfg, learner, _ = pair
+    vcfg = to_grpo_config({"model": {"path": str(tiny_model_dir)}, "sampling": {"max_new_tokens": 6},
+                           "engine": {"name": "vllm", "threads": 1, "enforce_eager": True}})
+    rollout = RolloutWorker(vcfg)
+    try:
+        out = rollout.generate([0], 2, seed=3)
+        assert all(s["completion_ids"] for s in out["samples"])
+        weights = learner.weights()  # trained in the test above: differs from the checkpoint vLLM loaded
+        rollout.write_weights(weights)
+        assert verify(learner, rollout, sync_tolerance(vcfg)) <= sync_tolerance(vcfg)
+        name = "model.layers.1.mlp.down_proj.weight"
+        weights[name] = weights[name] + 0.05 * torch.randn(weights[name].shape,
+                                                           generator=torch.Generator().manual_seed(0))
+        rollout.write_weights(weights)
+        with pytest.raises(WeightSyncError):  # the engine holds a weight the learner does not
+            verify(learner, rollout, sync_tolerance(vcfg))
+    finally:
+        rollout.engine.close()
