@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 
@@ -39,7 +38,6 @@ def main() -> None:
     from grpo.driver import run as grpo_run
 
     out = Path(args.out or tempfile.mkdtemp(prefix="memory-bench-")).resolve()
-    os.environ.setdefault("RAY_ADDRESS", "local")  # our own Ray, not another process's
     common = {"model": {"path": args.model}, "sampling": {"max_new_tokens": args.tokens, "temperature": 1.0},
               "eval": {"every": 0}}
     engine = {"name": args.engine}

@@ -11,7 +11,6 @@ The driver holds no model; it only moves samples and one weight reference (Ray's
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from pathlib import Path
@@ -193,10 +192,6 @@ def run(cfg: GRPOTrainConfig) -> dict:
         if ckpt is not None:
             start = json.loads((ckpt / "es_meta.json").read_text())["step"]
         _truncate_metrics(run_dir, start)
-    if not cfg.cluster.address:
-        # ray.init() without an address joins the newest Ray on this machine (another run's, or a test's), whose
-        # shutdown then kills our actors: "local" always starts our own.
-        os.environ.setdefault("RAY_ADDRESS", "local")
     connect(cfg.cluster)
     _sigterm_as_exit()
     tracker = Tracker(run_dir, g.steps - start, cfg.run.tensorboard, cfg.run.progress, desc="grpo")
