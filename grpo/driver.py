@@ -22,6 +22,7 @@ from es_ray.ledger import Ledger
 from es_ray.tracking import Timer, Tracker
 from grpo.config import GRPOTrainConfig
 
+
 class WeightSyncError(RuntimeError):
     """A rollout engine's log-probs of the probe disagree with the learner's after a weight sync."""
 
@@ -178,6 +179,8 @@ def _truncate_metrics(run_dir: Path, start: int) -> None:
 def run(cfg: GRPOTrainConfig) -> dict:
     import json
 
+    import ray
+
     g = cfg.grpo
     if not cfg.cluster.address:  # fail fast on this machine; on a remote cluster the actors check
         from es_ray.models import resolve_model
@@ -213,7 +216,7 @@ def run(cfg: GRPOTrainConfig) -> dict:
         for t in range(start, g.steps):
             row = step(cfg, cluster, t, pool)
             if cfg.eval.every and ((t + 1) % cfg.eval.every == 0 or t == 0):
-                res = ray_get(cluster.rollouts[0].evaluate.remote("eval", sample_seed(cfg, -1)))
+                res = ray.get(cluster.rollouts[0].evaluate.remote("eval", sample_seed(cfg, -1)))
                 row["eval/reward"], row["timing_s/eval"] = res["reward"], res["seconds"]
             tracker.log(t, row, step_key="step")
             ledger.add_step(row, row["perf/tokens"], row["perf/tokens_backpropagated"])
@@ -246,12 +249,6 @@ def write_ledger(ledger: Ledger, cluster: Cluster, run_dir: Path, start: int, fi
     for role, report in cluster.memory().items():
         ledger.add_memory(role, report)
     ledger.write(run_dir, {"rollout_actors_replaced": cluster.replaced, "start_step": start, "finished": finished})
-
-
-def ray_get(ref):
-    import ray
-
-    return ray.get(ref)
 
 
 def step(cfg: GRPOTrainConfig, cluster: Cluster, t: int, pool: int) -> dict:

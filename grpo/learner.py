@@ -57,7 +57,8 @@ class GRPOLearner:
         self.pad_id = self.model.config.pad_token_id or 0
 
     def ready(self) -> dict:
-        return {"pid": os.getpid(), "device": self.device, "parameters": sum(p.numel() for p in self.model.parameters()),
+        return {"pid": os.getpid(), "device": self.device,
+                "parameters": sum(p.numel() for p in self.model.parameters()),
                 "trainable": sum(p.numel() for p in self.params), "reference": self.ref is not None}
 
     # -- one batch -------------------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ def main() -> None:
 
     register_configs()
     if not CONF_DIR.is_dir():
-        raise SystemExit(f"grpo-train: Hydra presets not found at {CONF_DIR}; install the project with `pip install -e .`")
+        raise SystemExit(f"grpo-train: Hydra presets not found at {CONF_DIR}; "
+                         "install the project with `pip install -e .`")
     hydra.main(config_path=str(CONF_DIR), config_name="grpo_train", version_base="1.3")(_main)()
 
 

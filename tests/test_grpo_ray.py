@@ -104,7 +104,8 @@ def test_dead_rollout_is_replaced_and_a_stopped_run_resumes_bit_identical(ray_lo
     summary = driver.run(tiny_cfg(peaked_model_dir, cut, steps=3, run={"checkpoint_every": 2, "resume": True}))
     assert summary["resumed_from"].endswith("step_000002")
     assert rewards(cut) == rewards(full)
-    a, b = load_file(full / "checkpoints/final/model.safetensors"), load_file(cut / "checkpoints/final/model.safetensors")
+    a = load_file(full / "checkpoints/final/model.safetensors")
+    b = load_file(cut / "checkpoints/final/model.safetensors")
     assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
 
 
