@@ -10,7 +10,8 @@ import pytest
 
 from es_ray.compare import (METHODS, BudgetConfig, CompareConfig, budget_units, run, stage_plan,
                             validate_compare)
-from es_ray.config import ClusterConfig, ConfigError, EngineConfig, ESConfig, EvalSuiteConfig, ModelConfig, RunConfig, SamplingConfig, TaskConfig
+from es_ray.config import (ClusterConfig, ConfigError, EngineConfig, ESConfig, EvalSuiteConfig, ModelConfig, RunConfig,
+                           SamplingConfig, TaskConfig)
 
 
 def _cfg(model_dir: Path, run_dir: Path, **over) -> CompareConfig:
@@ -18,9 +19,10 @@ def _cfg(model_dir: Path, run_dir: Path, **over) -> CompareConfig:
 
     cfg = CompareConfig(
         model=ModelConfig(path=str(model_dir)),
-        task=TaskConfig(name="arithmetic", train_size=4, eval_size=4),
-        es=ESConfig(population=2, prompts_per_iteration=4, noise="per_tensor"),
-        es_sampling=SamplingConfig(max_new_tokens=4),
+        # a dense reward the tiny random model can move, so every method's update is non-zero
+        task=TaskConfig(name="es_test_tasks:VowelTask", train_size=4, eval_size=4),
+        es=ESConfig(population=2, prompts_per_iteration=4, noise="per_tensor", sigma=0.02, lr=4e-4),
+        es_sampling=SamplingConfig(max_new_tokens=16),
         grpo=GRPOConfig(prompts_per_step=4, group_size=2, micro_batch_size=8),
         grpo_sampling=GRPOSamplingConfig(max_new_tokens=4),
         budget=BudgetConfig(epochs=2.0),
