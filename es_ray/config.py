@@ -464,4 +464,6 @@ def validate_drift(cfg: DriftConfig) -> DriftConfig:
     _positive("top", cfg.top, allow_zero=True)
     if cfg.run.dir and not os.path.isabs(cfg.run.dir):
         raise ConfigError(f"run.dir={cfg.run.dir!r} must be an absolute path")
+    if cfg.run.root and not os.path.isabs(cfg.run.root):
+        raise ConfigError(f"run.root={cfg.run.root!r} must be an absolute path")
     return cfg

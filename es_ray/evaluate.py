@@ -349,8 +349,9 @@ def run_drift(cfg: DriftConfig) -> dict:
     report.update(base=str(base_dir), tuned=str(tuned_dir),
                   missing={"base_only": sorted(set(base_idx) - set(tuned_idx)),
                            "tuned_only": sorted(set(tuned_idx) - set(base_idx))})
-    run_dir = Path(cfg.run.dir or Path.cwd() / "runs" / f"drift-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    from es_ray.driver import make_run_dir
+
+    run_dir = make_run_dir(cfg, prefix="drift")  # run.dir, else <run.root>/drift-<timestamp>
     (run_dir / "drift.json").write_text(json.dumps(report, indent=2))
     plot_update_histograms(report, run_dir / "drift_hist.png", title=f"{Path(str(tuned_dir)).name} vs base")
     report["run_dir"] = str(run_dir)

@@ -161,10 +161,11 @@ def test_es_drift_between_a_checkpoint_and_a_perturbed_copy(tiny_model_dir, tmp_
         if "mlp" in name or "embed" in name:
             weights[name] = t + 1e-3 * torch.randn(t.shape, generator=g)
     save_file(weights, str(tuned / "model.safetensors"), metadata={"format": "pt"})
-    out = tmp_path / "drift"
-    res = cli("es-drift", f"base={tiny_model_dir}", f"tuned={tuned}", f"run.dir={out}", timeout=300)
+    root = tmp_path / "runs"  # run.root: a timestamped drift-* directory is made under it
+    res = cli("es-drift", f"base={tiny_model_dir}", f"tuned={tuned}", f"run.root={root}", timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "total" in res.stdout and "mlp" in res.stdout
+    (out,) = root.glob("drift-*")
     report = json.loads((out / "drift.json").read_text())
     by = report["by_module_type"]
     assert by["attention"]["nonzero"] == 0 and by["norm"]["nonzero"] == 0
