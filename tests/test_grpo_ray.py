@@ -45,12 +45,13 @@ class WhitespaceTask(VowelTask):
         return sum(c.isspace() for c in completion) / len(completion) if completion else 0.0
 
 
-def tiny_cfg(model_dir, run_dir, run=None, **grpo):
+def tiny_cfg(model_dir, run_dir, run=None, eval_every=0, **grpo):
     return to_grpo_config({
         "model": {"path": str(model_dir)}, "task": {"name": "test_grpo_ray:WhitespaceTask", "train_size": 8},
         "grpo": {"steps": 4, "lr": 1e-3, "group_size": 4, "prompts_per_step": 4, "micro_batch_size": 16, **grpo},
         "sampling": {"max_new_tokens": 8, "temperature": 1.0}, "engine": {"threads": 1},
-        "eval": {"every": 0}, "run": {"dir": str(run_dir), "progress": False, "tensorboard": False, **(run or {})},
+        "eval": {"every": eval_every},
+        "run": {"dir": str(run_dir), "progress": False, "tensorboard": False, **(run or {})},
     })
 
 
@@ -61,8 +62,10 @@ def rewards(run_dir):
 def test_mean_reward_rises(ray_local, peaked_model_dir, tmp_path):
     from grpo.driver import run
 
-    run(tiny_cfg(peaked_model_dir, tmp_path, steps=10, lr=3e-3))
+    run(tiny_cfg(peaked_model_dir, tmp_path, steps=10, lr=3e-3, eval_every=5))
     r = rewards(tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "eval/reward" in row] == [0, 4, 9]
     first, last = np.mean(r[:3]), np.mean(r[-3:])
     assert last > first + 0.2, r
     ledger = json.loads((tmp_path / "ledger.json").read_text())
