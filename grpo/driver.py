@@ -80,11 +80,18 @@ class Cluster:
         from grpo.learner import GRPOLearner
         from grpo.rollout import RolloutWorker
 
+        from es_ray.placement import place
+
         self.cfg, self.tracker, self.tol = cfg, tracker, sync_tolerance(cfg)
         c = cfg.cluster
-        self._rollout_cls = ray.remote(RolloutWorker).options(num_cpus=c.cpus_per_actor, num_gpus=c.gpus_per_actor)
-        self.learner = ray.remote(GRPOLearner).options(num_cpus=c.cpus_per_actor, num_gpus=c.gpus_per_actor).remote(cfg)
-        self.rollouts = [self._rollout_cls.remote(cfg, r) for r in range(c.num_actors)]
+        # One placement group for the run (cluster.placement: pack or spread): bundle 0 is the learner's, bundle
+        # 1 + r rollout actor r's (a replacement goes back into its predecessor's bundle). Fails early, with the
+        # numbers, when the cluster cannot hold them.
+        self.placement = place(c, "grpo", count=c.num_actors + 1)
+        self._rollout_cls = ray.remote(RolloutWorker)
+        self.learner = ray.remote(GRPOLearner).options(**self.placement.options(0)).remote(cfg)
+        self.rollouts = [self._rollout_cls.options(**self.placement.options(r + 1)).remote(cfg, r)
+                         for r in range(c.num_actors)]
         self.learner_info = self._learner_call(self.learner.ready.remote())
         self.infos = ray.get([w.ready.remote() for w in self.rollouts])
         self.probe = None
@@ -137,7 +144,7 @@ class Cluster:
     def _replace(self, rank: int, step: int):
         import ray
 
-        w = self._rollout_cls.remote(self.cfg, rank)
+        w = self._rollout_cls.options(**self.placement.options(rank + 1)).remote(self.cfg, rank)
         ray.get(w.ready.remote())
         ray.get(w.write_weights.remote(self.learner.weights.remote()))
         if self.probe is not None:
@@ -151,6 +158,7 @@ class Cluster:
 
         for a in [self.learner, *self.rollouts]:
             ray.kill(a)
+        self.placement.release()
 
     def memory(self) -> dict:
         import ray
