@@ -30,12 +30,6 @@ class RolloutWorker:
 
         self.cfg, self.rank = cfg, rank
         self.engine = make_engine(str(resolve_model(cfg.model.path)), cfg.engine)
-        if self.engine.name == "vllm":
-            # vLLM's worker extension learns which layers to re-pack after a write in es_setup, and its
-            # write_weights needs that; the replica it also builds (an fp32 copy) is otherwise unused here.
-            from es_ray.replica import ReplicaSpec
-
-            self.engine.es_setup(ReplicaSpec(run_seed=cfg.run.seed))
         self.task = load_task(cfg.task)
         self._prompts = {
             split: [self.engine.apply_chat_template(self.task.messages(p)) for p in problems]

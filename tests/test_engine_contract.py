@@ -125,6 +125,7 @@ def test_sampling_is_seeded_and_counts_tokens(engine):
     b = engine.generate(_prompts(engine), sampling, seed=11)
     assert [c.text for c in a] == [c.text for c in b]
     assert all(1 <= c.num_tokens <= 6 for c in a)
+    assert all(len(c.token_ids) == c.num_tokens for c in a)  # the sampled ids themselves (GRPO, entropy)
     c = engine.generate(_prompts(engine), sampling, seed=12)
     assert [x.text for x in c] != [x.text for x in a]
 

@@ -102,7 +102,8 @@ class VLLMEngine(Engine):
         inputs = [TokensPrompt(prompt_token_ids=self.tokenizer(p, add_special_tokens=False)["input_ids"])
                   for p in prompts]
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
-        return [Completion(text=o.outputs[0].text, num_tokens=len(o.outputs[0].token_ids)) for o in outputs]
+        return [Completion(text=o.outputs[0].text, num_tokens=len(o.outputs[0].token_ids),
+                           token_ids=tuple(o.outputs[0].token_ids)) for o in outputs]
 
     # -- weights -------------------------------------------------------------------------------------------
     def write_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -69,12 +69,6 @@ class ESExtension:
             optimizer=optimizer, lr=lr, adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps,
             weight_decay=weight_decay, anchor_decay=anchor_decay, engine_dtype=str(dtype).removeprefix("torch."),
         )
-        # Layers whose post-load step must rerun when a parameter changes (a tied LM head shares the embedding).
-        self._es_layers: dict[int, list[torch.nn.Module]] = {}
-        for module in model.modules():
-            if getattr(module, "quant_method", None) is not None:
-                for param in module.parameters(recurse=False):
-                    self._es_layers.setdefault(id(param), []).append(module)
         names = hf_parameter_names(model_dir)
         source = load_hf_weights(model_dir, names)
         missing = [n for n in names if n not in source]
@@ -84,16 +78,30 @@ class ESExtension:
         self._es_replica.restore()
         return spec.engine_dtype
 
+    def _es_post_load_layers(self, model) -> dict[int, list[torch.nn.Module]]:
+        """id(parameter) -> the layers whose post-load step must rerun when it changes (a tied LM head shares the
+        embedding); built once, on the first write (ES setup or a plain weight write, e.g. GRPO's sync)."""
+        layers = getattr(self, "_es_layers", None)
+        if layers is None:
+            layers = {}
+            for module in model.modules():
+                if getattr(module, "quant_method", None) is not None:
+                    for param in module.parameters(recurse=False):
+                        layers.setdefault(id(param), []).append(module)
+            self._es_layers = layers
+        return layers
+
     def _es_write(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """(HF name, fp32 tensor) pairs -> the model's weight loader (casts, fuses, shards) -> post-load step."""
         model = self.model_runner.get_model()
+        layer_map = self._es_post_load_layers(model)
         with torch.no_grad():
             loaded = model.load_weights(named)  # copies each tensor before taking the next
             params = dict(model.named_parameters(remove_duplicate=False))
             if loaded is None:  # a model whose loader does not say what it loaded: redo every layer
                 loaded = params
             touched = {id(layer): layer for name in loaded if name in params
-                       for layer in self._es_layers.get(id(params[name]), ())}
+                       for layer in layer_map.get(id(params[name]), ())}
             for layer in touched.values():
                 layer.quant_method.process_weights_after_loading(layer)
 
