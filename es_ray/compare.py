@@ -230,9 +230,17 @@ def run_stage(stage: Stage, root: Path, log: Callable[[str], None]) -> dict:
     """Run one stage unless its done.json exists; a directory without it is a cut-off attempt and is cleared."""
     d = stage.dir(root)
     done = d / "done.json"
+    settings = stage_settings(stage.config())
     if done.is_file():
+        record = json.loads(done.read_text())
+        changed = _changed_keys(record.get("settings"), settings)
+        if changed:
+            raise ConfigError(
+                f"{stage.name} in {root} was done with other settings ({', '.join(changed[:8])}); its results would "
+                f"not match this command. Use a new run.dir, or delete {d} to redo that stage (and the stages after "
+                "it that use its checkpoint)")
         log(f"es-compare: {stage.name}: done earlier, skipped")
-        return json.loads(done.read_text())
+        return record
     if d.exists():
         log(f"es-compare: {stage.name}: an earlier attempt did not finish; starting it again")
         shutil.rmtree(d)
@@ -240,12 +248,39 @@ def run_stage(stage: Stage, root: Path, log: Callable[[str], None]) -> dict:
     t0 = time.perf_counter()
     out = stage.run(stage.config())
     record = {"stage": stage.name, "kind": stage.kind, "seconds": time.perf_counter() - t0,
-              "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "result": _json_safe(_stage_result(stage, out))}
+              "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "result": _json_safe(_stage_result(stage, out)),
+              "settings": settings}
     tmp = d / "done.json.tmp"
     tmp.write_text(json.dumps(record, indent=2))
     tmp.replace(done)
     log(f"es-compare: {stage.name}: finished in {record['seconds']:.0f} s")
     return record
+
+
+# Settings that do not change a stage's results (display, logging, cadence of extra checkpoints).
+_NEUTRAL = ("run.progress", "run.tensorboard", "run.resume", "run.checkpoint_every", "cluster.address",
+            "cluster.placement", "cluster.wait_for_resources_s")
+
+
+def stage_settings(stage_cfg) -> dict:
+    """The stage's full configuration, flattened to dotted keys, without the keys that cannot change results."""
+    flat: dict = {}
+
+    def walk(prefix: str, x) -> None:
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(f"{prefix}{k}.", v)
+        else:
+            flat[prefix[:-1]] = x
+
+    walk("", _json_safe(dataclasses.asdict(stage_cfg)))
+    return {k: v for k, v in flat.items() if k not in _NEUTRAL and not k.startswith("faults.")}
+
+
+def _changed_keys(before: dict | None, now: dict) -> list[str]:
+    if before is None:  # a record without settings (written before they were kept): trusted as it is
+        return []
+    return sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
 
 
 def _stage_result(stage: Stage, out: dict) -> dict:

@@ -137,3 +137,8 @@ def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_pa
     lines.clear()
     run(cfg, log=lines.append)
     assert not [s for s in lines if s.endswith(": running")]
+
+    # The same directory with other settings is refused before any work, naming what changed.
+    cfg.eval.n, cfg.eval.k = 8, [1, 8]
+    with pytest.raises(ConfigError, match=r"eval.base .*other settings \(eval.k, eval.n\)"):
+        run(cfg, log=lines.append)
