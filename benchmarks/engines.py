@@ -122,6 +122,8 @@ def main() -> None:
     ap.add_argument("--es-dtype", default="float32", help="dtype of the ES-iteration measurement (CPU default)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.iterations < 1 or args.repeats < 1:
+        ap.error("--iterations and --repeats must be >= 1 (medians need at least one measurement)")
     if args.child:
         engine_name, dtype = args.child.split(":")
         res = measure(engine_name, dtype, args.batches, args.repeats, args.iterations, args.threads,
