@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,9 @@ def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_pa
     bad = [(p, v) for p, v in _numbers(rep) if not math.isfinite(v)]
     assert not bad, bad
     md = (root / "report.md").read_text()
+    for table in [t for t in md.split("\n\n") if t.startswith("|")]:  # every row has the header's columns
+        widths = {len(re.split(r"(?<!\\)\|", row)) for row in table.splitlines()}
+        assert len(widths) == 1, table
     for label in ["Base", "ES", "GRPO", "ES->GRPO", "GRPO->ES"]:
         assert f"| {label} |" in md
     # Measured compute: ES back-propagates nothing, GRPO does; both generated tokens and have a memory peak.

@@ -173,7 +173,8 @@ def markdown(rep: dict) -> str:
                      + " | ".join(_f(m["entropy"]["per_task"][t]) for t in tasks) + " |")
     th = rep["thresholds"]
     lines += ["", "## Drift from the base weights", "",
-              "| method | L2 | relative L2 | changed | " + " | ".join(f"|d| < {t:g}" for t in th) + " | max |d| |",
+              "| method | L2 | relative L2 | changed | " + " | ".join(f"\\|d\\| < {t:g}" for t in th)
+              + " | max \\|d\\| |",
               "|---|---|---|---|" + "---|" * len(th) + "---|"]
     for m in methods.values():
         d = m.get("drift")
