@@ -14,6 +14,12 @@ from es_ray.config import TrainConfig
 from es_ray.protocol import EvalRequest, EvalResult, MemberResult, UpdateRequest, UpdateResult
 
 
+def templated_prompts(engine, task) -> dict[str, list[str]]:
+    """The task's training pool and held-out set as prompt texts in the engine's chat template, by split."""
+    return {split: [engine.apply_chat_template(task.messages(p)) for p in problems]
+            for split, problems in (("train", task.train), ("eval", task.eval))}
+
+
 def replica_spec(cfg: TrainConfig):
     from es_ray.replica import ReplicaSpec
 
@@ -46,10 +52,7 @@ class ESWorker:
         self.engine = make_engine(str(self.model_dir), cfg.engine)
         self.engine.es_setup(replica_spec(cfg))
         self.task = load_task(cfg.task)
-        self._prompts = {
-            split: [self.engine.apply_chat_template(self.task.messages(p)) for p in problems]
-            for split, problems in (("train", self.task.train), ("eval", self.task.eval))
-        }
+        self._prompts = templated_prompts(self.engine, self.task)
 
     def ready(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "train_size": len(self.task.train),

@@ -27,14 +27,12 @@ class RolloutWorker:
         from es_ray.engines.base import make_engine
         from es_ray.models import resolve_model
         from es_ray.tasks import load_task
+        from es_ray.worker import templated_prompts
 
         self.cfg, self.rank = cfg, rank
         self.engine = make_engine(str(resolve_model(cfg.model.path)), cfg.engine)
         self.task = load_task(cfg.task)
-        self._prompts = {
-            split: [self.engine.apply_chat_template(self.task.messages(p)) for p in problems]
-            for split, problems in (("train", self.task.train), ("eval", self.task.eval))
-        }
+        self._prompts = templated_prompts(self.engine, self.task)
 
     def ready(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "train_size": len(self.task.train),

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import sys
 
-from es_ray.train import CONF_DIR
-
 
 def _main(dict_cfg) -> None:
     from es_ray.config import ConfigError
@@ -25,15 +23,10 @@ def _main(dict_cfg) -> None:
 
 
 def main() -> None:
-    import hydra
-
+    from es_ray.evaluate import _hydra
     from grpo.config import register_configs
 
-    register_configs()
-    if not CONF_DIR.is_dir():
-        raise SystemExit(f"grpo-train: Hydra presets not found at {CONF_DIR}; "
-                         "install the project with `pip install -e .`")
-    hydra.main(config_path=str(CONF_DIR), config_name="grpo_train", version_base="1.3")(_main)()
+    _hydra("grpo_train", _main, "grpo-train", register=register_configs)
 
 
 if __name__ == "__main__":
