@@ -47,8 +47,9 @@ def measure(engine_name: str, dtype: str, batches: list[int], repeats: int, iter
     import torch
 
     torch.set_num_threads(threads)
-    from es_ray.config import ClusterConfig, EngineConfig, ESConfig, RunConfig, SamplingConfig, TaskConfig, \
-        TrainConfig, validate
+    from es_ray.config import ESConfig
+    from es_ray.runtime.config import ClusterConfig, EngineConfig, RunConfig, SamplingConfig, TaskConfig, \
+        ESTrainConfig, validate
     from es_ray.engines.base import make_engine
     from es_ray.models import resolve_model
     from es_ray.protocol import EvalRequest, UpdateRequest
@@ -87,7 +88,7 @@ def measure(engine_name: str, dtype: str, batches: list[int], repeats: int, iter
         return out
 
     # One ES actor's iteration, in-process: the same calls the driver makes through Ray.
-    cfg = validate(TrainConfig(engine=engine_cfg,
+    cfg = validate(ESTrainConfig(engine=engine_cfg,
                                es=ESConfig(), cluster=ClusterConfig(num_actors=1, cpus_per_actor=threads),
                                run=RunConfig(dir="/tmp", seed=0)))
     worker = ESWorker(cfg)

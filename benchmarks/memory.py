@@ -2,7 +2,7 @@
 
 ES: one actor, population N = --group members x --prompts prompts x --tokens new tokens per iteration.
 GRPO: one learner and one rollout actor, --prompts prompts x --group completions x --tokens new tokens per step.
-Both sample at the same temperature. Each trainer writes run.dir/ledger.json (es_ray.ledger): the peak resident
+Both sample at the same temperature. Each trainer writes run.dir/ledger.json (es_ray.runtime.ledger): the peak resident
 set of each actor process (and the peak GPU allocation where there is one), measured by the actor itself. This
 script runs both on one local Ray and prints the table and the GRPO / ES ratios.
 
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--out", default="", help="directory for both runs (default: a temporary one)")
     args = ap.parse_args()
 
-    from es_ray.config import to_config
+    from es_ray.config import to_train_config
     from es_ray.driver import run as es_run
     from grpo.config import to_grpo_config
     from grpo.driver import run as grpo_run
@@ -42,11 +42,11 @@ def main() -> None:
               "eval": {"every": 0}}
     engine = {"name": args.engine}
     run_opts = {"progress": False, "tensorboard": False}
-    es_cfg = to_config({**common, "engine": engine,
-                        "es": {"population": args.group, "prompts_per_iteration": args.prompts,
-                               "iterations": args.steps},
-                        "cluster": {"num_actors": 1, "gpus_per_actor": args.gpus},
-                        "run": {"dir": str(out / "es"), **run_opts}})
+    es_cfg = to_train_config({**common, "engine": engine,
+                              "es": {"population": args.group, "prompts_per_iteration": args.prompts,
+                                     "iterations": args.steps},
+                              "cluster": {"num_actors": 1, "gpus_per_actor": args.gpus},
+                              "run": {"dir": str(out / "es"), **run_opts}})
     grpo_cfg = to_grpo_config({**common, "engine": {**engine, "threads": 1},
                                "grpo": {"group_size": args.group, "prompts_per_step": args.prompts,
                                         "steps": args.steps},

@@ -1,56 +1,13 @@
-"""HF-format checkpoints plus run state, and the append-only seed/reward log.
-
-A checkpoint directory loads with ``AutoModelForCausalLM.from_pretrained``: config.json, model.safetensors
-(fp32 master weights by HF name), tokenizer files, plus ``es_state.pt`` (optimizer state) and ``es_meta.json``
-(iteration and config). Writes go to a temporary sibling and are renamed into place, so an interrupted write
-never leaves a directory that looks finished.
-"""
+"""ES run state: the append-only seed/reward log, ES checkpoints (``es_ray.runtime.checkpoint`` directories with
+``es_state.pt``: optimizer state and theta_0; ``es_meta.json``: iteration and checksum) and loading them back."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-
-_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
-
-
-def save_checkpoint(path: str | Path, state: dict, model_dir: str | Path, meta: dict) -> Path:
-    from safetensors.torch import save_file
-
-    from es_ray.models import load_hf_weights
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    weights = load_hf_weights(model_dir)  # untrained tensors keep their source values
-    for name, t in state["master"].items():
-        weights[name] = t.detach().to("cpu", torch.float32)
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    if cfg.get("tie_word_embeddings") and "lm_head.weight" in weights and "model.embed_tokens.weight" in weights:
-        del weights["lm_head.weight"]
-    cfg["torch_dtype"] = cfg["dtype"] = "float32"
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
-    try:
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        for name in _MODEL_FILES:
-            if (Path(model_dir) / name).is_file() and name != "config.json":
-                shutil.copy2(Path(model_dir) / name, tmp / name)
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        torch.save({"optimizer": state.get("optimizer"), "theta0": state.get("theta0")}, tmp / "es_state.pt")
-        (tmp / "es_meta.json").write_text(json.dumps(meta, indent=2, default=str))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
 
 class SeedLog:
     """seed_log.jsonl: per iteration the members, the raw rewards and the shaped fitness; fsynced each line.
@@ -138,3 +95,11 @@ def load_es_state(path: str | Path) -> dict:
     if (path / "es_state.pt").is_file():
         extra = torch.load(path / "es_state.pt", map_location="cpu", weights_only=True)
     return {"master": master, "optimizer": extra["optimizer"], "theta0": extra.get("theta0")}
+
+
+def save_es_checkpoint(path: str | Path, state: dict, model_dir: str | Path, meta: dict) -> Path:
+    """A replica state (master, optimizer, theta0) as an HF checkpoint directory with es_state.pt / es_meta.json."""
+    from es_ray.runtime.checkpoint import save_checkpoint
+
+    return save_checkpoint(path, state["master"], model_dir,
+                           {"optimizer": state.get("optimizer"), "theta0": state.get("theta0")}, meta, "es")

@@ -3,73 +3,24 @@
 Each iteration reads as its phases: members = ask(); results = evaluate(members); fitness = shape(rewards);
 tell(members, fitness) on every actor; verify replica checksums; log; checkpoint. The driver sends only
 integers and floats and receives only scalars; every actor applies the same update to its own fp32 master.
+Connecting, the run directory, signals, the actor group and the ledger are the runtime's (es_ray.runtime).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import random
-import signal
-import socket
-import threading
 import time
 from pathlib import Path
-from urllib.parse import urlparse
 
 import numpy as np
 
-from es_ray.config import ClusterConfig, ConfigError, TrainConfig
+from es_ray.config import ESTrainConfig
 from es_ray.protocol import EvalRequest, UpdateRequest
-from es_ray.recovery import ReplicaMismatchError
+from es_ray.recovery import RESUME_FREE, ReplicaMismatchError
+from es_ray.runtime.signals import interrupt_soon
+from es_ray.runtime.tracking import Timer
 from es_ray.strategy import Member, ask, shape_fitness
-from es_ray.tracking import Timer, Tracker
-
-
-def check_address(address: str, timeout: float = 5.0) -> None:
-    """Refuse an unreachable cluster.address before any work (ray.init would otherwise wait a long time)."""
-    if address in ("", "auto", "local"):
-        return
-    url = urlparse(address if "://" in address else f"tcp://{address}")
-    host, port = url.hostname, url.port or (10001 if url.scheme == "ray" else 6379)
-    if not host:
-        raise ConfigError(f"cluster.address={address!r} is not host:port or ray://host:port")
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            pass
-    except OSError as exc:
-        raise ConfigError(
-            f"cluster.address={address!r} is unreachable ({exc}); check the head node's address and port, "
-            "or leave cluster.address empty to start a local Ray"
-        ) from exc
-
-
-def connect(cluster: ClusterConfig) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}}
-    if os.environ.get("ES_RAY_CACHE"):
-        env["env_vars"]["ES_RAY_CACHE"] = os.environ["ES_RAY_CACHE"]
-    if cluster.address:
-        check_address(cluster.address)
-        ray.init(address=cluster.address, runtime_env=env, log_to_driver=True)
-    else:
-        # A new local Ray, never a session someone else started on this machine (under Ray Jobs, RAY_ADDRESS
-        # names the job's cluster and wins)
-        local = None if os.environ.get("RAY_ADDRESS") else "local"
-        ray.init(address=local, num_cpus=cluster.num_cpus or None, include_dashboard=False, runtime_env=env,
-                 configure_logging=False, log_to_driver=True)
-
-
-def make_run_dir(cfg: TrainConfig, prefix: str = "es") -> Path:
-    root = Path(cfg.run.root or Path.cwd() / "runs")
-    run_dir = Path(cfg.run.dir or root / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    return run_dir
 
 
 def assign(members: list[Member], num_actors: int) -> list[list[Member]]:
@@ -80,7 +31,7 @@ def assign(members: list[Member], num_actors: int) -> list[list[Member]]:
     return out
 
 
-def prompt_ids(cfg: TrainConfig, iteration: int, pool_size: int) -> tuple[int, ...]:
+def prompt_ids(cfg: ESTrainConfig, iteration: int, pool_size: int) -> tuple[int, ...]:
     """The iteration's training prompts: the whole pool if it fits, else a sample fixed by (seed, iteration)."""
     k = cfg.es.prompts_per_iteration
     if k >= pool_size:
@@ -89,33 +40,37 @@ def prompt_ids(cfg: TrainConfig, iteration: int, pool_size: int) -> tuple[int, .
     return tuple(sorted(rng.sample(range(pool_size), k)))
 
 
-def sample_seed(cfg: TrainConfig, iteration: int) -> int:
+def sample_seed(cfg: ESTrainConfig, iteration: int) -> int:
     return random.Random(f"{cfg.run.seed}/{iteration}/sampling").getrandbits(62)
 
 
-def start_workers(cfg: TrainConfig) -> tuple[list, list[dict]]:
-    """One actor per bundle of the run's placement group (es_ray.placement: fit checked first). The returned
-    list is a placement.ActorGroup: `workers.placement.options(rank)` places a replacement actor."""
-    import ray
-
-    from es_ray.placement import ActorGroup, place
+def start_workers(cfg: ESTrainConfig, keeper, log=print, placement=None):
+    """One ES actor per bundle of the run's placement group (the fit checked first); a replacement is rebuilt by
+    ``keeper.restore``. Returns the actor group and the actors' ready() answers."""
+    from es_ray.runtime.actors import start_group
+    from es_ray.runtime.placement import place
     from es_ray.worker import ESWorker
 
-    actor_cls = ray.remote(ESWorker)
-    placement = place(cfg.cluster, "es")
-    workers = ActorGroup([actor_cls.options(max_concurrency=1, **placement.options(rank)).remote(cfg, rank)
-                          for rank in range(cfg.cluster.num_actors)], placement)
-    infos = ray.get([w.ready.remote() for w in workers])
-    return workers, infos
+    # a replacement started during iteration t is immune to the injected faults of iterations up to t
+    def make_args(rank: int) -> tuple:
+        return (cfg, rank, keeper.committed if keeper.group is not None else -1)
+
+    placement = placement or place(cfg.cluster, "es")
+    advice = (f"The seed log holds every committed iteration: continue later with run.resume=true "
+              f"run.dir={keeper.run_dir}")
+    group, infos = start_group("es", ESWorker, cfg.cluster.num_actors, make_args, placement, cfg.faults, log=log,
+                               restore=keeper.restore, lost_advice=advice)
+    keeper.group = group
+    return group, infos
 
 
-def evaluate(crew, iteration: int, members: list[Member], cfg: TrainConfig, ids: tuple[int, ...]):
+def evaluate(group, iteration: int, members: list[Member], cfg: ESTrainConfig, ids: tuple[int, ...]):
     """Score the members on the actors (member i on actor i % num_actors); a lost actor's members are scored
     again by its replacement."""
     seed = sample_seed(cfg, iteration)
-    parts = assign(members, len(crew.workers))
+    parts = assign(members, len(group))
     calls = {r: (EvalRequest(iteration, cfg.es.sigma, tuple(part), ids, seed),) for r, part in enumerate(parts)}
-    results = crew.gather("evaluate", calls).values()
+    results = group.gather("evaluate", calls).values()
     by_index = {mr.index: mr for res in results for mr in res.members}
     timing: dict[str, float] = {}
     for res in results:  # actors run in parallel: report the slowest actor's time per phase
@@ -124,14 +79,13 @@ def evaluate(crew, iteration: int, members: list[Member], cfg: TrainConfig, ids:
     return [by_index[m.index] for m in members], timing
 
 
-def tell(crew, record: dict, members: list[Member], fitness_n: np.ndarray, cfg: TrainConfig):
+def tell(keeper, record: dict, members: list[Member], fitness_n: np.ndarray, cfg: ESTrainConfig):
     """Every actor applies the update; the replicas' checksums are compared (es.checksum_every)."""
     t = record["iteration"]
     every = cfg.es.checksum_every
     want = bool(every) and ((t + 1) % every == 0 or t + 1 == cfg.es.iterations)
     req = UpdateRequest(t, cfg.es.sigma, tuple(members), tuple(float(z) for z in fitness_n), want)
-    out = crew.gather("update", {r: (req,) for r in range(len(crew.workers))})
-    updates = [out[r] for r in range(len(crew.workers))]
+    updates = keeper.group.each("update", req)
     sums = [u.checksum for u in updates]
     if want and len(set(sums)) > 1:
         if cfg.es.on_mismatch != "rebuild":
@@ -142,15 +96,19 @@ def tell(crew, record: dict, members: list[Member], fitness_n: np.ndarray, cfg: 
                 "log: continue with run.resume=true (fresh actors replay it), or set es.on_mismatch=rebuild to "
                 "rebuild the odd actors from the log and go on"
             )
-        sums = crew.repair(sums, record)
+        sums = keeper.repair(sums, record)
     return updates, sums[0]
 
 
-def run(cfg: TrainConfig) -> dict:
-    import ray
-
+def run(cfg: ESTrainConfig) -> dict:
     from es_ray.checkpoint import SeedLog
-    from es_ray.recovery import InterruptGuard, Interrupted, Supervisor, resume_point
+    from es_ray.recovery import ReplicaKeeper, resume_point
+    from es_ray.runtime.cluster import connect
+    from es_ray.runtime.ledger import Ledger
+    from es_ray.runtime.placement import place
+    from es_ray.runtime.rundir import open_run_dir
+    from es_ray.runtime.signals import Interrupted, InterruptGuard
+    from es_ray.runtime.tracking import Tracker
 
     if not cfg.cluster.address:  # fail fast on this machine; on a remote cluster the actors check
         from es_ray.models import resolve_model
@@ -158,43 +116,41 @@ def run(cfg: TrainConfig) -> dict:
 
         resolve_model(cfg.model.path)  # also converts the embedded model once, before actors start
         load_task(cfg.task)
-    point = resume_point(cfg)  # reads run.dir before anything is written there
+    run_dir = open_run_dir(cfg, "es", RESUME_FREE)  # refuses a resume with changed settings, naming them
+    point = resume_point(cfg, run_dir)
+    ledger = Ledger("es", start_step=point.start)
     connect(cfg.cluster)
-    run_dir = make_run_dir(cfg)
     tracker = Tracker(run_dir, cfg.es.iterations, cfg.run.tensorboard, cfg.run.progress)
     seed_log = SeedLog(run_dir / "seed_log.jsonl")
-    workers: list = []
-    crew = None
+    keeper = ReplicaKeeper(run_dir, tracker, point)
+    placement = None
     summary: dict = {"run_dir": str(run_dir)}
     history = list(point.history)
+    finished = False
     with InterruptGuard() as guard:
         try:
-            workers, infos = start_workers(cfg)
-            crew = Supervisor(cfg, workers, run_dir, tracker, point)
-            crew.check_interrupt = guard.check
+            placement = place(cfg.cluster, "es")
+            group, infos = start_workers(cfg, keeper, tracker.message, placement)
+            group.check_interrupt = guard.check
             pool = infos[0]["train_size"]
-            tracker.message(f"es: {len(workers)} actor(s), training pool {pool}, held-out {infos[0]['eval_size']}, "
+            tracker.message(f"es: {len(group)} actor(s), training pool {pool}, held-out {infos[0]['eval_size']}, "
                             f"run dir {run_dir}")
             if point.note:
                 tracker.message(point.note)
             if point.checkpoint or point.records:
-                crew.rebuild_all()
+                keeper.rebuild_all()
+            ledger.started()
             for t in range(point.start, cfg.es.iterations):
-                row = iteration(cfg, crew, t, pool, seed_log, guard)
-                if cfg.eval.every and ((t + 1) % cfg.eval.every == 0 or t == 0):
-                    res = crew.gather("evaluate_center", {0: ("eval", sample_seed(cfg, -1))})[0]
-                    row["eval/reward"], row["eval/tokens"] = res["reward"], res["tokens"]
-                    row["timing_s/eval"] = res["seconds"]
-                row.update(crew.drain_events())
+                row = iteration(cfg, keeper, t, pool, seed_log, guard)
+                eval_tokens = held_out(cfg, group, t, row)
+                row.update(keeper.drain_events())
                 tracker.log(t, row)
+                ledger.add_step(row, row["perf/tokens"], generated_eval=eval_tokens)
                 history.append(row)
                 if cfg.run.checkpoint_every and (t + 1) % cfg.run.checkpoint_every == 0 and t + 1 < cfg.es.iterations:
-                    crew.save_checkpoint(run_dir / "checkpoints" / f"iter_{t + 1:06d}", t + 1)
-            final = crew.save_checkpoint(run_dir / "checkpoints" / "final", cfg.es.iterations)
-            from es_ray.ledger import write_es_ledger  # the compute ledger (ledger.json), as grpo-train writes it
-
-            rss = crew.gather("peak_memory_bytes", {r: () for r in range(len(crew.workers))})
-            write_es_ledger(run_dir, history, rss, {"resumed_at_iteration": point.start})
+                    keeper.save_checkpoint(run_dir / "checkpoints" / f"iter_{t + 1:06d}", t + 1)
+            final = keeper.save_checkpoint(run_dir / "checkpoints" / "final", cfg.es.iterations)
+            finished = True
             summary.update(final_checkpoint=str(final), iterations=cfg.es.iterations,
                            reward_mean=[h["reward/mean"] for h in history],
                            eval_reward=[h["eval/reward"] for h in history if "eval/reward" in h])
@@ -202,55 +158,54 @@ def run(cfg: TrainConfig) -> dict:
             tracker.message(f"es: done; final checkpoint {final}")
             return summary
         except Interrupted as stop:
-            _stop_cleanly(stop, crew, run_dir, tracker)
+            _stop_cleanly(stop, keeper, run_dir, tracker)
         finally:
+            if keeper.group is not None:  # what the run cost, also when it stopped early
+                ledger.add_group(keeper.group, cfg.cluster)
+                keeper.group.kill()
+            ledger.write(run_dir, finished)
             seed_log.close()
             tracker.close()
-            for w in workers:
-                ray.kill(w)
-            if hasattr(workers, "release"):  # the placement group's reserved resources
-                workers.release()
+            if placement is not None:
+                placement.release()
 
 
-def _stop_cleanly(stop, crew, run_dir: Path, tracker) -> None:
+def held_out(cfg: ESTrainConfig, group, t: int, row: dict) -> int:
+    """eval.every: the unperturbed weights on the held-out set (eval/reward); returns the tokens generated."""
+    if not cfg.eval.every or ((t + 1) % cfg.eval.every and t != 0):
+        return 0
+    res = group.call(0, "evaluate_center", "eval", sample_seed(cfg, -1))
+    row["eval/reward"], row["eval/tokens"], row["eval/errors"] = res["reward"], res["tokens"], res["errors"]
+    row["timing_s/eval"] = res["seconds"]
+    return res["tokens"]
+
+
+def _stop_cleanly(stop, keeper, run_dir: Path, tracker) -> None:
     """After SIGTERM / Ctrl-C: stop the actors' work, checkpoint the committed iterations, exit non-zero.
 
     The seed log is already complete up to the last committed iteration (an update and its log line are never
     split by a signal), so resuming is exact even if a second signal cuts this checkpoint short.
     """
-    name = signal.Signals(stop.signum).name
-    done = crew.committed if crew is not None else 0
+    done = keeper.committed
     saved = ""
-    if crew is not None and done > crew.base[1]:
-        crew.cancel_inflight()
-        saved = str(crew.save_checkpoint(run_dir / "checkpoints" / f"iter_{done:06d}", done))
-    tracker.message(f"es: stopped by {name} after {done} iteration(s); "
+    if keeper.group is not None and done > keeper.base[1]:
+        keeper.group.cancel_inflight()
+        saved = str(keeper.save_checkpoint(run_dir / "checkpoints" / f"iter_{done:06d}", done))
+    tracker.message(f"es: stopped by {stop} after {done} iteration(s); "
                     f"{'checkpoint ' + saved if saved else 'no new checkpoint needed'}; seed log "
                     f"{run_dir / 'seed_log.jsonl'}. Continue with: es-train run.resume=true run.dir={run_dir}")
-    raise SystemExit(128 + stop.signum)
+    raise SystemExit(stop.exit_code)
 
 
-def _sigterm_as_exit() -> None:
-    """`ray job stop` sends SIGTERM: turn it into SystemExit so the finally blocks close logs and kill actors."""
-    import signal
-    import threading
-
-    def _exit(signum, frame):
-        raise SystemExit(128 + signum)
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _exit)
-
-
-def iteration(cfg: TrainConfig, crew, t: int, pool: int, seed_log, guard) -> dict:
+def iteration(cfg: ESTrainConfig, keeper, t: int, pool: int, seed_log, guard) -> dict:
     timer = Timer()
     t_start = time.perf_counter()
     members = ask(cfg.es.population, cfg.es.estimator)
     ids = prompt_ids(cfg, t, pool)
     if cfg.faults.interrupt_at_iteration == t:
-        _interrupt_soon()
+        interrupt_soon()
     with timer("evaluate"):
-        results, actor_timing = evaluate(crew, t, members, cfg, ids)
+        results, actor_timing = evaluate(keeper.group, t, members, cfg, ids)
     rewards_n = np.array([r.reward for r in results], dtype=np.float64)
     fitness_n = shape_fitness(rewards_n, cfg.es.shaping)
     record = {"iteration": t, "sigma": cfg.es.sigma, "lr": cfg.es.lr,
@@ -258,10 +213,10 @@ def iteration(cfg: TrainConfig, crew, t: int, pool: int, seed_log, guard) -> dic
               "rewards": rewards_n.tolist(), "fitness": fitness_n.tolist()}
     with guard.critical():  # a signal waits until the update is applied and logged (replay needs both or none)
         with timer("update"):
-            updates, checksum = tell(crew, record, members, fitness_n, cfg)
+            updates, checksum = tell(keeper, record, members, fitness_n, cfg)
         record["checksum"] = checksum
         seed_log.append(record)
-        crew.commit(record)
+        keeper.commit(record)
     tokens = sum(r.tokens for r in results)
     wall = time.perf_counter() - t_start
     row = {
@@ -278,12 +233,3 @@ def iteration(cfg: TrainConfig, crew, t: int, pool: int, seed_log, guard) -> dic
     row.update({f"timing_s/{k}": v for k, v in timer.seconds.items()})
     row.update({f"timing_s/{k}": v for k, v in actor_timing.items()})
     return row
-
-
-def _interrupt_soon(delay_s: float = 0.2) -> None:
-    """faults.interrupt_at_iteration: SIGTERM to this process while the actors evaluate (as `ray job stop`)."""
-    from es_ray.recovery import Interrupted
-
-    if threading.current_thread() is not threading.main_thread():  # no handler here: interrupt directly
-        raise Interrupted(signal.SIGTERM)
-    threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGTERM)).start()

@@ -10,13 +10,13 @@ import os
 import time
 from typing import Any
 
-from es_ray.config import FaultsConfig
+from es_ray.config import ESFaultsConfig
 
 KILL_EXIT_CODE = 75
 
 
 class FaultInjector:
-    def __init__(self, cfg: FaultsConfig, rank: int, immune_through: int = -1):
+    def __init__(self, cfg: ESFaultsConfig, rank: int, immune_through: int = -1):
         self.cfg = cfg
         self.armed = rank == cfg.actor_rank
         self.immune_through = immune_through

@@ -23,6 +23,10 @@ import struct
 
 import torch
 
+from es_ray.runtime.registry import Registry
+
+NOISE_KINDS = Registry("es.noise", {"per_tensor": "a generator per tensor", "table": "slices of one seeded table"})
+"""The noise sources (es.noise also accepts auto: table on CPU, per_tensor on GPU)."""
 _MASK63 = (1 << 63) - 1
 
 
@@ -42,8 +46,7 @@ class NoiseSource:
     """Produces fp32 noise for (iteration, noise_id, name, shape), from a per-tensor generator or a table."""
 
     def __init__(self, run_seed: int, kind: str = "per_tensor", table_size: int = 1 << 25, device: str = "cpu"):
-        if kind not in ("per_tensor", "table"):
-            raise ValueError(f"unknown noise kind {kind!r}; use per_tensor or table")
+        NOISE_KINDS.check(kind)
         self.run_seed = int(run_seed)
         self.kind = kind
         self.device = torch.device(device)

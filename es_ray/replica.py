@@ -158,7 +158,7 @@ class Replica:
     def load_state_dict(self, sd: dict) -> None:
         for name in self.names:
             self.master[name].copy_(sd["master"][name])
-        self.opt.load_state_dict(sd["optimizer"])
+        self.opt.load_state_dict(sd["optimizer"], device=self.device)
         if self.theta0 is not None and sd.get("theta0") is not None:
             for name in self.names:
                 self.theta0[name].copy_(sd["theta0"][name])

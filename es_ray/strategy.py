@@ -17,10 +17,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
+
+from es_ray.runtime.registry import Registry
+
+SHAPERS = Registry("es.shaping")
+"""Fitness shaping functions rewards_n -> fitness_n, by es.shaping name."""
+OPTIMIZERS = Registry("es.optimizer")
+"""Per-tensor directions: fn(optimizer, name, theta, g) turns the ascent direction g into the step, in place."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ def ask(population: int, estimator: str = "one_point") -> list[Member]:
     raise ValueError(f"unknown estimator {estimator!r}")
 
 
+@SHAPERS.register("zscore")
 def zscore(rewards_n: np.ndarray, eps: float = 1e-8) -> np.ndarray:
     """(r - mean) / std over the population; all-equal rewards give zeros (a zero update)."""
     r = np.asarray(rewards_n, dtype=np.float64)
@@ -52,6 +59,7 @@ def zscore(rewards_n: np.ndarray, eps: float = 1e-8) -> np.ndarray:
     return (r - r.mean()) / std
 
 
+@SHAPERS.register("centered_rank")
 def centered_rank(rewards_n: np.ndarray) -> np.ndarray:
     """Ranks mapped linearly to [-0.5, 0.5]; ties share their mean rank, so all-equal rewards give zeros."""
     r = np.asarray(rewards_n, dtype=np.float64)
@@ -68,11 +76,8 @@ def centered_rank(rewards_n: np.ndarray) -> np.ndarray:
     return ranks / (n - 1) - 0.5
 
 
-SHAPERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"zscore": zscore, "centered_rank": centered_rank}
-
-
 def shape_fitness(rewards_n, shaping: str = "zscore") -> np.ndarray:
-    return SHAPERS[shaping](np.asarray(rewards_n, dtype=np.float64))
+    return SHAPERS.get(shaping)(np.asarray(rewards_n, dtype=np.float64))
 
 
 def noise_coefficients(members: list[Member], fitness_n) -> list[tuple[int, float]]:
@@ -91,8 +96,7 @@ class Optimizer:
 
     def __init__(self, kind: str, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  anchor_decay: float = 0.0):
-        if kind not in ("sgd", "adam"):
-            raise ValueError(f"unknown optimizer {kind!r}")
+        self._direction = OPTIMIZERS.get(kind)
         self.kind, self.lr, self.betas, self.eps = kind, lr, betas, eps
         self.weight_decay, self.anchor_decay = weight_decay, anchor_decay
         self.state: dict[str, dict[str, torch.Tensor]] = {}
@@ -103,19 +107,7 @@ class Optimizer:
         self.t += 1
 
     def step(self, name: str, theta: torch.Tensor, g: torch.Tensor, theta0: torch.Tensor | None = None) -> None:
-        if self.kind == "adam":
-            b1, b2 = self.betas
-            st = self.state.get(name)
-            if st is None:
-                st = self.state[name] = {"m": torch.zeros_like(theta), "v": torch.zeros_like(theta)}
-            st["m"].mul_(b1).add_(g, alpha=1 - b1)
-            st["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
-            bc1, bc2 = 1 - b1**self.t, 1 - b2**self.t
-            step_size = self.lr / bc1
-            denom = st["v"].sqrt().div_(math.sqrt(bc2)).add_(self.eps)
-            torch.div(st["m"], denom, out=g).mul_(step_size)
-        else:
-            g.mul_(self.lr)
+        self._direction(self, name, theta, g)
         if self.weight_decay:
             g.add_(theta, alpha=-self.lr * self.weight_decay)
         if self.anchor_decay and theta0 is not None:
@@ -125,6 +117,28 @@ class Optimizer:
     def state_dict(self) -> dict:
         return {"t": self.t, "state": self.state}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict, device: str | torch.device | None = None) -> None:
+        """State from ``state_dict`` (a checkpoint is read onto the CPU): every tensor lands on ``device`` in fp32."""
         self.t = int(sd["t"])
-        self.state = {name: {k: v.detach().clone() for k, v in st.items()} for name, st in sd["state"].items()}
+        self.state = {name: {k: v.detach().to(device=device, dtype=torch.float32, copy=True) for k, v in st.items()}
+                      for name, st in sd["state"].items()}
+
+
+@OPTIMIZERS.register("sgd")
+def sgd(opt: Optimizer, name: str, theta: torch.Tensor, g: torch.Tensor) -> None:
+    """step = lr * g"""
+    g.mul_(opt.lr)
+
+
+@OPTIMIZERS.register("adam")
+def adam(opt: Optimizer, name: str, theta: torch.Tensor, g: torch.Tensor) -> None:
+    """step = lr * m_hat / (sqrt(v_hat) + eps), Adam's moments of g kept per tensor in fp32."""
+    b1, b2 = opt.betas
+    st = opt.state.get(name)
+    if st is None:
+        st = opt.state[name] = {"m": torch.zeros_like(theta), "v": torch.zeros_like(theta)}
+    st["m"].mul_(b1).add_(g, alpha=1 - b1)
+    st["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
+    bc1, bc2 = 1 - b1**opt.t, 1 - b2**opt.t
+    denom = st["v"].sqrt().div_(math.sqrt(bc2)).add_(opt.eps)
+    torch.div(st["m"], denom, out=g).mul_(opt.lr / bc1)

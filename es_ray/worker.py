@@ -10,17 +10,12 @@ import os
 import time
 from dataclasses import asdict
 
-from es_ray.config import TrainConfig
+from es_ray.config import ESTrainConfig
 from es_ray.protocol import EvalRequest, EvalResult, MemberResult, UpdateRequest, UpdateResult
+from es_ray.tasks.base import score, templated_prompts
 
 
-def templated_prompts(engine, task) -> dict[str, list[str]]:
-    """The task's training pool and held-out set as prompt texts in the engine's chat template, by split."""
-    return {split: [engine.apply_chat_template(task.messages(p)) for p in problems]
-            for split, problems in (("train", task.train), ("eval", task.eval))}
-
-
-def replica_spec(cfg: TrainConfig):
+def replica_spec(cfg: ESTrainConfig):
     from es_ray.replica import ReplicaSpec
 
     es = cfg.es
@@ -34,7 +29,7 @@ def replica_spec(cfg: TrainConfig):
 class ESWorker:
     """Plain class; the driver wraps it with ``ray.remote``. Tests also use it in-process."""
 
-    def __init__(self, cfg: TrainConfig, rank: int = 0, immune_through: int = -1):
+    def __init__(self, cfg: ESTrainConfig, rank: int = 0, immune_through: int = -1):
         """``immune_through``: a replacement started during iteration t ignores injected faults up to t."""
         import torch
 
@@ -64,12 +59,8 @@ class ESWorker:
         t0 = time.perf_counter()
         completions = self.engine.generate(prompts, self.cfg.sampling, seed)
         t1 = time.perf_counter()
-        total, errors = 0.0, 0
-        for c, i in zip(completions, prompt_ids):
-            try:
-                total += float(self.task.reward(c.text, problems[i]))
-            except Exception:  # a reward that raises on one completion scores it 0, counted
-                errors += 1
+        rewards, errors = score(self.task, [c.text for c in completions], [problems[i] for i in prompt_ids])
+        total = sum(rewards)
         tokens = sum(c.num_tokens for c in completions)
         return total / max(1, len(prompt_ids)), tokens, errors, t1 - t0, time.perf_counter() - t1
 
@@ -112,11 +103,11 @@ class ESWorker:
         return self.engine.es_call("checksum")
 
     def save_checkpoint(self, path: str, extra: dict) -> str:
-        from es_ray.checkpoint import save_checkpoint
+        from es_ray.checkpoint import save_es_checkpoint
 
         state = self.engine.es_call("state_dict")
         meta = {**extra, "checksum": self.engine.es_call("checksum"), "engine": asdict(self.cfg.engine)}
-        save_checkpoint(path, state, self.model_dir, meta)
+        save_es_checkpoint(path, state, self.model_dir, meta)
         return path
 
     def rebuild(self, checkpoint: str, records: list[dict]) -> dict:
@@ -144,10 +135,10 @@ class ESWorker:
         return {"checksum": self.engine.es_call("checksum"), "seconds": time.perf_counter() - t0,
                 "replayed": len(records), "model_bytes": model_bytes}
 
-    def peak_memory_bytes(self) -> int:
-        import resource
+    def peak_memory(self) -> dict:
+        from es_ray.runtime.ledger import process_peak_memory
 
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        return process_peak_memory()
 
 
 def _cancelled() -> bool:

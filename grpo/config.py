@@ -1,18 +1,19 @@
-"""Typed configuration for `grpo-train`: es_ray's sections (model, task, sampling, engine, cluster, eval, run) plus
-a GRPOConfig. The dataclasses are the Hydra schema; conf/grpo_train.yaml only picks presets."""
+"""Typed configuration for `grpo-train`: the runtime's shared sections (model, task, sampling, engine, cluster,
+eval, run, faults) plus a GRPOConfig. The dataclasses are the Hydra schema; conf/grpo_train.yaml only picks
+presets. Loss types and advantage scales are the registries of grpo.loss."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from es_ray.config import (ClusterConfig, ConfigError, EngineConfig, ESConfig, EvalConfig, ModelConfig, RunConfig,
-                           SamplingConfig, TaskConfig, TrainConfig, _choice, _positive, validate)
+from es_ray.runtime.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, HeldOutConfig, ModelConfig,
+                                   RunConfig, SamplingConfig, TaskConfig, check_choice, check_positive, to_config,
+                                   validate_trainer)
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
-ADV_SCALES = ("group", "batch", "none")
 LEARNER_DTYPES = ("float32", "bfloat16")
+# Settings a resumed GRPO run may change besides the runtime's (es_ray.runtime.rundir.RESUME_FREE).
+RESUME_FREE = frozenset({"grpo.steps", "cluster.num_actors"})
 
 
 @dataclass
@@ -92,8 +93,9 @@ class GRPOTrainConfig:
     sampling: GRPOSamplingConfig = field(default_factory=GRPOSamplingConfig)
     engine: GRPOEngineConfig = field(default_factory=GRPOEngineConfig)
     cluster: GRPOClusterConfig = field(default_factory=GRPOClusterConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: HeldOutConfig = field(default_factory=HeldOutConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    faults: FaultPolicy = field(default_factory=FaultPolicy)
 
 
 def validate_grpo(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
@@ -106,35 +108,32 @@ def validate_grpo(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
                           "or more")
     if g.beta < 0:
         raise ConfigError(f"grpo.beta={g.beta} must be >= 0 (0 disables the KL term and the reference model)")
-    _choice("grpo.loss_type", g.loss_type, LOSS_TYPES)
-    _choice("grpo.adv_scale", g.adv_scale, ADV_SCALES)
-    _choice("grpo.dtype", g.dtype, LEARNER_DTYPES)
-    _positive("grpo.steps", g.steps, allow_zero=True)
-    _positive("grpo.lr", g.lr, allow_zero=True)
-    _positive("grpo.clip_eps", g.clip_eps)
-    _positive("grpo.clip_eps_high", g.clip_eps_high, allow_zero=True)
-    _positive("grpo.adv_eps", g.adv_eps)
-    _positive("grpo.epochs_per_batch", g.epochs_per_batch)
-    _positive("grpo.micro_batch_size", g.micro_batch_size)
-    _positive("grpo.max_grad_norm", g.max_grad_norm, allow_zero=True)
-    _positive("grpo.weight_decay", g.weight_decay, allow_zero=True)
-    _positive("grpo.warmup_steps", g.warmup_steps, allow_zero=True)
-    _positive("grpo.sync_tolerance", g.sync_tolerance, allow_zero=True)
+    from grpo.loss import ADV_SCALES, LOSS_AGGREGATIONS
+
+    LOSS_AGGREGATIONS.check(g.loss_type)
+    ADV_SCALES.check(g.adv_scale)
+    check_choice("grpo.dtype", g.dtype, LEARNER_DTYPES)
+    check_positive("grpo.steps", g.steps, allow_zero=True)
+    check_positive("grpo.lr", g.lr, allow_zero=True)
+    check_positive("grpo.clip_eps", g.clip_eps)
+    check_positive("grpo.clip_eps_high", g.clip_eps_high, allow_zero=True)
+    check_positive("grpo.adv_eps", g.adv_eps)
+    check_positive("grpo.epochs_per_batch", g.epochs_per_batch)
+    check_positive("grpo.micro_batch_size", g.micro_batch_size)
+    check_positive("grpo.max_grad_norm", g.max_grad_norm, allow_zero=True)
+    check_positive("grpo.weight_decay", g.weight_decay, allow_zero=True)
+    check_positive("grpo.warmup_steps", g.warmup_steps, allow_zero=True)
+    check_positive("grpo.sync_tolerance", g.sync_tolerance, allow_zero=True)
     if cfg.sampling.temperature <= 0:
         raise ConfigError(f"sampling.temperature={cfg.sampling.temperature}: GRPO samples its groups, and greedy "
                           "decoding gives every completion of a group the same reward (advantage 0); set "
                           "sampling.temperature>0, e.g. 1.0")
-    # The shared sections (engine, sampling, cluster, task, run) are checked by es_ray's own validation, through
-    # an ES config that carries them (its population is set so that the ES-only checks pass).
-    validate(TrainConfig(model=cfg.model, task=cfg.task, es=ESConfig(population=max(2, cfg.cluster.num_actors)),
-                         sampling=cfg.sampling, engine=cfg.engine, cluster=cfg.cluster, eval=cfg.eval, run=cfg.run))
+    validate_trainer(cfg)
     return cfg
 
 
 def to_grpo_config(cfg: Any) -> GRPOTrainConfig:
     """Composed DictConfig (or plain dict) -> validated GRPOTrainConfig."""
-    from es_ray.config import to_config
-
     return validate_grpo(to_config(cfg, GRPOTrainConfig))
 
 
@@ -142,9 +141,3 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="grpo_train_schema", node=GRPOTrainConfig)
-
-
-def replace(cfg: GRPOTrainConfig, **sections: Any) -> GRPOTrainConfig:
-    """A copy with some fields of sections replaced: replace(cfg, grpo={"steps": 2})."""
-    out = {k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()}
-    return dataclasses.replace(cfg, **out)

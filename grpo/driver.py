@@ -7,28 +7,26 @@
     log; ledger; checkpoint
 
 The driver holds no model; it only moves samples and one weight reference (Ray's object store) between actors.
+Connecting, the run directory, signals, the actor groups (timeouts, replacement) and the ledger are the runtime's
+(es_ray.runtime), as for ES.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
 
 import numpy as np
 
-from es_ray.driver import _sigterm_as_exit, connect, make_run_dir
-from es_ray.ledger import Ledger
-from es_ray.tracking import Timer, Tracker
-from grpo.config import GRPOTrainConfig
+from es_ray.runtime.tracking import Timer, Tracker
+from grpo.config import RESUME_FREE, GRPOTrainConfig
+from grpo.learner import META_FILE
 
 
 class WeightSyncError(RuntimeError):
     """A rollout engine's log-probs of the probe disagree with the learner's after a weight sync."""
-
-
-class LearnerDiedError(RuntimeError):
-    pass
 
 
 def sync_tolerance(cfg: GRPOTrainConfig) -> float:
@@ -71,102 +69,61 @@ def sample_seed(cfg: GRPOTrainConfig, step: int, part: int = 0) -> int:
     return random.Random(f"{cfg.run.seed}/{step}/{part}/grpo-sampling").getrandbits(62)
 
 
-class Cluster:
-    """The learner and the rollout actors, with the weight sync and the replacement of a dead rollout actor."""
+class Crew:
+    """The learner (bundle 0 of the run's placement group; not replaceable: its optimizer state lives only there)
+    and the rollout actors (bundles 1..n; a dead or silent one is replaced and re-synced from the learner), each an
+    ActorGroup of the runtime."""
 
-    def __init__(self, cfg: GRPOTrainConfig, tracker: Tracker):
-        import ray
-
+    def __init__(self, cfg: GRPOTrainConfig, tracker: Tracker, run_dir: Path, check_interrupt):
+        from es_ray.runtime.actors import start_group
+        from es_ray.runtime.placement import place
         from grpo.learner import GRPOLearner
         from grpo.rollout import RolloutWorker
 
-        from es_ray.placement import place
-
         self.cfg, self.tracker, self.tol = cfg, tracker, sync_tolerance(cfg)
-        c = cfg.cluster
-        # One placement group for the run (cluster.placement: pack or spread): bundle 0 is the learner's, bundle
-        # 1 + r rollout actor r's (a replacement goes back into its predecessor's bundle). Fails early, with the
-        # numbers, when the cluster cannot hold them.
-        self.placement = place(c, "grpo", count=c.num_actors + 1)
-        self._rollout_cls = ray.remote(RolloutWorker)
-        self.learner = ray.remote(GRPOLearner).options(**self.placement.options(0)).remote(cfg)
-        self.rollouts = [self._rollout_cls.options(**self.placement.options(r + 1)).remote(cfg, r)
-                         for r in range(c.num_actors)]
-        self.learner_info = self._learner_call(self.learner.ready.remote())
-        self.infos = ray.get([w.ready.remote() for w in self.rollouts])
         self.probe = None
-        self.replaced = 0
+        self.placement = place(cfg.cluster, "grpo", count=cfg.cluster.num_actors + 1)
+        advice = (f"the run cannot continue without it. Resume from the last checkpoint with run.resume=true "
+                  f"run.dir={run_dir} (set run.checkpoint_every to keep some)")
+        common = dict(log=tracker.message, check_interrupt=check_interrupt)
+        self.learner, infos = start_group("learner", GRPOLearner, 1, lambda rank: (cfg,), self.placement, cfg.faults,
+                                          replaceable=False, lost_advice=advice, **common)
+        self.learner_info = infos[0]
+        self.rollouts, self.infos = start_group(
+            "rollout", RolloutWorker, cfg.cluster.num_actors, lambda rank: (cfg, rank), self.placement, cfg.faults,
+            first_bundle=1, restore=self._resync, lost_advice=f"Resume with run.resume=true run.dir={run_dir}",
+            **common)
 
-    def _learner_call(self, ref):
-        import ray
-
-        try:
-            return ray.get(ref)
-        except ray.exceptions.RayActorError as exc:
-            raise LearnerDiedError(
-                f"the GRPO learner actor died ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); the run "
-                f"cannot continue without it. Resume from the last periodic checkpoint with run.resume=true "
-                f"run.dir={self.cfg.run.dir or '<this run dir>'} (set run.checkpoint_every to keep some)") from exc
+    @property
+    def groups(self) -> list:
+        return [self.learner, self.rollouts]
 
     def sync(self, step: int) -> dict:
         """Write the learner's weights into every rollout engine, then verify with the probe."""
-        import ray
-
         t0 = time.perf_counter()
-        weights = self.learner.weights.remote()  # stays in the object store; each rollout actor reads it
-        write_s = max(self._each(lambda rank, w: w.write_weights.remote(weights), step))
+        weights = self.learner.actors[0].weights.remote()  # stays in the object store; each rollout reads it
+        write_s = max(self.rollouts.each("write_weights", weights))
         t1 = time.perf_counter()
         if self.probe is None:
-            self.probe = ray.get(self.rollouts[0].probe.remote())
-        learner_lp = self._learner_call(self.learner.probe_logprobs.remote(*self.probe))
-        engine_lps = self._each(lambda rank, w: w.probe_logprobs.remote(*self.probe), step)
+            self.probe = self.rollouts.call(0, "probe")
+        learner_lp = self.learner.call(0, "probe_logprobs", *self.probe)
+        engine_lps = self.rollouts.each("probe_logprobs", *self.probe)
         worst = check_sync(learner_lp, engine_lps, self.tol, step)
         return {"sync/max_logprob_diff": worst, "sync/tolerance": self.tol, "timing_s/sync": time.perf_counter() - t0,
                 "timing_s/sync_write": write_s, "timing_s/sync_verify": time.perf_counter() - t1}
 
-    def _each(self, call, step: int) -> list:
-        """call(rank, actor) on every rollout actor; a dead one is replaced, re-synced from the learner and asked
-        again (its request is a pure function of the step, so the answer is the one it would have given)."""
-        import ray
-
-        refs = [call(rank, w) for rank, w in enumerate(self.rollouts)]
-        out = []
-        for rank, ref in enumerate(refs):
-            try:
-                out.append(ray.get(ref))
-            except ray.exceptions.RayActorError as exc:
-                self.tracker.message(f"grpo: step {step}: rollout actor {rank} died ({type(exc).__name__}); "
-                                     "starting a replacement and re-syncing it from the learner")
-                self.rollouts[rank] = self._replace(rank, step)
-                out.append(ray.get(call(rank, self.rollouts[rank])))
-        return out
-
-    def _replace(self, rank: int, step: int):
-        import ray
-
-        w = self._rollout_cls.options(**self.placement.options(rank + 1)).remote(self.cfg, rank)
-        ray.get(w.ready.remote())
-        ray.get(w.write_weights.remote(self.learner.weights.remote()))
+    def _resync(self, group, rank: int) -> dict:
+        """The rollout group's restore hook: the replacement gets the learner's current weights, verified."""
+        group.call(rank, "write_weights", self.learner.actors[0].weights.remote())
         if self.probe is not None:
-            lp = self._learner_call(self.learner.probe_logprobs.remote(*self.probe))
-            check_sync(lp, [ray.get(w.probe_logprobs.remote(*self.probe))], self.tol, step)
-        self.replaced += 1
-        return w
+            lp = self.learner.call(0, "probe_logprobs", *self.probe)
+            check_sync(lp, [group.call(rank, "probe_logprobs", *self.probe)], self.tol, -1)
+        return {"resynced": True}
 
     def kill(self) -> None:
-        import ray
-
-        for a in [self.learner, *self.rollouts]:
-            ray.kill(a)
+        for g in self.groups:
+            g.kill()
         self.placement.release()
-
-    def memory(self) -> dict:
-        import ray
-
-        out = {"learner": self._learner_call(self.learner.peak_memory.remote())}
-        for rank, m in enumerate(ray.get([w.peak_memory.remote() for w in self.rollouts])):
-            out[f"rollout_{rank}"] = m
-        return out
 
 
 def last_checkpoint(run_dir: Path) -> Path | None:
@@ -174,20 +131,11 @@ def last_checkpoint(run_dir: Path) -> Path | None:
     return steps[-1] if steps else None
 
 
-def _truncate_metrics(run_dir: Path, start: int) -> None:
-    """Drop metrics rows of steps the resumed run will redo (they came after the checkpoint)."""
-    import json
-
-    path = run_dir / "metrics.jsonl"
-    if path.is_file():
-        rows = [line for line in path.read_text().splitlines() if line.strip()]
-        path.write_text("".join(r + "\n" for r in rows if json.loads(r).get("step", 0) < start))
-
-
 def run(cfg: GRPOTrainConfig) -> dict:
-    import json
-
-    import ray
+    from es_ray.runtime.cluster import connect
+    from es_ray.runtime.ledger import Ledger
+    from es_ray.runtime.rundir import keep_metrics, open_run_dir
+    from es_ray.runtime.signals import Interrupted, InterruptGuard
 
     g = cfg.grpo
     if not cfg.cluster.address:  # fail fast on this machine; on a remote cluster the actors check
@@ -196,86 +144,112 @@ def run(cfg: GRPOTrainConfig) -> dict:
 
         resolve_model(cfg.model.path)
         load_task(cfg.task)
-    run_dir = make_run_dir(cfg, prefix="grpo")
+    run_dir = open_run_dir(cfg, "grpo", RESUME_FREE)  # refuses a resume with changed settings, naming them
     start, ckpt = 0, None
-    if getattr(cfg.run, "resume", False):
+    if cfg.run.resume:
         ckpt = last_checkpoint(run_dir)  # none yet: a new run, as es-train does
         if ckpt is not None:
-            start = json.loads((ckpt / "es_meta.json").read_text())["step"]
-        _truncate_metrics(run_dir, start)
+            start = json.loads((ckpt / META_FILE).read_text())["step"]
+        keep_metrics(run_dir / "metrics.jsonl", start, "step")  # also cuts a torn last line
+    ledger = Ledger("grpo", start_step=start)
     connect(cfg.cluster)
-    _sigterm_as_exit()
     tracker = Tracker(run_dir, g.steps - start, cfg.run.tensorboard, cfg.run.progress, desc="grpo")
-    ledger = Ledger("grpo")
-    cluster = None
+    crew, done, finished = None, start, False
     summary: dict = {"run_dir": str(run_dir), "resumed_from": str(ckpt) if ckpt else None}
-    try:
-        cluster = Cluster(cfg, tracker)
-        if ckpt is not None:
-            cluster._learner_call(cluster.learner.load.remote(str(ckpt)))
-            tracker.message(f"grpo: resumed from {ckpt} at step {start}")
-        pool = cluster.infos[0]["train_size"]
-        tracker.message(f"grpo: learner + {len(cluster.rollouts)} rollout actor(s), {cluster.learner_info['trainable']}"
-                        f" trainable parameters, training pool {pool}, run dir {run_dir}")
-        first_sync = cluster.sync(start - 1)
-        tracker.message(f"grpo: initial weight sync verified (max |dlogp| {first_sync['sync/max_logprob_diff']:.2e}, "
-                        f"tolerance {cluster.tol:g})")
-        history = []
-        for t in range(start, g.steps):
-            row = step(cfg, cluster, t, pool)
-            if cfg.eval.every and ((t + 1) % cfg.eval.every == 0 or t == 0):
-                res = ray.get(cluster.rollouts[0].evaluate.remote("eval", sample_seed(cfg, -1)))
-                row["eval/reward"], row["timing_s/eval"] = res["reward"], res["seconds"]
-            tracker.log(t, row, step_key="step")
-            ledger.add_step(row, row["perf/tokens"], row["perf/tokens_backpropagated"])
-            history.append(row)
-            if cfg.run.checkpoint_every and (t + 1) % cfg.run.checkpoint_every == 0 and t + 1 < g.steps:
-                path = run_dir / "checkpoints" / f"step_{t + 1:06d}"
-                cluster._learner_call(cluster.learner.save.remote(str(path), {"step": t + 1}))
-        final = run_dir / "checkpoints" / "final"
-        cluster._learner_call(cluster.learner.save.remote(str(final), {"step": g.steps}))
-        write_ledger(ledger, cluster, run_dir, start, finished=True)
-        summary.update(final_checkpoint=str(final), steps=g.steps, reward_mean=[h["reward/mean"] for h in history],
-                       eval_reward=[h["eval/reward"] for h in history if "eval/reward" in h])
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        tracker.message(f"grpo: done; final checkpoint {final}")
-        return summary
-    except BaseException:
-        if cluster is not None:  # what the run cost until it stopped (best effort: an actor may be gone)
-            try:
-                write_ledger(ledger, cluster, run_dir, start, finished=False)
-            except Exception:
-                ledger.write(run_dir, {"start_step": start, "finished": False})
-        raise
-    finally:
-        tracker.close()
-        if cluster is not None:
-            cluster.kill()
+    with InterruptGuard() as guard:
+        try:
+            crew = Crew(cfg, tracker, run_dir, guard.check)
+            if ckpt is not None:
+                crew.learner.call(0, "load", str(ckpt), slow=True)
+                tracker.message(f"grpo: resumed from {ckpt} at step {start}")
+            pool = crew.infos[0]["train_size"]
+            tracker.message(f"grpo: learner + {len(crew.rollouts)} rollout actor(s), "
+                            f"{crew.learner_info['trainable']} trainable parameters, training pool {pool}, "
+                            f"run dir {run_dir}")
+            first = crew.sync(start - 1)
+            tracker.message(f"grpo: initial weight sync verified (max |dlogp| {first['sync/max_logprob_diff']:.2e}, "
+                            f"tolerance {crew.tol:g})")
+            ledger.started()
+            history = []
+            for t in range(start, g.steps):
+                row = step(cfg, crew, t, pool, guard)
+                eval_tokens = held_out(cfg, crew, t, row)
+                row.update(recovery_metrics(crew))
+                tracker.log(t, row, step_key="step")
+                ledger.add_step(row, row["perf/tokens"], row["perf/tokens_backpropagated"], eval_tokens)
+                history.append(row)
+                done = t + 1
+                if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0 and done < g.steps:
+                    crew.learner.call(0, "save", str(run_dir / "checkpoints" / f"step_{done:06d}"), {"step": done})
+            final = run_dir / "checkpoints" / "final"
+            crew.learner.call(0, "save", str(final), {"step": g.steps})
+            finished = True
+            summary.update(final_checkpoint=str(final), steps=g.steps, reward_mean=[h["reward/mean"] for h in history],
+                           eval_reward=[h["eval/reward"] for h in history if "eval/reward" in h])
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            tracker.message(f"grpo: done; final checkpoint {final}")
+            return summary
+        except Interrupted as stop:
+            _stop_cleanly(stop, crew, run_dir, tracker, done, start)
+        finally:
+            if crew is not None:  # what the run cost, also when it stopped early
+                for group in crew.groups:
+                    ledger.add_group(group, cfg.cluster)
+                crew.kill()
+            ledger.write(run_dir, finished)
+            tracker.close()
 
 
-def write_ledger(ledger: Ledger, cluster: Cluster, run_dir: Path, start: int, finished: bool) -> None:
-    for role, report in cluster.memory().items():
-        ledger.add_memory(role, report)
-    ledger.write(run_dir, {"rollout_actors_replaced": cluster.replaced, "start_step": start, "finished": finished})
+def held_out(cfg: GRPOTrainConfig, crew: Crew, t: int, row: dict) -> int:
+    """eval.every: the current weights on the held-out set, greedy (eval/reward); returns the tokens generated."""
+    if not cfg.eval.every or ((t + 1) % cfg.eval.every and t != 0):
+        return 0
+    res = crew.rollouts.call(0, "evaluate", "eval", sample_seed(cfg, -1))
+    row["eval/reward"], row["eval/tokens"], row["eval/errors"] = res["reward"], res["tokens"], res["errors"]
+    row["timing_s/eval"] = res["seconds"]
+    return res["tokens"]
 
 
-def step(cfg: GRPOTrainConfig, cluster: Cluster, t: int, pool: int) -> dict:
+def recovery_metrics(crew: Crew) -> dict:
+    events = [e for g in crew.groups for e in g.drain_events()]
+    if not events:
+        return {}
+    return {"recovery/replacements": len(events), "recovery/seconds": sum(e["seconds"] for e in events)}
+
+
+def _stop_cleanly(stop, crew: Crew | None, run_dir: Path, tracker, done: int, start: int) -> None:
+    """After SIGTERM / Ctrl-C: checkpoint the completed steps (an optimizer step and its sync are never split by a
+    signal), stop the actors, exit non-zero with the resume command."""
+    saved = ""
+    if crew is not None and done > start:
+        crew.rollouts.cancel_inflight()
+        path = run_dir / "checkpoints" / f"step_{done:06d}"
+        saved = str(crew.learner.call(0, "save", str(path), {"step": done}))
+    tracker.message(f"grpo: stopped by {stop} after {done} step(s); "
+                    f"{'checkpoint ' + saved if saved else 'no new checkpoint needed'}. Continue with: grpo-train "
+                    f"run.resume=true run.dir={run_dir}")
+    raise SystemExit(stop.exit_code)
+
+
+def step(cfg: GRPOTrainConfig, crew: Crew, t: int, pool: int, guard) -> dict:
     import torch
 
     from grpo.loss import group_advantages
 
     g, timer, t0 = cfg.grpo, Timer(), time.perf_counter()
     ids = prompt_indices(cfg, t, pool)
-    parts = [list(map(int, p)) for p in np.array_split(ids, len(cluster.rollouts))]
+    parts = [list(map(int, p)) for p in np.array_split(ids, len(crew.rollouts))]
     with timer("generate"):
-        results = cluster._each(lambda rank, w: w.generate.remote(parts[rank], g.group_size,
-                                                                  sample_seed(cfg, t, rank)), t)
+        out = crew.rollouts.gather("generate", {r: (parts[r], g.group_size, sample_seed(cfg, t, r))
+                                                for r in crew.rollouts.ranks})
+    results = [out[r] for r in crew.rollouts.ranks]
     samples = [s for res in results for s in res["samples"]]  # prompt-major: P groups of G, in ids order
     rewards_pg = np.array([s["reward"] for s in samples], dtype=np.float64).reshape(len(ids), g.group_size)
     adv_b = group_advantages(torch.from_numpy(rewards_pg), g.adv_scale, g.adv_eps).flatten().tolist()
-    with timer("train"):
-        stats = cluster._learner_call(cluster.learner.train_step.remote(samples, adv_b))
-    sync = cluster.sync(t)
+    with guard.critical():  # an optimizer step and the sync that follows it are never split by a signal
+        with timer("train"):
+            stats = crew.learner.call(0, "train_step", samples, adv_b)
+        sync = crew.sync(t)
     lengths = [len(s["completion_ids"]) for s in samples]
     tokens = sum(res["tokens"] for res in results)
     row = {

@@ -14,8 +14,11 @@ from pathlib import Path
 
 from grpo.config import GRPOTrainConfig
 
-STATE_FILE = "es_state.pt"
-"""es_ray.checkpoint's file for optimizer state; GRPO keeps optimizer, scheduler, RNG and step in it."""
+from es_ray.runtime.checkpoint import meta_file, state_file
+
+STATE_FILE = state_file("grpo")
+"""Optimizer, scheduler, RNG state and step, beside the HF weights of a GRPO checkpoint."""
+META_FILE = meta_file("grpo")
 
 
 class GRPOLearner:
@@ -162,12 +165,11 @@ class GRPOLearner:
     def save(self, path: str, meta: dict) -> str:
         import torch
 
-        from es_ray.checkpoint import save_checkpoint
+        from es_ray.runtime.checkpoint import save_checkpoint
 
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "torch_rng": torch.get_rng_state(), "step": meta.get("step")}
-        save_checkpoint(path, {"master": self.weights(), "optimizer": state}, self.model_dir,
-                        {**meta, "method": "grpo"})
+        save_checkpoint(path, self.weights(), self.model_dir, state, meta, "grpo")
         return path
 
     def load(self, path: str) -> dict:
@@ -185,13 +187,13 @@ class GRPOLearner:
                 if src is None and name == "lm_head.weight":  # tied: saved once, as the embedding
                     src = weights["model.embed_tokens.weight"]
                 p.copy_(src)
-        state = torch.load(Path(path) / STATE_FILE, weights_only=False)["optimizer"]
+        state = torch.load(Path(path) / STATE_FILE, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
-        return json.loads((Path(path) / "es_meta.json").read_text())
+        return json.loads((Path(path) / META_FILE).read_text())
 
     def peak_memory(self) -> dict:
-        from es_ray.ledger import process_peak_memory
+        from es_ray.runtime.ledger import process_peak_memory
 
         return process_peak_memory()

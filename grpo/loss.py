@@ -9,6 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from es_ray.runtime.registry import Registry
+
+LOSS_AGGREGATIONS = Registry("grpo.loss_type")
+"""How the per-token loss becomes a scalar (grpo, dr_grpo, dapo); each entry is fn(summed_b, mask, N, max_tokens,
+M) with summed_b the per-sequence token sums."""
+ADV_SCALES = Registry("grpo.adv_scale")
+"""What the centred rewards are divided by: fn(r_pg, centred_pg, eps)."""
 
 def group_advantages(rewards_pg: torch.Tensor, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
     """[P, G] rewards -> [P, G] advantages A = (r - mean_group(r)) / (s + eps).
@@ -18,14 +25,22 @@ def group_advantages(rewards_pg: torch.Tensor, scale: str = "group", eps: float 
     (the numerator is 0), never NaN.
     """
     r = rewards_pg.to(torch.float64)
-    centred = r - r.mean(dim=1, keepdim=True)
-    if scale == "group":
-        return centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
-    if scale == "batch":
-        return centred / (r.std(unbiased=False) + eps)
-    if scale == "none":
-        return centred
-    raise ValueError(f"unknown advantage scale {scale!r}; use group, batch or none")
+    return ADV_SCALES.get(scale)(r, r - r.mean(dim=1, keepdim=True), eps)
+
+
+@ADV_SCALES.register("group")
+def _group_std(r, centred, eps):
+    return centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+
+
+@ADV_SCALES.register("batch")
+def _batch_std(r, centred, eps):
+    return centred / (r.std(unbiased=False) + eps)
+
+
+@ADV_SCALES.register("none")
+def _unscaled(r, centred, eps):
+    return centred
 
 
 def token_log_probs(logits_btv: torch.Tensor, tokens_bt: torch.Tensor) -> torch.Tensor:
@@ -54,14 +69,23 @@ def aggregate(per_token_bt: torch.Tensor, mask_bt: torch.Tensor, loss_type: str,
     mask = mask_bt.to(per_token_bt.dtype)
     n = float(mask.shape[0]) if num_sequences is None else float(num_sequences)
     summed_b = (per_token_bt * mask).sum(dim=1)
-    if loss_type == "grpo":
-        return (summed_b / mask.sum(dim=1).clamp(min=1.0)).sum() / n
-    if loss_type == "dr_grpo":
-        return summed_b.sum() / (n * max_tokens)
-    if loss_type == "dapo":
-        m = mask.sum() if num_tokens is None else torch.tensor(float(num_tokens), dtype=per_token_bt.dtype)
-        return summed_b.sum() / m.clamp(min=1.0)
-    raise ValueError(f"unknown loss_type {loss_type!r}; use grpo, dr_grpo or dapo")
+    return LOSS_AGGREGATIONS.get(loss_type)(summed_b, mask, n, max_tokens, num_tokens)
+
+
+@LOSS_AGGREGATIONS.register("grpo")
+def _per_sequence_mean(summed_b, mask, n, max_tokens, num_tokens):
+    return (summed_b / mask.sum(dim=1).clamp(min=1.0)).sum() / n
+
+
+@LOSS_AGGREGATIONS.register("dr_grpo")
+def _constant_normaliser(summed_b, mask, n, max_tokens, num_tokens):
+    return summed_b.sum() / (n * max_tokens)
+
+
+@LOSS_AGGREGATIONS.register("dapo")
+def _token_mean(summed_b, mask, n, max_tokens, num_tokens):
+    m = mask.sum() if num_tokens is None else torch.tensor(float(num_tokens), dtype=summed_b.dtype)
+    return summed_b.sum() / m.clamp(min=1.0)
 
 
 def grpo_loss(logp_bt: torch.Tensor, old_logp_bt: torch.Tensor, adv_b: torch.Tensor, mask_bt: torch.Tensor, *,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 
+from es_ray.tasks.base import score
 from grpo.config import GRPOTrainConfig
 
 PROBE_TEXT = "The answer is 42. Let me check: 40 + 2 = 42, so the answer is 42."
@@ -27,7 +28,7 @@ class RolloutWorker:
         from es_ray.engines.base import make_engine
         from es_ray.models import resolve_model
         from es_ray.tasks import load_task
-        from es_ray.worker import templated_prompts
+        from es_ray.tasks.base import templated_prompts
 
         self.cfg, self.rank = cfg, rank
         self.engine = make_engine(str(resolve_model(cfg.model.path)), cfg.engine)
@@ -51,12 +52,9 @@ class RolloutWorker:
         completions = self.engine.generate(prompts, self.cfg.sampling, seed)
         t1 = time.perf_counter()
         prompt_ids = {i: self._tokens(self._prompts["train"][i]) for i in set(index)}
-        samples, errors = [], 0
-        for i, c, problem in zip(index, completions, problems):
-            try:
-                reward = float(self.task.reward(c.text, problem))
-            except Exception:
-                reward, errors = 0.0, errors + 1
+        rewards, errors = score(self.task, [c.text for c in completions], problems)
+        samples = []
+        for i, c, reward in zip(index, completions, rewards):
             # The transformers engine returns the sampled ids; re-tokenising the text is the fallback.
             ids = list(c.token_ids) if c.token_ids else self._tokens(c.text)
             samples.append({"prompt_index": i, "prompt_ids": prompt_ids[i], "completion_ids": ids, "reward": reward})
@@ -65,19 +63,16 @@ class RolloutWorker:
 
     def evaluate(self, split: str, seed: int) -> dict:
         """Greedy mean reward of the current weights on a whole split (the held-out curve, as ES logs it)."""
-        from es_ray.config import SamplingConfig
+        from es_ray.runtime.config import SamplingConfig
 
         problems = self.task.eval if split == "eval" else self.task.train
         greedy = SamplingConfig(max_new_tokens=self.cfg.sampling.max_new_tokens, temperature=0.0)
         t0 = time.perf_counter()
         completions = self.engine.generate(self._prompts[split], greedy, seed)
-        total = 0.0
-        for c, p in zip(completions, problems):
-            try:
-                total += float(self.task.reward(c.text, p))
-            except Exception:
-                pass
-        return {"reward": total / max(1, len(problems)), "seconds": time.perf_counter() - t0}
+        t1 = time.perf_counter()
+        rewards, errors = score(self.task, [c.text for c in completions], problems)
+        return {"reward": sum(rewards) / max(1, len(problems)), "tokens": sum(c.num_tokens for c in completions),
+                "errors": errors, "seconds": t1 - t0}
 
     def write_weights(self, weights: dict) -> float:
         """Copy the learner's (HF name -> tensor) weights into the engine; returns the seconds it took."""
@@ -93,7 +88,7 @@ class RolloutWorker:
         return self._tokens(self._prompts["train"][0]), self._tokens(PROBE_TEXT)
 
     def peak_memory(self) -> dict:
-        from es_ray.ledger import process_peak_memory
+        from es_ray.runtime.ledger import process_peak_memory
 
         return process_peak_memory()
 

@@ -5,28 +5,20 @@
 
 from __future__ import annotations
 
-import sys
-
 
 def _main(dict_cfg) -> None:
-    from es_ray.config import ConfigError
-    from es_ray.models import ModelNotFoundError
-    from es_ray.tasks.base import TaskLoadError
+    from es_ray.runtime.entry import run_or_exit
     from grpo.config import to_grpo_config
     from grpo.driver import run
 
-    try:
-        run(to_grpo_config(dict_cfg))
-    except (ConfigError, ModelNotFoundError, TaskLoadError) as exc:
-        print(f"grpo-train: {type(exc).__name__}: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    run_or_exit("grpo-train", lambda: run(to_grpo_config(dict_cfg)))
 
 
 def main() -> None:
-    from es_ray.evaluate import _hydra
+    from es_ray.runtime.entry import hydra_main
     from grpo.config import register_configs
 
-    _hydra("grpo_train", _main, "grpo-train", register=register_configs)
+    hydra_main("grpo_train", _main, "grpo-train", register_configs)
 
 
 if __name__ == "__main__":

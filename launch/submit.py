@@ -166,17 +166,13 @@ def plan(command: list[str], sweep: list[str], run_root: str, name: str = "") ->
 
 def _validators() -> dict:
     """Entry points whose composed config es_ray can also validate (value checks beyond the schema's types)."""
-    from es_ray import config as c
+    from es_ray.config import to_train_config
+    from es_ray.eval.config import to_drift_config, to_eval_config
+    from grpo.config import to_grpo_config
+    from launch.compare import to_compare_config
 
-    def grpo(d: dict):
-        from grpo.config import to_grpo_config
-
-        return to_grpo_config(d)
-
-    return {"es-train": lambda d: c.to_config(d, c.TrainConfig),
-            "es-eval": lambda d: c.validate_eval(c.to_config(d, c.EvaluateConfig)),
-            "es-drift": lambda d: c.validate_drift(c.to_config(d, c.DriftConfig)),
-            "grpo-train": grpo}
+    return {"es-train": to_train_config, "es-eval": to_eval_config, "es-drift": to_drift_config,
+            "grpo-train": to_grpo_config, "es-compare": to_compare_config}
 
 
 def check_overrides(command: list[str]) -> dict | None:
@@ -191,7 +187,7 @@ def check_overrides(command: list[str]) -> dict | None:
     composed = yaml.safe_load(res.stdout) or {}
     check = _validators().get(command[0])
     if check is not None:
-        from es_ray.config import ConfigError
+        from es_ray.runtime.config import ConfigError
 
         try:
             check(composed)

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from es_ray.compare import (METHODS, BudgetConfig, CompareConfig, budget_units, run, stage_plan,
+from launch.compare import (METHODS, BudgetConfig, CompareConfig, budget_units, run, stage_plan,
                             validate_compare)
-from es_ray.config import (ClusterConfig, ConfigError, EngineConfig, ESConfig, EvalSuiteConfig, ModelConfig, RunConfig,
-                           SamplingConfig, TaskConfig)
+from es_ray.config import ESConfig
+from es_ray.eval.config import BenchmarkConfig
+from es_ray.runtime.config import (ClusterConfig, ConfigError, EngineConfig, ModelConfig, RunConfig, SamplingConfig, TaskConfig)
 
 
 def _cfg(model_dir: Path, run_dir: Path, **over) -> CompareConfig:
@@ -27,7 +28,7 @@ def _cfg(model_dir: Path, run_dir: Path, **over) -> CompareConfig:
         grpo=GRPOConfig(prompts_per_step=4, group_size=2, micro_batch_size=8),
         grpo_sampling=GRPOSamplingConfig(max_new_tokens=4),
         budget=BudgetConfig(epochs=2.0),
-        eval=EvalSuiteConfig(tasks=["arithmetic"], n=4, k=[1, 2, 4], max_new_tokens=4, limit=3, entropy=True,
+        eval=BenchmarkConfig(tasks=["arithmetic"], n=4, k=[1, 2, 4], max_new_tokens=4, limit=3, entropy=True,
                              grader_workers=1),
         engine=EngineConfig(batch_size=16),
         cluster=ClusterConfig(num_actors=1, cpus_per_actor=1),
@@ -89,7 +90,7 @@ class _Interrupt(Exception):
 
 
 def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_path, monkeypatch):
-    import es_ray.compare as compare
+    import launch.compare as compare
 
     root = tmp_path / "cmp"
     cfg = validate_compare(_cfg(tiny_model_dir, root))

@@ -8,19 +8,20 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from es_ray.config import (ConfigError, ESConfig, RunConfig, TaskConfig, TrainConfig, register_configs, to_config,
-                           validate)
+from es_ray.config import ESConfig, ESTrainConfig, register_configs, to_train_config, validate
+
+from es_ray.runtime.config import ConfigError, RunConfig, TaskConfig
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PRIMARY = "es_train"
 
 
-def _cfg(**sections) -> TrainConfig:
-    return TrainConfig(**sections)
+def _cfg(**sections) -> ESTrainConfig:
+    return ESTrainConfig(**sections)
 
 
 def test_defaults_validate():
-    cfg = validate(TrainConfig())
+    cfg = validate(ESTrainConfig())
     assert cfg.es.population >= 2 and cfg.es.sigma > 0
 
 
@@ -45,7 +46,7 @@ def test_validate_refuses_naming_the_key(cfg, key):
 
 
 def test_validate_refuses_unknown_engine():
-    cfg = TrainConfig()
+    cfg = ESTrainConfig()
     cfg.engine.name = "tensorrt"
     with pytest.raises(ConfigError, match=r"engine\.name"):
         validate(cfg)
@@ -64,9 +65,9 @@ def test_config_error_is_a_value_error():
 
 
 def test_to_config_builds_nested_dataclasses_from_a_dict(tmp_path):
-    cfg = to_config({"es": {"population": 4, "sigma": 0.01}, "task": {"name": "gsm8k"}, "run": {"dir": str(tmp_path)},
+    cfg = to_train_config({"es": {"population": 4, "sigma": 0.01}, "task": {"name": "gsm8k"}, "run": {"dir": str(tmp_path)},
                      "hydra": {"ignored": True}})
-    assert isinstance(cfg, TrainConfig)
+    assert isinstance(cfg, ESTrainConfig)
     assert cfg.es.population == 4 and cfg.es.sigma == 0.01 and cfg.task.name == "gsm8k"
     assert cfg.es.lr == ESConfig().lr  # untouched fields keep their defaults
 
@@ -84,12 +85,12 @@ def test_to_config_builds_nested_dataclasses_from_a_dict(tmp_path):
 ])
 def test_to_config_refuses_naming_the_key(data, key):
     with pytest.raises(ConfigError) as info:
-        to_config(data)
+        to_train_config(data)
     assert key in str(info.value)
 
 
 def test_to_config_accepts_a_dictconfig():
-    cfg = to_config(OmegaConf.create({"es": {"population": 6}, "sampling": {"max_new_tokens": 8}}))
+    cfg = to_train_config(OmegaConf.create({"es": {"population": 6}, "sampling": {"max_new_tokens": 8}}))
     assert cfg.es.population == 6 and cfg.sampling.max_new_tokens == 8
 
 
@@ -135,13 +136,13 @@ def test_presets_are_discovered():
 
 def test_compose_default_config():
     composed = _compose([])
-    cfg = to_config(composed)
-    assert isinstance(cfg, TrainConfig)
+    cfg = to_train_config(composed)
+    assert isinstance(cfg, ESTrainConfig)
     assert dataclasses.asdict(cfg)["es"] == dataclasses.asdict(ESConfig())
 
 
 def test_compose_with_command_line_overrides():
-    cfg = to_config(_compose(["es.population=4", "es.estimator=antithetic", "task.name=countdown"]))
+    cfg = to_train_config(_compose(["es.population=4", "es.estimator=antithetic", "task.name=countdown"]))
     assert cfg.es.population == 4 and cfg.es.estimator == "antithetic" and cfg.task.name == "countdown"
 
 
@@ -157,9 +158,9 @@ def _compose_for(primary: str, overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
     if primary == "es_train":
-        return to_config(_compose(overrides))
+        return to_train_config(_compose(overrides))
     if primary == "es_compare":
-        from es_ray.compare import register_configs as register, to_compare_config as convert
+        from launch.compare import register_configs as register, to_compare_config as convert
     else:
         from grpo.config import register_configs as register, to_grpo_config as convert
     register()
@@ -174,7 +175,7 @@ def test_compose_every_preset(group, option):
     prefix = "" if group in _default_groups() else "+"
     override = [f"{prefix}{group}={option}"]
     if group != "experiment":
-        assert isinstance(to_config(_compose(override)), TrainConfig)
+        assert isinstance(to_train_config(_compose(override)), ESTrainConfig)
         return
     errors = []
     for primary in ("es_train", "es_compare", "grpo_train"):

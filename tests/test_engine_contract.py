@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from es_ray.config import EngineConfig, SamplingConfig
+from es_ray.runtime.config import EngineConfig, SamplingConfig
 from es_ray.engines.base import make_engine
 from es_ray.noise import NoiseSource
 from es_ray.replica import ReplicaSpec

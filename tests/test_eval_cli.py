@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from es_ray.config import (ConfigError, DriftConfig, EvaluateConfig, register_configs, to_config, validate_drift,
-                           validate_eval)
+
+from es_ray.eval.config import DriftJobConfig, EvalJobConfig, register_configs, validate_drift, validate_eval
+
+from es_ray.runtime.config import ConfigError, to_config
 from es_ray.tasks import EVAL_TASKS
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -38,21 +40,21 @@ def _compose(name: str, overrides: list[str]):
 def test_es_eval_preset_composes_with_overrides():
     cfg = _compose("es_eval", ["eval.tasks=[gpqa,math500]", "eval.n=4", "eval.k=[1,4]", "+eval.paths.gpqa=/x.jsonl",
                                "cluster.num_actors=2", "engine.name=hf"])
-    ev = to_config(cfg, EvaluateConfig)
-    assert isinstance(ev, EvaluateConfig)
+    ev = to_config(cfg, EvalJobConfig)
+    assert isinstance(ev, EvalJobConfig)
     assert ev.eval.tasks == ["gpqa", "math500"] and ev.eval.k == [1, 4] and ev.eval.paths == {"gpqa": "/x.jsonl"}
     assert validate_eval(ev) is ev
-    default = to_config(_compose("es_eval", []), EvaluateConfig)
+    default = to_config(_compose("es_eval", []), EvalJobConfig)
     assert default.eval.tasks == list(EVAL_TASKS) and default.eval.k == [1, 16, 32] and default.eval.n >= 32
     validate_eval(default)
 
 
 def test_es_drift_preset_composes():
-    cfg = to_config(_compose("es_drift", ["base=/a", "tuned=/b", "thresholds=[0.001]", "run.dir=/tmp/x"]), DriftConfig)
+    cfg = to_config(_compose("es_drift", ["base=/a", "tuned=/b", "thresholds=[0.001]", "run.dir=/tmp/x"]), DriftJobConfig)
     assert (cfg.base, cfg.tuned, cfg.thresholds, cfg.run.dir) == ("/a", "/b", [0.001], "/tmp/x")
     assert validate_drift(cfg) is cfg
     with pytest.raises(ConfigError, match="tuned="):
-        validate_drift(DriftConfig())
+        validate_drift(DriftJobConfig())
 
 
 @pytest.mark.parametrize("change,key", [
@@ -66,7 +68,7 @@ def test_es_drift_preset_composes():
     ({"paths": {"mbpp": "/x"}, "tasks": ["gpqa"]}, "eval.paths"),
 ])
 def test_validate_eval_refuses_naming_the_key(change, key):
-    cfg = EvaluateConfig()
+    cfg = EvalJobConfig()
     for k, v in change.items():
         setattr(cfg.eval, k, v)
     with pytest.raises(ConfigError) as info:
@@ -75,7 +77,7 @@ def test_validate_eval_refuses_naming_the_key(change, key):
 
 
 def test_greedy_single_sample_is_allowed():
-    cfg = EvaluateConfig()
+    cfg = EvalJobConfig()
     cfg.eval.temperature, cfg.eval.n, cfg.eval.k = 0.0, 1, [1]
     assert validate_eval(cfg) is cfg
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from es_ray.config import ConfigError, validate
+from es_ray.config import validate
+
+from es_ray.runtime.config import ConfigError
 from es_ray.driver import run
 from test_ray_es import tiny_cfg
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from es_ray.config import ConfigError
+from es_ray.runtime.config import ConfigError
 from grpo.config import to_grpo_config
 
 
@@ -75,4 +75,4 @@ def test_grpo_train_on_default_model_writes_loadable_checkpoint(tmp_path):
     final = run_dir / "checkpoints" / "final"
     model = AutoModelForCausalLM.from_pretrained(final)
     assert sum(p.numel() for p in model.parameters()) == 134515008
-    assert json.loads((final / "es_meta.json").read_text())["step"] == 2
+    assert json.loads((final / "grpo_meta.json").read_text())["step"] == 2

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from es_ray.config import ClusterConfig
+from es_ray.runtime.config import ClusterConfig
 from test_ray_es import tiny_cfg
 
 pytestmark = pytest.mark.ray
@@ -45,7 +45,7 @@ def _node_of(actor) -> str:
 def test_pack_fills_one_node_and_spread_uses_both(two_nodes, strategy, distinct_nodes):
     import ray
 
-    from es_ray.placement import place
+    from es_ray.runtime.placement import place
 
     @ray.remote
     class Probe:
@@ -78,14 +78,16 @@ def test_es_actors_on_two_nodes_stay_bit_identical(two_nodes, tiny_model_dir, tm
     import ray
 
     from es_ray.driver import run, start_workers
+    from es_ray.recovery import ReplicaKeeper, ResumePoint
+    from es_ray.runtime.placement import place
 
     small = dict(es__iterations=2, es__prompts_per_iteration=4)
     cfg = tiny_cfg(tiny_model_dir, tmp_path / "spread", cluster__num_actors=2, cluster__placement="spread", **small)
-    workers, _ = start_workers(cfg)
+    placement = place(cfg.cluster, "es")
+    workers, _ = start_workers(cfg, ReplicaKeeper(tmp_path, None, ResumePoint()), placement=placement)
     assert sorted(_node_of(w) for w in workers) == sorted(two_nodes[1]), "the two actors share a node"
-    for w in workers:
-        ray.kill(w)
-    workers.release()
+    workers.kill()
+    placement.release()
     _wait_all_cpus_free()
 
     spread = run(cfg)

@@ -8,8 +8,10 @@ import subprocess
 
 import pytest
 
-from es_ray.config import ClusterConfig, ConfigError, RunConfig, TrainConfig, validate
-from es_ray.placement import fit_problem, needs
+from es_ray.config import ESTrainConfig, validate
+
+from es_ray.runtime.config import ClusterConfig, ConfigError, RunConfig
+from es_ray.runtime.placement import fit_problem, needs
 
 GPU_NODE = {"CPU": 16.0, "GPU": 1.0}
 HEAD = {"CPU": 8.0}
@@ -56,21 +58,21 @@ def test_fitting_requests_pass():
 
 @pytest.mark.parametrize("key, value", [("placement", "strict"), ("wait_for_resources_s", -1.0)])
 def test_bad_cluster_keys_are_refused(key, value):
-    cfg = TrainConfig(cluster=ClusterConfig(**{key: value}))
+    cfg = ESTrainConfig(cluster=ClusterConfig(**{key: value}))
     with pytest.raises(ConfigError, match=f"cluster.{key}"):
         validate(cfg)
 
 
 def test_run_root_must_be_absolute():
     with pytest.raises(ConfigError, match="run.root"):
-        validate(TrainConfig(run=RunConfig(root="relative/runs")))
+        validate(ESTrainConfig(run=RunConfig(root="relative/runs")))
 
 
 @pytest.mark.ray
 def test_options_place_each_rank_in_its_own_bundle(ray_local):
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from es_ray.placement import place
+    from es_ray.runtime.placement import place
 
     placement = place(cluster(num_actors=2, cpus_per_actor=0.5, placement="spread"), "test", count=3)
     try:
@@ -88,7 +90,7 @@ def test_options_place_each_rank_in_its_own_bundle(ray_local):
 
 @pytest.mark.ray
 def test_a_cluster_too_small_fails_before_any_actor_starts(ray_local):
-    from es_ray.placement import place
+    from es_ray.runtime.placement import place
 
     with pytest.raises(ConfigError, match=r"needs 64 GPUs; the cluster has \d+ on 1 node"):
         place(cluster(num_actors=64, gpus_per_actor=1))
@@ -111,7 +113,7 @@ def test_es_train_on_a_cluster_with_too_few_gpus_fails_early_with_the_numbers(tm
 
 @pytest.mark.ray
 def test_waiting_for_an_autoscaler_gives_up_with_the_numbers(ray_local):
-    from es_ray.placement import place
+    from es_ray.runtime.placement import place
 
     with pytest.raises(ConfigError, match=r"not reserved within 1 s: .*needs 3 CPUs; the cluster has 2"):
         place(cluster(num_actors=3, cpus_per_actor=1, wait_for_resources_s=1.0))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from es_ray.config import ESConfig, TrainConfig
+from es_ray.config import ESConfig, ESTrainConfig
 from es_ray.driver import prompt_ids, sample_seed
 from es_ray.protocol import EvalRequest, EvalResult, MemberResult, UpdateRequest, UpdateResult
 from es_ray.strategy import ask, shape_fitness
@@ -44,7 +44,7 @@ def bad_leaves(msg) -> list[str]:
 
 
 def messages():
-    cfg = TrainConfig(es=ESConfig(population=POPULATION, prompts_per_iteration=16))
+    cfg = ESTrainConfig(es=ESConfig(population=POPULATION, prompts_per_iteration=16))
     members = tuple(ask(POPULATION, "antithetic"))
     rewards_n = np.random.default_rng(0).uniform(size=POPULATION)
     fitness_n = shape_fitness(rewards_n, "zscore")  # a numpy array, converted as the driver does

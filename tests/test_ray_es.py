@@ -9,15 +9,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from es_ray.config import ClusterConfig, ConfigError, ESConfig, EngineConfig, ModelConfig, RunConfig, \
-    SamplingConfig, TaskConfig, TrainConfig, validate
-from es_ray.driver import check_address, run
+from es_ray.config import ESConfig
+
+from es_ray.runtime.config import ClusterConfig, ConfigError, EngineConfig, ModelConfig, RunConfig, \
+    SamplingConfig, TaskConfig, ESTrainConfig, validate
+from es_ray.driver import run
+from es_ray.runtime.cluster import check_address
 
 pytestmark = pytest.mark.ray
 
 
-def tiny_cfg(model_dir, run_dir, **over) -> TrainConfig:
-    cfg = TrainConfig(
+def tiny_cfg(model_dir, run_dir, **over) -> ESTrainConfig:
+    cfg = ESTrainConfig(
         model=ModelConfig(path=str(model_dir)),
         task=TaskConfig(name="es_test_tasks:VowelTask", train_size=8),
         es=ESConfig(population=4, sigma=0.02, lr=0.02 * 0.02, iterations=3, prompts_per_iteration=8),

@@ -13,9 +13,11 @@ import time
 import pytest
 
 from es_ray.checkpoint import SeedLog
-from es_ray.config import ConfigError, TrainConfig
+from es_ray.config import ESTrainConfig
+from es_ray.runtime.config import ConfigError
 from es_ray.driver import run
-from es_ray.recovery import ReplicaMismatchError, check_same_run
+from es_ray.recovery import RESUME_FREE, ReplicaMismatchError
+from es_ray.runtime.rundir import check_same_run
 from test_faults import alive_es_actors, assert_same_weights, final_weights, log_rows
 from test_ray_es import tiny_cfg
 
@@ -54,9 +56,9 @@ def test_run_stopped_on_a_mismatch_resumes_to_the_same_weights(reference, tiny_m
     assert len(summary["reward_mean"]) == ITERATIONS
 
 
-def _cli_overrides(cfg: TrainConfig) -> list[str]:
+def _cli_overrides(cfg: ESTrainConfig) -> list[str]:
     """The settings of cfg that differ from the defaults, as es-train arguments."""
-    default = dataclasses.asdict(TrainConfig())
+    default = dataclasses.asdict(ESTrainConfig())
     out = []
     for section, fields in dataclasses.asdict(cfg).items():
         for key, value in fields.items():
@@ -93,9 +95,9 @@ def test_sigterm_writes_a_checkpoint_exits_cleanly_and_resumes_exactly(reference
 def test_resume_refuses_settings_that_change_the_run(tiny_model_dir, tmp_path):
     old = dataclasses.asdict(resume_cfg(tiny_model_dir, tmp_path))
     check_same_run(old, resume_cfg(tiny_model_dir, tmp_path, es__iterations=9, cluster__num_actors=2,
-                                   run__resume=True, faults__actor_delay_s=1.0))
+                                   run__resume=True, faults__actor_delay_s=1.0), RESUME_FREE)
     with pytest.raises(ConfigError, match=r"es\.sigma"):
-        check_same_run(old, resume_cfg(tiny_model_dir, tmp_path, es__sigma=0.05, run__resume=True))
+        check_same_run(old, resume_cfg(tiny_model_dir, tmp_path, es__sigma=0.05, run__resume=True), RESUME_FREE)
     os.makedirs(tmp_path / "checkpoints")
     (tmp_path / "config.json").write_text(json.dumps(old))
     (tmp_path / "seed_log.jsonl").write_text(json.dumps({"iteration": 1}) + "\n")

@@ -17,6 +17,7 @@ import torch
 
 from es_ray.noise import NoiseSource
 from es_ray.replica import Replica, ReplicaSpec
+from es_ray.runtime.config import ConfigError
 from es_ray.strategy import (Member, Optimizer, ask, centered_rank, noise_coefficients, shape_fitness,
                              zscore)
 
@@ -83,7 +84,7 @@ def test_shape_fitness_dispatches():
     r = [0.1, 0.9, 0.4]
     np.testing.assert_array_equal(shape_fitness(r, "zscore"), zscore(np.array(r)))
     np.testing.assert_array_equal(shape_fitness(r, "centered_rank"), [-0.5, 0.5, 0.0])
-    with pytest.raises(KeyError):
+    with pytest.raises(ConfigError, match="es.shaping='softmax' is not one of zscore, centered_rank"):
         shape_fitness(r, "softmax")
 
 

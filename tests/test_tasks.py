@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from es_ray.config import TaskConfig
+from es_ray.runtime.config import TaskConfig
 from es_ray.tasks import load_task
 from es_ray.tasks.arithmetic import ArithmeticTask
 from es_ray.tasks.base import Problem, TaskLoadError
@@ -91,7 +91,7 @@ def test_arithmetic_refuses_bad_operations_and_digits():
 def test_arithmetic_terminates_when_fewer_distinct_problems_exist_than_requested():
     """1-digit '+' has only 100 distinct problems; asking for 128 must stop (error or fewer), never spin."""
     code = textwrap.dedent("""
-        from es_ray.config import TaskConfig
+        from es_ray.runtime.config import TaskConfig
         from es_ray.tasks.arithmetic import ArithmeticTask
         try:
             t = ArithmeticTask(TaskConfig(digits=1, operations="+", train_size=64, eval_size=64))

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 import torch
 
-from es_ray.config import EngineConfig, SamplingConfig
+from es_ray.runtime.config import EngineConfig, SamplingConfig
 from es_ray.replica import ReplicaSpec
 
 

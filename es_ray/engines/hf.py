@@ -7,7 +7,7 @@ from typing import Any, Iterable
 
 import torch
 
-from es_ray.config import EngineConfig, SamplingConfig
+from es_ray.runtime.config import EngineConfig, SamplingConfig
 from es_ray.engines.base import Completion, Engine, resolve_device, torch_dtype
 from es_ray.replica import Replica, ReplicaSpec
 

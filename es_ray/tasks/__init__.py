@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from es_ray.config import EVAL_TASK_NAMES, TaskConfig
+from es_ray.runtime.config import TaskConfig
 from es_ray.tasks.base import TaskLoadError
 
 TASKS = {
@@ -20,7 +20,8 @@ TASKS = {
     "csqa": "es_ray.tasks.csqa:CSQATask",
     "mbpp": "es_ray.tasks.mbpp:MBPPTask",
 }
-EVAL_TASKS = EVAL_TASK_NAMES  # the paper's evaluation suite (es-eval's default eval.tasks)
+EVAL_TASKS = ("gpqa", "mbpp", "csqa", "countdown", "aime24", "aime25", "amc23", "math500")
+"""The paper's evaluation suite (es-eval's default eval.tasks)."""
 
 
 def task_class(name: str):

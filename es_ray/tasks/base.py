@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from es_ray.config import TaskConfig
 from es_ray.grading.result import Grade, GraderFailure
+from es_ray.runtime.config import TaskConfig
 
 
 class TaskLoadError(ValueError):
@@ -115,3 +115,22 @@ def hub_rows(hub_id: str, config: str | None, split: str, task: str) -> list[dic
             + f" split {split!r}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}. "
             f"Download it elsewhere and point task.path= at a local JSONL file in the same schema."
         ) from exc
+
+
+def score(task: Task, completions: list[str], problems: list[Problem]) -> tuple[list[float], int]:
+    """The task's reward of each completion, and how many rewards raised: such a completion scores 0 and is
+    counted (every method reports the count as reward/errors or eval/errors), never dropped silently."""
+    rewards, errors = [], 0
+    for text, problem in zip(completions, problems):
+        try:
+            rewards.append(float(task.reward(text, problem)))
+        except Exception:  # a reward bug or an odd completion: 0, counted
+            rewards.append(0.0)
+            errors += 1
+    return rewards, errors
+
+
+def templated_prompts(engine, task: Task) -> dict[str, list[str]]:
+    """The task's training pool and held-out set as prompt texts in the engine's chat template, by split."""
+    return {split: [engine.apply_chat_template(task.messages(p)) for p in problems]
+            for split, problems in (("train", task.train), ("eval", task.eval))}

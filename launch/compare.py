@@ -23,29 +23,19 @@ import dataclasses
 import json
 import math
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from es_ray.config import (ClusterConfig, ConfigError, EngineConfig, ESConfig, EvalSuiteConfig, ModelConfig,
-                           RunConfig, SamplingConfig, TaskConfig, _positive)
+from es_ray.config import ESConfig
+from es_ray.eval.config import BenchmarkConfig
+from es_ray.runtime.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, ModelConfig, RunConfig,
+                                   SamplingConfig, TaskConfig, check_positive)
+from grpo.config import GRPOConfig, GRPOSamplingConfig
 
 METHODS = ("base", "es", "grpo", "es_grpo", "grpo_es")
 TRAINED = {"es": ("es",), "grpo": ("grpo",), "es_grpo": ("es", "grpo"), "grpo_es": ("grpo", "es")}
-
-
-def _grpo_section():
-    from grpo.config import GRPOConfig
-
-    return GRPOConfig()
-
-
-def _grpo_sampling():
-    from grpo.config import GRPOSamplingConfig
-
-    return GRPOSamplingConfig()
 
 
 @dataclass
@@ -64,14 +54,14 @@ class CompareConfig:
     """ES settings; es.iterations is set from the budget."""
     es_sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """ES training generation (greedy by default, as in es-train)."""
-    grpo: Any = field(default_factory=_grpo_section)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     """GRPO settings (grpo.config.GRPOConfig); grpo.steps is set from the budget."""
-    grpo_sampling: Any = field(default_factory=_grpo_sampling)
+    grpo_sampling: GRPOSamplingConfig = field(default_factory=GRPOSamplingConfig)
     """GRPO training generation (sampled: groups need variance)."""
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     """Which of base, es, grpo, es_grpo, grpo_es to run (the report covers those run)."""
-    eval: EvalSuiteConfig = field(default_factory=EvalSuiteConfig)
+    eval: BenchmarkConfig = field(default_factory=BenchmarkConfig)
     """Evaluation of every method (es-eval's eval section)."""
     drift_thresholds: list[float] = field(default_factory=lambda: [1.0e-3, 1.5e-3, 2.0e-3])
     """Functional-sparsity thresholds on |delta| (es-drift's thresholds)."""
@@ -82,14 +72,16 @@ class CompareConfig:
     """GRPO rollout actors (GRPO also starts one learner actor with the same resources)."""
     run: RunConfig = field(default_factory=RunConfig)
     """run.dir: the comparison's directory (absolute; repeat the command with the same run.dir to resume)."""
+    faults: FaultPolicy = field(default_factory=FaultPolicy)
+    """Actor timeout and replacements, for every stage."""
 
 
 def validate_compare(cfg: CompareConfig) -> CompareConfig:
     unknown = [m for m in cfg.methods if m not in METHODS]
     if unknown or not cfg.methods:
         raise ConfigError(f"methods={list(cfg.methods)}: choose from {', '.join(METHODS)} (at least one)")
-    _positive("budget.epochs", cfg.budget.epochs)
-    _positive("grpo_rollout_actors", cfg.grpo_rollout_actors)
+    check_positive("budget.epochs", cfg.budget.epochs)
+    check_positive("grpo_rollout_actors", cfg.grpo_rollout_actors)
     # Each stage's own validation runs before any work: build every stage's config once.
     for method in cfg.methods:
         for spec in stage_plan(cfg, method, Path("/tmp")):
@@ -127,24 +119,29 @@ def _common(cfg: CompareConfig, model_path: str, run_dir: Path) -> dict:
             "run": dataclasses.replace(cfg.run, dir=str(run_dir), checkpoint_every=0)}
 
 
+def _faults(cfg: CompareConfig, cls: type):
+    return cls(**dataclasses.asdict(cfg.faults))
+
+
 def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int):
-    from es_ray.config import EvalConfig, TrainConfig, validate
+    from es_ray.config import ESFaultsConfig, ESTrainConfig, validate
+    from es_ray.runtime.config import HeldOutConfig
 
     iterations = budget_units(epochs, pool, cfg.es.prompts_per_iteration)
-    return validate(TrainConfig(task=cfg.task, es=dataclasses.replace(cfg.es, iterations=iterations),
-                                sampling=cfg.es_sampling, cluster=cfg.cluster, eval=EvalConfig(every=0),
-                                **_common(cfg, model_path, run_dir)))
+    return validate(ESTrainConfig(task=cfg.task, es=dataclasses.replace(cfg.es, iterations=iterations),
+                                  sampling=cfg.es_sampling, cluster=cfg.cluster, eval=HeldOutConfig(every=0),
+                                  faults=_faults(cfg, ESFaultsConfig), **_common(cfg, model_path, run_dir)))
 
 
 def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int):
-    from es_ray.config import EvalConfig
+    from es_ray.runtime.config import HeldOutConfig
     from grpo.config import GRPOClusterConfig, GRPOTrainConfig, validate_grpo
 
     steps = budget_units(epochs, pool, cfg.grpo.prompts_per_step)
     cluster = GRPOClusterConfig(**{**dataclasses.asdict(cfg.cluster), "num_actors": cfg.grpo_rollout_actors})
     return validate_grpo(GRPOTrainConfig(task=cfg.task, grpo=dataclasses.replace(cfg.grpo, steps=steps),
-                                         sampling=cfg.grpo_sampling, cluster=cluster, eval=EvalConfig(every=0),
-                                         **_common(cfg, model_path, run_dir)))
+                                         sampling=cfg.grpo_sampling, cluster=cluster, eval=HeldOutConfig(every=0),
+                                         faults=cfg.faults, **_common(cfg, model_path, run_dir)))
 
 
 def _run_es(train_cfg) -> dict:
@@ -160,11 +157,11 @@ def _run_grpo(train_cfg) -> dict:
 
 
 def _eval_config(cfg: CompareConfig, model_path: str, run_dir: Path):
-    from es_ray.config import EvaluateConfig, validate_eval
+    from es_ray.eval.config import EvalJobConfig, validate_eval
 
-    return validate_eval(EvaluateConfig(model=dataclasses.replace(cfg.model, path=model_path), eval=cfg.eval,
-                                        engine=cfg.engine, cluster=cfg.cluster,
-                                        run=dataclasses.replace(cfg.run, dir=str(run_dir))))
+    return validate_eval(EvalJobConfig(model=dataclasses.replace(cfg.model, path=model_path), eval=cfg.eval,
+                                       engine=cfg.engine, cluster=cfg.cluster, faults=cfg.faults,
+                                       run=dataclasses.replace(cfg.run, dir=str(run_dir))))
 
 
 def _run_eval(eval_cfg) -> dict:
@@ -174,14 +171,14 @@ def _run_eval(eval_cfg) -> dict:
 
 
 def _drift_config(cfg: CompareConfig, tuned: str, run_dir: Path):
-    from es_ray.config import DriftConfig, validate_drift
+    from es_ray.eval.config import DriftJobConfig, validate_drift
 
-    return validate_drift(DriftConfig(base=cfg.model.path, tuned=tuned, thresholds=list(cfg.drift_thresholds),
-                                      run=dataclasses.replace(cfg.run, dir=str(run_dir))))
+    return validate_drift(DriftJobConfig(base=cfg.model.path, tuned=tuned, thresholds=list(cfg.drift_thresholds),
+                                         run=dataclasses.replace(cfg.run, dir=str(run_dir))))
 
 
 def _run_drift(drift_cfg) -> dict:
-    from es_ray.evaluate import run_drift
+    from es_ray.checkpoint_drift import run_drift
 
     return run_drift(drift_cfg)
 
@@ -290,8 +287,8 @@ def _stage_result(stage: Stage, out: dict) -> dict:
 
 
 def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
-    from es_ray.driver import connect
-    from es_ray.eval.compare_report import write_report
+    from es_ray.runtime.cluster import connect
+    from launch.compare_report import write_report
     from es_ray.models import resolve_model
 
     if not cfg.run.dir:
@@ -319,46 +316,26 @@ def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
 def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
-    from es_ray.config import register_configs as register_es
-
-    register_es()
-    ConfigStore.instance().store(name="es_compare_schema", node=_schema())
-
-
-def _schema():
-    """CompareConfig with its GRPO sections typed (Hydra needs the concrete dataclasses to check overrides)."""
-    from grpo.config import GRPOConfig, GRPOSamplingConfig
-
-    return dataclasses.make_dataclass(
-        "CompareSchema",
-        [("grpo", GRPOConfig, field(default_factory=GRPOConfig)),
-         ("grpo_sampling", GRPOSamplingConfig, field(default_factory=GRPOSamplingConfig))],
-        bases=(CompareConfig,))
+    ConfigStore.instance().store(name="es_compare_schema", node=CompareConfig)
 
 
 def to_compare_config(dict_cfg: Any) -> CompareConfig:
-    from es_ray.config import to_config
+    from es_ray.runtime.config import to_config
 
-    return validate_compare(to_config(dict_cfg, _schema()))
+    return validate_compare(to_config(dict_cfg, CompareConfig))
 
 
 def _main(dict_cfg) -> None:
-    from es_ray.models import ModelNotFoundError
-    from es_ray.tasks.base import TaskLoadError
+    from es_ray.runtime.entry import run_or_exit
 
-    try:
-        cfg = to_compare_config(dict_cfg)
-        report = run(cfg)
-    except (ConfigError, ModelNotFoundError, TaskLoadError) as exc:
-        print(f"es-compare: {type(exc).__name__}: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    report = run_or_exit("es-compare", lambda: run(to_compare_config(dict_cfg)))
     print((Path(report["run_dir"]) / "report.md").read_text())
 
 
 def main() -> None:
-    from es_ray.evaluate import _hydra
+    from es_ray.runtime.entry import hydra_main
 
-    _hydra("es_compare", _main, "es-compare", register=register_configs)
+    hydra_main("es_compare", _main, "es-compare", register_configs)
 
 
 if __name__ == "__main__":

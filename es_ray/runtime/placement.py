@@ -14,11 +14,10 @@ functions.
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from es_ray.config import ClusterConfig, ConfigError
+from es_ray.runtime.config import ClusterConfig, ConfigError
 
 # With cluster.wait_for_resources_s=0 the resources exist in total but may be held by other jobs for a while.
 BUSY_WAIT_S = 300.0
@@ -142,19 +141,6 @@ def actor_options(placement: Placement, rank: int) -> dict[str, Any]:
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement.group, placement_group_bundle_index=rank, placement_group_capture_child_tasks=False)
     return opts
-
-
-class ActorGroup(list):
-    """The run's actor handles (a list, by rank) with their placement; the group's resources are released when
-    `release()` is called or the list is garbage-collected (the driver's run ends)."""
-
-    def __init__(self, actors, placement: Placement):
-        super().__init__(actors)
-        self.placement = placement
-        self._finalizer = weakref.finalize(self, placement.release)
-
-    def release(self) -> None:
-        self._finalizer()
 
 
 def _num(x: float) -> str:

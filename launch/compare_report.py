@@ -38,32 +38,24 @@ def passk_curves(samples: list[dict], n: int) -> dict[str, list[float]]:
             for task, per in correct.items()}
 
 
-def _devices(cfg, kind: str) -> tuple[float, str]:
-    """Devices a training run reserves: (count, unit). GRPO holds its rollout actors plus one learner."""
-    actors = cfg.cluster.num_actors if kind == "es" else cfg.grpo_rollout_actors + 1
-    if cfg.cluster.gpus_per_actor > 0:
-        return actors * cfg.cluster.gpus_per_actor, "GPU"
-    return actors * cfg.cluster.cpus_per_actor, "CPU"
-
-
 def method_ledger(cfg, root: Path, parts: list[tuple[str, str]]) -> dict | None:
     """Sum of the measured ledgers of a method's training runs ([(stage name, es|grpo)]); peaks are maxima."""
     if not parts:
         return None
-    out = {"tokens_generated": 0, "tokens_backpropagated": 0, "wall_s": 0.0, "device_s": 0.0, "device": None,
-           "peak_rss_bytes_max": 0, "peak_gpu_bytes_max": None, "phase_seconds": {}, "parts": []}
+    out = {"tokens_generated": 0, "tokens_backpropagated": 0, "wall_s": 0.0, "startup_s": 0.0, "device_s": 0.0,
+           "device": None, "peak_rss_bytes_max": 0, "peak_gpu_bytes_max": None, "phase_seconds": {}, "parts": []}
     for stage, kind in parts:
         led = _read_json(root / "stages" / stage / "ledger.json")
         if led is None:
             raise FileNotFoundError(f"{root / 'stages' / stage / 'ledger.json'} is missing: the training stage "
                                     f"{stage} did not write its ledger; delete its done.json to run it again")
-        count, unit = _devices(cfg, kind)
         out["tokens_generated"] += led["tokens_generated"]
         out["tokens_backpropagated"] += led["tokens_backpropagated"]
         out["wall_s"] += led["wall_s"]
-        out["device_s"] += led["wall_s"] * count
-        out["device"] = unit
-        out["peak_rss_bytes_max"] = max(out["peak_rss_bytes_max"], led["peak_rss_bytes_max"])
+        out["startup_s"] += led["startup_s"] or 0.0
+        out["device_s"] += led["device_seconds"]  # measured by the runtime's ledger, the same way for every method
+        out["device"] = led["device_kind"].upper()
+        out["peak_rss_bytes_max"] = max(out["peak_rss_bytes_max"], led["peak_rss_bytes_max"] or 0)
         if led.get("peak_gpu_bytes_max"):
             out["peak_gpu_bytes_max"] = max(out["peak_gpu_bytes_max"] or 0, led["peak_gpu_bytes_max"])
         for phase, s in led["phase_seconds"].items():
@@ -196,7 +188,8 @@ def markdown(rep: dict) -> str:
         lines.append(f"| {m['label']} | {led['tokens_generated']:,} | {led['tokens_backpropagated']:,} | "
                      f"{led['wall_s']:.0f} | {led['device_s']:.0f} {led['device']} | "
                      f"{_gib(led['peak_rss_bytes_max'])} | {_gib(led['peak_gpu_bytes_max'])} |")
-    lines += ["", "device-s: wall seconds x devices the run reserved (GPUs, or CPUs without GPUs). Peak memory: the "
+    lines += ["", "device-s: for every actor, the devices it held (GPUs, or CPU cores on a CPU-only actor) times the "
+              "seconds it was held, summed (es_ray.runtime.ledger, the same code for every method). Peak memory: the "
               "largest peak resident set of any actor process of the run (and its peak GPU allocation).", "",
               "Plots: " + ", ".join(f"`{p}`" for p in rep.get("plots", [])), ""]
     return "\n".join(lines)

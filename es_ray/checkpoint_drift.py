@@ -1,0 +1,95 @@
+"""`es-drift`: compare two checkpoints' weights, one tensor pair at a time (es_ray.eval.drift holds the metrics).
+
+    es-drift base=Qwen/Qwen2.5-1.5B-Instruct tuned=/abs/run/checkpoints/final run.dir=/abs/drift
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+from es_ray.eval.config import DriftJobConfig
+
+
+def _tensor_index(model_dir: Path) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    from es_ray.models import ModelNotFoundError
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{model_dir} holds no *.safetensors files")
+    index = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            index.update({k: f for k in sf.keys()})
+    return index
+
+
+def run_drift(cfg: DriftJobConfig) -> dict:
+    """drift.json and drift_hist.png for base -> tuned, streaming one tensor pair at a time."""
+    from safetensors import safe_open
+
+    from es_ray.eval.drift import drift
+    from es_ray.eval.plots import plot_update_histograms
+    from es_ray.models import resolve_model
+
+    base_dir, tuned_dir = resolve_model(cfg.base), resolve_model(cfg.tuned)
+    base_idx, tuned_idx = _tensor_index(base_dir), _tensor_index(tuned_dir)
+    common = sorted(set(base_idx) & set(tuned_idx))
+    with ExitStack() as stack:
+        handles: dict[Path, object] = {}
+
+        def get(index: dict[str, Path], name: str):
+            f = index[name]
+            if f not in handles:
+                handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
+            return handles[f].get_tensor(name)
+
+        report = drift(((n, get(base_idx, n), get(tuned_idx, n)) for n in common),
+                       thresholds=cfg.thresholds, top=cfg.top)
+    report.update(base=str(base_dir), tuned=str(tuned_dir),
+                  missing={"base_only": sorted(set(base_idx) - set(tuned_idx)),
+                           "tuned_only": sorted(set(tuned_idx) - set(base_idx))})
+    from es_ray.runtime.rundir import open_run_dir
+
+    run_dir = open_run_dir(cfg, "drift")  # run.dir, else <run.root>/drift-<timestamp>
+    (run_dir / "drift.json").write_text(json.dumps(report, indent=2))
+    plot_update_histograms(report, run_dir / "drift_hist.png", title=f"{Path(str(tuned_dir)).name} vs base")
+    report["run_dir"] = str(run_dir)
+    return report
+
+
+def drift_summary(report: dict) -> str:
+    t = report["thresholds"]
+    lines = [f"{'module type':<12} {'tensors':>7} {'L2':>10} {'rel L2':>9} {'nonzero':>8} "
+             + " ".join(f"{'<' + format(x, 'g'):>8}" for x in t) + f" {'max |d|':>9}"]
+    rows = list(report["by_module_type"].items()) + [("total", report["total"])]
+    for kind, r in rows:
+        rel = "-" if r["relative_l2"] is None else f"{r['relative_l2']:.2e}"
+        share = " ".join("       -" if r["share_below"][f"{x:g}"] is None else f"{r['share_below'][f'{x:g}']:>8.1%}"
+                         for x in t)
+        nz = "-" if r["share_nonzero"] is None else f"{r['share_nonzero']:.1%}"
+        lines.append(f"{kind:<12} {r['tensors']:>7} {r['l2']:>10.3e} {rel:>9} {nz:>8} {share} {r['max_abs']:>9.2e}")
+    return "\n".join(lines)
+
+
+def _main(dict_cfg) -> None:
+    from es_ray.eval.config import to_drift_config
+    from es_ray.runtime.entry import run_or_exit
+
+    report = run_or_exit("es-drift", lambda: run_drift(to_drift_config(dict_cfg)))
+    print(drift_summary(report))
+    print(f"es-drift: drift.json and drift_hist.png in {report['run_dir']}")
+
+
+def main() -> None:
+    from es_ray.eval.config import register_configs
+    from es_ray.runtime.entry import hydra_main
+
+    hydra_main("es_drift", _main, "es-drift", register_configs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,8 @@
+"""Generation engines behind one interface (``es_ray.engines.base``): transformers (``hf``) and vLLM (``vllm``).
+
+``ENGINES`` is the list of valid ``engine.name`` values and the dispatch; entries are import paths, so listing
+the names imports neither transformers nor vLLM."""
+
+from es_ray.runtime.registry import Registry
+
+ENGINES = Registry("engine.name", {"hf": "es_ray.engines.hf:HFEngine", "vllm": "es_ray.engines.vllm:VLLMEngine"})

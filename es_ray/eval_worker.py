@@ -1,0 +1,162 @@
+"""The es-eval Ray actor and the pieces of work it is given.
+
+The work is cut into chunks (a few problems, their eval.n samples, one seed each, fixed by run.seed, the task and
+the chunk number, so results do not depend on how many actors run them). An actor generates, grades (graders run in
+its own subprocesses) and, with eval.entropy, computes the token entropy of each completion by a teacher-forced
+forward pass; it returns per-sample scalars.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from es_ray.eval.config import EvalJobConfig
+from es_ray.runtime.config import TaskConfig
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    task: str
+    index: int
+    problem_ids: tuple[int, ...]
+    seed: int
+
+
+def task_path(cfg: EvalJobConfig, name: str) -> str:
+    """eval.paths[name], else <eval.data_dir>/<name>.<jsonl|json|parquet|csv>, else "" (the hub)."""
+    if name in cfg.eval.paths:
+        return cfg.eval.paths[name]
+    if cfg.eval.data_dir:
+        for suffix in DATA_SUFFIXES:
+            candidate = Path(cfg.eval.data_dir).expanduser() / f"{name}{suffix}"
+            if candidate.is_file():
+                return str(candidate)
+    return ""
+
+
+def task_config(cfg: EvalJobConfig, name: str) -> TaskConfig:
+    from es_ray.tasks import task_class
+    from es_ray.tasks.dataset import DatasetTask
+
+    path = task_path(cfg, name)
+    # Dataset tasks and files are scored whole (eval_size 0 keeps every problem out of the held-out cut);
+    # a generated task (countdown without a file) is scored on its generated held-out set.
+    generated = not path and not issubclass(task_class(name), DatasetTask)
+    return TaskConfig(name=name, path=path, eval_size=TaskConfig.eval_size if generated else 0)
+
+
+def load_eval_task(cfg: EvalJobConfig, name: str):
+    from es_ray.tasks import load_task
+
+    task = load_task(task_config(cfg, name))
+    problems = task.eval_problems()
+    if cfg.eval.limit:
+        problems = problems[: cfg.eval.limit]
+    return task, problems
+
+
+def plan_chunks(cfg: EvalJobConfig, sizes: dict[str, int]) -> list[Chunk]:
+    per_chunk = max(1, (cfg.eval.chunk_size or cfg.engine.batch_size) // cfg.eval.n)
+    chunks = []
+    for name, size in sizes.items():
+        for j, start in enumerate(range(0, size, per_chunk)):
+            seed = random.Random(f"{cfg.run.seed}/{name}/{j}/eval").getrandbits(62)
+            chunks.append(Chunk(name, j, tuple(range(start, min(size, start + per_chunk))), seed))
+    return chunks
+
+
+class EvalWorker:
+    """Plain class; es-eval wraps it with ``ray.remote`` (or runs it in-process with cluster.num_actors=0)."""
+
+    def __init__(self, cfg: EvalJobConfig, rank: int = 0):
+        import torch
+
+        threads = cfg.engine.threads or max(1, int(cfg.cluster.cpus_per_actor or 1))
+        torch.set_num_threads(threads)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from es_ray.engines.base import make_engine
+        from es_ray.grading.mathverify import configure_default_pool
+        from es_ray.models import resolve_model
+
+        self.cfg, self.rank = cfg, rank
+        self.model_dir = resolve_model(cfg.model.path)
+        self.engine = make_engine(str(self.model_dir), cfg.engine)
+        configure_default_pool(cfg.eval.grader_workers, cfg.eval.math_timeout_s)
+        self._tasks: dict[str, tuple] = {}
+        self._entropy = None
+
+    def ready(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid()}
+
+    def _task(self, name: str):
+        if name not in self._tasks:
+            from es_ray.grading.sandbox import SandboxLimits
+
+            task, problems = load_eval_task(self.cfg, name)
+            if hasattr(task, "sandbox_limits"):
+                ev = self.cfg.eval
+                task.sandbox_limits = SandboxLimits(wall_s=ev.code_timeout_s, cpu_s=ev.code_timeout_s,
+                                                    memory_mb=ev.code_memory_mb)
+                task.sandbox_workers = ev.grader_workers
+            prompts = [self.engine.apply_chat_template(task.messages(p)) for p in problems]
+            self._tasks[name] = (task, problems, prompts)
+        return self._tasks[name]
+
+    def _entropy_model(self):
+        """The engine's own torch model when it has one (transformers); else a copy loaded for scoring."""
+        import torch
+
+        if self._entropy is None:
+            model, tok = getattr(self.engine, "model", None), getattr(self.engine, "tokenizer", None)
+            if not isinstance(model, torch.nn.Module) or tok is None:
+                from transformers import AutoModelForCausalLM, AutoTokenizer
+
+                from es_ray.engines.base import resolve_device, torch_dtype
+
+                device = resolve_device(self.cfg.engine)
+                tok = AutoTokenizer.from_pretrained(self.model_dir)
+                model = AutoModelForCausalLM.from_pretrained(
+                    self.model_dir, dtype=torch_dtype(self.cfg.engine.dtype, device)).to(device).eval()
+            self._entropy = (model, tok)
+        return self._entropy
+
+    def run_chunk(self, chunk: Chunk) -> dict:
+        from es_ray.runtime.config import SamplingConfig
+        from es_ray.eval.entropy import HIST_EDGES, completion_entropies, histogram
+
+        ev = self.cfg.eval
+        task, problems, prompts = self._task(chunk.task)
+        ids = [i for i in chunk.problem_ids for _ in range(ev.n)]
+        sampling = SamplingConfig(max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p)
+        t0 = time.perf_counter()
+        completions = self.engine.generate([prompts[i] for i in ids], sampling, chunk.seed)
+        t1 = time.perf_counter()
+        grades = task.grade_batch([c.text for c in completions], [problems[i] for i in ids])
+        t2 = time.perf_counter()
+        ent_sum, ent_cnt = [0.0] * len(ids), [0] * len(ids)
+        hist = np.zeros(len(HIST_EDGES) - 1, dtype=np.int64)
+        if ev.entropy:
+            model, tok = self._entropy_model()
+            prompt_ids = {i: tok(prompts[i], add_special_tokens=False)["input_ids"] for i in chunk.problem_ids}
+            for j, (i, c) in enumerate(zip(ids, completions)):
+                # the generated token ids where the engine reports them; else the text re-tokenised (the same
+                # tokens except where the tokenizer does not round-trip, as for random models' output)
+                cids = getattr(c, "token_ids", None) or tok(c.text, add_special_tokens=False)["input_ids"]
+                h = completion_entropies(model, prompt_ids[i], cids)
+                ent_sum[j], ent_cnt[j] = float(h.sum()), int(h.numel())
+                hist += histogram(h.numpy())
+        t3 = time.perf_counter()
+        samples = [{"problem": i, "sample": j % ev.n, "score": g.score, "correct": g.correct, "failure": g.failure,
+                    "answer": g.answer, "tokens": c.num_tokens, "entropy_sum": s, "entropy_tokens": k,
+                    "text": c.text if ev.save_samples else None}
+                   for j, (i, c, g, s, k) in enumerate(zip(ids, completions, grades, ent_sum, ent_cnt))]
+        return {"task": chunk.task, "chunk": chunk.index, "samples": samples, "entropy_hist": hist.tolist(),
+                "seconds": {"generate": t1 - t0, "grade": t2 - t1, "entropy": t3 - t2}}

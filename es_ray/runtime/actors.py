@@ -1,0 +1,220 @@
+"""ONE actor group for every role (ES actors, GRPO learner and rollouts, es-eval actors).
+
+Roles differ in what they compute, not in how they are placed, called, timed out and replaced:
+
+* placement: actor i of a group sits in bundle ``first_bundle + i`` of the run's placement group
+  (``es_ray.runtime.placement``: the fit is checked before any actor starts);
+* ``gather(method, {rank: args})``: calls run in parallel; while waiting, the driver's interrupt check is polled;
+  an actor whose process dies (Ray says so at once) or that stays silent past ``faults.actor_timeout_s`` is
+  killed, replaced in the same bundle, brought back to the group's state by the role's ``restore`` hook, and
+  called again (its request is a pure function of the step, so its answer is the one it would have given);
+* a group that must not be replaced (GRPO's learner) raises ActorLostError with the role's resume advice;
+* ``kill()`` ends the actors and frees the placement group.
+
+Ray is imported inside the methods, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import time
+from typing import Any, Callable
+
+from es_ray.runtime.config import FaultPolicy
+
+# Starting an actor and restoring it (loading a checkpoint, replaying a log) may take longer than an ordinary call.
+SLOW_CALL_FLOOR_S = 900.0
+# How often a waiting driver looks for SIGTERM / Ctrl-C.
+POLL_S = 0.5
+
+
+class ActorLostError(RuntimeError):
+    """An actor died and the run cannot replace it (its role forbids it, or faults.max_replacements is spent)."""
+
+
+def payload_bytes(obj: Any) -> int:
+    """Serialized size of what a call sends (Ray pickles arguments the same way)."""
+    return len(pickle.dumps(obj, protocol=5))
+
+
+class ActorGroup:
+    """The actors of one role, by rank.
+
+    ``make_args(rank)`` gives a (new) actor's constructor arguments, ``restore(group, rank)`` brings a replacement
+    to the group's current state and returns what to log about it (or None); ``lost_advice`` ends the error when an
+    actor cannot be replaced.
+    """
+
+    def __init__(self, role: str, cls: type, size: int, make_args: Callable[[int], tuple], placement,
+                 policy: FaultPolicy, *, first_bundle: int = 0, log: Callable[[str], None] = print,
+                 restore: Callable[["ActorGroup", int], dict | None] | None = None, replaceable: bool = True,
+                 lost_advice: str = "", check_interrupt: Callable[[], None] = lambda: None):
+        import ray
+
+        self.role, self.placement, self.policy, self.log = role, placement, policy, log
+        self.first_bundle, self.make_args, self.restore = first_bundle, make_args, restore
+        self.replaceable, self.lost_advice = replaceable, lost_advice
+        self.check_interrupt = check_interrupt
+        """Called while waiting on actors; the driver sets it to its InterruptGuard's check."""
+        self.replacements = 0
+        self.events: list[dict] = []
+        self._inflight: set = set()
+        self._cls = ray.remote(cls)
+        self.created_at = time.perf_counter()
+        self.actors = [self._new(rank) for rank in range(size)]
+
+    def _new(self, rank: int):
+        opts = self.placement.options(self.first_bundle + rank)
+        return self._cls.options(max_concurrency=1, **opts).remote(*self.make_args(rank))
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def __getitem__(self, rank: int):
+        return self.actors[rank]
+
+    def __iter__(self):
+        return iter(self.actors)
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(len(self.actors)))
+
+    # -- calls ---------------------------------------------------------------------------------------------
+    def gather(self, method: str, calls: dict[int, tuple], slow: bool = False) -> dict[int, Any]:
+        """Call ``method`` on the actors named by ``calls`` (rank -> args); results by rank. A dead or silent
+        actor is replaced, restored and called again (for a slow call the timeout is at least SLOW_CALL_FLOOR_S)."""
+        todo = dict(calls)
+        return {rank: res for rank, _, res in self._drive(method, lambda rank: todo.pop(rank, None), list(calls), slow)}
+
+    def map_unordered(self, method: str, args_list: list[tuple], slow: bool = False):
+        """Spread calls over the actors, each actor taking the next as soon as it is free; yields (args, result)
+        in the order they finish. A lost actor's call is sent again to its replacement."""
+        queue = list(reversed(args_list))
+        for _, args, res in self._drive(method, lambda rank: queue.pop() if queue else None, self.ranks, slow):
+            yield args, res
+
+    def _drive(self, method: str, take: Callable[[int], tuple | None], ranks: list[int], slow: bool):
+        """The one wait loop: ``take(rank)`` gives a free actor its next arguments (None: nothing more for it)."""
+        import ray
+
+        timeout = self.policy.actor_timeout_s or math.inf
+        if slow:
+            timeout = max(timeout, SLOW_CALL_FLOOR_S)
+        pending: dict = {}
+
+        def send(rank: int, args: tuple | None) -> None:
+            if args is None:
+                return
+            ref = getattr(self.actors[rank], method).remote(*args)
+            pending[ref] = (rank, args, time.monotonic() + timeout)
+            self._inflight.add(ref)
+
+        for rank in ranks:
+            send(rank, take(rank))
+        while pending:
+            self.check_interrupt()
+            wait = min(min(d for _, _, d in pending.values()) - time.monotonic(), POLL_S)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, wait))
+            if not ready:
+                for ref, (rank, args, deadline) in list(pending.items()):
+                    if deadline <= time.monotonic():
+                        self._drop(pending, ref)
+                        self.replace(rank, f"no answer to {method} within {timeout:g} s (faults.actor_timeout_s)")
+                        send(rank, args)
+                continue
+            for ref in ready:
+                rank, args, _ = self._drop(pending, ref)
+                try:
+                    result = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    self.replace(rank, f"{type(exc).__name__} during {method}")
+                    send(rank, args)
+                    continue
+                yield rank, args, result
+                send(rank, take(rank))
+
+    def call(self, rank: int, method: str, *args: Any, slow: bool = False) -> Any:
+        return self.gather(method, {rank: args}, slow=slow)[rank]
+
+    def each(self, method: str, *args: Any, slow: bool = False) -> list:
+        """The same call on every actor; results in rank order."""
+        out = self.gather(method, {r: args for r in self.ranks}, slow=slow)
+        return [out[r] for r in self.ranks]
+
+    def ask_all(self, method: str, timeout_s: float = 60.0) -> list:
+        """``method()`` on every actor, without replacing any: an actor that is gone or silent answers None
+        (for reports at the end of a run, which may be ending because an actor was lost)."""
+        import ray
+
+        refs = [getattr(a, method).remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref) if ref in ready else None)
+            except ray.exceptions.RayError:
+                out.append(None)
+        return out
+
+    def _drop(self, pending: dict, ref) -> tuple:
+        self._inflight.discard(ref)
+        return pending.pop(ref)
+
+    def cancel_inflight(self) -> None:
+        """Ask running calls to stop early (ES evaluation checks between members); queued ones never run."""
+        import ray
+
+        for ref in list(self._inflight):
+            try:
+                ray.cancel(ref)
+            except Exception:  # already finished or its actor gone: nothing to cancel
+                pass
+        self._inflight.clear()
+
+    # -- replacement -----------------------------------------------------------------------------------------
+    def replace(self, rank: int, reason: str) -> None:
+        """Kill actor ``rank``, start a new one in its bundle, wait until it is ready, then ``restore`` it."""
+        if not self.replaceable:
+            self._kill_one(rank)
+            raise ActorLostError(f"the {self.role} actor {rank} was lost ({reason}); {self.lost_advice}")
+        self.replacements += 1
+        if self.replacements > self.policy.max_replacements:
+            raise ActorLostError(f"{self.role} actor {rank}: {reason}; faults.max_replacements="
+                                 f"{self.policy.max_replacements} actors were already replaced. {self.lost_advice}")
+        t0 = time.perf_counter()
+        self.log(f"{self.role}: actor {rank} lost ({reason}); starting a replacement")
+        self._kill_one(rank)
+        self.actors[rank] = self._new(rank)
+        self.gather("ready", {rank: ()}, slow=True)
+        started = time.perf_counter() - t0
+        event = {"kind": "replace", "role": self.role, "rank": rank, "reason": reason, "start_seconds": started}
+        event.update((self.restore(self, rank) if self.restore is not None else None) or {})
+        event["seconds"] = time.perf_counter() - t0
+        self.events.append(event)
+        self.log(f"{self.role}: actor {rank} replaced in {event['seconds']:.1f} s (start {started:.1f} s)")
+
+    def _kill_one(self, rank: int) -> None:
+        import ray
+
+        try:
+            ray.kill(self.actors[rank], no_restart=True)
+        except Exception:  # already dead
+            pass
+
+    def drain_events(self) -> list[dict]:
+        ev, self.events = self.events, []
+        return ev
+
+    def kill(self) -> None:
+        for rank in self.ranks:
+            self._kill_one(rank)
+
+
+def start_group(role: str, cls: type, size: int, make_args: Callable[[int], tuple], placement, policy: FaultPolicy,
+                **kw: Any) -> tuple[ActorGroup, list[dict]]:
+    """An ActorGroup whose actors have all answered ``ready()`` (a slow call: they load their models)."""
+    group = ActorGroup(role, cls, size, make_args, placement, policy, **kw)
+    infos = group.each("ready", slow=True)
+    return group, infos

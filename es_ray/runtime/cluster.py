@@ -1,0 +1,73 @@
+"""Connecting to Ray: an existing cluster at ``cluster.address`` (checked first: a bad address is one line naming
+the setting, within seconds, never a traceback from inside Ray) or a new local Ray."""
+
+from __future__ import annotations
+
+import os
+import socket
+from urllib.parse import urlparse
+
+from es_ray.runtime.config import ClusterConfig, ConfigError
+
+LOCAL_ADDRESSES = ("", "auto", "local")
+CONNECT_TIMEOUT_S = 5.0
+
+
+def _host_port(address: str, key: str) -> tuple[str, int]:
+    url = urlparse(address if "://" in address else f"tcp://{address}")
+    try:
+        port = url.port or (10001 if url.scheme == "ray" else 6379)
+    except ValueError:  # a port that is not a number or out of range
+        port = None
+    if url.scheme not in ("ray", "tcp", "http", "https") or not url.hostname or port is None:
+        raise ConfigError(f"{key}={address!r} is not host:port, ray://host:port or http://host:port; set {key}= "
+                          "to the head node's address, or leave it empty to start a local Ray")
+    return url.hostname, port
+
+
+def check_address_syntax(address: str, key: str = "cluster.address") -> None:
+    if address not in LOCAL_ADDRESSES:
+        _host_port(address, key)
+
+
+def check_address(address: str, key: str = "cluster.address", timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Refuse an unreachable address before any work (ray.init would otherwise retry for a long time)."""
+    if address in LOCAL_ADDRESSES:
+        return
+    host, port = _host_port(address, key)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{key}={address!r} is unreachable: nothing answers at {host}:{port} ({exc}); check the "
+                          f"head node's address and port, or leave {key} empty to start a local Ray") from None
+
+
+def runtime_env() -> dict:
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}}
+    if os.environ.get("ES_RAY_CACHE"):
+        env["env_vars"]["ES_RAY_CACHE"] = os.environ["ES_RAY_CACHE"]
+    return env
+
+
+def connect(cluster: ClusterConfig) -> None:
+    """Join the cluster at cluster.address, or start a local Ray (a no-op when Ray is already initialised)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if cluster.address not in LOCAL_ADDRESSES:
+        check_address(cluster.address)
+        try:
+            ray.init(address=cluster.address, runtime_env=runtime_env(), log_to_driver=True)
+        except (ConnectionError, RuntimeError, TimeoutError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise ConfigError(f"cluster.address={cluster.address!r} answers but is not a Ray cluster this driver "
+                              f"can join ({first}); point cluster.address at the head's GCS port (6379) or its "
+                              "client server (ray://host:10001)") from None
+        return
+    # A new local Ray, never a session someone else started on this machine (under Ray Jobs, RAY_ADDRESS names
+    # the job's cluster and wins)
+    local = None if os.environ.get("RAY_ADDRESS") else "local"
+    ray.init(address=local, num_cpus=cluster.num_cpus or None, include_dashboard=False, runtime_env=runtime_env(),
+             configure_logging=False, log_to_driver=True)

@@ -1,0 +1,280 @@
+"""The configuration sections every method shares, and the checks and conversion every entry point uses.
+
+The dataclasses are the Hydra schema (YAML under conf/ holds presets only). Each entry point converts the
+composed DictConfig once (``to_config``) and passes dataclasses to its actors. ``ConfigError`` carries a message
+that names the key and what to change; every entry point prints it in one line and exits with 2.
+
+Method sections live with their method: ES in ``es_ray.config``, GRPO in ``grpo.config``, es-eval and es-drift in
+``es_ray.eval.config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+PLACEMENTS = ("pack", "spread")
+DEVICES = ("auto", "cpu", "cuda")
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names the key and what to change."""
+
+
+# -- checks ---------------------------------------------------------------------------------------------------
+
+
+def check_choice(key: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(options)}; set {key}= to one of them")
+
+
+def check_positive(key: str, value: float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key}={value} must be {bound}; set {key}= to a value {bound}")
+
+
+def check_absolute(key: str, value: str) -> None:
+    """Ray Jobs run the driver in a temporary directory: a relative output path would vanish with it."""
+    if value and not os.path.isabs(value):
+        raise ConfigError(f"{key}={value!r} must be an absolute path (Ray Jobs run the driver in a temporary "
+                          "directory)")
+
+
+# -- sections -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """HF directory, HF hub id, or empty for the embedded SmolLM2-135M-Instruct."""
+    trainable: str = ""
+    """Regex on HF parameter names; only matching tensors are perturbed and updated (empty: all)."""
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"
+    """arithmetic, countdown, gsm8k, deepscaler, math500, aime24, aime25, amc23, gpqa, csqa, mbpp, or a user task
+    as an import path package.module:TaskClass."""
+    path: str = ""
+    """Local JSONL/JSON/Parquet file in the hub schema (for offline clusters); empty uses the hub id."""
+    split: str = "train"
+    """Split of the hub dataset (or local file) used for the training pool."""
+    train_size: int = 16
+    """Size of the fixed training pool (generated tasks) or the cap on rows taken (dataset tasks; 0 = all)."""
+    eval_size: int = 32
+    """Size of the fixed held-out set used for the evaluation curve."""
+    digits: int = 2
+    """arithmetic: number of digits per operand (difficulty)."""
+    operations: str = "+-"
+    """arithmetic: operators drawn from this string (subset of '+-*')."""
+    num_operands: int = 2
+    """arithmetic: operands per problem."""
+    countdown_numbers: int = 3
+    """countdown: how many source numbers per problem (3 or 4)."""
+    seed: int = 1234
+    """Seed for generated problems and the train/held-out split (independent of run.seed)."""
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    """0 is greedy decoding."""
+    top_p: float = 1.0
+
+
+@dataclass
+class EngineConfig:
+    name: str = "hf"
+    """Generation engine: hf (transformers) or vllm."""
+    dtype: str = "auto"
+    """Engine weight dtype (auto: float32 on CPU, where bf16 matmuls are ~4x slower here; bfloat16 on GPU).
+    The master copy is always fp32."""
+    device: str = "auto"
+    """auto (cuda when the actor has a GPU, else cpu), cpu, or cuda."""
+    batch_size: int = 64
+    """Largest generation batch (prompts per forward pass) for the transformers engine."""
+    threads: int = 0
+    """torch threads per actor on CPU (0: the CPUs Ray gives the actor)."""
+    gpu_memory_utilization: float = 0.0
+    """vLLM: share of GPU memory for its weights and KV cache (0: 0.5 on GPU, room for the fp32 master; on CPU a
+    1 GiB KV cache, since vLLM reads this as a share of host RAM there)."""
+    max_model_len: int = 0
+    """vLLM: longest prompt + completion in tokens (0: the model's own maximum)."""
+    tensor_parallel_size: int = 1
+    """vLLM: GPUs per engine; noise stays per HF tensor, so it does not depend on this."""
+    enforce_eager: bool = False
+    """vLLM: no torch.compile or CUDA graphs: starts in seconds (CPU: 11 s vs 88 s here), decodes slower."""
+
+
+@dataclass
+class ClusterConfig:
+    address: str = ""
+    """Empty starts a local Ray; otherwise the address of an existing cluster (ray://host:10001 or host:6379)."""
+    num_actors: int = 2
+    """Actors of the method's main role (ES actors, GRPO rollout actors, es-eval actors)."""
+    gpus_per_actor: float = 0.0
+    cpus_per_actor: float = 1.0
+    num_cpus: int = 0
+    """CPUs for a local Ray (0: all of this machine's)."""
+    placement: str = "pack"
+    """Actors go into one Ray placement group, one bundle each: pack (fill a node before the next) or spread
+    (one node per actor where possible)."""
+    wait_for_resources_s: float = 0.0
+    """Seconds to wait for the actors' resources to be reserved, e.g. while an autoscaling cluster adds GPU nodes.
+    0: the cluster must already hold them; the run fails at once saying how many GPUs/CPUs it needs and has."""
+
+
+@dataclass
+class HeldOutConfig:
+    """The trainers' held-out curve (the `eval` section of es-train and grpo-train)."""
+
+    every: int = 6
+    """Score the current (unperturbed) weights on the held-out set every k iterations / steps (and at the first;
+    0: never)."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = ""
+    """Absolute run directory (created); empty makes <run.root>/<method>-<timestamp>."""
+    root: str = ""
+    """Absolute parent of the default run directory, e.g. shared storage on a cluster (empty: ./runs)."""
+    seed: int = 0
+    """Run seed: the noise of member i of iteration t on tensor `name` is a function of (seed, t, i, name)."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every k iterations / steps (0: only the final one)."""
+    resume: bool = False
+    """Continue the run in run.dir from its last checkpoint (ES: plus a replay of the seed log since it); the
+    result equals an uninterrupted run. A run.dir with nothing to resume starts a new run."""
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclass
+class FaultPolicy:
+    """How long an actor may stay silent and how many dead actors a run replaces (every method's `faults`)."""
+
+    actor_timeout_s: float = 1800.0
+    """An actor call unanswered this long counts as a dead actor: it is killed and replaced (0: wait forever).
+    A killed process or a lost node is noticed by Ray itself, without waiting for this."""
+    max_replacements: int = 8
+    """Dead actors replaced per run before the run stops (it can then be resumed with run.resume=true)."""
+
+
+# -- shared validation -----------------------------------------------------------------------------------------
+
+
+def validate_engine(engine: EngineConfig) -> None:
+    from es_ray.engines import ENGINES
+    from es_ray.runtime.dtypes import DTYPE_NAMES
+
+    ENGINES.check(engine.name)
+    check_choice("engine.dtype", engine.dtype, DTYPE_NAMES)
+    check_choice("engine.device", engine.device, DEVICES)
+    check_positive("engine.batch_size", engine.batch_size)
+    if not 0 <= engine.gpu_memory_utilization <= 1:
+        raise ConfigError(f"engine.gpu_memory_utilization={engine.gpu_memory_utilization} must be in [0, 1] "
+                          "(0: the engine's default)")
+    check_positive("engine.max_model_len", engine.max_model_len, allow_zero=True)
+    check_positive("engine.tensor_parallel_size", engine.tensor_parallel_size)
+    if engine.tensor_parallel_size > 1 and engine.name != "vllm":
+        raise ConfigError(f"engine.tensor_parallel_size={engine.tensor_parallel_size} needs engine.name=vllm")
+
+
+def validate_sampling(sampling: SamplingConfig, key: str = "sampling") -> None:
+    check_positive(f"{key}.max_new_tokens", sampling.max_new_tokens)
+    check_positive(f"{key}.temperature", sampling.temperature, allow_zero=True)
+    if not 0 < sampling.top_p <= 1:
+        raise ConfigError(f"{key}.top_p={sampling.top_p} must be in (0, 1]")
+
+
+def validate_cluster(cluster: ClusterConfig, engine: EngineConfig | None = None, *, allow_zero_actors=False) -> None:
+    check_positive("cluster.num_actors", cluster.num_actors, allow_zero=allow_zero_actors)
+    check_positive("cluster.gpus_per_actor", cluster.gpus_per_actor, allow_zero=True)
+    check_positive("cluster.cpus_per_actor", cluster.cpus_per_actor, allow_zero=True)
+    check_choice("cluster.placement", cluster.placement, PLACEMENTS)
+    check_positive("cluster.wait_for_resources_s", cluster.wait_for_resources_s, allow_zero=True)
+    from es_ray.runtime.cluster import check_address_syntax
+
+    check_address_syntax(cluster.address)
+    if engine is not None and engine.name == "vllm" and cluster.gpus_per_actor and \
+            cluster.gpus_per_actor < engine.tensor_parallel_size:
+        raise ConfigError(f"engine.tensor_parallel_size={engine.tensor_parallel_size} needs that many GPUs per "
+                          f"actor; set cluster.gpus_per_actor={engine.tensor_parallel_size}")
+
+
+def validate_run(run: RunConfig) -> None:
+    check_absolute("run.dir", run.dir)
+    check_absolute("run.root", run.root)
+    if run.resume and not run.dir:
+        raise ConfigError("run.resume=true needs run.dir= the absolute directory of the run to continue")
+
+
+def validate_task(task: TaskConfig) -> None:
+    from es_ray.tasks import TASKS  # late: tasks import graders
+
+    if ":" not in task.name:  # an import path is checked where it is imported (in the actors)
+        check_choice("task.name", task.name, tuple(sorted(TASKS)))
+    if task.train_size < 0 or task.eval_size < 0:
+        raise ConfigError("task.train_size and task.eval_size must be >= 0")
+
+
+def validate_faults(faults: FaultPolicy) -> None:
+    check_positive("faults.actor_timeout_s", faults.actor_timeout_s, allow_zero=True)
+    check_positive("faults.max_replacements", faults.max_replacements, allow_zero=True)
+
+
+def validate_trainer(cfg: Any) -> None:
+    """The sections ES and GRPO training share: model, task, sampling, engine, cluster, eval, run, faults."""
+    validate_task(cfg.task)
+    validate_sampling(cfg.sampling)
+    validate_engine(cfg.engine)
+    validate_cluster(cfg.cluster, cfg.engine)
+    validate_run(cfg.run)
+    check_positive("eval.every", cfg.eval.every, allow_zero=True)
+    validate_faults(cfg.faults)
+
+
+# -- conversion -----------------------------------------------------------------------------------------------
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    kwargs = {}
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"unknown key {where}{key}; known keys: {', '.join(sorted(names))}")
+        sub = names[key].default_factory if names[key].default_factory is not dataclasses.MISSING else None
+        if sub is not None and dataclasses.is_dataclass(sub) and isinstance(value, dict):
+            kwargs[key] = _build(sub, value, f"{where}{key}.")
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def to_config(cfg: Any, cls: type) -> Any:
+    """Composed DictConfig (or plain dict) -> the dataclass ``cls`` (not yet validated)."""
+    if not isinstance(cfg, dict):
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    cfg = {k: v for k, v in cfg.items() if k != "hydra"}
+    return _build(cls, cfg, "")
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested dict -> dotted keys (the `hydra` key at the top is dropped)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and not (prefix == "" and k == "hydra"):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -1,0 +1,69 @@
+"""SIGTERM (`ray job stop`) and Ctrl-C as an exception raised at safe points of the driver.
+
+The handler only records the signal: an exception raised inside Ray's blocking wait comes out as a SystemError,
+so the actor group's wait loop polls ``InterruptGuard.check()`` instead. ``critical()`` marks a stretch that a
+signal must not split (ES: an update and its seed-log line; GRPO: an optimizer step and its weight sync).
+`ray job stop` sends SIGKILL RAY_JOB_STOP_WAIT_TIME_S after SIGTERM (3 s by default).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from contextlib import contextmanager
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT reached the driver (a BaseException, like KeyboardInterrupt, so nothing swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class InterruptGuard:
+    """SIGTERM and SIGINT become Interrupted in the main thread at the next ``check()`` outside ``critical()``."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self._depth, self._pending, self._previous = 0, 0, {}
+
+    def __enter__(self) -> "InterruptGuard":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self._pending = signum
+
+    def check(self) -> None:
+        """Raise Interrupted if a signal came (and we are not inside ``critical()``)."""
+        if self._pending and not self._depth:
+            signum, self._pending = self._pending, 0
+            raise Interrupted(signum)
+
+    @contextmanager
+    def critical(self):
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        self.check()
+
+
+def interrupt_soon(delay_s: float = 0.2) -> None:
+    """SIGTERM to this process after ``delay_s`` (as `ray job stop`; the faults group rehearses it)."""
+    if threading.current_thread() is not threading.main_thread():  # no handler here: interrupt directly
+        raise Interrupted(signal.SIGTERM)
+    threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGTERM)).start()
