@@ -48,8 +48,8 @@ def measure(engine_name: str, dtype: str, batches: list[int], repeats: int, iter
 
     torch.set_num_threads(threads)
     from es_ray.config import ESConfig
-    from es_ray.runtime.config import ClusterConfig, EngineConfig, RunConfig, SamplingConfig, TaskConfig, \
-        ESTrainConfig, validate
+    from es_ray.config import ESTrainConfig, validate
+    from es_ray.runtime.config import ClusterConfig, EngineConfig, RunConfig, SamplingConfig, TaskConfig
     from es_ray.engines.base import make_engine
     from es_ray.models import resolve_model
     from es_ray.protocol import EvalRequest, UpdateRequest
@@ -77,11 +77,12 @@ def measure(engine_name: str, dtype: str, batches: list[int], repeats: int, iter
 
     from es_ray.replica import ReplicaSpec
 
-    engine.es_setup(ReplicaSpec(run_seed=0, noise="table", engine_dtype=dtype))
-    engine.es_call("perturb", 0, 0, 1, 1e-3)
-    out["write_s/restore"] = _median_time(lambda: engine.es_call("restore"), repeats)
-    out["write_s/perturb"] = _median_time(lambda: engine.es_call("perturb", 0, 1, 1, 1e-3), repeats)
-    engine.es_call("restore")
+    host = engine.replica_host()
+    host.setup(dataclasses.replace(ReplicaSpec.from_config(ESTrainConfig()), run_seed=0, noise="table"))
+    host.perturb(0, 0, 1, 1e-3)
+    out["write_s/restore"] = _median_time(host.restore, repeats)
+    out["write_s/perturb"] = _median_time(lambda: host.perturb(0, 1, 1, 1e-3), repeats)
+    host.restore()
     engine.close()
     del engine
     if not with_es:

@@ -22,7 +22,7 @@ from pathlib import Path
 def measure(noise: str, iterations: int, overrides: list[str], root: Path) -> dict:
     run_dir = root / f"noise-{noise}"
     cmd = ["es-train", f"es.noise={noise}", f"es.iterations={iterations}", f"run.dir={run_dir}",
-           "run.progress=false", "run.tensorboard=false", "eval.every=0", *overrides]
+           "run.progress=false", "run.trackers=[]", "eval.every=0", *overrides]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
 

@@ -41,7 +41,7 @@ def main() -> None:
     common = {"model": {"path": args.model}, "sampling": {"max_new_tokens": args.tokens, "temperature": 1.0},
               "eval": {"every": 0}}
     engine = {"name": args.engine}
-    run_opts = {"progress": False, "tensorboard": False}
+    run_opts = {"progress": False, "trackers": []}
     es_cfg = to_train_config({**common, "engine": engine,
                               "es": {"population": args.group, "prompts_per_iteration": args.prompts,
                                      "iterations": args.steps},
@@ -60,16 +60,16 @@ def main() -> None:
     print("| method | actor | peak RSS GiB | peak GPU GiB |")
     print("|---|---|---|---|")
     for m, led in ledgers.items():
-        for role, mem in led["peak_memory"].items():
+        for role, mem in led["actors"].items():
             gpu = f"{mem['peak_gpu_bytes'] / GIB:.2f}" if mem.get("peak_gpu_bytes") else "-"
             print(f"| {m} | {role} | {mem['peak_rss_bytes'] / GIB:.2f} | {gpu} |")
-    es_mem, grpo_mem = ledgers["es"]["peak_memory"], ledgers["grpo"]["peak_memory"]
+    es_mem, grpo_mem = ledgers["es"]["actors"], ledgers["grpo"]["actors"]
     es_max = max(m["peak_rss_bytes"] for m in es_mem.values())
     es_sum = sum(m["peak_rss_bytes"] for m in es_mem.values())
     grpo_sum = sum(m["peak_rss_bytes"] for m in grpo_mem.values())
-    print(f"\nGRPO / ES peak RSS: largest actor {grpo_mem['learner']['peak_rss_bytes'] / es_max:.2f}x "
+    print(f"\nGRPO / ES peak RSS: largest actor {grpo_mem['learner_0']['peak_rss_bytes'] / es_max:.2f}x "
           f"(learner vs ES actor), all actors {grpo_sum / es_sum:.2f}x")
-    gpu = {m: [x["peak_gpu_bytes"] for x in led["peak_memory"].values() if x.get("peak_gpu_bytes")]
+    gpu = {m: [x["peak_gpu_bytes"] for x in led["actors"].values() if x.get("peak_gpu_bytes")]
            for m, led in ledgers.items()}
     if gpu["es"] and gpu["grpo"]:
         print(f"GRPO / ES peak GPU memory (largest actor): {max(gpu['grpo']) / max(gpu['es']):.2f}x")

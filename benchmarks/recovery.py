@@ -25,7 +25,7 @@ def es_train(run_dir: Path, args: argparse.Namespace, extra: list[str]) -> list[
     cmd = ["es-train", f"run.dir={run_dir}", f"es.iterations={args.iterations}", f"es.population={args.population}",
            f"es.prompts_per_iteration={args.prompts}", f"sampling.max_new_tokens={args.max_new_tokens}",
            f"cluster.num_actors={args.actors}", f"run.checkpoint_every={args.checkpoint_every}", "eval.every=0",
-           "run.progress=false", "run.tensorboard=false", *extra, *args.overrides]
+           "run.progress=false", "run.trackers=[]", *extra, *args.overrides]
     subprocess.run(cmd, check=True)
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

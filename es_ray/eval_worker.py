@@ -3,7 +3,8 @@
 The work is cut into chunks (a few problems, their eval.n samples, one seed each, fixed by run.seed, the task and
 the chunk number, so results do not depend on how many actors run them). An actor generates, grades (graders run in
 its own subprocesses) and, with eval.entropy, computes the token entropy of each completion by a teacher-forced
-forward pass; it returns per-sample scalars.
+forward pass (the engine's own where it can score entropy; else a transformers copy of the checkpoint, see
+``EvalWorker._scorer``); it returns per-sample scalars.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from es_ray.eval.config import EvalJobConfig
 from es_ray.runtime.config import TaskConfig
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+SCORING_ENGINE = "hf"
+"""The engine that scores entropy when the generation engine cannot (``Engine.can_score_entropy``)."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ class EvalWorker:
         self.engine = make_engine(str(self.model_dir), cfg.engine)
         configure_default_pool(cfg.eval.grader_workers, cfg.eval.math_timeout_s)
         self._tasks: dict[str, tuple] = {}
-        self._entropy = None
+        self._entropy_engine = None
 
     def ready(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid()}
@@ -110,27 +113,26 @@ class EvalWorker:
             self._tasks[name] = (task, problems, prompts)
         return self._tasks[name]
 
-    def _entropy_model(self):
-        """The engine's own torch model when it has one (transformers); else a copy loaded for scoring."""
-        import torch
+    def _scorer(self):
+        """The engine that scores entropy: the generation engine where it can (transformers); else a transformers
+        engine on the same checkpoint, engine.dtype and device. vLLM returns a full-vocabulary distribution per
+        position only as Python lists (prompt_logprobs=-1), too slow for every evaluated token, so this fallback
+        holds a second copy of the weights; eval does not change them, so both copies score the same model."""
+        if self._entropy_engine is None:
+            if self.engine.can_score_entropy:
+                self._entropy_engine = self.engine
+            else:
+                import dataclasses
 
-        if self._entropy is None:
-            model, tok = getattr(self.engine, "model", None), getattr(self.engine, "tokenizer", None)
-            if not isinstance(model, torch.nn.Module) or tok is None:
-                from transformers import AutoModelForCausalLM, AutoTokenizer
+                from es_ray.engines.base import make_engine
 
-                from es_ray.engines.base import resolve_device, torch_dtype
-
-                device = resolve_device(self.cfg.engine)
-                tok = AutoTokenizer.from_pretrained(self.model_dir)
-                model = AutoModelForCausalLM.from_pretrained(
-                    self.model_dir, dtype=torch_dtype(self.cfg.engine.dtype, device)).to(device).eval()
-            self._entropy = (model, tok)
-        return self._entropy
+                self._entropy_engine = make_engine(str(self.model_dir),
+                                                   dataclasses.replace(self.cfg.engine, name=SCORING_ENGINE))
+        return self._entropy_engine
 
     def run_chunk(self, chunk: Chunk) -> dict:
         from es_ray.runtime.config import SamplingConfig
-        from es_ray.eval.entropy import HIST_EDGES, completion_entropies, histogram
+        from es_ray.eval.entropy import HIST_EDGES, histogram
 
         ev = self.cfg.eval
         task, problems, prompts = self._task(chunk.task)
@@ -144,15 +146,16 @@ class EvalWorker:
         ent_sum, ent_cnt = [0.0] * len(ids), [0] * len(ids)
         hist = np.zeros(len(HIST_EDGES) - 1, dtype=np.int64)
         if ev.entropy:
-            model, tok = self._entropy_model()
+            scorer = self._scorer()
+            tok = scorer.tokenizer
             prompt_ids = {i: tok(prompts[i], add_special_tokens=False)["input_ids"] for i in chunk.problem_ids}
             for j, (i, c) in enumerate(zip(ids, completions)):
                 # the generated token ids where the engine reports them; else the text re-tokenised (the same
                 # tokens except where the tokenizer does not round-trip, as for random models' output)
-                cids = getattr(c, "token_ids", None) or tok(c.text, add_special_tokens=False)["input_ids"]
-                h = completion_entropies(model, prompt_ids[i], cids)
-                ent_sum[j], ent_cnt[j] = float(h.sum()), int(h.numel())
-                hist += histogram(h.numpy())
+                cids = c.token_ids or tok(c.text, add_special_tokens=False)["input_ids"]
+                h = np.asarray(scorer.token_entropies(prompt_ids[i], cids), dtype=np.float64)
+                ent_sum[j], ent_cnt[j] = float(h.sum()), int(h.size)
+                hist += histogram(h)
         t3 = time.perf_counter()
         samples = [{"problem": i, "sample": j % ev.n, "score": g.score, "correct": g.correct, "failure": g.failure,
                     "answer": g.answer, "tokens": c.num_tokens, "entropy_sum": s, "entropy_tokens": k,

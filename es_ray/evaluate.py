@@ -148,8 +148,28 @@ def run(cfg: EvalJobConfig) -> dict:
             for name in cfg.eval.tasks:
                 for s in sorted(samples[name], key=lambda s: (s["problem"], s["sample"])):
                     f.write(json.dumps({"task": name, **s}) + "\n")
+    if cfg.run.trackers:
+        from es_ray.runtime.tracking import Tracker
+
+        tracker = Tracker(run_dir, 1, cfg, cfg.run.trackers, progress=False, desc="es-eval")
+        try:
+            tracker.log(0, tracker_metrics(results), step_key="step")
+        finally:
+            tracker.close()
     results["run_dir"] = str(run_dir)
     return results
+
+
+def tracker_metrics(results: dict) -> dict[str, float]:
+    """results.json's numbers under the names every tracker gets (no '@': MLflow refuses it in a name)."""
+    out = {"eval/entropy": results["entropy"].get("mean_per_token"), "eval/tokens": results["tokens_generated"],
+           "timing_s/total": results["timing_s"]["total"]}
+    for name, t in results["tasks"].items():
+        out.update({f"eval/{name}/pass_at_{k}": v for k, v in t["pass@k"].items()})
+        out.update({f"eval/{name}/maj_at_{k}": v for k, v in (t["maj@k"] or {}).items()})
+        out[f"eval/{name}/mean_reward"] = t["mean_reward"]
+        out[f"eval/{name}/entropy"] = (t["entropy"] or {}).get("mean_per_token")
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _main(dict_cfg) -> None:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from es_ray.config import ESFaultsConfig
+
+if TYPE_CHECKING:
+    from es_ray.engines.base import ReplicaHost
 
 KILL_EXIT_CODE = 75
 
@@ -40,9 +43,9 @@ class FaultInjector:
         if self.cfg.kill_actor_phase == "update" and self._fires("kill_actor_at_iteration", iteration):
             _die(f"before applying the update of iteration {iteration}")
 
-    def after_update(self, iteration: int, engine: Any) -> None:
+    def after_update(self, iteration: int, replica: ReplicaHost) -> None:
         if self._fires("corrupt_replica_at_iteration", iteration):
-            corrupt_one_bit(engine)
+            corrupt_one_bit(replica)
 
 
 def _die(where: str) -> None:
@@ -50,15 +53,15 @@ def _die(where: str) -> None:
     os._exit(KILL_EXIT_CODE)
 
 
-def corrupt_one_bit(engine: Any) -> str:
+def corrupt_one_bit(replica: ReplicaHost) -> str:
     """Flip the lowest mantissa bit of one master weight (through the replica's own state round trip)."""
     import torch
 
-    state = engine.es_call("state_dict")
+    state = replica.state_dict()
     name = sorted(state["master"])[0]
     flat = state["master"][name].view(-1)
     bits = flat[:1].clone().view(torch.int32)
     bits ^= 1
     flat[:1] = bits.view(torch.float32)
-    engine.es_call("load_state_dict", state)
+    replica.load_state_dict(state)
     return name

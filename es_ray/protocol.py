@@ -52,8 +52,10 @@ class UpdateRequest:
 @dataclass(frozen=True)
 class UpdateResult:
     update_norm: float
-    realised_cos: float
-    realised_norm: float
+    realised_cos: float | None
+    """cos(realised, intended update), measured by reading the engine back; None where it cannot be read back
+    (vLLM with tensor parallelism) or the intended update is zero."""
+    realised_norm: float | None
     checksum: str
     """Hex digest of the master weights ('' when not requested)."""
     seconds: float

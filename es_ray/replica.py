@@ -1,49 +1,75 @@
 """One ES replica: the fp32 master weights, the noise source and the optimizer, beside an engine.
 
 The replica lives wherever the engine's weights live (in the Ray actor for the transformers engine, inside
-vLLM's worker for the vLLM engine) and talks to the engine through one callable, ``write(named)``, which
-copies an iterable of (HF name, fp32 tensor) pairs into the engine, casting to the engine's dtype. ``write``
-must consume each tensor before asking for the next: the replica reuses one buffer.
+vLLM's worker for the vLLM engine) and talks to the engine through two callables: ``write(named)`` copies an
+iterable of (HF name, fp32 tensor) pairs into the engine, casting to the engine's dtype, and must consume each
+tensor before asking for the next (the replica reuses one buffer); ``read(name)`` returns the tensor the engine
+holds for one HF name, in the engine's own dtype and HF shape (a view where the layout allows), or None where
+the engine cannot give it back (vLLM with tensor parallelism).
 
 Exactness (DESIGN "ES, precisely"):
 * a member is written as cast(master + sign * sigma * eps); restoring writes cast(master); nothing is ever
   subtracted in the engine's dtype;
 * the update is applied to the fp32 master in a fixed order (sorted tensor names, noise ids ascending), so
   replicas on the same hardware stay equal bit for bit, which ``checksum`` lets the driver verify;
-* the update regenerates the noises one tensor at a time into one flat fp32 buffer (plus one noise buffer).
+* the update regenerates the noises one tensor at a time into one flat fp32 buffer (plus one noise buffer), and
+  measures what the engine realised in chunks of ``CHUNK`` elements (no whole-tensor temporaries).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
-from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 
 from es_ray.noise import NoiseSource
 from es_ray.strategy import Member, Optimizer, noise_coefficients
 
+if TYPE_CHECKING:
+    from es_ray.config import ESTrainConfig
+
 Writer = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+Reader = Callable[[str], "torch.Tensor | None"]
+
+CHUNK = 1 << 20
+"""Elements per chunk when the update is measured against the engine: the temporaries are a few fp32/fp64 tensors
+of this size, never a copy of a whole tensor (a 7B model's embedding alone is 545M elements)."""
+
+
+def _from(key: str):
+    """A ReplicaSpec field set from the config key ``key`` (a dotted path into ESTrainConfig)."""
+    return field(metadata={"config": key})
 
 
 @dataclass(frozen=True)
 class ReplicaSpec:
-    """Plain scalars only, so it crosses into vLLM's worker through collective_rpc unchanged."""
+    """Every setting the replica needs, as plain scalars: this object itself crosses into vLLM's worker through
+    collective_rpc. Each field names its config key, and ``from_config`` is the one place a spec is built, so a
+    new field cannot be forgotten on the way (there are no defaults to fall back on)."""
 
-    run_seed: int
-    noise: str = "per_tensor"
-    noise_table_size: int = 1 << 25
-    trainable: str = ""
-    optimizer: str = "sgd"
-    lr: float = 5e-7
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.0
-    anchor_decay: float = 0.0
-    engine_dtype: str = "bfloat16"
+    run_seed: int = _from("run.seed")
+    noise: str = _from("es.noise")
+    noise_table_size: int = _from("es.noise_table_size")
+    trainable: str = _from("model.trainable")
+    optimizer: str = _from("es.optimizer")
+    lr: float = _from("es.lr")
+    adam_beta1: float = _from("es.adam_beta1")
+    adam_beta2: float = _from("es.adam_beta2")
+    adam_eps: float = _from("es.adam_eps")
+    weight_decay: float = _from("es.weight_decay")
+    anchor_decay: float = _from("es.anchor_decay")
+
+    @classmethod
+    def from_config(cls, cfg: ESTrainConfig) -> ReplicaSpec:
+        return cls(**{f.name: functools.reduce(getattr, f.metadata["config"].split("."), cfg) for f in fields(cls)})
+
+    def selects(self, name: str) -> bool:
+        """Whether the tensor ``name`` is trainable (model.trainable is a regex; empty selects all)."""
+        return not self.trainable or re.search(self.trainable, name) is not None
 
 
 def tensor_checksum(t: torch.Tensor) -> int:
@@ -61,20 +87,50 @@ def checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
-def _dtype(name: str) -> torch.dtype:
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(name, torch.float32)
+def _row_chunks(*tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Equal-shaped tensors cut together along dim 0 into slices of at most ``CHUNK`` elements (or one row if a
+    row is larger): views, no copies."""
+    rows = [t if t.dim() else t.view(1) for t in tensors]
+    step = max(1, CHUNK // max(1, rows[0][0].numel()))
+    for a in range(0, rows[0].shape[0], step):
+        yield tuple(t[a : a + step] for t in rows)
+
+
+def update_sums(delta: torch.Tensor, new_master: torch.Tensor, held: torch.Tensor | None) -> tuple[float, ...]:
+    """(delta . delta, r . delta, r . r) for r = cast(new_master) - held, the cast being to ``held``'s dtype; fp64
+    sums, chunked, summed on the device (one synchronisation per tensor). Without ``held`` only (delta . delta,)."""
+    if held is not None and held.shape != new_master.shape:
+        raise ValueError(f"the engine's tensor has shape {tuple(held.shape)}, the HF tensor {tuple(new_master.shape)}")
+    sums = torch.zeros(3 if held is not None else 1, dtype=torch.float64, device=delta.device)
+    for d, m, h in _row_chunks(delta, new_master, new_master if held is None else held):
+        d = d.reshape(-1).double()
+        sums[0] += torch.dot(d, d)
+        if held is not None:
+            r = m.to(h.dtype).double().sub_(h.double()).view(-1)
+            sums[1] += torch.dot(r, d)
+            sums[2] += torch.dot(r, r)
+    return tuple(sums.tolist())
+
+
+def mismatches(master: torch.Tensor, held: torch.Tensor) -> int:
+    """Elements where the engine's tensor is not cast(master) (NaN equal to NaN), chunked."""
+    bad = 0
+    for m, h in _row_chunks(master, held):
+        c = m.to(h.dtype)
+        bad += int(((c != h) & ~(c.isnan() & h.isnan())).sum())
+    return bad
 
 
 class Replica:
     def __init__(self, named: Iterable[tuple[str, torch.Tensor]], spec: ReplicaSpec, write: Writer,
-                 device: str | torch.device = "cpu"):
-        pattern = re.compile(spec.trainable) if spec.trainable else None
+                 read: Reader | None = None, device: str | torch.device = "cpu"):
         self.spec = spec
         self.write = write
+        self.read = read
         self.device = torch.device(device)
         self.master: dict[str, torch.Tensor] = {}
         for name, t in named:
-            if pattern is None or pattern.search(name):
+            if spec.selects(name):
                 self.master[name] = t.detach().to(device=self.device, dtype=torch.float32, copy=True)
         if not self.master:
             raise ValueError(f"model.trainable={spec.trainable!r} matches no parameter; fix the regex")
@@ -87,7 +143,22 @@ class Replica:
         largest = max(t.numel() for t in self.master.values())
         self._buf = torch.empty(largest, dtype=torch.float32, device=self.device)
         self._nbuf = torch.empty(largest, dtype=torch.float32, device=self.device) if kind != "table" else None
-        self.engine_dtype = _dtype(spec.engine_dtype)
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str, names: Iterable[str], spec: ReplicaSpec, write: Writer,
+                        read: Reader | None = None, device: str | torch.device = "cpu") -> Replica:
+        """The master from the checkpoint's fp32 tensors (never from the engine's cast weights), then written into
+        the engine, so that it holds cast(master) from the start."""
+        from es_ray.models import load_hf_weights
+
+        names = [n for n in names if spec.selects(n)]
+        source = load_hf_weights(model_dir, names)
+        missing = [n for n in names if n not in source]
+        if missing:
+            raise ValueError(f"{model_dir}: no tensor for HF parameters {missing[:5]} (of {len(missing)})")
+        replica = cls(((n, source.pop(n)) for n in names), spec, write, read, device)
+        replica.restore()
+        return replica
 
     # -- buffers -------------------------------------------------------------------------------------------
     def _view(self, flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -112,17 +183,27 @@ class Replica:
         self.write((name, self.master[name]) for name in self.names)
 
     # -- update --------------------------------------------------------------------------------------------
-    def update(self, iteration: int, members: list[Member], fitness_n, sigma: float) -> dict[str, float]:
+    def update(self, iteration: int, members: list[Member], fitness_n, sigma: float) -> dict[str, float | None]:
         """Apply one ES step to the master in place, then write cast(master) into the engine.
 
-        Returns health scalars: the fp32 update norm and the cosine between the update the engine's weights
-        realised (after casting to the engine dtype) and the intended fp32 update.
+        Returns health scalars, all measured:
+        * update_norm: |delta|, the fp32 step the optimizer applied to the master (``Optimizer.step`` leaves it in
+          the buffer g; decays included);
+        * realised_norm, realised_cos: |r| and cos(r, delta) for r, the change of the weights the engine holds.
+          Before a tensor is stepped, its engine tensor is read back (the engine holds the old weights until the
+          final write) and r = cast(new master) - held is summed chunk by chunk. After the write every tensor is
+          read back again and must equal cast(new master) element for element, else the update raises: so r is
+          what the engine holds after minus what it held before, read from the engine, not an assumption about
+          the cast. r includes the removal of a perturbation left written (no restore before the update) and
+          loses any step below the engine dtype's resolution (r = 0 there, cos 0).
+        Where the engine cannot be read back (no ``read``, or it returns None), realised_* are None (absent),
+        and so is realised_cos when the intended update is zero (a cosine of nothing).
         """
         coeffs = noise_coefficients(members, fitness_n)
         scale = 1.0 / (len(members) * sigma)
         self.opt.begin()
         sq_update = dot = sq_real = 0.0
-        cast = self.engine_dtype
+        measured = self.read is not None
         for name in self.names:
             theta = self.master[name]
             g = self._view(self._buf, theta)
@@ -132,21 +213,33 @@ class Replica:
                     torch.mul(eps, c * scale, out=g)
                 else:
                     g.add_(eps, alpha=c * scale)
-            before = theta.to(cast) if cast != torch.float32 else None
+            held = self.read(name) if measured else None
+            measured = held is not None
             self.opt.step(name, theta, g, self.theta0[name] if self.theta0 is not None else None)
-            flat = g.view(-1)
-            sq_update += float(torch.dot(flat, flat))
-            if before is not None:
-                realised = (theta.to(cast).float() - before.float()).view(-1)
-                dot += float(torch.dot(realised, flat))
-                sq_real += float(torch.dot(realised, realised))
+            sums = update_sums(g, theta, held)
+            sq_update += sums[0]
+            if measured:
+                dot, sq_real = dot + sums[1], sq_real + sums[2]
         self.restore()
-        if cast == torch.float32:  # the engine holds exactly the fp32 master: realised == intended
-            sq_real = sq_update
-            cos = 1.0 if sq_update > 0 else 0.0
+        if not measured:
+            return {"update_norm": sq_update**0.5, "realised_cos": None, "realised_norm": None}
+        self._check_engine_holds_master()
+        if sq_update == 0.0:
+            cos = None
         else:
-            cos = dot / (sq_update**0.5 * sq_real**0.5) if sq_update > 0 and sq_real > 0 else 0.0
+            cos = dot / (sq_update**0.5 * sq_real**0.5) if sq_real > 0 else 0.0
         return {"update_norm": sq_update**0.5, "realised_cos": cos, "realised_norm": sq_real**0.5}
+
+    def _check_engine_holds_master(self) -> None:
+        """The read-back half of the realised measurement: the engine must hold cast(master) after a write."""
+        for name in self.names:
+            held = self.read(name)
+            bad = mismatches(self.master[name], held)
+            if bad:
+                raise RuntimeError(
+                    f"after the update the engine does not hold cast(master) for {name}: {bad} of {held.numel()} "
+                    f"elements differ (engine dtype {held.dtype}); its write path lost or altered weights, so the "
+                    "engine no longer generates from this replica's weights")
 
     def checksum(self) -> str:
         return checksum(self.master.items())

@@ -1,4 +1,5 @@
-"""The ES Ray actor: one engine with its fp32 master replica, the task, and nothing else.
+"""The ES Ray actor: one engine with its fp32 master replica (the engine's ``ReplicaHost``), the task, and nothing
+else.
 
 It receives only integers and floats (``EvalRequest`` / ``UpdateRequest``) and returns only scalars. Heavy
 imports (torch, transformers, vLLM) happen here, inside the actor process.
@@ -15,17 +16,6 @@ from es_ray.protocol import EvalRequest, EvalResult, MemberResult, UpdateRequest
 from es_ray.tasks.base import score, templated_prompts
 
 
-def replica_spec(cfg: ESTrainConfig):
-    from es_ray.replica import ReplicaSpec
-
-    es = cfg.es
-    return ReplicaSpec(
-        run_seed=cfg.run.seed, noise=es.noise, noise_table_size=es.noise_table_size, trainable=cfg.model.trainable,
-        optimizer=es.optimizer, lr=es.lr, adam_beta1=es.adam_beta1, adam_beta2=es.adam_beta2, adam_eps=es.adam_eps,
-        weight_decay=es.weight_decay, anchor_decay=es.anchor_decay, engine_dtype=cfg.engine.dtype,
-    )
-
-
 class ESWorker:
     """Plain class; the driver wraps it with ``ray.remote``. Tests also use it in-process."""
 
@@ -39,13 +29,15 @@ class ESWorker:
         from es_ray.engines.base import make_engine
         from es_ray.faults import FaultInjector
         from es_ray.models import resolve_model
+        from es_ray.replica import ReplicaSpec
         from es_ray.tasks import load_task
 
         self.cfg, self.rank = cfg, rank
         self.faults = FaultInjector(cfg.faults, rank, immune_through)
         self.model_dir = resolve_model(cfg.model.path)
         self.engine = make_engine(str(self.model_dir), cfg.engine)
-        self.engine.es_setup(replica_spec(cfg))
+        self.replica = self.engine.replica_host()
+        self.replica.setup(ReplicaSpec.from_config(cfg))
         self.task = load_task(cfg.task)
         self._prompts = templated_prompts(self.engine, self.task)
 
@@ -72,7 +64,7 @@ class ESWorker:
             if _cancelled():  # the driver was interrupted: stop between members, restore, answer early
                 break
             t0 = time.perf_counter()
-            self.engine.es_call("perturb", req.iteration, m.noise_id, m.sign, req.sigma)
+            self.replica.perturb(req.iteration, m.noise_id, m.sign, req.sigma)
             timing["perturb"] += time.perf_counter() - t0
             reward, tokens, errors, t_gen, t_rew = self._score("train", req.prompt_ids, req.sample_seed)
             timing["generate"] += t_gen
@@ -80,7 +72,7 @@ class ESWorker:
             results.append(MemberResult(m.index, reward, tokens, errors))
             self.faults.member_done(req.iteration, len(results), len(req.members))
         t0 = time.perf_counter()
-        self.engine.es_call("restore")
+        self.replica.restore()
         timing["restore"] += time.perf_counter() - t0
         return EvalResult(tuple(results), timing)
 
@@ -93,20 +85,20 @@ class ESWorker:
     def update(self, req: UpdateRequest) -> UpdateResult:
         t0 = time.perf_counter()
         self.faults.before_update(req.iteration)
-        stats = self.engine.es_call("update", req.iteration, list(req.members), list(req.fitness), req.sigma)
-        self.faults.after_update(req.iteration, self.engine)
-        digest = self.engine.es_call("checksum") if req.want_checksum else ""
+        stats = self.replica.update(req.iteration, list(req.members), list(req.fitness), req.sigma)
+        self.faults.after_update(req.iteration, self.replica)
+        digest = self.replica.checksum() if req.want_checksum else ""
         return UpdateResult(stats["update_norm"], stats["realised_cos"], stats["realised_norm"], digest,
                             time.perf_counter() - t0)
 
     def checksum(self) -> str:
-        return self.engine.es_call("checksum")
+        return self.replica.checksum()
 
     def save_checkpoint(self, path: str, extra: dict) -> str:
         from es_ray.checkpoint import save_es_checkpoint
 
-        state = self.engine.es_call("state_dict")
-        meta = {**extra, "checksum": self.engine.es_call("checksum"), "engine": asdict(self.cfg.engine)}
+        state = self.replica.state_dict()
+        meta = {**extra, "checksum": self.replica.checksum(), "engine": asdict(self.cfg.engine)}
         save_es_checkpoint(path, state, self.model_dir, meta)
         return path
 
@@ -127,12 +119,12 @@ class ESWorker:
             return {"unreadable": checkpoint}
         state = load_es_state(source)
         model_bytes = sum(t.numel() * 4 for t in {id(t): t for t in state["master"].values()}.values())
-        self.engine.es_call("load_state_dict", state)
+        self.replica.load_state_dict(state)
         del state
         for r in records:
             members = [Member(*m) for m in r["members"]]
-            self.engine.es_call("update", r["iteration"], members, r["fitness"], r["sigma"])
-        return {"checksum": self.engine.es_call("checksum"), "seconds": time.perf_counter() - t0,
+            self.replica.update(r["iteration"], members, r["fitness"], r["sigma"])
+        return {"checksum": self.replica.checksum(), "seconds": time.perf_counter() - t0,
                 "replayed": len(records), "model_bytes": model_bytes}
 
     def peak_memory(self) -> dict:

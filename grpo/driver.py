@@ -153,7 +153,7 @@ def run(cfg: GRPOTrainConfig) -> dict:
         keep_metrics(run_dir / "metrics.jsonl", start, "step")  # also cuts a torn last line
     ledger = Ledger("grpo", start_step=start)
     connect(cfg.cluster)
-    tracker = Tracker(run_dir, g.steps - start, cfg.run.tensorboard, cfg.run.progress, desc="grpo")
+    tracker = Tracker(run_dir, g.steps - start, cfg, cfg.run.trackers, cfg.run.progress, desc="grpo")
     crew, done, finished = None, start, False
     summary: dict = {"run_dir": str(run_dir), "resumed_from": str(ckpt) if ckpt else None}
     with InterruptGuard() as guard:

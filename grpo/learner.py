@@ -29,6 +29,7 @@ class GRPOLearner:
 
         from es_ray.engines.base import resolve_device
         from es_ray.models import resolve_model
+        from es_ray.runtime.dtypes import resolve_dtype
 
         hf_logging.set_verbosity_error()
         g = cfg.grpo
@@ -36,7 +37,7 @@ class GRPOLearner:
         self.cfg, self.g = cfg, g
         self.model_dir = resolve_model(cfg.model.path)
         self.device = resolve_device(cfg.engine)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[g.dtype]
+        dtype = resolve_dtype(g.dtype, self.device, "grpo.dtype")
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device)
         if g.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -154,11 +155,11 @@ class GRPOLearner:
         return {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.model.named_parameters()}
 
     def probe_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-        from grpo.loss import model_log_probs
+        from es_ray.eval.entropy import completion_log_probs
 
         self.model.eval()
         try:
-            return model_log_probs(self.model, prompt_ids, completion_ids)
+            return completion_log_probs(self.model, prompt_ids, completion_ids).tolist()
         finally:
             self.model.train()
 

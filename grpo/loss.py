@@ -120,13 +120,3 @@ def grpo_loss(logp_bt: torch.Tensor, old_logp_bt: torch.Tensor, adv_b: torch.Ten
                  "ratio_sum": (ratio * mask).sum(), "tokens": mask.sum()}
     return loss, stats
 
-
-@torch.no_grad()
-def model_log_probs(model, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-    """log p(completion token | prefix) under a transformers causal LM, one unpadded forward pass (the sync probe:
-    the learner and a transformers engine compute it the same way)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt_ids) + list(completion_ids)], device=device)
-    n = len(completion_ids)
-    logits = model(input_ids=ids, logits_to_keep=n + 1).logits[:, :-1]
-    return token_log_probs(logits, ids[:, -n:])[0].cpu().tolist()

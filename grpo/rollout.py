@@ -81,7 +81,7 @@ class RolloutWorker:
         return time.perf_counter() - t0
 
     def probe_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-        return engine_logprobs(self.engine, prompt_ids, completion_ids)
+        return self.engine.token_logprobs(prompt_ids, completion_ids)
 
     def probe(self) -> tuple[list[int], list[int]]:
         """The sync probe: the first training prompt and a fixed completion, as token ids."""
@@ -92,18 +92,3 @@ class RolloutWorker:
 
         return process_peak_memory()
 
-
-def engine_logprobs(engine, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-    """log p(completion token | prefix) under the engine's own weights and kernels, in fp32."""
-    if engine.name == "vllm":
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        ids = list(prompt_ids) + list(completion_ids)
-        out = engine.llm.generate([TokensPrompt(prompt_token_ids=ids)],
-                                  SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)
-        per_pos = out[0].prompt_logprobs  # position j: {token id: Logprob} for ids[j] given ids[:j]
-        return [float(per_pos[j][ids[j]].logprob) for j in range(len(prompt_ids), len(ids))]
-    from grpo.loss import model_log_probs
-
-    return model_log_probs(engine.model, prompt_ids, completion_ids)

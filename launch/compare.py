@@ -255,7 +255,7 @@ def run_stage(stage: Stage, root: Path, log: Callable[[str], None]) -> dict:
 
 
 # Settings that do not change a stage's results (display, logging, cadence of extra checkpoints).
-_NEUTRAL = ("run.progress", "run.tensorboard", "run.resume", "run.checkpoint_every", "cluster.address",
+_NEUTRAL = ("run.progress", "run.trackers", "run.resume", "run.checkpoint_every", "cluster.address",
             "cluster.placement", "cluster.wait_for_resources_s")
 
 
@@ -306,8 +306,32 @@ def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
         for stage in plan[method]:
             records[stage.name] = run_stage(stage, root, log)
     report = write_report(root, cfg, plan, pool)
+    if cfg.run.trackers:
+        from es_ray.runtime.tracking import Tracker
+
+        tracker = Tracker(root, 1, cfg, cfg.run.trackers, progress=False, desc="es-compare")
+        try:
+            tracker.log(0, tracker_metrics(report), step_key="step")
+        finally:
+            tracker.close()
     log(f"es-compare: report in {root / 'report.md'}")
     return report
+
+
+_LEDGER_METRICS = ("tokens_generated", "tokens_backpropagated", "wall_s", "startup_s", "device_s",
+                   "peak_rss_bytes_max", "peak_gpu_bytes_max")
+
+
+def tracker_metrics(report: dict) -> dict[str, float]:
+    """The report's numbers per method under the names every tracker gets: compare/<method>/pass_at_<k> (mean over
+    the tasks), entropy, drift_l2 and the measured ledger."""
+    out = {}
+    for method, m in report["methods"].items():
+        out.update({f"compare/{method}/pass_at_{k}": v for k, v in m["average"].items()})
+        out[f"compare/{method}/entropy"] = m["entropy"]["mean_per_token"]
+        out[f"compare/{method}/drift_l2"] = (m.get("drift") or {}).get("l2")
+        out.update({f"compare/{method}/{k}": (m["ledger"] or {}).get(k) for k in _LEDGER_METRICS})
+    return {k: v for k, v in out.items() if v is not None}
 
 
 # -- entry point ------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def _cfg(model_dir: Path, run_dir: Path, **over) -> CompareConfig:
                              grader_workers=1),
         engine=EngineConfig(batch_size=16),
         cluster=ClusterConfig(num_actors=1, cpus_per_actor=1),
-        run=RunConfig(dir=str(run_dir), seed=0, tensorboard=False, progress=False),
+        run=RunConfig(dir=str(run_dir), seed=0, trackers=[], progress=False),
     )
     for k, v in over.items():
         setattr(cfg, k, v)

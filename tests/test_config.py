@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from omegaconf import OmegaConf
 from es_ray.config import ESConfig, ESTrainConfig, register_configs, to_train_config, validate
 
 from es_ray.runtime.config import ConfigError, RunConfig, TaskConfig
+from es_ray.runtime.entry import run_or_exit
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PRIMARY = "es_train"
@@ -57,8 +60,35 @@ def test_validate_accepts_even_antithetic_and_absolute_run_dir(tmp_path):
     assert validate(cfg) is cfg
 
 
-def test_config_error_is_a_value_error():
-    assert issubclass(ConfigError, ValueError)
+def _hydra_entry_points() -> dict[str, str]:
+    """Console script -> module of every Hydra entry point (es-submit, argparse, has its own test in
+    test_launch_submit.py: a bad override is exit code 2 naming the key)."""
+    scripts = tomllib.loads((CONF_DIR.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    return {name: target.split(":")[0] for name, target in scripts.items() if name != "es-submit"}
+
+
+def test_the_hydra_entry_points_are_the_expected_ones():
+    assert set(_hydra_entry_points()) == {"es-train", "es-eval", "es-drift", "grpo-train", "es-compare"}
+
+
+@pytest.mark.parametrize("script", sorted(_hydra_entry_points()))
+def test_every_entry_point_turns_a_config_error_into_one_line_and_exit_code_2(script, capsys):
+    module = importlib.import_module(_hydra_entry_points()[script])
+    with pytest.raises(SystemExit) as info:
+        module._main({"run": {"nonsense_key": 1}})  # what Hydra hands over, with a key no schema has
+    assert info.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.startswith(f"{script}: ConfigError: ") and out.err.count("\n") == 1, out.err
+    assert "run.nonsense_key" in out.err
+
+
+def test_a_bug_is_not_passed_off_as_a_user_error():
+    def bug():
+        raise RuntimeError("a bug keeps its traceback")
+
+    with pytest.raises(RuntimeError, match="keeps its traceback"):
+        run_or_exit("es-train", bug)
 
 
 # -- to_config --------------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from es_ray.grading.code import build_program, extract_code, grade_programs
-from es_ray.grading.sandbox import (SandboxLimits, drop_to_uid, isolation, network_isolation, run_many,
-                                    run_python)
+from es_ray.grading.sandbox import (DROP_FAILED_RC, NOBODY, SandboxLimits, _launch, drop_to_uid, isolation,
+                                    network_isolation, run_many, run_python)
 
 LIMITS = SandboxLimits(wall_s=5.0, cpu_s=2.0, memory_mb=512, output_bytes=64 << 10)
 GOOD = "def add(a, b):\n    return a + b\n\nassert add(1, 2) == 3\n"
@@ -214,6 +214,43 @@ def test_isolation_reports_its_layers():
     info = isolation()
     assert "audit hook" in info["network"]
     assert set(info) == {"network", "user", "limits", "filesystem"}
+
+
+def test_isolation_reports_the_user_a_program_really_runs_as():
+    """Here (root, a pyenv Python under /root that nobody cannot read) the uid stays and the report says why."""
+    uid = int(run_python("import os\nprint(os.getuid())\n", LIMITS).stdout)
+    info = isolation()
+    if uid == NOBODY:
+        assert info["user"].startswith("nobody") and "nobody's permissions" in info["filesystem"]
+    else:
+        assert uid == os.geteuid()
+        assert info["user"].startswith("unchanged") and "nobody" not in info["filesystem"]
+        assert ("failed here" in info["user"]) == (uid == 0), info["user"]
+
+
+def _user_namespace_root_python(tmp_path: Path) -> str:
+    """/usr/bin/python3 as root of a fresh user namespace that maps no nobody: setgroups/setuid fail there."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec unshare -r {SYSTEM_PYTHON} "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON)
+                    or subprocess.run(["unshare", "-r", "true"], capture_output=True).returncode != 0,
+                    reason="needs root and unshare -r")
+def test_a_drop_that_fails_is_reported_and_never_passed_off_as_nobody(tmp_path):
+    python = _user_namespace_root_python(tmp_path)
+    assert drop_to_uid(python) is None
+    info = isolation(python)
+    assert info["user"].startswith("unchanged: root; the drop to nobody failed here: cannot drop to uid 65534:")
+    assert "nobody" not in info["filesystem"]
+    res = run_python("import os\nprint(os.getuid())\n", LIMITS, python=python)
+    assert res.passed and res.stdout.split() == ["0"]  # as it says: root of the namespace, unprivileged outside
+    # asked to drop and unable to, the bootstrap stops before the program runs instead of going on as root
+    res = _launch("print('ran')\n", LIMITS, python, NOBODY)
+    assert (res.status, res.returncode, res.stdout) == ("error", DROP_FAILED_RC, "")
+    assert res.stderr.startswith("es-ray-sandbox: cannot drop to uid 65534: [Errno 1] Operation not permitted")
 
 
 # -- MBPP program assembly ------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def test_bad_input_is_refused_naming_the_key(section, override, key):
 def test_presets_compose_into_the_schema():
     from hydra import compose, initialize_config_dir
 
-    from es_ray.train import CONF_DIR
+    from es_ray.runtime.entry import CONF_DIR
     from grpo.config import register_configs
 
     register_configs()
@@ -71,7 +71,7 @@ def test_grpo_train_on_default_model_writes_loadable_checkpoint(tmp_path):
     assert list((run_dir / "tensorboard").iterdir())
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["tokens_generated"] == sum(r["perf/tokens"] for r in rows) > 0
-    assert ledger["peak_memory"]["learner"]["peak_rss_bytes"] > 500 << 20  # fp32 weights alone are 0.5 GB
+    assert ledger["actors"]["learner_0"]["peak_rss_bytes"] > 500 << 20  # fp32 weights alone are 0.5 GB
     final = run_dir / "checkpoints" / "final"
     model = AutoModelForCausalLM.from_pretrained(final)
     assert sum(p.numel() for p in model.parameters()) == 134515008

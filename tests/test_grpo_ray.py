@@ -51,7 +51,7 @@ def tiny_cfg(model_dir, run_dir, run=None, eval_every=0, **grpo):
         "grpo": {"steps": 4, "lr": 1e-3, "group_size": 4, "prompts_per_step": 4, "micro_batch_size": 16, **grpo},
         "sampling": {"max_new_tokens": 8, "temperature": 1.0}, "engine": {"threads": 1},
         "eval": {"every": eval_every},
-        "run": {"dir": str(run_dir), "progress": False, "tensorboard": False, **(run or {})},
+        "run": {"dir": str(run_dir), "progress": False, "trackers": [], **(run or {})},
     })
 
 
@@ -70,8 +70,8 @@ def test_mean_reward_rises(ray_local, peaked_model_dir, tmp_path):
     assert last > first + 0.2, r
     ledger = json.loads((tmp_path / "ledger.json").read_text())
     assert ledger["tokens_generated"] > 0 and ledger["tokens_backpropagated"] > ledger["tokens_generated"]
-    assert set(ledger["peak_memory"]) == {"learner", "rollout_0"}
-    assert all(m["peak_rss_bytes"] > 1 << 20 for m in ledger["peak_memory"].values())
+    assert set(ledger["actors"]) == {"learner_0", "rollout_0"}
+    assert all(m["peak_rss_bytes"] > 1 << 20 for m in ledger["actors"].values())
     assert ledger["phase_seconds"]["train"] > 0 and ledger["phase_seconds"]["sync"] > 0
 
 
@@ -90,19 +90,19 @@ def test_dead_rollout_is_replaced_and_a_stopped_run_resumes_bit_identical(ray_lo
     driver.run(tiny_cfg(peaked_model_dir, full, steps=3, run={"checkpoint_every": 2}))
     real_step = driver.step
 
-    def faulty_step(cfg, cluster, t, pool):
+    def faulty_step(cfg, crew, t, pool, guard):
         if t == 1:
-            ray.kill(cluster.rollouts[0])  # dies before generating: replaced, re-synced, asked again
+            ray.kill(crew.rollouts[0])  # dies before generating: replaced, re-synced, asked again
         if t == 2:
             raise Stop  # after the step-2 checkpoint
-        return real_step(cfg, cluster, t, pool)
+        return real_step(cfg, crew, t, pool, guard)
 
     monkeypatch.setattr(driver, "step", faulty_step)
     with pytest.raises(Stop):
         driver.run(tiny_cfg(peaked_model_dir, cut, steps=3, run={"checkpoint_every": 2}))
     assert rewards(cut) == rewards(full)[:2]  # the replacement generated what the original would have
     ledger = json.loads((cut / "ledger.json").read_text())
-    assert ledger["rollout_actors_replaced"] == 1 and ledger["finished"] is False
+    assert ledger["replacements"] == 1 and ledger["finished"] is False
     monkeypatch.setattr(driver, "step", real_step)
     summary = driver.run(tiny_cfg(peaked_model_dir, cut, steps=3, run={"checkpoint_every": 2, "resume": True}))
     assert summary["resumed_from"].endswith("step_000002")
@@ -122,16 +122,19 @@ def test_dead_learner_stops_the_run_with_resume_advice(ray_local, peaked_model_d
     import ray
 
     import grpo.driver as driver
+    from es_ray.runtime.actors import ActorLostError
 
     real_step = driver.step
 
-    def kill_learner(cfg, cluster, t, pool):
-        ray.kill(cluster.learner)
-        return real_step(cfg, cluster, t, pool)
+    def kill_learner(cfg, crew, t, pool, guard):
+        ray.kill(crew.learner[0])
+        return real_step(cfg, crew, t, pool, guard)
 
     monkeypatch.setattr(driver, "step", kill_learner)
-    with pytest.raises(driver.LearnerDiedError, match="run.resume=true"):
+    with pytest.raises(ActorLostError, match="learner actor 0 was lost.*run.resume=true"):
         driver.run(tiny_cfg(peaked_model_dir, tmp_path, steps=2))
+    ledger = json.loads((tmp_path / "ledger.json").read_text())
+    assert ledger["finished"] is False and ledger["actors"]["learner_0"].get("unanswered")
 
 
 def test_learner_and_rollouts_that_do_not_fit_fail_early_with_the_numbers(ray_local, tiny_model_dir, tmp_path):

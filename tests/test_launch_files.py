@@ -1,7 +1,8 @@
 """The files under launch/ and docker/: every YAML parses, every entry point it (or launch/README.md) names is a
 console script in pyproject.toml, every such command's Hydra overrides compose against the schema and pass
 es_ray's validation, the cluster launcher YAMLs satisfy Ray's own schema, the RayJob's actors fit its worker
-group, the version pins agree everywhere, and hadolint passes on both Dockerfiles."""
+group, the version pins agree everywhere, the Dockerfiles pin their base images and install pyproject's pins,
+and hadolint passes on both."""
 
 from __future__ import annotations
 
@@ -26,28 +27,32 @@ DOCKERFILES = [REPO / "docker" / "Dockerfile", REPO / "docker" / "Dockerfile.cpu
 # A command word that claims to be one of the project's entry points (es-train, grpo-train, es-compare, ...).
 ENTRY_POINT = re.compile(r"^(es|grpo)-[a-z]+$")
 SHELL_OPS = {"&&", "||", ";", "|", "&", "(", ")"}
+PINNED = re.compile(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?==([\w.]+)")  # name[extras]==version
 
 
 def pyproject() -> dict:
     return tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
-def pin(name: str) -> str:
-    """The version pyproject pins for a dependency, e.g. pin('ray') -> '2.60.0'."""
+def pyproject_pins() -> dict[str, str]:
+    """Every dependency pyproject pins with ==, extras included: name -> version."""
     project = pyproject()["project"]
     reqs = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
-    for req in reqs:
-        m = re.fullmatch(rf"{re.escape(name)}(\[[^\]]*\])?==([\w.]+)", req)
-        if m:
-            return m.group(2)
-    raise AssertionError(f"pyproject.toml pins no {name}")
+    return {m.group(1).lower(): m.group(3) for r in reqs if (m := PINNED.fullmatch(r))}
 
 
-def entry_point_calls(text: str) -> list[list[str]]:
-    """Every `<entry point> args...` in a shell text, cut at shell operators and redirections; the command after
-    `es-submit ... --` counts, es-submit itself does not."""
+def pin(name: str) -> str:
+    """The version pyproject pins for a dependency, e.g. pin('ray') -> '2.60.0'."""
+    pins = pyproject_pins()
+    assert name in pins, f"pyproject.toml pins no {name}"
+    return pins[name]
+
+
+def shell_commands(text: str) -> list[list[str]]:
+    """The words of each simple command in a shell text: line continuations joined, cut at shell operators,
+    comments dropped, and a redirection dropped with the rest of its command."""
     text = re.sub(r"\\\n\s*", " ", text)  # line continuations
-    calls = []
+    commands = []
     for line in text.splitlines():
         lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|()<>")
         lexer.whitespace_split, lexer.commenters = True, "#"
@@ -63,14 +68,24 @@ def entry_point_calls(text: str) -> list[list[str]]:
                 words.append(tok)
                 continue
             words = words[: words.index("\0")] if "\0" in words else words
-            combos = [[]]
-            if words and words[0] == "es-submit" and "--" in words:
-                cut = words.index("--")
-                combos = expand_sweep(_sweep_args(words[:cut]))  # each job of a sweep must compose
-                words = words[cut + 1:]
-            if words and ENTRY_POINT.match(words[0]) and words[0] != "es-submit":
-                calls.extend([*words, *combo] for combo in combos)
+            if words:
+                commands.append(words)
             words = []
+    return commands
+
+
+def entry_point_calls(text: str) -> list[list[str]]:
+    """Every `<entry point> args...` in a shell text; the command after `es-submit ... --` counts, es-submit
+    itself does not."""
+    calls = []
+    for words in shell_commands(text):
+        combos = [[]]
+        if words[0] == "es-submit" and "--" in words:
+            cut = words.index("--")
+            combos = expand_sweep(_sweep_args(words[:cut]))  # each job of a sweep must compose
+            words = words[cut + 1:]
+        if words and ENTRY_POINT.match(words[0]) and words[0] != "es-submit":
+            calls.extend([*words, *combo] for combo in combos)
     return calls
 
 
@@ -220,6 +235,96 @@ def test_hadolint_does_catch_a_bad_dockerfile(tmp_path):
     assert res.returncode != 0 and "DL3006" in res.stdout
 
 
-def test_images_say_they_are_not_built_in_ci():
-    assert "not built in CI" in (LAUNCH / "README.md").read_text()
-    assert all("Not built in CI" in p.read_text() for p in DOCKERFILES)
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, its arguments) in order, continuation lines joined and comments dropped, as Docker reads it."""
+    out, current = [], ""
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("#") or not (current or line.strip()):
+            continue
+        if line.rstrip().endswith("\\"):
+            current += line.rstrip()[:-1] + " "
+            continue
+        keyword, _, rest = (current + line).strip().partition(" ")
+        out.append((keyword.upper(), rest.strip()))
+        current = ""
+    return out
+
+
+def pip_installs(shell: str) -> list[list[str]]:
+    """The arguments of every `pip install` (or `python -m pip install`) command in a shell text."""
+    out = []
+    for words in shell_commands(shell):
+        at = 1 if re.fullmatch(r"(\S*/)?pip[\d.]*", words[0]) else 3 if words[1:3] == ["-m", "pip"] else None
+        if at is not None and words[at:at + 1] == ["install"]:
+            out.append(words[at + 1:])
+    return out
+
+
+def copy_sources(steps: list[tuple[str, str]]) -> list[str]:
+    """The build-context paths a Dockerfile's COPY instructions read."""
+    return [w.rstrip("/") for k, a in steps if k == "COPY" for w in shlex.split(a)[:-1] if not w.startswith("--")]
+
+
+# What each image must install at pyproject's pins itself (the CPU image gets Ray through `pip install -e .`).
+IMAGE_INSTALLS = {"Dockerfile": {"torch", "vllm", "ray", "pip"}, "Dockerfile.cpu": {"torch"}}
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=[p.name for p in DOCKERFILES])
+def test_dockerfile_pins_its_base_image_and_installs_pyprojects_pins(path):
+    from packaging.specifiers import SpecifierSet
+
+    steps = dockerfile_instructions(path)
+    args = dict(a.split("=", 1) for k, a in steps if k == "ARG" and "=" in a)
+
+    def expand(text: str) -> str:  # ARG defaults, as the build sees them
+        return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m.group(1) or m.group(2), m.group(0)), text)
+
+    images = [expand(a.split()[0]) for k, a in steps if k == "FROM"]
+    assert images and all(re.fullmatch(r"[\w./-]+:\d[\w.-]*", image) for image in images), \
+        f"{path.name}: base image {images} is not pinned to a version tag"
+    shell = [expand(a) for k, a in steps if k == "RUN"]
+    scripts = [REPO / w for text in shell for w in shlex.split(text) if w.endswith(".sh")]
+    assert all(s.is_file() for s in scripts), scripts
+    installs = [words for text in shell + [s.read_text() for s in scripts] for words in pip_installs(text)]
+    pins, optional, installed = pyproject_pins(), pyproject()["project"]["optional-dependencies"], set()
+    for word in (w for words in installs for w in words if not w.startswith("-")):
+        if word.startswith(".["):  # the project itself, with extras that must exist
+            assert set(word[2:-1].split(",")) <= set(optional), f"{path.name}: pip install {word}"
+            continue
+        m = PINNED.fullmatch(word)
+        assert m, f"{path.name}: pip install {word!r} is not pinned with =="
+        name = m.group(1).lower()
+        installed.add(name)
+        assert name not in pins or m.group(3) == pins[name], \
+            f"{path.name}: installs {word}, pyproject.toml pins {name}=={pins[name]}"
+    assert IMAGE_INSTALLS[path.name] <= installed, f"{path.name}: installs {installed}"
+    python = args.get("PYTHON_VERSION") or re.match(r"python:(\d+\.\d+)", images[-1]).group(1)
+    assert python in SpecifierSet(pyproject()["project"]["requires-python"]), f"{path.name}: Python {python}"
+    copied = copy_sources(steps)
+    assert copied and all((REPO / w).exists() for w in copied), f"{path.name}: COPY {copied}"
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param(DOCKERFILES[0], id="Dockerfile"),
+    pytest.param(DOCKERFILES[1], id="Dockerfile.cpu"),
+])
+def test_dockerfile_copies_every_package_the_project_installs(path):
+    import fnmatch
+
+    include = pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {d.name for d in REPO.iterdir() if d.is_dir() and any(d.glob("*.py"))  # namespace packages too
+                and any(fnmatch.fnmatch(d.name, pattern) for pattern in include)}
+    assert {"es_ray", "launch", "grpo"} <= packages
+    copied = set(copy_sources(dockerfile_instructions(path)))
+    assert "." in copied or packages <= copied, f"{path.name} does not copy {sorted(packages - copied)}"
+
+
+def test_the_dockerfile_parser_reads_what_docker_reads(tmp_path):
+    path = tmp_path / "Dockerfile"
+    path.write_text('ARG V=1.2\nFROM python:3.11-slim\n# a comment\nRUN pip install "a==${V}" \\\n'
+                    '    # dropped\n    && python -m pip install --quiet b==2 -e ".[x]" > /dev/null; echo pip install\n')
+    steps = dockerfile_instructions(path)
+    assert steps == [("ARG", "V=1.2"), ("FROM", "python:3.11-slim"),
+                     ("RUN", 'pip install "a==${V}"      && python -m pip install --quiet b==2 -e ".[x]" > /dev/null;'
+                             ' echo pip install')]
+    assert pip_installs(steps[-1][1]) == [["a==${V}"], ["--quiet", "b==2", "-e", ".[x]"]]

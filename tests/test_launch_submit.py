@@ -156,7 +156,7 @@ def test_es_train_job_succeeds_with_outputs_in_the_absolute_run_dir(ray_head, ti
     res = es_submit("--address", address, "--run-root", str(tmp_path / "runs"), "--wait", "--",
                     "es-train", f"model.path={tiny_model_dir}", "task.name=arithmetic", "es.population=2",
                     "es.iterations=1", "es.prompts_per_iteration=2", "sampling.max_new_tokens=4",
-                    "cluster.num_actors=1", "eval.every=0", "run.progress=false", "run.tensorboard=false",
+                    "cluster.num_actors=1", "eval.every=0", "run.progress=false", "run.trackers=[]",
                     timeout=400, env=env)
     out = res.stdout
     assert res.returncode == 0, out[-3000:] + res.stderr[-3000:]

@@ -9,10 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from es_ray.config import ESConfig
-
-from es_ray.runtime.config import ClusterConfig, ConfigError, EngineConfig, ModelConfig, RunConfig, \
-    SamplingConfig, TaskConfig, ESTrainConfig, validate
+from es_ray.config import ESConfig, ESTrainConfig, validate
+from es_ray.runtime.config import (ClusterConfig, ConfigError, EngineConfig, ModelConfig, RunConfig, SamplingConfig,
+                                   TaskConfig)
 from es_ray.driver import run
 from es_ray.runtime.cluster import check_address
 
@@ -27,7 +26,7 @@ def tiny_cfg(model_dir, run_dir, **over) -> ESTrainConfig:
         sampling=SamplingConfig(max_new_tokens=8, temperature=0.0),
         engine=EngineConfig(name="hf", dtype="float32", device="cpu"),
         cluster=ClusterConfig(num_actors=1, cpus_per_actor=1),
-        run=RunConfig(dir=str(run_dir), seed=3, tensorboard=False, progress=False),
+        run=RunConfig(dir=str(run_dir), seed=3, trackers=[], progress=False),
     )
     for key, value in over.items():
         section, field = key.split("__")

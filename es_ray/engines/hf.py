@@ -1,19 +1,21 @@
-"""transformers engine: CPU and GPU, batched generate, weights written in place through named_parameters()."""
+"""transformers engine: CPU and GPU, batched generate, weights written in place through named_parameters(),
+teacher-forced log-probs and entropy from one forward pass, and the ES replica in the same process."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Iterable
 
 import torch
 
+from es_ray.engines.base import (Completion, Engine, InProcessReplicaHost, ReplicaHost, check_temperature,
+                                 resolve_device)
 from es_ray.runtime.config import EngineConfig, SamplingConfig
-from es_ray.engines.base import Completion, Engine, resolve_device, torch_dtype
-from es_ray.replica import Replica, ReplicaSpec
+from es_ray.runtime.dtypes import resolve_dtype
 
 
 class HFEngine(Engine):
     name = "hf"
+    can_score_entropy = True
 
     def __init__(self, model_dir: str, cfg: EngineConfig):
         super().__init__(model_dir, cfg)
@@ -23,7 +25,7 @@ class HFEngine(Engine):
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         self.device = resolve_device(cfg)
-        self.dtype = torch_dtype(cfg.dtype, self.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device, "engine.dtype")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
@@ -33,18 +35,13 @@ class HFEngine(Engine):
         self.model.requires_grad_(False)
         self.params = dict(self.model.named_parameters())
         self.eos_ids = self._eos_ids()
-        self.replica: Replica | None = None
+        self._host: ReplicaHost | None = None
 
     def _eos_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
         return {i for i in ids if i is not None}
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        if self.tokenizer.chat_template:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return "\n".join(m["content"] for m in messages) + "\n"
 
     @torch.inference_mode()
     def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int) -> list[Completion]:
@@ -73,6 +70,17 @@ class HFEngine(Engine):
                 out.append(Completion(text=text, num_tokens=n, token_ids=tuple(row[:n])))
         return out
 
+    def token_logprobs(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
+        from es_ray.eval.entropy import completion_log_probs
+
+        return completion_log_probs(self.model, prompt_ids, completion_ids, check_temperature(temperature)).tolist()
+
+    def token_entropies(self, prompt_ids: list[int], completion_ids: list[int],
+                        temperature: float = 1.0) -> list[float]:
+        from es_ray.eval.entropy import completion_entropies
+
+        return completion_entropies(self.model, prompt_ids, completion_ids, check_temperature(temperature)).tolist()
+
     @torch.no_grad()
     def write_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, t in named:
@@ -81,20 +89,15 @@ class HFEngine(Engine):
                 raise KeyError(f"engine has no parameter {name!r}")
             param.copy_(t)
 
+    def read(self, name: str) -> torch.Tensor:
+        """The parameter itself (engine dtype and device, no copy): the replica's read-back."""
+        return self.params[name]
+
     def read_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in self.params.items()}
 
-    def es_setup(self, spec: ReplicaSpec) -> None:
-        from es_ray.models import load_hf_weights
-
-        # The master comes from the checkpoint in fp32, not from the (possibly bf16) engine weights.
-        spec = dataclasses.replace(spec, engine_dtype=str(self.dtype).removeprefix("torch."))
-        source = load_hf_weights(self.model_dir, self.params)
-        named = ((n, source.get(n, p)) for n, p in self.params.items())
-        self.replica = Replica(named, spec, self.write_weights, device=self.device)
-        self.replica.restore()
-
-    def es_call(self, op: str, *args: Any) -> Any:
-        if self.replica is None:
-            raise RuntimeError("es_setup must run before es_call")
-        return getattr(self.replica, op)(*args)
+    def replica_host(self) -> ReplicaHost:
+        if self._host is None:
+            self._host = InProcessReplicaHost(self.model_dir, self.params, self.write_weights, self.read,
+                                              self.device)
+        return self._host

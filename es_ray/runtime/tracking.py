@@ -1,27 +1,137 @@
-"""One tracker for the driver: console progress, metrics.jsonl, TensorBoard (each optional), plus a timer."""
+"""One tracker for the driver: console progress, metrics.jsonl (always) and the backends named in run.trackers
+(TensorBoard, Weights & Biases, MLflow), plus a timer.
+
+Every backend gets the same metric names and steps, and the run's resolved config (flattened to dotted keys) as its
+parameters. W&B and MLflow work offline by default: W&B in offline mode under ``<run.dir>/wandb`` unless WANDB_MODE
+is set, MLflow to a file store ``<run.dir>/mlruns`` unless MLFLOW_TRACKING_URI is set. A backend's package is
+imported only when a run uses it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import numbers
+import os
+import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+from es_ray.runtime.config import flatten
+from es_ray.runtime.registry import Registry
+
+TRACKERS = Registry("run.trackers")
+"""Metric backends by name; metrics.jsonl is always written besides them."""
+
+
+def _scalars(metrics: dict) -> dict[str, float]:
+    """The finite numbers of a metrics row (bools as 0/1): what the backends can plot."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, numbers.Real) and math.isfinite(v)}
+
+
+class JsonlBackend:
+    def __init__(self, run_dir: Path):
+        self._f = open(run_dir / "metrics.jsonl", "a", buffering=1)
+
+    def log(self, step: int, metrics: dict, step_key: str) -> None:
+        self._f.write(json.dumps({step_key: step, **{k: _clean(v) for k, v in metrics.items()}}) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+@TRACKERS.register("tensorboard")
+class TensorBoardBackend:
+    module = "tensorboard"
+    install = "pip install -e . (tensorboard is one of its dependencies)"
+
+    def __init__(self, run_dir: Path, params: dict[str, Any], job: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._w = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict, step_key: str) -> None:
+        for k, v in _scalars(metrics).items():
+            self._w.add_scalar(k, v, step)
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
+@TRACKERS.register("wandb")
+class WandbBackend:
+    module = "wandb"
+    install = "pip install -e '.[wandb]'"
+
+    def __init__(self, run_dir: Path, params: dict[str, Any], job: str):
+        import wandb
+
+        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "es-ray"), name=run_dir.name, job_type=job,
+                               dir=str(run_dir), config=params, mode=os.environ.get("WANDB_MODE") or "offline",
+                               reinit="create_new")  # es-compare's stages are runs of their own
+
+    def log(self, step: int, metrics: dict, step_key: str) -> None:
+        self._run.log(_scalars(metrics), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+@TRACKERS.register("mlflow")
+class MlflowBackend:
+    module = "mlflow"
+    install = "pip install -e '.[mlflow]'"
+    _BAD_KEY = re.compile(r"[^/\w.\- :]")  # the characters MLflow refuses in metric and parameter names
+    _MAX_VALUE = 500  # the parameter value limit of older MLflow servers (newer ones take 6000)
+
+    def __init__(self, run_dir: Path, params: dict[str, Any], job: str):
+        from urllib.parse import urlparse
+
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").as_uri()
+        if urlparse(uri).scheme in ("", "file"):  # MLflow 3 refuses its file store unless this is set
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.tracking_uri = uri
+        self._client = MlflowClient(uri)
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "es-ray")
+        exp = self._client.get_experiment_by_name(name)
+        exp_id = exp.experiment_id if exp is not None else self._client.create_experiment(name)
+        self.run_id = self._client.create_run(exp_id, run_name=run_dir.name,
+                                              tags={"job_type": job, "run_dir": str(run_dir)}).info.run_id
+        items = [Param(self._key(k), str(v)[:self._MAX_VALUE]) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per call
+            self._client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def _key(self, key: str) -> str:
+        return self._BAD_KEY.sub("_", key)
+
+    def log(self, step: int, metrics: dict, step_key: str) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._client.log_batch(self.run_id, metrics=[Metric(self._key(k), v, now, step)
+                                                     for k, v in _scalars(metrics).items()])
+
+    def close(self) -> None:
+        self._client.set_terminated(self.run_id)
 
 
 class Tracker:
-    def __init__(self, run_dir: str | Path, total: int, tensorboard: bool = True, progress: bool = True,
+    """``log(step, metrics)`` writes one row to metrics.jsonl and to every backend in ``trackers``; ``config`` (a
+    dataclass) is logged once as the run's parameters."""
+
+    def __init__(self, run_dir: str | Path, total: int, config: Any, trackers: list[str], progress: bool = True,
                  desc: str = "es"):
         self.run_dir = Path(run_dir)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-            except ImportError:  # tensorboard not installed: JSONL still has everything
-                self._tb = None
+        params = flatten(dataclasses.asdict(config))
+        self._backends = [JsonlBackend(self.run_dir)]
+        self._backends += [TRACKERS.get(name)(self.run_dir, params, desc) for name in dict.fromkeys(trackers)]
         self._bar = None
         if progress:
             from tqdm import tqdm
@@ -29,13 +139,8 @@ class Tracker:
             self._bar = tqdm(total=total, desc=desc, dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict, step_key: str = "iteration") -> None:
-        row = {step_key: step, **{k: _clean(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(row) + "\n")
-        if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+        for backend in self._backends:
+            backend.log(step, metrics, step_key)
         if self._bar is not None:
             self._bar.update(1)
             shown = {k.split("/")[-1]: f"{v:.3f}" for k, v in metrics.items()
@@ -49,9 +154,8 @@ class Tracker:
             print(text, flush=True)
 
     def close(self) -> None:
-        self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        for backend in self._backends:
+            backend.close()
         if self._bar is not None:
             self._bar.close()
 

@@ -7,7 +7,7 @@ Rows have ``question``, ``choices`` ({"label": [A..E], "text": [...]}) and ``ans
 from __future__ import annotations
 
 from es_ray.tasks.base import Problem
-from es_ray.tasks.dataset import ChoiceTask, RowError, choice_question, text_field
+from es_ray.tasks.dataset import ChoiceTask, RowError, choice_question, list_field, text_field
 
 
 class CSQATask(ChoiceTask):
@@ -16,8 +16,11 @@ class CSQATask(ChoiceTask):
 
     def parse(self, row: dict) -> Problem:
         question = text_field(row, "question")
-        labels = [str(x).strip().upper() for x in row["choices"]["label"]]
-        texts = [str(x) for x in row["choices"]["text"]]
+        choices = row["choices"]
+        if not isinstance(choices, dict):
+            raise RowError("choices is not an object with label and text")
+        labels = [str(x).strip().upper() for x in list_field(choices.get("label"), "choices.label")]
+        texts = [str(x) for x in list_field(choices.get("text"), "choices.text")]
         letters = "".join(labels)
         if len(labels) != len(texts) or len(labels) < 2 or any(len(x) != 1 for x in labels):
             raise RowError("choices malformed")

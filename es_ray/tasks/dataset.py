@@ -1,6 +1,7 @@
 """Shared loading for dataset tasks: hub id or ``task.path`` (a local file in the hub schema), rows parsed one by
-one (a malformed row is skipped and counted in ``skipped_rows``), and the split into a training pool and a
-held-out set. Also the two grader families most tasks share: math answers (math-verify) and multiple choice.
+one (a malformed row is skipped and counted in ``skipped_rows``; an error of any other type is a bug in the parser
+and propagates), and the split into a training pool and a held-out set. Also the two grader families most tasks
+share: math answers (math-verify) and multiple choice.
 
 Training sets (``train_split`` set, e.g. GSM8K): from the hub, the training pool is ``train_split`` and the
 held-out set the first ``task.eval_size`` problems of ``test_split``; from one file (or another split, or a
@@ -23,11 +24,26 @@ from es_ray.grading.result import Grade
 from es_ray.tasks.base import Problem, Task, hub_rows, read_rows
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-_MALFORMED = (KeyError, TypeError, ValueError, IndexError, AttributeError)
+_MALFORMED = (KeyError, ValueError)
+"""What a malformed row raises (RowError is a ValueError): a missing key, a value of the wrong type or that does
+not parse. Not TypeError or AttributeError: those come from a bug in the parser, which must not read as bad data."""
 
 
 class RowError(ValueError):
     """A row that does not fit the task's schema (skipped and counted)."""
+
+
+def parse_rows(rows: list, parse) -> tuple[list[Problem], int]:
+    """``parse`` over each row: (the problems, how many rows were malformed and skipped)."""
+    out, skipped = [], 0
+    for row in rows:
+        try:
+            if not isinstance(row, dict) or "__malformed__" in row:
+                raise RowError("not a JSON object")
+            out.append(parse(row))
+        except _MALFORMED:
+            skipped += 1
+    return out, skipped
 
 
 def text_field(row: dict, *keys: str) -> str:
@@ -37,6 +53,13 @@ def text_field(row: dict, *keys: str) -> str:
         if value is not None and str(value).strip():
             return str(value).strip()
     raise RowError(f"none of {keys} in the row")
+
+
+def list_field(value, what: str) -> list:
+    """A list column (a list, or the array a Parquet file gives) as a list; RowError for anything else."""
+    if value is None or isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise RowError(f"{what} is not a list")
+    return list(value)
 
 
 def answer_text(value) -> str:
@@ -65,7 +88,7 @@ class DatasetTask(Task):
     """Benchmarks: the split that holds the benchmark."""
 
     def parse(self, row: dict) -> Problem:
-        """One row -> Problem; raise RowError (or KeyError/TypeError/ValueError) for a malformed row."""
+        """One row -> Problem; raise RowError (or KeyError/ValueError) for a malformed row, nothing else."""
         raise NotImplementedError
 
     def rows(self, split: str) -> list[dict]:
@@ -77,14 +100,8 @@ class DatasetTask(Task):
         return out
 
     def problems(self, rows: list[dict]) -> list[Problem]:
-        out = []
-        for row in rows:
-            try:
-                if not isinstance(row, dict) or "__malformed__" in row:
-                    raise RowError("not a JSON object")
-                out.append(self.parse(row))
-            except _MALFORMED:
-                self.skipped_rows += 1
+        out, skipped = parse_rows(rows, self.parse)
+        self.skipped_rows += skipped
         return out
 
     def load(self):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from es_ray.grading.numbers import final_number, parse_number
 from es_ray.tasks.base import Problem
-from es_ray.tasks.dataset import DatasetTask, RowError
+from es_ray.tasks.dataset import DatasetTask, RowError, text_field
 
 HUB_ID, HUB_CONFIG = "openai/gsm8k", "main"
 INSTRUCTION = "Solve the problem step by step. End with the final answer as '#### <number>'."
@@ -23,7 +23,7 @@ class GSM8KTask(DatasetTask):
     train_split, test_split = "train", "test"
 
     def parse(self, row: dict) -> Problem:
-        question, answer = str(row["question"]), str(row["answer"])
+        question, answer = text_field(row, "question"), text_field(row, "answer")
         ref = parse_number(answer.split("####")[-1]) if "####" in answer else None
         if ref is None:
             raise RowError("no '#### <number>' in the answer")

@@ -13,7 +13,7 @@ from es_ray.grading.code import SANDBOX_FAILURES, build_program, extract_code, g
 from es_ray.grading.result import Grade, GraderFailure
 from es_ray.grading.sandbox import SandboxLimits, run_python
 from es_ray.tasks.base import Problem
-from es_ray.tasks.dataset import DatasetTask, RowError, text_field
+from es_ray.tasks.dataset import DatasetTask, RowError, list_field, text_field
 
 PROMPT = ("You are an expert Python programmer, and here is your task: {text} Your code should pass these tests:"
           "\n\n{tests}\n\nWrite the complete solution in a single ```python code block.")
@@ -28,10 +28,12 @@ class MBPPTask(DatasetTask):
 
     def parse(self, row: dict) -> Problem:
         text = text_field(row, "text", "prompt")
-        tests = [str(t).strip() for t in row["test_list"] if str(t).strip()]
+        tests = [str(t).strip() for t in list_field(row["test_list"], "test_list") if str(t).strip()]
         if not tests:
             raise RowError("no tests")
-        setup = "\n".join([str(row.get("test_setup_code") or "")] + [str(x) for x in row.get("test_imports") or []])
+        imports = row.get("test_imports")  # the sanitized config's; the full config has test_setup_code
+        imports = [] if imports is None else list_field(imports, "test_imports")
+        setup = "\n".join([str(row.get("test_setup_code") or "")] + [str(x) for x in imports])
         return Problem(question=PROMPT.format(text=text, tests="\n".join(tests)), answer=tuple(tests),
                        meta={"setup": setup.strip(), "task_id": row.get("task_id")})
 

@@ -1,0 +1,268 @@
+"""Trackers: every backend gets the same metric names, steps and parameters, offline; bad run.trackers is refused
+before any work in every entry point; a tiny ES run on Ray lands in all of them."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from es_ray.config import ESTrainConfig
+from es_ray.runtime.config import ConfigError, RunConfig, validate_run
+from es_ray.runtime.tracking import TRACKERS, Tracker
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+STEPS = [0, 1, 2]
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    """The defaults a user gets: no W&B mode or MLflow URI set; W&B's own caches kept out of the home directory."""
+    for var in ("WANDB_MODE", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME",
+                "MLFLOW_ALLOW_FILE_STORE"):
+        monkeypatch.delenv(var, raising=False)
+    for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+
+
+# -- reading each backend back ---------------------------------------------------------------------------------
+
+
+def wandb_records(run_dir: Path) -> list:
+    """The records of the offline run's .wandb file (a LevelDB-style log of protobuf records: 32 KiB blocks, each
+    record chunk behind a 7-byte header of crc32, length, type; the file opens with ':W&B', magic, version)."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, out, chunk = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):  # still being written
+            break
+        chunk += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(chunk)
+            out.append(rec)
+            chunk = b""
+    return out
+
+
+def wandb_history(run_dir: Path) -> tuple[dict[str, list[tuple[int, float]]], dict]:
+    """{metric: [(step, value)]} and the run's config, from the offline run."""
+    deadline = time.monotonic() + 60
+    records = wandb_records(run_dir)
+    while not records or records[-1].WhichOneof("record_type") != "exit":  # W&B's service may still be writing
+        assert time.monotonic() < deadline, "the offline W&B run was not closed within 60 s"
+        time.sleep(0.2)
+        records = wandb_records(run_dir)
+    history: dict[str, list[tuple[int, float]]] = {}
+    config = {}
+    for rec in records:
+        kind = rec.WhichOneof("record_type")
+        if kind == "history":
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item}
+            for k, v in row.items():
+                if not k.startswith("_"):
+                    history.setdefault(k, []).append((row["_step"], v))
+        elif kind == "run":
+            config.update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
+    return history, config
+
+
+def mlflow_history(run_dir: Path | str) -> tuple[dict[str, list[tuple[int, float]]], dict]:
+    """{metric: [(step, value)]} and the parameters of the one run in the store (run_dir/mlruns, or a URI)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(run_dir if isinstance(run_dir, str) else (run_dir / "mlruns").as_uri())
+    (exp,) = [e for e in client.search_experiments() if e.name == "es-ray"]
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.status == "FINISHED"
+    history = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
+               for k in run.data.metrics}
+    return history, run.data.params
+
+
+def tensorboard_history(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    return {k: [(e.step, e.value) for e in acc.Scalars(k)] for k in acc.Tags()["scalars"]}
+
+
+# -- each backend ------------------------------------------------------------------------------------------------
+
+
+def _log_three_steps(run_dir: Path, trackers: list[str]) -> None:
+    run_dir.mkdir(exist_ok=True)
+    cfg = ESTrainConfig(run=RunConfig(dir=str(run_dir), trackers=trackers))
+    cfg.task.operations = "+" * 600  # longer than MLflow's 500-character parameter value limit
+    tracker = Tracker(run_dir, len(STEPS), cfg, trackers, progress=False)
+    for t in STEPS:
+        tracker.log(t, {"reward/mean": 0.5 + t, "es/checksums_verified": True, "perf/tokens": 10 * t,
+                        "eval/reward": float("nan"), "note": "text"})
+    tracker.close()
+
+
+EXPECTED = {"reward/mean": [(t, 0.5 + t) for t in STEPS], "es/checksums_verified": [(t, 1.0) for t in STEPS],
+            "perf/tokens": [(t, 10.0 * t) for t in STEPS]}
+
+
+def test_registry_is_the_one_list_of_names():
+    assert TRACKERS.names() == ("tensorboard", "wandb", "mlflow")
+
+
+def test_jsonl_is_always_written_and_keeps_everything(tmp_path):
+    _log_three_steps(tmp_path, [])
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == STEPS
+    assert rows[0]["eval/reward"] is None and rows[0]["note"] == "text"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_tensorboard(tmp_path):
+    _log_three_steps(tmp_path, ["tensorboard"])
+    assert tensorboard_history(tmp_path) == EXPECTED
+
+
+def test_wandb_offline_under_the_run_dir(tmp_path):
+    _log_three_steps(tmp_path, ["wandb"])
+    history, config = wandb_history(tmp_path)
+    assert history == EXPECTED
+    assert config["es.population"] == ESTrainConfig().es.population
+    assert config["run.trackers"] == ["wandb"] and config["task.operations"] == "+" * 600
+
+
+def test_mlflow_file_store_under_the_run_dir(tmp_path):
+    _log_three_steps(tmp_path, ["mlflow"])
+    history, params = mlflow_history(tmp_path)
+    assert history == EXPECTED
+    assert params["es.population"] == str(ESTrainConfig().es.population)
+    assert params["run.trackers"] == "['mlflow']"
+    assert params["task.operations"] == "+" * 500  # cut to the limit every MLflow server takes
+
+
+def test_mlflow_tracking_uri_from_the_environment(tmp_path, monkeypatch):
+    store = (tmp_path / "elsewhere").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    _log_three_steps(tmp_path / "run", ["mlflow"])
+    assert not (tmp_path / "run" / "mlruns").exists()
+    assert mlflow_history(store)[0] == EXPECTED
+
+
+# -- refusals ----------------------------------------------------------------------------------------------------
+
+
+def test_unknown_tracker_is_refused_naming_the_accepted_ones():
+    with pytest.raises(ConfigError, match=r"run\.trackers='neptune' is not one of tensorboard, wandb, mlflow"):
+        validate_run(RunConfig(trackers=["tensorboard", "neptune"]))
+
+
+@pytest.mark.parametrize("name,module", [("wandb", "wandb"), ("mlflow", "mlflow"), ("tensorboard", "tensorboard")])
+def test_missing_package_is_refused_naming_the_install(monkeypatch, name, module):
+    monkeypatch.setitem(sys.modules, module, None)  # import (and find_spec) now fail as if not installed
+    with pytest.raises(ConfigError, match=f"run.trackers={name} needs the {module} package") as info:
+        validate_run(RunConfig(trackers=[name]))
+    if name != "tensorboard":
+        assert f"pip install -e '.[{name}]'" in str(info.value)
+
+
+def _convert(primary: str, overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    if primary == "es_train":
+        from es_ray.config import register_configs as register, to_train_config as convert
+    elif primary == "grpo_train":
+        from grpo.config import register_configs as register, to_grpo_config as convert
+    elif primary == "es_eval":
+        from es_ray.eval.config import register_configs as register, to_eval_config as convert
+    else:
+        from launch.compare import register_configs as register, to_compare_config as convert
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return convert(compose(config_name=primary, overrides=overrides + ["run.dir=/tmp/tracking-check"]))
+
+
+ENTRY_POINTS = ("es_train", "grpo_train", "es_eval", "es_compare")
+
+
+@pytest.mark.parametrize("primary", ENTRY_POINTS)
+def test_every_entry_point_takes_and_checks_run_trackers(primary, monkeypatch):
+    assert _convert(primary, ["run.trackers=[tensorboard,wandb,mlflow]"]).run.trackers == [
+        "tensorboard", "wandb", "mlflow"]
+    assert _convert(primary, []).run.trackers == ["tensorboard"]
+    with pytest.raises(ConfigError, match="run.trackers='nope'"):
+        _convert(primary, ["run.trackers=[nope]"])
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[wandb\]'"):
+        _convert(primary, ["run.trackers=[wandb]"])
+
+
+# -- es-eval and es-compare summaries ----------------------------------------------------------------------------
+
+
+def test_eval_and_compare_summaries_use_names_every_backend_takes():
+    from es_ray.evaluate import tracker_metrics as eval_metrics
+    from launch.compare import tracker_metrics as compare_metrics
+
+    task = {"pass@k": {"1": 0.25, "4": 0.5}, "maj@k": None, "mean_reward": 0.3, "entropy": {"mean_per_token": 0.7}}
+    out = eval_metrics({"tasks": {"math500": task}, "entropy": {"mean_per_token": 0.7}, "tokens_generated": 9,
+                        "timing_s": {"total": 1.5}})
+    assert out == {"eval/math500/pass_at_1": 0.25, "eval/math500/pass_at_4": 0.5, "eval/math500/mean_reward": 0.3,
+                   "eval/math500/entropy": 0.7, "eval/entropy": 0.7, "eval/tokens": 9, "timing_s/total": 1.5}
+    method = {"average": {"1": 0.25}, "entropy": {"mean_per_token": 0.5}, "drift": {"l2": 0.1},
+              "ledger": {"tokens_generated": 100, "wall_s": 3.0, "peak_gpu_bytes_max": None}}
+    out = compare_metrics({"methods": {"es": method, "base": {**method, "drift": None, "ledger": None}}})
+    assert out == {"compare/es/pass_at_1": 0.25, "compare/es/entropy": 0.5, "compare/es/drift_l2": 0.1,
+                   "compare/es/tokens_generated": 100, "compare/es/wall_s": 3.0,
+                   "compare/base/pass_at_1": 0.25, "compare/base/entropy": 0.5}
+
+
+def test_es_eval_logs_its_summary_once_with_the_config(tiny_model_dir, tmp_path):
+    from es_ray.evaluate import run
+
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    cfg = _convert("es_eval", [f"model.path={tiny_model_dir}", "eval.tasks=[math500,csqa]", "eval.n=2",
+                               "eval.k=[1,2]", "eval.limit=2", "eval.max_new_tokens=4", f"eval.data_dir={fixtures}",
+                               "cluster.num_actors=0", "run.progress=false", "run.trackers=[wandb,mlflow]"])
+    cfg.run.dir = str(tmp_path)
+    results = run(cfg)
+    names = {f"eval/{t}/{m}" for t in ("math500", "csqa") for m in ("pass_at_1", "pass_at_2", "mean_reward")}
+    for history, params in (wandb_history(tmp_path), mlflow_history(tmp_path)):
+        assert names <= set(history) and all(len(steps) == 1 and steps[0][0] == 0 for steps in history.values())
+        for t in ("math500", "csqa"):
+            assert history[f"eval/{t}/pass_at_1"] == [(0, pytest.approx(results["tasks"][t]["pass@k"]["1"]))]
+        assert str(params["eval.limit"]) == "2"
+
+
+# -- a tiny ES run on Ray ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.ray
+def test_tiny_es_run_lands_in_every_tracker(ray_local, tiny_model_dir, tmp_path):
+    from es_ray.driver import run
+    from test_ray_es import tiny_cfg
+
+    run_dir = tmp_path / "es"
+    run(tiny_cfg(tiny_model_dir, run_dir, es__iterations=2, run__trackers=["tensorboard", "wandb", "mlflow"]))
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1]
+    names = {"reward/mean", "reward/std", "es/update_norm", "perf/tokens_per_s", "timing_s/generate"}
+    expected = {k: [(t, pytest.approx(float(rows[t][k]))) for t in (0, 1)] for k in names}
+    wb, config = wandb_history(run_dir)
+    ml, params = mlflow_history(run_dir)
+    tb = tensorboard_history(run_dir)
+    for got in (wb, ml, tb):
+        assert {k: got[k] for k in names} == expected
+    assert set(wb) == set(ml) == set(tb)  # the same names everywhere
+    assert config["es.iterations"] == 2 and params["es.iterations"] == "2"
+    assert config["run.seed"] == 3 and params["model.path"] == str(tiny_model_dir)
