@@ -103,6 +103,10 @@ def run(cfg: EvalJobConfig) -> dict:
     for name in cfg.eval.tasks:  # fail fast on a missing file or an unreachable hub, before any generation
         task, problems = load_eval_task(cfg, name)
         tasks[name], sizes[name] = task, len(problems)
+    if cfg.cluster.num_actors:  # a bad cluster.address fails here, before any output
+        from es_ray.runtime.cluster import connect
+
+        connect(cfg.cluster)
     run_dir = open_run_dir(cfg, "eval")
     chunks = plan_chunks(cfg, sizes)
     bar = None

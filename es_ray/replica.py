@@ -97,18 +97,21 @@ def _row_chunks(*tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
 
 
 def update_sums(delta: torch.Tensor, new_master: torch.Tensor, held: torch.Tensor | None) -> tuple[float, ...]:
-    """(delta . delta, r . delta, r . r) for r = cast(new_master) - held, the cast being to ``held``'s dtype; fp64
-    sums, chunked, summed on the device (one synchronisation per tensor). Without ``held`` only (delta . delta,)."""
+    """(delta . delta, r . delta, r . r) for r = cast(new_master) - held, the cast being to ``held``'s dtype.
+
+    Chunked; each chunk's dot products in fp32 (r is exact there: a difference of two bf16 values, or of two
+    nearby fp32 ones), summed across chunks in fp64 on the device (one synchronisation per tensor). Without
+    ``held`` only (delta . delta,)."""
     if held is not None and held.shape != new_master.shape:
         raise ValueError(f"the engine's tensor has shape {tuple(held.shape)}, the HF tensor {tuple(new_master.shape)}")
     sums = torch.zeros(3 if held is not None else 1, dtype=torch.float64, device=delta.device)
     for d, m, h in _row_chunks(delta, new_master, new_master if held is None else held):
-        d = d.reshape(-1).double()
-        sums[0] += torch.dot(d, d)
-        if held is not None:
-            r = m.to(h.dtype).double().sub_(h.double()).view(-1)
-            sums[1] += torch.dot(r, d)
-            sums[2] += torch.dot(r, r)
+        d = d.reshape(-1)
+        if held is None:
+            sums += torch.dot(d, d)
+            continue
+        r = (m.to(h.dtype).float() - h).view(-1)  # a new tensor: m.to(fp32) is the master itself
+        sums += torch.stack([torch.dot(d, d), torch.dot(r, d), torch.dot(r, r)])
     return tuple(sums.tolist())
 
 
@@ -117,7 +120,8 @@ def mismatches(master: torch.Tensor, held: torch.Tensor) -> int:
     bad = 0
     for m, h in _row_chunks(master, held):
         c = m.to(h.dtype)
-        bad += int(((c != h) & ~(c.isnan() & h.isnan())).sum())
+        if not torch.equal(c, h):
+            bad += int(((c != h) & ~(c.isnan() & h.isnan())).sum())
     return bad
 
 
@@ -226,8 +230,8 @@ class Replica:
         self._check_engine_holds_master()
         if sq_update == 0.0:
             cos = None
-        else:
-            cos = dot / (sq_update**0.5 * sq_real**0.5) if sq_real > 0 else 0.0
+        else:  # clamped: the fp32 dot products can put an exact alignment a few 1e-10 above 1
+            cos = max(-1.0, min(1.0, dot / (sq_update**0.5 * sq_real**0.5))) if sq_real > 0 else 0.0
         return {"update_norm": sq_update**0.5, "realised_cos": cos, "realised_norm": sq_real**0.5}
 
     def _check_engine_holds_master(self) -> None:

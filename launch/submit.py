@@ -260,6 +260,26 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, command
 
 
+def connect_jobs(address: str):
+    """The cluster's job client; an unreachable or malformed --address is one line and exit code 2."""
+    from es_ray.runtime.cluster import check_address
+    from es_ray.runtime.config import ConfigError
+
+    try:
+        check_address(address, key="--address")
+        use_auth_token_if_present()
+        from ray.job_submission import JobSubmissionClient
+
+        return JobSubmissionClient(address)
+    except ConfigError as exc:
+        print(f"es-submit: {exc}", file=sys.stderr)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        print(f"es-submit: --address={address!r} answers but is not a Ray job server ({first}); give the "
+              "dashboard's address, e.g. http://HEAD:8265", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     args, command = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -275,10 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         for s in subs:
             print(f"{s.submission_id}\t{s.run_dir or '-'}\t{s.entrypoint}")
         return
-    use_auth_token_if_present()
-    from ray.job_submission import JobSubmissionClient
-
-    client = JobSubmissionClient(args.address)
+    client = connect_jobs(args.address)
     for s in subs:
         client.submit_job(entrypoint=s.entrypoint, submission_id=s.submission_id, runtime_env=env,
                           metadata={"command": s.entrypoint, **s.metadata})

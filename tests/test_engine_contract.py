@@ -148,8 +148,6 @@ def test_realised_update_is_measured_on_the_engine(engine):
         for stats in (plain, decayed):
             assert 0.9 < stats["realised_cos"] < 1 - 1e-4
             assert stats["realised_norm"] != pytest.approx(stats["update_norm"], rel=1e-3)
-    print(f"{engine.name}-{engine.test_dtype}: realised_cos {plain['realised_cos']:.6f} / decayed "
-          f"{decayed['realised_cos']:.6f}")
 
 
 def _probe(engine) -> tuple[list[int], list[int]]:
@@ -178,7 +176,6 @@ def test_token_logprobs_agree_with_the_transformers_engine(engine, tiny_model_di
         reference.close()
     assert len(got) == len(completion_ids) and all(x <= 0 for x in got)
     diff = max(abs(a - b) for a, b in zip(got, want))
-    print(f"{engine.name}-{engine.test_dtype} T={temperature}: max |engine - transformers| = {diff:.3g}")
     assert diff <= LOGPROB_TOL[engine.test_dtype]
     if temperature != 1.0:  # applied, not ignored: the tiny model's log-probs move by ~0.2 from T=1 to 0.7
         at_one = engine.token_logprobs(prompt_ids, completion_ids, 1.0)
@@ -197,6 +194,25 @@ def test_token_entropies_where_the_engine_can_score_them(engine):
     assert len(h) == len(completion_ids) and all(0 < x < 11 for x in h)
     assert h == pytest.approx(completion_entropies(engine.model, prompt_ids, completion_ids, 0.7).tolist())
     assert h != pytest.approx(engine.token_entropies(prompt_ids, completion_ids, 1.0), rel=1e-3)
+
+
+def test_eval_scores_entropy_with_the_engine_or_a_transformers_copy(engine, tiny_model_dir):
+    """es-eval's entropy: the engine's own where it can score it, else a transformers engine on the checkpoint."""
+    from types import SimpleNamespace
+
+    from es_ray.eval_worker import EvalWorker
+
+    worker = EvalWorker.__new__(EvalWorker)  # the scorer choice only: no second generation engine
+    worker.engine, worker.model_dir, worker._entropy_engine = engine, tiny_model_dir, None
+    worker.cfg = SimpleNamespace(engine=EngineConfig(name=engine.name, dtype="float32", device="cpu"))
+    scorer = worker._scorer()
+    try:
+        assert scorer.can_score_entropy and (scorer is engine) == engine.can_score_entropy
+        prompt_ids, completion_ids = _probe(engine)
+        assert len(scorer.token_entropies(prompt_ids, completion_ids)) == len(completion_ids)
+    finally:
+        if scorer is not engine:
+            scorer.close()
 
 
 @pytest.mark.parametrize("name", ENGINES)

@@ -218,10 +218,6 @@ class VLLMReplicaHost(ReplicaHost):
 def _quiet_thread_warning() -> None:
     """vLLM's CPU worker turns torch.set_num_threads into a no-op that warns on every call, and vLLM itself calls
     it around each request; the threads were set before the engine started, so the warning says nothing."""
-    import logging
+    from es_ray.engines.vllm_extension import drop_log_lines
 
-    class _Drop(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            return "torch.set_num_threads" not in record.getMessage()
-
-    logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_Drop())
+    drop_log_lines("vllm.v1.worker.cpu_worker", "torch.set_num_threads")

@@ -43,7 +43,21 @@ def keep_weights_when_packing() -> None:
     layer_utils.dispatch_cpu_unquantized_gemm = keep
 
 
+def drop_log_lines(logger_name: str, text: str) -> None:
+    """Drop the records of ``logger_name`` whose message contains ``text`` (vLLM lines that say nothing here)."""
+    import logging
+
+    class _Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return text not in record.getMessage()
+
+    logging.getLogger(logger_name).addFilter(_Drop())
+
+
 keep_weights_when_packing()  # imported by vLLM in the worker before the model loads
+# vLLM's weight loader warns on every fp32 tensor written into a bf16 parameter (dozens per perturbation); casting
+# the fp32 master to the engine's dtype is what every write does by design.
+drop_log_lines("vllm.model_executor.models.utils", "into parameter with dtype")
 
 
 def hf_parameter_shapes(model_dir: str) -> dict[str, torch.Size]:
@@ -62,8 +76,10 @@ class ESExtension:
     # -- setup ---------------------------------------------------------------------------------------------
     def es_setup(self, spec: ReplicaSpec) -> None:
         """Build the replica (``Replica.from_checkpoint``: fp32 master from the checkpoint, then written)."""
-        from es_ray.replica import Replica
+        from es_ray.replica import Replica, ReplicaSpec
 
+        if not isinstance(spec, ReplicaSpec):  # vLLM's msgpack (engine core in its own process) sends it as a map
+            spec = ReplicaSpec(**spec)
         names = self._es_hf_shapes()
         self._es_replica = Replica.from_checkpoint(self.model_config.model, names, spec, self._es_write,
                                                    self._es_read, device=self.device)

@@ -5,21 +5,26 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import tempfile
+from contextlib import contextmanager
 from urllib.parse import urlparse
 
 from es_ray.runtime.config import ClusterConfig, ConfigError
 
 LOCAL_ADDRESSES = ("", "auto", "local")
 CONNECT_TIMEOUT_S = 5.0
+DEFAULT_PORTS = {"ray": 10001, "tcp": 6379, "http": 8265, "https": 443}
+"""Ray client server, GCS, and the dashboard's job server (es-submit --address)."""
 
 
 def _host_port(address: str, key: str) -> tuple[str, int]:
     url = urlparse(address if "://" in address else f"tcp://{address}")
     try:
-        port = url.port or (10001 if url.scheme == "ray" else 6379)
+        port = url.port or DEFAULT_PORTS.get(url.scheme)
     except ValueError:  # a port that is not a number or out of range
         port = None
-    if url.scheme not in ("ray", "tcp", "http", "https") or not url.hostname or port is None:
+    if url.scheme not in DEFAULT_PORTS or not url.hostname or port is None:
         raise ConfigError(f"{key}={address!r} is not host:port, ray://host:port or http://host:port; set {key}= "
                           "to the head node's address, or leave it empty to start a local Ray")
     return url.hostname, port
@@ -43,6 +48,27 @@ def check_address(address: str, key: str = "cluster.address", timeout: float = C
                           f"head node's address and port, or leave {key} empty to start a local Ray") from None
 
 
+@contextmanager
+def _stderr_kept_unless_failed():
+    """Capture file descriptor 2 (Python and Ray's C++ core write there); replay it if the block succeeds, drop it if
+    it raises, so a failed connection is the one line the entry point prints."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    ok = False
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+            ok = True
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if ok:
+                tmp.seek(0)
+                os.write(2, tmp.read())
+
+
 def runtime_env() -> dict:
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}}
     if os.environ.get("ES_RAY_CACHE"):
@@ -59,7 +85,8 @@ def connect(cluster: ClusterConfig) -> None:
     if cluster.address not in LOCAL_ADDRESSES:
         check_address(cluster.address)
         try:
-            ray.init(address=cluster.address, runtime_env=runtime_env(), log_to_driver=True)
+            with _stderr_kept_unless_failed():  # Ray's core logs each failed GCS attempt to fd 2
+                ray.init(address=cluster.address, runtime_env=runtime_env(), log_to_driver=True)
         except (ConnectionError, RuntimeError, TimeoutError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             raise ConfigError(f"cluster.address={cluster.address!r} answers but is not a Ray cluster this driver "

@@ -1,0 +1,215 @@
+"""The runtime under every method: the actor group (timeouts, replacement, restore, interrupts), the ledger contract
+filled by ES and GRPO alike, the run directory's same-run check and torn metrics lines, and the cluster address."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from es_ray.runtime.config import ConfigError, FaultPolicy, RunConfig
+from es_ray.runtime.ledger import FIELDS
+from es_ray.runtime.rundir import keep_metrics, open_run_dir
+
+
+class Echo:
+    """A tiny actor: answers, sleeps, or dies on request."""
+
+    def __init__(self, rank: int, generation: int):
+        self.rank, self.generation, self.state = rank, generation, 0
+
+    def ready(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid()}
+
+    def work(self, x: int, hang_on: int = -1, die_on: int = -1) -> tuple:
+        if x == die_on and self.generation == 0:
+            os._exit(1)
+        if x == hang_on and self.generation == 0:
+            time.sleep(3600)
+        return self.rank, x * 10, self.state
+
+    def set_state(self, value: int) -> None:
+        self.state = value
+
+    def peak_memory(self) -> dict:
+        from es_ray.runtime.ledger import process_peak_memory
+
+        return process_peak_memory()
+
+
+class _NoPlacement:
+    def options(self, rank: int) -> dict:
+        return {"num_cpus": 0}
+
+
+def _group(size: int, timeout_s: float = 0.0, **kw):
+    from es_ray.runtime.actors import ActorGroup
+
+    born: list[int] = []
+
+    def make_args(rank: int) -> tuple:
+        born.append(rank)
+        return rank, born.count(rank) - 1  # generation 0 for the first actor of a rank, 1 for its replacement
+
+    group = ActorGroup("echo", Echo, size, make_args, _NoPlacement(), FaultPolicy(actor_timeout_s=timeout_s,
+                                                                                  max_replacements=2), log=lambda m: None,
+                       **kw)
+    group.each("ready", slow=True)
+    return group
+
+
+@pytest.mark.ray
+def test_dead_and_hung_actors_are_replaced_restored_and_asked_again(ray_local):
+    def restore(group, rank):
+        group.call(rank, "set_state", 7)  # the role's hook brings the new actor to the group's state
+        return {"restored": rank}
+
+    group = _group(2, timeout_s=3.0, restore=restore)
+    try:
+        out = group.gather("work", {0: (1,), 1: (2, -1, 2)})  # actor 1 dies during its call
+        assert out == {0: (0, 10, 0), 1: (1, 20, 7)}
+        out = group.gather("work", {0: (3, 3), 1: (4,)})  # actor 0 hangs past faults.actor_timeout_s
+        assert out == {0: (0, 30, 7), 1: (1, 40, 7)}
+        events = group.drain_events()
+        assert [(e["rank"], e["restored"]) for e in events] == [(1, 1), (0, 0)]
+        assert "ActorDiedError" in events[0]["reason"] or "RayActorError" in events[0]["reason"]
+        assert "faults.actor_timeout_s" in events[1]["reason"]
+        assert group.replacements == 2 and not group.drain_events()
+    finally:
+        group.kill()
+
+
+@pytest.mark.ray
+def test_a_role_that_cannot_be_replaced_and_a_spent_budget_stop_with_advice(ray_local):
+    from es_ray.runtime.actors import ActorLostError
+
+    group = _group(1, replaceable=False, lost_advice="resume with run.resume=true")
+    try:
+        with pytest.raises(ActorLostError, match="echo actor 0 was lost.*resume with run.resume=true"):
+            group.call(0, "work", 1, -1, 1)
+    finally:
+        group.kill()
+    group = _group(1)
+    group.policy = FaultPolicy(max_replacements=0)
+    try:
+        with pytest.raises(ActorLostError, match="faults.max_replacements=0"):
+            group.call(0, "work", 1, -1, 1)
+    finally:
+        group.kill()
+
+
+@pytest.mark.ray
+def test_map_unordered_spreads_the_work_and_an_interrupt_is_polled_while_waiting(ray_local):
+    from es_ray.runtime.signals import Interrupted
+
+    group = _group(2)
+    try:
+        out = dict(group.map_unordered("work", [(i,) for i in range(6)]))
+        assert sorted(v[1] for v in out.values()) == [0, 10, 20, 30, 40, 50]
+        assert {v[0] for v in out.values()} == {0, 1}  # both actors took work
+
+        def interrupted():
+            raise Interrupted(15)
+
+        group.check_interrupt = interrupted
+        with pytest.raises(Interrupted):
+            group.call(0, "work", 1)
+    finally:
+        group.kill()
+
+
+def test_resume_refuses_changed_settings_naming_them_and_keeps_config_json(tmp_path):
+    from grpo.config import RESUME_FREE, to_grpo_config
+
+    def cfg(**grpo):
+        return to_grpo_config({"grpo": {"steps": 4, **grpo}, "run": {"dir": str(tmp_path), "resume": True}})
+
+    open_run_dir(cfg(), "grpo", RESUME_FREE)
+    before = (tmp_path / "config.json").read_text()
+    open_run_dir(cfg(steps=8), "grpo", RESUME_FREE)  # more steps: a resumed run may extend itself
+    with pytest.raises(ConfigError, match=r"grpo\.lr=0\.001 \(the run used 1e-05\)"):
+        open_run_dir(cfg(lr=1e-3), "grpo", RESUME_FREE)
+    assert json.loads((tmp_path / "config.json").read_text())["grpo"]["steps"] == 8
+    assert json.loads(before)["method"] == "grpo"
+    from es_ray.config import to_train_config
+
+    es = to_train_config({"run": {"dir": str(tmp_path), "resume": True}})
+    with pytest.raises(ConfigError, match=r"method='es' \(the run used 'grpo'\)"):
+        open_run_dir(es, "es")
+
+
+def test_keep_metrics_cuts_a_torn_line_and_the_steps_to_redo(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(4)) + '{"step": 4, "x"')
+    kept = keep_metrics(path, 3, "step")
+    assert [r["step"] for r in kept] == [0, 1, 2]
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2]
+
+
+def _check_ledger(led: dict, method: str, cpus_per_actor: float, actors: set[str]) -> None:
+    assert set(FIELDS) <= set(led), set(FIELDS) - set(led)
+    assert led["method"] == method and led["finished"] is True and led["start_step"] == 0 and led["steps"] == 2
+    assert 0 < led["startup_s"] < led["wall_s"]
+    assert sum(led["phase_seconds"].values()) > 0 and led["tokens_generated"] > 0
+    assert set(led["actors"]) == actors
+    for a in led["actors"].values():
+        assert a["peak_rss_bytes"] > 50 << 20 and a["peak_gpu_bytes"] is None and a["devices"] == cpus_per_actor
+        assert led["wall_s"] - led["startup_s"] <= a["seconds_held"] <= led["wall_s"]  # created during start-up
+    held = sum(a["seconds_held"] for a in led["actors"].values())
+    assert led["device_kind"] == "cpu" and led["device_seconds"] == pytest.approx(cpus_per_actor * held)
+    assert led["peak_rss_bytes_max"] == max(a["peak_rss_bytes"] for a in led["actors"].values())
+    assert led["replacements"] == 0
+
+
+@pytest.mark.ray
+def test_es_and_grpo_fill_the_same_ledger(ray_local, tiny_model_dir, tmp_path):
+    from es_ray.driver import run as es_run
+    from grpo.driver import run as grpo_run
+    from test_grpo_ray import tiny_cfg as grpo_cfg
+    from test_ray_es import tiny_cfg as es_cfg
+
+    es_run(es_cfg(tiny_model_dir, tmp_path / "es", es__iterations=2, cluster__num_actors=2))
+    grpo_run(grpo_cfg(tiny_model_dir, tmp_path / "grpo", steps=2))
+    es = json.loads((tmp_path / "es" / "ledger.json").read_text())
+    grpo = json.loads((tmp_path / "grpo" / "ledger.json").read_text())
+    _check_ledger(es, "es", 1.0, {"es_0", "es_1"})
+    _check_ledger(grpo, "grpo", 1.0, {"learner_0", "rollout_0"})
+    assert es["tokens_backpropagated"] == 0 and grpo["tokens_backpropagated"] > grpo["tokens_generated"]
+    assert {"evaluate", "update"} <= set(es["phase_seconds"]) and {"generate", "train", "sync"} <= set(
+        grpo["phase_seconds"])
+
+
+@pytest.mark.parametrize("address", ["10.255.255.1:6379", "10.0.0.1:notaport"])
+def test_every_entry_point_answers_a_bad_cluster_address_in_one_line(tmp_path, address):
+    """Unreachable (a non-routable address) or malformed: exit 2 within 30 s, one line naming the setting."""
+    runs = {
+        "es-train": [f"cluster.address={address}", f"run.dir={tmp_path}/es"],
+        "grpo-train": [f"cluster.address={address}", f"run.dir={tmp_path}/grpo"],
+        "es-eval": [f"cluster.address={address}", "cluster.num_actors=1", "eval.tasks=[countdown]", "eval.n=1",
+                    "eval.k=[1]", "eval.temperature=0", f"run.dir={tmp_path}/eval"],
+        "es-compare": [f"cluster.address={address}", "methods=[base]", f"run.dir={tmp_path}/cmp"],
+    }
+    bindir = os.path.dirname(sys.executable)
+    for prog, args in runs.items():
+        t0 = time.monotonic()
+        res = subprocess.run([os.path.join(bindir, prog), *args], capture_output=True, text=True, timeout=120)
+        lines = [line for line in res.stderr.splitlines() if line.strip()]
+        assert res.returncode == 2, (prog, res.stderr[-2000:])
+        assert time.monotonic() - t0 < 30 + 15, prog  # 15 s of interpreter and model resolution start-up here
+        assert len(lines) == 1 and lines[0].startswith(f"{prog}: ConfigError: cluster.address="), (prog, lines)
+        assert "Traceback" not in res.stderr
+    res = subprocess.run([os.path.join(bindir, "es-submit"), "--address", "http://10.255.255.1:8265", "--no-check",
+                          "--", "python", "-c", "pass"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and res.stderr.strip().startswith("es-submit: --address='http://10.255.255.1:8265'")
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_run_config_refuses_relative_paths():
+    from es_ray.runtime.config import validate_run
+
+    with pytest.raises(ConfigError, match="run.dir='rel' must be an absolute path"):
+        validate_run(RunConfig(dir="rel"))
