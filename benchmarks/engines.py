@@ -49,7 +49,7 @@ def measure(engine_name: str, dtype: str, batches: list[int], repeats: int, iter
     torch.set_num_threads(threads)
     from es_ray.config import ESConfig
     from es_ray.config import ESTrainConfig, validate
-    from es_ray.runtime.config import ClusterConfig, EngineConfig, RunConfig, SamplingConfig, TaskConfig
+    from es_ray.core.config import ClusterConfig, EngineConfig, RunConfig, SamplingConfig, TaskConfig
     from es_ray.engines.base import make_engine
     from es_ray.models import resolve_model
     from es_ray.protocol import EvalRequest, UpdateRequest

@@ -9,7 +9,7 @@ import json
 from contextlib import ExitStack
 from pathlib import Path
 
-from es_ray.eval.config import DriftJobConfig
+from es_ray.eval_config import DriftJobConfig
 
 
 def _tensor_index(model_dir: Path) -> dict[str, Path]:
@@ -76,7 +76,7 @@ def drift_summary(report: dict) -> str:
 
 
 def _main(dict_cfg) -> None:
-    from es_ray.eval.config import to_drift_config
+    from es_ray.eval_config import to_drift_config
     from es_ray.runtime.entry import run_or_exit
 
     report = run_or_exit("es-drift", lambda: run_drift(to_drift_config(dict_cfg)))
@@ -85,7 +85,7 @@ def _main(dict_cfg) -> None:
 
 
 def main() -> None:
-    from es_ray.eval.config import register_configs
+    from es_ray.eval_config import register_configs
     from es_ray.runtime.entry import hydra_main
 
     hydra_main("es_drift", _main, "es-drift", register_configs)

@@ -1,7 +1,7 @@
 """ES configuration: the `es` and `faults` sections and es-train's schema (``ESTrainConfig``).
 
 The shared sections (model, task, sampling, engine, cluster, eval, run) are the runtime's
-(``es_ray.runtime.config``); option lists come from their registries (shapings and optimizers in
+(``es_ray.core.config``); option lists come from their registries (shapings and optimizers in
 ``es_ray.strategy``, noise kinds in ``es_ray.noise``, engines in ``es_ray.engines``).
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from es_ray.runtime.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, HeldOutConfig, ModelConfig,
-                                   RunConfig, SamplingConfig, TaskConfig, check_choice, check_positive, to_config,
-                                   validate_trainer)
+from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, HeldOutConfig, ModelConfig,
+                                RunConfig, SamplingConfig, TaskConfig, check_choice, check_positive, to_config)
+from es_ray.runtime.validation import validate_trainer
 
 ESTIMATORS = ("one_point", "antithetic")
 ON_MISMATCH = ("stop", "rebuild")

@@ -130,15 +130,7 @@ def run(cfg: ESTrainConfig) -> dict:
     with InterruptGuard() as guard:
         try:
             placement = place(cfg.cluster, "es")
-            group, infos = start_workers(cfg, keeper, tracker.message, placement)
-            group.check_interrupt = guard.check
-            pool = infos[0]["train_size"]
-            tracker.message(f"es: {len(group)} actor(s), training pool {pool}, held-out {infos[0]['eval_size']}, "
-                            f"run dir {run_dir}")
-            if point.note:
-                tracker.message(point.note)
-            if point.checkpoint or point.records:
-                keeper.rebuild_all()
+            pool = _start(cfg, keeper, point, placement, tracker, guard)
             ledger.started()
             for t in range(point.start, cfg.es.iterations):
                 row = iteration(cfg, keeper, t, pool, seed_log, guard)
@@ -168,6 +160,20 @@ def run(cfg: ESTrainConfig) -> dict:
             tracker.close()
             if placement is not None:
                 placement.release()
+
+
+def _start(cfg: ESTrainConfig, keeper, point, placement, tracker, guard) -> int:
+    """Start the actors (models loaded), rebuild them to the resume point; returns the training pool's size."""
+    group, infos = start_workers(cfg, keeper, tracker.message, placement)
+    group.check_interrupt = guard.check
+    pool = infos[0]["train_size"]
+    tracker.message(f"es: {len(group)} actor(s), training pool {pool}, held-out {infos[0]['eval_size']}, "
+                    f"run dir {keeper.run_dir}")
+    if point.note:
+        tracker.message(point.note)
+    if point.checkpoint or point.records:
+        keeper.rebuild_all()
+    return pool
 
 
 def held_out(cfg: ESTrainConfig, group, t: int, row: dict) -> int:

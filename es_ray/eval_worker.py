@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from es_ray.eval.config import EvalJobConfig
-from es_ray.runtime.config import TaskConfig
+from es_ray.eval_config import EvalJobConfig
+from es_ray.core.config import TaskConfig
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 SCORING_ENGINE = "hf"
@@ -131,7 +131,7 @@ class EvalWorker:
         return self._entropy_engine
 
     def run_chunk(self, chunk: Chunk) -> dict:
-        from es_ray.runtime.config import SamplingConfig
+        from es_ray.core.config import SamplingConfig
         from es_ray.eval.entropy import HIST_EDGES, histogram
 
         ev = self.cfg.eval

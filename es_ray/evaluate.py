@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from es_ray.eval.config import EvalJobConfig
+from es_ray.eval_config import EvalJobConfig
 from es_ray.eval_worker import Chunk, EvalWorker, load_eval_task, plan_chunks, task_config
 
 
@@ -91,11 +91,10 @@ def summarize_task(task, n: int, ks: list[int], samples: list[dict], hist: np.nd
 
 
 def run(cfg: EvalJobConfig) -> dict:
-    from es_ray.runtime.rundir import open_run_dir
     from es_ray.eval.entropy import HIST_EDGES, summarize_stats
-    from es_ray.eval.report import results_markdown
     from es_ray.grading.sandbox import isolation
     from es_ray.models import resolve_model
+    from es_ray.runtime.rundir import open_run_dir
 
     t_start = time.perf_counter()
     model_dir = resolve_model(cfg.model.path)  # converts the embedded model once, before any actor starts
@@ -108,17 +107,7 @@ def run(cfg: EvalJobConfig) -> dict:
 
         connect(cfg.cluster)
     run_dir = open_run_dir(cfg, "eval")
-    chunks = plan_chunks(cfg, sizes)
-    bar = None
-    if cfg.run.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(chunks), desc="es-eval", dynamic_ncols=True, file=sys.stderr)
-    try:
-        outputs = _run_chunks(cfg, chunks, (lambda: bar.update(1)) if bar else (lambda: None))
-    finally:
-        if bar is not None:
-            bar.close()
+    outputs = _run_with_progress(cfg, plan_chunks(cfg, sizes))
     samples: dict[str, list[dict]] = {name: [] for name in cfg.eval.tasks}
     hists = {name: np.zeros(len(HIST_EDGES) - 1, dtype=np.int64) for name in cfg.eval.tasks}
     seconds = Counter()
@@ -145,6 +134,29 @@ def run(cfg: EvalJobConfig) -> dict:
         "sandbox": isolation() if "mbpp" in cfg.eval.tasks else None,
         "config": dataclasses.asdict(cfg),
     }
+    write_results(cfg, run_dir, results, samples)
+    results["run_dir"] = str(run_dir)
+    return results
+
+
+def _run_with_progress(cfg: EvalJobConfig, chunks: list[Chunk]) -> list[dict]:
+    bar = None
+    if cfg.run.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(chunks), desc="es-eval", dynamic_ncols=True, file=sys.stderr)
+    try:
+        return _run_chunks(cfg, chunks, (lambda: bar.update(1)) if bar else (lambda: None))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def write_results(cfg: EvalJobConfig, run_dir: Path, results: dict, samples: dict[str, list[dict]]) -> None:
+    """results.json, results.md, samples.jsonl (eval.save_samples) and the trackers' summary."""
+    from es_ray.eval.report import results_markdown
+    from es_ray.runtime.tracking import log_summary
+
     (run_dir / "results.json").write_text(json.dumps(results, indent=2))
     (run_dir / "results.md").write_text(results_markdown(results))
     if cfg.eval.save_samples:
@@ -152,16 +164,7 @@ def run(cfg: EvalJobConfig) -> dict:
             for name in cfg.eval.tasks:
                 for s in sorted(samples[name], key=lambda s: (s["problem"], s["sample"])):
                     f.write(json.dumps({"task": name, **s}) + "\n")
-    if cfg.run.trackers:
-        from es_ray.runtime.tracking import Tracker
-
-        tracker = Tracker(run_dir, 1, cfg, cfg.run.trackers, progress=False, desc="es-eval")
-        try:
-            tracker.log(0, tracker_metrics(results), step_key="step")
-        finally:
-            tracker.close()
-    results["run_dir"] = str(run_dir)
-    return results
+    log_summary(run_dir, cfg, tracker_metrics(results), "es-eval")
 
 
 def tracker_metrics(results: dict) -> dict[str, float]:
@@ -177,7 +180,7 @@ def tracker_metrics(results: dict) -> dict[str, float]:
 
 
 def _main(dict_cfg) -> None:
-    from es_ray.eval.config import to_eval_config
+    from es_ray.eval_config import to_eval_config
     from es_ray.runtime.entry import run_or_exit
 
     results = run_or_exit("es-eval", lambda: run(to_eval_config(dict_cfg)))
@@ -186,7 +189,7 @@ def _main(dict_cfg) -> None:
 
 
 def main() -> None:
-    from es_ray.eval.config import register_configs
+    from es_ray.eval_config import register_configs
     from es_ray.runtime.entry import hydra_main
 
     hydra_main("es_eval", _main, "es-eval", register_configs)

@@ -23,7 +23,7 @@ import struct
 
 import torch
 
-from es_ray.runtime.registry import Registry
+from es_ray.core.registry import Registry
 
 NOISE_KINDS = Registry("es.noise", {"per_tensor": "a generator per tensor", "table": "slices of one seeded table"})
 """The noise sources (es.noise also accepts auto: table on CPU, per_tensor on GPU)."""

@@ -22,7 +22,7 @@ from typing import Any
 from es_ray.checkpoint import SeedLog, list_checkpoints, replay_record
 from es_ray.config import ESTrainConfig
 from es_ray.runtime.actors import payload_bytes
-from es_ray.runtime.config import ConfigError
+from es_ray.core.config import ConfigError
 from es_ray.runtime.rundir import keep_metrics
 
 # Settings that may change between a run and its resume besides the runtime's (es_ray.runtime.rundir.RESUME_FREE):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from es_ray.runtime.registry import Registry
+from es_ray.core.registry import Registry
 
 SHAPERS = Registry("es.shaping")
 """Fitness shaping functions rewards_n -> fitness_n, by es.shaping name."""

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from es_ray.runtime.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, HeldOutConfig, ModelConfig,
-                                   RunConfig, SamplingConfig, TaskConfig, check_choice, check_positive, to_config,
-                                   validate_trainer)
+from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, HeldOutConfig, ModelConfig,
+                                RunConfig, SamplingConfig, TaskConfig, check_choice, check_positive, to_config)
+from es_ray.runtime.validation import validate_trainer
 
 LEARNER_DTYPES = ("float32", "bfloat16")
 # Settings a resumed GRPO run may change besides the runtime's (es_ray.runtime.rundir.RESUME_FREE).

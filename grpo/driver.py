@@ -36,8 +36,13 @@ def sync_tolerance(cfg: GRPOTrainConfig) -> float:
     alone moves single-token log-probs by up to ~0.1, so the bar is 0.25."""
     if cfg.grpo.sync_tolerance:
         return cfg.grpo.sync_tolerance
-    engine_fp32 = cfg.engine.dtype == "float32" or (cfg.engine.dtype == "auto" and cfg.cluster.gpus_per_actor == 0)
-    return 2e-3 if engine_fp32 and cfg.grpo.dtype == "float32" else 0.25
+    import torch
+
+    from es_ray.core.dtypes import resolve_dtype
+
+    device = "cuda" if cfg.cluster.gpus_per_actor else "cpu"
+    both_fp32 = resolve_dtype(cfg.engine.dtype, device) == torch.float32 and cfg.grpo.dtype == "float32"
+    return 2e-3 if both_fp32 else 0.25
 
 
 def check_sync(learner_lp: list[float], engine_lps: list[list[float]], tol: float, step: int) -> float:
@@ -159,16 +164,7 @@ def run(cfg: GRPOTrainConfig) -> dict:
     with InterruptGuard() as guard:
         try:
             crew = Crew(cfg, tracker, run_dir, guard.check)
-            if ckpt is not None:
-                crew.learner.call(0, "load", str(ckpt), slow=True)
-                tracker.message(f"grpo: resumed from {ckpt} at step {start}")
-            pool = crew.infos[0]["train_size"]
-            tracker.message(f"grpo: learner + {len(crew.rollouts)} rollout actor(s), "
-                            f"{crew.learner_info['trainable']} trainable parameters, training pool {pool}, "
-                            f"run dir {run_dir}")
-            first = crew.sync(start - 1)
-            tracker.message(f"grpo: initial weight sync verified (max |dlogp| {first['sync/max_logprob_diff']:.2e}, "
-                            f"tolerance {crew.tol:g})")
+            pool = _start(crew, ckpt, start, tracker, run_dir)
             ledger.started()
             history = []
             for t in range(start, g.steps):
@@ -198,6 +194,21 @@ def run(cfg: GRPOTrainConfig) -> dict:
                 crew.kill()
             ledger.write(run_dir, finished)
             tracker.close()
+
+
+def _start(crew: Crew, ckpt: Path | None, start: int, tracker, run_dir: Path) -> int:
+    """The learner loads the checkpoint to resume from, the rollouts get its weights (verified); returns the
+    training pool's size."""
+    if ckpt is not None:
+        crew.learner.call(0, "load", str(ckpt), slow=True)
+        tracker.message(f"grpo: resumed from {ckpt} at step {start}")
+    pool = crew.infos[0]["train_size"]
+    tracker.message(f"grpo: learner + {len(crew.rollouts)} rollout actor(s), {crew.learner_info['trainable']} "
+                    f"trainable parameters, training pool {pool}, run dir {run_dir}")
+    first = crew.sync(start - 1)
+    tracker.message(f"grpo: initial weight sync verified (max |dlogp| {first['sync/max_logprob_diff']:.2e}, "
+                    f"tolerance {crew.tol:g})")
+    return pool
 
 
 def held_out(cfg: GRPOTrainConfig, crew: Crew, t: int, row: dict) -> int:

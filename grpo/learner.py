@@ -29,7 +29,7 @@ class GRPOLearner:
 
         from es_ray.engines.base import resolve_device
         from es_ray.models import resolve_model
-        from es_ray.runtime.dtypes import resolve_dtype
+        from es_ray.core.dtypes import resolve_dtype
 
         hf_logging.set_verbosity_error()
         g = cfg.grpo

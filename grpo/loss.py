@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from es_ray.runtime.registry import Registry
+from es_ray.core.registry import Registry
 
 LOSS_AGGREGATIONS = Registry("grpo.loss_type")
 """How the per-token loss becomes a scalar (grpo, dr_grpo, dapo); each entry is fn(summed_b, mask, N, max_tokens,

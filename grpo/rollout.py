@@ -63,7 +63,7 @@ class RolloutWorker:
 
     def evaluate(self, split: str, seed: int) -> dict:
         """Greedy mean reward of the current weights on a whole split (the held-out curve, as ES logs it)."""
-        from es_ray.runtime.config import SamplingConfig
+        from es_ray.core.config import SamplingConfig
 
         problems = self.task.eval if split == "eval" else self.task.train
         greedy = SamplingConfig(max_new_tokens=self.cfg.sampling.max_new_tokens, temperature=0.0)

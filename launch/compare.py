@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from es_ray.config import ESConfig
-from es_ray.eval.config import BenchmarkConfig
-from es_ray.runtime.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, ModelConfig, RunConfig,
-                                   SamplingConfig, TaskConfig, check_positive)
+from es_ray.eval_config import BenchmarkConfig
+from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, ModelConfig, RunConfig,
+                                SamplingConfig, TaskConfig, check_positive)
 from grpo.config import GRPOConfig, GRPOSamplingConfig
 
 METHODS = ("base", "es", "grpo", "es_grpo", "grpo_es")
@@ -125,7 +125,7 @@ def _faults(cfg: CompareConfig, cls: type):
 
 def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int):
     from es_ray.config import ESFaultsConfig, ESTrainConfig, validate
-    from es_ray.runtime.config import HeldOutConfig
+    from es_ray.core.config import HeldOutConfig
 
     iterations = budget_units(epochs, pool, cfg.es.prompts_per_iteration)
     return validate(ESTrainConfig(task=cfg.task, es=dataclasses.replace(cfg.es, iterations=iterations),
@@ -134,7 +134,7 @@ def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float
 
 
 def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int):
-    from es_ray.runtime.config import HeldOutConfig
+    from es_ray.core.config import HeldOutConfig
     from grpo.config import GRPOClusterConfig, GRPOTrainConfig, validate_grpo
 
     steps = budget_units(epochs, pool, cfg.grpo.prompts_per_step)
@@ -157,7 +157,7 @@ def _run_grpo(train_cfg) -> dict:
 
 
 def _eval_config(cfg: CompareConfig, model_path: str, run_dir: Path):
-    from es_ray.eval.config import EvalJobConfig, validate_eval
+    from es_ray.eval_config import EvalJobConfig, validate_eval
 
     return validate_eval(EvalJobConfig(model=dataclasses.replace(cfg.model, path=model_path), eval=cfg.eval,
                                        engine=cfg.engine, cluster=cfg.cluster, faults=cfg.faults,
@@ -171,7 +171,7 @@ def _run_eval(eval_cfg) -> dict:
 
 
 def _drift_config(cfg: CompareConfig, tuned: str, run_dir: Path):
-    from es_ray.eval.config import DriftJobConfig, validate_drift
+    from es_ray.eval_config import DriftJobConfig, validate_drift
 
     return validate_drift(DriftJobConfig(base=cfg.model.path, tuned=tuned, thresholds=list(cfg.drift_thresholds),
                                          run=dataclasses.replace(cfg.run, dir=str(run_dir))))
@@ -288,6 +288,7 @@ def _stage_result(stage: Stage, out: dict) -> dict:
 
 def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
     from es_ray.runtime.cluster import connect
+    from es_ray.runtime.tracking import log_summary
     from launch.compare_report import write_report
     from es_ray.models import resolve_model
 
@@ -306,14 +307,7 @@ def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
         for stage in plan[method]:
             records[stage.name] = run_stage(stage, root, log)
     report = write_report(root, cfg, plan, pool)
-    if cfg.run.trackers:
-        from es_ray.runtime.tracking import Tracker
-
-        tracker = Tracker(root, 1, cfg, cfg.run.trackers, progress=False, desc="es-compare")
-        try:
-            tracker.log(0, tracker_metrics(report), step_key="step")
-        finally:
-            tracker.close()
+    log_summary(root, cfg, tracker_metrics(report), "es-compare")
     log(f"es-compare: report in {root / 'report.md'}")
     return report
 
@@ -344,7 +338,7 @@ def register_configs() -> None:
 
 
 def to_compare_config(dict_cfg: Any) -> CompareConfig:
-    from es_ray.runtime.config import to_config
+    from es_ray.core.config import to_config
 
     return validate_compare(to_config(dict_cfg, CompareConfig))
 

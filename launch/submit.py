@@ -167,7 +167,7 @@ def plan(command: list[str], sweep: list[str], run_root: str, name: str = "") ->
 def _validators() -> dict:
     """Entry points whose composed config es_ray can also validate (value checks beyond the schema's types)."""
     from es_ray.config import to_train_config
-    from es_ray.eval.config import to_drift_config, to_eval_config
+    from es_ray.eval_config import to_drift_config, to_eval_config
     from grpo.config import to_grpo_config
     from launch.compare import to_compare_config
 
@@ -187,7 +187,7 @@ def check_overrides(command: list[str]) -> dict | None:
     composed = yaml.safe_load(res.stdout) or {}
     check = _validators().get(command[0])
     if check is not None:
-        from es_ray.runtime.config import ConfigError
+        from es_ray.core.config import ConfigError
 
         try:
             check(composed)
@@ -263,7 +263,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def connect_jobs(address: str):
     """The cluster's job client; an unreachable or malformed --address is one line and exit code 2."""
     from es_ray.runtime.cluster import check_address
-    from es_ray.runtime.config import ConfigError
+    from es_ray.core.config import ConfigError
 
     try:
         check_address(address, key="--address")

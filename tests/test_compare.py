@@ -12,8 +12,8 @@ import pytest
 from launch.compare import (METHODS, BudgetConfig, CompareConfig, budget_units, run, stage_plan,
                             validate_compare)
 from es_ray.config import ESConfig
-from es_ray.eval.config import BenchmarkConfig
-from es_ray.runtime.config import (ClusterConfig, ConfigError, EngineConfig, ModelConfig, RunConfig, SamplingConfig, TaskConfig)
+from es_ray.eval_config import BenchmarkConfig
+from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, ModelConfig, RunConfig, SamplingConfig, TaskConfig)
 
 
 def _cfg(model_dir: Path, run_dir: Path, **over) -> CompareConfig:

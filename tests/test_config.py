@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from es_ray.config import ESConfig, ESTrainConfig, register_configs, to_train_config, validate
 
-from es_ray.runtime.config import ConfigError, RunConfig, TaskConfig
+from es_ray.core.config import ConfigError, RunConfig, TaskConfig
 from es_ray.runtime.entry import run_or_exit
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"

@@ -22,8 +22,8 @@ from test_replica import replica_spec
 
 from es_ray.engines.base import make_engine
 from es_ray.noise import NoiseSource
-from es_ray.runtime.config import ConfigError, EngineConfig, SamplingConfig
-from es_ray.runtime.dtypes import resolve_dtype
+from es_ray.core.config import ConfigError, EngineConfig, SamplingConfig
+from es_ray.core.dtypes import resolve_dtype
 from es_ray.strategy import ask, zscore
 
 PROMPTS = ["Hello, how are you?", "What is 2 + 2?", "Name a colour.", "Count to three."]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 
-from es_ray.eval.config import DriftJobConfig, EvalJobConfig, register_configs, validate_drift, validate_eval
+from es_ray.eval_config import DriftJobConfig, EvalJobConfig, register_configs, validate_drift, validate_eval
 
-from es_ray.runtime.config import ConfigError, to_config
+from es_ray.core.config import ConfigError, to_config
 from es_ray.tasks import EVAL_TASKS
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

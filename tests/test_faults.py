@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from es_ray.config import validate
 
-from es_ray.runtime.config import ConfigError
+from es_ray.core.config import ConfigError
 from es_ray.driver import run
 from test_ray_es import tiny_cfg
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from es_ray.runtime.config import ConfigError
+from es_ray.core.config import ConfigError
 from grpo.config import to_grpo_config
 
 

@@ -140,7 +140,7 @@ def test_dead_learner_stops_the_run_with_resume_advice(ray_local, peaked_model_d
 def test_learner_and_rollouts_that_do_not_fit_fail_early_with_the_numbers(ray_local, tiny_model_dir, tmp_path):
     """The learner plus the rollout actors go in one placement group; asking for more GPUs than the cluster has
     stops before any actor starts, saying how many it needs (learner included) and how many there are."""
-    from es_ray.runtime.config import ConfigError
+    from es_ray.core.config import ConfigError
     from grpo.driver import run
 
     cfg = tiny_cfg(tiny_model_dir, tmp_path)

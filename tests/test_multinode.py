@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from es_ray.runtime.config import ClusterConfig
+from es_ray.core.config import ClusterConfig
 from test_ray_es import tiny_cfg
 
 pytestmark = pytest.mark.ray

@@ -10,7 +10,7 @@ import pytest
 
 from es_ray.config import ESTrainConfig, validate
 
-from es_ray.runtime.config import ClusterConfig, ConfigError, RunConfig
+from es_ray.core.config import ClusterConfig, ConfigError, RunConfig
 from es_ray.runtime.placement import fit_problem, needs
 
 GPU_NODE = {"CPU": 16.0, "GPU": 1.0}

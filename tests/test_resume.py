@@ -14,7 +14,7 @@ import pytest
 
 from es_ray.checkpoint import SeedLog
 from es_ray.config import ESTrainConfig
-from es_ray.runtime.config import ConfigError
+from es_ray.core.config import ConfigError
 from es_ray.driver import run
 from es_ray.recovery import RESUME_FREE, ReplicaMismatchError
 from es_ray.runtime.rundir import check_same_run

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from es_ray.runtime.config import ConfigError, FaultPolicy, RunConfig
+from es_ray.core.config import ConfigError, FaultPolicy, RunConfig
 from es_ray.runtime.ledger import FIELDS
 from es_ray.runtime.rundir import keep_metrics, open_run_dir
 
@@ -209,7 +209,7 @@ def test_every_entry_point_answers_a_bad_cluster_address_in_one_line(tmp_path, a
 
 
 def test_run_config_refuses_relative_paths():
-    from es_ray.runtime.config import validate_run
+    from es_ray.runtime.validation import validate_run
 
     with pytest.raises(ConfigError, match="run.dir='rel' must be an absolute path"):
         validate_run(RunConfig(dir="rel"))

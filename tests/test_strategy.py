@@ -19,7 +19,7 @@ from test_replica import Engine, replica_spec
 
 from es_ray.noise import NoiseSource
 from es_ray.replica import Replica
-from es_ray.runtime.config import ConfigError
+from es_ray.core.config import ConfigError
 from es_ray.strategy import (Member, Optimizer, ask, centered_rank, noise_coefficients, shape_fitness,
                              zscore)
 

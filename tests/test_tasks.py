@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from es_ray.runtime.config import TaskConfig
+from es_ray.core.config import TaskConfig
 from es_ray.tasks import load_task
 from es_ray.tasks.arithmetic import ArithmeticTask
 from es_ray.tasks.base import Problem, TaskLoadError
@@ -92,7 +92,7 @@ def test_arithmetic_terminates_when_fewer_distinct_problems_exist_than_requested
     """1-digit '+' has only 100 distinct problems; asking for 128 must stop with a TaskLoadError naming the keys
     to change, never spin."""
     code = textwrap.dedent("""
-        from es_ray.runtime.config import TaskConfig
+        from es_ray.core.config import TaskConfig
         from es_ray.tasks.arithmetic import ArithmeticTask
         from es_ray.tasks.base import TaskLoadError
         try:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from es_ray.runtime.config import TaskConfig
+from es_ray.core.config import TaskConfig
 from es_ray.tasks import EVAL_TASKS, TASKS, load_task
 from es_ray.tasks.base import TaskLoadError
 

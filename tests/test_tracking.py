@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from es_ray.config import ESTrainConfig
-from es_ray.runtime.config import ConfigError, RunConfig, validate_run
+from es_ray.core.config import ConfigError, RunConfig
+from es_ray.runtime.validation import validate_run
 from es_ray.runtime.tracking import TRACKERS, Tracker
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -184,7 +185,7 @@ def _convert(primary: str, overrides: list[str]):
     elif primary == "grpo_train":
         from grpo.config import register_configs as register, to_grpo_config as convert
     elif primary == "es_eval":
-        from es_ray.eval.config import register_configs as register, to_eval_config as convert
+        from es_ray.eval_config import register_configs as register, to_eval_config as convert
     else:
         from launch.compare import register_configs as register, to_compare_config as convert
     register()

@@ -3,6 +3,8 @@
 ``ENGINES`` is the list of valid ``engine.name`` values and the dispatch; entries are import paths, so listing
 the names imports neither transformers nor vLLM."""
 
-from es_ray.runtime.registry import Registry
+from es_ray.core.registry import Registry
 
 ENGINES = Registry("engine.name", {"hf": "es_ray.engines.hf:HFEngine", "vllm": "es_ray.engines.vllm:VLLMEngine"})
+TENSOR_PARALLEL = ("vllm",)
+"""Engines that can split one model over several GPUs (engine.tensor_parallel_size > 1)."""

@@ -21,7 +21,7 @@ from typing import Any, Iterable
 import torch
 
 from es_ray.replica import Reader, Replica, ReplicaSpec, Writer
-from es_ray.runtime.config import EngineConfig, SamplingConfig
+from es_ray.core.config import EngineConfig, SamplingConfig
 from es_ray.strategy import Member
 
 

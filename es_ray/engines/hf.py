@@ -9,8 +9,8 @@ import torch
 
 from es_ray.engines.base import (Completion, Engine, InProcessReplicaHost, ReplicaHost, check_temperature,
                                  resolve_device)
-from es_ray.runtime.config import EngineConfig, SamplingConfig
-from es_ray.runtime.dtypes import resolve_dtype
+from es_ray.core.config import EngineConfig, SamplingConfig
+from es_ray.core.dtypes import resolve_dtype
 
 
 class HFEngine(Engine):

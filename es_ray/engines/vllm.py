@@ -20,8 +20,8 @@ import torch
 
 from es_ray.engines.base import Completion, Engine, ReplicaHost, check_temperature
 from es_ray.replica import ReplicaSpec
-from es_ray.runtime.config import EngineConfig, SamplingConfig
-from es_ray.runtime.dtypes import dtype_name, resolve_dtype
+from es_ray.core.config import EngineConfig, SamplingConfig
+from es_ray.core.dtypes import dtype_name, resolve_dtype
 from es_ray.strategy import Member
 
 EXTENSION = "es_ray.engines.vllm_extension.ESExtension"

@@ -21,7 +21,7 @@ import pickle
 import time
 from typing import Any, Callable
 
-from es_ray.runtime.config import FaultPolicy
+from es_ray.core.config import FaultPolicy
 
 # Starting an actor and restoring it (loading a checkpoint, replaying a log) may take longer than an ordinary call.
 SLOW_CALL_FLOOR_S = 900.0

@@ -10,7 +10,7 @@ import tempfile
 from contextlib import contextmanager
 from urllib.parse import urlparse
 
-from es_ray.runtime.config import ClusterConfig, ConfigError
+from es_ray.core.config import ClusterConfig, ConfigError
 
 LOCAL_ADDRESSES = ("", "auto", "local")
 CONNECT_TIMEOUT_S = 5.0

@@ -15,7 +15,7 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 def user_errors() -> tuple[type[BaseException], ...]:
     from es_ray.models import ModelNotFoundError
-    from es_ray.runtime.config import ConfigError
+    from es_ray.core.config import ConfigError
     from es_ray.tasks.base import TaskLoadError
 
     return ConfigError, ModelNotFoundError, TaskLoadError

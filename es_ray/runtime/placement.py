@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from es_ray.runtime.config import ClusterConfig, ConfigError
+from es_ray.core.config import ClusterConfig, ConfigError
 
 # With cluster.wait_for_resources_s=0 the resources exist in total but may be held by other jobs for a while.
 BUSY_WAIT_S = 300.0

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from es_ray.runtime.config import ConfigError, flatten
+from es_ray.core.config import ConfigError, flatten
 
 # Settings that never change a run's result: a resume may change them.
 RESUME_FREE = frozenset({

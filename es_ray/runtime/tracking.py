@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from es_ray.runtime.config import flatten
-from es_ray.runtime.registry import Registry
+from es_ray.core.config import flatten
+from es_ray.core.registry import Registry
 
 TRACKERS = Registry("run.trackers")
 """Metric backends by name; metrics.jsonl is always written besides them."""
@@ -158,6 +158,17 @@ class Tracker:
             backend.close()
         if self._bar is not None:
             self._bar.close()
+
+
+def log_summary(run_dir: str | Path, config: Any, metrics: dict, desc: str) -> None:
+    """One-off jobs (es-eval, es-compare): their summary numbers as step 0 of every tracker in run.trackers."""
+    if not config.run.trackers:
+        return
+    tracker = Tracker(run_dir, 1, config, config.run.trackers, progress=False, desc=desc)
+    try:
+        tracker.log(0, metrics, step_key="step")
+    finally:
+        tracker.close()
 
 
 def _clean(v):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from es_ray.runtime.config import TaskConfig
+from es_ray.core.config import TaskConfig
 from es_ray.tasks.base import TaskLoadError
 
 TASKS = {

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from es_ray.grading.result import Grade, GraderFailure
-from es_ray.runtime.config import TaskConfig
+from es_ray.core.config import TaskConfig
 
 
 class TaskLoadError(ValueError):

@@ -5,7 +5,8 @@ composed DictConfig once (``to_config``) and passes dataclasses to its actors. `
 that names the key and what to change; every entry point prints it in one line and exits with 2.
 
 Method sections live with their method: ES in ``es_ray.config``, GRPO in ``grpo.config``, es-eval and es-drift in
-``es_ray.eval.config``.
+``es_ray.eval_config``. The checks that look a name up in a registry of a higher layer (engines, tasks, trackers)
+are in ``es_ray.runtime.validation``.
 """
 
 from __future__ import annotations
@@ -173,23 +174,6 @@ class FaultPolicy:
 # -- shared validation -----------------------------------------------------------------------------------------
 
 
-def validate_engine(engine: EngineConfig) -> None:
-    from es_ray.engines import ENGINES
-    from es_ray.runtime.dtypes import DTYPE_NAMES
-
-    ENGINES.check(engine.name)
-    check_choice("engine.dtype", engine.dtype, DTYPE_NAMES)
-    check_choice("engine.device", engine.device, DEVICES)
-    check_positive("engine.batch_size", engine.batch_size)
-    if not 0 <= engine.gpu_memory_utilization <= 1:
-        raise ConfigError(f"engine.gpu_memory_utilization={engine.gpu_memory_utilization} must be in [0, 1] "
-                          "(0: the engine's default)")
-    check_positive("engine.max_model_len", engine.max_model_len, allow_zero=True)
-    check_positive("engine.tensor_parallel_size", engine.tensor_parallel_size)
-    if engine.tensor_parallel_size > 1 and engine.name != "vllm":
-        raise ConfigError(f"engine.tensor_parallel_size={engine.tensor_parallel_size} needs engine.name=vllm")
-
-
 def validate_sampling(sampling: SamplingConfig, key: str = "sampling") -> None:
     check_positive(f"{key}.max_new_tokens", sampling.max_new_tokens)
     check_positive(f"{key}.temperature", sampling.temperature, allow_zero=True)
@@ -197,63 +181,9 @@ def validate_sampling(sampling: SamplingConfig, key: str = "sampling") -> None:
         raise ConfigError(f"{key}.top_p={sampling.top_p} must be in (0, 1]")
 
 
-def validate_cluster(cluster: ClusterConfig, engine: EngineConfig | None = None, *, allow_zero_actors=False) -> None:
-    check_positive("cluster.num_actors", cluster.num_actors, allow_zero=allow_zero_actors)
-    check_positive("cluster.gpus_per_actor", cluster.gpus_per_actor, allow_zero=True)
-    check_positive("cluster.cpus_per_actor", cluster.cpus_per_actor, allow_zero=True)
-    check_choice("cluster.placement", cluster.placement, PLACEMENTS)
-    check_positive("cluster.wait_for_resources_s", cluster.wait_for_resources_s, allow_zero=True)
-    from es_ray.runtime.cluster import check_address_syntax
-
-    check_address_syntax(cluster.address)
-    if engine is not None and engine.name == "vllm" and cluster.gpus_per_actor and \
-            cluster.gpus_per_actor < engine.tensor_parallel_size:
-        raise ConfigError(f"engine.tensor_parallel_size={engine.tensor_parallel_size} needs that many GPUs per "
-                          f"actor; set cluster.gpus_per_actor={engine.tensor_parallel_size}")
-
-
-def validate_run(run: RunConfig) -> None:
-    check_absolute("run.dir", run.dir)
-    check_absolute("run.root", run.root)
-    if run.resume and not run.dir:
-        raise ConfigError("run.resume=true needs run.dir= the absolute directory of the run to continue")
-    from importlib.util import find_spec
-
-    from es_ray.runtime.tracking import TRACKERS  # late: tracking imports this module
-
-    for name in run.trackers:
-        backend = TRACKERS.get(name)  # refuses an unknown name with the accepted ones
-        if find_spec(backend.module) is None:
-            raise ConfigError(f"run.trackers={name} needs the {backend.module} package, which is not installed: "
-                              f"{backend.install}, or drop {name} from run.trackers")
-
-
-def validate_task(task: TaskConfig) -> None:
-    from es_ray.tasks import TASKS  # late: tasks import graders
-
-    if ":" not in task.name:  # an import path is checked where it is imported (in the actors)
-        check_choice("task.name", task.name, tuple(sorted(TASKS)))
-    if task.train_size < 0 or task.eval_size < 0:
-        raise ConfigError("task.train_size and task.eval_size must be >= 0")
-    from es_ray.tasks.countdown import SOURCES
-
-    check_choice("task.countdown_source", task.countdown_source, SOURCES)
-
-
 def validate_faults(faults: FaultPolicy) -> None:
     check_positive("faults.actor_timeout_s", faults.actor_timeout_s, allow_zero=True)
     check_positive("faults.max_replacements", faults.max_replacements, allow_zero=True)
-
-
-def validate_trainer(cfg: Any) -> None:
-    """The sections ES and GRPO training share: model, task, sampling, engine, cluster, eval, run, faults."""
-    validate_task(cfg.task)
-    validate_sampling(cfg.sampling)
-    validate_engine(cfg.engine)
-    validate_cluster(cfg.cluster, cfg.engine)
-    validate_run(cfg.run)
-    check_positive("eval.every", cfg.eval.every, allow_zero=True)
-    validate_faults(cfg.faults)
 
 
 # -- conversion -----------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-from es_ray.runtime.config import ConfigError
+from es_ray.core.config import ConfigError
 
 
 class Registry:

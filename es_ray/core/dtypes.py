@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from es_ray.runtime.config import ConfigError
+from es_ray.core.config import ConfigError
 
 DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
 

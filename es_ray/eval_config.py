@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from es_ray.runtime.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, ModelConfig, RunConfig,
-                                   check_choice, check_positive, to_config, validate_cluster, validate_engine,
-                                   validate_faults, validate_run)
+from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, ModelConfig, RunConfig,
+                                check_choice, check_positive, to_config, validate_faults)
+from es_ray.runtime.validation import validate_cluster, validate_engine, validate_run
 from es_ray.tasks import EVAL_TASKS
 
 

@@ -1,0 +1,74 @@
+"""Validation of the shared config sections against the registries of the layers below the runtime (engine
+names, task names, trackers) and the cluster address syntax. Every message names the key and what to change."""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+from typing import Any
+
+from es_ray.core.config import (DEVICES, PLACEMENTS, ClusterConfig, ConfigError, EngineConfig, RunConfig, TaskConfig,
+                                check_absolute, check_choice, check_positive, validate_faults, validate_sampling)
+from es_ray.core.dtypes import DTYPE_NAMES
+from es_ray.engines import ENGINES, TENSOR_PARALLEL
+from es_ray.runtime.cluster import check_address_syntax
+from es_ray.runtime.tracking import TRACKERS
+from es_ray.tasks import TASKS
+from es_ray.tasks.countdown import SOURCES
+
+
+def validate_engine(engine: EngineConfig) -> None:
+    ENGINES.check(engine.name)
+    check_choice("engine.dtype", engine.dtype, DTYPE_NAMES)
+    check_choice("engine.device", engine.device, DEVICES)
+    check_positive("engine.batch_size", engine.batch_size)
+    if not 0 <= engine.gpu_memory_utilization <= 1:
+        raise ConfigError(f"engine.gpu_memory_utilization={engine.gpu_memory_utilization} must be in [0, 1] "
+                          "(0: the engine's default)")
+    check_positive("engine.max_model_len", engine.max_model_len, allow_zero=True)
+    check_positive("engine.tensor_parallel_size", engine.tensor_parallel_size)
+    if engine.tensor_parallel_size > 1 and engine.name not in TENSOR_PARALLEL:
+        raise ConfigError(f"engine.tensor_parallel_size={engine.tensor_parallel_size} needs an engine that splits a "
+                          f"model over GPUs: set engine.name= to one of {', '.join(TENSOR_PARALLEL)}")
+
+
+def validate_cluster(cluster: ClusterConfig, engine: EngineConfig | None = None, *, allow_zero_actors=False) -> None:
+    check_positive("cluster.num_actors", cluster.num_actors, allow_zero=allow_zero_actors)
+    check_positive("cluster.gpus_per_actor", cluster.gpus_per_actor, allow_zero=True)
+    check_positive("cluster.cpus_per_actor", cluster.cpus_per_actor, allow_zero=True)
+    check_choice("cluster.placement", cluster.placement, PLACEMENTS)
+    check_positive("cluster.wait_for_resources_s", cluster.wait_for_resources_s, allow_zero=True)
+    check_address_syntax(cluster.address)
+    if engine is not None and cluster.gpus_per_actor and cluster.gpus_per_actor < engine.tensor_parallel_size:
+        raise ConfigError(f"engine.tensor_parallel_size={engine.tensor_parallel_size} needs that many GPUs per "
+                          f"actor; set cluster.gpus_per_actor={engine.tensor_parallel_size}")
+
+
+def validate_run(run: RunConfig) -> None:
+    check_absolute("run.dir", run.dir)
+    check_absolute("run.root", run.root)
+    if run.resume and not run.dir:
+        raise ConfigError("run.resume=true needs run.dir= the absolute directory of the run to continue")
+    for name in run.trackers:
+        backend = TRACKERS.get(name)  # refuses an unknown name with the accepted ones
+        if find_spec(backend.module) is None:
+            raise ConfigError(f"run.trackers={name} needs the {backend.module} package, which is not installed: "
+                              f"{backend.install}, or drop {name} from run.trackers")
+
+
+def validate_task(task: TaskConfig) -> None:
+    if ":" not in task.name:  # an import path is checked where it is imported (in the actors)
+        check_choice("task.name", task.name, tuple(sorted(TASKS)))
+    if task.train_size < 0 or task.eval_size < 0:
+        raise ConfigError("task.train_size and task.eval_size must be >= 0")
+    check_choice("task.countdown_source", task.countdown_source, SOURCES)
+
+
+def validate_trainer(cfg: Any) -> None:
+    """The sections ES and GRPO training share: model, task, sampling, engine, cluster, eval, run, faults."""
+    validate_task(cfg.task)
+    validate_sampling(cfg.sampling)
+    validate_engine(cfg.engine)
+    validate_cluster(cfg.cluster, cfg.engine)
+    validate_run(cfg.run)
+    check_positive("eval.every", cfg.eval.every, allow_zero=True)
+    validate_faults(cfg.faults)
