@@ -33,6 +33,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from es_ray.config import to_train_config
+    from es_ray.runtime.ledger import FIELDS
     from es_ray.driver import run as es_run
     from grpo.config import to_grpo_config
     from grpo.driver import run as grpo_run
@@ -73,9 +74,21 @@ def main() -> None:
            for m, led in ledgers.items()}
     if gpu["es"] and gpu["grpo"]:
         print(f"GRPO / ES peak GPU memory (largest actor): {max(gpu['grpo']) / max(gpu['es']):.2f}x")
-    for m, led in ledgers.items():
-        print(f"{m}: tokens generated {led['tokens_generated']}, back-propagated {led['tokens_backpropagated']}, "
-              f"wall {led['wall_s']:.0f} s")
+    print("\nThe two ledgers side by side (es_ray.runtime.ledger, the same code for both):\n")
+    print("| field | ES | GRPO |")
+    print("|---|---|---|")
+    for key in FIELDS:
+        if key != "actors":
+            print(f"| {key} | {_cell(ledgers['es'][key])} | {_cell(ledgers['grpo'][key])} |")
+    print(json.dumps({m: {k: led[k] for k in FIELDS if k != "actors"} for m, led in ledgers.items()}))
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {_cell(x)}" for k, x in v.items())
+    return str(v)
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ def run(cfg: ESTrainConfig) -> dict:
             ledger.started()
             for t in range(point.start, cfg.es.iterations):
                 row = iteration(cfg, keeper, t, pool, seed_log, guard)
-                eval_tokens = held_out(cfg, group, t, row)
+                eval_tokens = held_out(cfg, keeper.group, t, row)
                 row.update(keeper.drain_events())
                 tracker.log(t, row)
                 ledger.add_step(row, row["perf/tokens"], generated_eval=eval_tokens)

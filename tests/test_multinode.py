@@ -75,8 +75,6 @@ def _wait_all_cpus_free(timeout: float = 30.0) -> None:
 
 
 def test_es_actors_on_two_nodes_stay_bit_identical(two_nodes, tiny_model_dir, tmp_path):
-    import ray
-
     from es_ray.driver import run, start_workers
     from es_ray.recovery import ReplicaKeeper, ResumePoint
     from es_ray.runtime.placement import place
