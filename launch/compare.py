@@ -61,6 +61,9 @@ class CompareConfig:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     """Which of base, es, grpo, es_grpo, grpo_es to run (the report covers those run)."""
+    seeds: list[int] = field(default_factory=lambda: [0])
+    """Run seeds: every method is trained and evaluated once per seed (stages named <stage>.s<seed> when there are
+    several); the report gives mean +- std over seeds and bootstrap intervals over problems (run.seed is unused)."""
     eval: BenchmarkConfig = field(default_factory=BenchmarkConfig)
     """Evaluation of every method (es-eval's eval section)."""
     drift_thresholds: list[float] = field(default_factory=lambda: [1.0e-3, 1.5e-3, 2.0e-3])
@@ -82,9 +85,14 @@ def validate_compare(cfg: CompareConfig) -> CompareConfig:
         raise ConfigError(f"methods={list(cfg.methods)}: choose from {', '.join(METHODS)} (at least one)")
     check_positive("budget.epochs", cfg.budget.epochs)
     check_positive("grpo_rollout_actors", cfg.grpo_rollout_actors)
+    if not cfg.seeds or len(set(cfg.seeds)) != len(cfg.seeds):
+        raise ConfigError(f"seeds={list(cfg.seeds)}: give one or more distinct run seeds, e.g. seeds=[0,1,2]")
+    if cfg.run.seed:
+        raise ConfigError(f"run.seed={cfg.run.seed}: es-compare takes its run seeds from seeds=[...]; set "
+                          f"seeds=[{cfg.run.seed}] instead")
     # Each stage's own validation runs before any work: build every stage's config once.
     for method in cfg.methods:
-        for spec in stage_plan(cfg, method, Path("/tmp")):
+        for spec in stage_plan(cfg, method, Path("/tmp"), seed=cfg.seeds[0]):
             spec.config()
     return cfg
 
@@ -114,26 +122,26 @@ class Stage:
         return root / "stages" / self.name
 
 
-def _common(cfg: CompareConfig, model_path: str, run_dir: Path) -> dict:
+def _common(cfg: CompareConfig, model_path: str, run_dir: Path, seed: int) -> dict:
     return {"model": dataclasses.replace(cfg.model, path=model_path), "engine": cfg.engine,
-            "run": dataclasses.replace(cfg.run, dir=str(run_dir), checkpoint_every=0)}
+            "run": dataclasses.replace(cfg.run, dir=str(run_dir), checkpoint_every=0, seed=seed)}
 
 
 def _faults(cfg: CompareConfig, cls: type):
     return cls(**dataclasses.asdict(cfg.faults))
 
 
-def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int):
+def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int, seed: int):
     from es_ray.config import ESFaultsConfig, ESTrainConfig, validate
     from es_ray.core.config import HeldOutConfig
 
     iterations = budget_units(epochs, pool, cfg.es.prompts_per_iteration)
     return validate(ESTrainConfig(task=cfg.task, es=dataclasses.replace(cfg.es, iterations=iterations),
                                   sampling=cfg.es_sampling, cluster=cfg.cluster, eval=HeldOutConfig(every=0),
-                                  faults=_faults(cfg, ESFaultsConfig), **_common(cfg, model_path, run_dir)))
+                                  faults=_faults(cfg, ESFaultsConfig), **_common(cfg, model_path, run_dir, seed)))
 
 
-def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int):
+def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int, seed: int):
     from es_ray.core.config import HeldOutConfig
     from grpo.config import GRPOClusterConfig, GRPOTrainConfig, validate_grpo
 
@@ -141,7 +149,7 @@ def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: flo
     cluster = GRPOClusterConfig(**{**dataclasses.asdict(cfg.cluster), "num_actors": cfg.grpo_rollout_actors})
     return validate_grpo(GRPOTrainConfig(task=cfg.task, grpo=dataclasses.replace(cfg.grpo, steps=steps),
                                          sampling=cfg.grpo_sampling, cluster=cluster, eval=HeldOutConfig(every=0),
-                                         faults=cfg.faults, **_common(cfg, model_path, run_dir)))
+                                         faults=cfg.faults, **_common(cfg, model_path, run_dir, seed)))
 
 
 def _run_es(train_cfg) -> dict:
@@ -156,12 +164,12 @@ def _run_grpo(train_cfg) -> dict:
     return run(train_cfg)
 
 
-def _eval_config(cfg: CompareConfig, model_path: str, run_dir: Path):
+def _eval_config(cfg: CompareConfig, model_path: str, run_dir: Path, seed: int):
     from es_ray.eval_config import EvalJobConfig, validate_eval
 
     return validate_eval(EvalJobConfig(model=dataclasses.replace(cfg.model, path=model_path), eval=cfg.eval,
                                        engine=cfg.engine, cluster=cfg.cluster, faults=cfg.faults,
-                                       run=dataclasses.replace(cfg.run, dir=str(run_dir))))
+                                       run=dataclasses.replace(cfg.run, dir=str(run_dir), seed=seed)))
 
 
 def _run_eval(eval_cfg) -> dict:
@@ -183,9 +191,11 @@ def _run_drift(drift_cfg) -> dict:
     return run_drift(drift_cfg)
 
 
-def stage_plan(cfg: CompareConfig, method: str, root: Path, pool: int | None = None) -> list[Stage]:
-    """The stages of one method, in order: its training part(s), its evaluation, its drift from the base."""
+def stage_plan(cfg: CompareConfig, method: str, root: Path, pool: int | None = None,
+               seed: int = 0) -> list[Stage]:
+    """The stages of one method and seed, in order: its training part(s), its evaluation, its drift from the base."""
     pool = pool if pool is not None else max(1, cfg.task.train_size)
+    suffix = f".s{seed}" if len(cfg.seeds) > 1 else ""
     stages: list[Stage] = []
     model_path = cfg.model.path
     parts = TRAINED.get(method, ())
@@ -193,22 +203,19 @@ def stage_plan(cfg: CompareConfig, method: str, root: Path, pool: int | None = N
     for part in parts:
         # A sequential method's first half is its own run (not a prefix of the one-method run), so its compute
         # is measured, not apportioned.
-        name = f"{method}.{part}" if len(parts) > 1 else method
-        run_dir = root / "stages" / f"train.{name}"
-        start = model_path
-        if part == "es":
-            stages.append(Stage(f"train.{name}", "train_es",
-                                (lambda s=start, d=run_dir: _es_config(cfg, s, d, epochs, pool)), _run_es))
-        else:
-            stages.append(Stage(f"train.{name}", "train_grpo",
-                                (lambda s=start, d=run_dir: _grpo_config(cfg, s, d, epochs, pool)), _run_grpo))
+        name = f"train.{method}.{part}{suffix}" if len(parts) > 1 else f"train.{method}{suffix}"
+        run_dir, start = root / "stages" / name, model_path
+        make = _es_config if part == "es" else _grpo_config
+        stages.append(Stage(name, f"train_{part}",
+                            (lambda s=start, d=run_dir, f=make: f(cfg, s, d, epochs, pool, seed)),
+                            _run_es if part == "es" else _run_grpo))
         model_path = str(run_dir / "checkpoints" / "final")
-    eval_dir = root / "stages" / f"eval.{method}"
-    stages.append(Stage(f"eval.{method}", "eval", (lambda p=model_path, d=eval_dir: _eval_config(cfg, p, d)),
+    eval_dir = root / "stages" / f"eval.{method}{suffix}"
+    stages.append(Stage(eval_dir.name, "eval", (lambda p=model_path, d=eval_dir: _eval_config(cfg, p, d, seed)),
                         _run_eval))
     if parts:
-        drift_dir = root / "stages" / f"drift.{method}"
-        stages.append(Stage(f"drift.{method}", "drift", (lambda p=model_path, d=drift_dir: _drift_config(cfg, p, d)),
+        drift_dir = root / "stages" / f"drift.{method}{suffix}"
+        stages.append(Stage(drift_dir.name, "drift", (lambda p=model_path, d=drift_dir: _drift_config(cfg, p, d)),
                             _run_drift))
     return stages
 
@@ -299,13 +306,13 @@ def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     resolve_model(cfg.model.path)  # converts the embedded model once, before any stage starts
     pool = pool_size(cfg)
-    plan = {m: stage_plan(cfg, m, root, pool) for m in cfg.methods}
+    plan = {m: {s: stage_plan(cfg, m, root, pool, s) for s in cfg.seeds} for m in cfg.methods}
     (root / "compare_config.json").write_text(json.dumps(_json_safe(dataclasses.asdict(cfg)), indent=2))
     connect(cfg.cluster)
-    records = {}
-    for method in cfg.methods:
-        for stage in plan[method]:
-            records[stage.name] = run_stage(stage, root, log)
+    for seed in cfg.seeds:  # seed by seed: an interrupted comparison has whole seeds to report
+        for method in cfg.methods:
+            for stage in plan[method][seed]:
+                run_stage(stage, root, log)
     report = write_report(root, cfg, plan, pool)
     log_summary(root, cfg, tracker_metrics(report), "es-compare")
     log(f"es-compare: report in {root / 'report.md'}")

@@ -81,16 +81,113 @@ def reward_curve(root: Path, parts: list[tuple[str, str]], pool: int, cfg) -> li
     return points
 
 
+def across_seeds(per_seed: dict, ks: list[int]) -> dict:
+    """Per method: mean and std over seeds of the average pass@k, the entropy and the drift L2."""
+    out = {}
+    for method in next(iter(per_seed.values()))["methods"]:
+        entries = [rep["methods"][method] for rep in per_seed.values()]
+
+        def stat(values):
+            v = [x for x in values if x is not None]
+            return {"mean": float(np.mean(v)) if v else None, "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
+                    "values": values}
+
+        out[method] = {"average": {str(k): stat([e["average"][str(k)] for e in entries]) for k in ks},
+                       "entropy": stat([e["entropy"]["mean_per_token"] for e in entries]),
+                       "drift_l2": stat([(e.get("drift") or {}).get("l2") for e in entries])}
+    return out
+
+
+def intervals(root: Path, cfg, plan: dict) -> dict:
+    """95% bootstrap intervals over problems of each method's pass@k, per task and for the average over tasks; a
+    problem's pass@k is averaged over the seeds first (the problems are the same for every seed)."""
+    from es_ray.eval.bootstrap import interval, interval_of_task_means
+
+    n, ks, tasks = int(cfg.eval.n), [int(k) for k in cfg.eval.k], list(cfg.eval.tasks)
+    out = {}
+    for method, by_seed in plan.items():
+        per_task: dict[str, dict[int, list[list[float]]]] = {t: {} for t in tasks}
+        for stages in by_seed.values():
+            correct: dict[str, dict[int, int]] = {t: {} for t in tasks}
+            for s in _read_jsonl(root / "stages" / _stage(stages, "eval").name / "samples.jsonl"):
+                c = correct[s["task"]]
+                c[s["problem"]] = c.get(s["problem"], 0) + int(bool(s["correct"]))
+            for t in tasks:
+                for p, c in correct[t].items():
+                    per_task[t].setdefault(p, []).append([pass_at_k(n, c, k) for k in ks])
+        if not all(per_task[t] for t in tasks):  # samples.jsonl not kept (eval.save_samples=false)
+            continue
+        values = {t: np.array([np.mean(v, axis=0) for _, v in sorted(per_task[t].items())]) for t in tasks}
+        out[method] = {
+            "tasks": {t: {str(k): list(interval(values[t][:, j])) for j, k in enumerate(ks)} for t in tasks},
+            "average": {str(k): list(interval_of_task_means([values[t][:, j] for t in tasks]))
+                        for j, k in enumerate(ks)},
+        }
+    return out
+
+
+COMPARED = (("es", "base"), ("grpo", "base"), ("es", "grpo"), ("es_grpo", "grpo"), ("grpo_es", "es"),
+            ("es_grpo", "grpo_es"))
+
+
+def differences(iv: dict, ks: list[int]) -> list[dict]:
+    """For each compared pair and k: both intervals of the average pass@k and whether they separate."""
+    from es_ray.eval.bootstrap import separated
+
+    out = []
+    for a, b in COMPARED:
+        if a in iv and b in iv:
+            for k in ks:
+                ia, ib = iv[a]["average"][str(k)], iv[b]["average"][str(k)]
+                out.append({"a": a, "b": b, "k": k, "a_interval": ia, "b_interval": ib,
+                            "separated": separated(tuple(ia), tuple(ib))})
+    return out
+
+
+def es_null(root: Path, stage: str, total: dict, thresholds) -> dict:
+    """The null model's drift for an ES run (es_ray.eval.null_drift) from the run's own config.json and metrics:
+    the drift its step sizes give whatever the rewards were."""
+    from es_ray.eval.null_drift import null_drift
+
+    run_cfg = _read_json(root / "stages" / stage / "config.json")
+    es = run_cfg["es"]
+    rows = _read_jsonl(root / "stages" / stage / "metrics.jsonl")
+    zero = sum(1 for r in rows if r.get("es/zero_update"))
+    return null_drift(lr=es["lr"], sigma=es["sigma"], population=es["population"], iterations=len(rows),
+                      parameters=total["nonzero"], thresholds=thresholds, shaping=es["shaping"],
+                      optimizer=es["optimizer"], estimator=es["estimator"], weight_decay=es["weight_decay"],
+                      anchor_decay=es["anchor_decay"], zero_steps=zero)
+
+
 def collect(root: Path, cfg, plan: dict, pool: int) -> dict:
+    """The first seed's full report (tables and plots), plus mean +- std over every seed, bootstrap intervals over
+    problems (seeds pooled) and the differences those intervals support. ``plan``: {method: {seed: stages}}."""
+    seeds = list(cfg.seeds)
+    per_seed = {s: collect_seed(root, cfg, {m: plan[m][s] for m in plan}, pool) for s in seeds}
+    rep = per_seed[seeds[0]]
+    rep["seeds"] = seeds
+    rep["across_seeds"] = across_seeds(per_seed, rep["k"])
+    rep["intervals"] = intervals(root, cfg, plan)
+    rep["differences"] = differences(rep["intervals"], rep["k"])
+    return rep
+
+
+def _stage(stages: list, kind: str):
+    return next((s for s in stages if s.kind == kind), None)
+
+
+def collect_seed(root: Path, cfg, plan: dict, pool: int) -> dict:
+    """One seed's report: ``plan`` is {method: stages of that seed}."""
     ks = [int(k) for k in cfg.eval.k]
     methods, tasks = {}, list(cfg.eval.tasks)
     drift_l2 = {}
     for method, stages in plan.items():
         parts = [(s.name, "es" if s.kind == "train_es" else "grpo") for s in stages if s.kind.startswith("train")]
-        ev = _read_json(root / "stages" / f"eval.{method}" / "results.json")
+        eval_dir = root / "stages" / _stage(stages, "eval").name
+        ev = _read_json(eval_dir / "results.json")
         if ev is None:
-            raise FileNotFoundError(f"{root / 'stages' / f'eval.{method}' / 'results.json'} is missing")
-        dr = _read_json(root / "stages" / f"drift.{method}" / "drift.json") if parts else None
+            raise FileNotFoundError(f"{eval_dir / 'results.json'} is missing")
+        dr = _read_json(root / "stages" / _stage(stages, "drift").name / "drift.json") if parts else None
         per_task = {t: {str(k): ev["tasks"][t]["pass@k"].get(str(k)) for k in ks} for t in tasks}
         average = {str(k): float(np.mean([per_task[t][str(k)] for t in tasks])) for k in ks}
         ent = ev.get("entropy") or {}
@@ -112,8 +209,10 @@ def collect(root: Path, cfg, plan: dict, pool: int) -> dict:
                               "by_module_type": {k: {"l2": v["l2"], "relative_l2": v["relative_l2"]}
                                                  for k, v in dr["by_module_type"].items()},
                               "histogram_log10": tot.get("histogram_log10"), "histogram_edges": dr["histogram_edges"]}
+            if [kind for _, kind in parts] == ["es"]:
+                entry["drift"]["null"] = es_null(root, parts[0][0], tot, cfg.drift_thresholds)
             drift_l2[method] = tot["l2"]
-        samples = _read_jsonl(root / "stages" / f"eval.{method}" / "samples.jsonl")
+        samples = _read_jsonl(eval_dir / "samples.jsonl")
         entry["passk_curve"] = passk_curves(samples, int(cfg.eval.n)) if samples else {}
         methods[method] = entry
     ratio = (drift_l2["es"] / drift_l2["grpo"]) if drift_l2.get("grpo") and "es" in drift_l2 else None
@@ -154,6 +253,7 @@ def markdown(rep: dict) -> str:
         cells = [" / ".join(_p(m["pass@k"][t][str(k)]) for k in ks) for t in tasks]
         cells.append(" / ".join(_p(m["average"][str(k)]) for k in ks))
         lines.append(f"| {m['label']} | " + " | ".join(cells) + " |")
+    lines += uncertainty_markdown(rep)
     lines += ["", "## Token entropy (nats per generated token, teacher-forced)", "",
               "| method | all tasks | change vs base | " + " | ".join(tasks) + " |",
               "|---|---|---|" + "---|" * len(tasks)]
@@ -175,9 +275,21 @@ def markdown(rep: dict) -> str:
         lines.append(f"| {m['label']} | {d['l2']:.4g} | {_f(d['relative_l2'], '{:.3e}')} | "
                      f"{_p(d['share_nonzero'])}% | "
                      + " | ".join(f"{_p(d['share_below'][f'{t:g}'])}%" for t in th) + f" | {d['max_abs']:.3g} |")
+        null = d.get("null")
+        if null is not None:
+            if null["l2"] is None:
+                lines.append(f"| {m['label']}: null model | - | - | - | " + " | ".join("-" for _ in th)
+                             + f" | not applicable: {null['why']} |")
+            else:
+                lines.append(f"| {m['label']}: null model (rewards ignored) | {null['l2']:.4g} | - | - | "
+                             + " | ".join(f"{_p(null['share_below'][f'{t:g}'])}%" for t in th) + " | - |")
     ratio = rep["drift_l2_ratio_es_over_grpo"]
     lines += ["", f"L2 ratio ES / GRPO: {_f(ratio, '{:.2f}')}. The thresholds columns are the share of changed "
               "parameters whose change is below each threshold (functional sparsity).", "",
+              "Null model: with z-scored (or ranked) fitness an SGD step of ES moves every weight by Normal(0, "
+              "(lr / (N sigma))^2 sum z^2) whatever the rewards, so T steps are a random walk (es_ray/eval/null_drift.py). "
+              "A measured L2 or sparsity share close to the null's is set by the step sizes, not by what ES learned.",
+              ""] + null_verdict(methods, th) + ["",
               "## Compute ledger (measured)", "",
               "| method | tokens generated | tokens back-propagated | wall s | device-s | peak RSS per process GiB "
               "| peak GPU GiB |", "|---|---|---|---|---|---|---|"]
@@ -193,6 +305,51 @@ def markdown(rep: dict) -> str:
               "largest peak resident set of any actor process of the run (and its peak GPU allocation).", "",
               "Plots: " + ", ".join(f"`{p}`" for p in rep.get("plots", [])), ""]
     return "\n".join(lines)
+
+
+def _iv(x) -> str:
+    return f"[{_p(x[0])}, {_p(x[1])}]"
+
+
+def uncertainty_markdown(rep: dict) -> list[str]:
+    """Mean +- std over seeds with the bootstrap interval, and the differences the intervals support."""
+    ks, seeds, iv = rep["k"], rep["seeds"], rep["intervals"]
+    lines = ["", f"## Uncertainty: average {'/'.join(f'Pass@{k}' for k in ks)} over tasks (%)", "",
+             f"Mean +- std over seeds {seeds} (the first seed's run is the one the other tables show), and the 95% "
+             "bootstrap interval over problems with the seeds pooled.", "",
+             "| method | " + " | ".join(f"Pass@{k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
+    for method, m in rep["methods"].items():
+        acr = rep["across_seeds"][method]["average"]
+        cells = [f"{_p(acr[str(k)]['mean'])} +- {_p(acr[str(k)]['std'])} "
+                 + (_iv(iv[method]["average"][str(k)]) if method in iv else "") for k in ks]
+        lines.append(f"| {m['label']} | " + " | ".join(cells) + " |")
+    if rep["differences"]:
+        lines += ["", "Differences (called only when the two 95% intervals do not overlap):", "",
+                  "| compared | k | first | second | verdict |", "|---|---|---|---|---|"]
+        for d in rep["differences"]:
+            a, b = LABELS[d["a"]], LABELS[d["b"]]
+            verdict = {1: f"{a} higher", -1: f"{b} higher", 0: "not separable (intervals overlap)"}[d["separated"]]
+            lines.append(f"| {a} vs {b} | {d['k']} | {_iv(d['a_interval'])} | {_iv(d['b_interval'])} | {verdict} |")
+    return lines
+
+
+def null_verdict(methods: dict, th) -> list[str]:
+    """One line per ES run: does its drift exceed the null model's (10% on L2, 2 points on a sparsity share)?"""
+    out = []
+    for m in methods.values():
+        null = (m.get("drift") or {}).get("null")
+        if not null or null["l2"] is None:
+            continue
+        d = m["drift"]
+        l2_ratio = d["l2"] / null["l2"] if null["l2"] else None
+        gaps = [abs(d["share_below"][f"{t:g}"] - null["share_below"][f"{t:g}"]) for t in th
+                if d["share_below"][f"{t:g}"] is not None and null["share_below"][f"{t:g}"] is not None]
+        beyond = (l2_ratio is not None and abs(l2_ratio - 1) > 0.10) or any(g > 0.02 for g in gaps)
+        out.append(f"{m['label']}: measured L2 / null L2 = {_f(l2_ratio, '{:.3f}')}, largest sparsity-share gap "
+                   f"{_p(max(gaps) if gaps else None)} points: "
+                   + ("the drift differs from what the step sizes alone give." if beyond else
+                      "the drift and the sparsity are what the step sizes alone give (not evidence of learning)."))
+    return out
 
 
 def plots(rep: dict, root: Path) -> list[str]:

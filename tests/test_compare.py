@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from es_ray.config import ESConfig
+from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, ModelConfig, RunConfig, SamplingConfig,
+                                TaskConfig)
+from es_ray.eval_config import BenchmarkConfig
 from launch.compare import (METHODS, BudgetConfig, CompareConfig, budget_units, run, stage_plan,
                             validate_compare)
-from es_ray.config import ESConfig
-from es_ray.eval_config import BenchmarkConfig
-from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, ModelConfig, RunConfig, SamplingConfig, TaskConfig)
 
 
 def _cfg(model_dir: Path, run_dir: Path, **over) -> CompareConfig:
@@ -72,6 +73,21 @@ def test_bad_settings_are_refused(tmp_path):
     bad.grpo.group_size = 1  # a stage's own validation runs before any work
     with pytest.raises(ConfigError, match="group_size"):
         validate_compare(bad)
+    with pytest.raises(ConfigError, match=r"seeds=\[\]"):
+        validate_compare(_cfg(Path("/m"), tmp_path, seeds=[]))
+    with pytest.raises(ConfigError, match=r"seeds=\[1, 1\]"):
+        validate_compare(_cfg(Path("/m"), tmp_path, seeds=[1, 1]))
+    with pytest.raises(ConfigError, match=r"set seeds=\[3\] instead"):
+        validate_compare(_cfg(Path("/m"), tmp_path, run=RunConfig(dir=str(tmp_path), seed=3)))
+
+
+def test_every_seed_has_its_own_stages_with_its_own_run_seed(tmp_path):
+    cfg = _cfg(Path("/models/base"), tmp_path, seeds=[0, 5])
+    s5 = stage_plan(cfg, "es_grpo", tmp_path, pool=4, seed=5)
+    assert [s.name for s in s5] == ["train.es_grpo.es.s5", "train.es_grpo.grpo.s5", "eval.es_grpo.s5",
+                                    "drift.es_grpo.s5"]
+    assert all(s.config().run.seed == 5 for s in s5[:3])
+    assert s5[1].config().model.path == str(tmp_path / "stages" / "train.es_grpo.es.s5" / "checkpoints" / "final")
 
 
 def _numbers(x, path="report"):
@@ -135,6 +151,9 @@ def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_pa
     assert led["es"]["tokens_backpropagated"] == 0 and led["grpo"]["tokens_backpropagated"] > 0
     assert led["es"]["tokens_generated"] > 0 and led["grpo"]["peak_rss_bytes_max"] > 0
     assert rep["methods"]["es"]["drift"]["l2"] > 0 and rep["drift_l2_ratio_es_over_grpo"] > 0
+    null = rep["methods"]["es"]["drift"]["null"]  # the null model of ES drift, from the ES run's own settings
+    assert null["l2"] > 0 and null["steps"] >= 1 and "ES: null model (rewards ignored)" in md
+    assert "null" not in rep["methods"]["es_grpo"]["drift"]  # a sequential run is not a pure ES walk
     assert len(rep["methods"]["base"]["passk_curve"]["arithmetic"]) == 4
     assert report["run_dir"] == str(root)
 
@@ -147,3 +166,21 @@ def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_pa
     cfg.eval.n, cfg.eval.k = 8, [1, 8]
     with pytest.raises(ConfigError, match=r"eval.base .*other settings \(eval.k, eval.n\)"):
         run(cfg, log=lines.append)
+
+
+def test_two_seeds_give_spread_intervals_and_differences(ray_local, tiny_model_dir, tmp_path):
+    root = tmp_path / "seeds"
+    cfg = validate_compare(_cfg(tiny_model_dir, root, methods=["base", "es", "grpo"], seeds=[0, 1]))
+    run(cfg, log=lambda s: None)
+    rep = json.loads((root / "report.json").read_text())
+    assert rep["seeds"] == [0, 1]
+    for m in ("base", "es", "grpo"):
+        acr = rep["across_seeds"][m]["average"]["4"]
+        assert len(acr["values"]) == 2 and acr["std"] >= 0
+        lo, hi = rep["intervals"][m]["average"]["4"]
+        assert 0 <= lo <= hi <= 1
+    pairs = {(d["a"], d["b"], d["k"]) for d in rep["differences"]}
+    assert {("es", "base", 1), ("grpo", "base", 4), ("es", "grpo", 2)} <= pairs
+    md = (root / "report.md").read_text()
+    assert "## Uncertainty" in md and "Differences (called only when the two 95% intervals do not overlap)" in md
+    assert (root / "stages" / "eval.es.s1" / "results.json").is_file()
