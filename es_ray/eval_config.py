@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, ModelConfig, RunConfig,
                                 check_choice, check_positive, to_config, validate_faults)
 from es_ray.runtime.validation import validate_cluster, validate_engine, validate_run
+from es_ray.grading.boxed import ANSWER_MODES
 from es_ray.tasks import EVAL_TASKS
 
 
@@ -31,6 +32,9 @@ class BenchmarkConfig:
     """Directory of local files named <task>.jsonl (or .json/.parquet/.csv) in each hub schema; empty: the hub."""
     paths: dict[str, str] = field(default_factory=dict)
     """Per-task local file, overriding data_dir: +eval.paths.gpqa=/data/gpqa_diamond.jsonl"""
+    answer: str = "boxed"
+    """Math tasks: boxed (only the final \\boxed{} answer counts, as the prompts ask) or last (lenient: math-verify
+    takes the last expression). Either way results count correct samples without a box and restating ones."""
     entropy: bool = True
     """Token entropy of the completions from a teacher-forced forward pass (one extra forward per completion)."""
     save_samples: bool = True
@@ -71,6 +75,7 @@ def validate_eval(cfg: EvalJobConfig) -> EvalJobConfig:
     for name in ev.tasks:
         if ":" not in name:
             check_choice("eval.tasks", name, tuple(sorted(TASKS)))
+    check_choice("eval.answer", ev.answer, ANSWER_MODES)
     check_positive("eval.n", ev.n)
     if not ev.k or any(k < 1 for k in ev.k):
         raise ConfigError(f"eval.k={list(ev.k)} must be a non-empty list of integers >= 1, e.g. eval.k=[1,16,32]")

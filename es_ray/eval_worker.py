@@ -53,7 +53,8 @@ def task_config(cfg: EvalJobConfig, name: str) -> TaskConfig:
     # Dataset tasks and files are scored whole (eval_size 0 keeps every problem out of the held-out cut);
     # a generated task (countdown without a file) is scored on its generated held-out set.
     generated = not path and not issubclass(task_class(name), DatasetTask)
-    return TaskConfig(name=name, path=path, eval_size=TaskConfig.eval_size if generated else 0)
+    return TaskConfig(name=name, path=path, eval_size=TaskConfig.eval_size if generated else 0,
+                      answer=cfg.eval.answer)
 
 
 def load_eval_task(cfg: EvalJobConfig, name: str):
@@ -159,7 +160,7 @@ class EvalWorker:
         t3 = time.perf_counter()
         samples = [{"problem": i, "sample": j % ev.n, "score": g.score, "correct": g.correct, "failure": g.failure,
                     "answer": g.answer, "tokens": c.num_tokens, "entropy_sum": s, "entropy_tokens": k,
-                    "text": c.text if ev.save_samples else None}
+                    "checks": task.answer_checks(c.text, problems[i]), "text": c.text if ev.save_samples else None}
                    for j, (i, c, g, s, k) in enumerate(zip(ids, completions, grades, ent_sum, ent_cnt))]
         return {"task": chunk.task, "chunk": chunk.index, "samples": samples, "entropy_hist": hist.tolist(),
                 "seconds": {"generate": t1 - t0, "grade": t2 - t1, "entropy": t3 - t2}}

@@ -87,7 +87,23 @@ def summarize_task(task, n: int, ks: list[int], samples: list[dict], hist: np.nd
         "tokens": {"generated": tokens, "mean_per_completion": tokens / len(samples) if samples else None},
         "entropy": summarize_stats([s["entropy_sum"] for s in samples], [s["entropy_tokens"] for s in samples],
                                    hist) if samples and any(s["entropy_tokens"] for s in samples) else None,
+        "answer_checks": answer_checks(problems, n, ks) if any(s.get("checks") for s in samples) else None,
     }
+
+
+def answer_checks(problems: list[list[dict]], n: int, ks: list[int]) -> dict:
+    """Correct samples with no final boxed answer and correct samples whose answer only restates the problem, and
+    pass@k with those counted wrong (how much of pass@k they make)."""
+    from es_ray.eval.passk import mean_pass_at_k
+
+    def flagged(s: dict) -> bool:
+        return bool(s["correct"]) and (not s["checks"].get("boxed", True) or s["checks"].get("restated", False))
+
+    correct = [s for ss in problems for s in ss if s["correct"]]
+    strict_p = [sum(bool(s["correct"]) and not flagged(s) for s in ss) for ss in problems]
+    return {"correct_without_box": sum(not s["checks"].get("boxed", True) for s in correct),
+            "correct_restating": sum(bool(s["checks"].get("restated")) for s in correct),
+            "pass@k_without_them": {str(k): v for k, v in mean_pass_at_k(strict_p, n, ks).items()}}
 
 
 def run(cfg: EvalJobConfig) -> dict:
@@ -123,6 +139,7 @@ def run(cfg: EvalJobConfig) -> dict:
     results = {
         "model": cfg.model.path or "embedded SmolLM2-135M-Instruct", "model_dir": str(model_dir),
         "settings": {"engine": cfg.engine.name, "n": cfg.eval.n, "k": ks, "temperature": cfg.eval.temperature,
+                     "answer": cfg.eval.answer,
                      "top_p": cfg.eval.top_p, "max_new_tokens": cfg.eval.max_new_tokens, "limit": cfg.eval.limit,
                      "seed": cfg.run.seed, "actors": cfg.cluster.num_actors},
         "tasks": per_task,

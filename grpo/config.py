@@ -11,7 +11,7 @@ from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultP
                                 RunConfig, SamplingConfig, TaskConfig, check_choice, check_positive, to_config)
 from es_ray.runtime.validation import validate_trainer
 
-LEARNER_DTYPES = ("float32", "bfloat16")
+LEARNER_DTYPES = ("float32", "bf16_mixed")
 # Settings a resumed GRPO run may change besides the runtime's (es_ray.runtime.rundir.RESUME_FREE).
 RESUME_FREE = frozenset({"grpo.steps", "cluster.num_actors"})
 
@@ -52,12 +52,22 @@ class GRPOConfig:
     warmup_steps: int = 0
     """Linear learning-rate warmup over this many optimizer steps."""
     dtype: str = "float32"
-    """Learner weights and optimizer: float32 or bfloat16 (the rollout engines use engine.dtype)."""
+    """Learner precision (the rollout engines use engine.dtype). float32: fp32 weights, gradients, AdamW and compute.
+    bf16_mixed: the same fp32 master weights, fp32 gradients and fp32 AdamW, with the forward and backward under
+    torch.autocast(bfloat16) (no weight-cast cache); the LM head's log-softmax stays fp32. Chosen over bf16
+    weights + an fp32 master copy: both hold 16 bytes per trainable parameter, but here gradients accumulate over
+    micro-batches in fp32, the optimizer and checkpoints are plain torch, and nothing is cast back after a step.
+    Pure bf16 weights are refused: an AdamW step of ~lr = 1e-5 is below half of bf16's spacing near 1 (2^-8) and
+    vanishes."""
+    logit_chunk_tokens: int = 1024
+    """Completion positions whose [chunk, vocabulary] logits exist at once: the LM head, log-softmax at the sampling
+    temperature, token log-prob and entropy run this many positions at a time, each chunk recomputed in the
+    backward pass (torch.utils.checkpoint), so the learner never holds N x vocabulary logits."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more learner time)."""
     sync_tolerance: float = 0.0
-    """Largest |log p_engine - log p_learner| over the probe tokens accepted after a weight sync (0: 2e-3 when
-    both sides are float32, 0.25 otherwise: bf16 rounding alone moves single-token log-probs by ~0.1)."""
+    """Largest |log p_engine - log p_learner| over the probe tokens accepted after a weight sync. 0: calibrated at
+    the first sync, max(2e-3, 4 x the difference measured there) (grpo.driver.sync_tolerance); > 0: this value."""
 
 
 @dataclass
@@ -112,7 +122,12 @@ def validate_grpo(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
 
     LOSS_AGGREGATIONS.check(g.loss_type)
     ADV_SCALES.check(g.adv_scale)
+    if g.dtype == "bfloat16":
+        raise ConfigError("grpo.dtype=bfloat16 (bf16 weights under AdamW) loses small steps: an update of ~lr=1e-5 "
+                          "is below bf16's rounding of weights near 1 (2^-8) and vanishes; set grpo.dtype=bf16_mixed "
+                          "(fp32 master weights and AdamW, bf16 compute) or grpo.dtype=float32")
     check_choice("grpo.dtype", g.dtype, LEARNER_DTYPES)
+    check_positive("grpo.logit_chunk_tokens", g.logit_chunk_tokens)
     check_positive("grpo.steps", g.steps, allow_zero=True)
     check_positive("grpo.lr", g.lr, allow_zero=True)
     check_positive("grpo.clip_eps", g.clip_eps)
@@ -128,6 +143,11 @@ def validate_grpo(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
         raise ConfigError(f"sampling.temperature={cfg.sampling.temperature}: GRPO samples its groups, and greedy "
                           "decoding gives every completion of a group the same reward (advantage 0); set "
                           "sampling.temperature>0, e.g. 1.0")
+    if cfg.sampling.top_p < 1:
+        raise ConfigError(f"sampling.top_p={cfg.sampling.top_p}: GRPO's ratio and KL are taken against the sampling "
+                          "distribution, and the learner scores the full softmax(logits / temperature), not a nucleus "
+                          "truncated by top_p; set sampling.top_p=1.0 (and shape the distribution with "
+                          "sampling.temperature)")
     validate_trainer(cfg)
     return cfg
 

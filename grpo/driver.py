@@ -3,10 +3,12 @@
     samples = generate(prompts)            rollout actors, groups of grpo.group_size per prompt
     adv     = advantages(rewards)          grpo.loss (pure)
     stats   = learner.train_step(...)      grpo.epochs_per_batch optimizer steps
-    sync(learner -> every rollout engine)  then verify: probe log-probs agree within tolerance
+    sync(learner -> every rollout engine)  layer by layer in the engines' dtype; then verify: probe log-probs
+                                           agree within the tolerance set at the first sync
     log; ledger; checkpoint
 
-The driver holds no model; it only moves samples and one weight reference (Ray's object store) between actors.
+The driver holds no model; it only moves samples and weight references (Ray's object store, one chunk at a time)
+between actors.
 Connecting, the run directory, signals, the actor groups (timeouts, replacement) and the ledger are the runtime's
 (es_ray.runtime), as for ES.
 """
@@ -29,20 +31,25 @@ class WeightSyncError(RuntimeError):
     """A rollout engine's log-probs of the probe disagree with the learner's after a weight sync."""
 
 
-def sync_tolerance(cfg: GRPOTrainConfig) -> float:
-    """Largest accepted |log p_engine - log p_learner| per probe token. Both in fp32: the same weights through
-    different kernels or batch shapes differ by ~1e-5 (transformers) to ~1e-4 (vLLM), so 2e-3 leaves a margin
-    and still catches a wrong tensor (a perturbation of 1e-3 in one layer moves them by >1e-2). In bf16 rounding
-    alone moves single-token log-probs by up to ~0.1, so the bar is 0.25."""
+SYNC_FLOOR = 2e-3
+"""Smallest calibrated tolerance: the same fp32 weights through other kernels or batch shapes differ by ~1e-5
+(transformers) to ~1e-4 (vLLM), and a wrong tensor (1e-3 noise in one layer) moves log-probs by > 1e-2."""
+SYNC_MARGIN = 4.0
+"""Tolerance = SYNC_MARGIN x the first sync's difference: that difference is the engine's precision against the
+learner's on the policy's own tokens (bf16 rounding, kernels); it moves as the weights and the sampled tokens
+move, so later syncs get room for a few times it, while a tensor not written moves them by far more."""
+FIRST_SYNC_CEILING = 2.0
+"""The first sync itself must agree within this (nats per token): larger is a broken engine, not rounding (a bf16
+engine against a bf16_mixed learner differed by up to 0.28 on SmolLM2-135M's 32-token probe at T = 0.7)."""
+
+
+def sync_tolerance(cfg: GRPOTrainConfig, first_diff: float = 0.0) -> float:
+    """Largest accepted |log p_engine - log p_learner| per probe token: grpo.sync_tolerance when set, else
+    max(SYNC_FLOOR, SYNC_MARGIN x first_diff), first_diff being the largest difference measured at the first sync
+    (learner and engine at their own precisions, e.g. an fp32 learner against a bf16 engine)."""
     if cfg.grpo.sync_tolerance:
         return cfg.grpo.sync_tolerance
-    import torch
-
-    from es_ray.core.dtypes import resolve_dtype
-
-    device = "cuda" if cfg.cluster.gpus_per_actor else "cpu"
-    both_fp32 = resolve_dtype(cfg.engine.dtype, device) == torch.float32 and cfg.grpo.dtype == "float32"
-    return 2e-3 if both_fp32 else 0.25
+    return max(SYNC_FLOOR, SYNC_MARGIN * first_diff)
 
 
 def check_sync(learner_lp: list[float], engine_lps: list[list[float]], tol: float, step: int) -> float:
@@ -104,22 +111,41 @@ class Crew:
         return [self.learner, self.rollouts]
 
     def sync(self, step: int) -> dict:
-        """Write the learner's weights into every rollout engine, then verify with the probe."""
+        """Write the learner's weights into every rollout engine, then verify with the probe. The first sync also
+        draws the probe (a completion the engine samples for the first training prompt) and, unless
+        grpo.sync_tolerance is set, sets the tolerance from the difference it measures (``sync_tolerance``)."""
         t0 = time.perf_counter()
-        weights = self.learner.actors[0].weights.remote()  # stays in the object store; each rollout reads it
-        write_s = max(self.rollouts.each("write_weights", weights))
+        nbytes = self._send_weights(self.rollouts.ranks, self.rollouts)
         t1 = time.perf_counter()
-        if self.probe is None:
+        first = self.probe is None
+        if first:
             self.probe = self.rollouts.call(0, "probe")
         learner_lp = self.learner.call(0, "probe_logprobs", *self.probe)
         engine_lps = self.rollouts.each("probe_logprobs", *self.probe)
-        worst = check_sync(learner_lp, engine_lps, self.tol, step)
-        return {"sync/max_logprob_diff": worst, "sync/tolerance": self.tol, "timing_s/sync": time.perf_counter() - t0,
-                "timing_s/sync_write": write_s, "timing_s/sync_verify": time.perf_counter() - t1}
+        calibrate = first and not self.cfg.grpo.sync_tolerance
+        worst = check_sync(learner_lp, engine_lps, FIRST_SYNC_CEILING if calibrate else self.tol, step)
+        if calibrate:
+            self.tol = sync_tolerance(self.cfg, worst)
+        return {"sync/max_logprob_diff": worst, "sync/tolerance": self.tol, "sync/bytes": nbytes,
+                "timing_s/sync": time.perf_counter() - t0, "timing_s/sync_write": t1 - t0,
+                "timing_s/sync_verify": time.perf_counter() - t1}
+
+    def _send_weights(self, ranks: list[int], group) -> int:
+        """The learner's weights into the engines of ``ranks``, one chunk (a layer) at a time, cast by the learner to
+        the engines' dtype: while the engines write chunk k the learner casts chunk k+1, so Ray's object store holds
+        at most two chunks, and each engine process one. Returns the bytes one engine received."""
+        learner, dtype = self.learner.actors[0], self.infos[0]["dtype"]
+        n = self.learner_info["weight_chunks"]
+        ahead, nbytes = learner.weight_chunk.remote(0, dtype), 0
+        for k in range(n):
+            ref, ahead = ahead, learner.weight_chunk.remote(k + 1, dtype) if k + 1 < n else None
+            nbytes += group.gather("write_weights", {r: (ref,) for r in ranks})[ranks[0]]["bytes"]
+            del ref  # the driver owns the chunk: dropping the last reference frees it in the object store
+        return nbytes
 
     def _resync(self, group, rank: int) -> dict:
         """The rollout group's restore hook: the replacement gets the learner's current weights, verified."""
-        group.call(rank, "write_weights", self.learner.actors[0].weights.remote())
+        self._send_weights([rank], group)
         if self.probe is not None:
             lp = self.learner.call(0, "probe_logprobs", *self.probe)
             check_sync(lp, [group.call(rank, "probe_logprobs", *self.probe)], self.tol, -1)

@@ -1,12 +1,19 @@
-"""The GRPO learner Ray actor: the policy as a torch model (fp32 or bf16), AdamW, gradient-norm clipping, optional
-gradient checkpointing, and a frozen reference model only when grpo.beta > 0. The loss is grpo.loss's.
+"""The GRPO learner Ray actor: the policy as a torch model with fp32 master weights (computing in fp32, or in bf16
+under autocast with grpo.dtype=bf16_mixed), fp32 AdamW, gradient-norm clipping, optional gradient checkpointing,
+and a frozen reference model only when grpo.beta > 0. The loss is grpo.loss's.
 
 One ``train_step`` is grpo.epochs_per_batch optimizer steps on one batch, each accumulating gradients over
-micro-batches; the log-probs of the first pass (before any step) are the ratio's old policy.
+micro-batches; the log-probs of the first pass (before any step) are the ratio's old policy. Every log-prob,
+ratio, KL and entropy is of softmax(logits / sampling.temperature), the distribution the rollouts sampled, and
+the LM head runs grpo.logit_chunk_tokens positions at a time (es_ray.eval.entropy.chunked_token_scores).
+
+Weights leave the learner in the rollout engines' dtype, one chunk at a time (``weight_chunk``): a transformer
+layer, or one tensor outside the layers.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import time
@@ -19,6 +26,10 @@ from es_ray.runtime.checkpoint import meta_file, state_file
 STATE_FILE = state_file("grpo")
 """Optimizer, scheduler, RNG state and step, beside the HF weights of a GRPO checkpoint."""
 META_FILE = meta_file("grpo")
+LAYER = re.compile(r"\.layers\.(\d+)\.")
+LOGIT_COPIES = 4
+"""fp32 [chunk, V] tensors alive while one chunk is scored or back-propagated: the logits, logits / T, their
+log-softmax, and its gradient (es_ray.memory_plan plans the learner's memory with it)."""
 
 
 class GRPOLearner:
@@ -29,7 +40,6 @@ class GRPOLearner:
 
         from es_ray.engines.base import resolve_device
         from es_ray.models import resolve_model
-        from es_ray.core.dtypes import resolve_dtype
 
         hf_logging.set_verbosity_error()
         g = cfg.grpo
@@ -37,15 +47,17 @@ class GRPOLearner:
         self.cfg, self.g = cfg, g
         self.model_dir = resolve_model(cfg.model.path)
         self.device = resolve_device(cfg.engine)
-        dtype = resolve_dtype(g.dtype, self.device, "grpo.dtype")
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device)
+        self.mixed = g.dtype == "bf16_mixed"
+        self.temperature = cfg.sampling.temperature
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
         if g.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
             self.model.config.use_cache = False
         self.model.train()
         self.ref = None
-        if g.beta > 0:
-            self.ref = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
+        if g.beta > 0:  # frozen: no optimizer, so with bf16 compute its weights can be bf16 too (half the bytes)
+            ref_dtype = torch.bfloat16 if self.mixed else torch.float32
+            self.ref = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=ref_dtype).to(self.device).eval()
             self.ref.requires_grad_(False)
         pattern = re.compile(cfg.model.trainable) if cfg.model.trainable else None
         for name, p in self.model.named_parameters():
@@ -53,17 +65,24 @@ class GRPOLearner:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError(f"model.trainable={cfg.model.trainable!r} matches no parameter")
+        # fused on CUDA: one kernel per tensor group, without the multi-tensor path's model-sized temporaries
+        cuda = str(self.device).startswith("cuda")
         self.optimizer = torch.optim.AdamW(self.params, lr=g.lr, betas=(g.adam_beta1, g.adam_beta2), eps=g.adam_eps,
-                                           weight_decay=g.weight_decay)
+                                           weight_decay=g.weight_decay, fused=cuda or None, foreach=False)
         warmup = g.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) if warmup else 1.0)
         self.pad_id = self.model.config.pad_token_id or 0
+        self.named = dict(self.model.named_parameters())  # a tied LM head appears once, as the embedding
+        layer = lambda name: m.group(1) if (m := LAYER.search(name)) else name  # noqa: E731
+        self.chunks = [list(names) for _, names in itertools.groupby(self.named, layer)]
+        """Names per sync chunk: one chunk per transformer layer, one per tensor outside the layers."""
 
     def ready(self) -> dict:
         return {"pid": os.getpid(), "device": self.device,
                 "parameters": sum(p.numel() for p in self.model.parameters()),
-                "trainable": sum(p.numel() for p in self.params), "reference": self.ref is not None}
+                "trainable": sum(p.numel() for p in self.params), "reference": self.ref is not None,
+                "weight_chunks": len(self.chunks)}
 
     # -- one batch -------------------------------------------------------------------------------------------
     def _pad(self, samples: list[dict]):
@@ -82,26 +101,28 @@ class GRPOLearner:
             mask[b, len(s["prompt_ids"]) - 1 : len(x) - 1] = 1.0
         return ids.to(self.device), attn.to(self.device), mask.to(self.device)
 
-    def _log_probs(self, model, ids, attn, mask):
-        """[B, L-1] log-probs of ids[:, 1:] (0 off the mask) and [N, V] logits of the N masked positions.
+    def _log_probs(self, model, ids, attn, mask, entropy: bool = False):
+        """[B, L-1] log-probs of ids[:, 1:] under softmax(logits / sampling.temperature) (0 off the mask), and the
+        [N] entropies of the N masked positions when asked (else None).
 
-        The LM head runs on completion positions only: prompts are ~3x longer than completions here, and the head
-        (vocabulary x hidden) with its log-softmax is a large share of a small model's cost."""
+        The LM head runs on completion positions only (prompts are ~3x longer than completions here, and the head
+        with its log-softmax is a large share of a small model's cost), grpo.logit_chunk_tokens at a time."""
         import torch
 
-        from grpo.loss import token_log_probs
+        from es_ray.eval.entropy import chunked_token_scores
 
-        hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]
-        sel = mask.bool()
-        logits = model.get_output_embeddings()(hidden[sel])
-        logp = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        logp = logp.masked_scatter(sel, token_log_probs(logits.unsqueeze(0), ids[:, 1:][sel].unsqueeze(0))[0])
-        return logp, logits
+        with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.mixed,
+                            cache_enabled=False):  # no cache: it would hold a bf16 copy of every weight at once
+            hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]
+            sel = mask.bool()
+            logp_n, entropy_n = chunked_token_scores(model.get_output_embeddings(), hidden[sel], ids[:, 1:][sel],
+                                                     self.temperature, self.g.logit_chunk_tokens, entropy)
+        logp = torch.zeros(mask.shape, dtype=logp_n.dtype, device=mask.device)  # fp32 (fp64 in tests)
+        return logp.masked_scatter(sel, logp_n), entropy_n
 
     def train_step(self, samples: list[dict], advantages: list[float]) -> dict:
         import torch
 
-        from es_ray.eval.entropy import entropy_from_logits
         from grpo.loss import grpo_loss
 
         g, t0 = self.g, time.perf_counter()
@@ -117,14 +138,13 @@ class GRPOLearner:
         for epoch in range(g.epochs_per_batch):
             self.optimizer.zero_grad(set_to_none=True)
             for k, ((_, adv), (ids, attn, mask)) in enumerate(zip(chunks, padded)):
-                logp, logits = self._log_probs(self.model, ids, attn, mask)
+                logp, entropy_n = self._log_probs(self.model, ids, attn, mask, entropy=epoch == 0)
                 if epoch == 0:
                     old_logp.append(logp.detach())  # the policy that sampled the batch: these weights
-                    with torch.no_grad():
-                        totals["entropy_sum"] += float(entropy_from_logits(logits).sum())
-                        if self.ref is not None:
+                    totals["entropy_sum"] += float(entropy_n.sum())
+                    if self.ref is not None:
+                        with torch.no_grad():
                             ref_logp.append(self._log_probs(self.ref, ids, attn, mask)[0])
-                del logits
                 loss, stats = grpo_loss(
                     logp, old_logp[k], torch.tensor(adv, device=self.device), mask, loss_type=g.loss_type,
                     clip_eps=g.clip_eps, clip_eps_high=g.clip_eps_high, beta=g.beta,
@@ -149,19 +169,32 @@ class GRPOLearner:
 
     # -- weights, probe, checkpoints ---------------------------------------------------------------------------
     def weights(self) -> dict:
-        """The policy by HF parameter name, as fp32 CPU tensors (what the rollout engines are written with)."""
+        """The policy by HF parameter name, as fp32 CPU tensors (checkpoints)."""
         import torch
 
-        return {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.model.named_parameters()}
+        return {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.named.items()}
+
+    def weight_chunk(self, k: int, dtype: str) -> dict:
+        """Chunk ``k`` of the weights (a transformer layer, or one other tensor) by HF name, cast to ``dtype`` (the
+        rollout engine's) on the learner's device, then copied to the CPU: the sync sends the engine's bytes."""
+        from es_ray.core.dtypes import resolve_dtype
+
+        dt = resolve_dtype(dtype, self.device)
+        return {n: self.named[n].detach().to(dtype=dt).to("cpu", copy=True) for n in self.chunks[k]}
 
     def probe_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-        from es_ray.eval.entropy import completion_log_probs
+        """log p of each probe completion token as the learner scores its batches (same precision, temperature and
+        chunked head): what the engine's log-probs are compared with after a sync."""
+        import torch
 
+        ids, attn, mask = self._pad([{"prompt_ids": list(prompt_ids), "completion_ids": list(completion_ids)}])
         self.model.eval()
         try:
-            return completion_log_probs(self.model, prompt_ids, completion_ids).tolist()
+            with torch.no_grad():
+                logp = self._log_probs(self.model, ids, attn, mask)[0]
         finally:
             self.model.train()
+        return logp[mask.bool()].tolist()
 
     def save(self, path: str, meta: dict) -> str:
         import torch
@@ -183,7 +216,7 @@ class GRPOLearner:
 
         weights = load_hf_weights(path)
         with torch.no_grad():
-            for name, p in self.model.named_parameters():
+            for name, p in self.named.items():
                 src = weights.get(name)
                 if src is None and name == "lm_head.weight":  # tied: saved once, as the embedding
                     src = weights["model.embed_tokens.weight"]

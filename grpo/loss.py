@@ -1,5 +1,6 @@
-"""GRPO math, pure torch (no Ray, no vLLM): group-relative advantages, token log-probs, the clipped surrogate with
-an optional k3 KL, and the three loss aggregations.
+"""GRPO math, pure torch (no Ray, no vLLM): group-relative advantages, the clipped surrogate with an optional k3 KL,
+and the three loss aggregations. Token log-probs (at the sampling temperature, chunked over positions) are
+es_ray.eval.entropy.chunked_token_scores.
 
 Shapes: P prompts x G completions per prompt; B = P * G sequences; T = the longest completion in a micro-batch.
 ``mask_bt`` is 1 on completion tokens and 0 on padding.
@@ -41,12 +42,6 @@ def _batch_std(r, centred, eps):
 @ADV_SCALES.register("none")
 def _unscaled(r, centred, eps):
     return centred
-
-
-def token_log_probs(logits_btv: torch.Tensor, tokens_bt: torch.Tensor) -> torch.Tensor:
-    """[B, T, V] logits that predict [B, T] tokens -> [B, T] log-probabilities, in fp32."""
-    logp = torch.log_softmax(logits_btv.float(), dim=-1)
-    return logp.gather(-1, tokens_bt.unsqueeze(-1)).squeeze(-1)
 
 
 def k3_kl(logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The GRPO rollout Ray actor: one es_ray engine (transformers or vLLM) and the task, as an ES actor holds.
 
 It samples groups of completions from the current policy and scores them with the task's reward, takes the
-learner's weights through the engine interface (``Engine.write_weights``), and reports the engine's own
-log-probabilities of a probe sequence so the driver can verify a sync.
+learner's weights through the engine interface (``Engine.write_weights``, one chunk at a time, already in the
+engine's dtype), and reports the engine's own log-probabilities of a probe sequence at the sampling temperature so
+the driver can verify a sync.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import time
 from es_ray.tasks.base import score
 from grpo.config import GRPOTrainConfig
 
-PROBE_TEXT = "The answer is 42. Let me check: 40 + 2 = 42, so the answer is 42."
-"""Completion of the sync probe: fixed, so every check compares the same sequence."""
+PROBE_TOKENS = 32
+"""Longest sync probe completion (vLLM returns the whole vocabulary's log-probs per position at T != 1)."""
+PROBE_SEED = 0
 
 
 class RolloutWorker:
@@ -36,11 +38,17 @@ class RolloutWorker:
         self._prompts = templated_prompts(self.engine, self.task)
 
     def ready(self) -> dict:
+        from es_ray.core.dtypes import dtype_name
+
         return {"rank": self.rank, "pid": os.getpid(), "train_size": len(self.task.train),
-                "eval_size": len(self.task.eval)}
+                "eval_size": len(self.task.eval), "dtype": dtype_name(self.engine.dtype)}
 
     def _tokens(self, text: str) -> list[int]:
         return list(self.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _ids(self, completion) -> list[int]:
+        """The sampled ids (both engines return them); re-tokenising the text is the fallback."""
+        return list(completion.token_ids) if completion.token_ids else self._tokens(completion.text)
 
     def generate(self, prompt_indices: list[int], group_size: int, seed: int) -> dict:
         """group_size completions of each training prompt -> per completion its prompt index, prompt and completion
@@ -55,9 +63,8 @@ class RolloutWorker:
         rewards, errors = score(self.task, [c.text for c in completions], problems)
         samples = []
         for i, c, reward in zip(index, completions, rewards):
-            # The transformers engine returns the sampled ids; re-tokenising the text is the fallback.
-            ids = list(c.token_ids) if c.token_ids else self._tokens(c.text)
-            samples.append({"prompt_index": i, "prompt_ids": prompt_ids[i], "completion_ids": ids, "reward": reward})
+            samples.append({"prompt_index": i, "prompt_ids": prompt_ids[i], "completion_ids": self._ids(c),
+                            "reward": reward})
         return {"samples": samples, "reward_errors": errors, "generate_s": t1 - t0,
                 "reward_s": time.perf_counter() - t1, "tokens": sum(c.num_tokens for c in completions)}
 
@@ -74,18 +81,27 @@ class RolloutWorker:
         return {"reward": sum(rewards) / max(1, len(problems)), "tokens": sum(c.num_tokens for c in completions),
                 "errors": errors, "seconds": t1 - t0}
 
-    def write_weights(self, weights: dict) -> float:
-        """Copy the learner's (HF name -> tensor) weights into the engine; returns the seconds it took."""
+    def write_weights(self, weights: dict) -> dict:
+        """Copy (HF name -> tensor) weights, the whole model or one chunk of it, into the engine; returns the bytes
+        received and the seconds the write took."""
         t0 = time.perf_counter()
         self.engine.write_weights(weights.items())
-        return time.perf_counter() - t0
+        return {"bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+                "seconds": time.perf_counter() - t0}
 
     def probe_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-        return self.engine.token_logprobs(prompt_ids, completion_ids)
+        return self.engine.token_logprobs(prompt_ids, completion_ids, self.cfg.sampling.temperature)
 
     def probe(self) -> tuple[list[int], list[int]]:
-        """The sync probe: the first training prompt and a fixed completion, as token ids."""
-        return self._tokens(self._prompts["train"][0]), self._tokens(PROBE_TEXT)
+        """The sync probe: the first training prompt and a completion this engine samples for it (at the sampling
+        temperature, a fixed seed, up to PROBE_TOKENS tokens). Sampled rather than greedy or fixed text: its tokens
+        have the probabilities the policy's own samples have, where a wrong weight shows, not only near-certain
+        ones whose log-probs sit at ~0 whatever the weights."""
+        from dataclasses import replace
+
+        sampling = replace(self.cfg.sampling, max_new_tokens=min(PROBE_TOKENS, self.cfg.sampling.max_new_tokens))
+        c = self.engine.generate([self._prompts["train"][0]], sampling, PROBE_SEED)[0]
+        return self._tokens(self._prompts["train"][0]), self._ids(c)
 
     def peak_memory(self) -> dict:
         from es_ray.runtime.ledger import process_peak_memory

@@ -1,5 +1,7 @@
 """The GRPO learner in-process on the tiny model: the KL to the frozen reference starts at 0 and grows, several
-epochs per batch move the ratio away from 1 (old log-probs kept), and gradient checkpointing gives the same step."""
+epochs per batch move the ratio away from 1 (old log-probs kept), gradient checkpointing gives the same step,
+bf16_mixed keeps steps bf16 weights lose and stays close to fp32, the chunked LM head equals the unchunked one while
+holding one chunk of logits, and the learner scores at the rollouts' sampling temperature."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import pytest
 import torch
 
 from grpo.config import to_grpo_config
+from grpo.learner import GRPOLearner
 
 
 def batch(n=4, prompt=(1, 2, 3, 4, 5), length=5):
@@ -17,8 +20,6 @@ def batch(n=4, prompt=(1, 2, 3, 4, 5), length=5):
 
 
 def learner(model_dir, **grpo):
-    from grpo.learner import GRPOLearner
-
     return GRPOLearner(to_grpo_config({"model": {"path": str(model_dir)}, "engine": {"threads": 1},
                                        "grpo": {"lr": 1e-2, "micro_batch_size": 2, **grpo}}))
 
@@ -49,3 +50,104 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir):
     assert a["grpo/grad_norm"] == pytest.approx(b["grpo/grad_norm"], rel=1e-4)
     wa, wb = plain.weights(), ckpt.weights()
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_pure_bf16_is_refused_and_so_is_top_p_below_one():
+    from es_ray.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="grpo.dtype=bf16_mixed"):
+        to_grpo_config({"grpo": {"dtype": "bfloat16"}})
+    with pytest.raises(ConfigError, match="sampling.top_p=1.0"):
+        to_grpo_config({"sampling": {"top_p": 0.9}})
+
+
+def test_bf16_mixed_keeps_a_small_step_that_bf16_weights_lose(tiny_model_dir):
+    """lr 1e-5 on weights of magnitude 1 (the RMSNorm gains start at 1.0): AdamW on a bf16 weight rounds the step
+    away (bf16's spacing at 1 is 2^-7), while bf16_mixed's fp32 master moves by about lr."""
+    w = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    w.grad = torch.full_like(w, 0.3)
+    torch.optim.AdamW([w], lr=1e-5, weight_decay=0.0).step()
+    assert torch.equal(w.detach(), torch.ones(8, dtype=torch.bfloat16))  # the step is lost
+
+    lrn = learner(tiny_model_dir, dtype="bf16_mixed", lr=1e-5)
+    gain = lrn.named["model.norm.weight"]
+    assert gain.dtype == torch.float32 and torch.equal(gain, torch.ones_like(gain))
+    lrn.train_step(*batch())
+    step = (gain.detach() - 1.0).abs()
+    assert 5e-6 < float(step.max()) <= 1.1e-5  # Adam's first step is ~lr per weight, kept in fp32
+
+
+def scored(lrn, samples, adv):
+    """Log-probs [B, L-1], mask, and the gradient (flat) of the GRPO loss with old = current log-probs."""
+    from grpo.loss import grpo_loss
+
+    ids, attn, mask = lrn._pad(samples)
+    logp, _ = lrn._log_probs(lrn.model, ids, attn, mask)
+    lrn.optimizer.zero_grad(set_to_none=True)
+    grpo_loss(logp, logp.detach() - 0.1, torch.tensor(adv, dtype=logp.dtype), mask, loss_type="dapo")[0].backward()
+    return logp.detach(), mask, torch.cat([p.grad.flatten() for p in lrn.params])
+
+
+def test_bf16_mixed_log_probs_and_gradient_are_close_to_float32(tiny_model_dir):
+    """bf16 keeps 8 significant bits, so each rounding is within 2^-8 ~ 4e-3 relative, and independent roundings
+    partly cancel; the tiny model's forward and backward go through a handful of rounded matmuls, so 1e-2 relative
+    is the bar (measured: 4e-3 on the gradient, 1.3e-3 nats on log-probs of ~ -10.8, i.e. 1.2e-4 relative)."""
+    samples, adv = batch()
+    lp32, mask, g32 = scored(learner(tiny_model_dir), samples, adv)
+    lp16, _, g16 = scored(learner(tiny_model_dir, dtype="bf16_mixed"), samples, adv)
+    on = mask.bool()
+    diff = (lp32[on] - lp16[on]).abs().max()
+    assert 0 < diff <= 1e-2 * lp32[on].abs().max()  # bf16 compute happened, and stays close
+    assert float((g32 - g16).norm() / g32.norm()) < 1e-2
+
+
+def test_chunked_log_probs_equal_unchunked_and_hold_one_chunk_of_logits(tiny_model_dir):
+    """grpo.logit_chunk_tokens=3 against one chunk for all N completion positions, in float64: the same log-probs
+    and gradients to rounding, and the largest logits tensor (forward, and the recompute in the backward pass) is
+    3 x V, not N x V."""
+    samples, adv = batch()
+    largest = {}
+    results = {}
+    for chunk in (3, 10_000):
+        lrn = learner(tiny_model_dir, logit_chunk_tokens=chunk)
+        lrn.model.double()
+        head = lrn.model.get_output_embeddings()
+        largest[chunk] = 0
+        hook = head.register_forward_hook(
+            lambda m, i, out, c=chunk: largest.__setitem__(c, max(largest[c], out.numel())))
+        results[chunk] = scored(lrn, samples, adv)
+        hook.remove()
+    (lp_a, mask, g_a), (lp_b, _, g_b) = results[3], results[10_000]
+    vocab = head.weight.shape[0]
+    n = int(mask.sum())
+    assert n > 3 and largest == {3: 3 * vocab, 10_000: n * vocab}
+    assert lp_a.dtype == g_a.dtype == torch.float64
+    assert torch.allclose(lp_a, lp_b, rtol=0, atol=1e-12)
+    assert torch.allclose(g_a, g_b, rtol=1e-10, atol=1e-14)
+
+
+def test_learner_log_probs_are_the_engines_at_the_sampling_temperature(tiny_model_dir):
+    """Rollouts sampled at T = 0.7 (transformers engine, fp32): the learner's log-probs of the sampled tokens, in a
+    padded training batch, equal the engine's token_logprobs(..., temperature=0.7) within 1e-4; taken at T = 1
+    instead they are off by far more, so the temperature is applied, not ignored."""
+    from grpo.rollout import RolloutWorker
+
+    cfg = {"model": {"path": str(tiny_model_dir)}, "engine": {"threads": 1},
+           "sampling": {"max_new_tokens": 6, "temperature": 0.7}}
+    rollout = RolloutWorker(to_grpo_config(cfg))
+    samples = rollout.generate([0, 1], 2, seed=5)["samples"]
+    engine = [rollout.engine.token_logprobs(s["prompt_ids"], s["completion_ids"], 0.7) for s in samples]
+
+    def learner_lp(temperature):
+        lrn = GRPOLearner(to_grpo_config({**cfg, "sampling": {**cfg["sampling"], "temperature": temperature}}))
+        ids, attn, mask = lrn._pad(samples)
+        with torch.no_grad():
+            logp = lrn._log_probs(lrn.model, ids, attn, mask)[0]
+        return [logp[b][mask[b].bool()].tolist() for b in range(len(samples))]
+
+    def worst(lps):
+        return max(abs(a - b) for mine, theirs in zip(lps, engine) for a, b in zip(mine, theirs))
+
+    assert worst(learner_lp(0.7)) <= 1e-4
+    assert worst(learner_lp(1.0)) > 0.05
+

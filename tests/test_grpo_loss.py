@@ -130,3 +130,28 @@ def test_unknown_options_are_refused():
         group_advantages(torch.zeros(1, 2), "rank")
     with pytest.raises(ValueError, match="ref"):
         grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), beta=0.1)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 100])
+def test_chunked_token_scores_match_the_whole_log_softmax_at_a_temperature(chunk):
+    """The learner's chunked LM head (es_ray.eval.entropy.chunked_token_scores) against log_softmax(h W^T / T) over
+    all positions at once, in float64: log-probs, entropies and the gradients to h and W."""
+    from es_ray.eval.entropy import chunked_token_scores, entropy_from_logits
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(6, 40, bias=False).double()
+    hidden = torch.randn(9, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    tokens = torch.randint(0, 40, (9,), generator=g)
+    weights = torch.rand(9, dtype=torch.float64, generator=g)
+    lp, ent = chunked_token_scores(head, hidden, tokens, 0.7, chunk, entropy=True)
+    (lp * weights).sum().backward()
+    got = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+    logits = head(hidden) / 0.7
+    want = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    (want * weights).sum().backward()
+    torch.testing.assert_close(lp, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ent, entropy_from_logits(head(hidden).detach(), 0.7).double(), rtol=1e-6, atol=1e-6)
+    assert not ent.requires_grad
+    torch.testing.assert_close(got[0], hidden.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1], head.weight.grad, rtol=1e-12, atol=1e-12)

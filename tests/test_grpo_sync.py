@@ -1,13 +1,16 @@
 """Weight sync between the GRPO learner and a rollout engine, in-process on the tiny model: the probe agrees after
-a sync, and a deliberately wrong weight (or a missed sync) is caught."""
+a sync, a deliberately wrong weight (or a missed sync) is caught, the weights travel layer by layer in the engine's
+dtype, and the tolerance is set from the difference measured at the first sync."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from grpo.config import to_grpo_config
-from grpo.driver import WeightSyncError, check_sync, sync_tolerance
+from grpo.driver import SYNC_FLOOR, SYNC_MARGIN, WeightSyncError, check_sync, sync_tolerance
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +84,83 @@ def test_vllm_engine_takes_the_learner_weights_and_verifies(pair, tiny_model_dir
             verify(learner, rollout, sync_tolerance(vcfg))
     finally:
         rollout.engine.close()
+
+
+def test_tolerance_is_the_floor_or_a_margin_over_the_first_difference_unless_set(pair):
+    from dataclasses import replace
+
+    cfg = pair[0]
+    assert sync_tolerance(cfg, 1e-6) == SYNC_FLOOR == 2e-3  # fp32 both sides: kernel noise, the floor holds
+    assert sync_tolerance(cfg, 0.05) == pytest.approx(SYNC_MARGIN * 0.05)  # e.g. a bf16 engine
+    fixed = replace(cfg, grpo=replace(cfg.grpo, sync_tolerance=0.3))
+    assert sync_tolerance(fixed, 0.05) == 0.3
+
+
+def test_weight_chunks_are_layers_in_the_engine_dtype(pair):
+    _, learner, _ = pair
+    weights = learner.weights()
+    chunks = [learner.weight_chunk(k, "bfloat16") for k in range(learner.ready()["weight_chunks"])]
+    layers = [c for c in chunks if any(".layers." in n for n in c)]
+    assert len(layers) == 2 and all(len({n.split(".")[2] for n in c}) == 1 for c in layers)  # one layer each
+    assert all(len(c) == 1 for c in chunks if c not in layers)  # embedding, final norm: one tensor each
+    got = {n: t for c in chunks for n, t in c.items()}
+    assert got.keys() == weights.keys() and all(t.dtype == torch.bfloat16 for t in got.values())
+    assert all(torch.equal(got[n], weights[n].to(torch.bfloat16)) for n in got)
+
+
+class Handle:
+    """``actor.method.remote(...)`` answered at once, in-process."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __getattr__(self, method):
+        return SimpleNamespace(remote=getattr(self.obj, method))
+
+
+class Local:
+    """An in-process stand-in for a runtime ActorGroup (gather / call / each, and ``actors[r]``), so that Crew.sync
+    runs without Ray."""
+
+    def __init__(self, *objs):
+        self.objs, self.actors, self.ranks = list(objs), [Handle(o) for o in objs], list(range(len(objs)))
+
+    def gather(self, method, calls, slow=False):
+        return {r: getattr(self.objs[r], method)(*args) for r, args in calls.items()}
+
+    def call(self, rank, method, *args, slow=False):
+        return self.gather(method, {rank: args})[rank]
+
+    def each(self, method, *args, slow=False):
+        return [self.call(r, method, *args) for r in self.ranks]
+
+
+def test_first_sync_to_a_bf16_engine_sets_the_tolerance_and_sends_bf16_layer_by_layer(pair, tiny_model_dir):
+    """An fp32 learner and a bf16 engine: the first sync measures their difference on a completion the engine
+    samples, sets the tolerance to max(floor, 4x) it, sends half the fp32 bytes; a later sync verifies within it,
+    and a wrong tensor is still caught."""
+    from grpo.driver import Crew
+    from grpo.rollout import RolloutWorker
+
+    cfg, learner, _ = pair
+    bf16 = RolloutWorker(to_grpo_config({"model": {"path": str(tiny_model_dir)}, "sampling": {"max_new_tokens": 6},
+                                         "engine": {"threads": 1, "dtype": "bfloat16"}}))
+    crew = Crew.__new__(Crew)
+    crew.cfg, crew.tol, crew.probe = cfg, sync_tolerance(cfg), None
+    crew.learner, crew.learner_info = Local(learner), learner.ready()
+    crew.rollouts, crew.infos = Local(bf16), [bf16.ready()]
+    first = crew.sync(-1)
+    assert crew.probe[1] and first["sync/max_logprob_diff"] > 0  # bf16 rounding, measured
+    assert first["sync/tolerance"] == crew.tol == max(SYNC_FLOOR, SYNC_MARGIN * first["sync/max_logprob_diff"])
+    fp32_bytes = sum(t.numel() * 4 for t in learner.weights().values())
+    assert first["sync/bytes"] == fp32_bytes // 2 and first["timing_s/sync_write"] > 0
+    out = bf16.generate([0, 1], 2, seed=2)
+    learner.train_step(out["samples"], [1.0, -1.0, 0.5, -0.5])
+    assert crew.sync(0)["sync/max_logprob_diff"] <= crew.tol
+    name = "model.layers.1.mlp.down_proj.weight"
+    wrong = learner.weights()[name] + 0.05 * torch.randn(learner.named[name].shape,
+                                                         generator=torch.Generator().manual_seed(0))
+    bf16.write_weights({name: wrong})
+    with pytest.raises(WeightSyncError, match="rollout engine 0"):
+        check_sync(learner.probe_logprobs(*crew.probe), [bf16.probe_logprobs(*crew.probe)], crew.tol, 1)
+    crew._resync(crew.rollouts, 0)  # a replacement's restore: every chunk again, verified

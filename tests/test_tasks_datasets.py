@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from es_ray.core.config import TaskConfig
+from es_ray.core.config import ConfigError, TaskConfig
 from es_ray.tasks import EVAL_TASKS, TASKS, load_task
 from es_ray.tasks.base import TaskLoadError
 
@@ -65,6 +65,24 @@ def test_math_answers_in_other_forms():
     deepscaler = _load("deepscaler")
     sqrt2 = next(p for p in deepscaler.eval_problems() if p.answer == "\\sqrt{2}")
     assert deepscaler.grade("x = \\boxed{2^{1/2}}", sqrt2).correct
+
+
+def test_answers_count_only_in_the_final_box_unless_last_is_asked_for():
+    """The issue's example: an unboxed completion that restates the problem scored correct under the lenient
+    parser; strict (boxed, the default) scores it wrong, and both modes report it."""
+    strict, lenient = _load("math500"), _load("math500", answer="last")
+    p = next(q for q in strict.eval_problems() if q.answer == "32")  # "Compute $2^5$."
+    restating = "We can find $2^5$ by doubling five times"
+    truncated = "2^5 = 32, so the answer is \\boxed{3"
+    assert [g.correct for g in strict.grade_batch([restating, truncated], [p, p])] == [False, False]
+    assert lenient.grade(restating, p).correct  # math-verify takes the restated 2^5 = 32
+    assert strict.reward(restating, p) == 0.0 and strict.grade("\\boxed{32}", p).correct
+    assert strict.answer_checks(restating, p) == {"boxed": False, "restated": True}
+    assert strict.answer_checks("so \\boxed{32}", p) == {"boxed": True, "restated": False}
+    with pytest.raises(ConfigError, match="task.answer='loose'"):
+        from es_ray.runtime.validation import validate_task
+
+        validate_task(TaskConfig(name="math500", answer="loose"))
 
 
 def test_gpqa_shuffles_choices_with_a_fixed_seed():

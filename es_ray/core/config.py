@@ -79,6 +79,9 @@ class TaskConfig:
     """countdown: how many source numbers per problem (3 or 4)."""
     countdown_source: str = "generated"
     """countdown: generated (from task.seed) or hub (Jiayi-Pan/Countdown-Tasks-3to4); task.path= overrides both."""
+    answer: str = "boxed"
+    """Math tasks: boxed (only the final \\boxed{} answer counts, as the prompt asks) or last (math-verify takes the
+    last expression of the completion: lenient, opt-in)."""
     seed: int = 1234
     """Seed for generated problems and the train/held-out split (independent of run.seed)."""
 

@@ -25,6 +25,37 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     return -(logp.exp() * logp).sum(dim=-1)
 
 
+def chunked_token_scores(head, hidden_nh: torch.Tensor, tokens_n: torch.Tensor, temperature: float = 1.0,
+                         chunk: int = 1024, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[N, H] hidden states and the [N] tokens they predict -> ([N] log p(token), [N] entropy or None) under
+    softmax(head(hidden) / temperature), in fp32 at least, ``chunk`` positions at a time.
+
+    No more than one chunk's [chunk, V] logits exist at once, forward or backward: with gradients enabled each chunk
+    runs under torch.utils.checkpoint, so its logits are not kept for the backward pass but recomputed there one
+    chunk at a time (the head's forward runs twice; keeping every chunk's graph instead would hold every chunk's
+    [chunk, V] log-softmax until the backward, N x V again). Gradients flow to ``hidden_nh`` and the head's weights.
+    The entropy is a statistic and comes back detached."""
+    from torch.utils.checkpoint import checkpoint
+
+    def score(h: torch.Tensor, tok: torch.Tensor):
+        z = head(h)
+        logp = torch.log_softmax((z.float() if z.element_size() < 4 else z) / temperature, dim=-1)
+        lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+        if not entropy:
+            return lp, None
+        with torch.no_grad():
+            return lp, -(logp.exp() * logp).sum(dim=-1)
+
+    grad = torch.is_grad_enabled()
+    parts = []
+    for i in range(0, hidden_nh.shape[0], chunk) or [0]:  # N = 0: one empty chunk, so the graph still exists
+        h, tok = hidden_nh[i : i + chunk], tokens_n[i : i + chunk]
+        parts.append(checkpoint(score, h, tok, use_reentrant=False, preserve_rng_state=False) if grad else
+                     score(h, tok))
+    lp = torch.cat([p[0] for p in parts])
+    return lp, (torch.cat([p[1] for p in parts]).detach() if entropy else None)
+
+
 def _completion_logits(model, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> torch.Tensor:
     """[L, V] logits predicting the L completion tokens, by one forward pass over prompt + completion; only the
     last L + 1 positions go through the LM head (``logits_to_keep``)."""

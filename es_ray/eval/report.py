@@ -39,6 +39,17 @@ def results_markdown(results: dict) -> str:
     overall = results.get("entropy", {}).get("mean_per_token")
     lines += ["", f"Mean token entropy over all tasks: {_num(overall)} nats. "
               f"Wall time {results['timing_s']['total']:.1f} s, {results['tokens_generated']} tokens generated."]
+    checked = {name: t["answer_checks"] for name, t in results["tasks"].items() if t.get("answer_checks")}
+    if checked:
+        lines += ["", f"Answer format (eval.answer={s.get('answer', 'boxed')}): correct samples with no final "
+                  "\\boxed{} answer, correct samples whose answer only restates an expression of the problem, and "
+                  "pass@k with both counted wrong.", "",
+                  "| task | correct without a box | correct restating | " + " | ".join(f"pass@{k} without them"
+                                                                                   for k in ks) + " |",
+                  "|---|---|---|" + "---|" * len(ks)]
+        for name, c in checked.items():
+            lines.append(f"| {name} | {c['correct_without_box']} | {c['correct_restating']} | "
+                         + " | ".join(_pct(c["pass@k_without_them"].get(str(k))) for k in ks) + " |")
     sandbox = results.get("sandbox")
     if sandbox:
         lines += ["", f"Code sandbox: network {sandbox['network']}; user {sandbox['user']}."]

@@ -10,6 +10,7 @@ from es_ray.core.config import (DEVICES, PLACEMENTS, ClusterConfig, ConfigError,
                                 check_absolute, check_choice, check_positive, validate_faults, validate_sampling)
 from es_ray.core.dtypes import DTYPE_NAMES
 from es_ray.engines import ENGINES, TENSOR_PARALLEL
+from es_ray.grading.boxed import ANSWER_MODES
 from es_ray.runtime.cluster import check_address_syntax
 from es_ray.runtime.tracking import TRACKERS
 from es_ray.tasks import TASKS
@@ -61,6 +62,7 @@ def validate_task(task: TaskConfig) -> None:
     if task.train_size < 0 or task.eval_size < 0:
         raise ConfigError("task.train_size and task.eval_size must be >= 0")
     check_choice("task.countdown_source", task.countdown_source, SOURCES)
+    check_choice("task.answer", task.answer, ANSWER_MODES)
 
 
 def validate_trainer(cfg: Any) -> None:

@@ -56,6 +56,10 @@ class Task(ABC):
         """The problems an evaluation scores (es-eval): the held-out set unless a task says otherwise."""
         return list(self.eval)
 
+    def answer_checks(self, completion: str, problem: Problem) -> dict[str, bool]:
+        """Format checks of a completion's answer that es-eval counts (math: boxed, restated); none by default."""
+        return {}
+
     def answer_key(self, completion: str, problem: Problem) -> str | None:
         """The completion's final answer in canonical form, for maj@k; None when there is nothing to vote on."""
         return None

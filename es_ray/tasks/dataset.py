@@ -17,7 +17,9 @@ benchmark used as ES fitness then trains on what it is scored on: do that knowin
 from __future__ import annotations
 
 import random
+import re
 
+from es_ray.grading.boxed import last_boxed, restates_problem
 from es_ray.grading.choice import extract_letter
 from es_ray.grading.mathverify import check_one, default_pool
 from es_ray.grading.result import Grade
@@ -142,13 +144,43 @@ class MathTask(DatasetTask):
                        meta={"id": row.get("id", row.get("unique_id"))})
 
     def reward(self, completion: str, problem: Problem) -> float:
-        return check_one(problem.answer, completion).score
+        pred = self.prediction(completion)
+        return 0.0 if pred is None else check_one(problem.answer, pred).score
 
     def grade(self, completion: str, problem: Problem) -> Grade:
         return self.grade_batch([completion], [problem])[0]
 
     def grade_batch(self, completions: list[str], problems: list[Problem]) -> list[Grade]:
-        return default_pool().check([(p.answer, c) for c, p in zip(completions, problems)])
+        preds = [self.prediction(c) for c in completions]
+        asked = [i for i, p in enumerate(preds) if p is not None]
+        checked = default_pool().check([(problems[i].answer, preds[i]) for i in asked]) if asked else []
+        grades = [Grade(0.0, False) for _ in completions]  # no final boxed answer: wrong, not a grader failure
+        for i, g in zip(asked, checked):
+            grades[i] = g
+        return grades
+
+    def prediction(self, completion: str) -> str | None:
+        """What math-verify is given: the final box alone (task.answer=boxed; None when there is none), or the
+        whole completion (last)."""
+        if self.cfg.answer == "last":
+            return completion
+        box = last_boxed(completion)
+        return None if box is None else f"\\boxed{{{box}}}"
+
+    def answer_checks(self, completion: str, problem: Problem) -> dict[str, bool]:
+        """Whether the completion has a final boxed answer, and whether its answer (the box, else the last $...$
+        expression or line) only restates an expression of the problem."""
+        box = last_boxed(completion)
+        answer = box if box is not None else _last_expression(completion)
+        return {"boxed": box is not None, "restated": restates_problem(answer, problem.question)}
+
+
+def _last_expression(text: str) -> str | None:
+    spans = re.findall(r"\$([^$]+)\$", text)
+    if spans:
+        return spans[-1]
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].rstrip(".") if lines else None
 
 
 def choice_question(question: str, options: list[str], letters: str) -> str:
