@@ -67,6 +67,14 @@ def load_eval_task(cfg: EvalJobConfig, name: str):
     return task, problems
 
 
+def entropy_temperatures(sampling_temperature: float) -> tuple[float, ...]:
+    """(sampling T, 1.0), or (1.0,) when the samples were drawn at T = 1 or greedily (greedy has no sampling
+    distribution: its entropy is reported at T = 1 only)."""
+    if sampling_temperature > 0 and sampling_temperature != 1.0:
+        return (float(sampling_temperature), 1.0)
+    return (1.0,)
+
+
 def plan_chunks(cfg: EvalJobConfig, sizes: dict[str, int]) -> list[Chunk]:
     per_chunk = max(1, (cfg.eval.chunk_size or cfg.engine.batch_size) // cfg.eval.n)
     chunks = []
@@ -144,23 +152,28 @@ class EvalWorker:
         t1 = time.perf_counter()
         grades = task.grade_batch([c.text for c in completions], [problems[i] for i in ids])
         t2 = time.perf_counter()
-        ent_sum, ent_cnt = [0.0] * len(ids), [0] * len(ids)
+        ent_sum, ent_sum_t1, ent_cnt = [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids)
         hist = np.zeros(len(HIST_EDGES) - 1, dtype=np.int64)
         if ev.entropy:
+            # the distribution that was sampled (logits / eval.temperature) and the model's own (T = 1)
+            temps = entropy_temperatures(ev.temperature)
             scorer = self._scorer()
             tok = scorer.tokenizer
             prompt_ids = {i: tok(prompts[i], add_special_tokens=False)["input_ids"] for i in chunk.problem_ids}
-            for j, (i, c) in enumerate(zip(ids, completions)):
-                # the generated token ids where the engine reports them; else the text re-tokenised (the same
-                # tokens except where the tokenizer does not round-trip, as for random models' output)
-                cids = c.token_ids or tok(c.text, add_special_tokens=False)["input_ids"]
-                h = np.asarray(scorer.token_entropies(prompt_ids[i], cids), dtype=np.float64)
-                ent_sum[j], ent_cnt[j] = float(h.sum()), int(h.size)
-                hist += histogram(h)
+            # the generated token ids where the engine reports them; else the text re-tokenised (the same tokens
+            # except where the tokenizer does not round-trip, as for random models' output)
+            pairs = [(prompt_ids[i], list(c.token_ids or tok(c.text, add_special_tokens=False)["input_ids"]))
+                     for i, c in zip(ids, completions)]
+            for j, h in enumerate(scorer.entropies_batch(pairs, temps)):
+                h = np.asarray(h, dtype=np.float64).reshape(-1, len(temps))
+                ent_sum[j], ent_sum_t1[j], ent_cnt[j] = float(h[:, 0].sum()), float(h[:, -1].sum()), len(h)
+                hist += histogram(h[:, 0])
         t3 = time.perf_counter()
         samples = [{"problem": i, "sample": j % ev.n, "score": g.score, "correct": g.correct, "failure": g.failure,
-                    "answer": g.answer, "tokens": c.num_tokens, "entropy_sum": s, "entropy_tokens": k,
+                    "answer": g.answer, "tokens": c.num_tokens, "entropy_sum": s, "entropy_sum_t1": s1,
+                    "entropy_tokens": k,
                     "checks": task.answer_checks(c.text, problems[i]), "text": c.text if ev.save_samples else None}
-                   for j, (i, c, g, s, k) in enumerate(zip(ids, completions, grades, ent_sum, ent_cnt))]
+                   for j, (i, c, g, s, s1, k) in enumerate(zip(ids, completions, grades, ent_sum, ent_sum_t1,
+                                                                ent_cnt))]
         return {"task": chunk.task, "chunk": chunk.index, "samples": samples, "entropy_hist": hist.tolist(),
                 "seconds": {"generate": t1 - t0, "grade": t2 - t1, "entropy": t3 - t2}}

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from es_ray.eval_config import EvalJobConfig
-from es_ray.eval_worker import Chunk, EvalWorker, load_eval_task, plan_chunks, task_config
+from es_ray.eval_worker import (Chunk, EvalWorker, entropy_temperatures, load_eval_task, plan_chunks,
+                                task_config)
 
 
 def _run_chunks(cfg: EvalJobConfig, chunks: list[Chunk], progress) -> list[dict]:
@@ -87,8 +88,17 @@ def summarize_task(task, n: int, ks: list[int], samples: list[dict], hist: np.nd
         "tokens": {"generated": tokens, "mean_per_completion": tokens / len(samples) if samples else None},
         "entropy": summarize_stats([s["entropy_sum"] for s in samples], [s["entropy_tokens"] for s in samples],
                                    hist) if samples and any(s["entropy_tokens"] for s in samples) else None,
+        "entropy_t1": entropy_at_t1(samples),
         "answer_checks": answer_checks(problems, n, ks) if any(s.get("checks") for s in samples) else None,
     }
+
+
+def entropy_at_t1(samples: list[dict]) -> dict | None:
+    """Mean entropy per token of the model's own distribution (T = 1), beside ``entropy`` (the sampling one)."""
+    tokens = sum(s["entropy_tokens"] for s in samples)
+    if not tokens:
+        return None
+    return {"mean_per_token": sum(s["entropy_sum_t1"] for s in samples) / tokens, "tokens": tokens}
 
 
 def answer_checks(problems: list[list[dict]], n: int, ks: list[int]) -> dict:
@@ -140,12 +150,14 @@ def run(cfg: EvalJobConfig) -> dict:
         "model": cfg.model.path or "embedded SmolLM2-135M-Instruct", "model_dir": str(model_dir),
         "settings": {"engine": cfg.engine.name, "n": cfg.eval.n, "k": ks, "temperature": cfg.eval.temperature,
                      "answer": cfg.eval.answer,
+                     "entropy_temperatures": list(entropy_temperatures(cfg.eval.temperature)),
                      "top_p": cfg.eval.top_p, "max_new_tokens": cfg.eval.max_new_tokens, "limit": cfg.eval.limit,
                      "seed": cfg.run.seed, "actors": cfg.cluster.num_actors},
         "tasks": per_task,
         "entropy": (summarize_stats([s["entropy_sum"] for s in everything],
                                     [s["entropy_tokens"] for s in everything], sum(hists.values()))
                     if cfg.eval.entropy and everything else None) or {},
+        "entropy_t1": entropy_at_t1(everything) if cfg.eval.entropy else None,
         "tokens_generated": sum(s["tokens"] for s in everything),
         "timing_s": {"total": time.perf_counter() - t_start, **{k: float(v) for k, v in seconds.items()}},
         "sandbox": isolation() if "mbpp" in cfg.eval.tasks else None,

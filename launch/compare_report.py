@@ -254,7 +254,7 @@ def markdown(rep: dict) -> str:
         cells.append(" / ".join(_p(m["average"][str(k)]) for k in ks))
         lines.append(f"| {m['label']} | " + " | ".join(cells) + " |")
     lines += uncertainty_markdown(rep)
-    lines += ["", "## Token entropy (nats per generated token, teacher-forced)", "",
+    lines += ["", f"## Token entropy (nats per generated token, teacher-forced, of the sampled distribution at T = {e['temperature']})", "",
               "| method | all tasks | change vs base | " + " | ".join(tasks) + " |",
               "|---|---|---|" + "---|" * len(tasks)]
     before = rep["entropy_before"]

@@ -114,9 +114,15 @@ def _check_results(run_dir: Path, n: int, ks: list[int], limit: int) -> dict:
         assert t["skipped_rows"] >= 1  # every fixture has a malformed row
         assert set(t["grader_failures"]) >= {"timeout", "crash", "error"}
         assert t["tokens"]["generated"] > 0
-        assert t["entropy"]["mean_per_token"] > 0
+        assert t["entropy"]["mean_per_token"] > 0 and t["entropy_t1"]["mean_per_token"] > 0
         assert Path(t["source"]).parent == FIXTURES
+        if name in ("math500", "aime24", "aime25", "amc23"):  # strict boxed answers, with their format counts
+            assert set(t["answer_checks"]) == {"correct_without_box", "correct_restating", "pass@k_without_them"}
     assert results["entropy"]["mean_per_token"] > 0
+    temps = results["settings"]["entropy_temperatures"]
+    assert temps[-1] == 1.0 and (len(temps) == 1) == (results["settings"]["temperature"] in (0, 1.0))
+    if len(temps) == 2:  # sampled below T = 1: the sampling distribution is the sharper one
+        assert results["entropy"]["mean_per_token"] < results["entropy_t1"]["mean_per_token"]
     assert results["sandbox"]["network"]
     md = (run_dir / "results.md").read_text()
     for name in EVAL_TASKS:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from es_ray.eval.entropy import (HIST_EDGES, completion_entropies, entropy_from_logits, hist_quantile, histogram,
-                                 summarize, summarize_stats)
+from es_ray.eval.entropy import (HIST_EDGES, batched_completion_entropies, completion_entropies, entropy_from_logits,
+                                 hist_quantile, histogram, summarize, summarize_stats)
 
 
 def test_entropy_closed_forms():
@@ -47,6 +47,19 @@ def test_teacher_forced_entropy_equals_a_full_forward(small_model):
     assert got.shape == (len(completion),)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert completion_entropies(small_model, prompt, []).numel() == 0
+
+
+def test_batched_entropies_equal_one_pass_per_completion_at_every_temperature(small_model):
+    """Right-padded batches of different lengths (split by the token budget) give each completion's own entropies,
+    at the sampling temperature and at T = 1 from the same logits."""
+    pairs = [([3, 7, 11, 2], [5, 9, 1, 40, 33]), ([4], [8, 8]), ([1, 2, 3, 4, 5, 6, 7], [9]), ([6, 6], [])]
+    got = batched_completion_entropies(small_model, pairs, (0.6, 1.0), max_batch_tokens=12, chunk=2)
+    for (p, c), h in zip(pairs, got):
+        assert h.shape == (len(c), 2)
+        for j, t in enumerate((0.6, 1.0)):
+            np.testing.assert_allclose(h[:, j], completion_entropies(small_model, p, c, temperature=t).numpy(),
+                                       rtol=1e-5, atol=1e-5)
+    assert not np.allclose(got[0][:, 0], got[0][:, 1])  # the two temperatures really differ
 
 
 def test_summary_hand_values():

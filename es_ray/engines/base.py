@@ -140,6 +140,14 @@ class Engine(ABC):
         raise NotImplementedError(f"engine.name={self.name} does not score token entropy (can_score_entropy is "
                                   "False): score with a transformers model of the same checkpoint")
 
+    def entropies_batch(self, pairs: list[tuple[list[int], list[int]]],
+                        temperatures: tuple[float, ...]) -> list[list[list[float]]]:
+        """Per (prompt ids, completion ids) pair, per completion token, the entropy at each temperature: what es-eval
+        scores. The default asks ``token_entropies`` once per pair and temperature; an engine with a batched
+        forward overrides it."""
+        return [[list(row) for row in zip(*(self.token_entropies(p, c, t) for t in temperatures))]
+                for p, c in pairs]
+
     @abstractmethod
     def write_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (HF name, tensor) pairs into the engine, casting to its dtype (consumed one at a time)."""

@@ -81,6 +81,14 @@ class HFEngine(Engine):
 
         return completion_entropies(self.model, prompt_ids, completion_ids, check_temperature(temperature)).tolist()
 
+    def entropies_batch(self, pairs: list[tuple[list[int], list[int]]],
+                        temperatures: tuple[float, ...]) -> list[list[list[float]]]:
+        from es_ray.eval.entropy import batched_completion_entropies
+
+        temps = [check_temperature(t) for t in temperatures]
+        budget = max(512, self.cfg.batch_size * 128)  # padded tokens per forward pass
+        return [h.tolist() for h in batched_completion_entropies(self.model, pairs, temps, max_batch_tokens=budget)]
+
     @torch.no_grad()
     def write_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, t in named:

@@ -92,6 +92,43 @@ def completion_log_probs(model, prompt_ids: Sequence[int], completion_ids: Seque
                       .gather(-1, target[i : i + chunk]).squeeze(-1) for i in range(0, L, chunk)]).cpu()
 
 
+@torch.no_grad()
+def batched_completion_entropies(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+                                 temperatures: Sequence[float], max_batch_tokens: int = 8192,
+                                 chunk: int = 512) -> list[np.ndarray]:
+    """[L_i, len(temperatures)] entropies per completion of ``pairs`` ((prompt ids, completion ids)), teacher-forced
+    in batches of at most ``max_batch_tokens`` padded tokens (longest first, right-padded, attention-masked): one
+    forward pass per batch instead of one per completion, and every temperature from the same logits.
+
+    Only the completion positions go through the LM head, ``chunk`` at a time (a [chunk, V] fp32 block)."""
+    out: list[np.ndarray | None] = [None] * len(pairs)
+    device = next(model.parameters()).device
+    head = model.get_output_embeddings()
+    order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
+    start = 0
+    while start < len(order):
+        width = len(pairs[order[start]][0]) + len(pairs[order[start]][1])
+        rows = max(1, max_batch_tokens // max(1, width))
+        batch = order[start : start + rows]
+        start += len(batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long, device=device)
+        attn = torch.zeros_like(ids)
+        for b, i in enumerate(batch):
+            seq = list(pairs[i][0]) + list(pairs[i][1])
+            ids[b, : len(seq)] = torch.tensor(seq, device=device)
+            attn[b, : len(seq)] = 1
+        hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
+        for b, i in enumerate(batch):
+            p, c = len(pairs[i][0]), len(pairs[i][1])
+            h = hidden[b, p - 1 : p + c - 1]  # position j predicts token j + 1: the completion's L tokens
+            cols = []
+            for k in range(0, c, chunk):
+                z = head(h[k : k + chunk]).float()
+                cols.append(torch.stack([entropy_from_logits(z, t) for t in temperatures], dim=-1))
+            out[i] = (torch.cat(cols) if cols else torch.zeros((0, len(temperatures)))).cpu().numpy()
+    return out
+
+
 def histogram(values: np.ndarray, edges: np.ndarray = HIST_EDGES) -> np.ndarray:
     """Counts per bin; values beyond the last edge are counted in the last bin."""
     return np.histogram(np.clip(np.asarray(values, dtype=np.float64), edges[0], edges[-1]), bins=edges)[0]

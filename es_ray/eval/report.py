@@ -22,18 +22,20 @@ def results_markdown(results: dict) -> str:
         f"top_p {s['top_p']}, max_new_tokens {s['max_new_tokens']}, limit {s['limit'] or 'none'}",
         "- pass@k is the unbiased estimator (Chen et al. 2021); maj@k votes over the first k samples "
         "('-': the task has no canonical answer to vote on); values in %",
-        "- entropy: mean per generated token (nats) from a teacher-forced forward pass",
+        f"- entropy: mean per generated token (nats) from a teacher-forced forward pass, of the distribution that "
+        f"was sampled (T = {s.get('entropy_temperatures', [1.0])[0]}); 'entropy T=1': the model's own distribution",
         "",
     ]
     head = (["task", "problems", "n"] + [f"pass@{k}" for k in ks] + [f"maj@{k}" for k in ks]
-            + ["mean reward", "entropy", "tokens/completion", "grader failures", "skipped rows"])
+            + ["mean reward", "entropy", "entropy T=1", "tokens/completion", "grader failures", "skipped rows"])
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, t in results["tasks"].items():
         failures = ", ".join(f"{k} {v}" for k, v in sorted(t["grader_failures"].items()) if v) or "0"
         ent = (t.get("entropy") or {}).get("mean_per_token")
         row = ([name, str(t["problems"]), str(t["n"])] + [_pct(t["pass@k"].get(str(k))) for k in ks]
                + [_pct(t["maj@k"].get(str(k))) if t["maj@k"] else "-" for k in ks]
-               + [_num(t["mean_reward"]), _num(ent), _num(t["tokens"]["mean_per_completion"], "{:.1f}"),
+               + [_num(t["mean_reward"]), _num(ent), _num((t.get("entropy_t1") or {}).get("mean_per_token")),
+                  _num(t["tokens"]["mean_per_completion"], "{:.1f}"),
                   failures, str(t["skipped_rows"])])
         lines.append("| " + " | ".join(row) + " |")
     overall = results.get("entropy", {}).get("mean_per_token")
