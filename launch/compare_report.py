@@ -254,7 +254,8 @@ def markdown(rep: dict) -> str:
         cells.append(" / ".join(_p(m["average"][str(k)]) for k in ks))
         lines.append(f"| {m['label']} | " + " | ".join(cells) + " |")
     lines += uncertainty_markdown(rep)
-    lines += ["", f"## Token entropy (nats per generated token, teacher-forced, of the sampled distribution at T = {e['temperature']})", "",
+    lines += ["", "## Token entropy (nats per generated token, teacher-forced, of the sampled distribution at "
+              f"T = {e['temperature']})", "",
               "| method | all tasks | change vs base | " + " | ".join(tasks) + " |",
               "|---|---|---|" + "---|" * len(tasks)]
     before = rep["entropy_before"]
