@@ -31,6 +31,7 @@ def run_drift(cfg: DriftJobConfig) -> dict:
     """drift.json and drift_hist.png for base -> tuned, streaming one tensor pair at a time."""
     from safetensors import safe_open
 
+    from es_ray.core.dtypes import resolve_dtype
     from es_ray.eval.drift import drift
     from es_ray.eval.plots import plot_update_histograms
     from es_ray.models import resolve_model
@@ -47,8 +48,9 @@ def run_drift(cfg: DriftJobConfig) -> dict:
                 handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
             return handles[f].get_tensor(name)
 
+        cast = resolve_dtype(cfg.cast_dtype, key="cast_dtype") if cfg.cast_dtype else None
         report = drift(((n, get(base_idx, n), get(tuned_idx, n)) for n in common),
-                       thresholds=cfg.thresholds, top=cfg.top)
+                       thresholds=cfg.thresholds, top=cfg.top, cast=cast)
     report.update(base=str(base_dir), tuned=str(tuned_dir),
                   missing={"base_only": sorted(set(base_idx) - set(tuned_idx)),
                            "tuned_only": sorted(set(tuned_idx) - set(base_idx))})
@@ -62,16 +64,20 @@ def run_drift(cfg: DriftJobConfig) -> dict:
 
 
 def drift_summary(report: dict) -> str:
+    """The per-module-type table, for the fp32 weights and (when reported) the weights cast to the engine dtype."""
     t = report["thresholds"]
-    lines = [f"{'module type':<12} {'tensors':>7} {'L2':>10} {'rel L2':>9} {'nonzero':>8} "
-             + " ".join(f"{'<' + format(x, 'g'):>8}" for x in t) + f" {'max |d|':>9}"]
-    rows = list(report["by_module_type"].items()) + [("total", report["total"])]
-    for kind, r in rows:
-        rel = "-" if r["relative_l2"] is None else f"{r['relative_l2']:.2e}"
-        share = " ".join("       -" if r["share_below"][f"{x:g}"] is None else f"{r['share_below'][f'{x:g}']:>8.1%}"
-                         for x in t)
-        nz = "-" if r["share_nonzero"] is None else f"{r['share_nonzero']:.1%}"
-        lines.append(f"{kind:<12} {r['tensors']:>7} {r['l2']:>10.3e} {rel:>9} {nz:>8} {share} {r['max_abs']:>9.2e}")
+    views = [("fp32", report)] + ([(report["cast"]["dtype"], report["cast"])] if report.get("cast") else [])
+    lines = []
+    for label, view in views:
+        lines.append(f"{label + ' weights':<12} {'tensors':>7} {'L2':>10} {'rel L2':>9} {'nonzero':>8} "
+                     + " ".join(f"{'<' + format(x, 'g'):>8}" for x in t) + f" {'max |d|':>9}")
+        for kind, r in list(view["by_module_type"].items()) + [("total", view["total"])]:
+            rel = "-" if r["relative_l2"] is None else f"{r['relative_l2']:.2e}"
+            share = " ".join("       -" if r["share_below"][f"{x:g}"] is None
+                             else f"{r['share_below'][f'{x:g}']:>8.1%}" for x in t)
+            nz = "-" if r["share_nonzero"] is None else f"{r['share_nonzero']:.1%}"
+            lines.append(f"{kind:<12} {r['tensors']:>7} {r['l2']:>10.3e} {rel:>9} {nz:>8} {share} "
+                         f"{r['max_abs']:>9.2e}")
     return "\n".join(lines)
 
 

@@ -115,6 +115,8 @@ class DriftJobConfig:
     """The checkpoint compared with it (e.g. runs/es-.../checkpoints/final)."""
     thresholds: list[float] = field(default_factory=lambda: [1.0e-3, 1.5e-3, 2.0e-3])
     """Share of non-zero updates with |delta| below each threshold."""
+    cast_dtype: str = "bfloat16"
+    """Also report the drift of the weights cast to this dtype (what a GPU engine holds; empty: fp32 only)."""
     top: int = 5
     """Largest updates listed per module type."""
     run: RunConfig = field(default_factory=RunConfig)
@@ -128,6 +130,8 @@ def validate_drift(cfg: DriftJobConfig) -> DriftJobConfig:
     if not cfg.thresholds or any(t <= 0 for t in cfg.thresholds):
         raise ConfigError(f"thresholds={list(cfg.thresholds)} must be a non-empty list of positive numbers")
     check_positive("top", cfg.top, allow_zero=True)
+    if cfg.cast_dtype:
+        check_choice("cast_dtype", cfg.cast_dtype, ("bfloat16", "float16", "float32"))
     validate_run(cfg.run)
     return cfg
 

@@ -209,6 +209,11 @@ def collect_seed(root: Path, cfg, plan: dict, pool: int) -> dict:
                               "by_module_type": {k: {"l2": v["l2"], "relative_l2": v["relative_l2"]}
                                                  for k, v in dr["by_module_type"].items()},
                               "histogram_log10": tot.get("histogram_log10"), "histogram_edges": dr["histogram_edges"]}
+            if dr.get("cast"):  # what a GPU engine would hold: updates below bf16's resolution vanish there
+                ct = dr["cast"]["total"]
+                entry["drift"]["cast"] = {"dtype": dr["cast"]["dtype"], "l2": ct["l2"],
+                                          "relative_l2": ct["relative_l2"], "share_nonzero": ct["share_nonzero"],
+                                          "share_below": ct["share_below"], "max_abs": ct["max_abs"]}
             if [kind for _, kind in parts] == ["es"]:
                 entry["drift"]["null"] = es_null(root, parts[0][0], tot, cfg.drift_thresholds)
             drift_l2[method] = tot["l2"]
@@ -276,6 +281,11 @@ def markdown(rep: dict) -> str:
         lines.append(f"| {m['label']} | {d['l2']:.4g} | {_f(d['relative_l2'], '{:.3e}')} | "
                      f"{_p(d['share_nonzero'])}% | "
                      + " | ".join(f"{_p(d['share_below'][f'{t:g}'])}%" for t in th) + f" | {d['max_abs']:.3g} |")
+        c = d.get("cast")
+        if c is not None:
+            lines.append(f"| {m['label']} (weights in {c['dtype']}) | {c['l2']:.4g} | {_f(c['relative_l2'], '{:.3e}')} "
+                         f"| {_p(c['share_nonzero'])}% | "
+                         + " | ".join(f"{_p(c['share_below'][f'{t:g}'])}%" for t in th) + f" | {c['max_abs']:.3g} |")
         null = d.get("null")
         if null is not None:
             if null["l2"] is None:
@@ -286,7 +296,10 @@ def markdown(rep: dict) -> str:
                              + " | ".join(f"{_p(null['share_below'][f'{t:g}'])}%" for t in th) + " | - |")
     ratio = rep["drift_l2_ratio_es_over_grpo"]
     lines += ["", f"L2 ratio ES / GRPO: {_f(ratio, '{:.2f}')}. The thresholds columns are the share of changed "
-              "parameters whose change is below each threshold (functional sparsity).", "",
+              "parameters whose change is below each threshold (functional sparsity). Rows '(weights in bfloat16)' "
+              "measure the same two checkpoints cast to the dtype a GPU engine holds: an update below half a ulp of "
+              "its weight (|w| / 256 in bf16) vanishes there, so sparsity on fp32 weights can overstate what the "
+              "engine sees.", "",
               "Null model: with z-scored (or ranked) fitness an SGD step of ES moves every weight by Normal(0, "
               "(lr / (N sigma))^2 sum z^2) whatever the rewards, so T steps are a random walk (es_ray/eval/null_drift.py). "
               "A measured L2 or sparsity share close to the null's is set by the step sizes, not by what ES learned.",

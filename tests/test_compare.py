@@ -154,6 +154,9 @@ def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_pa
     null = rep["methods"]["es"]["drift"]["null"]  # the null model of ES drift, from the ES run's own settings
     assert null["l2"] > 0 and null["steps"] >= 1 and "ES: null model (rewards ignored)" in md
     assert "null" not in rep["methods"]["es_grpo"]["drift"]  # a sequential run is not a pure ES walk
+    cast = rep["methods"]["grpo"]["drift"]["cast"]  # the same drift on the weights a bf16 engine holds
+    assert cast["dtype"] == "bfloat16" and cast["share_nonzero"] <= rep["methods"]["grpo"]["drift"]["share_nonzero"]
+    assert "| GRPO (weights in bfloat16) |" in md
     assert len(rep["methods"]["base"]["passk_curve"]["arithmetic"]) == 4
     assert report["run_dir"] == str(root)
 

@@ -104,6 +104,23 @@ def test_drift_streams_bf16_and_fp32_alike():
     assert r32["nonzero"] > 0 and r32["l2"] == pytest.approx(float((t - b).norm()), rel=1e-5)
 
 
+def test_cast_drift_drops_updates_below_the_engine_dtypes_resolution():
+    """bf16 keeps 8 mantissa bits: on weights of magnitude ~1 an update of 1e-3 (< 2^-8 / 2) rounds away, one of
+    1e-2 survives; the cast view reports what the engine holds, the fp32 view what the master holds."""
+    base = torch.ones(1000)
+    tuned = base.clone()
+    tuned[:500] += 1e-3
+    tuned[500:] += 1e-2
+    rep = drift([("m.layers.0.mlp.w", base, tuned), ("m.norm.weight", base, base + 1e-3)], cast=torch.bfloat16)
+    assert rep["total"]["nonzero"] == 2000 and rep["cast"]["dtype"] == "bfloat16"
+    cast = rep["cast"]
+    assert cast["total"]["nonzero"] == 500  # only the 1e-2 updates survive the cast
+    assert cast["by_module_type"]["mlp"]["nonzero"] == 500 and cast["by_module_type"]["norm"]["nonzero"] == 0
+    assert rep["total"]["share_below"]["0.0015"] == pytest.approx(1500 / 2000, abs=1e-3)
+    assert cast["total"]["share_below"]["0.0015"] == 0.0  # no tiny update is left in bf16
+    assert "cast" not in drift([("m.mlp.w", base, tuned)])
+
+
 def test_histogram_plot_is_written(tmp_path):
     base, tuned = _fixture()
     rep = drift_state_dicts(base, tuned)

@@ -10,7 +10,7 @@ For delta = tuned - base (fp32, element-wise):
 * an optional histogram of log10 |delta| over the non-zero updates (fixed edges, so it can be plotted).
 
 Everything is reported for the whole model and for each module type (embedding, attention, mlp, norm, lm_head,
-other). Tensors are consumed one pair at a time, so a 7B model never needs two copies in memory.
+other), on the fp32 weights and, optionally, on the weights cast to an engine dtype (bf16: what a GPU engine holds). Tensors are consumed one pair at a time, so a 7B model never needs two copies in memory.
 """
 
 from __future__ import annotations
@@ -116,35 +116,40 @@ class _Acc:
 
 def drift(pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
           thresholds: Sequence[float] = DEFAULT_THRESHOLDS, top: int = 5,
-          edges: np.ndarray | None = LOG10_EDGES) -> dict:
+          edges: np.ndarray | None = LOG10_EDGES, cast: torch.dtype | None = None) -> dict:
     """Drift from (name, base tensor, tuned tensor) triples; see the module docstring for every field.
 
     Returns {"total": {...}, "by_module_type": {type: {...}}, "thresholds": [...], "histogram_edges": [...],
-    "shape_mismatch": [names]}; a type with no tensors is left out of by_module_type.
+    "shape_mismatch": [names]}; a type with no tensors is left out of by_module_type. With ``cast`` (e.g.
+    torch.bfloat16, what a GPU engine holds) the same figures for cast(tuned) - cast(base) come under "cast" in the
+    same pass: an update smaller than half a ulp of the weight (|w| / 256 in bf16) vanishes there, which is what the
+    engine that generates actually sees.
     """
     thresholds = tuple(float(t) for t in thresholds)
-    per_type: dict[str, _Acc] = {}
+    views = {"fp32": None} if cast is None else {"fp32": None, "cast": cast}
+    per_type: dict[str, dict[str, _Acc]] = {v: {} for v in views}
     mismatch = []
     for name, base, tuned in pairs:
         if base.shape != tuned.shape:
             mismatch.append(name)
             continue
-        b = base.detach().to("cpu", torch.float32)
-        d = tuned.detach().to("cpu", torch.float32) - b
         kind = module_type(name)
-        if kind not in per_type:
-            per_type[kind] = _Acc(thresholds, edges, top)
-        per_type[kind].add(name, b, d)
-    total = _Acc(thresholds, edges, top)
-    for acc in per_type.values():
-        total.merge(acc)
-    return {
-        "total": total.report(),
-        "by_module_type": {k: per_type[k].report() for k in MODULE_TYPES if k in per_type},
-        "thresholds": list(thresholds),
-        "histogram_edges": None if edges is None else [float(x) for x in edges],
-        "shape_mismatch": mismatch,
-    }
+        for view, dtype in views.items():
+            b = base.detach().to("cpu", dtype or torch.float32).float()
+            d = tuned.detach().to("cpu", dtype or torch.float32).float() - b
+            per_type[view].setdefault(kind, _Acc(thresholds, edges, top)).add(name, b, d)
+    out = {}
+    for view in views:
+        total = _Acc(thresholds, edges, top)
+        for acc in per_type[view].values():
+            total.merge(acc)
+        out[view] = {"total": total.report(),
+                     "by_module_type": {k: per_type[view][k].report() for k in MODULE_TYPES if k in per_type[view]}}
+    report = {**out["fp32"], "thresholds": list(thresholds),
+              "histogram_edges": None if edges is None else [float(x) for x in edges], "shape_mismatch": mismatch}
+    if cast is not None:
+        report["cast"] = {"dtype": str(cast).removeprefix("torch."), **out["cast"]}
+    return report
 
 
 def drift_state_dicts(base: Mapping[str, torch.Tensor], tuned: Mapping[str, torch.Tensor], **kwargs) -> dict:
