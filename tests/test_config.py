@@ -215,3 +215,33 @@ def test_compose_every_preset(group, option):
         except Exception as exc:  # noqa: BLE001 - collected and shown when no entry point takes the preset
             errors.append(f"{primary}: {type(exc).__name__}: {exc}")
     pytest.fail(f"experiment={option} composes with no entry point:\n" + "\n".join(errors))
+
+
+ENTRY_POINTS = {"es_train": "es-train", "grpo_train": "grpo-train", "es_compare": "es-compare",
+                "es_eval": "es-eval", "es_drift": "es-drift"}
+
+
+def test_help_lists_only_presets_that_compose_and_each_one_converts():
+    """`<entry point> --help` lists an experiment only where it composes, and each listed one also passes that
+    entry point's own checks; every experiment preset is listed by some entry point."""
+    import subprocess
+    import sys
+
+    from es_ray.runtime.entry import composable_presets
+
+    bindir = Path(sys.executable).parent
+    listed = {}
+    for primary, prog in ENTRY_POINTS.items():
+        out = subprocess.run([str(bindir / prog), "--help"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-1000:]
+        line = next((x for x in out.stdout.splitlines() if x.startswith("experiment: ")), "experiment: ")
+        listed[primary] = [x for x in line.removeprefix("experiment: ").split(", ") if x]
+        for option in listed[primary]:
+            if primary in ("es_train", "grpo_train", "es_compare"):
+                _compose_for(primary, [f"experiment={option}"])  # composes and passes the entry point's checks
+    assert listed["es_train"] == ["es_reference_gsm8k"]
+    assert listed["es_compare"] == ["cpu_demo", "paper_easy", "paper_hard"]
+    every = {p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")}
+    assert every == {o for options in listed.values() for o in options}
+    register_configs()
+    assert composable_presets("es_train")["experiment"] == ["es_reference_gsm8k"]
