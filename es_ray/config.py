@@ -47,7 +47,9 @@ class ESConfig:
     """Anchored decay toward the initial weights: theta <- theta - lr * anchor_decay * (theta - theta_0)."""
     noise: str = "auto"
     """per_tensor: a generator per (seed, iteration, member, tensor); table: slices of one shared seeded table;
-    auto: table on CPU (5-10x cheaper there), per_tensor on GPU."""
+    counter: Philox of (tensor seed, element index), the same numbers on a CPU and every GPU model (mixed GPU
+    types, replay on another GPU type); auto: table on CPU (the cheapest there), per_tensor on GPU (per_tensor and
+    table need one device model for all actors, which the driver checks at start)."""
     noise_table_size: int = 1 << 25
     """Number of fp32 values in the shared noise table (noise=table); must exceed the largest tensor."""
     checksum_every: int = 1

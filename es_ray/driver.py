@@ -139,11 +139,15 @@ def run(cfg: ESTrainConfig) -> dict:
                 tracker.log(t, row)
                 ledger.add_step(row, row["perf/tokens"], generated_eval=eval_tokens)
                 history.append(row)
+                stop = ledger.stop_reason(cfg.run, [keeper.group], cfg.cluster, sum(h["perf/tokens"] for h in history))
+                if stop:
+                    tracker.message(f"es: stopping after iteration {t}: {stop}")
+                    break
                 if cfg.run.checkpoint_every and (t + 1) % cfg.run.checkpoint_every == 0 and t + 1 < cfg.es.iterations:
                     keeper.save_checkpoint(run_dir / "checkpoints" / f"iter_{t + 1:06d}", t + 1)
-            final = keeper.save_checkpoint(run_dir / "checkpoints" / "final", cfg.es.iterations)
+            final = keeper.save_checkpoint(run_dir / "checkpoints" / "final", keeper.committed)
             finished = True
-            summary.update(final_checkpoint=str(final), iterations=cfg.es.iterations,
+            summary.update(final_checkpoint=str(final), iterations=keeper.committed,
                            reward_mean=[h["reward/mean"] for h in history],
                            eval_reward=[h["eval/reward"] for h in history if "eval/reward" in h])
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -166,6 +170,7 @@ def _start(cfg: ESTrainConfig, keeper, point, placement, tracker, guard) -> int:
     """Start the actors (models loaded), rebuild them to the resume point; returns the training pool's size."""
     group, infos = start_workers(cfg, keeper, tracker.message, placement)
     group.check_interrupt = guard.check
+    check_noise_devices(cfg, infos)
     pool = infos[0]["train_size"]
     tracker.message(f"es: {len(group)} actor(s), training pool {pool}, held-out {infos[0]['eval_size']}, "
                     f"run dir {keeper.run_dir}")
@@ -174,6 +179,23 @@ def _start(cfg: ESTrainConfig, keeper, point, placement, tracker, guard) -> int:
     if point.checkpoint or point.records:
         keeper.rebuild_all()
     return pool
+
+
+def check_noise_devices(cfg: ESTrainConfig, infos: list[dict]) -> None:
+    """Refuse noise that depends on the device (per_tensor, table) on a mixed set of devices: CUDA's generator
+    sizes its launch grid from the SM count, so an A100, an H100 or a MIG slice draw other numbers for one seed and
+    the replicas would differ from iteration 0. counter is the same everywhere."""
+    from es_ray.core.config import ConfigError
+    from es_ray.noise import PORTABLE_KINDS
+
+    kinds = sorted({i.get("noise", cfg.es.noise) for i in infos})
+    devices = sorted({(i.get("device", "cpu"), i.get("sm_count", 0)) for i in infos})
+    if set(kinds) <= PORTABLE_KINDS or len(devices) < 2 or not any(sm for _, sm in devices):
+        return
+    shown = " and ".join(f"{name} ({sm} SMs)" if sm else name for name, sm in devices[:2])
+    raise ConfigError(f"es.noise={cfg.es.noise} draws {'/'.join(kinds)} noise, whose numbers depend on the device, but "
+                      f"the actors run on {shown}{' and more' if len(devices) > 2 else ''}: their replicas would "
+                      "differ from the first iteration; set es.noise=counter (the same noise on every device)")
 
 
 def held_out(cfg: ESTrainConfig, group, t: int, row: dict) -> int:

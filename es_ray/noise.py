@@ -5,29 +5,48 @@ function of ``(run_seed, t, noise_id, name)`` only, fp32, in HF layout. Every te
 tensors of equal shape never share noise, and the seeds are unique by construction (a cryptographic hash of the
 tuple), never drawn at random.
 
-Two sources give that identity:
+Three sources give that identity:
 
-* ``per_tensor``: a ``torch.Generator`` seeded with the tensor's seed draws ``randn(shape)``. Cheap on a GPU.
+* ``per_tensor``: a ``torch.Generator`` seeded with the tensor's seed draws ``randn(shape)``. Cheap on a GPU, but
+  CUDA's generator sizes its launch grid from the card's SM count, so its numbers depend on the GPU model (an
+  A100, an H100 PCIe, an H100 SXM and a MIG slice all differ), and CPU and CUDA differ from each other.
 * ``table``: one large standard-normal table is drawn once per run from the run seed; a tensor's noise is the
   contiguous slice starting at ``seed % (table_size - numel + 1)`` (the OpenAI ES starter's shared table). On a
-  CPU this is 5-15x cheaper than drawing, at the cost of ``table_size * 4`` bytes per actor.
+  CPU this is 5-15x cheaper than drawing, at the cost of ``table_size * 4`` bytes per actor. The table is drawn
+  with the device's generator, so it is as device-dependent as per_tensor.
+* ``counter``: element ``e`` of a tensor is a pure function of (tensor seed, e), the same on a CPU, every GPU
+  model and every tensor-parallel degree (``counter_noise`` below says what is bit-exact and why).
 
-The same device type gives the same numbers bit for bit; CPU and CUDA generators differ from each other, so all
-replicas of one run must share a device type (which Ray placement gives them).
+Every kind can give rows [a:b) of a tensor's noise alone (``noise_slice``), as a tensor-parallel rank needs;
+counter and table without drawing the rest.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import math
 import struct
 
+import numpy as np
 import torch
 
 from es_ray.core.registry import Registry
 
-NOISE_KINDS = Registry("es.noise", {"per_tensor": "a generator per tensor", "table": "slices of one seeded table"})
-"""The noise sources (es.noise also accepts auto: table on CPU, per_tensor on GPU)."""
+NOISE_KINDS = Registry("es.noise", {"per_tensor": "a generator per tensor", "table": "slices of one seeded table",
+                                    "counter": "Philox-4x32-10 of (tensor seed, element index)"})
+"""The noise sources (es.noise also accepts auto: ``resolve_kind``)."""
+PORTABLE_KINDS = frozenset({"counter"})
+"""Kinds whose numbers do not depend on the device: the others need every replica on the same device model."""
 _MASK63 = (1 << 63) - 1
+
+
+def resolve_kind(kind: str, device_type: str) -> str:
+    """es.noise=auto: table on a CPU, per_tensor on a GPU (the cheapest on each; benchmarks/noise.py and the
+    README's "Noise:" paragraph give the costs and why counter, portable but dearer, is opt-in)."""
+    if kind != "auto":
+        return kind
+    return "table" if device_type == "cpu" else "per_tensor"
 
 
 def derive_seed(run_seed: int, iteration: int, noise_id: int, name: str) -> int:
@@ -42,14 +61,128 @@ def table_seed(run_seed: int) -> int:
     return derive_seed(run_seed, -1, -1, "__noise_table__")
 
 
-class NoiseSource:
-    """Produces fp32 noise for (iteration, noise_id, name, shape), from a per-tensor generator or a table."""
+# -- counter noise ------------------------------------------------------------------------------------------
+# Philox-4x32-10 (Salmon et al., SC'11; Random123's constants). torch has no uint32 or uint64 arithmetic, so the
+# words are held in int64 in [0, 2^32). The 32x32->64 product x*M (M >= 2^31) is taken as p = x*(M - 2^32), which
+# fits int64 (|p| < 2^63): lo = p & (2^32-1) and hi = (p >> 32) + x, ``>>`` flooring as an arithmetic shift does.
+# The same round code runs on Python ints (constant words stay ints, so a word that is still 0 costs nothing).
+_MASK32 = (1 << 32) - 1
+_PHILOX_M = (0xD2511F53 - (1 << 32), 0xCD9E8D57 - (1 << 32))
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+RADIUS_BITS, ANGLE_BITS = 19, 13
+"""Each 32-bit Philox word gives one Box-Muller pair: its top 19 bits pick the radius, its low 13 the angle."""
 
-    def __init__(self, run_seed: int, kind: str = "per_tensor", table_size: int = 1 << 25, device: str = "cpu"):
+
+def counter_chunk(device: torch.device) -> int:
+    """Elements drawn per step of counter noise on ``device``: a speed knob only (the values do not depend on it).
+    A GPU takes large steps (fewer launches). A CPU takes 2^18 with one thread (per-op overhead dominates below:
+    2.5-2.8 s a SmolLM2-135M pass against 5-6 s at 2^15, on the 2-core CI box), and 2^15 with more, so that every
+    op stays under torch's parallel grain (32768 elements) and runs without OpenMP barriers: when actors share
+    cores, those cost far more than they gain (same box, 2 threads: 7.5 s a pass at 2^15, 50-80 s at 2^16-2^18)."""
+    if device.type != "cpu":
+        return 1 << 22
+    return 1 << 18 if torch.get_num_threads() == 1 else 1 << 15
+
+
+def philox4x32(c0, c1, c2, c3, k0: int, k1: int, rounds: int = 10):
+    """Philox-4x32 of the counter words (int64 tensors or ints in [0, 2^32)) under the key (k0, k1): 4 words."""
+    for _ in range(rounds):
+        p0, p1 = c0 * _PHILOX_M[0], c2 * _PHILOX_M[1]
+        hi0, hi1 = (p0 >> 32) + c0, (p1 >> 32) + c2
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, p1 & _MASK32, hi0 ^ c3 ^ k1, p0 & _MASK32
+        k0, k1 = (k0 + _PHILOX_W[0]) & _MASK32, (k1 + _PHILOX_W[1]) & _MASK32
+    return c0, c1, c2, c3
+
+
+def _round_to_fp32(exact: np.ndarray, precise) -> np.ndarray:
+    """fp32 rounding of fp64 values that is the correctly rounded fp32 of the exact function: an entry whose fp64
+    value lies within 2^-36 (relative) of an fp32 rounding midpoint, where a libm's last-ulp error could flip the
+    rounding, is decided by ``precise(i)`` (an mpmath value at 40 digits). So the tables do not depend on the
+    host's libm, and every machine builds the same bits."""
+    f = exact.astype(np.float32)
+    towards = np.nextafter(f, np.where(exact > f, np.float32(np.inf), np.float32(-np.inf)))
+    mid = (f.astype(np.float64) + towards.astype(np.float64)) / 2  # exact in fp64
+    close = np.abs(exact - mid) <= np.abs(exact) * 2.0**-36
+    for i in np.flatnonzero(close):
+        f[i] = towards[i] if (precise(int(i)) > mid[i]) == (towards[i] > f[i]) else f[i]
+    return f
+
+
+@functools.lru_cache(maxsize=None)
+def _tables_cpu() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(radius, cos, sin) fp32 tables: radius[i] = sqrt(-2 ln u_i), u_i = (i + 1/2) / 2^19 (the Rayleigh quantile
+    at the middle of bin i); cos[a], sin[a] of 2 pi (a + 1/2) / 2^13."""
+    import mpmath  # torch's own dependency (through sympy)
+
+    n_r, quarter = 1 << RADIUS_BITS, 1 << (ANGLE_BITS - 2)
+    u_minus_1 = (np.arange(n_r, dtype=np.float64) + 0.5 - n_r) / n_r  # exact
+    k = np.arange(quarter, dtype=np.float64)
+    with mpmath.workdps(40):
+        radius = _round_to_fp32(np.sqrt(-2.0 * np.log1p(u_minus_1)),
+                                lambda i: mpmath.sqrt(-2 * mpmath.log((mpmath.mpf(i) + 0.5) / n_r)))
+        # sin on the first quadrant only (full relative accuracy there; cos near pi/2 would lose it), the rest by
+        # symmetry
+        q = _round_to_fp32(np.sin(np.pi / 2 * (k + 0.5) / quarter),
+                           lambda i: mpmath.sin(mpmath.pi / 2 * (mpmath.mpf(i) + 0.5) / quarter))
+    rev = q[::-1]  # cos of the first quadrant
+    cos = np.concatenate([rev, -q, -rev, q])
+    sin = np.concatenate([q, rev, -q, -rev])
+    return tuple(torch.from_numpy(np.ascontiguousarray(t)) for t in (radius, cos, sin))
+
+
+@functools.lru_cache(maxsize=None)
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(radius_radius, cos_sin) on ``device``, each entry twice and cos beside sin: (2^19, 2) and (2^13, 2), so two
+    gathers give both halves of a pair in the output's layout and one same-shape multiply (no broadcast) ends it."""
+    radius, cos, sin = _tables_cpu()
+    return torch.stack([radius, radius], dim=1).to(device), torch.stack([cos, sin], dim=1).to(device)
+
+
+def counter_noise(seed: int, start: int, out: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """Fill the contiguous fp32 tensor ``out`` with elements [start, start + numel) of the counter stream ``seed``.
+
+    Element e is Box-Muller from word w = (e % 8) // 2 of Philox-4x32-10 with counter (e // 8 mod 2^32,
+    e // 2^35, 0, 0) and key (seed mod 2^32, seed >> 32): radius[w >> 13] * cos[w & 8191] for even e, times sin
+    for odd e. Bit-exact on every device and thread count: the integer part is exact; the tables are built on the
+    host with correct rounding and copied; the one float operation is a single fp32 multiply, which IEEE 754
+    rounds the same way on a CPU and on CUDA (there is no add it could be fused with, and every product is a normal
+    number, at least 3.7e-7, so flush-to-zero modes cannot touch it). The distribution: a radius
+    at the middle of each of 2^19 equiprobable bins and 2^13 equally spaced angles, so mean 0 and correlation 0
+    exactly, variance 1 - 7e-7, tails cut at |z| = 5.27 (a true normal exceeds it with probability 1.4e-7).
+    """
+    radius, cos_sin = _tables(out.device)
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    chunk = max(1, chunk or counter_chunk(out.device))
+    flat = out.view(-1)
+    for a in range(0, flat.numel(), chunk):
+        e0, e1 = start + a, start + min(a + chunk, flat.numel())
+        b0, b1 = e0 >> 3, (e1 + 7) >> 3
+        j = torch.arange(b0, b1, dtype=torch.int64, device=out.device)
+        c0, c1 = (j, 0) if b1 <= 1 << 32 else (j & _MASK32, j >> 32)
+        words = torch.stack(philox4x32(c0, c1, 0, 0, k0, k1), dim=1).view(-1)  # (blocks * 4,)
+        r = torch.index_select(radius, 0, words >> ANGLE_BITS)
+        pairs = torch.index_select(cos_sin, 0, words.bitwise_and_((1 << ANGLE_BITS) - 1))  # (blocks * 4, 2)
+        if e0 == 8 * b0 and e1 == 8 * b1:  # whole blocks: straight into out
+            torch.mul(pairs, r, out=flat[a : a + e1 - e0].view(-1, 2))
+        else:
+            flat[a : a + e1 - e0].copy_(torch.mul(pairs, r).view(-1)[e0 - 8 * b0 : e1 - 8 * b0])
+    return out
+
+
+def _numel(shape) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+class NoiseSource:
+    """Produces fp32 noise for (iteration, noise_id, name, shape): a per-tensor generator, a table or a counter."""
+
+    def __init__(self, run_seed: int, kind: str = "per_tensor", table_size: int = 1 << 25, device: str = "cpu",
+                 chunk: int | None = None):
         NOISE_KINDS.check(kind)
         self.run_seed = int(run_seed)
         self.kind = kind
         self.device = torch.device(device)
+        self.chunk = chunk
         self._gen = torch.Generator(device=self.device)
         self.table: torch.Tensor | None = None
         if kind == "table":
@@ -57,21 +190,46 @@ class NoiseSource:
             self.table = torch.randn(int(table_size), generator=g, dtype=torch.float32, device=self.device)
 
     def noise(self, iteration: int, noise_id: int, name: str, shape: torch.Size, out: torch.Tensor | None = None):
-        """Standard-normal fp32 noise of ``shape``; written into ``out`` when given (per_tensor) or a table view."""
+        """Standard-normal fp32 noise of ``shape``; written into ``out`` when given (per_tensor, counter) or a table
+        view."""
         seed = derive_seed(self.run_seed, iteration, noise_id, name)
         if self.table is not None:
-            numel = 1
-            for s in shape:
-                numel *= int(s)
-            span = self.table.numel() - numel + 1
-            if span <= 0:
-                raise ValueError(
-                    f"noise table of {self.table.numel()} values is smaller than tensor {name} ({numel} values); "
-                    "raise es.noise_table_size or use es.noise=per_tensor"
-                )
-            start = seed % span
-            return self.table[start : start + numel].view(shape)
-        self._gen.manual_seed(seed)
+            return self._table_span(seed, name, _numel(shape), 0, _numel(shape)).view(shape)
         if out is None:
-            return torch.randn(shape, generator=self._gen, dtype=torch.float32, device=self.device)
+            out = torch.empty(shape, dtype=torch.float32, device=self.device)
+        if self.kind == "counter":
+            return counter_noise(seed, 0, out, self.chunk)
+        self._gen.manual_seed(seed)
         return torch.randn(shape, generator=self._gen, dtype=torch.float32, device=self.device, out=out)
+
+    def noise_slice(self, iteration: int, noise_id: int, name: str, shape: torch.Size, rows: slice,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [a:b) (``rows``, step 1) of the noise of the whole tensor of ``shape``, equal to
+        ``noise(...)[a:b]`` bit for bit. counter and table draw only those rows; per_tensor draws the whole
+        tensor (its generator cannot skip) and copies the rows out."""
+        shape = torch.Size(shape)
+        a, b, step = rows.indices(shape[0])
+        if step != 1:
+            raise ValueError(f"noise_slice takes contiguous rows (step 1), got {rows}")
+        b = max(a, b)
+        row = _numel(shape[1:])
+        sub = torch.Size([b - a, *shape[1:]])
+        seed = derive_seed(self.run_seed, iteration, noise_id, name)
+        if self.table is not None:
+            return self._table_span(seed, name, _numel(shape), a * row, b * row).view(sub)
+        if out is None:
+            out = torch.empty(sub, dtype=torch.float32, device=self.device)
+        if self.kind == "counter":
+            return counter_noise(seed, a * row, out, self.chunk)
+        return out.copy_(self.noise(iteration, noise_id, name, shape)[a:b])
+
+    def _table_span(self, seed: int, name: str, numel: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of the table slice of a tensor of ``numel`` elements."""
+        span = self.table.numel() - numel + 1
+        if span <= 0:
+            raise ValueError(
+                f"noise table of {self.table.numel()} values is smaller than tensor {name} ({numel} values); "
+                "raise es.noise_table_size or use es.noise=counter"
+            )
+        start = seed % span
+        return self.table[start + lo : start + hi]

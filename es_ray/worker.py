@@ -42,8 +42,22 @@ class ESWorker:
         self._prompts = templated_prompts(self.engine, self.task)
 
     def ready(self) -> dict:
+        """Sizes, and the device the noise is drawn on: its name and SM count ("cpu" and 0 on a CPU; a MIG slice
+        names itself and counts its own SMs) and the kind es.noise resolves to there, for the driver's check that
+        device-dependent noise runs on one device model."""
+        import torch
+
+        from es_ray.noise import resolve_kind
+
+        device = torch.device(getattr(self.engine, "device", "cpu"))
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            name, sm_count = props.name, props.multi_processor_count
+        else:
+            name, sm_count = device.type, 0
         return {"rank": self.rank, "pid": os.getpid(), "train_size": len(self.task.train),
-                "eval_size": len(self.task.eval), "skipped_rows": self.task.skipped_rows}
+                "eval_size": len(self.task.eval), "skipped_rows": self.task.skipped_rows,
+                "device": name, "sm_count": sm_count, "noise": resolve_kind(self.cfg.es.noise, device.type)}
 
     def _score(self, split: str, prompt_ids, seed: int) -> tuple[float, int, int, float, float]:
         problems = self.task.train if split == "train" else self.task.eval

@@ -176,12 +176,13 @@ def run(cfg: GRPOTrainConfig) -> dict:
         resolve_model(cfg.model.path)
         load_task(cfg.task)
     run_dir = open_run_dir(cfg, "grpo", RESUME_FREE)  # refuses a resume with changed settings, naming them
-    start, ckpt = 0, None
+    start, ckpt, generated = 0, None, 0  # generated: training tokens of the steps before a resume
     if cfg.run.resume:
         ckpt = last_checkpoint(run_dir)  # none yet: a new run, as es-train does
         if ckpt is not None:
             start = json.loads((ckpt / META_FILE).read_text())["step"]
-        keep_metrics(run_dir / "metrics.jsonl", start, "step")  # also cuts a torn last line
+        kept = keep_metrics(run_dir / "metrics.jsonl", start, "step")  # also cuts a torn last line
+        generated = sum(r.get("perf/tokens", 0) for r in kept)
     ledger = Ledger("grpo", start_step=start)
     connect(cfg.cluster)
     tracker = Tracker(run_dir, g.steps - start, cfg, cfg.run.trackers, cfg.run.progress, desc="grpo")
@@ -201,12 +202,16 @@ def run(cfg: GRPOTrainConfig) -> dict:
                 ledger.add_step(row, row["perf/tokens"], row["perf/tokens_backpropagated"], eval_tokens)
                 history.append(row)
                 done = t + 1
+                stop = ledger.stop_reason(cfg.run, crew.groups, cfg.cluster, generated + ledger.tokens_generated)
+                if stop:
+                    tracker.message(f"grpo: stopping after step {t}: {stop}")
+                    break
                 if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0 and done < g.steps:
                     crew.learner.call(0, "save", str(run_dir / "checkpoints" / f"step_{done:06d}"), {"step": done})
             final = run_dir / "checkpoints" / "final"
-            crew.learner.call(0, "save", str(final), {"step": g.steps})
+            crew.learner.call(0, "save", str(final), {"step": done})
             finished = True
-            summary.update(final_checkpoint=str(final), steps=g.steps, reward_mean=[h["reward/mean"] for h in history],
+            summary.update(final_checkpoint=str(final), steps=done, reward_mean=[h["reward/mean"] for h in history],
                            eval_reward=[h["eval/reward"] for h in history if "eval/reward" in h])
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             tracker.message(f"grpo: done; final checkpoint {final}")

@@ -31,17 +31,25 @@ from typing import Any, Callable
 from es_ray.config import ESConfig
 from es_ray.eval_config import BenchmarkConfig
 from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, ModelConfig, RunConfig,
-                                SamplingConfig, TaskConfig, check_positive)
+                                SamplingConfig, TaskConfig, check_choice, check_positive)
 from grpo.config import GRPOConfig, GRPOSamplingConfig
 
 METHODS = ("base", "es", "grpo", "es_grpo", "grpo_es")
+BUDGET_UNITS = ("epochs", "tokens", "device_seconds")
 TRAINED = {"es": ("es",), "grpo": ("grpo",), "es_grpo": ("es", "grpo"), "grpo_es": ("grpo", "es")}
 
 
 @dataclass
 class BudgetConfig:
+    unit: str = "epochs"
+    """What the methods are matched on: epochs (prompts seen), tokens (tokens generated in training) or
+    device_seconds (the ledger's device-seconds); sequential methods get half per part."""
     epochs: float = 4.0
-    """Training budget of each method in epochs over the training pool (sequential methods: half per part)."""
+    """unit=epochs: passes over the training pool per method. Otherwise the most any method may run (a cap)."""
+    tokens: int = 0
+    """unit=tokens: training tokens generated per method."""
+    device_seconds: float = 0.0
+    """unit=device_seconds: device-seconds per method (GPU-seconds, or core-seconds on CPU-only actors)."""
 
 
 @dataclass
@@ -83,7 +91,10 @@ def validate_compare(cfg: CompareConfig) -> CompareConfig:
     unknown = [m for m in cfg.methods if m not in METHODS]
     if unknown or not cfg.methods:
         raise ConfigError(f"methods={list(cfg.methods)}: choose from {', '.join(METHODS)} (at least one)")
+    check_choice("budget.unit", cfg.budget.unit, BUDGET_UNITS)
     check_positive("budget.epochs", cfg.budget.epochs)
+    if cfg.budget.unit != "epochs":
+        check_positive(f"budget.{cfg.budget.unit}", getattr(cfg.budget, cfg.budget.unit))
     check_positive("grpo_rollout_actors", cfg.grpo_rollout_actors)
     if not cfg.seeds or len(set(cfg.seeds)) != len(cfg.seeds):
         raise ConfigError(f"seeds={list(cfg.seeds)}: give one or more distinct run seeds, e.g. seeds=[0,1,2]")
@@ -122,9 +133,21 @@ class Stage:
         return root / "stages" / self.name
 
 
-def _common(cfg: CompareConfig, model_path: str, run_dir: Path, seed: int) -> dict:
+def _common(cfg: CompareConfig, model_path: str, run_dir: Path, seed: int, share: float) -> dict:
+    """The sections every stage shares; ``share`` of the token or device-second budget (1, or 1/2 per half)."""
+    b = cfg.budget
+    stop = {"stop_at_tokens": int(b.tokens * share) if b.unit == "tokens" else 0,
+            "stop_at_device_seconds": b.device_seconds * share if b.unit == "device_seconds" else 0.0}
     return {"model": dataclasses.replace(cfg.model, path=model_path), "engine": cfg.engine,
-            "run": dataclasses.replace(cfg.run, dir=str(run_dir), checkpoint_every=0, seed=seed)}
+            "run": dataclasses.replace(cfg.run, dir=str(run_dir), checkpoint_every=0, seed=seed, **stop)}
+
+
+def _check_reachable(cfg: CompareConfig, method: str, per_unit_tokens: int, units: int, share: float) -> None:
+    """A token budget the epoch cap cannot reach is refused before any work."""
+    if cfg.budget.unit == "tokens" and units * per_unit_tokens < cfg.budget.tokens * share:
+        raise ConfigError(f"budget.tokens={cfg.budget.tokens}: {method} generates at most {per_unit_tokens} tokens per "
+                          f"{'iteration' if method == 'es' else 'step'}, {units * per_unit_tokens} within the cap "
+                          f"budget.epochs={cfg.budget.epochs:g}; raise budget.epochs or lower budget.tokens")
 
 
 def _faults(cfg: CompareConfig, cls: type):
@@ -136,9 +159,13 @@ def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float
     from es_ray.core.config import HeldOutConfig
 
     iterations = budget_units(epochs, pool, cfg.es.prompts_per_iteration)
+    share = epochs / cfg.budget.epochs
+    per_iteration = cfg.es.population * min(cfg.es.prompts_per_iteration, pool) * cfg.es_sampling.max_new_tokens
+    _check_reachable(cfg, "es", per_iteration, iterations, share)
     return validate(ESTrainConfig(task=cfg.task, es=dataclasses.replace(cfg.es, iterations=iterations),
                                   sampling=cfg.es_sampling, cluster=cfg.cluster, eval=HeldOutConfig(every=0),
-                                  faults=_faults(cfg, ESFaultsConfig), **_common(cfg, model_path, run_dir, seed)))
+                                  faults=_faults(cfg, ESFaultsConfig),
+                                  **_common(cfg, model_path, run_dir, seed, share)))
 
 
 def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int, seed: int):
@@ -146,10 +173,13 @@ def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: flo
     from grpo.config import GRPOClusterConfig, GRPOTrainConfig, validate_grpo
 
     steps = budget_units(epochs, pool, cfg.grpo.prompts_per_step)
+    share = epochs / cfg.budget.epochs
+    per_step = cfg.grpo.prompts_per_step * cfg.grpo.group_size * cfg.grpo_sampling.max_new_tokens
+    _check_reachable(cfg, "grpo", per_step, steps, share)
     cluster = GRPOClusterConfig(**{**dataclasses.asdict(cfg.cluster), "num_actors": cfg.grpo_rollout_actors})
     return validate_grpo(GRPOTrainConfig(task=cfg.task, grpo=dataclasses.replace(cfg.grpo, steps=steps),
                                          sampling=cfg.grpo_sampling, cluster=cluster, eval=HeldOutConfig(every=0),
-                                         faults=cfg.faults, **_common(cfg, model_path, run_dir, seed)))
+                                         faults=cfg.faults, **_common(cfg, model_path, run_dir, seed, share)))
 
 
 def _run_es(train_cfg) -> dict:

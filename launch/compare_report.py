@@ -224,6 +224,8 @@ def collect_seed(root: Path, cfg, plan: dict, pool: int) -> dict:
     base_entropy = methods.get("base", {}).get("entropy", {}).get("mean_per_token")
     return {
         "run_dir": str(root), "pool": pool, "budget_epochs": cfg.budget.epochs, "tasks": tasks, "k": ks,
+        "budget": {"unit": cfg.budget.unit, "epochs": cfg.budget.epochs, "tokens": cfg.budget.tokens,
+                   "device_seconds": cfg.budget.device_seconds},
         "eval": {"n": cfg.eval.n, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
                  "max_new_tokens": cfg.eval.max_new_tokens, "limit": cfg.eval.limit, "seed": cfg.run.seed},
         "thresholds": list(cfg.drift_thresholds), "entropy_before": base_entropy,
@@ -248,8 +250,9 @@ def markdown(rep: dict) -> str:
     e = rep["eval"]
     kk = "/".join(f"Pass@{k}" for k in ks)
     lines = ["# es-compare report", "",
-             f"Training budget: {rep['budget_epochs']:g} epochs over a pool of {rep['pool']} prompts per method "
-             "(sequential methods: half each). Evaluation: "
+             f"Training budget: {_budget(rep['budget'])} per method (unit {rep['budget']['unit']}; pool of "
+             f"{rep['pool']} prompts; at most {rep['budget_epochs']:g} epochs; sequential methods: half each). "
+             "Evaluation: "
              f"n = {e['n']} samples per problem, temperature {e['temperature']}, top_p {e['top_p']}, "
              f"max_new_tokens {e['max_new_tokens']}, limit {e['limit'] or 'none'}, seed {e['seed']}.", "",
              f"## {kk} (%)", "",
@@ -305,15 +308,21 @@ def markdown(rep: dict) -> str:
               "A measured L2 or sparsity share close to the null's is set by the step sizes, not by what ES learned.",
               ""] + null_verdict(methods, th) + ["",
               "## Compute ledger (measured)", "",
+              f"Budget matched in {rep['budget']['unit']} ({_budget(rep['budget'])} per method).", "",
               "| method | tokens generated | tokens back-propagated | wall s | device-s | peak RSS per process GiB "
-              "| peak GPU GiB |", "|---|---|---|---|---|---|---|"]
+              "| peak GPU GiB | held-out pass@1 gained per 1000 device-s |", "|---|---|---|---|---|---|---|---|"]
+    base_p1 = methods.get("base", {}).get("average", {}).get(str(ks[0]))
     for m in methods.values():
         led = m["ledger"]
         if led is None:
             continue
+        gain = (None if base_p1 is None or not led["device_s"] else
+                1000 * (m["average"][str(ks[0])] - base_p1) / led["device_s"])
         lines.append(f"| {m['label']} | {led['tokens_generated']:,} | {led['tokens_backpropagated']:,} | "
                      f"{led['wall_s']:.0f} | {led['device_s']:.0f} {led['device']} | "
-                     f"{_gib(led['peak_rss_bytes_max'])} | {_gib(led['peak_gpu_bytes_max'])} |")
+                     f"{_gib(led['peak_rss_bytes_max'])} | {_gib(led['peak_gpu_bytes_max'])} | "
+                     f"{_f(None if gain is None else 100 * gain, '{:+.2f}')} points |")
+    lines += ["", compute_answer(methods)]
     lines += ["", "device-s: for every actor, the devices it held (GPUs, or CPU cores on a CPU-only actor) times the "
               "seconds it was held, summed (es_ray.runtime.ledger, the same code for every method). Peak memory: the "
               "largest peak resident set of any actor process of the run (and its peak GPU allocation).", "",
@@ -345,6 +354,30 @@ def uncertainty_markdown(rep: dict) -> list[str]:
             verdict = {1: f"{a} higher", -1: f"{b} higher", 0: "not separable (intervals overlap)"}[d["separated"]]
             lines.append(f"| {a} vs {b} | {d['k']} | {_iv(d['a_interval'])} | {_iv(d['b_interval'])} | {verdict} |")
     return lines
+
+
+def _budget(b: dict) -> str:
+    return {"epochs": f"{b['epochs']:g} epochs", "tokens": f"{b['tokens']:,} tokens",
+            "device_seconds": f"{b['device_seconds']:g} device-s"}[b["unit"]]
+
+
+def compute_answer(methods: dict) -> str:
+    """The paper's open question for this run: does ES's lower memory also mean less compute?"""
+    es, grpo = (methods.get(m, {}).get("ledger") for m in ("es", "grpo"))
+    if not es or not grpo:
+        return "Compute: run both es and grpo to compare their cost."
+    mem = [(x["peak_gpu_bytes_max"] or x["peak_rss_bytes_max"]) for x in (es, grpo)]
+    kind = "GPU" if es["peak_gpu_bytes_max"] and grpo["peak_gpu_bytes_max"] else "resident"
+    mem_ratio = mem[1] / mem[0] if mem[0] else None
+    dev_ratio = grpo["device_s"] / es["device_s"] if es["device_s"] else None
+    tok_ratio = es["tokens_generated"] / grpo["tokens_generated"] if grpo["tokens_generated"] else None
+    less_memory = mem_ratio is not None and mem_ratio > 1
+    less_compute = dev_ratio is not None and dev_ratio > 1
+    return (f"Compute (this run): GRPO's largest peak {kind} memory is {_f(mem_ratio, '{:.2f}')}x ES's; GRPO used "
+            f"{_f(dev_ratio, '{:.2f}')}x ES's device-seconds while ES generated {_f(tok_ratio, '{:.2f}')}x GRPO's "
+            "tokens. " + ("ES's lower memory came with less compute here." if less_memory and less_compute else
+                          "ES's lower memory did not mean less compute here." if less_memory else
+                          "ES did not use less memory here."))
 
 
 def null_verdict(methods: dict, th) -> list[str]:

@@ -81,6 +81,23 @@ def test_bad_settings_are_refused(tmp_path):
         validate_compare(_cfg(Path("/m"), tmp_path, run=RunConfig(dir=str(tmp_path), seed=3)))
 
 
+def test_token_and_device_second_budgets_become_each_runs_stop_and_an_unreachable_one_is_refused(tmp_path):
+    cfg = _cfg(Path("/models/base"), tmp_path, budget=BudgetConfig(unit="tokens", epochs=8.0, tokens=60))
+    es = stage_plan(cfg, "es", tmp_path, pool=4)[0].config()
+    es_half, grpo_half = (s.config() for s in stage_plan(cfg, "es_grpo", tmp_path, pool=4)[:2])
+    assert es.run.stop_at_tokens == 60 and es_half.run.stop_at_tokens == grpo_half.run.stop_at_tokens == 30
+    assert es.es.iterations == 8 and es.run.stop_at_device_seconds == 0  # the epoch budget is now the cap
+    with pytest.raises(ConfigError, match=r"budget.tokens=10000: es generates at most 128 tokens per iteration, "
+                                          r"1024 within the cap budget.epochs=8"):
+        validate_compare(_cfg(Path("/m"), tmp_path, budget=BudgetConfig(unit="tokens", epochs=8.0, tokens=10_000)))
+    secs = _cfg(Path("/m"), tmp_path, budget=BudgetConfig(unit="device_seconds", device_seconds=30.0))
+    assert stage_plan(secs, "grpo", tmp_path, pool=4)[0].config().run.stop_at_device_seconds == 30.0
+    with pytest.raises(ConfigError, match="budget.unit='flops' is not one of epochs, tokens, device_seconds"):
+        validate_compare(_cfg(Path("/m"), tmp_path, budget=BudgetConfig(unit="flops")))
+    with pytest.raises(ConfigError, match="budget.tokens=0"):
+        validate_compare(_cfg(Path("/m"), tmp_path, budget=BudgetConfig(unit="tokens")))
+
+
 def test_every_seed_has_its_own_stages_with_its_own_run_seed(tmp_path):
     cfg = _cfg(Path("/models/base"), tmp_path, seeds=[0, 5])
     s5 = stage_plan(cfg, "es_grpo", tmp_path, pool=4, seed=5)
@@ -171,11 +188,18 @@ def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_pa
         run(cfg, log=lines.append)
 
 
-def test_two_seeds_give_spread_intervals_and_differences(ray_local, tiny_model_dir, tmp_path):
+def test_two_seeds_and_a_token_budget_give_intervals_differences_and_the_compute_answer(ray_local, tiny_model_dir,
+                                                                                         tmp_path):
     root = tmp_path / "seeds"
-    cfg = validate_compare(_cfg(tiny_model_dir, root, methods=["base", "es", "grpo"], seeds=[0, 1]))
+    budget = BudgetConfig(unit="tokens", epochs=2.0, tokens=40)
+    cfg = validate_compare(_cfg(tiny_model_dir, root, methods=["base", "es", "grpo"], seeds=[0, 1], budget=budget))
     run(cfg, log=lambda s: None)
     rep = json.loads((root / "report.json").read_text())
+    for stage in ("train.es.s0", "train.grpo.s1"):  # each stopped at the first step that reached 40 tokens
+        tokens = [json.loads(x)["perf/tokens"] for x in (root / "stages" / stage / "metrics.jsonl").read_text()
+                  .splitlines()]
+        assert sum(tokens[:-1]) < 40 and (sum(tokens) >= 40 or len(tokens) == 2), (stage, tokens)
+    assert rep["budget"]["unit"] == "tokens"
     assert rep["seeds"] == [0, 1]
     for m in ("base", "es", "grpo"):
         acr = rep["across_seeds"][m]["average"]["4"]
@@ -186,4 +210,5 @@ def test_two_seeds_give_spread_intervals_and_differences(ray_local, tiny_model_d
     assert {("es", "base", 1), ("grpo", "base", 4), ("es", "grpo", 2)} <= pairs
     md = (root / "report.md").read_text()
     assert "## Uncertainty" in md and "Differences (called only when the two 95% intervals do not overlap)" in md
+    assert "Budget matched in tokens (40 tokens per method)" in md and "Compute (this run): GRPO's largest peak" in md
     assert (root / "stages" / "eval.es.s1" / "results.json").is_file()

@@ -158,6 +158,12 @@ class RunConfig:
     resume: bool = False
     """Continue the run in run.dir from its last checkpoint (ES: plus a replay of the seed log since it); the
     result equals an uninterrupted run. A run.dir with nothing to resume starts a new run."""
+    stop_at_tokens: int = 0
+    """Stop after the iteration / step at which the run has generated this many training tokens (0: no limit;
+    es-compare's budget.unit=tokens sets it)."""
+    stop_at_device_seconds: float = 0.0
+    """Stop after the iteration / step at which the run's actors have held this many device-seconds (the ledger's
+    measure; 0: no limit; es-compare's budget.unit=device_seconds sets it)."""
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     """Metric backends besides metrics.jsonl: any of tensorboard, wandb, mlflow (offline by default; [] for none)."""
     progress: bool = True

@@ -97,6 +97,19 @@ class Ledger:
                                                    "seconds_held": held, **report}
         self.replacements += group.replacements
 
+    def stop_reason(self, run, groups: list, cluster, tokens_so_far: int) -> str:
+        """Why the run stops after this step under run.stop_at_tokens / run.stop_at_device_seconds ('' to go on).
+        Device-seconds so far are counted as in the ledger: each actor's devices times the seconds it was held."""
+        if run.stop_at_tokens and tokens_so_far >= run.stop_at_tokens:
+            return f"run.stop_at_tokens={run.stop_at_tokens} reached ({tokens_so_far} tokens generated)"
+        if run.stop_at_device_seconds:
+            _, devices = actor_devices(cluster)
+            now = time.perf_counter()
+            used = sum(len(g) * devices * (now - g.created_at) for g in groups)
+            if used >= run.stop_at_device_seconds:
+                return f"run.stop_at_device_seconds={run.stop_at_device_seconds:g} reached ({used:.1f} device-s)"
+        return ""
+
     def to_dict(self, finished: bool, extra: dict | None = None) -> dict:
         rss = [a["peak_rss_bytes"] for a in self.actors.values() if a.get("peak_rss_bytes")]
         gpu = [a["peak_gpu_bytes"] for a in self.actors.values() if a.get("peak_gpu_bytes")]

@@ -16,6 +16,7 @@ from es_ray.core.config import ConfigError, flatten
 RESUME_FREE = frozenset({
     "run.resume", "run.dir", "run.root", "run.checkpoint_every", "run.progress", "run.trackers",
     "cluster.address", "cluster.num_cpus", "cluster.placement", "cluster.wait_for_resources_s", "eval.every",
+    "run.stop_at_tokens", "run.stop_at_device_seconds",
 })
 
 
