@@ -91,10 +91,12 @@ class ESWorker:
         return EvalResult(tuple(results), timing)
 
     def evaluate_center(self, split: str, seed: int) -> dict:
-        """Reward of the unperturbed weights on a whole split (the held-out curve)."""
-        n = len(self.task.eval if split == "eval" else self.task.train)
-        reward, tokens, errors, t_gen, _ = self._score(split, list(range(n)), seed)
-        return {"reward": reward, "tokens": tokens, "errors": errors, "seconds": t_gen}
+        """The unperturbed weights on a whole split (the held-out curve: es_ray.held_out)."""
+        from es_ray.held_out import held_out_scores
+
+        problems = self.task.eval if split == "eval" else self.task.train
+        return held_out_scores(self.engine, self.task, self._prompts[split], problems, self.cfg.eval,
+                               self.cfg.sampling.max_new_tokens, seed)
 
     def update(self, req: UpdateRequest) -> UpdateResult:
         t0 = time.perf_counter()

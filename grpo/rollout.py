@@ -69,17 +69,12 @@ class RolloutWorker:
                 "reward_s": time.perf_counter() - t1, "tokens": sum(c.num_tokens for c in completions)}
 
     def evaluate(self, split: str, seed: int) -> dict:
-        """Greedy mean reward of the current weights on a whole split (the held-out curve, as ES logs it)."""
-        from es_ray.core.config import SamplingConfig
+        """The current weights on a whole split (the held-out curve, scored as ES scores it: es_ray.held_out)."""
+        from es_ray.held_out import held_out_scores
 
         problems = self.task.eval if split == "eval" else self.task.train
-        greedy = SamplingConfig(max_new_tokens=self.cfg.sampling.max_new_tokens, temperature=0.0)
-        t0 = time.perf_counter()
-        completions = self.engine.generate(self._prompts[split], greedy, seed)
-        t1 = time.perf_counter()
-        rewards, errors = score(self.task, [c.text for c in completions], problems)
-        return {"reward": sum(rewards) / max(1, len(problems)), "tokens": sum(c.num_tokens for c in completions),
-                "errors": errors, "seconds": t1 - t0}
+        return held_out_scores(self.engine, self.task, self._prompts[split], problems, self.cfg.eval,
+                               self.cfg.sampling.max_new_tokens, seed)
 
     def write_weights(self, weights: dict) -> dict:
         """Copy (HF name -> tensor) weights, the whole model or one chunk of it, into the engine; returns the bytes

@@ -79,6 +79,10 @@ class CompareConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """cluster.num_actors: ES actors and evaluation actors; resources per actor for every stage."""
+    curve_every: int = 2
+    """Every training stage scores the held-out set every k iterations / steps (greedy reward, sampled pass@1 and
+    entropy: es-train's and grpo-train's eval.every); the report plots pass@1 and entropy over training for every
+    method (training_curves.png). 0: no curve."""
     grpo_rollout_actors: int = 1
     """GRPO rollout actors (GRPO also starts one learner actor with the same resources)."""
     run: RunConfig = field(default_factory=RunConfig)
@@ -96,6 +100,7 @@ def validate_compare(cfg: CompareConfig) -> CompareConfig:
     if cfg.budget.unit != "epochs":
         check_positive(f"budget.{cfg.budget.unit}", getattr(cfg.budget, cfg.budget.unit))
     check_positive("grpo_rollout_actors", cfg.grpo_rollout_actors)
+    check_positive("curve_every", cfg.curve_every, allow_zero=True)
     if not cfg.seeds or len(set(cfg.seeds)) != len(cfg.seeds):
         raise ConfigError(f"seeds={list(cfg.seeds)}: give one or more distinct run seeds, e.g. seeds=[0,1,2]")
     if cfg.run.seed:
@@ -163,7 +168,8 @@ def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float
     per_iteration = cfg.es.population * min(cfg.es.prompts_per_iteration, pool) * cfg.es_sampling.max_new_tokens
     _check_reachable(cfg, "es", per_iteration, iterations, share)
     return validate(ESTrainConfig(task=cfg.task, es=dataclasses.replace(cfg.es, iterations=iterations),
-                                  sampling=cfg.es_sampling, cluster=cfg.cluster, eval=HeldOutConfig(every=0),
+                                  sampling=cfg.es_sampling, cluster=cfg.cluster,
+                                  eval=HeldOutConfig(every=cfg.curve_every),
                                   faults=_faults(cfg, ESFaultsConfig),
                                   **_common(cfg, model_path, run_dir, seed, share)))
 
@@ -178,7 +184,8 @@ def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: flo
     _check_reachable(cfg, "grpo", per_step, steps, share)
     cluster = GRPOClusterConfig(**{**dataclasses.asdict(cfg.cluster), "num_actors": cfg.grpo_rollout_actors})
     return validate_grpo(GRPOTrainConfig(task=cfg.task, grpo=dataclasses.replace(cfg.grpo, steps=steps),
-                                         sampling=cfg.grpo_sampling, cluster=cluster, eval=HeldOutConfig(every=0),
+                                         sampling=cfg.grpo_sampling, cluster=cluster,
+                                         eval=HeldOutConfig(every=cfg.curve_every),
                                          faults=cfg.faults, **_common(cfg, model_path, run_dir, seed, share)))
 
 

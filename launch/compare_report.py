@@ -81,6 +81,20 @@ def reward_curve(root: Path, parts: list[tuple[str, str]], pool: int, cfg) -> li
     return points
 
 
+def held_out_curve(root: Path, parts: list[tuple[str, str]], pool: int, cfg) -> list[tuple[float, float, float]]:
+    """(epochs seen, held-out pass@1, held-out entropy) at each eval.every row of the training run(s), the parts
+    of a sequential method end to end."""
+    points, offset = [], 0.0
+    for stage, kind in parts:
+        per_unit = cfg.es.prompts_per_iteration if kind == "es" else cfg.grpo.prompts_per_step
+        rows = [r for r in _read_jsonl(root / "stages" / stage / "metrics.jsonl") if r.get("reward/mean") is not None]
+        for i, r in enumerate(rows):
+            if r.get("eval/pass@1") is not None:
+                points.append((offset + (i + 1) * per_unit / pool, float(r["eval/pass@1"]), r.get("eval/entropy")))
+        offset += len(rows) * per_unit / pool
+    return points
+
+
 def across_seeds(per_seed: dict, ks: list[int]) -> dict:
     """Per method: mean and std over seeds of the average pass@k, the entropy and the drift L2."""
     out = {}
@@ -199,6 +213,7 @@ def collect_seed(root: Path, cfg, plan: dict, pool: int) -> dict:
             "mean_reward": {t: ev["tasks"][t]["mean_reward"] for t in tasks},
             "ledger": method_ledger(cfg, root, parts),
             "reward_curve": reward_curve(root, parts, pool, cfg),
+            "held_out_curve": held_out_curve(root, parts, pool, cfg),
             "checkpoint": ev["model_dir"],
         }
         if dr is not None:
@@ -428,6 +443,20 @@ def plots(rep: dict, root: Path) -> list[str]:
     ax.set_ylabel("mean training reward")
     ax.legend(fontsize=8)
     out.append(_save(fig, root / "reward_curves.png"))
+    if any(m["held_out_curve"] for m in methods.values()):
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
+        for m in methods.values():
+            if m["held_out_curve"]:
+                xs, p1, ent = zip(*m["held_out_curve"])
+                a1.plot(xs, p1, marker=".", label=m["label"])
+                if all(e is not None for e in ent):
+                    a2.plot(xs, ent, marker=".", label=m["label"])
+        a1.set_xlabel("epochs over the training pool")
+        a1.set_ylabel("held-out pass@1 (sampled)")
+        a2.set_xlabel("epochs over the training pool")
+        a2.set_ylabel("held-out token entropy (nats)")
+        a1.legend(fontsize=8)
+        out.append(_save(fig, root / "training_curves.png"))
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for m in methods.values():
         h = m["entropy"]["histogram"]

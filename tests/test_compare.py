@@ -151,7 +151,7 @@ def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_pa
     assert any("did not finish; starting it again" in s for s in lines)
 
     for name in ["report.md", "report.json", "reward_curves.png", "entropy.png", "update_histograms.png",
-                 "passk_arithmetic.png"]:
+                 "passk_arithmetic.png", "training_curves.png"]:
         assert (root / name).is_file() and (root / name).stat().st_size > 0, name
     rep = json.loads((root / "report.json").read_text())
     assert set(rep["methods"]) == set(METHODS)
@@ -175,6 +175,11 @@ def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_pa
     assert cast["dtype"] == "bfloat16" and cast["share_nonzero"] <= rep["methods"]["grpo"]["drift"]["share_nonzero"]
     assert "| GRPO (weights in bfloat16) |" in md
     assert len(rep["methods"]["base"]["passk_curve"]["arithmetic"]) == 4
+    for m in ("es", "grpo", "es_grpo"):  # held-out pass@1 and entropy over training, for every trained method
+        curve = rep["methods"][m]["held_out_curve"]
+        assert curve and all(0 <= p1 <= 1 and ent > 0 for _, p1, ent in curve), (m, curve)
+    es_x = [x for x, _, _ in rep["methods"]["es_grpo"]["held_out_curve"]]
+    assert es_x == sorted(es_x) and es_x[-1] == pytest.approx(2.0)  # both halves, end to end, up to the budget
     assert report["run_dir"] == str(root)
 
     # A repeat after the end trains nothing and evaluates nothing.

@@ -142,7 +142,9 @@ class HeldOutConfig:
 
     every: int = 6
     """Score the current (unperturbed) weights on the held-out set every k iterations / steps (and at the first;
-    0: never)."""
+    0: never): greedy reward, and pass@1 and token entropy of completions sampled at eval.temperature."""
+    temperature: float = 1.0
+    """Sampling temperature of the held-out pass@1 and entropy (> 0)."""
 
 
 @dataclass

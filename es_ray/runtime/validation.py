@@ -73,4 +73,5 @@ def validate_trainer(cfg: Any) -> None:
     validate_cluster(cfg.cluster, cfg.engine)
     validate_run(cfg.run)
     check_positive("eval.every", cfg.eval.every, allow_zero=True)
+    check_positive("eval.temperature", cfg.eval.temperature)
     validate_faults(cfg.faults)
