@@ -342,6 +342,7 @@ def markdown(rep: dict) -> str:
               "seconds it was held, summed (es_ray.runtime.ledger, the same code for every method). Peak memory: the "
               "largest peak resident set of any actor process of the run (and its peak GPU allocation).", "",
               "Plots: " + ", ".join(f"`{p}`" for p in rep.get("plots", [])), ""]
+    lines += verdict_markdown(rep)
     return "\n".join(lines)
 
 
@@ -368,6 +369,65 @@ def uncertainty_markdown(rep: dict) -> list[str]:
             a, b = LABELS[d["a"]], LABELS[d["b"]]
             verdict = {1: f"{a} higher", -1: f"{b} higher", 0: "not separable (intervals overlap)"}[d["separated"]]
             lines.append(f"| {a} vs {b} | {d['k']} | {_iv(d['a_interval'])} | {_iv(d['b_interval'])} | {verdict} |")
+    return lines
+
+
+def _difference(rep: dict, a: str, b: str, k: int) -> tuple[str, str]:
+    """(numbers, verdict) of the interval comparison of methods a and b at pass@k."""
+    d = next((x for x in rep["differences"] if x["a"] == a and x["b"] == b and x["k"] == k), None)
+    if d is None:
+        return "-", "not run"
+    la, lb = LABELS[a], LABELS[b]
+    nums = f"{la} {_iv(d['a_interval'])} vs {lb} {_iv(d['b_interval'])}"
+    return nums, {1: f"{la} higher (intervals separate)", -1: f"{lb} higher (intervals separate)",
+                  0: "no separable difference"}[d["separated"]]
+
+
+def _spread(rep: dict, method: str, key: str) -> str:
+    st = rep["across_seeds"].get(method, {}).get(key)
+    if not st or st["mean"] is None:
+        return "-"
+    return f"{st['mean']:.3g} +- {st['std']:.2g} over {len(st['values'])} seed(s)"
+
+
+def verdict_markdown(rep: dict) -> list[str]:
+    """What this run shows of each effect the paper reports, with its numbers and whether the intervals separate."""
+    ks, m = rep["k"], rep["methods"]
+    small, large = ks[0], ks[-1]
+    rows = []
+    nums, verdict = _difference(rep, "es", "grpo", large)
+    rows.append(("coverage at large k (paper: ES above GRPO at Pass@16/32)", f"Pass@{large}: {nums}", verdict))
+    nums, verdict = _difference(rep, "es", "grpo", small)
+    rows.append((f"Pass@{small} (paper: GRPO at or above ES)", f"Pass@{small}: {nums}", verdict))
+    ent = {k: (m.get(k) or {}).get("entropy", {}).get("mean_per_token") for k in ("base", "es", "grpo")}
+    if all(v is not None for v in ent.values()):
+        e_es, e_grpo = ent["es"] - ent["base"], ent["grpo"] - ent["base"]
+        sds = [rep["across_seeds"][k]["entropy"]["std"] for k in ("es", "grpo")]
+        clear = len(rep["seeds"]) > 1 and abs(e_es - e_grpo) > 2 * max(sds)
+        rows.append(("entropy (paper: GRPO collapses it, ES keeps it near the base)",
+                     f"change vs base: ES {e_es:+.3f}, GRPO {e_grpo:+.3f} nats (ES {_spread(rep, 'es', 'entropy')}; "
+                     f"GRPO {_spread(rep, 'grpo', 'entropy')})",
+                     ("ES keeps more entropy than GRPO" if e_es > e_grpo else "GRPO keeps more entropy than ES")
+                     + (" (gap above 2 std over seeds)" if clear else
+                        " (not separable: one seed, or within 2 std over seeds)")))
+    ratio = rep["drift_l2_ratio_es_over_grpo"]
+    null = ((m.get("es") or {}).get("drift") or {}).get("null")
+    rows.append(("L2 distance (paper: ES 40.7-44.1x GRPO)", f"ES / GRPO = {_f(ratio, '{:.1f}')}x; ES L2 "
+                 f"{_spread(rep, 'es', 'drift_l2')}, null model {_f((null or {}).get('l2'), '{:.4g}')}",
+                 "ES moves farther" if ratio and ratio > 1 else "ES does not move farther" if ratio else "-"))
+    sparsity = null_verdict(m, rep["thresholds"])
+    rows.append(("functional sparsity (paper: most ES updates tiny)", sparsity[0] if sparsity else "-",
+                 "set by the step sizes (null model)" if sparsity and "alone give" in sparsity[0] else
+                 "differs from the null model" if sparsity else "-"))
+    nums, verdict = _difference(rep, "es_grpo", "grpo_es", large)
+    rows.append(("sequential order (paper: ES->GRPO best at hard-math Pass@32)", f"Pass@{large}: {nums}", verdict))
+    rows.append(("compute (left open by the paper)", compute_answer(m), "-"))
+    lines = ["## Verdict: the paper's effects in this run", "",
+             "| effect | this run | verdict |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    lines += ["", "A difference is called only where the 95% bootstrap intervals over problems separate (or, for "
+              "entropy, the gap exceeds twice the spread over seeds); with one seed and few problems most gaps are "
+              "within the noise, and the verdict says so.", ""]
     return lines
 
 

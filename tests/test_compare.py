@@ -163,6 +163,10 @@ def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_pa
         assert len(widths) == 1, table
     for label in ["Base", "ES", "GRPO", "ES->GRPO", "GRPO->ES"]:
         assert f"| {label} |" in md
+    verdict = md[md.index("## Verdict: the paper's effects in this run"):]
+    for effect in ("coverage at large k", "Pass@1 (paper", "entropy (paper", "L2 distance", "functional sparsity",
+                   "sequential order", "compute (left open"):
+        assert f"| {effect}" in verdict, effect
     # Measured compute: ES back-propagates nothing, GRPO does; both generated tokens and have a memory peak.
     led = {m: rep["methods"][m]["ledger"] for m in ("es", "grpo")}
     assert led["es"]["tokens_backpropagated"] == 0 and led["grpo"]["tokens_backpropagated"] > 0
