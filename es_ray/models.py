@@ -17,7 +17,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping
+
+if TYPE_CHECKING:
+    import torch
 
 EMBEDDED_NAMES = ("", "smollm2-135m", "embedded")
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -121,19 +124,48 @@ def resolve_model(path: str) -> Path:
     )
 
 
-def load_hf_weights(model_dir: str | Path, names: Iterable[str] | None = None) -> dict[str, "torch.Tensor"]:
-    """fp32 CPU tensors by HF name from a directory's safetensors files (the source of the fp32 master)."""
-    import torch
+def safetensors_index(model_dir: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """HF name -> (file, shape) of every tensor in a directory's safetensors files, read from their headers only."""
     from safetensors import safe_open
 
-    wanted = set(names) if names is not None else None
-    out: dict[str, torch.Tensor] = {}
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{model_dir} holds no *.safetensors files")
+    out = {}
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
-                if wanted is None or key in wanted:
-                    out[key] = sf.get_tensor(key).to(torch.float32)
+                out[key] = (str(f), tuple(sf.get_slice(key).get_shape()))
     return out
+
+
+def read_tensor(file: str, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+    """One tensor of a safetensors file, or only ``tensor[index]`` of it, in the file's dtype. The file is opened
+    for this tensor alone, so nothing of it stays mapped beyond the tensor handed out (a handle kept open across
+    a whole model keeps every page it has read resident)."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as sf:
+        return sf.get_tensor(name) if index is None else sf.get_slice(name)[index]
+
+
+def iter_hf_weights(model_dir: str | Path, names: Iterable[str] | None = None,
+                    parts: Mapping[str, tuple[slice, ...]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) from a directory's safetensors files, one tensor at a time, each read when it is asked for
+    (``read_tensor``), in the file's dtype. ``parts``: for some names an index (``tensor[index]``) of which only
+    that part is read (a tensor-parallel rank's shard). Every name in ``names`` must be there (ModelNotFoundError)."""
+    index = safetensors_index(model_dir)
+    wanted = set(index) if names is None else set(names)
+    missing = sorted(wanted - set(index))
+    if missing:
+        raise ModelNotFoundError(f"{model_dir}: no tensor for HF parameters {missing[:5]} (of {len(missing)})")
+    for name, (file, _) in index.items():
+        if name in wanted:
+            yield name, read_tensor(file, name, (parts or {}).get(name))
+
+
+def load_hf_weights(model_dir: str | Path, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """fp32 CPU tensors by HF name from a directory's safetensors files (``iter_hf_weights``, all kept)."""
+    import torch
+
+    return {name: t.to(torch.float32) for name, t in iter_hf_weights(model_dir, names)}

@@ -14,19 +14,28 @@ Exactness (DESIGN "ES, precisely"):
   replicas on the same hardware stay equal bit for bit, which ``checksum`` lets the driver verify;
 * the update regenerates the noises one tensor at a time into one flat fp32 buffer (plus one noise buffer), and
   measures what the engine realised in chunks of ``CHUNK`` elements (no whole-tensor temporaries).
+
+Tensor parallelism: a replica may hold only part of each HF tensor (a ``Shard``: rows or columns [start, stop) of
+it, what one vLLM rank's weight loader reads). Its master, optimizer state and theta_0 are then that part only;
+the noise is still the whole HF tensor's, sliced (``NoiseSource.noise_slice`` draws only those rows where the kind
+can), so it does not depend on the TP degree; a write hands the engine the whole HF-shaped tensor from a buffer
+with the rank's part in place (the loader reads only that part); ``read`` gives back that part as the engine holds
+it. The ranks' checksums combine into the unsplit model's (``combine_checksums``), and their states into whole
+tensors (``gather_shards``), each part sent once, by its owner.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import re
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from es_ray.noise import NoiseSource
+from es_ray.noise import NoiseSource, resolve_kind
 from es_ray.strategy import Member, Optimizer, noise_coefficients
 
 if TYPE_CHECKING:
@@ -72,19 +81,115 @@ class ReplicaSpec:
         return not self.trainable or re.search(self.trainable, name) is not None
 
 
+@dataclass(frozen=True)
+class Shard:
+    """The part of one HF tensor (of ``shape``) that one tensor-parallel rank holds: indices [start, stop) along
+    ``dim``, or the whole tensor when ``dim`` is None. ``owner``: this rank is the lowest one holding this part (a
+    part several ranks hold, a norm weight or a replicated KV head, is sent once, by its owner)."""
+
+    shape: tuple[int, ...]
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+    owner: bool = True
+
+    @classmethod
+    def part(cls, shape: Iterable[int], dim: int, start: int, stop: int, owner: bool = True) -> Shard:
+        """[start, stop) along ``dim``; the whole tensor when that is all of it."""
+        shape = tuple(int(s) for s in shape)
+        if not 0 <= start < stop <= shape[dim]:
+            raise ValueError(f"part [{start}, {stop}) of dim {dim} does not fit a tensor of shape {shape}")
+        if start == 0 and stop == shape[dim]:
+            return cls(shape, owner=owner)
+        return cls(shape, dim, int(start), int(stop), owner)
+
+    @property
+    def index(self) -> tuple[slice, ...]:
+        """``tensor[index]`` is this part of the whole tensor (a view)."""
+        return () if self.dim is None else (slice(None),) * self.dim + (slice(self.start, self.stop),)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.shape
+        return self.shape[: self.dim] + (self.stop - self.start,) + self.shape[self.dim + 1 :]
+
+    def take(self, whole: torch.Tensor) -> torch.Tensor:
+        return whole[self.index]
+
+    def __str__(self) -> str:
+        return "" if self.dim is None else "[" + ":, " * self.dim + f"{self.start}:{self.stop}]"
+
+
 def tensor_checksum(t: torch.Tensor) -> int:
-    """Sum of the tensor's bit patterns as wrapping int64: any single changed bit changes it, order-free."""
+    """Sum of the tensor's bit patterns as wrapping int64: any single changed bit changes it, order-free, and
+    additive over disjoint parts (``combine_checksums``)."""
     flat = t.detach().contiguous().view(-1)
     ints = flat.view(torch.int32) if flat.element_size() == 4 else flat.view(torch.int16)
     return int(ints.sum(dtype=torch.int64).item())
 
 
-def checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+def _digest(sums: Mapping[str, int]) -> str:
     h = hashlib.blake2b(digest_size=8)
-    for name, t in sorted(named, key=lambda kv: kv[0]):
+    for name in sorted(sums):
         h.update(name.encode())
-        h.update(str(tensor_checksum(t)).encode())
+        h.update(str(sums[name]).encode())
     return h.hexdigest()
+
+
+def checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    return _digest({name: tensor_checksum(t) for name, t in named})
+
+
+def _tiling(name: str, shards: Iterable[Shard]) -> list[Shard]:
+    """The distinct parts of one tensor in order, checked to cover it exactly once (else ValueError)."""
+    parts = sorted(set(shards), key=lambda s: s.start)
+    if len(parts) == 1 and parts[0].dim is None:
+        return parts
+    dims = {s.dim for s in parts}
+    stops = [0] + [s.stop for s in parts]
+    if len(dims) != 1 or None in dims or any(s.start != stop for s, stop in zip(parts, stops)) \
+            or stops[-1] != parts[0].shape[parts[0].dim]:
+        raise ValueError(f"the tensor-parallel parts of {name} ({', '.join(map(str, parts))} of shape "
+                         f"{parts[0].shape}) do not cover it exactly once")
+    return parts
+
+
+def combine_checksums(parts_by_rank: Iterable[Mapping[str, tuple[Shard, int]]]) -> str:
+    """The master digest of a replica split over tensor-parallel ranks, from each rank's (shard, tensor_checksum)
+    per tensor: the bit sums of the distinct parts added (wrapping int64), so it equals the digest of the whole
+    master (``checksum``) at any TP degree. A part that several ranks hold must have the same sum on each, else the
+    ranks have diverged and this raises."""
+    sums: dict[str, dict[Shard, tuple[int, int]]] = {}
+    for rank, parts in enumerate(parts_by_rank):
+        for name, (shard, bits) in parts.items():
+            key = replace(shard, owner=True)
+            seen_rank, seen = sums.setdefault(name, {}).setdefault(key, (rank, bits))
+            if seen != bits:
+                raise RuntimeError(f"tensor-parallel ranks {seen_rank} and {rank} hold different weights for "
+                                   f"{name}{shard} (bit sums {seen} and {bits}): the ranks' masters diverged")
+    totals = {}
+    for name, by_part in sums.items():
+        total = sum(by_part[s][1] for s in _tiling(name, by_part))
+        totals[name] = (total + (1 << 63)) % (1 << 64) - (1 << 63)
+    return _digest(totals)
+
+
+def gather_shards(per_rank: Iterable[tuple[Mapping[str, Shard], Mapping[str, torch.Tensor]]]
+                  ) -> dict[str, torch.Tensor]:
+    """Whole tensors from the parts the ranks sent ((shards, tensors) per rank; each part once): concatenated in
+    order along their dim; a tensor one rank sent whole is returned as it is (no copy)."""
+    parts: dict[str, dict[Shard, torch.Tensor]] = {}
+    for shards, tensors in per_rank:
+        for name, t in tensors.items():
+            if shards[name] in parts.setdefault(name, {}):
+                raise ValueError(f"two ranks sent the part {name}{shards[name]}: only its owner sends it")
+            parts[name][shards[name]] = t
+    out = {}
+    for name, by_part in parts.items():
+        order = _tiling(name, by_part)
+        out[name] = by_part[order[0]] if len(order) == 1 else torch.cat([by_part[s] for s in order], order[0].dim)
+    return out
 
 
 def _row_chunks(*tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -125,66 +230,128 @@ def mismatches(master: torch.Tensor, held: torch.Tensor) -> int:
     return bad
 
 
+def update_health(sums: Iterable[tuple[float, ...]]) -> dict:
+    """update_norm, realised_cos and realised_norm (``Replica.update``) from the sums (delta . delta, r . delta,
+    r . r) over disjoint parts, one entry per tensor-parallel rank; a rank that could not read back gives
+    (delta . delta,), and then realised_* are None. The sums come back too, under ``sums``."""
+    sums = list(sums)
+    total = tuple(map(sum, zip(*sums)))
+    out = {"update_norm": total[0] ** 0.5, "realised_cos": None, "realised_norm": None, "sums": total}
+    if len(total) == 3:
+        sq_update, dot, sq_real = total
+        out["realised_norm"] = sq_real**0.5
+        if sq_update:  # clamped: the fp32 dot products can put an exact alignment a few 1e-10 above 1
+            out["realised_cos"] = max(-1.0, min(1.0, dot / (sq_update**0.5 * sq_real**0.5))) if sq_real > 0 else 0.0
+    return out
+
+
 class Replica:
     def __init__(self, named: Iterable[tuple[str, torch.Tensor]], spec: ReplicaSpec, write: Writer,
-                 read: Reader | None = None, device: str | torch.device = "cpu"):
+                 read: Reader | None = None, device: str | torch.device = "cpu",
+                 shards: Mapping[str, Shard] | None = None):
+        """``named``: (HF name, tensor) pairs, the tensor being this replica's part of the HF tensor where ``shards``
+        names one (a tensor-parallel rank), else the whole tensor; each is copied to ``device`` in fp32 as it comes,
+        so a lazily read source is never held whole."""
         self.spec = spec
         self.write = write
         self.read = read
         self.device = torch.device(device)
         self.master: dict[str, torch.Tensor] = {}
+        self.shards: dict[str, Shard] = {}
         for name, t in named:
             if spec.selects(name):
+                shard = (shards or {}).get(name) or Shard(tuple(t.shape))
+                if tuple(t.shape) != shard.local_shape:
+                    raise ValueError(f"{name}: got a tensor of shape {tuple(t.shape)} for the part {shard} of "
+                                     f"{shard.shape}")
+                self.shards[name] = shard
                 self.master[name] = t.detach().to(device=self.device, dtype=torch.float32, copy=True)
         if not self.master:
             raise ValueError(f"model.trainable={spec.trainable!r} matches no parameter; fix the regex")
         self.names = sorted(self.master)
         self.theta0 = {k: v.clone() for k, v in self.master.items()} if spec.anchor_decay else None
-        kind = spec.noise if spec.noise != "auto" else ("per_tensor" if self.device.type == "cuda" else "table")
+        kind = resolve_kind(spec.noise, self.device.type)
         self.noise = NoiseSource(spec.run_seed, kind, spec.noise_table_size, device=self.device)
         self.opt = Optimizer(spec.optimizer, spec.lr, (spec.adam_beta1, spec.adam_beta2), spec.adam_eps,
                              spec.weight_decay, spec.anchor_decay)
-        largest = max(t.numel() for t in self.master.values())
-        self._buf = torch.empty(largest, dtype=torch.float32, device=self.device)
-        self._nbuf = torch.empty(largest, dtype=torch.float32, device=self.device) if kind != "table" else None
+        # _buf holds a whole HF tensor (a sharded write hands the engine one); _nbuf the noise drawn for a part: the
+        # part alone where noise_slice draws just its rows (counter, table), else the whole tensor it is cut from
+        self._buf = torch.empty(max(math.prod(s.shape) for s in self.shards.values()), dtype=torch.float32,
+                                device=self.device)
+        self._nbuf = None if kind == "table" else torch.empty(
+            max(math.prod(self._noise_shape(s)) for s in self.shards.values()), dtype=torch.float32,
+            device=self.device)
 
     @classmethod
     def from_checkpoint(cls, model_dir: str, names: Iterable[str], spec: ReplicaSpec, write: Writer,
-                        read: Reader | None = None, device: str | torch.device = "cpu") -> Replica:
-        """The master from the checkpoint's fp32 tensors (never from the engine's cast weights), then written into
-        the engine, so that it holds cast(master) from the start."""
-        from es_ray.models import load_hf_weights
+                        read: Reader | None = None, device: str | torch.device = "cpu",
+                        shards: Mapping[str, Shard] | None = None) -> Replica:
+        """The master from the checkpoint's tensors in fp32 (never from the engine's cast weights), read one tensor
+        (or one rank's part of it) at a time, then written into the engine, so that it holds cast(master) from the
+        start. A sharded replica's first write fills everything outside its parts with NaN: the engine holding a
+        NaN afterwards (the caller checks) means the shards do not match what the engine's loader reads."""
+        from es_ray.models import iter_hf_weights
 
         names = [n for n in names if spec.selects(n)]
-        source = load_hf_weights(model_dir, names)
-        missing = [n for n in names if n not in source]
-        if missing:
-            raise ValueError(f"{model_dir}: no tensor for HF parameters {missing[:5]} (of {len(missing)})")
-        replica = cls(((n, source.pop(n)) for n in names), spec, write, read, device)
-        replica.restore()
+        shards = dict(shards or {})
+        index = {n: shards[n].index for n in names if n in shards and shards[n].dim is not None}
+        replica = cls(iter_hf_weights(model_dir, names, index), spec, write, read, device, shards)
+        replica.restore(fill=float("nan") if index else None)
         return replica
 
     # -- buffers -------------------------------------------------------------------------------------------
-    def _view(self, flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        return flat[: like.numel()].view(like.shape)
+    def _view(self, flat: torch.Tensor, shape: Iterable[int]) -> torch.Tensor:
+        shape = tuple(shape)
+        return flat[: math.prod(shape)].view(shape)
+
+    def _noise_shape(self, shard: Shard) -> tuple[int, ...]:
+        return shard.local_shape if shard.dim in (None, 0) and self.noise.kind != "per_tensor" else shard.shape
 
     def _eps(self, iteration: int, noise_id: int, name: str) -> torch.Tensor:
-        theta = self.master[name]
-        out = self._view(self._nbuf, theta) if self._nbuf is not None else None
-        return self.noise.noise(iteration, noise_id, name, theta.shape, out=out)
+        """The noise of this replica's part of tensor ``name``: the whole tensor's noise, sliced."""
+        shard = self.shards[name]
+        out = self._view(self._nbuf, self._noise_shape(shard)) if self._nbuf is not None else None
+        if shard.dim is None:
+            return self.noise.noise(iteration, noise_id, name, shard.shape, out=out)
+        if shard.dim == 0 and self.noise.kind != "per_tensor":  # only these rows are drawn
+            return self.noise.noise_slice(iteration, noise_id, name, shard.shape, slice(shard.start, shard.stop),
+                                          out=out)
+        return shard.take(self.noise.noise(iteration, noise_id, name, shard.shape, out=out))
+
+    def _whole(self, name: str, fill: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what is written for ``name``, where this replica's part of it goes): for a whole tensor both are the
+        same buffer view; for a part, the whole HF-shaped buffer and the part's view in it, the rest left as it is
+        (the engine's loader does not read it) or set to ``fill``."""
+        shard = self.shards[name]
+        whole = self._view(self._buf, shard.shape)
+        if fill is not None and shard.dim is not None:
+            whole.fill_(fill)
+        return whole, shard.take(whole)
 
     # -- member evaluation ---------------------------------------------------------------------------------
     def perturbed(self, iteration: int, noise_id: int, sign: int, sigma: float) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yields (name, master + sign * sigma * eps) through one reused buffer."""
+        """Yields (name, master + sign * sigma * eps) through one reused buffer (the whole HF tensor, for a part)."""
         for name in self.names:
             eps = self._eps(iteration, noise_id, name)
-            yield name, torch.add(self.master[name], eps, alpha=sign * sigma, out=self._view(self._buf, eps))
+            whole, part = self._whole(name)
+            torch.add(self.master[name], eps, alpha=sign * sigma, out=part)
+            yield name, whole
 
     def perturb(self, iteration: int, noise_id: int, sign: int, sigma: float) -> None:
         self.write(self.perturbed(iteration, noise_id, sign, sigma))
 
-    def restore(self) -> None:
-        self.write((name, self.master[name]) for name in self.names)
+    def restored(self, fill: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields (name, master): the master itself for a whole tensor, else the whole HF tensor from the buffer."""
+        for name in self.names:
+            if self.shards[name].dim is None:
+                yield name, self.master[name]
+                continue
+            whole, part = self._whole(name, fill)
+            part.copy_(self.master[name])
+            yield name, whole
+
+    def restore(self, fill: float | None = None) -> None:
+        self.write(self.restored(fill))
 
     # -- update --------------------------------------------------------------------------------------------
     def update(self, iteration: int, members: list[Member], fitness_n, sigma: float) -> dict[str, float | None]:
@@ -201,7 +368,8 @@ class Replica:
           the cast. r includes the removal of a perturbation left written (no restore before the update) and
           loses any step below the engine dtype's resolution (r = 0 there, cos 0).
         Where the engine cannot be read back (no ``read``, or it returns None), realised_* are None (absent),
-        and so is realised_cos when the intended update is zero (a cosine of nothing).
+        and so is realised_cos when the intended update is zero (a cosine of nothing). ``sums`` holds the sums
+        behind them over the parts this replica owns, which ``update_health`` combines across tensor-parallel ranks.
         """
         coeffs = noise_coefficients(members, fitness_n)
         scale = 1.0 / (len(members) * sigma)
@@ -210,7 +378,7 @@ class Replica:
         measured = self.read is not None
         for name in self.names:
             theta = self.master[name]
-            g = self._view(self._buf, theta)
+            g = self._view(self._buf, theta.shape)
             for k, (noise_id, c) in enumerate(coeffs):
                 eps = self._eps(iteration, noise_id, name)
                 if k == 0:  # the first term initialises g: one pass less than zero_() then add_()
@@ -221,42 +389,93 @@ class Replica:
             measured = held is not None
             self.opt.step(name, theta, g, self.theta0[name] if self.theta0 is not None else None)
             sums = update_sums(g, theta, held)
-            sq_update += sums[0]
-            if measured:
-                dot, sq_real = dot + sums[1], sq_real + sums[2]
+            if self.shards[name].owner:
+                sq_update += sums[0]
+                if measured:
+                    dot, sq_real = dot + sums[1], sq_real + sums[2]
         self.restore()
-        if not measured:
-            return {"update_norm": sq_update**0.5, "realised_cos": None, "realised_norm": None}
-        self._check_engine_holds_master()
-        if sq_update == 0.0:
-            cos = None
-        else:  # clamped: the fp32 dot products can put an exact alignment a few 1e-10 above 1
-            cos = max(-1.0, min(1.0, dot / (sq_update**0.5 * sq_real**0.5))) if sq_real > 0 else 0.0
-        return {"update_norm": sq_update**0.5, "realised_cos": cos, "realised_norm": sq_real**0.5}
+        if measured:
+            self._check_engine_holds_master()
+        return update_health([(sq_update, dot, sq_real) if measured else (sq_update,)])
 
     def _check_engine_holds_master(self) -> None:
         """The read-back half of the realised measurement: the engine must hold cast(master) after a write."""
+        bad = self._mismatches()
+        if bad:
+            name, (n, held) = next(iter(bad.items()))
+            raise RuntimeError(
+                f"after the update the engine does not hold cast(master) for {name}: {n} of {held.numel()} "
+                f"elements differ (engine dtype {held.dtype}); its write path lost or altered weights, so the "
+                "engine no longer generates from this replica's weights")
+
+    def _mismatches(self) -> dict[str, tuple[int, torch.Tensor]]:
+        out = {}
         for name in self.names:
             held = self.read(name)
             bad = mismatches(self.master[name], held)
             if bad:
-                raise RuntimeError(
-                    f"after the update the engine does not hold cast(master) for {name}: {bad} of {held.numel()} "
-                    f"elements differ (engine dtype {held.dtype}); its write path lost or altered weights, so the "
-                    "engine no longer generates from this replica's weights")
+                out[name] = (bad, held)
+        return out
+
+    def engine_mismatches(self) -> dict[str, int] | None:
+        """Per tensor where the engine does not hold cast(master), read back: the number of elements that differ
+        (empty: it holds exactly the master). None where the engine cannot be read back."""
+        if self.read is None or self.read(self.names[0]) is None:
+            return None
+        return {name: bad for name, (bad, _) in self._mismatches().items()}
 
     def checksum(self) -> str:
-        return checksum(self.master.items())
+        return combine_checksums([self.checksum_parts()])
+
+    def checksum_parts(self) -> dict[str, tuple[Shard, int]]:
+        """(shard, tensor_checksum) of this replica's part of every tensor (``combine_checksums`` joins ranks)."""
+        return {name: (self.shards[name], tensor_checksum(t)) for name, t in self.master.items()}
 
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"master": self.master, "optimizer": self.opt.state_dict(), "theta0": self.theta0}
+        """Master, optimizer state and theta_0 of the parts this replica owns (every tensor, unsharded), with their
+        shards: ``gather_states`` joins the ranks' into whole tensors."""
+        owned = [n for n in self.names if self.shards[n].owner]
+        return {"shards": {n: self.shards[n] for n in owned},
+                "master": {n: self.master[n] for n in owned},
+                "optimizer": {"t": self.opt.t, "state": {n: st for n, st in self.opt.state.items() if n in owned}},
+                "theta0": None if self.theta0 is None else {n: self.theta0[n] for n in owned}}
+
+    def _local(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This replica's part of ``t``: ``t`` is either the whole HF tensor or already that part."""
+        shard = self.shards[name]
+        if tuple(t.shape) == shard.shape:
+            return shard.take(t)
+        if tuple(t.shape) == shard.local_shape:
+            return t
+        raise ValueError(f"{name}: a state tensor of shape {tuple(t.shape)} is neither the whole tensor "
+                         f"{shard.shape} nor this replica's part {shard.local_shape}")
 
     def load_state_dict(self, sd: dict) -> None:
+        """Whole tensors (a checkpoint, ``gather_states``) or this replica's own parts; each takes its part."""
         for name in self.names:
-            self.master[name].copy_(sd["master"][name])
-        self.opt.load_state_dict(sd["optimizer"], device=self.device)
+            self.master[name].copy_(self._local(name, sd["master"][name]))
+        opt = sd["optimizer"]
+        self.opt.load_state_dict({"t": opt["t"], "state": {n: {k: self._local(n, v) for k, v in st.items()}
+                                                          for n, st in opt["state"].items()}}, device=self.device)
         if self.theta0 is not None and sd.get("theta0") is not None:
             for name in self.names:
-                self.theta0[name].copy_(sd["theta0"][name])
+                self.theta0[name].copy_(self._local(name, sd["theta0"][name]))
         self.restore()
+
+
+def gather_states(states: Iterable[dict]) -> dict:
+    """One replica state of whole tensors from the tensor-parallel ranks' ``Replica.state_dict``s (each part sent
+    once, by its owner): what a checkpoint holds, the same at every TP degree."""
+    states = list(states)
+
+    def gather(pick: Callable[[dict], Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return gather_shards((st["shards"], pick(st)) for st in states)
+
+    opt_state: dict[str, dict[str, torch.Tensor]] = {}
+    for k in sorted({k for st in states for moments in st["optimizer"]["state"].values() for k in moments}):
+        for name, t in gather(lambda st: {n: m[k] for n, m in st["optimizer"]["state"].items()}).items():
+            opt_state.setdefault(name, {})[k] = t
+    return {"master": gather(lambda st: st["master"]),
+            "optimizer": {"t": states[0]["optimizer"]["t"], "state": opt_state},
+            "theta0": None if states[0]["theta0"] is None else gather(lambda st: st["theta0"])}

@@ -301,3 +301,191 @@ def test_es_train_with_vllm_writes_loadable_checkpoint(tiny_model_dir, tmp_path)
                        saved["model.layers.0.mlp.up_proj.weight"])
     assert any(not torch.equal(saved[k], base[k].float()) for k in saved), "training did not change the weights"
     assert json.loads((final / "es_meta.json").read_text())["engine"]["name"] == "vllm"
+
+
+# -- the prefix cache (vLLM salts it with the weights version) -------------------------------------------------
+
+
+def test_perturb_generate_restore_generate_fifty_times_gives_identical_outputs(engine):
+    """50 rounds of perturb (a new member each time) -> generate -> restore -> generate: no write fails (vLLM's
+    reset_prefix_cache, refused while a block is held, is not used), the restored outputs never change, and every
+    output equals the same prompts generated with a cold cache (a salt of their own): KV cached under other weights
+    is never reused. With one salt for all weights the perturbed outputs here differ from the cold ones in every
+    round (the shared ~280-token system prompt fills two cache blocks). vLLM only: transformers keeps no cache
+    between calls (``test_perturb_generate_restore_is_exact`` covers it), and 50 rounds cost it minutes here."""
+    if engine.name != "vllm":
+        pytest.skip("the prefix cache is vLLM's")
+    from vllm import SamplingParams
+
+    system = "You are a careful assistant. Answer briefly and exactly. " * 24
+    prompts = [engine.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": p}])
+               for p in PROMPTS]
+
+    def cold() -> list[str]:
+        inputs = [{**engine._prompt(engine.tokenizer(p, add_special_tokens=False)["input_ids"]),
+                   "cache_salt": f"cold-{os.urandom(8).hex()}"} for p in prompts]
+        return [o.outputs[0].text for o in engine.llm.generate(inputs, SamplingParams(max_tokens=8, temperature=0.0),
+                                                               use_tqdm=False)]
+
+    base = [c.text for c in engine.generate(prompts, GREEDY, seed=0)]
+    host, changed = engine.replica_host(), 0
+    for i in range(50):
+        host.perturb(9, i, 1, 0.05)
+        perturbed = [c.text for c in engine.generate(prompts, GREEDY, seed=0)]
+        assert perturbed == cold(), i
+        changed += perturbed != base
+        host.restore()
+        assert [c.text for c in engine.generate(prompts, GREEDY, seed=0)] == base, i
+    assert cold() == base and changed > 25
+
+
+def test_vllm_prefix_cache_hits_within_a_weights_version_only(engine):
+    """The cache works (a repeated long prompt hits it) but never across a write: its salt is the weights
+    version, so KV computed under other weights cannot be reused."""
+    if engine.name != "vllm":
+        pytest.skip("vLLM's prefix cache")
+    from vllm import SamplingParams
+
+    ids = engine.tokenizer(_prompts(engine)[0] * 11, add_special_tokens=False)["input_ids"]  # ~400 of 512 tokens
+
+    def cached() -> int:
+        out = engine.llm.generate([engine._prompt(ids)], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        return out[0].num_cached_tokens
+
+    cached()
+    assert cached() > len(ids) // 2  # the same weights: most blocks come from the cache
+    engine.replica_host().perturb(1, 1, 1, 0.01)
+    assert cached() == 0
+    engine.replica_host().restore()
+    assert cached() == 0  # the restored weights equal earlier ones, but the salt is new: computed again
+
+
+# -- tensor parallelism -----------------------------------------------------------------------------------------
+
+
+@SKIP_VLLM
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tensor_parallel_parts_match_vllms_weight_loaders(rank, monkeypatch):
+    """The shard bookkeeping against vLLM's own layers and loaders, as rank ``rank`` of 2 (faked in-process): fed
+    whole HF tensors that are NaN outside the part the bookkeeping names, each loader leaves no NaN and puts that
+    part where the bookkeeping says (KV heads replicated and split, packed q/k/v and gate/up, row-parallel
+    columns, a padded vocabulary)."""
+    import types
+
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    from es_ray.engines.vllm_extension import tensor_parallel_parts
+
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: types.SimpleNamespace(rank_in_group=rank, world_size=2))
+    f32 = dict(params_dtype=torch.float32)
+    with set_current_vllm_config(VllmConfig()):
+        layers = [  # layer, the loader's shard ids of the HF tensors it packs, their rows, their columns
+            (linear.QKVParallelLinear(64, 16, 4, 1, bias=True, **f32), ["q", "k", "v"], [64, 16, 16], 64),
+            (linear.QKVParallelLinear(64, 16, 4, 2, bias=False, **f32), ["q", "k", "v"], [64, 32, 32], 64),
+            (linear.MergedColumnParallelLinear(64, [96, 96], bias=False, **f32), [0, 1], [96, 96], 64),
+            (linear.ColumnParallelLinear(64, 96, bias=True, **f32), [None], [96], 64),
+            (linear.RowParallelLinear(96, 64, bias=True, **f32), [None], [64], 96),
+            (linear.ReplicatedLinear(64, 32, bias=False, **f32), [None], [32], 64),
+            (VocabParallelEmbedding(1000, 64, **f32), [None], [1000], 64),
+            (ParallelLMHead(1000, 64, **f32), [None], [1000], 64),
+        ]
+    owners = {}
+    for i, (layer, ids, rows, cols) in enumerate(layers):
+        for pname, param in layer.named_parameters():
+            shapes = [(r, cols) if param.dim() == 2 else (r,) for r in rows]
+            param.data.fill_(float("nan"))
+            row = 0
+            for sid, shape, (n, shard) in zip(ids, shapes, tensor_parallel_parts(layer, param, shapes, rank)):
+                full = torch.randn(shape)
+                fed = torch.full(shape, float("nan"))
+                shard.take(fed).copy_(shard.take(full))
+                layer.weight_loader(param, fed, *([] if sid is None else [sid]))
+                assert torch.equal(param.data.narrow(0, row, n), shard.take(full)), (type(layer).__name__, pname, sid)
+                owners[i, pname, sid] = (shard.dim, shard.owner)
+                row += n
+            assert not param.isnan().any(), (type(layer).__name__, pname)
+    assert owners[4, "weight", None] == (1, True)  # row-parallel: columns, each rank its own
+    assert owners[4, "bias", None] == (None, rank == 0)  # whole on both, sent by rank 0 only
+    assert owners[0, "weight", "k"] == (None, rank == 0)  # one KV head, replicated on both ranks
+    assert owners[1, "weight", "k"] == (0, True)  # two KV heads, one per rank
+    assert owners[6, "weight", None] == (0, True)  # vocabulary rows
+
+
+@SKIP_VLLM
+def test_tensor_parallel_engine_matches_the_unsplit_replica(tiny_model_dir):
+    """engine.tensor_parallel_size=2 on vLLM's CPU build (two worker processes, gloo): each rank keeps its shard
+    of the master; the combined checksum is the TP=1 one; perturb -> generate -> restore reads back exactly on
+    every rank; the perturbed and updated weights and the gathered state equal the transformers engine's; a GRPO
+    weight sync (write, then the probe check) passes."""
+    from grpo.driver import FIRST_SYNC_CEILING, check_sync
+
+    env, threads = dict(os.environ), torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread per TP worker on this 2-core machine
+    spec = replica_spec(RUN_SEED, noise="counter")
+    tp = make_engine(str(tiny_model_dir), EngineConfig(name="vllm", dtype="float32", device="cpu", enforce_eager=True,
+                                                        tensor_parallel_size=2))
+    ref = make_engine(str(tiny_model_dir), EngineConfig(name="hf", dtype="float32", device="cpu"))
+    try:
+        hosts = [tp.replica_host(), ref.replica_host()]
+        for host in hosts:
+            host.setup(spec)
+        assert hosts[0].checksum() == hosts[1].checksum()
+        shards = tp._rpc("es_state_dict")
+        assert len(shards) == 2 and all(st["shards"] for st in shards)
+        q = "model.layers.0.self_attn.q_proj.weight"  # each rank's master holds half of it
+        assert [tuple(st["master"][q].shape) for st in shards] == [(32, 64), (32, 64)]
+        prompts = _prompts(tp)
+        before_w, before = tp.read_weights(), [c.text for c in tp.generate(prompts, GREEDY, seed=0)]
+        _assert_weights_equal(before_w, ref.read_weights())
+        for host in hosts:
+            host.perturb(3, 5, 1, 0.05)
+        _assert_weights_equal(tp.read_weights(), ref.read_weights())
+        assert [c.text for c in tp.generate(prompts, GREEDY, seed=0)] != before
+        hosts[0].restore()
+        hosts[1].restore()
+        assert tp._rpc("es_mismatches") == [{}, {}]  # every rank holds cast(master) exactly
+        _assert_weights_equal(tp.read_weights(), before_w)
+        assert [c.text for c in tp.generate(prompts, GREEDY, seed=0)] == before
+        start = hosts[0].checksum()
+        stats = [host.update(0, ask(4), FITNESS, 0.01) for host in hosts]
+        assert hosts[0].checksum() == hosts[1].checksum() != start and stats[0]["realised_cos"] == pytest.approx(1.0)
+        assert stats[0]["update_norm"] == pytest.approx(stats[1]["update_norm"], rel=1e-5)
+        state, ref_state = hosts[0].state_dict(), hosts[1].state_dict()
+        _assert_weights_equal(state["master"], ref_state["master"])
+        for host in hosts:  # the same perturbation of the updated weights stands in for a learner's new weights
+            host.perturb(4, 2, -1, 0.02)
+        tp.write_weights(ref.read_weights().items())
+        prompt_ids, completion_ids = _probe(tp)
+        check_sync(ref.token_logprobs(prompt_ids, completion_ids, 0.7),
+                   [tp.token_logprobs(prompt_ids, completion_ids, 0.7)], FIRST_SYNC_CEILING, 0)
+        _assert_weights_equal(tp.read_weights(), ref.read_weights())
+    finally:
+        tp.close()
+        ref.close()
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(env)
+
+
+@pytest.mark.ray
+@SKIP_VLLM
+def test_es_run_with_a_tensor_parallel_vllm_engine(ray_local, tiny_model_dir, tmp_path):
+    """A whole ES run through the driver with engine.tensor_parallel_size=2: the checksum is verified every
+    iteration and the checkpoint, gathered from both ranks, loads."""
+    from test_ray_es import tiny_cfg
+    from transformers import AutoModelForCausalLM
+
+    from es_ray.driver import run
+
+    summary = run(tiny_cfg(tiny_model_dir, tmp_path / "run", es__iterations=2, engine__name="vllm",
+                           engine__enforce_eager=True, engine__tensor_parallel_size=2, engine__threads=1))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["es/checksums_verified"] for r in rows)
+    assert any(r["es/update_norm"] > 0 for r in rows)
+    final = Path(summary["final_checkpoint"])
+    meta = json.loads((final / "es_meta.json").read_text())
+    assert meta["engine"]["tensor_parallel_size"] == 2
+    assert sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(final).parameters()) > 0

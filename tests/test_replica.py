@@ -12,7 +12,8 @@ import torch
 
 from es_ray.config import ESConfig, ESTrainConfig
 from es_ray.noise import NoiseSource
-from es_ray.replica import Replica, ReplicaSpec, checksum, mismatches, tensor_checksum, update_sums
+from es_ray.replica import (Replica, ReplicaSpec, Shard, checksum, combine_checksums, gather_shards, gather_states,
+                            mismatches, tensor_checksum, update_health, update_sums)
 from es_ray.strategy import ask, zscore
 
 SEED = 7
@@ -363,3 +364,144 @@ def test_spec_has_no_defaults_and_holds_plain_scalars():
     spec = ReplicaSpec.from_config(ESTrainConfig())
     assert all(isinstance(getattr(spec, f.name), (int, float, str)) for f in dataclasses.fields(spec))
     assert pickle.loads(pickle.dumps(spec)) == spec
+
+
+# -- tensor-parallel shards ---------------------------------------------------------------------------------
+
+
+def two_rank_shards(rank: int) -> dict[str, Shard]:
+    """A fake 2-rank split of ``initial_params`` as vLLM splits a Llama: q_proj by rows (column-parallel), up_proj
+    by columns (as a row-parallel weight), v_proj whole on both ranks (one KV head, replicated) and the norm too."""
+    return {
+        "model.layers.0.self_attn.q_proj.weight": Shard.part((16, 8), 0, 8 * rank, 8 * rank + 8),
+        "model.layers.0.self_attn.v_proj.weight": Shard((16, 8), owner=rank == 0),
+        "model.layers.0.mlp.up_proj.weight": Shard.part((24, 8), 1, 4 * rank, 4 * rank + 4),
+        "model.norm.weight": Shard((8,), owner=rank == 0),
+    }
+
+
+class RankEngine(Engine):
+    """One rank of a fake tensor-parallel engine: its loader receives whole HF tensors and keeps its part, as
+    vLLM's weight loaders do; it records whether anything outside its part was NaN (the setup's proof)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], dtype: torch.dtype, shards: dict[str, Shard]):
+        self.shards = shards
+        super().__init__({k: shards[k].take(v) for k, v in params.items()}, dtype)
+        self.nan_outside = False
+
+    def write(self, named) -> None:
+        for name, whole in named:
+            shard = self.shards[name]
+            assert tuple(whole.shape) == shard.shape and whole.dtype == torch.float32
+            part = shard.take(whole)
+            self.nan_outside |= bool(whole.isnan().sum() > part.isnan().sum())
+            self.writes.append(name)
+            self.weights[name].copy_(part)
+
+
+def make_ranks(dtype=torch.float32, params=None, **spec_kw):
+    params = initial_params() if params is None else params
+    out = []
+    for rank in range(2):
+        shards = two_rank_shards(rank)
+        engine = RankEngine(params, dtype, shards)
+        out.append((Replica(((k, shards[k].take(v)) for k, v in params.items()), replica_spec(**spec_kw),
+                            engine.write, engine.read, shards=shards), engine))
+    return out
+
+
+def test_shard_part_of_a_whole_dim_is_the_whole_tensor():
+    assert Shard.part((16, 8), 0, 0, 16) == Shard((16, 8))
+    half = Shard.part((16, 8), 1, 4, 8, owner=False)
+    assert half.local_shape == (16, 4) and half.index == (slice(None), slice(4, 8)) and str(half) == "[:, 4:8]"
+    t = torch.arange(128.0).view(16, 8)
+    assert torch.equal(half.take(t), t[:, 4:8])
+    with pytest.raises(ValueError, match="does not fit"):
+        Shard.part((16, 8), 0, 8, 17)
+
+
+@pytest.mark.parametrize("noise", ["per_tensor", "table", "counter"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_each_rank_holds_its_part_of_the_unsplit_perturbation(noise, dtype):
+    """Layout independence across TP degrees: a rank's part of the perturbed weights is the unsplit replica's,
+    sliced, bit for bit (the noise is the whole tensor's, drawn per HF tensor), and restore is exact on each."""
+    kw = dict(noise=noise, noise_table_size=1 << 12)
+    whole, ew = make_replica(dtype, **kw)
+    ranks = make_ranks(dtype, **kw)
+    before = [clone(e.weights) for _, e in ranks]
+    for replica in [whole] + [r for r, _ in ranks]:
+        replica.perturb(2, 3, -1, SIGMA)
+    for rank, (_, engine) in enumerate(ranks):
+        for name, shard in two_rank_shards(rank).items():
+            assert torch.equal(engine.weights[name], shard.take(ew.weights[name])), (rank, name)
+    for (replica, engine), held in zip(ranks, before):
+        replica.restore()
+        for name in held:
+            assert torch.equal(engine.weights[name], held[name]), name
+        assert replica.engine_mismatches() == {}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_split_replicas_update_to_the_unsplit_checksum_and_state(optimizer):
+    """Two ranks fed the same updates as one unsplit replica: their combined checksum is the unsplit one's, their
+    gathered state (each part from its owner) is its state, and the update health agrees."""
+    kw = dict(optimizer=optimizer, lr=1e-3 if optimizer == "adam" else 5e-4, weight_decay=0.01, anchor_decay=0.1)
+    whole, _ = make_replica(torch.float32, **kw)
+    ranks = make_ranks(torch.float32, **kw)
+    assert combine_checksums(r.checksum_parts() for r, _ in ranks) == whole.checksum()
+    stats = run_sequence(whole)
+    rank_stats = [run_sequence(r) for r, _ in ranks]
+    assert combine_checksums(r.checksum_parts() for r, _ in ranks) == whole.checksum()
+    combined = update_health(s[-1]["sums"] for s in rank_stats)
+    assert combined["update_norm"] == pytest.approx(stats[-1]["update_norm"], rel=1e-6)
+    assert combined["realised_cos"] == pytest.approx(1.0, abs=1e-6)
+    gathered, ref = gather_states(r.state_dict() for r, _ in ranks), whole.state_dict()
+    assert gathered["optimizer"]["t"] == ref["optimizer"]["t"] == 4
+    for part in ("master", "theta0"):
+        assert gathered[part].keys() == ref[part].keys()
+        assert all(torch.equal(gathered[part][k], ref[part][k]) for k in ref[part]), part
+    for name, moments in ref["optimizer"]["state"].items():
+        assert all(torch.equal(gathered["optimizer"]["state"][name][k], v) for k, v in moments.items())
+
+
+def test_a_split_replica_loads_its_part_of_a_whole_state():
+    whole, _ = make_replica(torch.float32, optimizer="adam", lr=1e-3)
+    run_sequence(whole, n_iter=2)
+    ranks = make_ranks(torch.float32, optimizer="adam", lr=1e-3)
+    for replica, engine in ranks:
+        replica.load_state_dict(whole.state_dict())
+        assert replica.opt.t == 2 and replica.engine_mismatches() == {}
+    assert combine_checksums(r.checksum_parts() for r, _ in ranks) == whole.checksum()
+    with pytest.raises(ValueError, match="neither the whole tensor"):
+        ranks[0][0].load_state_dict({**whole.state_dict(), "master": {k: v[:1] for k, v in whole.master.items()}})
+
+
+def test_ranks_that_diverge_or_leave_a_gap_are_refused():
+    ranks = make_ranks()
+    parts = [r.checksum_parts() for r, _ in ranks]
+    norm = "model.norm.weight"
+    ranks[1][0].master[norm][0] += 1.0  # a replicated tensor now differs between the ranks
+    with pytest.raises(RuntimeError, match=r"ranks 0 and 1 hold different weights for model.norm.weight"):
+        combine_checksums([parts[0], ranks[1][0].checksum_parts()])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match="do not cover it exactly once"):
+        combine_checksums([parts[0], {k: v for k, v in parts[1].items() if k != q}])
+    with pytest.raises(ValueError, match="only its owner sends it"):
+        gather_shards([({q: Shard((16, 8))}, {q: torch.zeros(16, 8)})] * 2)
+
+
+def test_a_split_replica_reads_only_its_part_and_proves_the_split_with_nan(tmp_path):
+    """from_checkpoint reads a rank's part from disk, and its first write fills the rest of each whole tensor with
+    NaN, so an engine whose loader read outside the part would hold NaN."""
+    from safetensors.torch import save_file
+
+    params = initial_params()
+    save_file(params, str(tmp_path / "model.safetensors"))
+    shards = two_rank_shards(1)
+    engine = RankEngine(params, torch.float32, shards)
+    replica = Replica.from_checkpoint(str(tmp_path), list(params), replica_spec(), engine.write, engine.read,
+                                      shards=shards)
+    assert engine.nan_outside and replica.engine_mismatches() == {}
+    for name, shard in shards.items():
+        assert torch.equal(replica.master[name], shard.take(params[name]))
+        assert torch.equal(engine.weights[name], shard.take(params[name]))

@@ -7,8 +7,16 @@ here only, so the rest of es_ray imports without it.
 
 The engine core runs in the actor's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the actor is already a
 process of its own, collective_rpc then costs a function call, and the threads the actor was given are the
-threads vLLM computes with. Every write (perturb, restore, update, load) is followed by a prefix-cache reset:
-the cache is keyed by tokens, not weights (DESIGN "ES, precisely" 7).
+threads vLLM computes with.
+
+The prefix cache is keyed by tokens, not weights (DESIGN "ES, precisely" 7), so every write (perturb, restore,
+update, load, a GRPO sync) starts a new weights version, and every prompt carries it as its ``cache_salt``: a
+block cached under other weights can never be hit. vLLM's ``reset_prefix_cache()`` is not used: it refuses
+(returns False) while any block is still held, which on GPU, with asynchronous scheduling, happens right after a
+generate returns. Within one version the cache works as usual (prompts sharing a chat template share blocks).
+
+Tensor parallelism: every rank keeps its shard of the master (``vllm_extension``); checksums, states and weights
+come back per rank and are combined here (``combine_checksums``, ``gather_states``, ``gather_shards``).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from typing import Any, Iterable
 import torch
 
 from es_ray.engines.base import Completion, Engine, ReplicaHost, check_temperature
-from es_ray.replica import ReplicaSpec
+from es_ray.replica import ReplicaSpec, combine_checksums, gather_shards, gather_states, update_health
 from es_ray.core.config import EngineConfig, SamplingConfig
 from es_ray.core.dtypes import dtype_name, resolve_dtype
 from es_ray.strategy import Member
@@ -29,8 +37,8 @@ _CPU_KV_CACHE_BYTES = 1 << 30
 """KV cache per engine on CPU when engine.gpu_memory_utilization=0: 1 GiB holds ~11k tokens of SmolLM2-135M
 in fp32, more than 64 prompts x (prompt + 64 new tokens), and leaves RAM for a second actor."""
 _GPU_MEMORY_UTILIZATION = 0.5
-"""vLLM's share of the GPU when engine.gpu_memory_utilization=0: the rest holds the fp32 master (a 7B model: 28 GB
-of an 80 GB GPU beside 40 GB for vLLM's bf16 weights and KV cache)."""
+"""vLLM's share of the GPU when engine.gpu_memory_utilization=0 and the memory plan cannot count the model's
+tensors (neither Llama- nor Qwen2-shaped); otherwise the share comes from ``es_ray.memory_plan``."""
 
 
 def _request_seed(seed: int, index: int) -> int:
@@ -80,8 +88,9 @@ class VLLMEngine(Engine):
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         elif self.device == "cpu":  # vLLM would read the utilization as a share of all host RAM
             kwargs["kv_cache_memory_bytes"] = _CPU_KV_CACHE_BYTES
-        else:  # the fp32 master (4 bytes per parameter) and two buffers are allocated beside vLLM, after it
-            kwargs["gpu_memory_utilization"] = _GPU_MEMORY_UTILIZATION
+        else:  # the ES replica is allocated beside vLLM, after it: the memory plan leaves it room
+            kwargs["gpu_memory_utilization"] = self._planned_share(current_platform.get_device_total_memory())
+        self._gpu_share = kwargs.get("gpu_memory_utilization")
         if cfg.enforce_eager:
             kwargs["enforce_eager"] = True
         if cfg.tensor_parallel_size > 1:
@@ -92,11 +101,48 @@ class VLLMEngine(Engine):
         _quiet_thread_warning()
         self.tokenizer = self.llm.get_tokenizer()
         self._host: VLLMReplicaHost | None = None
+        self._weights_version = 0
+
+    # -- GPU memory (es_ray.memory_plan) -------------------------------------------------------------------
+    def _plan_settings(self, **es: Any):
+        from es_ray.memory_plan import ModelShape, Settings
+
+        shape = ModelShape.from_dir(self.model_dir)
+        # vLLM keeps KV cache for at least one sequence of max_model_len (the model's own maximum when unset)
+        tokens = self.cfg.max_model_len or shape.max_position_embeddings
+        return shape, Settings(engine_dtype_bytes=self.dtype.itemsize, sequences=1, tokens_per_sequence=tokens,
+                               tensor_parallel_size=self.cfg.tensor_parallel_size, **es)
+
+    def _planned_share(self, card_bytes: int) -> float:
+        from es_ray.memory_plan import auto_gpu_memory_utilization, vllm_batch_defaults
+
+        try:
+            shape, settings = self._plan_settings(**vllm_batch_defaults(card_bytes))
+        except ValueError:  # a model the plan cannot count: the fixed share
+            return _GPU_MEMORY_UTILIZATION
+        return auto_gpu_memory_utilization(shape, card_bytes, settings)
+
+    def check_es_memory(self, spec: ReplicaSpec) -> None:
+        """Refuse (ConfigError, naming the keys) before the replica is built or anything generated when the GPU's
+        free memory beside vLLM cannot hold the plan's ES part: otherwise Adam's moments fail at the first update,
+        after a whole iteration of generation."""
+        from es_ray.core.config import ConfigError
+        from es_ray.memory_plan import plan_es, vllm_batch_defaults
+
+        free, total = torch.cuda.mem_get_info()
+        try:
+            shape, settings = self._plan_settings(
+                optimizer=spec.optimizer, anchor_decay=spec.anchor_decay, noise=spec.noise,
+                noise_table_size=spec.noise_table_size, trainable=spec.trainable, **vllm_batch_defaults(total))
+        except ValueError:  # a model the plan cannot count: no check
+            return
+        message = plan_es(shape, settings).refusal(total, free_bytes=free, share=self._gpu_share)
+        if message:
+            raise ConfigError(message)
 
     # -- generation ----------------------------------------------------------------------------------------
     def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int) -> list[Completion]:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         greedy = sampling.temperature <= 0
         params = [
@@ -105,8 +151,7 @@ class VLLMEngine(Engine):
             for i in range(len(prompts))
         ]
         # Tokenised here as the transformers engine does (no special tokens added: the template has them).
-        inputs = [TokensPrompt(prompt_token_ids=self.tokenizer(p, add_special_tokens=False)["input_ids"])
-                  for p in prompts]
+        inputs = [self._prompt(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         return [Completion(text=o.outputs[0].text, num_tokens=len(o.outputs[0].token_ids),
                            token_ids=tuple(o.outputs[0].token_ids)) for o in outputs]
@@ -116,14 +161,13 @@ class VLLMEngine(Engine):
         (flat lists) and are renormalised: log softmax(l / T) = log softmax(log softmax(l) / T), the log-partition
         shift dividing out."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         t = check_temperature(temperature)
         ids = list(prompt_ids) + list(completion_ids)
         full = t != 1.0
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if full else 0,
                                 flat_logprobs=full, detokenize=False)
-        per_pos = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].prompt_logprobs
+        per_pos = self.llm.generate([self._prompt(ids)], params, use_tqdm=False)[0].prompt_logprobs
         positions = range(len(prompt_ids), len(ids))
         if not full:  # position j: {token id: Logprob} for ids[j] given ids[:j]
             return [float(per_pos[j][ids[j]].logprob) for j in positions]
@@ -136,11 +180,14 @@ class VLLMEngine(Engine):
 
     # -- weights -------------------------------------------------------------------------------------------
     def write_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._rpc("es_write_weights", [(n, t.detach().cpu()) for n, t in named])
-        self._reset_prefix_cache()
+        try:
+            self._rpc("es_write_weights", [(n, t.detach().cpu()) for n, t in named])
+        finally:  # a write that failed half-way changed weights too
+            self._weights_changed()
 
     def read_weights(self) -> dict[str, torch.Tensor]:
-        return self._rpc("es_read_weights")[0]
+        """Gathered from the tensor-parallel ranks, each part from its owner."""
+        return gather_shards(self._rpc("es_read_weights"))
 
     def replica_host(self) -> ReplicaHost:
         if self._host is None:
@@ -154,24 +201,32 @@ class VLLMEngine(Engine):
             return
         llm.llm_engine.engine_core.shutdown()
         del llm
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+        if self.cfg.tensor_parallel_size == 1:  # a single worker runs in this process; TP workers in their own
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
-        destroy_model_parallel()
-        destroy_distributed_environment()
+            destroy_model_parallel()
+            destroy_distributed_environment()
         torch.set_num_threads = self._set_num_threads
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> list:
         return self.llm.collective_rpc(method, args=args)
 
-    def _reset_prefix_cache(self) -> None:
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
+    def _weights_changed(self) -> None:
+        self._weights_version += 1
+
+    def _prompt(self, token_ids: list[int]):
+        """A prompt salted with the weights version: the prefix cache serves only blocks computed under these
+        weights."""
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=list(token_ids), cache_salt=f"es-ray-weights-{self._weights_version}")
 
 
 class VLLMReplicaHost(ReplicaHost):
     """The replica inside vLLM's worker(s): each call is one collective_rpc with plain scalars (members as int
-    triples) or the ReplicaSpec, and every write is followed by a prefix-cache reset."""
+    triples) or the ReplicaSpec; every write starts a new weights version (the prefix cache's salt), and what the
+    tensor-parallel ranks send back is combined."""
 
     def __init__(self, engine: VLLMEngine):
         self.engine = engine
@@ -182,14 +237,19 @@ class VLLMReplicaHost(ReplicaHost):
             raise RuntimeError("ReplicaHost.setup(spec) must run before any other ES call")
         return self.engine._rpc(method, *args)
 
-    def _write(self, method: str, *args: Any) -> Any:
-        results = self._call(method, *args)
-        self.engine._reset_prefix_cache()
-        return results[0]
+    def _write(self, method: str, *args: Any) -> list:
+        try:
+            return self._call(method, *args)
+        finally:  # a write that failed half-way changed weights too
+            self.engine._weights_changed()
 
     def setup(self, spec: ReplicaSpec) -> None:
-        self.engine._rpc("es_setup", spec)
-        self.engine._reset_prefix_cache()
+        if self.engine.device == "cuda":
+            self.engine.check_es_memory(spec)
+        try:
+            self.engine._rpc("es_setup", spec)
+        finally:
+            self.engine._weights_changed()
         self._ready = True
 
     def perturb(self, iteration: int, noise_id: int, sign: int, sigma: float) -> None:
@@ -200,16 +260,17 @@ class VLLMReplicaHost(ReplicaHost):
 
     def update(self, iteration: int, members: list[Member], fitness: list[float], sigma: float) -> dict:
         triples = [[int(m.index), int(m.noise_id), int(m.sign)] for m in members]
-        return self._write("es_update", int(iteration), triples, [float(z) for z in fitness], float(sigma))
+        results = self._write("es_update", int(iteration), triples, [float(z) for z in fitness], float(sigma))
+        return update_health(r["sums"] for r in results)
 
     def checksum(self) -> str:
-        results = self._call("es_checksum")
-        if len(set(results)) > 1:  # tensor-parallel ranks each hold the full master
-            raise RuntimeError(f"tensor-parallel ranks disagree on the master checksum: {results}")
-        return results[0]
+        """The digest of the whole master, equal to the unsplit one's at any TP degree; raises if two ranks hold
+        different values for a part they share."""
+        return combine_checksums(self._call("es_checksum_parts"))
 
     def state_dict(self) -> dict:
-        return self._call("es_state_dict")[0]
+        """Whole tensors, gathered from the ranks (each part sent by its owner only)."""
+        return gather_states(self._call("es_state_dict"))
 
     def load_state_dict(self, sd: dict) -> None:
         self._write("es_load_state_dict", sd)

@@ -15,13 +15,22 @@ after packing), so the next write and the read-back (``_es_read``: the HF tensor
 the replica's measure of what an update realised) still find it. Measured alternatives, in the README's
 engine section: vLLM's ``reload_weights`` (rebuilds every layer from meta tensors, writes 1.6x slower, leaves a
 tied LM head stale), and F.linear on unpacked weights (writes 4x cheaper, generation 2x slower at batch 16).
+
+Tensor parallelism: each rank keeps the fp32 master of its own shard only, in HF layout (``tensor_parallel_parts``
+says which rows or columns of each HF tensor the rank's weight loader reads), draws the whole HF tensor's noise
+and slices it, and writes the whole HF-shaped tensor (its shard in place) through the same ``load_weights``. Setup
+proves the bookkeeping: the first write fills everything outside the shards with NaN, then every parameter must
+be NaN-free and hold cast(master) where the bookkeeping says. Checksums and states go back per rank, each part
+once (``es_checksum_parts``, ``es_state_dict``); the engine combines them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 import torch
+
+from es_ray.replica import Shard
 
 if TYPE_CHECKING:
     from es_ray.replica import ReplicaSpec
@@ -70,19 +79,81 @@ def hf_parameter_shapes(model_dir: str) -> dict[str, torch.Size]:
     return {name: p.shape for name, p in model.named_parameters()}
 
 
+class Location(NamedTuple):
+    """Where one HF tensor lives on this rank: rows [row, row + rows) of vLLM's parameter ``param`` hold ``shard`` of
+    it (the HF layout of that part: a row-parallel weight's columns are the local parameter's)."""
+
+    param: str
+    row: int
+    rows: int
+    shard: Shard
+
+
+def tensor_parallel_parts(module: torch.nn.Module, param: torch.nn.Parameter, shapes: list[tuple[int, ...]],
+                          rank: int) -> list[tuple[int, Shard]]:
+    """For one vLLM parameter holding the HF tensors of ``shapes`` (several for a packed module, in its packing
+    order: q/k/v, gate/up), what tensor-parallel rank ``rank`` holds of each: (rows it takes in the local parameter,
+    its part of the HF tensor). It follows vLLM's weight loaders, which the setup checks it against:
+    * VocabParallelEmbedding, ParallelLMHead (``shard_indices``): vocabulary rows [org_vocab_start, org_vocab_end),
+      first in the local parameter (vLLM's padding rows follow);
+    * RowParallelLinear (``input_is_parallel``): weight columns [r w, (r + 1) w), w the local width; the bias whole;
+    * ColumnParallelLinear and its packed kinds (``output_size_per_partition``): each part's rows [s n, (s + 1) n),
+      n its local rows (output_sizes / TP), s the layer's rank, or for QKV's k and v that rank // num_kv_head_replicas
+      (KV heads are replicated when TP exceeds their number; the lowest rank of a replica group owns the part);
+    * anything else (norms, ReplicatedLinear, a layer with tp_size 1): the whole tensor, owned by rank 0."""
+    tp_size, tp_rank = int(getattr(module, "tp_size", 1)), int(getattr(module, "tp_rank", rank))
+    rows = [s[0] if s else 1 for s in shapes]
+    if tp_size == 1:
+        return [(r, Shard(tuple(s), owner=rank == 0)) for r, s in zip(rows, shapes)]
+    if len(shapes) == 1 and len(getattr(module, "output_sizes", ())) > 1:
+        raise NotImplementedError(f"{type(module).__name__} holds one fused HF tensor of shape {shapes[0]}: its "
+                                  "tensor-parallel shard is not one block of rows, which a sharded ES master needs; "
+                                  "use engine.tensor_parallel_size=1")
+    if hasattr(module, "shard_indices") and getattr(param, "output_dim", None) == 0:
+        start, stop = module.shard_indices.org_vocab_start_index, module.shard_indices.org_vocab_end_index
+        return [(stop - start, Shard.part(shapes[0], 0, start, stop))]
+    if hasattr(module, "input_is_parallel") and getattr(param, "input_dim", None) == 1:
+        width = param.shape[1]
+        return [(rows[0], Shard.part(shapes[0], 1, tp_rank * width, (tp_rank + 1) * width))]
+    if hasattr(module, "output_size_per_partition") and not hasattr(module, "input_is_parallel") \
+            and getattr(param, "output_dim", None) == 0:
+        local = [size // tp_size for size in module.output_sizes] if len(shapes) > 1 else [param.shape[0]]
+        out = []
+        for i, (shape, n) in enumerate(zip(shapes, local)):
+            replicas = int(getattr(module, "num_kv_head_replicas", 1)) if i > 0 else 1
+            s = tp_rank // replicas
+            out.append((n, Shard.part(shape, 0, s * n, (s + 1) * n, owner=tp_rank % replicas == 0)))
+        return out
+    return [(r, Shard(tuple(s), owner=rank == 0)) for r, s in zip(rows, shapes)]
+
+
 class ESExtension:
     """Mixed into vLLM's Worker; ``self.model_runner`` and ``self.device`` are the Worker's."""
 
     # -- setup ---------------------------------------------------------------------------------------------
     def es_setup(self, spec: ReplicaSpec) -> None:
-        """Build the replica (``Replica.from_checkpoint``: fp32 master from the checkpoint, then written)."""
+        """Build the replica (``Replica.from_checkpoint``: fp32 master from the checkpoint, this rank's shards only,
+        then written), and check that the engine took exactly the shards: no NaN from outside them anywhere, and
+        cast(master) where the bookkeeping puts each."""
         from es_ray.replica import Replica, ReplicaSpec
 
         if not isinstance(spec, ReplicaSpec):  # vLLM's msgpack (engine core in its own process) sends it as a map
             spec = ReplicaSpec(**spec)
-        names = self._es_hf_shapes()
-        self._es_replica = Replica.from_checkpoint(self.model_config.model, names, spec, self._es_write,
-                                                   self._es_read, device=self.device)
+        model = self.model_runner.get_model()
+        shards = {name: loc.shard for name, loc in self._es_locations(model).items()}
+        self._es_replica = Replica.from_checkpoint(self.model_config.model, self._es_hf_shapes(), spec,
+                                                   self._es_write, self._es_read, device=self.device, shards=shards)
+        nan = [name for name, p in model.named_parameters() if p.is_floating_point() and p.isnan().any()]
+        bad = self._es_replica.engine_mismatches()
+        if nan or bad:
+            raise RuntimeError(f"tensor-parallel rank {self._es_rank()}: the engine's loader did not take the shards "
+                               f"this replica keeps (NaN in {nan[:3]}, cast(master) not held in {list(bad)[:3]}); "
+                               "tensor_parallel_parts does not match this vLLM layer: use tensor_parallel_size=1")
+
+    def _es_rank(self) -> int:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
 
     def _es_hf_shapes(self) -> dict[str, torch.Size]:
         shapes = getattr(self, "_es_shapes", None)
@@ -107,6 +178,9 @@ class ESExtension:
         """(HF name, fp32 tensor) pairs -> the model's weight loader (casts, fuses, shards) -> post-load step."""
         model = self.model_runner.get_model()
         layer_map = self._es_post_load_layers(model)
+        # On a GPU a step may still be in flight (asynchronous scheduling) or run on another stream than this
+        # write: wait for the device before and after, so no forward pass sees half-written weights.
+        self._es_sync()
         with torch.no_grad():
             loaded = model.load_weights(named)  # copies each tensor before taking the next
             params = dict(model.named_parameters(remove_duplicate=False))
@@ -116,46 +190,47 @@ class ESExtension:
                        for layer in layer_map.get(id(params[name]), ())}
             for layer in touched.values():
                 layer.quant_method.process_weights_after_loading(layer)
+        self._es_sync()
 
-    def _es_locations(self, model) -> dict[str, tuple[str, int, int]] | None:
-        """HF name -> (vLLM parameter name, first row, rows): packed modules (qkv_proj, gate_up_proj) split by their
-        output sizes, a vocabulary padded by vLLM cut back to the HF rows. None under tensor parallelism, where a
-        rank holds a shard only. Built once; parameters are looked up by name at each read, since vLLM's post-load
+    def _es_sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _es_locations(self, model) -> dict[str, Location]:
+        """HF name -> its ``Location`` on this rank: packed modules (qkv_proj, gate_up_proj) split by their local
+        output sizes, a vocabulary padded by vLLM cut back to the HF rows, tensor-parallel shards by
+        ``tensor_parallel_parts``. Built once; parameters are looked up by name at each read, since vLLM's post-load
         step may replace them."""
-        from vllm.distributed import get_tensor_model_parallel_world_size
-
-        if get_tensor_model_parallel_world_size() != 1:
-            return None
         locations = getattr(self, "_es_locs", None)
         if locations is None:
-            shapes = self._es_hf_shapes()
+            shapes, rank = self._es_hf_shapes(), self._es_rank()
             packed = getattr(model, "packed_modules_mapping", {})
             locations = {}
             for name, param in model.named_parameters():
                 module_name, _, leaf = name.rpartition(".")
                 prefix, _, short = module_name.rpartition(".")
-                if short in packed:
-                    start = 0
-                    for part, rows in zip(packed[short], model.get_submodule(module_name).output_sizes):
-                        locations[f"{prefix}.{part}.{leaf}"] = (name, start, int(rows))
-                        start += int(rows)
-                elif name in shapes:
-                    locations[name] = (name, 0, shapes[name][0] if shapes[name] else 1)
+                parts = [f"{prefix}.{part}.{leaf}" for part in packed[short]] if short in packed else [name]
+                if not all(part in shapes for part in parts):
+                    continue
+                row = 0
+                module = model.get_submodule(module_name)
+                for part, (rows, shard) in zip(parts, tensor_parallel_parts(
+                        module, param, [tuple(shapes[p]) for p in parts], rank)):
+                    locations[part] = Location(name, row, rows, shard)
+                    row += rows
             self._es_locs = locations
         return locations
 
-    def _es_read(self, name: str) -> torch.Tensor | None:
-        """The tensor vLLM holds for one HF name, in its dtype and HF shape, as a view (no copy); None under tensor
-        parallelism."""
+    def _es_read(self, name: str) -> torch.Tensor:
+        """The tensor vLLM holds on this rank for one HF name, in its dtype, shaped as this rank's part of the HF
+        tensor, as a view (no copy)."""
         model = self.model_runner.get_model()
         locations = self._es_locations(model)
-        if locations is None:
-            return None
         if name not in locations:
             raise KeyError(f"vLLM's model has no tensor for the HF parameter {name!r}")
-        param_name, start, rows = locations[name]
-        param = model.get_parameter(param_name)
-        return param.detach().narrow(0, start, rows) if param.dim() else param.detach()
+        loc = locations[name]
+        param = model.get_parameter(loc.param)
+        return param.detach().narrow(0, loc.row, loc.rows) if param.dim() else param.detach()
 
     def _es(self):
         replica = getattr(self, "_es_replica", None)
@@ -175,29 +250,35 @@ class ESExtension:
 
         return self._es().update(iteration, [Member(*map(int, m)) for m in members], list(fitness), sigma)
 
-    def es_checksum(self) -> str:
-        return self._es().checksum()
+    def es_checksum_parts(self) -> dict:
+        return self._es().checksum_parts()
+
+    def es_mismatches(self) -> dict[str, int]:
+        """Per tensor, the elements where this rank's engine does not hold cast(master) (empty: exact)."""
+        return self._es().engine_mismatches()
 
     # -- weights and state (tensors: checkpoints, GRPO sync and tests only) ----------------------------------
     def es_write_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         self._es_write((name, t.to(self.device)) for name, t in named)
 
     def es_state_dict(self) -> dict:
+        """This rank's ``Replica.state_dict`` (the parts it owns) on the CPU, without a copy where it is there."""
         return _to_cpu(self._es().state_dict())
 
     def es_load_state_dict(self, sd: dict) -> None:
         self._es().load_state_dict(sd)
 
-    def es_read_weights(self) -> dict[str, torch.Tensor]:
-        """The engine's weights in HF layout (fused tensors split back), fp32 on the CPU. Tensor parallel 1 only."""
-        if self._es_locations(self.model_runner.get_model()) is None:
-            raise NotImplementedError("reading weights back from vLLM needs tensor_parallel_size=1")
-        return {name: self._es_read(name).to("cpu", torch.float32, copy=True) for name in self._es_hf_shapes()}
+    def es_read_weights(self) -> tuple[dict[str, Shard], dict[str, torch.Tensor]]:
+        """The parts of the engine's weights this rank owns, in HF layout (fused tensors split back), fp32 on the
+        CPU, with their shards (``gather_shards`` joins the ranks')."""
+        locations = self._es_locations(self.model_runner.get_model())
+        owned = {name: loc.shard for name, loc in locations.items() if loc.shard.owner}
+        return owned, {name: self._es_read(name).to("cpu", torch.float32, copy=True) for name in owned}
 
 
 def _to_cpu(obj):
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return obj.detach().to("cpu")
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
