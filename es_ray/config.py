@@ -50,6 +50,10 @@ class ESConfig:
     counter: Philox of (tensor seed, element index), the same numbers on a CPU and every GPU model (mixed GPU
     types, replay on another GPU type); auto: table on CPU (the cheapest there), per_tensor on GPU (per_tensor and
     table need one device model for all actors, which the driver checks at start)."""
+    noise_scope: str = "per_tensor"
+    """per_tensor: every tensor of a member draws its own noise (the textbook estimator, default); reference: one
+    seed for all tensors of a member, as the reference ES implementation does (equal-shaped tensors then get equal
+    noise): a parity mode to reproduce the paper's own setting or measure the difference."""
     noise_table_size: int = 1 << 25
     """Number of fp32 values in the shared noise table (noise=table); must exceed the largest tensor."""
     checksum_every: int = 1
@@ -96,7 +100,7 @@ class ESTrainConfig:
 
 
 def validate(cfg: ESTrainConfig) -> ESTrainConfig:
-    from es_ray.noise import NOISE_KINDS
+    from es_ray.noise import NOISE_KINDS, NOISE_SCOPES
     from es_ray.strategy import OPTIMIZERS, SHAPERS
 
     es = cfg.es
@@ -116,6 +120,7 @@ def validate(cfg: ESTrainConfig) -> ESTrainConfig:
     SHAPERS.check(es.shaping)
     OPTIMIZERS.check(es.optimizer)
     check_choice("es.noise", es.noise, ("auto", *NOISE_KINDS.names()))
+    NOISE_SCOPES.check(es.noise_scope)
     check_choice("es.estimator", es.estimator, ESTIMATORS)
     check_choice("es.on_mismatch", es.on_mismatch, ON_MISMATCH)
     validate_trainer(cfg)

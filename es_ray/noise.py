@@ -33,6 +33,10 @@ import torch
 
 from es_ray.core.registry import Registry
 
+NOISE_SCOPES = Registry("es.noise_scope", {
+    "per_tensor": "every tensor of a member has its own stream (the textbook estimator)",
+    "reference": "one seed for every tensor of a member, as the reference ES implementation (equal shapes share "
+                 "noise): to reproduce the paper's own setting"})
 NOISE_KINDS = Registry("es.noise", {"per_tensor": "a generator per tensor", "table": "slices of one seeded table",
                                     "counter": "Philox-4x32-10 of (tensor seed, element index)"})
 """The noise sources (es.noise also accepts auto: ``resolve_kind``)."""
@@ -177,8 +181,10 @@ class NoiseSource:
     """Produces fp32 noise for (iteration, noise_id, name, shape): a per-tensor generator, a table or a counter."""
 
     def __init__(self, run_seed: int, kind: str = "per_tensor", table_size: int = 1 << 25, device: str = "cpu",
-                 chunk: int | None = None):
+                 chunk: int | None = None, scope: str = "per_tensor"):
         NOISE_KINDS.check(kind)
+        NOISE_SCOPES.check(scope)
+        self.scope = scope
         self.run_seed = int(run_seed)
         self.kind = kind
         self.device = torch.device(device)
@@ -192,7 +198,7 @@ class NoiseSource:
     def noise(self, iteration: int, noise_id: int, name: str, shape: torch.Size, out: torch.Tensor | None = None):
         """Standard-normal fp32 noise of ``shape``; written into ``out`` when given (per_tensor, counter) or a table
         view."""
-        seed = derive_seed(self.run_seed, iteration, noise_id, name)
+        seed = self._seed(iteration, noise_id, name)
         if self.table is not None:
             return self._table_span(seed, name, _numel(shape), 0, _numel(shape)).view(shape)
         if out is None:
@@ -201,6 +207,11 @@ class NoiseSource:
             return counter_noise(seed, 0, out, self.chunk)
         self._gen.manual_seed(seed)
         return torch.randn(shape, generator=self._gen, dtype=torch.float32, device=self.device, out=out)
+
+    def _seed(self, iteration: int, noise_id: int, name: str) -> int:
+        """per_tensor scope: every tensor its own stream; reference scope: one seed for all tensors of a member (the
+        reference implementation's, so equal-shaped tensors get identical noise: a parity mode, not a default)."""
+        return derive_seed(self.run_seed, iteration, noise_id, name if self.scope == "per_tensor" else "")
 
     def noise_slice(self, iteration: int, noise_id: int, name: str, shape: torch.Size, rows: slice,
                     out: torch.Tensor | None = None) -> torch.Tensor:
@@ -214,7 +225,7 @@ class NoiseSource:
         b = max(a, b)
         row = _numel(shape[1:])
         sub = torch.Size([b - a, *shape[1:]])
-        seed = derive_seed(self.run_seed, iteration, noise_id, name)
+        seed = self._seed(iteration, noise_id, name)
         if self.table is not None:
             return self._table_span(seed, name, _numel(shape), a * row, b * row).view(sub)
         if out is None:

@@ -63,6 +63,7 @@ class ReplicaSpec:
     run_seed: int = _from("run.seed")
     noise: str = _from("es.noise")
     noise_table_size: int = _from("es.noise_table_size")
+    noise_scope: str = _from("es.noise_scope")
     trainable: str = _from("model.trainable")
     optimizer: str = _from("es.optimizer")
     lr: float = _from("es.lr")
@@ -271,7 +272,8 @@ class Replica:
         self.names = sorted(self.master)
         self.theta0 = {k: v.clone() for k, v in self.master.items()} if spec.anchor_decay else None
         kind = resolve_kind(spec.noise, self.device.type)
-        self.noise = NoiseSource(spec.run_seed, kind, spec.noise_table_size, device=self.device)
+        self.noise = NoiseSource(spec.run_seed, kind, spec.noise_table_size, device=self.device,
+                                 scope=spec.noise_scope)
         self.opt = Optimizer(spec.optimizer, spec.lr, (spec.adam_beta1, spec.adam_beta2), spec.adam_eps,
                              spec.weight_decay, spec.anchor_decay)
         # _buf holds a whole HF tensor (a sharded write hands the engine one); _nbuf the noise drawn for a part: the

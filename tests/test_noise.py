@@ -346,3 +346,19 @@ def test_driver_refuses_device_dependent_noise_on_mixed_gpus():
     check_noise_devices(cfg, _infos("counter", h100, a100, mig, ("cpu", 0)))  # portable: any mix
     check_noise_devices(cfg, _infos("per_tensor", h100, h100))  # one GPU model
     check_noise_devices(cfg, _infos("table", ("cpu", 0), ("cpu", 0)))
+
+
+@pytest.mark.parametrize("kind", ["per_tensor", "table", "counter"])
+def test_reference_scope_gives_equal_shaped_tensors_the_same_noise(kind):
+    """The reference implementation's noise (es.noise_scope=reference): one seed for every tensor of a member, so
+    equal shapes share noise; the default gives every tensor its own stream."""
+    from es_ray.noise import NoiseSource
+
+    shape = torch.Size([4, 8])
+    ref = NoiseSource(3, kind, table_size=1 << 12, scope="reference")
+    own = NoiseSource(3, kind, table_size=1 << 12)
+    q, k = ref.noise(0, 1, "q_proj.weight", shape).clone(), ref.noise(0, 1, "k_proj.weight", shape).clone()
+    assert torch.equal(q, k)
+    assert not torch.equal(ref.noise(0, 2, "q_proj.weight", shape), q)  # members still differ
+    assert not torch.equal(own.noise(0, 1, "q_proj.weight", shape).clone(), own.noise(0, 1, "k_proj.weight", shape))
+    torch.testing.assert_close(ref.noise_slice(0, 1, "v_proj.weight", shape, slice(1, 3)), q[1:3], rtol=0, atol=0)
