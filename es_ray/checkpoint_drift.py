@@ -13,18 +13,9 @@ from es_ray.eval_config import DriftJobConfig
 
 
 def _tensor_index(model_dir: Path) -> dict[str, Path]:
-    from safetensors import safe_open
+    from es_ray.models import safetensors_index
 
-    from es_ray.models import ModelNotFoundError
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ModelNotFoundError(f"{model_dir} holds no *.safetensors files")
-    index = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            index.update({k: f for k in sf.keys()})
-    return index
+    return {name: Path(file) for name, (file, _) in safetensors_index(model_dir).items()}
 
 
 def run_drift(cfg: DriftJobConfig) -> dict:

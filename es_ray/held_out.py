@@ -1,7 +1,8 @@
 """The trainers' held-out curve, scored the same way for ES and GRPO (``eval.every``): on the current weights,
 
 * ``eval/reward``: mean reward of greedy completions (comparable across methods and with earlier runs);
-* ``eval/pass@1``: share of held-out problems a completion sampled at ``eval.temperature`` solves;
+* ``eval/pass_at_1``: share of held-out problems a completion sampled at ``eval.temperature`` solves (pass@1;
+  no "@" in the name because MLflow refuses it, and every tracker gets the same names);
 * ``eval/entropy``: mean token entropy of that sampled distribution (teacher-forced; None where the engine cannot
   score entropy, e.g. vLLM, rather than a second model copy inside a training actor).
 """
@@ -33,6 +34,6 @@ def held_out_scores(engine, task, prompts: list[str], problems: list, cfg: HeldO
         tokens = sum(x.size for x in h)
         entropy = float(sum(x.sum() for x in h) / tokens) if tokens else None
     n = max(1, len(problems))
-    return {"reward": sum(rewards) / n, "pass@1": sum(g.correct for g in grades) / n, "entropy": entropy,
+    return {"reward": sum(rewards) / n, "pass_at_1": sum(g.correct for g in grades) / n, "entropy": entropy,
             "tokens": sum(c.num_tokens for c in greedy) + sum(c.num_tokens for c in sampled),
             "errors": errors + sum(g.failure is not None for g in grades), "seconds": seconds}

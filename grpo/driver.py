@@ -247,7 +247,7 @@ def held_out(cfg: GRPOTrainConfig, crew: Crew, t: int, row: dict) -> int:
     if not cfg.eval.every or ((t + 1) % cfg.eval.every and t != 0):
         return 0
     res = crew.rollouts.call(0, "evaluate", "eval", sample_seed(cfg, -1))
-    row.update({f"eval/{k}": res[k] for k in ("reward", "pass@1", "entropy", "tokens", "errors")})
+    row.update({f"eval/{k}": res[k] for k in ("reward", "pass_at_1", "entropy", "tokens", "errors")})
     row["timing_s/eval"] = res["seconds"]
     return res["tokens"]
 

@@ -92,7 +92,8 @@ def drift_markdown(rep: dict) -> list[str]:
               "its weight (|w| / 256 in bf16) vanishes there, so sparsity on fp32 weights can overstate what the "
               "engine sees.", "",
               "Null model: with z-scored (or ranked) fitness an SGD step of ES moves every weight by Normal(0, "
-              "(lr / (N sigma))^2 sum z^2) whatever the rewards, so T steps are a random walk (es_ray/eval/null_drift.py). "
+              "(lr / (N sigma))^2 sum z^2) whatever the rewards, so T steps are a random walk "
+              "(es_ray/eval/null_drift.py). "
               "A measured L2 or sparsity share close to the null's is set by the step sizes, not by what ES learned.",
               ""] + null_verdict(methods, th)
     return lines

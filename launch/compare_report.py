@@ -90,8 +90,8 @@ def held_out_curve(root: Path, parts: list[tuple[str, str]], pool: int, cfg) -> 
         per_unit = cfg.es.prompts_per_iteration if kind == "es" else cfg.grpo.prompts_per_step
         rows = [r for r in _read_jsonl(root / "stages" / stage / "metrics.jsonl") if r.get("reward/mean") is not None]
         for i, r in enumerate(rows):
-            if r.get("eval/pass@1") is not None:
-                points.append((offset + (i + 1) * per_unit / pool, float(r["eval/pass@1"]), r.get("eval/entropy")))
+            if r.get("eval/pass_at_1") is not None:
+                points.append((offset + (i + 1) * per_unit / pool, float(r["eval/pass_at_1"]), r.get("eval/entropy")))
         offset += len(rows) * per_unit / pool
     return points
 

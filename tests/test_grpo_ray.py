@@ -67,7 +67,7 @@ def test_mean_reward_rises(ray_local, peaked_model_dir, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if "eval/reward" in row] == [0, 4, 9]
     held = [row for row in rows if "eval/reward" in row]  # scored as ES scores it: greedy reward, sampled pass@1
-    assert all(0 <= r["eval/pass@1"] <= 1 and r["eval/entropy"] > 0 and r["eval/tokens"] > 0 for r in held)
+    assert all(0 <= r["eval/pass_at_1"] <= 1 and r["eval/entropy"] > 0 and r["eval/tokens"] > 0 for r in held)
     first, last = np.mean(r[:3]), np.mean(r[-3:])
     assert last > first + 0.2, r
     ledger = json.loads((tmp_path / "ledger.json").read_text())

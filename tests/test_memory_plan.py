@@ -224,7 +224,8 @@ def fake_engine(tmp_path, share: float, **cfg):
 def replica_spec(**changes):
     from es_ray.replica import ReplicaSpec
 
-    base = dict(run_seed=0, noise="auto", noise_table_size=1 << 25, trainable="", optimizer="adam", lr=1e-3,
+    base = dict(run_seed=0, noise="auto", noise_table_size=1 << 25, noise_scope="per_tensor", trainable="",
+                optimizer="adam", lr=1e-3,
                 adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0, anchor_decay=0.0)
     return ReplicaSpec(**{**base, **changes})
 

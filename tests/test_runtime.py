@@ -55,9 +55,8 @@ def _group(size: int, timeout_s: float = 0.0, **kw):
         born.append(rank)
         return rank, born.count(rank) - 1  # generation 0 for the first actor of a rank, 1 for its replacement
 
-    group = ActorGroup("echo", Echo, size, make_args, _NoPlacement(), FaultPolicy(actor_timeout_s=timeout_s,
-                                                                                  max_replacements=2), log=lambda m: None,
-                       **kw)
+    policy = FaultPolicy(actor_timeout_s=timeout_s, max_replacements=2)
+    group = ActorGroup("echo", Echo, size, make_args, _NoPlacement(), policy, log=lambda m: None, **kw)
     group.each("ready", slow=True)
     return group
 

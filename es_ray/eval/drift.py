@@ -10,7 +10,8 @@ For delta = tuned - base (fp32, element-wise):
 * an optional histogram of log10 |delta| over the non-zero updates (fixed edges, so it can be plotted).
 
 Everything is reported for the whole model and for each module type (embedding, attention, mlp, norm, lm_head,
-other), on the fp32 weights and, optionally, on the weights cast to an engine dtype (bf16: what a GPU engine holds). Tensors are consumed one pair at a time, so a 7B model never needs two copies in memory.
+other), on the fp32 weights and, optionally, on the weights cast to an engine dtype (bf16: what a GPU engine
+holds). Tensors are consumed one pair at a time, so a 7B model never needs two copies in memory.
 """
 
 from __future__ import annotations
