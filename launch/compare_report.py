@@ -69,31 +69,27 @@ def method_ledger(cfg, root: Path, parts: list[tuple[str, str]]) -> dict | None:
     return out
 
 
-def reward_curve(root: Path, parts: list[tuple[str, str]], pool: int, cfg) -> list[tuple[float, float]]:
-    """(epochs seen, mean training reward) per iteration/step, the parts of a sequential method end to end."""
-    points, offset = [], 0.0
-    for stage, kind in parts:
-        per_unit = cfg.es.prompts_per_iteration if kind == "es" else cfg.grpo.prompts_per_step
-        rows = _read_jsonl(root / "stages" / stage / "metrics.jsonl")
-        rows = [r for r in rows if r.get("reward/mean") is not None]
-        for i, r in enumerate(rows):
-            points.append((offset + (i + 1) * per_unit / pool, float(r["reward/mean"])))
-        offset += len(rows) * per_unit / pool
-    return points
-
-
-def held_out_curve(root: Path, parts: list[tuple[str, str]], pool: int, cfg) -> list[tuple[float, float, float]]:
-    """(epochs seen, held-out pass@1, held-out entropy) at each eval.every row of the training run(s), the parts
-    of a sequential method end to end."""
-    points, offset = [], 0.0
+def training_rows(root: Path, parts: list[tuple[str, str]], pool: int, cfg) -> list[tuple[float, dict]]:
+    """(epochs seen, metrics row) per iteration/step of a method's training run(s), the parts of a sequential
+    method end to end: read once, for both curves."""
+    out, offset = [], 0.0
     for stage, kind in parts:
         per_unit = cfg.es.prompts_per_iteration if kind == "es" else cfg.grpo.prompts_per_step
         rows = [r for r in _read_jsonl(root / "stages" / stage / "metrics.jsonl") if r.get("reward/mean") is not None]
-        for i, r in enumerate(rows):
-            if r.get("eval/pass_at_1") is not None:
-                points.append((offset + (i + 1) * per_unit / pool, float(r["eval/pass_at_1"]), r.get("eval/entropy")))
+        out += [(offset + (i + 1) * per_unit / pool, r) for i, r in enumerate(rows)]
         offset += len(rows) * per_unit / pool
-    return points
+    return out
+
+
+def reward_curve(rows: list[tuple[float, dict]]) -> list[tuple[float, float]]:
+    """(epochs seen, mean training reward) per iteration/step."""
+    return [(x, float(r["reward/mean"])) for x, r in rows]
+
+
+def held_out_curve(rows: list[tuple[float, dict]]) -> list[tuple[float, float, float]]:
+    """(epochs seen, held-out pass@1, held-out entropy) at each eval.every row."""
+    return [(x, float(r["eval/pass_at_1"]), r.get("eval/entropy")) for x, r in rows
+            if r.get("eval/pass_at_1") is not None]
 
 
 def across_seeds(per_seed: dict, ks: list[int]) -> dict:
@@ -198,6 +194,7 @@ def collect_seed(root: Path, cfg, plan: dict, pool: int) -> dict:
     drift_l2 = {}
     for method, stages in plan.items():
         parts = [(s.name, "es" if s.kind == "train_es" else "grpo") for s in stages if s.kind.startswith("train")]
+        rows = training_rows(root, parts, pool, cfg)
         eval_dir = root / "stages" / _stage(stages, "eval").name
         ev = _read_json(eval_dir / "results.json")
         if ev is None:
@@ -213,8 +210,8 @@ def collect_seed(root: Path, cfg, plan: dict, pool: int) -> dict:
                         "histogram": ent.get("histogram")},
             "mean_reward": {t: ev["tasks"][t]["mean_reward"] for t in tasks},
             "ledger": method_ledger(cfg, root, parts),
-            "reward_curve": reward_curve(root, parts, pool, cfg),
-            "held_out_curve": held_out_curve(root, parts, pool, cfg),
+            "reward_curve": reward_curve(rows),
+            "held_out_curve": held_out_curve(rows),
             "checkpoint": ev["model_dir"],
         }
         if dr is not None:
