@@ -54,6 +54,14 @@ class ESConfig:
     """per_tensor: every tensor of a member draws its own noise (the textbook estimator, default); reference: one
     seed for all tensors of a member, as the reference ES implementation does (equal-shaped tensors then get equal
     noise): a parity mode to reproduce the paper's own setting or measure the difference."""
+    perturbation: str = "full"
+    """full: every trainable tensor gets full-rank noise, written into the weights member by member (the paper's
+    ES); lowrank: each linear layer's weight gets sigma * B A^T / sqrt(es.rank) and all of an actor's members are
+    generated in one batched pass, the weights written once per iteration (es_ray.lowrank; README "Population
+    batching"). lowrank leaves 1-D tensors and embeddings out."""
+    rank: int = 8
+    """es.perturbation=lowrank: rank r of each member's perturbation (1 <= r <= min(out, in); vLLM: one of the
+    LoRA ranks it supports)."""
     noise_table_size: int = 1 << 25
     """Number of fp32 values in the shared noise table (noise=table); must exceed the largest tensor."""
     checksum_every: int = 1
@@ -100,6 +108,7 @@ class ESTrainConfig:
 
 
 def validate(cfg: ESTrainConfig) -> ESTrainConfig:
+    from es_ray.lowrank import PERTURBATIONS
     from es_ray.noise import NOISE_KINDS, NOISE_SCOPES
     from es_ray.strategy import OPTIMIZERS, SHAPERS
 
@@ -121,6 +130,9 @@ def validate(cfg: ESTrainConfig) -> ESTrainConfig:
     OPTIMIZERS.check(es.optimizer)
     check_choice("es.noise", es.noise, ("auto", *NOISE_KINDS.names()))
     NOISE_SCOPES.check(es.noise_scope)
+    PERTURBATIONS.check(es.perturbation)
+    if es.perturbation == "lowrank":
+        check_lowrank_engine(cfg)
     check_choice("es.estimator", es.estimator, ESTIMATORS)
     check_choice("es.on_mismatch", es.on_mismatch, ON_MISMATCH)
     validate_trainer(cfg)
@@ -131,6 +143,28 @@ def validate(cfg: ESTrainConfig) -> ESTrainConfig:
         )
     validate_injection(cfg)
     return cfg
+
+
+def check_lowrank_engine(cfg: ESTrainConfig) -> None:
+    """es.perturbation=lowrank: a rank of at least 1, and an engine that batches a population (the engine's
+    ``lowrank_ranks``: the ranks it can serve, None for any). The rank's upper bound, min(out, in) of the model's
+    linear layers, is checked where the model is at hand (``es_ray.driver.preflight`` and every replica)."""
+    from es_ray.engines import ENGINES, LOWRANK_RANKS
+
+    if cfg.es.rank < 1:
+        raise ConfigError(f"es.rank={cfg.es.rank}: the rank of a low-rank perturbation must be >= 1 (e.g. es.rank=8)")
+    if cfg.engine.name not in LOWRANK_RANKS:
+        raise ConfigError(f"es.perturbation=lowrank needs an engine that batches a population; engine.name="
+                          f"{cfg.engine.name} does not: use engine.name= one of {', '.join(LOWRANK_RANKS)}, or "
+                          "es.perturbation=full")
+    ranks = LOWRANK_RANKS.get(cfg.engine.name)()
+    if ranks is not None and cfg.es.rank not in ranks:
+        raise ConfigError(f"es.rank={cfg.es.rank}: engine.name={cfg.engine.name} serves low-rank members at ranks "
+                          f"{', '.join(map(str, ranks))} only; set es.rank= to one of them")
+    if cfg.engine.tensor_parallel_size > 1:
+        raise ConfigError(f"es.perturbation=lowrank with engine.tensor_parallel_size="
+                          f"{cfg.engine.tensor_parallel_size} is not supported yet: use tensor_parallel_size=1 or "
+                          "es.perturbation=full")
 
 
 def validate_injection(cfg: ESTrainConfig) -> None:

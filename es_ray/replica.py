@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
 
 import torch
 
+from es_ray import lowrank
 from es_ray.noise import NoiseSource, resolve_kind
 from es_ray.strategy import Member, Optimizer, noise_coefficients
 
@@ -72,14 +73,23 @@ class ReplicaSpec:
     adam_eps: float = _from("es.adam_eps")
     weight_decay: float = _from("es.weight_decay")
     anchor_decay: float = _from("es.anchor_decay")
+    perturbation: str = _from("es.perturbation")
+    rank: int = _from("es.rank")
 
     @classmethod
     def from_config(cls, cfg: ESTrainConfig) -> ReplicaSpec:
         return cls(**{f.name: functools.reduce(getattr, f.metadata["config"].split("."), cfg) for f in fields(cls)})
 
-    def selects(self, name: str) -> bool:
-        """Whether the tensor ``name`` is trainable (model.trainable is a regex; empty selects all)."""
-        return not self.trainable or re.search(self.trainable, name) is not None
+    def selects(self, name: str, shape: Iterable[int] | None = None) -> bool:
+        """Whether the tensor ``name`` is trainable: model.trainable is a regex (empty selects all), and with
+        es.perturbation=lowrank only linear-layer weights are (``lowrank.is_target``; needs ``shape``)."""
+        if self.trainable and re.search(self.trainable, name) is None:
+            return False
+        return shape is None or self.perturbation != "lowrank" or lowrank.is_target(name, shape)
+
+    @property
+    def is_lowrank(self) -> bool:
+        return self.perturbation == "lowrank"
 
 
 @dataclass(frozen=True)
@@ -260,7 +270,8 @@ class Replica:
         self.master: dict[str, torch.Tensor] = {}
         self.shards: dict[str, Shard] = {}
         for name, t in named:
-            if spec.selects(name):
+            shape = (shards or {}).get(name).shape if (shards or {}).get(name) else tuple(t.shape)
+            if spec.selects(name, shape):
                 shard = (shards or {}).get(name) or Shard(tuple(t.shape))
                 if tuple(t.shape) != shard.local_shape:
                     raise ValueError(f"{name}: got a tensor of shape {tuple(t.shape)} for the part {shard} of "
@@ -268,7 +279,11 @@ class Replica:
                 self.shards[name] = shard
                 self.master[name] = t.detach().to(device=self.device, dtype=torch.float32, copy=True)
         if not self.master:
-            raise ValueError(f"model.trainable={spec.trainable!r} matches no parameter; fix the regex")
+            raise ValueError(f"model.trainable={spec.trainable!r} matches no parameter"
+                             f"{' that es.perturbation=lowrank perturbs (linear-layer weights)' if spec.is_lowrank else ''}"
+                             "; fix the regex")
+        if spec.is_lowrank:
+            lowrank.check_rank(spec.rank, {n: s.shape for n, s in self.shards.items()})
         self.names = sorted(self.master)
         self.theta0 = {k: v.clone() for k, v in self.master.items()} if spec.anchor_decay else None
         kind = resolve_kind(spec.noise, self.device.type)
@@ -280,7 +295,7 @@ class Replica:
         # part alone where noise_slice draws just its rows (counter, table), else the whole tensor it is cut from
         self._buf = torch.empty(max(math.prod(s.shape) for s in self.shards.values()), dtype=torch.float32,
                                 device=self.device)
-        self._nbuf = None if kind == "table" else torch.empty(
+        self._nbuf = None if kind == "table" and not spec.is_lowrank else torch.empty(
             max(math.prod(self._noise_shape(s)) for s in self.shards.values()), dtype=torch.float32,
             device=self.device)
 
@@ -309,9 +324,47 @@ class Replica:
     def _noise_shape(self, shard: Shard) -> tuple[int, ...]:
         return shard.local_shape if shard.dim in (None, 0) and self.noise.kind != "per_tensor" else shard.shape
 
-    def _eps(self, iteration: int, noise_id: int, name: str) -> torch.Tensor:
-        """The noise of this replica's part of tensor ``name``: the whole tensor's noise, sliced."""
+    def factors(self, iteration: int, noise_id: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """es.perturbation=lowrank: (B, A) of the whole HF tensor ``name`` (``lowrank.split_factors``), drawn from
+        the tensor's seed; views of a fresh draw (or of the noise table)."""
+        shape = self.shards[name].shape
+        drawn = self.noise.noise(iteration, noise_id, name, lowrank.factor_shape(shape, self.spec.rank))
+        return lowrank.split_factors(drawn, shape)
+
+    def _local_factors(self, iteration: int, noise_id: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, A) restricted to this replica's part: a row part takes B's rows, a column part A's rows."""
+        b, a = self.factors(iteration, noise_id, name)
         shard = self.shards[name]
+        if shard.dim == 0:
+            b = b[shard.start : shard.stop]
+        elif shard.dim == 1:
+            a = a[shard.start : shard.stop]
+        return b, a
+
+    def member_factors(self, iteration: int, members: list[Member], sigma: float
+                       ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """es.perturbation=lowrank, for population batching: per perturbed HF tensor (whole, also on a
+        tensor-parallel rank: vLLM's LoRA layers take their own slice), (A, B_s) stacked over ``members`` in order:
+        A (M, in, r) and B_s (M, out, r) = sign * sigma / sqrt(r) * B, so member m's layer output is
+        x W^T + (x A[m]) B_s[m]^T (``lowrank.lowrank_output``)."""
+        if not self.spec.is_lowrank:
+            raise RuntimeError("member_factors needs es.perturbation=lowrank")
+        scale = sigma / math.sqrt(self.spec.rank)
+        out = {}
+        for name in self.names:
+            pairs = [self.factors(iteration, m.noise_id, name) for m in members]
+            out[name] = (torch.stack([a for _, a in pairs]),
+                         torch.stack([b * (m.sign * scale) for (b, _), m in zip(pairs, members)]))
+        return out
+
+    def _eps(self, iteration: int, noise_id: int, name: str) -> torch.Tensor:
+        """The noise of this replica's part of tensor ``name``: the whole tensor's noise, sliced (lowrank: the
+        merged B A^T / sqrt(r) of the part)."""
+        shard = self.shards[name]
+        if self.spec.is_lowrank:
+            b, a = self._local_factors(iteration, noise_id, name)
+            e = self._view(self._nbuf, shard.local_shape)
+            return torch.matmul(b, a.T, out=e).div_(math.sqrt(self.spec.rank))
         out = self._view(self._nbuf, self._noise_shape(shard)) if self._nbuf is not None else None
         if shard.dim is None:
             return self.noise.noise(iteration, noise_id, name, shard.shape, out=out)
@@ -381,7 +434,10 @@ class Replica:
         for name in self.names:
             theta = self.master[name]
             g = self._view(self._buf, theta.shape)
-            for k, (noise_id, c) in enumerate(coeffs):
+            if self.spec.is_lowrank:
+                lowrank.gradient([self._local_factors(iteration, noise_id, name) for noise_id, _ in coeffs],
+                                 [c * scale for _, c in coeffs], out=g)
+            for k, (noise_id, c) in enumerate(coeffs if not self.spec.is_lowrank else ()):
                 eps = self._eps(iteration, noise_id, name)
                 if k == 0:  # the first term initialises g: one pass less than zero_() then add_()
                     torch.mul(eps, c * scale, out=g)

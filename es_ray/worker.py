@@ -35,7 +35,7 @@ class ESWorker:
         self.cfg, self.rank = cfg, rank
         self.faults = FaultInjector(cfg.faults, rank, immune_through)
         self.model_dir = resolve_model(cfg.model.path)
-        self.engine = make_engine(str(self.model_dir), cfg.engine)
+        self.engine = make_engine(str(self.model_dir), cfg.engine, lowrank_slots(cfg))
         self.replica = self.engine.replica_host()
         self.replica.setup(ReplicaSpec.from_config(cfg))
         self.task = load_task(cfg.task)
@@ -59,35 +59,50 @@ class ESWorker:
                 "eval_size": len(self.task.eval), "skipped_rows": self.task.skipped_rows,
                 "device": name, "sm_count": sm_count, "noise": resolve_kind(self.cfg.es.noise, device.type)}
 
-    def _score(self, split: str, prompt_ids, seed: int) -> tuple[float, int, int, float, float]:
-        problems = self.task.train if split == "train" else self.task.eval
-        prompts = [self._prompts[split][i] for i in prompt_ids]
-        t0 = time.perf_counter()
-        completions = self.engine.generate(prompts, self.cfg.sampling, seed)
-        t1 = time.perf_counter()
+    def _member_result(self, index: int, completions, prompt_ids) -> MemberResult:
+        problems = self.task.train
         rewards, errors = score(self.task, [c.text for c in completions], [problems[i] for i in prompt_ids])
-        total = sum(rewards)
-        tokens = sum(c.num_tokens for c in completions)
-        return total / max(1, len(prompt_ids)), tokens, errors, t1 - t0, time.perf_counter() - t1
+        return MemberResult(index, sum(rewards) / max(1, len(prompt_ids)), sum(c.num_tokens for c in completions),
+                            errors)
 
     def evaluate(self, req: EvalRequest) -> EvalResult:
+        self.faults.before_evaluate(req.iteration)
+        if self.cfg.es.perturbation == "lowrank":
+            return self._evaluate_population(req)
         timing = {"perturb": 0.0, "generate": 0.0, "reward": 0.0, "restore": 0.0}
         results = []
-        self.faults.before_evaluate(req.iteration)
+        prompts = [self._prompts["train"][i] for i in req.prompt_ids]
         for m in req.members:
             if _cancelled():  # the driver was interrupted: stop between members, restore, answer early
                 break
             t0 = time.perf_counter()
             self.replica.perturb(req.iteration, m.noise_id, m.sign, req.sigma)
-            timing["perturb"] += time.perf_counter() - t0
-            reward, tokens, errors, t_gen, t_rew = self._score("train", req.prompt_ids, req.sample_seed)
-            timing["generate"] += t_gen
-            timing["reward"] += t_rew
-            results.append(MemberResult(m.index, reward, tokens, errors))
+            t1 = time.perf_counter()
+            completions = self.engine.generate(prompts, self.cfg.sampling, req.sample_seed)
+            t2 = time.perf_counter()
+            results.append(self._member_result(m.index, completions, req.prompt_ids))
+            timing["perturb"] += t1 - t0
+            timing["generate"] += t2 - t1
+            timing["reward"] += time.perf_counter() - t2
             self.faults.member_done(req.iteration, len(results), len(req.members))
         t0 = time.perf_counter()
         self.replica.restore()
         timing["restore"] += time.perf_counter() - t0
+        return EvalResult(tuple(results), timing)
+
+    def _evaluate_population(self, req: EvalRequest) -> EvalResult:
+        """es.perturbation=lowrank: all of this actor's members in one batched generation (the weights are not
+        written: they hold cast(master) throughout)."""
+        prompts = [self._prompts["train"][i] for i in req.prompt_ids]
+        t0 = time.perf_counter()
+        per_member = self.replica.generate_members(req.iteration, list(req.members), req.sigma, prompts,
+                                                   self.cfg.sampling, req.sample_seed)
+        t1 = time.perf_counter()
+        results = []
+        for m, completions in zip(req.members, per_member):
+            results.append(self._member_result(m.index, completions, req.prompt_ids))
+            self.faults.member_done(req.iteration, len(results), len(req.members))
+        timing = {"perturb": 0.0, "generate": t1 - t0, "reward": time.perf_counter() - t1, "restore": 0.0}
         return EvalResult(tuple(results), timing)
 
     def evaluate_center(self, split: str, seed: int) -> dict:
@@ -147,6 +162,16 @@ class ESWorker:
         from es_ray.runtime.ledger import process_peak_memory
 
         return process_peak_memory()
+
+
+def lowrank_slots(cfg: ESTrainConfig):
+    """What the engine reserves for es.perturbation=lowrank: the most members one actor scores at once (member i
+    goes to actor i % num_actors) at rank es.rank; None for full rank."""
+    from es_ray.lowrank import LowRankSlots
+
+    if cfg.es.perturbation != "lowrank":
+        return None
+    return LowRankSlots(members=-(-cfg.es.population // cfg.cluster.num_actors), rank=cfg.es.rank)
 
 
 def _cancelled() -> bool:

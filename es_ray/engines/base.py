@@ -20,6 +20,7 @@ from typing import Any, Iterable
 
 import torch
 
+from es_ray.lowrank import LowRankSlots
 from es_ray.replica import Reader, Replica, ReplicaSpec, Writer
 from es_ray.core.config import EngineConfig, SamplingConfig
 from es_ray.strategy import Member
@@ -52,6 +53,16 @@ class ReplicaHost(ABC):
     @abstractmethod
     def update(self, iteration: int, members: list[Member], fitness: list[float], sigma: float) -> dict:
         """One ES step on the master, written into the engine; health scalars (``Replica.update``)."""
+
+    def generate_members(self, iteration: int, members: list[Member], sigma: float, prompts: list[str],
+                         sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
+        """es.perturbation=lowrank (population batching): every member's completions of ``prompts`` (one list per
+        member, in order), generated together in batched passes in which member m's sequences see the weights
+        cast(master) + sign * sigma * E_m (E_m = B_m A_m^T / sqrt(r), ``es_ray.lowrank``) through a low-rank term,
+        never written into the weights. The engine holds cast(master) before and after. ``seed`` as in
+        ``Engine.generate`` (greedy: a member's completions equal those it gets alone)."""
+        raise NotImplementedError(f"{type(self).__name__} does not batch a population: es.perturbation=lowrank "
+                                  "needs engine.name=hf or vllm")
 
     @abstractmethod
     def checksum(self) -> str:
@@ -114,9 +125,12 @@ class Engine(ABC):
     tokenizer: Any
     """The HF tokenizer of the loaded model (set by the constructor)."""
 
-    def __init__(self, model_dir: str, cfg: EngineConfig):
+    def __init__(self, model_dir: str, cfg: EngineConfig, lowrank: LowRankSlots | None = None):
+        """``lowrank``: reserve room to batch up to ``lowrank.members`` low-rank members of rank ``lowrank.rank``
+        (vLLM: LoRA slots; ES actors with es.perturbation=lowrank pass it)."""
         self.model_dir = str(model_dir)
         self.cfg = cfg
+        self.lowrank = lowrank
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """Messages -> prompt text with the model's chat template and the generation prompt."""
@@ -176,13 +190,13 @@ def resolve_device(cfg: EngineConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_engine(model_dir: str, cfg: EngineConfig) -> Engine:
-    """The engine class registered under engine.name, built on ``model_dir``."""
+def make_engine(model_dir: str, cfg: EngineConfig, lowrank: LowRankSlots | None = None) -> Engine:
+    """The engine class registered under engine.name, built on ``model_dir`` (``lowrank``: ``Engine.__init__``)."""
     from es_ray.engines import ENGINES
 
     cls = ENGINES.get(cfg.name)
     try:
-        return cls(model_dir, cfg)
+        return cls(model_dir, cfg, lowrank) if lowrank is not None else cls(model_dir, cfg)
     except ImportError as exc:  # the engine's own package missing: say how to install it; anything else raises
         if not cls.package or (exc.name or "").partition(".")[0] != cls.package:
             raise
