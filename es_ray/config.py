@@ -157,14 +157,14 @@ def check_lowrank_engine(cfg: ESTrainConfig) -> None:
         raise ConfigError(f"es.perturbation=lowrank needs an engine that batches a population; engine.name="
                           f"{cfg.engine.name} does not: use engine.name= one of {', '.join(LOWRANK_RANKS)}, or "
                           "es.perturbation=full")
-    ranks = LOWRANK_RANKS.get(cfg.engine.name)()
-    if ranks is not None and cfg.es.rank not in ranks:
-        raise ConfigError(f"es.rank={cfg.es.rank}: engine.name={cfg.engine.name} serves low-rank members at ranks "
-                          f"{', '.join(map(str, ranks))} only; set es.rank= to one of them")
     if cfg.engine.tensor_parallel_size > 1:
         raise ConfigError(f"es.perturbation=lowrank with engine.tensor_parallel_size="
                           f"{cfg.engine.tensor_parallel_size} is not supported yet: use tensor_parallel_size=1 or "
                           "es.perturbation=full")
+    ranks = LOWRANK_RANKS.get(cfg.engine.name)()
+    if ranks is not None and cfg.es.rank not in ranks:
+        raise ConfigError(f"es.rank={cfg.es.rank}: engine.name={cfg.engine.name} serves low-rank members at ranks "
+                          f"{', '.join(map(str, ranks))} only; set es.rank= to one of them")
 
 
 def validate_injection(cfg: ESTrainConfig) -> None:

@@ -114,8 +114,9 @@ def run(cfg: ESTrainConfig) -> dict:
         from es_ray.models import resolve_model
         from es_ray.tasks import load_task
 
-        resolve_model(cfg.model.path)  # also converts the embedded model once, before actors start
+        model_dir = resolve_model(cfg.model.path)  # also converts the embedded model once, before actors start
         load_task(cfg.task)
+        preflight_lowrank(cfg, model_dir)
     run_dir = open_run_dir(cfg, "es", RESUME_FREE)  # refuses a resume with changed settings, naming them
     point = resume_point(cfg, run_dir)
     ledger = Ledger("es", start_step=point.start)
@@ -179,6 +180,22 @@ def _start(cfg: ESTrainConfig, keeper, point, placement, tracker, guard) -> int:
     if point.checkpoint or point.records:
         keeper.rebuild_all()
     return pool
+
+
+def preflight_lowrank(cfg: ESTrainConfig, model_dir) -> None:
+    """es.perturbation=lowrank: es.rank against min(out, in) of the model's trainable linear layers, read from the
+    checkpoint's headers, before any actor starts (each replica checks it again)."""
+    if cfg.es.perturbation != "lowrank":
+        return
+    import re
+
+    from es_ray.lowrank import check_rank
+    from es_ray.models import safetensors_index
+
+    trainable = cfg.model.trainable
+    shapes = {n: shape for n, (_, shape) in safetensors_index(model_dir).items()
+              if not trainable or re.search(trainable, n)}
+    check_rank(cfg.es.rank, shapes)
 
 
 def check_noise_devices(cfg: ESTrainConfig, infos: list[dict]) -> None:

@@ -264,6 +264,9 @@ class Replica:
         names one (a tensor-parallel rank), else the whole tensor; each is copied to ``device`` in fp32 as it comes,
         so a lazily read source is never held whole."""
         self.spec = spec
+        self.direct = False
+        """Set by an engine whose ``read`` returns the very tensors it computes with (transformers): fp32 writes then
+        go straight into them (``_in_place``), saving a pass over the model per perturbation."""
         self.write = write
         self.read = read
         self.device = torch.device(device)
@@ -384,10 +387,27 @@ class Replica:
         return whole, shard.take(whole)
 
     # -- member evaluation ---------------------------------------------------------------------------------
+    def _in_place(self, name: str) -> torch.Tensor | None:
+        """The engine's own tensor for ``name`` when a write may go straight into it: ``direct`` is set, the replica
+        holds the whole tensor and the engine holds it in fp32 (so the one fp32 operation is the same as through
+        the buffer, and nothing is cast)."""
+        if not self.direct or self.shards[name].dim is not None:
+            return None
+        held = self.read(name)
+        if held is None or held.dtype != torch.float32 or held.shape != self.master[name].shape:
+            return None
+        return held
+
+    @torch.no_grad()
     def perturbed(self, iteration: int, noise_id: int, sign: int, sigma: float) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yields (name, master + sign * sigma * eps) through one reused buffer (the whole HF tensor, for a part)."""
+        """Yields (name, master + sign * sigma * eps) through one reused buffer (the whole HF tensor, for a part);
+        a tensor the engine takes in place (``direct``) is written there instead, one pass, and not yielded."""
         for name in self.names:
             eps = self._eps(iteration, noise_id, name)
+            target = self._in_place(name)
+            if target is not None:
+                torch.add(self.master[name], eps, alpha=sign * sigma, out=target)
+                continue
             whole, part = self._whole(name)
             torch.add(self.master[name], eps, alpha=sign * sigma, out=part)
             yield name, whole
@@ -398,6 +418,11 @@ class Replica:
     def restored(self, fill: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (name, master): the master itself for a whole tensor, else the whole HF tensor from the buffer."""
         for name in self.names:
+            target = self._in_place(name)
+            if target is not None:
+                with torch.no_grad():
+                    target.copy_(self.master[name])
+                continue
             if self.shards[name].dim is None:
                 yield name, self.master[name]
                 continue
