@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -77,15 +77,25 @@ class ReplicaHost(ABC):
         """Replace the master and optimizer state, then write cast(master) into the engine."""
 
 
-class InProcessReplicaHost(ReplicaHost):
-    """The replica in the caller's own process (transformers engine): every call is a plain method call."""
+PopulationGenerator = Callable[[Mapping[str, tuple[torch.Tensor, torch.Tensor]], list[str], SamplingConfig, int],
+                               list[list[Completion]]]
+"""(member factors (``Replica.member_factors``), prompts, sampling, seed) -> completions per member: an engine's
+batched generation of a low-rank population."""
 
-    def __init__(self, model_dir: str, names: Iterable[str], write: Writer, read: Reader, device: str):
+
+class InProcessReplicaHost(ReplicaHost):
+    """The replica in the caller's own process (transformers engine): every call is a plain method call.
+    ``generate_population``: the engine's batched generation of low-rank members (``generate_members``)."""
+
+    def __init__(self, model_dir: str, names: Iterable[str], write: Writer, read: Reader, device: str,
+                 generate_population: PopulationGenerator | None = None):
         self.model_dir, self.names, self.write, self.read, self.device = model_dir, list(names), write, read, device
+        self.generate_population = generate_population
         self._replica: Replica | None = None
 
     def setup(self, spec: ReplicaSpec) -> None:
         self._replica = Replica.from_checkpoint(self.model_dir, self.names, spec, self.write, self.read, self.device)
+        self._replica.direct = True  # ``read`` returns the parameters the model computes with
 
     @property
     def replica(self) -> Replica:
@@ -101,6 +111,19 @@ class InProcessReplicaHost(ReplicaHost):
 
     def update(self, iteration: int, members: list[Member], fitness: list[float], sigma: float) -> dict:
         return self.replica.update(iteration, members, fitness, sigma)
+
+    def generate_members(self, iteration: int, members: list[Member], sigma: float, prompts: list[str],
+                         sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
+        if self.generate_population is None:
+            return super().generate_members(iteration, members, sigma, prompts, sampling, seed)
+        if not self.replica.spec.is_lowrank:
+            raise RuntimeError(f"generate_members batches low-rank members, and this replica was set up with "
+                               f"es.perturbation={self.replica.spec.perturbation}: set es.perturbation=lowrank, or "
+                               "evaluate members one at a time (perturb, generate, restore)")
+        if not members:
+            return []
+        return self.generate_population(self.replica.member_factors(iteration, members, sigma), prompts, sampling,
+                                        seed)
 
     def checksum(self) -> str:
         return self.replica.checksum()

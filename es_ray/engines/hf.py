@@ -1,5 +1,6 @@
 """transformers engine: CPU and GPU, batched generate, weights written in place through named_parameters(),
-teacher-forced log-probs and entropy from one forward pass, and the ES replica in the same process."""
+teacher-forced log-probs and entropy from one forward pass, and the ES replica in the same process; low-rank
+members generated together in one batch (``hf_lowrank``)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,23 @@ import torch
 
 from es_ray.engines.base import (Completion, Engine, InProcessReplicaHost, ReplicaHost, check_temperature,
                                  resolve_device)
+from es_ray.engines.hf_lowrank import Factors, LowRankTerms, population_calls
 from es_ray.core.config import EngineConfig, SamplingConfig
 from es_ray.core.dtypes import resolve_dtype
+from es_ray.lowrank import LowRankSlots
+
+
+def lowrank_ranks() -> None:
+    """es.perturbation=lowrank: the ranks this engine serves; None, any (``es_ray.engines.LOWRANK_RANKS``)."""
+    return None
 
 
 class HFEngine(Engine):
     name = "hf"
     can_score_entropy = True
 
-    def __init__(self, model_dir: str, cfg: EngineConfig):
-        super().__init__(model_dir, cfg)
+    def __init__(self, model_dir: str, cfg: EngineConfig, lowrank: LowRankSlots | None = None):
+        super().__init__(model_dir, cfg, lowrank)
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -46,28 +54,60 @@ class HFEngine(Engine):
     @torch.inference_mode()
     def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int) -> list[Completion]:
         out: list[Completion] = []
-        greedy = sampling.temperature <= 0
         gen = torch.Generator(device="cpu").manual_seed(int(seed))
         for start in range(0, len(prompts), self.cfg.batch_size):
-            batch = prompts[start : start + self.cfg.batch_size]
-            enc = self.tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-            kwargs: dict[str, Any] = dict(max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
-                                          pad_token_id=self.tokenizer.pad_token_id)
-            if greedy:
-                kwargs.update(temperature=None, top_p=None, top_k=None)
-            else:
-                kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
-                # transformers samples from the global RNG: seed it per batch from our own generator
-                torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
-            ids = self.model.generate(**enc, **kwargs)[:, enc["input_ids"].shape[1] :].tolist()
-            for row in ids:
-                n = len(row)
-                for j, tok in enumerate(row):
-                    if tok in self.eos_ids:
-                        n = j + 1
-                        break
-                text = self.tokenizer.decode(row[:n], skip_special_tokens=True)
-                out.append(Completion(text=text, num_tokens=n, token_ids=tuple(row[:n])))
+            enc = self._encode(prompts[start : start + self.cfg.batch_size])
+            out += self._generate_rows(enc, sampling, gen)
+        return out
+
+    @torch.inference_mode()
+    def generate_population(self, factors: Factors, prompts: list[str], sampling: SamplingConfig,
+                            seed: int) -> list[list[Completion]]:
+        """es.perturbation=lowrank: the completions of ``prompts`` for each member of ``factors``
+        (``Replica.member_factors``), as many members per generate call as ``engine.batch_size`` rows hold, each
+        row seeing its member's weights through a low-rank term (``hf_lowrank.LowRankTerms``); the weights are not
+        touched. The prompts are cut and padded as ``generate`` cuts them, so greedy completions equal a member's
+        own; sampling draws one seed per call from ``seed``."""
+        num_members = len(next(iter(factors.values()))[0])
+        out: list[list[Completion]] = [[] for _ in range(num_members)]
+        gen = torch.Generator(device="cpu").manual_seed(int(seed))
+        with LowRankTerms(self.model, factors) as terms:
+            for chunk, members in population_calls(len(prompts), num_members, self.cfg.batch_size):
+                enc = self._encode(prompts[chunk])
+                rows = {k: v.repeat(len(members), 1) for k, v in enc.items()}  # member-major
+                terms.select(members)
+                done = self._generate_rows(rows, sampling, gen)
+                per_member = len(done) // len(members)
+                for j, m in enumerate(members):
+                    out[m] += done[j * per_member : (j + 1) * per_member]
+        return out
+
+    def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        return {k: v.to(self.device) for k, v in enc.items()}
+
+    def _generate_rows(self, enc: dict[str, torch.Tensor], sampling: SamplingConfig,
+                       gen: torch.Generator) -> list[Completion]:
+        """One ``model.generate`` call over the encoded rows; a sampled call seeds from ``gen``."""
+        greedy = sampling.temperature <= 0
+        kwargs: dict[str, Any] = dict(max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
+                                      pad_token_id=self.tokenizer.pad_token_id)
+        if greedy:
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+            # transformers samples from the global RNG: seed it per batch from our own generator
+            torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+        ids = self.model.generate(**enc, **kwargs)[:, enc["input_ids"].shape[1] :].tolist()
+        out = []
+        for row in ids:
+            n = len(row)
+            for j, tok in enumerate(row):
+                if tok in self.eos_ids:
+                    n = j + 1
+                    break
+            text = self.tokenizer.decode(row[:n], skip_special_tokens=True)
+            out.append(Completion(text=text, num_tokens=n, token_ids=tuple(row[:n])))
         return out
 
     def token_logprobs(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
@@ -107,5 +147,5 @@ class HFEngine(Engine):
     def replica_host(self) -> ReplicaHost:
         if self._host is None:
             self._host = InProcessReplicaHost(self.model_dir, self.params, self.write_weights, self.read,
-                                              self.device)
+                                              self.device, self.generate_population)
         return self._host

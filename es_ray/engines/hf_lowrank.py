@@ -1,0 +1,86 @@
+"""Population batching for the transformers engine (es.perturbation=lowrank): one generate call serves several
+members, each sequence row seeing its own member's weights through a low-rank term added to each perturbed linear
+layer's output, never written into the weights (``es_ray.lowrank``).
+
+Rows are member-major: a call for members [m0, m1) over p prompts holds member m0's p rows, then m0 + 1's, and so
+on, so for a layer input x (rows, seq, in) the term of all members is two batched matmuls over the members,
+x viewed as (members, p * seq, in): (x A[m0:m1]) B_s[m0:m1]^T, added into the output in place (no per-row loop,
+one (members, p * seq, r) temporary per layer and step).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+
+Factors = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+"""HF weight name -> (A (M, in, r), B_s (M, out, r)), ``Replica.member_factors``."""
+
+
+def population_calls(num_prompts: int, num_members: int, batch_size: int) -> list[tuple[slice, range]]:
+    """The generate calls of a population, in order: (prompt slice, members), each call holding the slice's prompts
+    for each of its members, at most ``batch_size`` rows (at least one member). The prompts are cut exactly as
+    ``Engine.generate`` cuts them (chunks of ``batch_size``), so a member's rows are padded as they are when it is
+    generated alone; as many whole members as fit share a call."""
+    calls = []
+    for start in range(0, num_prompts, batch_size):
+        chunk = slice(start, min(num_prompts, start + batch_size))
+        per_call = max(1, batch_size // (chunk.stop - chunk.start))
+        calls += [(chunk, range(m, min(num_members, m + per_call))) for m in range(0, num_members, per_call)]
+    return calls
+
+
+class LowRankTerms:
+    """Context manager: forward hooks on the ``nn.Linear`` modules whose weights ``factors`` names, adding member m's
+    (x A[m]) B_s[m]^T to its rows' outputs; the hooks are removed on exit, error or not. ``select(members)`` sets
+    the members of the next forward passes (rows member-major, the same number per member). The factors are cast
+    to the layer's dtype and device once, here."""
+
+    def __init__(self, model: nn.Module, factors: Factors):
+        self.modules: dict[str, nn.Linear] = {}
+        self.a: dict[str, torch.Tensor] = {}
+        self.bt: dict[str, torch.Tensor] = {}
+        for name, (a, b_s) in factors.items():
+            module = model.get_submodule(name.removesuffix(".weight"))
+            if not isinstance(module, nn.Linear) or not name.endswith(".weight"):
+                raise TypeError(f"{name} is not the weight of an nn.Linear (got {type(module).__name__}); the "
+                                "low-rank term is added to linear layers only (es_ray.lowrank.is_target)")
+            w = module.weight
+            self.modules[name] = module
+            self.a[name] = a.to(w.device, w.dtype).contiguous()  # (M, in, r)
+            self.bt[name] = b_s.to(w.device, w.dtype).transpose(1, 2).contiguous()  # (M, r, out)
+        self.members = range(0)
+        self._handles: list = []
+
+    def select(self, members: range) -> None:
+        self.members = members
+
+    def _hook(self, name: str):
+        a_all, bt_all = self.a[name], self.bt[name]
+
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            m0, m1 = self.members.start, self.members.stop
+            x = args[0]
+            if x.shape[0] % (m1 - m0):
+                raise RuntimeError(f"{name}: {x.shape[0]} rows are not whole members {m0}..{m1 - 1}")
+            k = m1 - m0
+            xa = torch.bmm(x.reshape(k, -1, x.shape[-1]), a_all[m0:m1])  # (k, rows/k * seq, r)
+            out.view(k, -1, out.shape[-1]).baddbmm_(xa, bt_all[m0:m1])
+
+        return hook
+
+    def __enter__(self) -> LowRankTerms:
+        try:
+            for name, module in self.modules.items():
+                self._handles.append(module.register_forward_hook(self._hook(name)))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
