@@ -93,3 +93,24 @@ def test_unreachable_address_is_refused_before_work(tmp_path):
         check_address("127.0.0.1:1", timeout=2)
     with pytest.raises(ConfigError, match="cluster.address"):
         check_address("ray://:10001")
+
+
+def test_lowrank_replicas_agree_across_actor_counts_and_resume_exactly(ray_local, tiny_model_dir, tmp_path):
+    """es.perturbation=lowrank through the whole driver: one actor and two give the same weights bit for bit;
+    a run stopped after two iterations and resumed to three ends where the uninterrupted run does (Adam's state
+    in the checkpoint); only linear-layer weights move."""
+    lowrank = dict(es__perturbation="lowrank", es__rank=4, es__optimizer="adam", es__lr=1e-3)
+    one = load_file(Path(run(tiny_cfg(tiny_model_dir, tmp_path / "one", **lowrank))["final_checkpoint"])
+                    / "model.safetensors")
+    two = load_file(Path(run(tiny_cfg(tiny_model_dir, tmp_path / "two", cluster__num_actors=2, **lowrank))
+                         ["final_checkpoint"]) / "model.safetensors")
+    run(tiny_cfg(tiny_model_dir, tmp_path / "cut", es__iterations=2, **lowrank))
+    resumed = load_file(Path(run(tiny_cfg(tiny_model_dir, tmp_path / "cut", run__resume=True, **lowrank))
+                             ["final_checkpoint"]) / "model.safetensors")
+    base = load_file(Path(tiny_model_dir) / "model.safetensors")
+    for other in (two, resumed):
+        assert other.keys() == one.keys() and all(torch.equal(one[k], other[k]) for k in one)
+    moved = {k for k in one if not torch.equal(one[k], base[k].float())}
+    assert moved and all(one[k].dim() == 2 and "embed" not in k for k in moved)
+    rows = _metrics(tmp_path / "two")
+    assert all(r["es/checksums_verified"] for r in rows) and rows[-1]["timing_s/perturb"] == 0.0
