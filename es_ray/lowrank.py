@@ -14,7 +14,7 @@ perturbed nor updated, in both modes of a low-rank run:
   they are well under 0.1% of the parameters of the paper's models;
 * embeddings and the LM head (often one tied tensor): vLLM's LoRA does not cover them in the pinned releases, and
   a perturbed vocabulary projection would cost a (batch x vocab) term per member, the largest of the model.
-So lowrank trains the projections (76% of SmolLM2-135M's parameters, 88% of Qwen2.5-7B's) and full trains
+So lowrank trains the projections (79% of SmolLM2-135M's parameters, 86% of Qwen2.5-7B's) and full trains
 everything ``model.trainable`` selects.
 
 The update g = 1/(N sigma) sum_i z_i E_i is one matmul per tensor: the factors of all members side by side,
