@@ -17,6 +17,12 @@ generate returns. Within one version the cache works as usual (prompts sharing a
 
 Tensor parallelism: every rank keeps its shard of the master (``vllm_extension``); checksums, states and weights
 come back per rank and are combined here (``combine_checksums``, ``gather_states``, ``gather_shards``).
+
+Population batching (es.perturbation=lowrank, ``LowRankSlots``): the engine is built with one LoRA slot per member
+on the layers the perturbation covers; ``VLLMReplicaHost.generate_members`` fills the slots inside the worker from
+the replica's factors (``es_fill_lora``: ints and floats cross, no adapter file, no tensor) and sends every
+member's requests in one generate, member m's through slot m + 1. The weights keep cast(master). What this relies
+on in vLLM's LoRA internals is listed in ``vllm_extension``.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from typing import Any, Iterable
 import torch
 
 from es_ray.engines.base import Completion, Engine, ReplicaHost, check_temperature
+from es_ray.lowrank import LowRankSlots, is_target
 from es_ray.replica import ReplicaSpec, combine_checksums, gather_shards, gather_states, update_health
-from es_ray.core.config import EngineConfig, SamplingConfig
+from es_ray.core.config import ConfigError, EngineConfig, SamplingConfig
 from es_ray.core.dtypes import dtype_name, resolve_dtype
 from es_ray.strategy import Member
 
@@ -39,6 +46,36 @@ in fp32, more than 64 prompts x (prompt + 64 new tokens), and leaves RAM for a s
 _GPU_MEMORY_UTILIZATION = 0.5
 """vLLM's share of the GPU when engine.gpu_memory_utilization=0 and the memory plan cannot count the model's
 tensors (neither Llama- nor Qwen2-shaped); otherwise the share comes from ``es_ray.memory_plan``."""
+
+
+LORA_PATH = "/es-ray/lowrank-slot/not-a-file"
+"""The path every member's LoRARequest names: the adapters are built in memory by the worker (``vllm_extension``),
+and no file is ever read; a path that does not exist makes vLLM fail loudly should it ever try to load one."""
+
+
+def lowrank_ranks() -> tuple[int, ...] | None:
+    """es.perturbation=lowrank: the LoRA ranks the installed vLLM serves (its ``MaxLoRARanks``), None without vLLM
+    (``es_ray.engines.LOWRANK_RANKS``)."""
+    import typing
+
+    try:
+        from vllm.config.lora import MaxLoRARanks
+    except ImportError:
+        return None
+    return tuple(int(r) for r in typing.get_args(MaxLoRARanks))
+
+
+def check_lowrank_rank(rank: int) -> None:
+    """ConfigError, naming es.rank and the ranks vLLM serves, unless its LoRA slots come in rank ``rank``."""
+    ranks = lowrank_ranks() or ()
+    if rank not in ranks:
+        raise ConfigError(f"es.rank={rank}: vLLM serves LoRA ranks {', '.join(map(str, ranks))} only (its "
+                          "max_lora_rank); set es.rank= to one of them, or use engine.name=hf")
+
+
+def member_lora_name(position: int) -> str:
+    """The LoRA name of the member at ``position`` of a ``generate_members`` call (slot id position + 1)."""
+    return f"es-member-{position}"
 
 
 def _request_seed(seed: int, index: int) -> int:
@@ -55,8 +92,10 @@ class VLLMEngine(Engine):
     per token (152k for Qwen2.5), which is fine for a probe (``token_logprobs`` at T != 1) but not for scoring every
     evaluated token; es-eval scores entropy with a transformers copy of the checkpoint instead."""
 
-    def __init__(self, model_dir: str, cfg: EngineConfig):
-        super().__init__(model_dir, cfg)
+    def __init__(self, model_dir: str, cfg: EngineConfig, lowrank: LowRankSlots | None = None):
+        super().__init__(model_dir, cfg, lowrank)
+        if lowrank is not None:
+            check_lowrank_rank(lowrank.rank)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # INFO logs every prefix-cache reset
         # CPU: compute with the threads the actor chose (Ray's CPUs for it), without vLLM pinning them to cores
@@ -97,11 +136,30 @@ class VLLMEngine(Engine):
             # Inside a Ray actor vLLM would pick its Ray executor and ask for placement-group bundles of its own;
             # the actor already holds its GPUs (one bundle), so its TP workers are local processes on them.
             kwargs["distributed_executor_backend"] = "mp"
+        if lowrank is not None:
+            kwargs.update(self._lora_kwargs(lowrank, current_platform))
         self.llm = LLM(**kwargs)
         _quiet_thread_warning()
         self.tokenizer = self.llm.get_tokenizer()
         self._host: VLLMReplicaHost | None = None
         self._weights_version = 0
+
+    def _lora_kwargs(self, lowrank: LowRankSlots, platform) -> dict[str, Any]:
+        """es.perturbation=lowrank: one LoRA slot per member (``lowrank.members`` of rank ``lowrank.rank``), all
+        resident (max_cpu_loras = max_loras: nothing is ever evicted, so vLLM never reloads a slot), on the linear
+        layers the perturbation covers only (``lowrank.is_target``; not the embedding or the LM head)."""
+        from es_ray.engines.vllm_extension import hf_parameter_shapes
+
+        try:
+            platform.get_punica_wrapper()
+        except NotImplementedError:
+            raise RuntimeError(f"es.perturbation=lowrank batches members through vLLM's LoRA, which this vLLM "
+                               f"build ({type(platform).__name__}) does not have: use engine.name=hf or "
+                               "es.perturbation=full") from None
+        targets = sorted({name.split(".")[-2] for name, shape in hf_parameter_shapes(self.model_dir).items()
+                          if is_target(name, shape)})
+        return dict(enable_lora=True, max_loras=lowrank.members, max_cpu_loras=lowrank.members,
+                    max_lora_rank=lowrank.rank, lora_target_modules=targets)
 
     # -- GPU memory (es_ray.memory_plan) -------------------------------------------------------------------
     def _plan_settings(self, **es: Any):
@@ -142,19 +200,24 @@ class VLLMEngine(Engine):
 
     # -- generation ----------------------------------------------------------------------------------------
     def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int) -> list[Completion]:
+        outputs = self.llm.generate(self._inputs(prompts), self._sampling_params(sampling, seed, len(prompts)),
+                                    use_tqdm=False)
+        return [_completion(o) for o in outputs]
+
+    def _sampling_params(self, sampling: SamplingConfig, seed: int, n: int) -> list:
+        """One SamplingParams per prompt position i, seeded by (seed, i) (``_request_seed``)."""
         from vllm import SamplingParams
 
         greedy = sampling.temperature <= 0
-        params = [
+        return [
             SamplingParams(max_tokens=sampling.max_new_tokens, temperature=0.0 if greedy else sampling.temperature,
                            top_p=1.0 if greedy else sampling.top_p, seed=None if greedy else _request_seed(seed, i))
-            for i in range(len(prompts))
+            for i in range(n)
         ]
+
+    def _inputs(self, prompts: list[str]) -> list:
         # Tokenised here as the transformers engine does (no special tokens added: the template has them).
-        inputs = [self._prompt(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
-        outputs = self.llm.generate(inputs, params, use_tqdm=False)
-        return [Completion(text=o.outputs[0].text, num_tokens=len(o.outputs[0].token_ids),
-                           token_ids=tuple(o.outputs[0].token_ids)) for o in outputs]
+        return [self._prompt(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
 
     def token_logprobs(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
         """vLLM's prompt log-probs are of the raw logits (temperature 1). At T != 1 the whole vocabulary's come back
@@ -231,6 +294,7 @@ class VLLMReplicaHost(ReplicaHost):
     def __init__(self, engine: VLLMEngine):
         self.engine = engine
         self._ready = False
+        self._spec: ReplicaSpec | None = None
 
     def _call(self, method: str, *args: Any) -> list:
         if not self._ready:
@@ -250,6 +314,7 @@ class VLLMReplicaHost(ReplicaHost):
             self.engine._rpc("es_setup", spec)
         finally:
             self.engine._weights_changed()
+        self._spec = spec
         self._ready = True
 
     def perturb(self, iteration: int, noise_id: int, sign: int, sigma: float) -> None:
@@ -263,6 +328,42 @@ class VLLMReplicaHost(ReplicaHost):
         results = self._write("es_update", int(iteration), triples, [float(z) for z in fitness], float(sigma))
         return update_health(r["sums"] for r in results)
 
+    def generate_members(self, iteration: int, members: list[Member], sigma: float, prompts: list[str],
+                         sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
+        """es.perturbation=lowrank: one rpc fills LoRA slots 1..M with the members' factors inside the worker
+        (``es_fill_lora``: only the members' int triples and sigma cross), then ONE generate carries every member's
+        requests, member m's through slot m + 1, each prompt position with the same sampling seed for every member
+        (common random numbers). The slots changed, so the prefix cache's salt does too (cache blocks are keyed by
+        LoRA name, not contents). The weights are not written."""
+        from vllm.lora.request import LoRARequest
+
+        eng = self.engine
+        if self._spec is None:
+            raise RuntimeError("ReplicaHost.setup(spec) must run before any other ES call")
+        if not self._spec.is_lowrank:
+            raise RuntimeError(f"generate_members batches low-rank members, and this replica was set up with "
+                               f"es.perturbation={self._spec.perturbation}: set es.perturbation=lowrank, or "
+                               "evaluate members one at a time (perturb, generate, restore)")
+        if eng.lowrank is None or len(members) > eng.lowrank.members or eng.lowrank.rank != self._spec.rank:
+            raise RuntimeError(f"generate_members of {len(members)} members at es.rank={self._spec.rank} needs an "
+                               f"engine built with LowRankSlots(members>={len(members)}, rank={self._spec.rank}) "
+                               f"(make_engine(..., lowrank=...)); this one has {eng.lowrank}")
+        if not members:
+            return []
+        triples = [[int(m.index), int(m.noise_id), int(m.sign)] for m in members]
+        try:
+            self._call("es_fill_lora", int(iteration), triples, float(sigma))
+        finally:
+            eng._weights_changed()
+        inputs = eng._inputs(prompts)
+        params, loras = [], []
+        for position in range(len(members)):
+            params += eng._sampling_params(sampling, seed, len(prompts))
+            loras += [LoRARequest(member_lora_name(position), position + 1, LORA_PATH)] * len(prompts)
+        outputs = eng.llm.generate(inputs * len(members), params, lora_request=loras, use_tqdm=False)
+        done = [_completion(o) for o in outputs]
+        return [done[m * len(prompts) : (m + 1) * len(prompts)] for m in range(len(members))]
+
     def checksum(self) -> str:
         """The digest of the whole master, equal to the unsplit one's at any TP degree; raises if two ranks hold
         different values for a part they share."""
@@ -274,6 +375,11 @@ class VLLMReplicaHost(ReplicaHost):
 
     def load_state_dict(self, sd: dict) -> None:
         self._write("es_load_state_dict", sd)
+
+
+def _completion(output) -> Completion:
+    o = output.outputs[0]
+    return Completion(text=o.text, num_tokens=len(o.token_ids), token_ids=tuple(o.token_ids))
 
 
 def _quiet_thread_warning() -> None:

@@ -22,6 +22,25 @@ and slices it, and writes the whole HF-shaped tensor (its shard in place) throug
 proves the bookkeeping: the first write fills everything outside the shards with NaN, then every parameter must
 be NaN-free and hold cast(master) where the bookkeeping says. Checksums and states go back per rank, each part
 once (``es_checksum_parts``, ``es_state_dict``); the engine combines them.
+
+An input embedding's post-load step is not rerun (``input_embeddings``): vLLM's CPU step packs it for a GEMM it
+never runs (the tied LM head, a module of its own, has its own packed copy), which cost a quarter of a write.
+
+Population batching (es.perturbation=lowrank; the engine enables LoRA, ``vllm.VLLMEngine``): ``es_fill_lora``
+writes member m's factors into the LoRA slot of adapter id m + 1 with each LoRA layer's ``set_lora``. What it
+relies on, vLLM 0.32.0's LoRA internals (they change between releases; tests/test_lowrank_vllm.py checks them):
+* ``model_runner.lora_manager`` (``LRUCacheWorkerLoRAManager``): ``add_dummy_lora`` registers an in-memory
+  zero adapter under an int id, ``pin_adapter`` activates it into a slot and pins it (never evicted, never
+  reactivated, so vLLM never copies the dummy's zeros back over a filled slot); ``list_adapters``;
+* its ``_adapter_manager`` (``LRUCacheLoRAModelManager``): ``modules`` (LoRA layer name -> layer, qkv_proj and
+  gate_up_proj packed, one slice per HF tensor), ``lora_index_to_id`` (slot of each id), ``lora_slots``;
+* a LoRA layer's ``set_lora(slot, lora_a (r x in), lora_b (out x r))`` (lists per slice for packed layers; slices
+  for tensor parallelism itself), ``reset_lora``, ``n_slices``; its base layer's parameters are named
+  ``<layer>.base_layer.weight`` (``_plain`` maps them back for the loader and the locations);
+* a request's LoRA reaches a slot through its int id only; the prefix cache keys blocks by LoRA name, so the engine
+  changes the cache salt at every fill;
+* CPU: ``PunicaWrapperCPU.add_lora_linear`` is replaced (``batch_cpu_lora_kernels``): vLLM's copies each token's
+  factors, 3x slower over a whole ES generation, and misreads slot -1.
 """
 
 from __future__ import annotations
@@ -52,6 +71,98 @@ def keep_weights_when_packing() -> None:
     layer_utils.dispatch_cpu_unquantized_gemm = keep
 
 
+def _add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
+                     lora_b_stacked: tuple[torch.Tensor, ...], scale: float, output_slices: tuple[int, ...],
+                     **kwargs) -> None:
+    """y[:, slice s] += scale * (x A_{s,l}^T) B_{s,l}^T for each token's LoRA slot l (slot -1: no adapter), as
+    ``PunicaWrapperCPU.add_lora_linear`` (vLLM 0.32, same signature), in a few matmuls per layer instead of vLLM's
+    token-by-token ones: per run of consecutive tokens of one slot (``prefill_metadata``: vLLM's requests are in
+    member order, so about one run per member) when the runs are few, else all slots at once (``_lora_dense``). The
+    shrink runs in fp32, the expand in y's dtype, as vLLM's kernels do."""
+    indices = self.token_lora_indices
+    x = x.view(-1, x.shape[-1])
+    if not self.is_prefill or indices.numel() != x.shape[0]:  # a layout these were not written for: vLLM's own
+        return _STOCK_ADD_LORA_LINEAR(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, **kwargs)
+    if self.no_lora:  # no token has an adapter (vLLM skips its kernels the same way)
+        return None
+    out = y.view(-1, y.shape[-1])
+    starts, lengths, slots = (t.tolist() for t in self.prefill_metadata[:3])
+    if len(starts) > 4 * lora_a_stacked[0].shape[0]:
+        return _lora_dense(indices, out, x, lora_a_stacked, lora_b_stacked, scale, output_slices)
+    for start, length, slot in zip(starts, lengths, slots):
+        if slot < 0:
+            continue
+        rows = x[start : start + length].to(torch.float32)
+        offset = 0
+        for a, b, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
+            h = rows @ a[slot, 0].T.to(torch.float32)  # (tokens, r)
+            if scale != 1.0:
+                h.mul_(scale)
+            out[start : start + length, offset : offset + size].addmm_(h.to(y.dtype), b[slot, 0, :size].T.to(y.dtype))
+            offset += size
+    return None
+
+
+def _lora_dense(indices: torch.Tensor, out: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked,
+                scale: float, output_slices) -> None:
+    """``_add_lora_linear`` for tokens in any order: every slot's factors side by side, one shrink matmul for all
+    slices and slots (T x (S L r)), the blocks of the slots a token does not use set to zero, then one expand
+    matmul per slice over (L r). L times the FLOPs of the adapters, in 1 + S matmuls."""
+    slots, rank = lora_a_stacked[0].shape[0], lora_b_stacked[0].shape[-1]
+    a = torch.cat([t.reshape(slots * rank, x.shape[-1]) for t in lora_a_stacked]).to(torch.float32)
+    h = x.to(torch.float32) @ a.T
+    if scale != 1.0:
+        h.mul_(scale)
+    mine = (indices.unsqueeze(1) == torch.arange(slots, device=indices.device)).to(h.dtype)  # (T, L); -1: none
+    h = (h.view(x.shape[0], len(lora_a_stacked), slots, rank) * mine[:, None, :, None]).to(out.dtype)
+    offset = 0
+    for s, (b, size) in enumerate(zip(lora_b_stacked, output_slices)):
+        b = b.reshape(slots, b.shape[-2], rank).transpose(1, 2).reshape(slots * rank, b.shape[-2]).to(out.dtype)
+        out[:, offset : offset + size].addmm_(h[:, s].reshape(x.shape[0], slots * rank), b[:, :size])
+        offset += size
+
+
+_STOCK_ADD_LORA_LINEAR = None
+
+
+def batch_cpu_lora_kernels() -> None:
+    """vLLM's CPU LoRA kernels for linear layers (``PunicaWrapperCPU.add_lora_linear`` over ``lora.ops.torch_ops``;
+    the CPU runner takes their prefill path on every step) copy each token's own adapter factors and multiply token
+    by token: tokens x (in + out) x rank floats copied per layer and slice, gigabytes per prefill at SmolLM2 size,
+    and they read slot -1 (no adapter) as the last slot. ``_add_lora_linear`` replaces them (same signature); the
+    embedding and LM-head kernels are left as they are (ES puts no adapter there)."""
+    global _STOCK_ADD_LORA_LINEAR
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    if PunicaWrapperCPU.add_lora_linear is not _add_lora_linear:
+        _STOCK_ADD_LORA_LINEAR = PunicaWrapperCPU.add_lora_linear
+        PunicaWrapperCPU.add_lora_linear = _add_lora_linear
+
+
+def input_embeddings(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The vocabulary embeddings that only look rows up (``weight``), whose post-load step need not rerun after a
+    write: on CPU vLLM packs every embedding for its GEMM as if it were an LM head, and repacking the input
+    embedding's unused copy cost as much as the tied LM head's, a quarter of a write on SmolLM2-135M. Only where the
+    model has an LM head of its own (a ParallelLMHead, tied or not) computing the logits; a model that computes them
+    with its embedding module keeps it. The stale copy is replaced by a function that refuses, so a model that
+    did use it fails loudly instead of computing with old weights."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    modules = list(model.modules())
+    if not any(isinstance(m, ParallelLMHead) for m in modules):
+        return []
+    found = [m for m in modules if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
+    for module in found:
+        if hasattr(module, "cpu_linear"):
+            module.cpu_linear = _stale_gemm
+    return found
+
+
+def _stale_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    raise RuntimeError("es_ray does not repack an input embedding's CPU GEMM copy after a write "
+                       "(vllm_extension.input_embeddings), and this model computes with it: repack it there")
+
+
 def drop_log_lines(logger_name: str, text: str) -> None:
     """Drop the records of ``logger_name`` whose message contains ``text`` (vLLM lines that say nothing here)."""
     import logging
@@ -64,6 +175,7 @@ def drop_log_lines(logger_name: str, text: str) -> None:
 
 
 keep_weights_when_packing()  # imported by vLLM in the worker before the model loads
+batch_cpu_lora_kernels()
 # vLLM's weight loader warns on every fp32 tensor written into a bf16 parameter (dozens per perturbation); casting
 # the fp32 master to the engine's dtype is what every write does by design.
 drop_log_lines("vllm.model_executor.models.utils", "into parameter with dtype")
@@ -163,12 +275,14 @@ class ESExtension:
 
     def _es_post_load_layers(self, model) -> dict[int, list[torch.nn.Module]]:
         """id(parameter) -> the layers whose post-load step must rerun when it changes (a tied LM head shares the
-        embedding); built once, on the first write (ES setup or a plain weight write, e.g. GRPO's sync)."""
+        embedding); built once, on the first write (ES setup or a plain weight write, e.g. GRPO's sync). Input
+        embeddings are left out (``input_embeddings``)."""
         layers = getattr(self, "_es_layers", None)
         if layers is None:
             layers = {}
+            skip = {id(m) for m in input_embeddings(model)}
             for module in model.modules():
-                if getattr(module, "quant_method", None) is not None:
+                if getattr(module, "quant_method", None) is not None and id(module) not in skip:
                     for param in module.parameters(recurse=False):
                         layers.setdefault(id(param), []).append(module)
             self._es_layers = layers
@@ -183,7 +297,7 @@ class ESExtension:
         self._es_sync()
         with torch.no_grad():
             loaded = model.load_weights(named)  # copies each tensor before taking the next
-            params = dict(model.named_parameters(remove_duplicate=False))
+            params = {_plain(name): p for name, p in model.named_parameters(remove_duplicate=False)}
             if loaded is None:  # a model whose loader does not say what it loaded: redo every layer
                 loaded = params
             touched = {id(layer): layer for name in loaded if name in params
@@ -198,7 +312,8 @@ class ESExtension:
 
     def _es_locations(self, model) -> dict[str, Location]:
         """HF name -> its ``Location`` on this rank: packed modules (qkv_proj, gate_up_proj) split by their local
-        output sizes, a vocabulary padded by vLLM cut back to the HF rows, tensor-parallel shards by
+        output sizes (a LoRA-wrapped layer's parameters, ``...qkv_proj.base_layer.weight``, matched without the
+        wrapper's name), a vocabulary padded by vLLM cut back to the HF rows, tensor-parallel shards by
         ``tensor_parallel_parts``. Built once; parameters are looked up by name at each read, since vLLM's post-load
         step may replace them."""
         locations = getattr(self, "_es_locs", None)
@@ -207,9 +322,10 @@ class ESExtension:
             packed = getattr(model, "packed_modules_mapping", {})
             locations = {}
             for name, param in model.named_parameters():
-                module_name, _, leaf = name.rpartition(".")
-                prefix, _, short = module_name.rpartition(".")
-                parts = [f"{prefix}.{part}.{leaf}" for part in packed[short]] if short in packed else [name]
+                module_name = name.rpartition(".")[0]
+                plain_module, _, leaf = _plain(name).rpartition(".")
+                prefix, _, short = plain_module.rpartition(".")
+                parts = [f"{prefix}.{part}.{leaf}" for part in packed[short]] if short in packed else [_plain(name)]
                 if not all(part in shapes for part in parts):
                     continue
                 row = 0
@@ -257,6 +373,85 @@ class ESExtension:
         """Per tensor, the elements where this rank's engine does not hold cast(master) (empty: exact)."""
         return self._es().engine_mismatches()
 
+    # -- population batching (es.perturbation=lowrank): vLLM's LoRA slots ------------------------------------
+    def es_fill_lora(self, iteration: int, members: list[list[int]], sigma: float) -> None:
+        """Member m's factors (``Replica.member_factors``) into the LoRA slot of adapter id m + 1, in place:
+        lora_a = A_m^T (r x in), lora_b = B_s,m (out x r) = sign * sigma / sqrt(r) * B_m, so the slot adds
+        (x A_m) B_s,m^T to the layer's output, scaling 1. Packed layers (qkv_proj, gate_up_proj) take one slice
+        per HF tensor in their packing order; a LoRA layer part the replica does not perturb (outside
+        model.trainable) gets zeros. The base weights are not touched."""
+        from es_ray.strategy import Member
+
+        slots = self._es_lora_slots(len(members))
+        factors = self._es().member_factors(iteration, [Member(*map(int, m)) for m in members], sigma)
+        modules = self._es_lora_manager()._adapter_manager.modules
+        self._es_sync()  # a step in flight (GPU) must not see half-filled slots
+        with torch.no_grad():
+            for module_name, names in self._es_lora_targets().items():
+                module = modules[module_name]
+                for m, slot in enumerate(slots):
+                    a = [factors[n][0][m].T if n in factors else None for n in names]
+                    b = [factors[n][1][m] if n in factors else None for n in names]
+                    if all(t is None for t in a):
+                        module.reset_lora(slot)
+                    elif len(names) == 1:
+                        module.set_lora(slot, a[0], b[0])
+                    else:
+                        module.set_lora(slot, a, b)
+        self._es_sync()
+
+    def _es_lora_manager(self):
+        manager = getattr(self.model_runner, "lora_manager", None)
+        if manager is None:
+            raise RuntimeError("es.perturbation=lowrank: this vLLM engine was built without LoRA (VLLMEngine needs "
+                               "lowrank=LowRankSlots(...), which make_engine passes for es.perturbation=lowrank)")
+        return manager
+
+    def _es_lora_slots(self, count: int) -> list[int]:
+        """The slot indices of adapters 1..count, registering each the first time as an in-memory adapter (vLLM's
+        own zero-weight dummy, no file) and pinning it: a pinned adapter is never evicted nor deactivated, so vLLM
+        never copies the dummy's zeros over a slot this extension filled, and a request for ids 1..count never
+        loads anything (a load would fail on the LoRARequest's path, which does not exist)."""
+        from vllm.lora.request import LoRARequest
+
+        from es_ray.engines.vllm import LORA_PATH, member_lora_name
+
+        worker = self._es_lora_manager()
+        manager = worker._adapter_manager
+        if count > manager.lora_slots:
+            raise RuntimeError(f"{count} members, and the engine has {manager.lora_slots} LoRA slots "
+                               "(LowRankSlots.members)")
+        registered = worker.list_adapters()
+        for lora_id in range(1, count + 1):
+            if lora_id not in registered:
+                worker.add_dummy_lora(LoRARequest(member_lora_name(lora_id - 1), lora_id, LORA_PATH), rank=1)
+            worker.pin_adapter(lora_id)  # activates it into a free slot if it is not active
+        return [manager.lora_index_to_id.index(lora_id) for lora_id in range(1, count + 1)]
+
+    def _es_lora_targets(self) -> dict[str, list[str]]:
+        """LoRA layer name -> the HF tensors it computes, in its slice order (``Location.row``); built once, and
+        checked: every tensor the replica perturbs has a LoRA layer (else its perturbation would be dropped)."""
+        targets = getattr(self, "_es_lora", None)
+        if targets is None:
+            model = self.model_runner.get_model()
+            by_param: dict[str, list[tuple[int, str]]] = {}
+            for name, loc in self._es_locations(model).items():
+                by_param.setdefault(loc.param, []).append((loc.row, name))
+            targets = {}
+            for module_name, module in self._es_lora_manager()._adapter_manager.modules.items():
+                names = [name for _, name in sorted(by_param.get(f"{module_name}.base_layer.weight", []))]
+                if len(names) != int(getattr(module, "n_slices", 1)):
+                    raise RuntimeError(f"LoRA layer {module_name} has {getattr(module, 'n_slices', 1)} slices and "
+                                       f"the HF tensors {names}: es_fill_lora does not know this layer's layout")
+                targets[module_name] = names
+            covered = {name for names in targets.values() for name in names}
+            missing = [name for name in self._es().names if name not in covered]
+            if missing:
+                raise RuntimeError(f"es.perturbation=lowrank perturbs {missing[:3]} ({len(missing)} tensors), and "
+                                   "vLLM's LoRA has no layer for them; narrow model.trainable or use engine.name=hf")
+            self._es_lora = targets
+        return targets
+
     # -- weights and state (tensors: checkpoints, GRPO sync and tests only) ----------------------------------
     def es_write_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         self._es_write((name, t.to(self.device)) for name, t in named)
@@ -274,6 +469,12 @@ class ESExtension:
         locations = self._es_locations(self.model_runner.get_model())
         owned = {name: loc.shard for name, loc in locations.items() if loc.shard.owner}
         return owned, {name: self._es_read(name).to("cpu", torch.float32, copy=True) for name in owned}
+
+
+def _plain(name: str) -> str:
+    """A vLLM parameter name without LoRA wrappers (``qkv_proj.base_layer.weight`` -> ``qkv_proj.weight``), as the
+    model's ``load_weights`` names what it loaded."""
+    return name.replace(".base_layer.", ".")
 
 
 def _to_cpu(obj):
