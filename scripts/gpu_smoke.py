@@ -74,7 +74,8 @@ def build_model(fields: dict, device: torch.device, seed: int) -> torch.nn.Modul
 def spec(**changes) -> ReplicaSpec:
     base = dict(run_seed=0, noise="per_tensor", noise_table_size=1 << 20, noise_scope="per_tensor", trainable="",
                 optimizer="adam", lr=1e-3,
-                adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0, anchor_decay=0.0)
+                adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0, anchor_decay=0.0,
+                perturbation="full", rank=8)
     return ReplicaSpec(**{**base, **changes})
 
 

@@ -226,7 +226,8 @@ def replica_spec(**changes):
 
     base = dict(run_seed=0, noise="auto", noise_table_size=1 << 25, noise_scope="per_tensor", trainable="",
                 optimizer="adam", lr=1e-3,
-                adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0, anchor_decay=0.0)
+                adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0, anchor_decay=0.0,
+                perturbation="full", rank=8)
     return ReplicaSpec(**{**base, **changes})
 
 
