@@ -187,15 +187,12 @@ def preflight_lowrank(cfg: ESTrainConfig, model_dir) -> None:
     checkpoint's headers, before any actor starts (each replica checks it again)."""
     if cfg.es.perturbation != "lowrank":
         return
-    import re
-
     from es_ray.lowrank import check_rank
     from es_ray.models import safetensors_index
+    from es_ray.replica import ReplicaSpec
 
-    trainable = cfg.model.trainable
-    shapes = {n: shape for n, (_, shape) in safetensors_index(model_dir).items()
-              if not trainable or re.search(trainable, n)}
-    check_rank(cfg.es.rank, shapes)
+    spec = ReplicaSpec.from_config(cfg)
+    check_rank(cfg.es.rank, {n: shape for n, (_, shape) in safetensors_index(model_dir).items() if spec.selects(n)})
 
 
 def check_noise_devices(cfg: ESTrainConfig, infos: list[dict]) -> None:

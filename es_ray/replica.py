@@ -273,9 +273,8 @@ class Replica:
         self.master: dict[str, torch.Tensor] = {}
         self.shards: dict[str, Shard] = {}
         for name, t in named:
-            shape = (shards or {}).get(name).shape if (shards or {}).get(name) else tuple(t.shape)
-            if spec.selects(name, shape):
-                shard = (shards or {}).get(name) or Shard(tuple(t.shape))
+            shard = (shards or {}).get(name) or Shard(tuple(t.shape))
+            if spec.selects(name, shard.shape):
                 if tuple(t.shape) != shard.local_shape:
                     raise ValueError(f"{name}: got a tensor of shape {tuple(t.shape)} for the part {shard} of "
                                      f"{shard.shape}")
@@ -462,12 +461,13 @@ class Replica:
             if self.spec.is_lowrank:
                 lowrank.gradient([self._local_factors(iteration, noise_id, name) for noise_id, _ in coeffs],
                                  [c * scale for _, c in coeffs], out=g)
-            for k, (noise_id, c) in enumerate(coeffs if not self.spec.is_lowrank else ()):
-                eps = self._eps(iteration, noise_id, name)
-                if k == 0:  # the first term initialises g: one pass less than zero_() then add_()
-                    torch.mul(eps, c * scale, out=g)
-                else:
-                    g.add_(eps, alpha=c * scale)
+            else:
+                for k, (noise_id, c) in enumerate(coeffs):
+                    eps = self._eps(iteration, noise_id, name)
+                    if k == 0:  # the first term initialises g: one pass less than zero_() then add_()
+                        torch.mul(eps, c * scale, out=g)
+                    else:
+                        g.add_(eps, alpha=c * scale)
             held = self.read(name) if measured else None
             measured = held is not None
             self.opt.step(name, theta, g, self.theta0[name] if self.theta0 is not None else None)
