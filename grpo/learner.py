@@ -32,6 +32,15 @@ LOGIT_COPIES = 4
 log-softmax, and its gradient (es_ray.memory_plan plans the learner's memory with it)."""
 
 
+def forwarded_tokens(samples: list[dict], shared: bool) -> int:
+    """Tokens one forward (and backward) pass over ``samples`` processes: every prompt + completion, or with shared
+    prompts each distinct prompt once plus every completion but its last token (which predicts nothing)."""
+    if not shared:
+        return sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples)
+    prompts = {tuple(s["prompt_ids"]) for s in samples}
+    return sum(map(len, prompts)) + sum(max(0, len(s["completion_ids"]) - 1) for s in samples)
+
+
 class GRPOLearner:
     def __init__(self, cfg: GRPOTrainConfig):
         import torch
@@ -101,21 +110,48 @@ class GRPOLearner:
             mask[b, len(s["prompt_ids"]) - 1 : len(x) - 1] = 1.0
         return ids.to(self.device), attn.to(self.device), mask.to(self.device)
 
-    def _log_probs(self, model, ids, attn, mask, entropy: bool = False):
+    def _shares_prompts(self, samples: list[dict]) -> bool:
+        """A micro-batch holding several completions of one prompt (a group) runs that prompt once, except under
+        gradient checkpointing (which turns the model's key/value cache off)."""
+        from es_ray.eval.prefix import shares_prompts
+
+        return not self.g.gradient_checkpointing and shares_prompts([tuple(s["prompt_ids"]) for s in samples])
+
+    def _completion_hidden(self, model, samples: list[dict]):
+        """[N, H]: the hidden states that predict the N completion tokens, row by row, each prompt run once for its
+        rows in this micro-batch (``prefix.shared_prompt_hidden``); the same order as hidden[mask] of the padded
+        forward, and the same values to within rounding (tests/test_grpo_learner.py)."""
+        import torch
+
+        from es_ray.eval.prefix import prompt_groups, shared_prompt_hidden
+
+        rows: dict[int, torch.Tensor] = {}
+        for group in prompt_groups([tuple(s["prompt_ids"]) for s in samples]):
+            comps = [samples[i]["completion_ids"] for i in group]
+            hidden = shared_prompt_hidden(model.base_model, samples[group[0]]["prompt_ids"], comps, self.pad_id)
+            for j, (i, c) in enumerate(zip(group, comps)):
+                rows[i] = hidden[j, : len(c)]
+        return torch.cat([rows[i] for i in range(len(samples))])
+
+    def _log_probs(self, model, ids, attn, mask, entropy: bool = False, samples: list[dict] | None = None):
         """[B, L-1] log-probs of ids[:, 1:] under softmax(logits / sampling.temperature) (0 off the mask), and the
         [N] entropies of the N masked positions when asked (else None).
 
         The LM head runs on completion positions only (prompts are ~3x longer than completions here, and the head
-        with its log-softmax is a large share of a small model's cost), grpo.logit_chunk_tokens at a time."""
+        with its log-softmax is a large share of a small model's cost), grpo.logit_chunk_tokens at a time. With
+        ``samples`` whose prompts repeat (``_shares_prompts``), each prompt runs once for its rows."""
         import torch
 
         from es_ray.eval.entropy import chunked_token_scores
 
         with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.mixed,
                             cache_enabled=False):  # no cache: it would hold a bf16 copy of every weight at once
-            hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]
             sel = mask.bool()
-            logp_n, entropy_n = chunked_token_scores(model.get_output_embeddings(), hidden[sel], ids[:, 1:][sel],
+            if samples is not None and self._shares_prompts(samples):
+                hidden_n = self._completion_hidden(model, samples)
+            else:
+                hidden_n = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1][sel]
+            logp_n, entropy_n = chunked_token_scores(model.get_output_embeddings(), hidden_n, ids[:, 1:][sel],
                                                      self.temperature, self.g.logit_chunk_tokens, entropy)
         logp = torch.zeros(mask.shape, dtype=logp_n.dtype, device=mask.device)  # fp32 (fp64 in tests)
         return logp.masked_scatter(sel, logp_n), entropy_n
@@ -137,21 +173,21 @@ class GRPOLearner:
         backprop_tokens = 0
         for epoch in range(g.epochs_per_batch):
             self.optimizer.zero_grad(set_to_none=True)
-            for k, ((_, adv), (ids, attn, mask)) in enumerate(zip(chunks, padded)):
-                logp, entropy_n = self._log_probs(self.model, ids, attn, mask, entropy=epoch == 0)
+            for k, ((part, adv), (ids, attn, mask)) in enumerate(zip(chunks, padded)):
+                logp, entropy_n = self._log_probs(self.model, ids, attn, mask, entropy=epoch == 0, samples=part)
                 if epoch == 0:
                     old_logp.append(logp.detach())  # the policy that sampled the batch: these weights
                     totals["entropy_sum"] += float(entropy_n.sum())
                     if self.ref is not None:
                         with torch.no_grad():
-                            ref_logp.append(self._log_probs(self.ref, ids, attn, mask)[0])
+                            ref_logp.append(self._log_probs(self.ref, ids, attn, mask, samples=part)[0])
                 loss, stats = grpo_loss(
                     logp, old_logp[k], torch.tensor(adv, device=self.device), mask, loss_type=g.loss_type,
                     clip_eps=g.clip_eps, clip_eps_high=g.clip_eps_high, beta=g.beta,
                     ref_logp_bt=ref_logp[k] if self.ref is not None else None,
                     max_tokens=self.cfg.sampling.max_new_tokens, num_sequences=n_seq, num_tokens=n_tok)
                 loss.backward()
-                backprop_tokens += int(attn.sum())
+                backprop_tokens += forwarded_tokens(part, self._shares_prompts(part))
                 totals["loss"] += float(loss.detach())
                 for key, value in stats.items():
                     totals[key] += float(value)

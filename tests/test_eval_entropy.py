@@ -49,17 +49,32 @@ def test_teacher_forced_entropy_equals_a_full_forward(small_model):
     assert completion_entropies(small_model, prompt, []).numel() == 0
 
 
+def assert_each_alone(model, pairs, got, temperatures):
+    """Each completion's batched entropies equal one forward pass over its own prompt + completion."""
+    for (p, c), h in zip(pairs, got):
+        assert h.shape == (len(c), len(temperatures))
+        for j, t in enumerate(temperatures):
+            np.testing.assert_allclose(h[:, j], completion_entropies(model, p, c, temperature=t).numpy(),
+                                       rtol=1e-5, atol=1e-5)
+
+
 def test_batched_entropies_equal_one_pass_per_completion_at_every_temperature(small_model):
     """Right-padded batches of different lengths (split by the token budget) give each completion's own entropies,
     at the sampling temperature and at T = 1 from the same logits."""
     pairs = [([3, 7, 11, 2], [5, 9, 1, 40, 33]), ([4], [8, 8]), ([1, 2, 3, 4, 5, 6, 7], [9]), ([6, 6], [])]
     got = batched_completion_entropies(small_model, pairs, (0.6, 1.0), max_batch_tokens=12, chunk=2)
-    for (p, c), h in zip(pairs, got):
-        assert h.shape == (len(c), 2)
-        for j, t in enumerate((0.6, 1.0)):
-            np.testing.assert_allclose(h[:, j], completion_entropies(small_model, p, c, temperature=t).numpy(),
-                                       rtol=1e-5, atol=1e-5)
+    assert_each_alone(small_model, pairs, got, (0.6, 1.0))
     assert not np.allclose(got[0][:, 0], got[0][:, 1])  # the two temperatures really differ
+
+
+def test_completions_of_one_prompt_share_it_and_score_as_each_alone(small_model):
+    """eval.n samples of a problem: the prompt runs once for the group (prefix.shared_prompt_hidden), mixed with
+    prompts of their own; empty and one-token completions included, split across sub-batches by the budget."""
+    a, b = [3, 7, 11, 2], [9, 4]
+    pairs = [(a, [5, 9, 1, 40]), (b, [7]), (a, [5]), (a, []), (a, [12, 13, 14, 15, 16, 17]), (b, [2, 30]),
+             ([8, 8, 8], [1, 2])]
+    got = batched_completion_entropies(small_model, pairs, (0.7, 1.0), max_batch_tokens=12, chunk=3)
+    assert_each_alone(small_model, pairs, got, (0.7, 1.0))
 
 
 def test_summary_hand_values():

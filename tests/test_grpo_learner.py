@@ -44,7 +44,11 @@ def test_epochs_per_batch_use_the_old_log_probs(tiny_model_dir):
 
 
 def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir):
+    """Distinct prompts, so both learners take the padded forward (checkpointing turns the key/value cache off, and
+    with it the shared-prompt path: test_a_group_runs_its_prompt_once... compares those two paths)."""
     samples, adv = batch()
+    for i, s in enumerate(samples):
+        s["prompt_ids"] = s["prompt_ids"] + [20 + i]
     plain, ckpt = learner(tiny_model_dir), learner(tiny_model_dir, gradient_checkpointing=True)
     a, b = plain.train_step(samples, adv), ckpt.train_step(samples, adv)
     assert a["grpo/grad_norm"] == pytest.approx(b["grpo/grad_norm"], rel=1e-4)
@@ -77,15 +81,47 @@ def test_bf16_mixed_keeps_a_small_step_that_bf16_weights_lose(tiny_model_dir):
     assert 5e-6 < float(step.max()) <= 1.1e-5  # Adam's first step is ~lr per weight, kept in fp32
 
 
-def scored(lrn, samples, adv):
-    """Log-probs [B, L-1], mask, and the gradient (flat) of the GRPO loss with old = current log-probs."""
+def scored(lrn, samples, adv, shared=False):
+    """Log-probs [B, L-1], mask, and the gradient (flat) of the GRPO loss with old = current log-probs; ``shared``:
+    through the learner's shared-prompt path (each distinct prompt run once), else the padded forward."""
     from grpo.loss import grpo_loss
 
     ids, attn, mask = lrn._pad(samples)
-    logp, _ = lrn._log_probs(lrn.model, ids, attn, mask)
+    logp, _ = lrn._log_probs(lrn.model, ids, attn, mask, samples=samples if shared else None)
     lrn.optimizer.zero_grad(set_to_none=True)
     grpo_loss(logp, logp.detach() - 0.1, torch.tensor(adv, dtype=logp.dtype), mask, loss_type="dapo")[0].backward()
     return logp.detach(), mask, torch.cat([p.grad.flatten() for p in lrn.params])
+
+
+def test_a_group_runs_its_prompt_once_with_the_same_log_probs_and_gradient(tiny_model_dir, monkeypatch):
+    """Two groups of one prompt each and a prompt of its own in one micro-batch, completions of different lengths
+    (one of a single token): the shared-prompt forward gives the padded forward's log-probs and gradient in float64
+    to rounding, and counts each distinct prompt's tokens once. transformers' RMSNorm computes in float32 whatever
+    the model's dtype, which leaves the gradients (summed over a prompt's rows in a different order on the two
+    paths) float32 apart; the norm is kept in the model's dtype here, so the comparison is a float64 one."""
+    from transformers.models.llama import modeling_llama
+
+    from grpo.learner import forwarded_tokens
+
+    def rms_norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm)
+
+    a, b, c = batch(3, prompt=(1, 2, 3, 4, 5, 6))[0], batch(2, prompt=(7, 8, 9))[0], batch(1, prompt=(4, 4))[0]
+    b[1]["completion_ids"] = b[1]["completion_ids"][:1]
+    samples = [a[0], b[0], a[1], c[0], b[1], a[2]]
+    adv = [1.0, -1.0, 0.5, -0.5, 0.25, 0.75]
+    lrn = learner(tiny_model_dir)
+    lrn.model.double()
+    assert lrn._shares_prompts(samples) and not lrn._shares_prompts([a[0], b[0], c[0]])
+    lp_pad, mask, g_pad = scored(lrn, samples, adv)
+    lp_shared, _, g_shared = scored(lrn, samples, adv, shared=True)
+    assert torch.allclose(lp_shared, lp_pad, rtol=0, atol=1e-12)
+    assert torch.allclose(g_shared, g_pad, rtol=1e-9, atol=1e-13) and g_pad.abs().max() > 0
+    completions = sum(len(x["completion_ids"]) for x in samples)
+    assert forwarded_tokens(samples, False) == 3 * 6 + 2 * 3 + 2 + completions
+    assert forwarded_tokens(samples, True) == 6 + 3 + 2 + completions - len(samples)
 
 
 def test_bf16_mixed_log_probs_and_gradient_are_close_to_float32(tiny_model_dir):

@@ -11,6 +11,7 @@ import torch
 from es_ray.engines.base import (Completion, Engine, InProcessReplicaHost, ReplicaHost, check_temperature,
                                  resolve_device)
 from es_ray.engines.hf_lowrank import Factors, LowRankTerms, population_calls
+from es_ray.eval.prefix import prompt_groups, shared_prefill
 from es_ray.core.config import EngineConfig, SamplingConfig
 from es_ray.core.dtypes import resolve_dtype
 from es_ray.lowrank import LowRankSlots
@@ -56,8 +57,13 @@ class HFEngine(Engine):
         out: list[Completion] = []
         gen = torch.Generator(device="cpu").manual_seed(int(seed))
         for start in range(0, len(prompts), self.cfg.batch_size):
-            enc = self._encode(prompts[start : start + self.cfg.batch_size])
-            out += self._generate_rows(enc, sampling, gen)
+            batch = prompts[start : start + self.cfg.batch_size]
+            enc = self._encode(batch)
+            groups = prompt_groups(batch)
+            # rows with equal prompts (eval.n samples of a problem, a GRPO group): their prompt is prefilled once
+            cache = shared_prefill(self.model, enc["input_ids"], enc["attention_mask"], groups) \
+                if len(groups) < len(batch) else None
+            out += self._generate_rows(enc, sampling, gen, cache)
         return out
 
     @torch.inference_mode()
@@ -87,11 +93,14 @@ class HFEngine(Engine):
         return {k: v.to(self.device) for k, v in enc.items()}
 
     def _generate_rows(self, enc: dict[str, torch.Tensor], sampling: SamplingConfig,
-                       gen: torch.Generator) -> list[Completion]:
-        """One ``model.generate`` call over the encoded rows; a sampled call seeds from ``gen``."""
+                       gen: torch.Generator, cache=None) -> list[Completion]:
+        """One ``model.generate`` call over the encoded rows; a sampled call seeds from ``gen``. ``cache``: the rows'
+        prompts but their last token, already prefilled (``prefix.shared_prefill``)."""
         greedy = sampling.temperature <= 0
         kwargs: dict[str, Any] = dict(max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
                                       pad_token_id=self.tokenizer.pad_token_id)
+        if cache is not None:
+            kwargs["past_key_values"] = cache
         if greedy:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         else:

@@ -100,11 +100,43 @@ def batched_completion_entropies(model, pairs: Sequence[tuple[Sequence[int], Seq
     in batches of at most ``max_batch_tokens`` padded tokens (longest first, right-padded, attention-masked): one
     forward pass per batch instead of one per completion, and every temperature from the same logits.
 
-    Only the completion positions go through the LM head, ``chunk`` at a time (a [chunk, V] fp32 block)."""
+    Completions of one prompt (eval.n samples of a problem) share it: the prompt runs once and its keys and
+    values serve them all (``prefix.shared_prompt_hidden``). Only the completion positions go through the LM head,
+    ``chunk`` at a time (a [chunk, V] fp32 block)."""
+    from es_ray.eval.prefix import prompt_groups, shared_prompt_hidden, valid_rows
+
     out: list[np.ndarray | None] = [None] * len(pairs)
     device = next(model.parameters()).device
     head = model.get_output_embeddings()
-    order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
+
+    def scores(h: torch.Tensor) -> torch.Tensor:
+        """[N, H] hidden states -> [N, len(temperatures)] entropies, the LM head ``chunk`` rows at a time."""
+        cols = [torch.stack([entropy_from_logits(z, t) for t in temperatures], dim=-1)
+                for z in (head(h[k : k + chunk]).float() for k in range(0, h.shape[0], chunk))]
+        return torch.cat(cols) if cols else torch.zeros((0, len(temperatures)))
+
+    single = []
+    for group in prompt_groups([tuple(p) for p, _ in pairs]):
+        if len(group) == 1 or not pairs[group[0]][0]:
+            single += group
+            continue
+        prompt = pairs[group[0]][0]
+        group = sorted(group, key=lambda i: -len(pairs[i][1]))
+        start = 0
+        while start < len(group):
+            rows = max(1, max_batch_tokens // max(1, len(pairs[group[start]][1])))
+            batch = group[start : start + rows]
+            start += len(batch)
+            lengths = [len(pairs[i][1]) for i in batch]
+            if not max(lengths):
+                for i in batch:
+                    out[i] = np.zeros((0, len(temperatures)))
+                continue
+            h = scores(valid_rows(shared_prompt_hidden(model.base_model, prompt, [pairs[i][1] for i in batch]),
+                                  lengths)).cpu().numpy()
+            for i, piece in zip(batch, np.split(h, np.cumsum(lengths)[:-1])):
+                out[i] = piece
+    order = sorted(single, key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
     start = 0
     while start < len(order):
         width = len(pairs[order[start]][0]) + len(pairs[order[start]][1])
@@ -118,14 +150,13 @@ def batched_completion_entropies(model, pairs: Sequence[tuple[Sequence[int], Seq
             ids[b, : len(seq)] = torch.tensor(seq, device=device)
             attn[b, : len(seq)] = 1
         hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
-        for b, i in enumerate(batch):
-            p, c = len(pairs[i][0]), len(pairs[i][1])
-            h = hidden[b, p - 1 : p + c - 1]  # position j predicts token j + 1: the completion's L tokens
-            cols = []
-            for k in range(0, c, chunk):
-                z = head(h[k : k + chunk]).float()
-                cols.append(torch.stack([entropy_from_logits(z, t) for t in temperatures], dim=-1))
-            out[i] = (torch.cat(cols) if cols else torch.zeros((0, len(temperatures)))).cpu().numpy()
+        # position j predicts token j + 1: each row's completion tokens, all rows through the head together
+        lengths = [len(pairs[i][1]) for i in batch]
+        h = torch.cat([hidden[b, len(pairs[i][0]) - 1 : len(pairs[i][0]) + c - 1]
+                       for b, (i, c) in enumerate(zip(batch, lengths))])
+        h = scores(h).cpu().numpy()
+        for i, piece in zip(batch, np.split(h, np.cumsum(lengths)[:-1])):
+            out[i] = piece
     return out
 
 
