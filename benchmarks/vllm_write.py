@@ -71,16 +71,6 @@ def timed_write(times: dict, seen: dict):
     return write
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="", help="model.path (empty: the embedded SmolLM2-135M)")
@@ -93,6 +83,11 @@ def main() -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import population
+    from engines import _median_time
+
+    def median_time(fn, repeats: int) -> float:
+        fn()  # warm-up
+        return _median_time(fn, repeats)
 
     from es_ray.engines import vllm_extension as vx
     from es_ray.worker import ESWorker
@@ -100,7 +95,7 @@ def main() -> None:
     times: dict[str, list[float]] = collections.defaultdict(list)
     seen: dict = {}
     vx.ESExtension._es_write = timed_write(times, seen)
-    settings = argparse.Namespace(model=args.model, members=args.writes, prompts=16, max_new_tokens=4,
+    settings = argparse.Namespace(model=args.model, members=max(2, args.writes), prompts=16, max_new_tokens=4,
                                   threads=args.threads, rank=8, repeats=1, vllm_compiled=False)
     worker = ESWorker(population.build_config(settings, "vllm", "full"))
     times.clear()  # the setup's own write

@@ -109,11 +109,14 @@ def batched_completion_entropies(model, pairs: Sequence[tuple[Sequence[int], Seq
     device = next(model.parameters()).device
     head = model.get_output_embeddings()
 
-    def scores(h: torch.Tensor) -> torch.Tensor:
-        """[N, H] hidden states -> [N, len(temperatures)] entropies, the LM head ``chunk`` rows at a time."""
+    def store(batch: list[int], h: torch.Tensor) -> None:
+        """[N, H] hidden states predicting the completion tokens of ``batch``'s rows, in order -> each row's
+        [L_i, len(temperatures)] entropies in ``out``, the LM head ``chunk`` rows at a time."""
         cols = [torch.stack([entropy_from_logits(z, t) for t in temperatures], dim=-1)
                 for z in (head(h[k : k + chunk]).float() for k in range(0, h.shape[0], chunk))]
-        return torch.cat(cols) if cols else torch.zeros((0, len(temperatures)))
+        scores = (torch.cat(cols) if cols else torch.zeros((0, len(temperatures)))).cpu().numpy()
+        for i, piece in zip(batch, np.split(scores, np.cumsum([len(pairs[i][1]) for i in batch])[:-1])):
+            out[i] = piece
 
     single = []
     for group in prompt_groups([tuple(p) for p, _ in pairs]):
@@ -127,15 +130,9 @@ def batched_completion_entropies(model, pairs: Sequence[tuple[Sequence[int], Seq
             rows = max(1, max_batch_tokens // max(1, len(pairs[group[start]][1])))
             batch = group[start : start + rows]
             start += len(batch)
-            lengths = [len(pairs[i][1]) for i in batch]
-            if not max(lengths):
-                for i in batch:
-                    out[i] = np.zeros((0, len(temperatures)))
-                continue
-            h = scores(valid_rows(shared_prompt_hidden(model.base_model, prompt, [pairs[i][1] for i in batch]),
-                                  lengths)).cpu().numpy()
-            for i, piece in zip(batch, np.split(h, np.cumsum(lengths)[:-1])):
-                out[i] = piece
+            completions = [pairs[i][1] for i in batch]
+            store(batch, valid_rows(shared_prompt_hidden(model.base_model, prompt, completions),
+                                    [len(c) for c in completions]))
     order = sorted(single, key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
     start = 0
     while start < len(order):
@@ -151,12 +148,8 @@ def batched_completion_entropies(model, pairs: Sequence[tuple[Sequence[int], Seq
             attn[b, : len(seq)] = 1
         hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
         # position j predicts token j + 1: each row's completion tokens, all rows through the head together
-        lengths = [len(pairs[i][1]) for i in batch]
-        h = torch.cat([hidden[b, len(pairs[i][0]) - 1 : len(pairs[i][0]) + c - 1]
-                       for b, (i, c) in enumerate(zip(batch, lengths))])
-        h = scores(h).cpu().numpy()
-        for i, piece in zip(batch, np.split(h, np.cumsum(lengths)[:-1])):
-            out[i] = piece
+        store(batch, torch.cat([hidden[b, len(p) - 1 : len(p) + len(c) - 1]
+                                for b, (p, c) in enumerate(pairs[i] for i in batch)]))
     return out
 
 
