@@ -1,24 +1,24 @@
-"""GPU smoke test of the ES replica at the paper's scale, with torch and transformers only (no vLLM, no Ray).
+"""The one device check for a GPU machine with torch and transformers only (no vLLM, no Ray, nothing downloaded).
 
-    python scripts/gpu_smoke.py                     # a Llama-3.1-8B-shaped model, bf16, CUDA: ~2-4 min on one H200
-    python scripts/gpu_smoke.py --tiny --device cpu # the same checks on a small config (CI, seconds)
+    python scripts/gpu_smoke.py                      # Qwen2-shaped 0.5B and 1.5B, bf16, CUDA: a few minutes on an H200
+    python scripts/gpu_smoke.py --tiny --device cpu  # the same code on a tiny Qwen2-shaped model (CI, seconds)
 
-Builds a randomly initialised Llama-shaped model (on the meta device, then ``to_empty`` and seeded randn in
-chunks: no init kernels, no 32 GB fp32 copy), puts an ES replica (``es_ray.replica.Replica``, a write/read pair
-over ``named_parameters``) beside it, and checks, exiting 1 if any fails:
+For each model, randomly initialised (seeded, std 0.02, norms 1) and saved with a byte-level tokenizer built here:
 
-* memory: the plan (``es_ray.memory_plan``: engine weights + the replica's ES part) against
-  ``torch.cuda.max_memory_allocated()`` after setup and after an Adam update; the plan must not be exceeded;
-* exact restore: after perturb -> restore every engine tensor equals cast(master) bit for bit;
-* the Adam update: realised in the engine (cos(realised, intended) > 0.9), optimizer state fp32 on the device;
-* a state_dict round trip: ``torch.save`` to a temporary directory, ``torch.load(map_location="cpu")``,
-  ``load_state_dict`` into the replica: master and Adam moments back on the device in fp32, equal to what was saved
-  (at 8B on a subset of tensors, ``--roundtrip-trainable``: the whole state would be 96 GB on disk);
-* noise: a per-tensor randn checksum per tensor, printed with the GPU's name and SM count (CUDA's generator sizes
-  its launch grid from the SM count, so the numbers are per GPU model); where es_ray.noise has ``counter``, counter
-  noise on the device must equal the same noise drawn on the CPU bit for bit.
+* engine: a real forward (teacher-forced log-probs, finite) and a greedy generation through the transformers engine
+  (``es_ray.engines.hf.HFEngine``) on the device;
+* ES full rank through the engine's replica host: perturb changes the weights and the greedy output, restore gives
+  cast(master) back bit for bit and the base model's greedy output, an Adam update is realised (cos > 0.9); the
+  replica's measured peak memory beside the engine against the memory plan's ES part (``es_ray.memory_plan``);
+* low rank: every member's greedy completions from one batched generation equal that member generated alone;
+* counter noise: the device's equals the CPU's bit for bit at odd element offsets and odd row slices;
+* GRPO: a 2-step grpo.dtype=bf16_mixed learner (``grpo.learner.GRPOLearner``), its measured peak memory against the
+  plan's learner part;
+* timings: an ES iteration (full rank: perturb, generate, restore per member, then the update; low rank: one batched
+  generation, then the update) against bare batched generation of the same rows.
 
-The last line of the output is one JSON object with every figure (``ok`` says whether every check passed).
+Peak memory is CUDA's ``max_memory_allocated`` (n/a on CPU). The last line of the output is one JSON object with
+every figure; ``ok`` says whether every check passed (exit status 1 if not).
 """
 
 from __future__ import annotations
@@ -36,250 +36,336 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a bare checkout (no install)
 
-from es_ray.memory_plan import GiB, LLAMA_3_1_8B, ModelShape, Settings, plan_es  # noqa: E402
-from es_ray.noise import NOISE_KINDS, NoiseSource  # noqa: E402
-from es_ray.replica import Replica, ReplicaSpec, mismatches, tensor_checksum  # noqa: E402
+from es_ray.core.config import EngineConfig, ModelConfig, SamplingConfig  # noqa: E402
+from es_ray.memory_plan import GiB, PRESETS, ModelShape, Settings, plan_es, plan_grpo  # noqa: E402
+from es_ray.noise import NoiseSource, counter_noise, derive_seed  # noqa: E402
+from es_ray.replica import ReplicaSpec  # noqa: E402
 from es_ray.strategy import ask, shape_fitness  # noqa: E402
 
-TINY = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32, intermediate_size=256, vocab_size=1024, tie_word_embeddings=False, max_position_embeddings=512)
+QWEN_0_5B = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                 max_position_embeddings=32768)
+"""Qwen2.5-0.5B-Instruct's config.json numbers."""
+MODELS = {"qwen2.5-0.5b-shaped": QWEN_0_5B, "qwen2.5-1.5b-shaped": PRESETS["qwen2.5-1.5b"]}
+TINY = {"tiny-qwen2": dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
+                           max_position_embeddings=512)}
 FILL_CHUNK = 1 << 26
 """Elements per randn draw while filling the weights (a 256 MB fp32 temporary at most)."""
-NOISE_TENSORS = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                 "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight",
-                 "model.layers.0.input_layernorm.weight")
-"""The tensors whose per_tensor noise is checksummed; the last three (8.4M elements at 8B) are also drawn as counter
-noise on the device and on the CPU, whose draw takes about a microsecond per element on one core."""
+EMBED_STD = 0.002
+"""The embeddings' std: with the layers' 0.02, the residual stream is the layers' output rather than the input
+token's embedding, so a tied LM head does not just repeat the last token, and the greedy output depends on the
+weights (which the perturbation and low-rank checks need)."""
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+PROMPTS = ("What is 17 + 25? Answer:", "Name a prime number larger than 100.", "Sort the letters of 'smoke'.",
+           "2, 4, 8, 16, next:", "Translate 'cat' to French:", "Q: Is 91 prime?\nA:", "def add(a, b):",
+           "The capital of France is")
 
 
-def build_model(fields: dict, device: torch.device, seed: int) -> torch.nn.Module:
-    """Random bf16 weights, std 0.02, each tensor from its own seeded generator (the same model on every run)."""
+def byte_tokenizer(vocab_size: int, out: Path) -> int:
+    """A byte-level tokenizer (every byte one token, no merges), the special tokens, and unused filler tokens up to
+    the model's vocabulary (so every id the model can emit decodes), saved into ``out``; returns the end token's id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for tok in SPECIALS:
+        vocab[tok] = len(vocab)
+    for i in range(len(vocab), vocab_size):
+        vocab[f"<unused{i}>"] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIALS))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[0])
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.save_pretrained(out)
+    return vocab[SPECIALS[0]]
+
+
+def build_model_dir(fields: dict, device: torch.device, seed: int, out: Path) -> None:
+    """Random bf16 weights, std 0.02 (norm weights 1), each tensor from its own seeded generator (the same model on
+    every run), built on ``device`` without init kernels and saved as safetensors with ``byte_tokenizer``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(**{k: v for k, v in fields.items() if k != "hub"})
+    eos = byte_tokenizer(fields["vocab_size"], out)
+    cfg = AutoConfig.for_model(**fields, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
-    model.to_empty(device=device)  # uninitialised; rotary buffers too, which nothing here uses (no forward pass)
+    model.to_empty(device=device)
+    model.tie_weights()
     gen = torch.Generator(device=device)
     with torch.no_grad():
-        for i, (_, p) in enumerate(sorted(model.named_parameters())):
+        for i, (name, p) in enumerate(sorted(model.named_parameters())):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
             gen.manual_seed(seed * 1_000_003 + i)
+            std = EMBED_STD if "embed_tokens" in name or "lm_head" in name else 0.02
             flat = p.view(-1)
             for a in range(0, flat.numel(), FILL_CHUNK):
                 part = flat[a : a + FILL_CHUNK]
-                part.copy_(torch.randn(part.shape, generator=gen, device=device).mul_(0.02))
-    return model
+                part.copy_(torch.randn(part.shape, generator=gen, device=device).mul_(std))
+    model.save_pretrained(out, safe_serialization=True)
+    del model
 
 
 def spec(**changes) -> ReplicaSpec:
     base = dict(run_seed=0, noise="per_tensor", noise_table_size=1 << 20, noise_scope="per_tensor", trainable="",
-                optimizer="adam", lr=1e-3,
-                adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0, anchor_decay=0.0,
-                perturbation="full", rank=8)
+                optimizer="adam", lr=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0,
+                anchor_decay=0.0, perturbation="full", rank=4)
     return ReplicaSpec(**{**base, **changes})
-
-
-def bit_mismatches(replica: Replica, read) -> int:
-    """Elements where the engine's bits differ from cast(master)'s (compared as integers: -0.0 != 0.0 here)."""
-    bad = 0
-    for name in replica.names:
-        held = read(name)
-        cast = replica.master[name].to(held.dtype)
-        ints = torch.int16 if held.element_size() == 2 else torch.int32
-        bad += int((cast.view(ints) != held.view(ints)).sum())
-    return bad
 
 
 class Smoke:
     def __init__(self, device: torch.device):
         self.device = device
-        self.figures: dict = {"checks": {}}
+        self.checks: dict[str, bool] = {}
 
-    def check(self, name: str, ok: bool, detail: str = "") -> None:
-        self.figures["checks"][name] = bool(ok)
+    def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        self.checks[name] = bool(ok)
         print(f"{'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+        return bool(ok)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
 
-    def peak(self) -> int | None:
-        return torch.cuda.max_memory_allocated() if self.device.type == "cuda" else None
+    def timed(self, fn):
+        self.sync()
+        t0 = time.perf_counter()
+        out = fn()
+        self.sync()
+        return out, time.perf_counter() - t0
 
-    def reset_peak(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+    def start_peak(self) -> int | None:
+        """Resets CUDA's peak counter; returns what is allocated now (the base the next peak is measured from)."""
+        if self.device.type != "cuda":
+            return None
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
 
+    def peak_since(self, base: int | None) -> int | None:
+        return None if base is None else torch.cuda.max_memory_allocated(self.device) - base
 
-def memory_figures(smoke: Smoke, plan, stage: str, items: tuple[str, ...]) -> None:
-    """Planned bytes for the engine weights and the replica lines ``items`` (no vLLM here: its other lines are left
-    out) against torch's peak allocation; the plan must hold the measurement."""
-    planned = sum(line.nbytes for line in plan.lines if line.item in items)
-    measured = smoke.peak()
-    smoke.figures[f"plan_{stage}_bytes"] = planned
-    smoke.figures[f"measured_{stage}_bytes"] = measured
-    print(f"memory after {stage}: planned {planned / GiB:.2f} GiB ({', '.join(items)}), "
-          f"max_memory_allocated {'n/a (cpu)' if measured is None else f'{measured / GiB:.2f} GiB'}")
-    if measured is not None:
-        smoke.check(f"memory_{stage}_within_plan", measured <= planned,
-                    f"{measured / GiB:.2f} <= {planned / GiB:.2f} GiB")
-
-
-def noise_figures(smoke: Smoke, shapes: dict[str, tuple[int, ...]]) -> None:
-    source = NoiseSource(7, "per_tensor", device=smoke.device)
-    smoke.figures["randn_checksums"] = {name: tensor_checksum(source.noise(0, 0, name, torch.Size(shapes[name])))
-                                        for name in NOISE_TENSORS}
-    print("per_tensor randn checksums:", json.dumps(smoke.figures["randn_checksums"]))
-    if "counter" not in NOISE_KINDS:
-        smoke.figures["counter"] = None
-        print("es.noise=counter not in es_ray.noise.NOISE_KINDS: counter comparison skipped")
-        return
-    here, cpu = NoiseSource(7, "counter", device=smoke.device), NoiseSource(7, "counter", device="cpu")
-    result = {}
-    for name in NOISE_TENSORS[2:]:
-        a, b = here.noise(0, 0, name, torch.Size(shapes[name])).cpu(), cpu.noise(0, 0, name, torch.Size(shapes[name]))
-        result[name] = {"bit_exact": torch.equal(a.view(torch.int32), b.view(torch.int32)),
-                        "max_abs_diff": float((a - b).abs().max()) if a.numel() else 0.0,
-                        "checksum": tensor_checksum(a)}
-    smoke.figures["counter"] = result
-    smoke.check("counter_noise_device_equals_cpu", all(r["bit_exact"] for r in result.values()),
-                f"{smoke.device.type} vs cpu on {len(result)} tensors")
+    def memory(self, key: str, name: str, measured: int | None, planned: int, fig: dict) -> None:
+        fig.update({f"{name}_planned_bytes": planned, f"{name}_measured_bytes": measured})
+        if measured is None:
+            print(f"memory {key}/{name}: planned {planned / GiB:.3f} GiB, measured n/a ({self.device.type})")
+        else:
+            self.check(f"{key}/{name}_memory_within_plan", measured <= planned,
+                       f"measured {measured / GiB:.3f} <= planned {planned / GiB:.3f} GiB "
+                       f"({measured / max(planned, 1):.2f} of the plan)")
 
 
-def run(args: argparse.Namespace) -> dict:
-    device = torch.device(args.device)
-    smoke = Smoke(device)
-    fields = TINY if args.tiny else LLAMA_3_1_8B
-    shape = ModelShape.from_hf_config(fields, name="tiny-llama" if args.tiny else "llama3.1-8b-shaped")
-    fig, timings = smoke.figures, {}
-    fig.update(model=shape.name, parameters=shape.parameters(), device=str(device), torch=torch.__version__,
-               cuda=torch.version.cuda)
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        fig.update(gpu=props.name, sm_count=props.multi_processor_count, gpu_total_bytes=props.total_memory)
-    else:
-        fig.update(gpu=None, sm_count=None, cpu=platform.processor() or platform.machine())
-    print(f"{shape.name}: {shape.parameters():,} parameters on {fig.get('gpu') or device} "
-          f"(SMs {fig.get('sm_count')}), torch {torch.__version__}", flush=True)
+def ids(completions) -> list[tuple[int, ...]]:
+    return [tuple(c.token_ids) for c in completions]
 
-    plan = plan_es(shape, Settings(optimizer="adam", noise="per_tensor", trainable=args.trainable))
-    print(plan.markdown(), flush=True)
-    fig["plan"] = {line.item: line.nbytes for line in plan.lines}
 
-    t0 = time.perf_counter()
-    model = build_model(fields, device, args.seed)
-    params = dict(model.named_parameters())
-    smoke.check("tensors_equal_plan", {n: tuple(p.shape) for n, p in params.items()} == shape.tensors())
+def check_engine(smoke: Smoke, engine, prompts: list[str], greedy: SamplingConfig, key: str, fig: dict) -> list:
+    prompt_ids = engine.tokenizer(prompts[0], add_special_tokens=False)["input_ids"]
+    completion_ids = engine.tokenizer(" 42", add_special_tokens=False)["input_ids"]
+    logprobs = engine.token_logprobs(prompt_ids, completion_ids)
+    smoke.check(f"{key}/forward_finite", len(logprobs) == len(completion_ids) and all(
+        lp == lp and lp <= 0 and lp > -1e4 for lp in logprobs), f"log-probs {[round(x, 3) for x in logprobs]}")
+    base, seconds = smoke.timed(lambda: engine.generate(prompts, greedy, seed=0))
+    tokens = sum(c.num_tokens for c in base)
+    fig["generate"] = {"rows": len(prompts), "tokens": tokens, "seconds": round(seconds, 3)}
+    smoke.check(f"{key}/generation", tokens > 0 and all(c.num_tokens > 0 for c in base),
+                f"{tokens} tokens for {len(prompts)} prompts in {seconds:.2f} s")
+    return base
 
-    @torch.no_grad()
-    def write(named):
-        for name, t in named:
-            params[name].copy_(t)
 
-    def read(name):
-        return params[name].detach()
-
-    smoke.sync()
-    timings["build_s"] = time.perf_counter() - t0
-    smoke.reset_peak()  # from here: the engine's weights (held) plus what the replica allocates
-
-    t0 = time.perf_counter()
-    replica = Replica(params.items(), spec(trainable=args.trainable), write, read, device)
-    smoke.sync()
-    timings["replica_s"] = time.perf_counter() - t0
-    memory_figures(smoke, plan, "setup", ("engine weights", "fp32 master", "_buf", "_nbuf", "allocator slack"))
-
-    t0 = time.perf_counter()
-    replica.perturb(0, 0, 1, args.sigma)
-    changed = sum(mismatches(replica.master[n], read(n)) for n in replica.names)
-    replica.restore()
-    smoke.sync()
-    timings["perturb_restore_s"] = time.perf_counter() - t0
-    bad = bit_mismatches(replica, read)
-    fig.update(perturb_changed_elements=changed, restore_bit_mismatches=bad)
-    smoke.check("perturb_changes_the_engine", changed > 0, f"{changed:,} elements")
-    smoke.check("restore_is_bit_exact", bad == 0, f"{bad} elements differ from cast(master)")
-
+def check_full_rank(smoke: Smoke, engine, shape: ModelShape, prompts, greedy, base, args, key: str, fig: dict):
+    host = engine.replica_host()
+    plan = plan_es(shape, Settings(engine_dtype_bytes=engine.dtype.itemsize, optimizer="adam", noise="per_tensor"))
     members = ask(args.population)
     fitness = shape_fitness([float(i % 3) for i in range(args.population)])
-    smoke.reset_peak()
-    t0 = time.perf_counter()
-    stats = replica.update(0, members, fitness, args.sigma)  # raises if the engine does not hold cast(master)
-    smoke.sync()
-    timings["update_s"] = time.perf_counter() - t0
-    fig["update"] = stats
-    memory_figures(smoke, plan, "update", ("engine weights", "fp32 master", "_buf", "_nbuf", "Adam moments",
-                                            "step temporary", "update chunks", "allocator slack"))
+    mem_base = smoke.start_peak()  # the replica's own memory: setup, a perturb/restore and an Adam update, no generation
+    host.setup(spec())
+    host.perturb(0, 0, 1, args.sigma)
+    host.restore()
+    stats = host.update(0, members, fitness, args.sigma)
+    smoke.memory(key, "es_replica", smoke.peak_since(mem_base), plan.part("es"), fig)
+    updated = engine.generate(prompts, greedy, seed=0)
+    host.perturb(1, 0, 1, args.sigma)
+    changed = sum(host.replica.engine_mismatches().values())
+    perturbed = engine.generate(prompts, greedy, seed=0)
+    host.restore()
+    bad = host.replica.engine_mismatches()
+    restored = engine.generate(prompts, greedy, seed=0)
+    fig.update(perturb_changed_elements=changed, restore_bit_mismatches=sum(bad.values()), update=stats)
+    smoke.check(f"{key}/perturb_changes_weights_and_output", changed > 0 and ids(perturbed) != ids(updated),
+                f"{changed:,} elements differ from cast(master)")
+    same = ids(restored) == ids(updated)
+    smoke.check(f"{key}/restore_bit_exact", not any(bad.values()) and same,
+                f"{sum(bad.values())} elements differ; greedy output {'equals' if same else 'differs from'} the "
+                "output before the perturbation")
+    smoke.check(f"{key}/update_changes_output", ids(updated) != ids(base))
     cos = stats["realised_cos"]
-    smoke.check("adam_update_is_realised", cos is not None and cos > 0.9 and stats["update_norm"] > 0,
+    smoke.check(f"{key}/adam_update_realised", cos is not None and cos > 0.9 and stats["update_norm"] > 0,
                 f"update_norm {stats['update_norm']:.4g}, realised_cos {cos}")
-    moments = [t for st in replica.opt.state.values() for t in st.values()]
-    smoke.check("adam_state_fp32_on_device", len(replica.opt.state) == len(replica.names) and all(
-        t.device.type == device.type and t.dtype == torch.float32 for t in moments))
 
-    del replica, moments
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    def iteration():
+        for m in members:
+            host.perturb(1, m.noise_id, m.sign, args.sigma)
+            engine.generate(prompts, greedy, seed=0)
+            host.restore()
+        host.update(1, members, fitness, args.sigma)
 
-    t0 = time.perf_counter()
-    roundtrip(smoke, params, write, read, args)
-    timings["roundtrip_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    noise_figures(smoke, shape.tensors())
-    timings["noise_s"] = time.perf_counter() - t0
-    fig["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
-    fig["ok"] = all(fig["checks"].values())
-    return fig
+    _, fig["es_iteration_s"] = smoke.timed(iteration)
+    _, fig["bare_batched_generation_s"] = smoke.timed(lambda: engine.generate(prompts * len(members), greedy, seed=0))
 
 
-def roundtrip(smoke: Smoke, params: dict, write, read, args: argparse.Namespace) -> None:
-    """Update (so Adam has state), save, change the state by another update, load the saved one back: it must land
-    on the device in fp32 and equal what was saved, and the engine must hold cast(master) again."""
+def check_lowrank(smoke: Smoke, engine, prompts, greedy, args, key: str, fig: dict) -> None:
+    host = engine.replica_host()
+    host.setup(spec(perturbation="lowrank", rank=args.rank))
+    members = ask(args.population)
+    together, fig["es_lowrank_generation_s"] = smoke.timed(
+        lambda: host.generate_members(0, members, args.sigma, prompts, greedy, seed=0))
+    alone = [host.generate_members(0, [m], args.sigma, prompts, greedy, seed=0)[0] for m in members]
+    differ = [m.index for m, a, b in zip(members, together, alone) if ids(a) != ids(b)]
+    fig["lowrank_members_differing_alone"] = differ
+    smoke.check(f"{key}/lowrank_batched_equals_alone", not differ and len({tuple(ids(c)) for c in together}) > 1,
+                f"{len(members)} members x {len(prompts)} prompts, rank {args.rank}; differing: {differ}")
+    fitness = shape_fitness([float(i % 3) for i in range(args.population)])
+    _, update_s = smoke.timed(lambda: host.update(0, members, fitness, args.sigma))
+    fig["es_lowrank_iteration_s"] = fig["es_lowrank_generation_s"] + update_s
+
+
+def check_counter_noise(smoke: Smoke, shape: ModelShape, key: str, fig: dict) -> None:
+    """The device's counter noise equals the CPU's bit for bit: a row slice at odd rows of the largest MLP weight
+    (``noise_slice``), and a run starting at an odd element offset of odd length (``counter_noise``). On a CPU the
+    "device" draws in odd-sized chunks, so the slicing and chunk seams are what is compared."""
     device = smoke.device
-    trainable = "" if args.tiny else args.roundtrip_trainable
-    replica = Replica(params.items(), spec(trainable=trainable), write, read, device)
-    members, fitness = ask(args.population), shape_fitness([float(i) for i in range(args.population)])
-    replica.update(1, members, fitness, args.sigma)
-    saved_checksum = replica.checksum()
-    with tempfile.TemporaryDirectory(prefix="gpu_smoke_") as tmp:
-        path = Path(tmp) / "replica.pt"
-        torch.save(replica.state_dict(), path)
-        size = path.stat().st_size
-        loaded = torch.load(path, map_location="cpu", weights_only=False)
-    replica.update(2, members, fitness, args.sigma)
-    moved = replica.checksum() != saved_checksum
-    replica.load_state_dict(loaded)
-    tensors = [*replica.master.values(), *(t for st in replica.opt.state.values() for t in st.values())]
-    equal = replica.checksum() == saved_checksum and replica.opt.t == loaded["optimizer"]["t"] and all(
-        torch.equal(t.cpu(), loaded["optimizer"]["state"][n][k]) for n, st in replica.opt.state.items()
-        for k, t in st.items())
-    smoke.figures["roundtrip"] = {"trainable": trainable, "tensors": len(replica.names), "file_bytes": size,
-                                  "state_changed_before_load": moved}
-    smoke.check("roundtrip_restores_state", moved and equal, f"{len(replica.names)} tensors, {size / GiB:.2f} GiB file")
-    smoke.check("roundtrip_lands_on_device_fp32", all(t.device.type == device.type and t.dtype == torch.float32
-                                                      for t in tensors))
-    smoke.check("roundtrip_engine_holds_master", bit_mismatches(replica, read) == 0)
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensor = torch.Size(shape.tensors()[name])
+    rows = slice(1, max(2, tensor[0] - 2) | 1)
+    chunk = 4099 if device.type == "cpu" else None
+    here = NoiseSource(7, "counter", device=str(device), chunk=chunk).noise_slice(3, 5, name, tensor, rows).cpu()
+    cpu = NoiseSource(7, "counter", device="cpu").noise(3, 5, name, tensor)[rows]
+    start, numel = 8 * 12_345 + 3, 1_000_003 if device.type == "cuda" else 100_003
+    seed = derive_seed(7, 3, 5, name)
+    a = counter_noise(seed, start, torch.empty(numel, device=device), chunk).cpu()
+    b = counter_noise(seed, start, torch.empty(numel))
+    same = [torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in ((here, cpu), (a, b))]
+    fig["counter_noise"] = {"rows": [rows.start, rows.stop], "start": start, "numel": numel, "bit_exact": same}
+    smoke.check(f"{key}/counter_noise_device_equals_cpu", all(same),
+                f"{device.type} vs cpu: rows [{rows.start}, {rows.stop}) of {name} {tuple(tensor)}, "
+                f"{numel} elements from offset {start}")
+
+
+def check_grpo(smoke: Smoke, model_dir: Path, shape: ModelShape, args, key: str, fig: dict) -> None:
+    """Two bf16_mixed GRPO steps on random token sequences: loss finite, weights moved, peak memory in the plan."""
+    from grpo.config import GRPOConfig, GRPOEngineConfig, GRPOSamplingConfig, GRPOTrainConfig
+    from grpo.learner import GRPOLearner
+
+    mb, prompt_len, completion_len = args.grpo_micro_batch, args.grpo_prompt_tokens, args.grpo_completion_tokens
+    g = GRPOConfig(dtype="bf16_mixed", micro_batch_size=mb, gradient_checkpointing=True, lr=1e-4)
+    cfg = GRPOTrainConfig(model=ModelConfig(path=str(model_dir)), grpo=g,
+                          sampling=GRPOSamplingConfig(max_new_tokens=completion_len, temperature=1.0),
+                          engine=GRPOEngineConfig(device=smoke.device.type, threads=torch.get_num_threads()))
+    plan = plan_grpo(shape, Settings(learner="bf16_mixed", micro_batch_size=mb, gradient_checkpointing=True,
+                                     tokens_per_sequence=prompt_len + completion_len, completion_tokens=completion_len,
+                                     logit_chunk_tokens=g.logit_chunk_tokens))
+    gen = torch.Generator().manual_seed(1)
+    samples = [{"prompt_ids": torch.randint(0, 256, (prompt_len,), generator=gen).tolist(),
+                "completion_ids": torch.randint(0, 256, (completion_len,), generator=gen).tolist()}
+               for _ in range(2 * mb)]
+    advantages = [1.0 if i % 2 else -1.0 for i in range(len(samples))]
+    mem_base = smoke.start_peak()
+    learner = GRPOLearner(cfg)
+    before = learner.model.get_input_embeddings().weight.detach().clone()
+    steps, seconds = smoke.timed(lambda: [learner.train_step(samples, advantages) for _ in range(2)])
+    measured = smoke.peak_since(mem_base)
+    moved = not torch.equal(before, learner.model.get_input_embeddings().weight.detach())
+    fig["grpo"] = {"loss": [s["grpo/loss"] for s in steps], "grad_norm": [s["grpo/grad_norm"] for s in steps],
+                   "sequences": len(samples), "tokens_per_sequence": prompt_len + completion_len,
+                   "seconds": round(seconds, 3)}
+    smoke.check(f"{key}/grpo_bf16_mixed_two_steps", moved and all(
+        s["grpo/loss"] == s["grpo/loss"] and s["grpo/grad_norm"] > 0 for s in steps),
+        f"losses {[round(s['grpo/loss'], 4) for s in steps]}, weights moved: {moved}")
+    smoke.memory(key, "grpo_learner", measured, plan.part("learner"), fig)
+    del learner, before
+
+
+def run_model(smoke: Smoke, name: str, fields: dict, args, workdir: Path) -> dict:
+    from es_ray.engines.hf import HFEngine
+
+    device, key = smoke.device, name
+    shape = ModelShape.from_hf_config(fields, name=name)
+    fig: dict = {"parameters": shape.parameters()}
+    print(f"== {name}: {shape.parameters():,} parameters on {device}", flush=True)
+    model_dir = workdir / name
+    _, fig["build_s"] = smoke.timed(lambda: build_model_dir(fields, device, args.seed, model_dir))
+    engine_cfg = EngineConfig(name="hf", device=device.type, batch_size=len(PROMPTS) * args.population,
+                              threads=torch.get_num_threads())
+    engine, fig["load_s"] = smoke.timed(lambda: HFEngine(str(model_dir), engine_cfg))
+    prompts = list(PROMPTS[: args.prompts])
+    greedy = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    base = check_engine(smoke, engine, prompts, greedy, key, fig)
+    check_full_rank(smoke, engine, shape, prompts, greedy, base, args, key, fig)
+    check_lowrank(smoke, engine, prompts, greedy, args, key, fig)
+    engine.close()
+    del engine
+    check_counter_noise(smoke, shape, key, fig)
+    check_grpo(smoke, model_dir, shape, args, key, fig)
+    fig["es_iteration_over_bare_generation"] = round(fig["es_iteration_s"] / fig["bare_batched_generation_s"], 3)
+    fig["es_lowrank_iteration_over_bare_generation"] = round(
+        fig["es_lowrank_iteration_s"] / fig["bare_batched_generation_s"], 3)
+    for k in ("es_iteration_s", "bare_batched_generation_s", "es_lowrank_generation_s", "es_lowrank_iteration_s",
+              "build_s", "load_s"):
+        fig[k] = round(fig[k], 3)
+    print(f"timings {name}: ES iteration {fig['es_iteration_s']} s (full rank), {fig['es_lowrank_iteration_s']} s "
+          f"(low rank), bare batched generation of the same rows {fig['bare_batched_generation_s']} s", flush=True)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="a small Llama config instead of Llama-3.1-8B's")
+    ap.add_argument("--tiny", action="store_true", help="one tiny Qwen2-shaped model instead of 0.5B and 1.5B")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--population", type=int, default=4)
-    ap.add_argument("--sigma", type=float, default=1e-3)
-    ap.add_argument("--trainable", default="", help="model.trainable of the main replica (empty: every tensor)")
-    ap.add_argument("--roundtrip-trainable", default=r"model\.layers\.0\.",
-                    help="model.trainable of the save/load round trip at full size (--tiny: every tensor)")
+    ap.add_argument("--prompts", type=int, default=4, help=f"prompts per member (at most {len(PROMPTS)})")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="greedy tokens per prompt (32; --tiny: 8)")
+    ap.add_argument("--sigma", type=float, default=1e-2)
+    ap.add_argument("--rank", type=int, default=4, help="es.rank of the low-rank check")
+    ap.add_argument("--grpo-micro-batch", type=int, default=None, help="GRPO micro-batch (4; --tiny: 2)")
+    ap.add_argument("--grpo-prompt-tokens", type=int, default=None, help="(64; --tiny: 8)")
+    ap.add_argument("--grpo-completion-tokens", type=int, default=None, help="(192; --tiny: 8)")
     args = ap.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("no CUDA device: run with --device cpu (and --tiny)", file=sys.stderr)
+    for field, full, tiny in (("max_new_tokens", 32, 8), ("grpo_micro_batch", 4, 2), ("grpo_prompt_tokens", 64, 8),
+                              ("grpo_completion_tokens", 192, 8)):
+        if getattr(args, field) is None:
+            setattr(args, field, tiny if args.tiny else full)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"no CUDA device (torch {torch.__version__}, CUDA {torch.version.cuda}): run with --device cpu --tiny",
+              file=sys.stderr)
         return 2
+    smoke = Smoke(device)
+    figures: dict = {"device": str(device), "torch": torch.__version__, "cuda": torch.version.cuda, "models": {}}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        figures.update(gpu=props.name, sm_count=props.multi_processor_count, gpu_total_bytes=props.total_memory)
+    else:
+        figures.update(gpu=None, cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
     t0 = time.perf_counter()
-    figures = run(args)
+    with tempfile.TemporaryDirectory(prefix="gpu_smoke_") as tmp:
+        for name, fields in (TINY if args.tiny else MODELS).items():
+            figures["models"][name] = run_model(smoke, name, fields, args, Path(tmp))
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    figures["checks"] = smoke.checks
     figures["wall_s"] = round(time.perf_counter() - t0, 3)
-    failed = [k for k, v in figures["checks"].items() if not v]
+    figures["ok"] = bool(smoke.checks) and all(smoke.checks.values())
+    failed = [k for k, v in smoke.checks.items() if not v]
     print(f"{'all checks passed' if not failed else 'FAILED: ' + ', '.join(failed)} in {figures['wall_s']:.1f} s")
     print(json.dumps(figures, default=str))
     return 0 if not failed else 1
