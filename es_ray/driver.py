@@ -228,6 +228,8 @@ def _stop_cleanly(stop, keeper, run_dir: Path, tracker) -> None:
     The seed log is already complete up to the last committed iteration (an update and its log line are never
     split by a signal), so resuming is exact even if a second signal cuts this checkpoint short.
     """
+    from es_ray.runtime.rundir import resume_command
+
     done = keeper.committed
     saved = ""
     if keeper.group is not None and done > keeper.base[1]:
@@ -235,7 +237,7 @@ def _stop_cleanly(stop, keeper, run_dir: Path, tracker) -> None:
         saved = str(keeper.save_checkpoint(run_dir / "checkpoints" / f"iter_{done:06d}", done))
     tracker.message(f"es: stopped by {stop} after {done} iteration(s); "
                     f"{'checkpoint ' + saved if saved else 'no new checkpoint needed'}; seed log "
-                    f"{run_dir / 'seed_log.jsonl'}. Continue with: es-train run.resume=true run.dir={run_dir}")
+                    f"{run_dir / 'seed_log.jsonl'}. Continue with: {resume_command('es', run_dir)}")
     raise SystemExit(stop.exit_code)
 
 

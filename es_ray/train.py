@@ -10,9 +10,12 @@ from __future__ import annotations
 def _main(dict_cfg) -> None:
     from es_ray.config import to_train_config
     from es_ray.driver import run
+    from es_ray.recovery import RESUME_FREE
     from es_ray.runtime.entry import run_or_exit
+    from es_ray.runtime.rundir import resumed_config
 
-    run_or_exit("es-train", lambda: run(to_train_config(dict_cfg)))
+    # run.resume=true run.dir=X alone continues X with its saved config.json
+    run_or_exit("es-train", lambda: run(to_train_config(resumed_config(dict_cfg, "es", RESUME_FREE))))
 
 
 def main() -> None:

@@ -262,14 +262,16 @@ def recovery_metrics(crew: Crew) -> dict:
 def _stop_cleanly(stop, crew: Crew | None, run_dir: Path, tracker, done: int, start: int) -> None:
     """After SIGTERM / Ctrl-C: checkpoint the completed steps (an optimizer step and its sync are never split by a
     signal), stop the actors, exit non-zero with the resume command."""
+    from es_ray.runtime.rundir import resume_command
+
     saved = ""
     if crew is not None and done > start:
         crew.rollouts.cancel_inflight()
         path = run_dir / "checkpoints" / f"step_{done:06d}"
         saved = str(crew.learner.call(0, "save", str(path), {"step": done}))
     tracker.message(f"grpo: stopped by {stop} after {done} step(s); "
-                    f"{'checkpoint ' + saved if saved else 'no new checkpoint needed'}. Continue with: grpo-train "
-                    f"run.resume=true run.dir={run_dir}")
+                    f"{'checkpoint ' + saved if saved else 'no new checkpoint needed'}. Continue with: "
+                    f"{resume_command('grpo', run_dir)}")
     raise SystemExit(stop.exit_code)
 
 

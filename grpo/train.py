@@ -8,10 +8,12 @@ from __future__ import annotations
 
 def _main(dict_cfg) -> None:
     from es_ray.runtime.entry import run_or_exit
-    from grpo.config import to_grpo_config
+    from es_ray.runtime.rundir import resumed_config
+    from grpo.config import RESUME_FREE, to_grpo_config
     from grpo.driver import run
 
-    run_or_exit("grpo-train", lambda: run(to_grpo_config(dict_cfg)))
+    # run.resume=true run.dir=X alone continues X with its saved config.json
+    run_or_exit("grpo-train", lambda: run(to_grpo_config(resumed_config(dict_cfg, "grpo", RESUME_FREE))))
 
 
 def main() -> None:

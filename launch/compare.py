@@ -298,9 +298,32 @@ def run_stage(stage: Stage, root: Path, log: Callable[[str], None]) -> dict:
     return record
 
 
+def claim_compare_dir(root: Path, cfg: CompareConfig, log: Callable[[str], None]) -> None:
+    """Repeating a comparison's command continues it; run.dir holding another comparison (other settings than
+    methods, seeds and the neutral ones) or another kind of run is refused before any work, or moved aside with
+    run.overwrite=true."""
+    from es_ray.core.config import flatten
+    from es_ray.runtime.rundir import claim_run_dir, move_aside
+
+    saved = root / "compare_config.json"
+    if not saved.is_file():
+        claim_run_dir(root, cfg.run.overwrite, "compare")  # an es-train/grpo-train/es-eval run there
+        return
+    if cfg.run.overwrite:
+        log(f"es-compare: run.overwrite=true: the comparison that was in {root} is now in {move_aside(root)}")
+        return
+    old, now = flatten(json.loads(saved.read_text())), flatten(_json_safe(dataclasses.asdict(cfg)))
+    free = {*_NEUTRAL, "methods", "seeds"}
+    changed = [k for k in _changed_keys(old, now) if k not in free and not k.startswith("faults.")]
+    if changed:
+        raise ConfigError(f"run.dir={root} holds a comparison with other settings ({', '.join(changed[:8])}): "
+                          "repeat its own command to continue it, choose another run.dir, or set run.overwrite=true "
+                          "to move it aside")
+
+
 # Settings that do not change a stage's results (display, logging, cadence of extra checkpoints).
-_NEUTRAL = ("run.progress", "run.trackers", "run.resume", "run.checkpoint_every", "cluster.address",
-            "cluster.placement", "cluster.wait_for_resources_s")
+_NEUTRAL = ("run.progress", "run.trackers", "run.resume", "run.overwrite", "run.checkpoint_every",
+            "cluster.address", "cluster.placement", "cluster.wait_for_resources_s")
 
 
 def stage_settings(stage_cfg) -> dict:
@@ -340,6 +363,7 @@ def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
         raise ConfigError("run.dir= is required: the comparison's absolute directory (repeat the command with the "
                           "same run.dir to resume it)")
     root = Path(cfg.run.dir).expanduser().resolve()
+    claim_compare_dir(root, cfg, log)
     root.mkdir(parents=True, exist_ok=True)
     resolve_model(cfg.model.path)  # converts the embedded model once, before any stage starts
     pool = pool_size(cfg)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import signal
 import subprocess
 
 import pytest
@@ -55,3 +58,26 @@ def test_es_train_on_default_model_writes_loadable_checkpoint(tmp_path):
     assert sum(p.numel() for p in model.parameters()) == 134515008
     meta = json.loads((final / "es_meta.json").read_text())
     assert meta["iteration"] == 2
+
+
+@pytest.mark.ray
+def test_the_printed_continue_command_resumes_the_run_as_printed(ray_local, tiny_model_dir, tmp_path):
+    """A run stopped by a signal prints "Continue with: <command>"; that command, run as printed (the cluster found
+    through RAY_ADDRESS as under Ray Jobs), finishes the run with its saved settings, none repeated."""
+    run_dir = tmp_path / "run dir"  # a space: the printed command must quote it
+    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    first = subprocess.run(
+        ["es-train", f"model.path={tiny_model_dir}", "task.name=es_test_tasks:VowelTask", "task.train_size=8",
+         "es.population=2", "es.sigma=0.02", "es.iterations=4", "es.prompts_per_iteration=4",
+         "sampling.max_new_tokens=4", "engine.dtype=float32", "cluster.num_actors=1", "cluster.cpus_per_actor=1",
+         "eval.every=0", "run.progress=false", "run.trackers=[]", "faults.interrupt_at_iteration=1",
+         "faults.actor_delay_s=1", f"run.dir={run_dir}"], capture_output=True, text=True, timeout=600, env=env)
+    out = first.stdout + first.stderr
+    assert first.returncode == 128 + signal.SIGTERM, out[-3000:]
+    command = out.split("Continue with: ", 1)[1].splitlines()[0]
+    assert command.startswith("es-train run.resume=true run.dir=")
+    second = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=600, env=env)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3], (out + second.stdout + second.stderr)[-4000:]
+    assert json.loads((run_dir / "config.json").read_text())["es"]["population"] == 2

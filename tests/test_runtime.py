@@ -3,6 +3,7 @@ filled by ES and GRPO alike, the run directory's same-run check and torn metrics
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -212,3 +213,72 @@ def test_run_config_refuses_relative_paths():
 
     with pytest.raises(ConfigError, match="run.dir='rel' must be an absolute path"):
         validate_run(RunConfig(dir="rel"))
+
+
+def test_a_new_run_into_another_runs_dir_is_refused_or_moved_aside(tmp_path, capsys):
+    from es_ray.config import to_train_config
+
+    def cfg(**run):
+        return to_train_config({"run": {"dir": str(tmp_path / "run"), **run}})
+
+    run_dir = open_run_dir(cfg(), "es")
+    (run_dir / "seed_log.jsonl").write_text('{"iteration": 0}\n')
+    before = (run_dir / "config.json").read_text()
+    with pytest.raises(ConfigError, match=r"holds another run \(config\.json, seed_log\.jsonl\).*"
+                                          r"es-train run\.resume=true run\.dir=.*run\.overwrite=true"):
+        open_run_dir(to_train_config({"es": {"sigma": 0.01}, "run": {"dir": str(run_dir)}}), "es")
+    assert (run_dir / "config.json").read_text() == before  # nothing written by the refused run
+    assert open_run_dir(cfg(overwrite=True), "es") == run_dir
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert len(aside) == 1 and (aside[0] / "seed_log.jsonl").is_file() and str(aside[0]) in capsys.readouterr().out
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json"]  # the new run starts alone
+    # a directory with other files but no run in it is used as it is; a default directory is never reused
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("x")
+    open_run_dir(to_train_config({"run": {"dir": str(tmp_path / "notes")}}), "es")
+    default = to_train_config({"run": {"root": str(tmp_path / "root")}})
+    assert open_run_dir(default, "es") != open_run_dir(default, "es")
+
+
+def test_resume_takes_the_saved_config_and_refuses_given_settings_that_change_it(tmp_path):
+    from es_ray.config import to_train_config
+    from es_ray.recovery import RESUME_FREE as ES_FREE
+    from es_ray.runtime.rundir import resumed_config
+
+    original = to_train_config({"es": {"sigma": 0.01, "population": 2}, "run": {"dir": str(tmp_path)}})
+    open_run_dir(original, "es")
+    # es-train run.resume=true run.dir=X: the defaults of this command (population 8) do not count, the run's do
+    plain = dataclasses.asdict(to_train_config({"run": {"dir": str(tmp_path), "resume": True}}))
+    out = to_train_config(resumed_config(plain, "es", ES_FREE, given={"run.resume", "run.dir"}))
+    assert (out.es.sigma, out.es.population, out.run.resume) == (0.01, 2, True)
+    longer = {**plain, "es": {**plain["es"], "iterations": 9}}
+    assert to_train_config(resumed_config(longer, "es", ES_FREE, given={"es.iterations"})).es.iterations == 9
+    with pytest.raises(ConfigError, match=r"es\.population=8 \(the run used 2\).*Drop them"):
+        resumed_config(plain, "es", ES_FREE, given={"es.population"})
+    with pytest.raises(ConfigError, match=r"holds a run of es-train, not of grpo-train.*es-train run\.resume=true"):
+        resumed_config(plain, "grpo", given=set())
+    new = {**plain, "run": {**plain["run"], "dir": str(tmp_path / "fresh")}}
+    assert resumed_config(new, "es", ES_FREE, given={"es.population"}) is new  # nothing to resume: a new run
+
+
+def test_es_compare_continues_its_own_comparison_and_refuses_another(tmp_path):
+    from es_ray.core.config import to_config
+    from launch.compare import CompareConfig, claim_compare_dir
+
+    def cfg(**over):
+        return to_config({"run": {"dir": str(tmp_path / "cmp")}, **over}, CompareConfig)
+
+    root, said = tmp_path / "cmp", []
+    claim_compare_dir(root, cfg(), said.append)  # a new directory
+    root.mkdir()
+    (root / "compare_config.json").write_text(json.dumps(dataclasses.asdict(cfg())))
+    claim_compare_dir(root, cfg(seeds=[0, 1]), said.append)  # the same comparison, one more seed: continued
+    with pytest.raises(ConfigError, match=r"holds a comparison with other settings \(budget\.epochs\).*"
+                                          r"run\.overwrite=true"):
+        claim_compare_dir(root, cfg(budget={"epochs": 3.0}), said.append)
+    claim_compare_dir(root, cfg(budget={"epochs": 3.0}, run={"dir": str(root), "overwrite": True}), said.append)
+    assert not root.exists() and len(said) == 1 and "now in" in said[0]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "seed_log.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"holds another run"):
+        claim_compare_dir(tmp_path / "run", cfg(), said.append)

@@ -169,6 +169,9 @@ class RunConfig:
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     """Metric backends besides metrics.jsonl: any of tensorboard, wandb, mlflow (offline by default; [] for none)."""
     progress: bool = True
+    overwrite: bool = False
+    """A new run into a run.dir that holds another run: refused unless true, which first moves the old run aside to
+    <run.dir>.replaced-<timestamp> (never mixed with it)."""
 
 
 @dataclass

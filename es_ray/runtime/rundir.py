@@ -1,14 +1,16 @@
 """The run directory: created once, absolute, with config.json; on resume the stopped run's config.json is
-compared first, and settings that would change the result are refused with the keys named."""
+compared first, and settings that would change the result are refused with the keys named. A new run never writes
+into a directory that holds another run: it is refused, or with run.overwrite=true the old run is moved aside."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import shlex
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from es_ray.core.config import ConfigError, flatten
 
@@ -16,13 +18,67 @@ from es_ray.core.config import ConfigError, flatten
 RESUME_FREE = frozenset({
     "run.resume", "run.dir", "run.root", "run.checkpoint_every", "run.progress", "run.trackers",
     "cluster.address", "cluster.num_cpus", "cluster.placement", "cluster.wait_for_resources_s", "eval.every",
-    "run.stop_at_tokens", "run.stop_at_device_seconds",
+    "run.stop_at_tokens", "run.stop_at_device_seconds", "run.overwrite",
 })
+
+# What a run writes into run.dir first (config.json) or appends to: a directory holding any of them holds a run.
+RUN_FILES = ("config.json", "metrics.jsonl", "seed_log.jsonl", "summary.json", "ledger.json", "checkpoints",
+             "results.json", "drift.json")
+
+# The console script of each method, for the messages that name a command.
+PROGRAMS = {"es": "es-train", "grpo": "grpo-train", "eval": "es-eval", "drift": "es-drift", "compare": "es-compare"}
+RESUMABLE = ("es", "grpo")
 
 
 def run_dir_of(cfg: Any, method: str) -> Path:
-    root = Path(cfg.run.root or Path.cwd() / "runs")
-    return Path(cfg.run.dir or root / f"{method}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    """run.dir, else a new <run.root>/<method>-<timestamp>[-k] (never an existing one: two runs started in the
+    same second get two directories)."""
+    if cfg.run.dir:
+        return Path(cfg.run.dir).resolve()
+    base = Path(cfg.run.root or Path.cwd() / "runs").resolve() / f"{method}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, k = base, 1
+    while path.exists():
+        k += 1
+        path = base.with_name(f"{base.name}-{k}")
+    return path
+
+
+def holds_run(run_dir: Path) -> list[str]:
+    """The run files in ``run_dir`` (empty: no run there)."""
+    return [name for name in RUN_FILES if (run_dir / name).exists()]
+
+
+def move_aside(run_dir: Path) -> Path:
+    """Rename run_dir to a sibling <name>.replaced-<timestamp>[-k]; returns the new path."""
+    base = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+    path, k = base, 1
+    while path.exists():
+        k += 1
+        path = base.with_name(f"{base.name}-{k}")
+    run_dir.rename(path)
+    return path
+
+
+def resume_command(method: str, run_dir: Path | str) -> str:
+    """The command that continues the run in run_dir, as a shell takes it (the saved config.json does the rest)."""
+    return f"{PROGRAMS.get(method, method)} run.resume=true run.dir={shlex.quote(str(run_dir))}"
+
+
+def claim_run_dir(run_dir: Path, overwrite: bool, method: str) -> Path | None:
+    """Before a new run writes anything: a run_dir holding another run is refused (one line: resume it, choose
+    another run.dir, or run.overwrite=true), or with ``overwrite`` moved aside; returns where it went, if moved."""
+    found = holds_run(run_dir)
+    if not found:
+        return None
+    if not overwrite:
+        try:  # the command that continues the run there is its own method's
+            method = json.loads((run_dir / "config.json").read_text()).get("method", method)
+        except (OSError, ValueError, AttributeError):
+            pass
+        resume = f"continue that run with `{resume_command(method, run_dir)}`, " if method in RESUMABLE else ""
+        raise ConfigError(f"run.dir={run_dir} holds another run ({', '.join(found)}); a new run never writes into "
+                          f"it: {resume}choose another run.dir, or set run.overwrite=true to move the old run aside")
+    return move_aside(run_dir)
 
 
 def check_same_run(old: dict, new: Any, free: Iterable[str] = ()) -> None:
@@ -37,16 +93,24 @@ def check_same_run(old: dict, new: Any, free: Iterable[str] = ()) -> None:
                           f"change its result: {shown}. Set them back, or start a new run.dir")
 
 
-def open_run_dir(cfg: Any, method: str, resume_free: Iterable[str] = ()) -> Path:
+def open_run_dir(cfg: Any, method: str, resume_free: Iterable[str] = (),
+                 note: Callable[[str], None] | None = None) -> Path:
     """Create run.dir (or <run.root>/<method>-<timestamp>) and write config.json with the method's name in it.
 
     With run.resume=true and a config.json there, the stopped run's settings are checked first (``check_same_run``,
-    the method included), so config.json is never overwritten by a run that is refused."""
+    the method included), so config.json is never overwritten by a run that is refused. A new run into a directory
+    that holds another run is refused before anything is written (``claim_run_dir``), or with run.overwrite=true
+    the old run is moved aside to a sibling (``note`` is told where)."""
     run_dir = run_dir_of(cfg, method)
     path = run_dir / "config.json"
     record = {"method": method, **dataclasses.asdict(cfg)}
     if getattr(cfg.run, "resume", False) and path.is_file():
         check_same_run(json.loads(path.read_text()), record, resume_free)
+    else:
+        moved = claim_run_dir(run_dir, getattr(cfg.run, "overwrite", False), method)
+        if moved is not None:
+            (note or print)(f"{PROGRAMS.get(method, method)}: run.overwrite=true: the run that was in {run_dir} "
+                            f"is now in {moved}")
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2))
     return run_dir
@@ -67,3 +131,68 @@ def keep_metrics(path: Path, start: int, step_key: str) -> list[dict]:
             rows.append(row)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
+
+
+def command_line_keys(dict_cfg: Any) -> set[str]:
+    """The dotted keys this Hydra command sets: its key=value overrides, and the keys its presets (group=option)
+    change from the defaults."""
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    hc = HydraConfig.get()
+    texts = [t for t in hc.overrides.task if not t.lstrip("+~").startswith("hydra.")]
+    keys, groups = set(), []
+    for text, override in zip(texts, OverridesParser.create().parse_overrides(texts)):
+        if override.key_or_group in hc.runtime.choices:
+            groups.append(text)
+        else:
+            keys.add(override.key_or_group)
+    if groups:
+        base = flatten(OmegaConf.to_container(compose(config_name=hc.job.config_name), resolve=True))
+        chosen = flatten(OmegaConf.to_container(compose(config_name=hc.job.config_name, overrides=groups),
+                                                resolve=True))
+        keys |= {k for k in chosen.keys() | base.keys() if chosen.get(k) != base.get(k)}
+    return keys
+
+
+def resumed_config(dict_cfg: Any, method: str, free: Iterable[str] = (), given: set[str] | None = None) -> Any:
+    """run.resume=true with a config.json in run.dir: the run's saved configuration, with the settings this command
+    gives (``given``; by default read from Hydra) laid over it. A given setting that would change the result (not a
+    resume-free key) is refused, naming it; anything else is returned as it came (a new run)."""
+    from omegaconf import OmegaConf
+
+    run = dict_cfg["run"]
+    if not run["resume"] or not run["dir"] or not (Path(run["dir"]) / "config.json").is_file():
+        return dict_cfg
+    run_dir = Path(run["dir"]).resolve()
+    saved = json.loads((run_dir / "config.json").read_text())
+    saved_method = saved.pop("method", method)
+    if saved_method != method:
+        prog = PROGRAMS.get(saved_method, saved_method)
+        raise ConfigError(f"run.dir={run_dir} holds a run of {prog}, not of {PROGRAMS.get(method, method)}: continue "
+                          f"it with `{resume_command(saved_method, run_dir)}`, or choose another "
+                          "run.dir")
+    given = command_line_keys(dict_cfg) if given is None else given
+    now = flatten(dict_cfg if isinstance(dict_cfg, dict) else OmegaConf.to_container(dict_cfg, resolve=True))
+    old = flatten(saved)
+    free = RESUME_FREE | set(free)
+    changed = sorted(k for k in given & now.keys()
+                     if now[k] != old.get(k) and k not in free and not k.startswith("faults."))
+    if changed:
+        shown = "; ".join(f"{k}={now[k]!r} (the run used {old.get(k)!r})" for k in changed[:6])
+        raise ConfigError(f"run.resume=true continues the run with its saved config.json; these settings given with "
+                          f"it would change its result: {shown}. Drop them (a resume may change only "
+                          f"{', '.join(sorted(free))} and faults.*), or start a new run.dir")
+    # the saved settings, those given here over them; the faults group (a rehearsal) is this command's own
+    merged = {k: v for k, v in old.items() if not k.startswith("faults.")}
+    merged.update({k: v for k, v in now.items() if k in given or k.startswith("faults.")})
+    out: dict = {}
+    for key, value in merged.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
