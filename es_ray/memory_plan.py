@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass, field, replace
@@ -55,6 +56,24 @@ Philox temporaries per element (128 MiB), plus its small Box-Muller tables: a qu
 MAX_SHARE = 0.9
 """The largest vLLM share the engine picks by itself (vLLM's own default utilization)."""
 TP_DEGREES = (1, 2, 4, 8)
+FSDP_DEGREES = (2, 4, 8)
+"""grpo.fsdp_size values a refusal suggests (one 8-GPU node)."""
+CUDA_CONTEXT_BYTES = GiB // 2
+"""Per process on a GPU, outside torch's caching allocator (the CUDA context, cuBLAS and NCCL workspaces): what
+torch.cuda.mem_get_info counts as used before anything is allocated. Assumed (0.3-0.6 GiB on recent GPUs)."""
+PLAN_MARGIN = 0.02
+"""Share of the card the plan keeps free beyond its lines: what no line itemises (NCCL buffers, fragmentation
+beyond the slack line, another library's small workspace)."""
+CARD_GIB = {24: 22.0, 40: 39.4, 80: 79.6, 141: 140.4}
+"""What an "N GB" card reports (torch.cuda.get_device_properties().total_memory, GiB): 80 is an H100 SXM
+(79.6 GiB; an A100-80GB reports slightly less, 79.2), 141 an H200 (140.4 GiB); 24 (L4 / A10 class) and 40 (A100-40GB)
+are the smaller cards' reports as assumed here. A card size not listed is planned as that many GiB."""
+PROMPT_TOKENS = 512
+"""Prompt tokens per sequence the start-up plans assume (chat template + problem; GSM8K and DeepScaleR prompts stay
+under it) when engine.max_model_len is not set."""
+OFFLOADS = ("none", "optimizer", "all")
+"""grpo.offload: none; optimizer (AdamW moments and the step on the host); all (FSDP2's CPUOffloadPolicy: sharded
+parameters, gradients and AdamW on the host, each layer copied to the device for its forward and backward)."""
 
 
 # -- the model ------------------------------------------------------------------------------------------------
@@ -237,6 +256,23 @@ class Settings:
     """grpo.gradient_checkpointing (without it a 7B learner's activations alone exceed any card at these sizes)."""
     reference_model: bool = False
     """grpo.beta > 0: a frozen reference copy of the weights."""
+    fsdp_size: int = 1
+    """grpo.fsdp_size: learner ranks; weights, gradients and AdamW are split over them (FSDP2), each rank runs
+    1/fsdp_size of every micro-batch."""
+    offload: str = "none"
+    """grpo.offload (OFFLOADS)."""
+    colocate: bool = False
+    """grpo.colocate: each rollout engine shares its GPU with a learner rank and sleeps (vLLM sleep mode level 1:
+    weights to the host, KV cache dropped) while the learner trains."""
+    kv_floor_tokens: int = 0
+    """vLLM keeps KV cache for at least one sequence of max_model_len tokens (engine.max_model_len, else the model's
+    max_position_embeddings): the KV cache is planned as max(sequences x tokens_per_sequence, this)."""
+    perturbation: str = "full"
+    """es.perturbation: lowrank adds each member's factors (fp32, the ES side) and vLLM's LoRA slots."""
+    rank: int = 8
+    """es.rank (es.perturbation=lowrank)."""
+    members: int = 0
+    """Members one actor generates together under es.perturbation=lowrank (vLLM's LoRA slots)."""
 
 
 def vllm_batch_defaults(card_bytes: int) -> dict[str, int]:
@@ -301,6 +337,12 @@ class MemoryPlan:
         """Bytes per GPU (one rank under tensor parallelism)."""
         if self.method == "es":
             return {"ES actor": self.part("vllm") + self.part("es")}
+        if self.method == "eval":
+            return {"engine": self.part("vllm")}
+        if self.settings.colocate:  # rollouts with the learner's state resident; training beside a sleeping vLLM
+            resident = sum(line.nbytes for line in self.lines if line.part == "learner" and line.item in
+                           ("weights", "fp32 master", "AdamW moments", "reference model", "allocator slack"))
+            return {"colocated": max(self.part("learner") + VLLM_FIXED_BYTES, resident + self.part("vllm"))}
         return {"learner": self.part("learner"), "rollout": self.part("vllm")}
 
     @property
@@ -333,6 +375,13 @@ class MemoryPlan:
         the plan's vLLM part); ``share``: the engine.gpu_memory_utilization vLLM runs with."""
         if self.method == "grpo":
             return self._grpo_refusal(card_bytes)
+        if self.method == "eval":
+            if self.fits(card_bytes):
+                return None
+            tp = self.tp_needed(card_bytes)
+            return (f"{self.model.name}: the evaluation engine needs {_gib(self.part('vllm'))} on a "
+                    f"{_gib(card_bytes)} GPU: " + (f"set engine.tensor_parallel_size={tp}" if tp else
+                                                    "set a shorter engine.max_model_len or use a larger card"))
         need = self.part("es")
         free = card_bytes - self.part("vllm") if free_bytes is None else free_bytes
         if need <= free:
@@ -373,15 +422,32 @@ class MemoryPlan:
     def _grpo_refusal(self, card_bytes: int) -> str | None:
         if self.fits(card_bytes):
             return None
-        out = []
-        if self.part("learner") > card_bytes:
+        s, out = self.settings, []
+        where = "colocated" if s.colocate else "learner"
+        if self.gpus[where] > card_bytes:
             items = ", ".join(f"{line.item} {_gib(line.nbytes)}" for line in self.lines if line.part == "learner")
-            out.append(f"the GRPO learner needs {_gib(self.part('learner'))} ({items}) on a {_gib(card_bytes)} GPU: "
-                       "set grpo.gradient_checkpointing=true, a smaller grpo.micro_batch_size or "
-                       "grpo.logit_chunk_tokens, model.trainable=REGEX (gradients and AdamW for those tensors only), "
-                       f"or use a GPU with at least {_gib(self.part('learner'))} (the learner is one GPU: tensor "
-                       "parallelism does not split it; every grpo.dtype keeps 16 B per trainable parameter)")
-        if self.part("vllm") > card_bytes:
+            # the first (smallest) change of each kind that fits on its own
+            groups = [[(f"grpo.fsdp_size>={f}", {"fsdp_size": f}) for f in FSDP_DEGREES if f > s.fsdp_size],
+                      [(f"grpo.offload={o}", {"offload": o}) for o in OFFLOADS[OFFLOADS.index(s.offload) + 1:]]]
+            if not s.gradient_checkpointing:
+                groups[:0] = [[("grpo.gradient_checkpointing=true", {"gradient_checkpointing": True})],
+                              [(f"grpo.gradient_checkpointing=true grpo.fsdp_size>={f}",
+                                {"gradient_checkpointing": True, "fsdp_size": f})
+                               for f in FSDP_DEGREES if f > s.fsdp_size]]
+            if s.colocate:
+                groups.append([("grpo.colocate=false", {"colocate": False})])
+            fixes = [next((key for key, change in group if self.with_settings(**change).fits(card_bytes)), None)
+                     for group in groups]
+            fixes = list(dict.fromkeys(f for f in fixes if f))
+            what = f"a GRPO learner rank (grpo.fsdp_size={s.fsdp_size})" + (" beside its colocated rollout engine"
+                                                                             if s.colocate else "")
+            on = " (grpo.gradient_checkpointing is on)" if s.gradient_checkpointing else ""
+            out.append(f"{what} needs {_gib(self.gpus[where])} ({items}) on a {_gib(card_bytes)} GPU{on}: set "
+                       + (" or ".join(fixes) + "; or " if fixes else "")
+                       + "a smaller grpo.micro_batch_size or grpo.logit_chunk_tokens, model.trainable=REGEX "
+                       "(gradients and AdamW for those tensors only), or a larger GPU (grpo.gradient_checkpointing and "
+                       "grpo.fsdp_size shrink the learner; engine.tensor_parallel_size does not)")
+        if not s.colocate and self.part("vllm") > card_bytes:
             tp = self.tp_needed(card_bytes)
             out.append(f"a rollout engine needs {_gib(self.part('vllm'))}: set engine.tensor_parallel_size={tp}"
                        if tp else f"a rollout engine needs {_gib(self.part('vllm'))}: use a larger card")
@@ -402,18 +468,32 @@ def _vllm_lines(m: ModelShape, s: Settings) -> list[Line]:
     tp, dt = s.tensor_parallel_size, s.engine_dtype_bytes
     kv_heads = max(1, m.num_key_value_heads // tp)  # vLLM replicates KV heads when TP exceeds their number
     kv_per_token = 2 * m.num_hidden_layers * kv_heads * m.head_dim * dt
-    tokens = s.sequences * s.tokens_per_sequence
+    tokens = max(s.sequences * s.tokens_per_sequence, s.kv_floor_tokens)
+    floor = (f"; at least one max_model_len sequence: {s.kv_floor_tokens} tok" if s.kv_floor_tokens > s.sequences *
+             s.tokens_per_sequence else "")
     act = s.max_num_batched_tokens * m.forward_bytes_per_token(dt) // tp
     sampler = s.max_num_seqs * m.vocab_size * SAMPLER_BYTES_PER_LOGIT
-    return [
+    lines = [
         Line("vllm", "engine weights", m.parameters() * dt // tp, f"all parameters x {dt} B / TP {tp}"),
         Line("vllm", "KV cache", tokens * kv_per_token,
              f"{s.sequences} seq x {s.tokens_per_sequence} tok x {kv_per_token} B/token (2 x layers x kv heads x "
-             "head dim x dtype, per rank)"),
+             f"head dim x dtype, per rank){floor}"),
         Line("vllm", "vLLM allowance", VLLM_FIXED_BYTES + act + sampler,
              f"{VLLM_FIXED_BYTES // GiB} GiB context/workspaces/CUDA graphs + profile run of "
              f"{s.max_num_batched_tokens} tokens + sampler over {s.max_num_seqs} x vocab fp32"),
     ]
+    if s.perturbation == "lowrank":
+        per = lowrank_elements(m, s.rank)
+        lines.append(Line("vllm", "LoRA slots", s.members * per * dt // tp,
+                          f"{s.members} slots x {per:,} factor elements (rank {s.rank}) x {dt} B / TP {tp}"))
+    return lines
+
+
+def lowrank_elements(m: ModelShape, rank: int) -> int:
+    """Elements of one member's low-rank factors: r x (rows + columns) of every 2-D layer weight (es_ray.lowrank's
+    targets: not the embedding or the LM head)."""
+    return sum(rank * (shape[0] + shape[1]) for name, shape in m.tensors().items()
+               if len(shape) == 2 and ".layers." in name)
 
 
 def plan_es(m: ModelShape, s: Settings = Settings()) -> MemoryPlan:
@@ -447,17 +527,25 @@ def plan_es(m: ModelShape, s: Settings = Settings()) -> MemoryPlan:
         es.append(Line("es", "step temporary", 4 * big, "Adam's sqrt(v) or the anchor's theta - theta_0"))
     es.append(Line("es", "update chunks", 4 * CHUNK_TEMPORARIES * min(REPLICA_CHUNK, big),
                    f"{CHUNK_TEMPORARIES} fp32 temporaries of replica.CHUNK={REPLICA_CHUNK} elements"))
+    if s.perturbation == "lowrank":
+        per = lowrank_elements(m, s.rank)
+        es.append(Line("es", "low-rank factors", 4 * s.members * per,
+                       f"fp32 A and B of {s.members} members x {per:,} elements (rank {s.rank})"))
     es.append(Line("es", "allocator slack", ES_SLACK_BYTES, "caching-allocator rounding and fragmentation"))
     return MemoryPlan(m, "es", s, tuple(_vllm_lines(m, s) + es))
 
 
 def plan_grpo(m: ModelShape, s: Settings = Settings()) -> MemoryPlan:
-    """The GRPO learner's GPU, and one rollout engine's (vLLM alone on its GPUs)."""
+    """One GRPO learner rank's GPU (FSDP2 over grpo.fsdp_size ranks; the whole learner at 1), and one rollout
+    engine's (vLLM alone on its GPUs, or on the learner rank's GPU with grpo.colocate)."""
     if s.learner not in LEARNER_VARIANTS:
         raise ValueError(f"learner={s.learner!r} is not one of {', '.join(LEARNER_VARIANTS)}")
-    v = LEARNER_VARIANTS[s.learner]
+    if s.offload not in OFFLOADS:
+        raise ValueError(f"grpo.offload={s.offload!r} is not one of {', '.join(OFFLOADS)}")
+    v, f = LEARNER_VARIANTS[s.learner], max(1, s.fsdp_size)
     total, n = m.parameters(), m.parameters(s.trainable)
-    tokens = s.micro_batch_size * s.tokens_per_sequence
+    micro = -(-s.micro_batch_size // f)  # each rank's share of a micro-batch
+    tokens = micro * s.tokens_per_sequence
     if s.gradient_checkpointing:  # each layer's input, plus one layer's activations while it is recomputed
         act = tokens * (m.num_hidden_layers * m.hidden_size * v.activation_bytes
                         + m.saved_bytes_per_token(v.activation_bytes))
@@ -465,25 +553,43 @@ def plan_grpo(m: ModelShape, s: Settings = Settings()) -> MemoryPlan:
     else:
         act = tokens * m.num_hidden_layers * m.saved_bytes_per_token(v.activation_bytes)
         act_note = "every layer's saved activations"
-    lines = [Line("learner", "weights", total * v.weights, f"{total:,} x {v.weights} B ({v.note})"),
-             Line("learner", "gradients", n * v.grads, f"{n:,} trainable x {v.grads} B")]
+    shard = f" / fsdp {f}" if f > 1 else ""
+    host = {"weights": s.offload == "all", "gradients": s.offload == "all",
+            "AdamW moments": s.offload in ("optimizer", "all")}
+    lines = [Line("learner", "weights", total * v.weights // f, f"{total:,} x {v.weights} B{shard} ({v.note})"),
+             Line("learner", "gradients", n * v.grads // f, f"{n:,} trainable x {v.grads} B{shard}")]
     if v.master:
-        lines.append(Line("learner", "fp32 master", n * v.master, "the optimizer's fp32 copy"))
-    lines.append(Line("learner", "AdamW moments", n * v.optimizer, f"m and v, {v.optimizer // 2} B each"))
+        lines.append(Line("learner", "fp32 master", n * v.master // f, f"the optimizer's fp32 copy{shard}"))
+    lines.append(Line("learner", "AdamW moments", n * v.optimizer // f, f"m and v, {v.optimizer // 2} B each{shard}"))
+    lines = [replace(line, part="host", note=line.note + " (grpo.offload: on the host)") if host.get(line.item)
+             else line for line in lines]
+    if f > 1 or s.offload == "all":  # FSDP2 all-gathers a layer (and prefetches the next), the root stays whole
+        layer = sum(math.prod(t) for name, t in m.tensors().items() if ".layers.0." in name)
+        root = total - m.num_hidden_layers * layer
+        cb = v.activation_bytes
+        lines.append(Line("learner", "gathered parameters", (3 * layer + 2 * root) * cb,
+                          f"unsharded in {cb} B: 2 layers (current + prefetched) + one layer's gradients, the root "
+                          "(embedding, norm, LM head) and its gradients"))
     if s.reference_model:
         lines.append(Line("learner", "reference model", total * v.reference_bytes,
-                          f"grpo.beta > 0: a frozen copy, {v.reference_bytes} B/param"))
-    chunk = min(s.logit_chunk_tokens, s.micro_batch_size * s.completion_tokens)
+                          f"grpo.beta > 0: a frozen copy, {v.reference_bytes} B/param, whole on every rank"))
+    chunk = min(s.logit_chunk_tokens, micro * s.completion_tokens)
     lines.append(Line("learner", "logits chunk", chunk * m.vocab_size * 4 * LOGIT_COPIES,
-                      f"min(grpo.logit_chunk_tokens, {s.micro_batch_size} seq x {s.completion_tokens} completion tok)"
+                      f"min(grpo.logit_chunk_tokens, {micro} seq x {s.completion_tokens} completion tok)"
                       f" = {chunk} positions x vocab x 4 B x {LOGIT_COPIES}"))
     lines.append(Line("learner", "activations", act,
-                      f"{s.micro_batch_size} seq x {s.tokens_per_sequence} tok, {act_note}"))
+                      f"{micro} seq{' (this rank)' if f > 1 else ''} x {s.tokens_per_sequence} tok, {act_note}"))
     lines.append(Line("learner", "allocator slack", ES_SLACK_BYTES, "caching-allocator rounding and fragmentation"))
+    lines.append(Line("learner", "CUDA context", CUDA_CONTEXT_BYTES, "outside torch's allocator"))
     return MemoryPlan(m, "grpo", s, tuple(lines + _vllm_lines(m, s)))
 
 
-PLANNERS = {"es": plan_es, "grpo": plan_grpo}
+def plan_eval(m: ModelShape, s: Settings = Settings()) -> MemoryPlan:
+    """An evaluation (or any generation-only) engine: vLLM alone on its GPUs."""
+    return MemoryPlan(m, "eval", s, tuple(_vllm_lines(m, s)))
+
+
+PLANNERS = {"es": plan_es, "grpo": plan_grpo, "eval": plan_eval}
 ES_CANDIDATES = ({"optimizer": "adam", "anchor_decay": 1.0}, {"optimizer": "adam"}, {"optimizer": "sgd"})
 """From the largest ES part to the smallest: the settings vLLM's automatic share leaves room for."""
 
@@ -501,12 +607,185 @@ def auto_gpu_memory_utilization(m: ModelShape, card_bytes: int, s: Settings = Se
     return min(MAX_SHARE, floor)
 
 
+# -- the start-up check ----------------------------------------------------------------------------------------
+# Every trainer (es-train, grpo-train, each es-compare stage) plans its memory from the model's config.json and its
+# actual settings before any model is loaded, against the device it will run on, and refuses what cannot fit.
+
+HOST_SHARE = 0.9
+"""Share of the host's RAM a CPU run may plan to use (the OS, Ray's object store and the driver keep the rest)."""
+
+
+def usable_bytes(reported: int) -> int:
+    """What a plan may use on a GPU that reports ``reported`` bytes: minus PLAN_MARGIN of it and the process's CUDA
+    context (the plans' own lines already hold the allocator's slack)."""
+    return int(reported * (1 - PLAN_MARGIN)) - CUDA_CONTEXT_BYTES
+
+
+def card_bytes(gb: float) -> int:
+    """An "N GB" card as it reports itself (CARD_GIB), in bytes."""
+    return int(CARD_GIB.get(gb, gb) * GiB)
+
+
+def model_shape(path: str) -> ModelShape | None:
+    """The shape of model.path without loading or downloading anything: a local directory's config.json, a paper
+    preset's hub id, the converted embedded model, or a hub id already in the local cache; None when unknown."""
+    from es_ray.models import EMBEDDED_NAMES, cache_root
+
+    ref = (path or "").strip()
+    if ref in EMBEDDED_NAMES:
+        local = cache_root() / "SmolLM2-135M-Instruct-hf"
+    else:
+        local = Path(ref).expanduser()
+    if (local / "config.json").is_file():
+        return ModelShape.from_dir(local)
+    for name, spec in PRESETS.items():
+        if ref in (name, spec["hub"]):
+            return preset(name)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(ref, "config.json")
+        if isinstance(cached, str):
+            return ModelShape.from_hf_config(json.loads(Path(cached).read_text()), name=ref)
+    except Exception:  # not a hub id, or no cache
+        pass
+    return None
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return 4 if dtype in ("float32", "fp32") else 2  # auto is bf16 on GPU (and on CPU for the engines here)
+
+
+def _engine(cfg, shape: ModelShape, sequences: int, new_tokens: int, card: int) -> dict:
+    e = cfg.engine
+    tokens = e.max_model_len or PROMPT_TOKENS + new_tokens
+    floor = (e.max_model_len or shape.max_position_embeddings) if e.name == "vllm" else 0
+    return dict(engine_dtype_bytes=_dtype_bytes(e.dtype), tensor_parallel_size=e.tensor_parallel_size,
+                sequences=max(1, sequences), tokens_per_sequence=tokens, kv_floor_tokens=floor,
+                trainable=cfg.model.trainable, **vllm_batch_defaults(card))
+
+
+def settings_for(kind: str, cfg, shape: ModelShape, card: int = 80 * GiB) -> Settings:
+    """The plan's Settings from a trainer's config: kind es (ESTrainConfig), grpo (GRPOTrainConfig) or eval (any
+    config with engine, eval.max_new_tokens and model sections)."""
+    if kind == "grpo":
+        g = cfg.grpo
+        per_engine = -(-g.prompts_per_step * g.group_size // max(1, cfg.cluster.num_actors))
+        return Settings(**_engine(cfg, shape, per_engine, cfg.sampling.max_new_tokens, card), learner=g.dtype,
+                        micro_batch_size=g.micro_batch_size, completion_tokens=cfg.sampling.max_new_tokens,
+                        logit_chunk_tokens=g.logit_chunk_tokens, gradient_checkpointing=g.gradient_checkpointing,
+                        reference_model=g.beta > 0, fsdp_size=g.fsdp_size, offload=g.offload, colocate=g.colocate)
+    if kind == "es":
+        es = cfg.es
+        members = -(-es.population // max(1, cfg.cluster.num_actors)) if es.perturbation == "lowrank" else 0
+        sequences = es.prompts_per_iteration * max(1, members)
+        return Settings(**_engine(cfg, shape, sequences, cfg.sampling.max_new_tokens, card), optimizer=es.optimizer,
+                        anchor_decay=es.anchor_decay, noise=es.noise, noise_table_size=es.noise_table_size,
+                        perturbation=es.perturbation, rank=es.rank, members=members)
+    if kind == "eval":
+        return Settings(**_engine(cfg, shape, cfg.engine.batch_size, cfg.eval.max_new_tokens, card))
+    raise ValueError(f"no memory plan for {kind!r}; one of {', '.join(PLANNERS)}")
+
+
+def plan_for(kind: str, cfg, shape: ModelShape, card: int = 80 * GiB) -> MemoryPlan:
+    return PLANNERS[kind](shape, settings_for(kind, cfg, shape, card))
+
+
+def on_gpu(cfg) -> bool:
+    return cfg.cluster.gpus_per_actor > 0 or cfg.engine.device.startswith("cuda")
+
+
+def gpu_reported_bytes() -> int | None:
+    """Memory of this machine's smallest GPU, without creating a CUDA context here (nvidia-smi; the driver must not
+    take memory on GPU 0 that an actor then lacks); None when this machine shows no GPU (a remote cluster's head: the
+    GRPO learner checks its own device before it loads the model)."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        sizes = [int(x) for x in out.split() if x.strip().isdigit()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return min(sizes) * (1 << 20) if sizes else None  # MiB
+
+
+def host_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+GPU_ONLY = ("vLLM allowance", "CUDA context", "allocator slack", "gathered parameters", "LoRA slots")
+
+
+def host_plan_bytes(kind: str, plan: MemoryPlan, cfg) -> tuple[int, str]:
+    """A CPU run's processes all on this host: (bytes, how) summed over them, the GPU-only lines left out (the
+    transformers engine has no vLLM allowance, KV pool or CUDA context)."""
+    per = {p: sum(line.nbytes for line in plan.lines if line.part == p and line.item not in GPU_ONLY)
+           for p in ("vllm", "es", "learner", "host")}
+    n = max(1, cfg.cluster.num_actors)
+    if kind == "grpo":
+        f = max(1, cfg.grpo.fsdp_size)
+        total = f * (per["learner"] + per["host"]) + n * per["vllm"]
+        return total, f"{f} learner rank(s) x {_gib(per['learner'] + per['host'])} + {n} rollout(s) x {_gib(per['vllm'])}"
+    if kind == "es":
+        return n * (per["vllm"] + per["es"]), f"{n} ES actor(s) x {_gib(per['vllm'] + per['es'])}"
+    return n * per["vllm"], f"{n} engine(s) x {_gib(per['vllm'])}"
+
+
+def startup_check(kind: str, cfg, reported: int | None = None, host: int | None = None,
+                  shape: ModelShape | None = None) -> MemoryPlan | None:
+    """Refuse (ConfigError: the numbers and the keys that would make it fit) a run whose plan does not fit the
+    device it will run on, before any model is loaded. GPU: each GPU's plan against ``reported`` bytes (default: this
+    machine's smallest GPU; unknown: no check here), less usable_bytes's margin; CPU: every actor's bytes summed
+    against HOST_SHARE of the host's RAM. Returns the plan checked (None: the model's shape is unknown, or no GPU is
+    visible here)."""
+    from es_ray.core.config import ConfigError
+
+    shape = shape or model_shape(cfg.model.path)
+    if shape is None:
+        return None
+    if on_gpu(cfg):
+        reported = gpu_reported_bytes() if reported is None else reported
+        if reported is None:
+            return None
+        plan, usable = plan_for(kind, cfg, shape, reported), usable_bytes(reported)
+        share = cfg.engine.gpu_memory_utilization
+        if kind == "es" and share:
+            message = plan.refusal(usable, free_bytes=usable - int(share * reported), share=share)
+        else:
+            message = plan.refusal(usable)
+        if message:
+            raise ConfigError(f"{message} [memory plan: {_gib(usable)} usable of the {_gib(reported)} the GPU reports "
+                              f"(less {PLAN_MARGIN:.0%} margin and {_gib(CUDA_CONTEXT_BYTES)} CUDA context); every "
+                              "line: python -m es_ray.memory_plan --detail]")
+        return plan
+    plan = plan_for(kind, cfg, shape)
+    need, how = host_plan_bytes(kind, plan, cfg)
+    have = int(HOST_SHARE * (host_bytes() if host is None else host))
+    if need > have:
+        fixes = {"grpo": "grpo.fsdp_size (the learner's state is split over the ranks, which a CPU host holds all of: "
+                         "only more hosts help), grpo.gradient_checkpointing=true, a smaller grpo.micro_batch_size, "
+                         "model.trainable=REGEX or a smaller model",
+                 "es": "fewer cluster.num_actors, es.optimizer=sgd, model.trainable=REGEX or a smaller model",
+                 "eval": "fewer cluster.num_actors or a smaller model"}[kind]
+        raise ConfigError(f"{shape.name}: this CPU run needs {_gib(need)} of host memory ({how}) but "
+                          f"{_gib(have)} ({HOST_SHARE:.0%} of the host's RAM) is available; change {fixes}")
+    return plan
+
+
 # -- the table --------------------------------------------------------------------------------------------------
 
 SETUPS = (
     ("ES, sgd", "es", {"optimizer": "sgd"}),
     ("ES, adam", "es", {"optimizer": "adam"}),
     *((f"GRPO, {v.label}", "grpo", {"learner": name}) for name, v in LEARNER_VARIANTS.items()),
+    *((f"GRPO, bf16_mixed, grpo.fsdp_size={f}", "grpo", {"learner": "bf16_mixed", "fsdp_size": f})
+      for f in FSDP_DEGREES),
+    ("GRPO, bf16_mixed, fsdp 8, grpo.colocate=true", "grpo", {"learner": "bf16_mixed", "fsdp_size": 8,
+                                                               "colocate": True}),
 )
 
 
@@ -515,17 +794,20 @@ def _gib(nbytes: float) -> str:
 
 
 def cell(plan: MemoryPlan, card_bytes: int) -> str:
-    total = f"{plan.total / GiB:.1f}"
-    if plan.fits(card_bytes):
+    """GiB on the fullest GPU, and whether it fits a card that reports ``card_bytes`` (usable_bytes of it)."""
+    total, usable = f"{plan.total / GiB:.1f}", usable_bytes(card_bytes)
+    if plan.fits(usable):
         share = f", vLLM {plan.gpu_memory_utilization(card_bytes):.2f}" if plan.method == "es" else ""
         return f"{total} fits{share}"
-    tp = plan.tp_needed(card_bytes)
+    if plan.method == "grpo" and (plan.gpus.get("learner", 0) > usable or plan.settings.colocate):
+        return f"{total} no"
+    tp = plan.tp_needed(usable)
     return f"{total} no, TP {tp} fits" if tp else f"{total} no (no TP fits)"
 
 
-def table(models: list[ModelShape], cards_gb=(24, 40, 80), base: Settings = Settings()) -> str:
-    """Markdown: per model and setup, per card: GiB on the fullest GPU, whether it fits (with vLLM's share for ES)
-    and, when it does not, the tensor-parallel degree that would fit."""
+def table(models: list[ModelShape], cards_gb=(24, 40, 80, 141), base: Settings = Settings()) -> str:
+    """Markdown: per model and setup, per card (as it reports itself: CARD_GIB): GiB on the fullest GPU, whether it
+    fits (with vLLM's share for ES) and, when it does not, the tensor-parallel degree that would fit."""
     head = ["| model | params | setup | " + " | ".join(f"{c} GB" for c in cards_gb) + " |",
             "|---|---:|---|" + "---|" * len(cards_gb)]
     rows = []
@@ -533,7 +815,7 @@ def table(models: list[ModelShape], cards_gb=(24, 40, 80), base: Settings = Sett
         for label, method, changes in SETUPS:
             cells = []
             for c in cards_gb:
-                card = c * GiB
+                card = card_bytes(c)
                 plan = PLANNERS[method](m, replace(base, **changes, **vllm_batch_defaults(card)))
                 cells.append(cell(plan, card))
             rows.append(f"| {m.name} | {m.parameters() / 1e9:.2f}B | {label} | " + " | ".join(cells) + " |")
@@ -544,7 +826,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m es_ray.memory_plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", choices=list(PRESETS), help="a preset (default: all four)")
     ap.add_argument("--config", action="append", default=[], help="an HF config.json (or a model directory)")
-    ap.add_argument("--cards", type=int, nargs="+", default=[24, 40, 80], help="card sizes in GB (GiB)")
+    ap.add_argument("--cards", type=int, nargs="+", default=list(CARD_GIB),
+                    help="card sizes in GB, planned as what such a card reports (CARD_GIB; others as that many GiB)")
     ap.add_argument("--sequences", type=int, default=Settings.sequences)
     ap.add_argument("--tokens", type=int, default=Settings.tokens_per_sequence, help="prompt + completion per sequence")
     ap.add_argument("--completion-tokens", type=int, default=Settings.completion_tokens)
@@ -559,14 +842,17 @@ def main(argv: list[str] | None = None) -> int:
     base = Settings(sequences=args.sequences, tokens_per_sequence=args.tokens,
                     completion_tokens=args.completion_tokens, micro_batch_size=args.micro_batch)
     print(table(models, tuple(args.cards), base))
-    print("\nGiB on the fullest GPU (ES: vLLM + replica on one GPU; GRPO: the learner's or a rollout GPU); "
-          f"vLLM x.xx is engine.gpu_memory_utilization. KV cache for {args.sequences} sequences x {args.tokens} "
-          f"tokens, bf16 engine; GRPO micro-batch {args.micro_batch} x {args.tokens} tokens "
-          f"({args.completion_tokens} completion), gradient checkpointing on.")
+    cards = ", ".join(f"{c} GB = {card_bytes(c) / GiB:.1f} GiB" for c in args.cards)
+    print("\nGiB on the fullest GPU (ES: vLLM + replica on one GPU; GRPO: a learner rank's GPU, a rollout GPU, or "
+          "with grpo.colocate both on one); vLLM x.xx is engine.gpu_memory_utilization. Cards as they report "
+          f"themselves ({cards}), of which a plan may use all but {PLAN_MARGIN:.0%} and "
+          f"{CUDA_CONTEXT_BYTES / GiB:.1f} GiB of CUDA context. KV cache for {args.sequences} sequences x "
+          f"{args.tokens} tokens, bf16 engine; GRPO micro-batch {args.micro_batch} x {args.tokens} tokens "
+          f"({args.completion_tokens} completion; each FSDP rank its share), gradient checkpointing on.")
     if args.detail:
         for m in models:
             for label, method, changes in SETUPS:
-                plan = PLANNERS[method](m, replace(base, **changes, **vllm_batch_defaults(args.cards[0] * GiB)))
+                plan = PLANNERS[method](m, replace(base, **changes, **vllm_batch_defaults(card_bytes(args.cards[0]))))
                 print(f"\n{label}: " + plan.markdown())
     return 0
 

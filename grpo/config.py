@@ -12,6 +12,8 @@ from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultP
 from es_ray.runtime.validation import validate_trainer
 
 LEARNER_DTYPES = ("float32", "bf16_mixed")
+OFFLOADS = ("none", "optimizer", "all")
+"""grpo.offload (es_ray.memory_plan.OFFLOADS; a test keeps them equal)."""
 # Settings a resumed GRPO run may change besides the runtime's (es_ray.runtime.rundir.RESUME_FREE).
 RESUME_FREE = frozenset({"grpo.steps", "cluster.num_actors"})
 
@@ -65,6 +67,17 @@ class GRPOConfig:
     backward pass (torch.utils.checkpoint), so the learner never holds N x vocabulary logits."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more learner time)."""
+    fsdp_size: int = 1
+    """Learner ranks: an actor group of this many processes (one device each) in one torch.distributed group (NCCL on
+    GPU, gloo on CPU), the model sharded with FSDP2 (fully_shard per decoder layer and at the root), each rank running
+    its share of every micro-batch. Must divide grpo.micro_batch_size and the batch (prompts_per_step x group_size).
+    1: one learner process, no torch.distributed."""
+    offload: str = "none"
+    """none; optimizer: AdamW's moments and its step on the host (the device keeps weights and gradients); all:
+    FSDP2's CPUOffloadPolicy (sharded weights, gradients and AdamW on the host, each layer copied in for its pass)."""
+    colocate: bool = False
+    """Each rollout engine shares its device with a learner rank: on CPU one actor holds both (no core idles while
+    the other phase runs); on GPU vLLM sleeps (sleep mode level 1) while the learner trains."""
     sync_tolerance: float = 0.0
     """Largest |log p_engine - log p_learner| over the probe tokens accepted after a weight sync. 0: calibrated at
     the first sync, max(2e-3, 4 x the difference measured there) (grpo.driver.sync_tolerance); > 0: this value."""
@@ -139,6 +152,8 @@ def validate_grpo(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
     check_positive("grpo.weight_decay", g.weight_decay, allow_zero=True)
     check_positive("grpo.warmup_steps", g.warmup_steps, allow_zero=True)
     check_positive("grpo.sync_tolerance", g.sync_tolerance, allow_zero=True)
+    check_choice("grpo.offload", g.offload, OFFLOADS)
+    check_fsdp(cfg)
     if cfg.sampling.temperature <= 0:
         raise ConfigError(f"sampling.temperature={cfg.sampling.temperature}: GRPO samples its groups, and greedy "
                           "decoding gives every completion of a group the same reward (advantage 0); set "
@@ -150,6 +165,20 @@ def validate_grpo(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
                           "sampling.temperature)")
     validate_trainer(cfg)
     return cfg
+
+
+def check_fsdp(cfg: GRPOTrainConfig) -> None:
+    """grpo.fsdp_size against the batch (the devices are checked once connected: grpo.driver.check_devices)."""
+    g = cfg.grpo
+    if g.fsdp_size < 1:
+        raise ConfigError(f"grpo.fsdp_size={g.fsdp_size}: the learner needs at least one rank; set grpo.fsdp_size=1 "
+                          "(one process) or more")
+    batch = g.prompts_per_step * g.group_size
+    for key, n in (("grpo.micro_batch_size", g.micro_batch_size), ("the batch (grpo.prompts_per_step x "
+                                                                   "grpo.group_size)", batch)):
+        if n % g.fsdp_size:
+            raise ConfigError(f"grpo.fsdp_size={g.fsdp_size} does not divide {key}={n}: every rank runs an equal "
+                              f"share of every micro-batch; set grpo.fsdp_size to a divisor of {n}, or change {key}")
 
 
 def to_grpo_config(cfg: Any) -> GRPOTrainConfig:

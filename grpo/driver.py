@@ -168,7 +168,10 @@ def run(cfg: GRPOTrainConfig) -> dict:
     from es_ray.runtime.rundir import keep_metrics, open_run_dir
     from es_ray.runtime.signals import Interrupted, InterruptGuard
 
+    from es_ray.memory_plan import startup_check
+
     g = cfg.grpo
+    startup_check("grpo", cfg)  # the memory plan against the device, before any model is fetched or loaded
     if not cfg.cluster.address:  # fail fast on this machine; on a remote cluster the actors check
         from es_ray.models import resolve_model
         from es_ray.tasks import load_task

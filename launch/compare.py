@@ -106,10 +106,16 @@ def validate_compare(cfg: CompareConfig) -> CompareConfig:
     if cfg.run.seed:
         raise ConfigError(f"run.seed={cfg.run.seed}: es-compare takes its run seeds from seeds=[...]; set "
                           f"seeds=[{cfg.run.seed}] instead")
-    # Each stage's own validation runs before any work: build every stage's config once.
+    # Each stage's own validation and memory plan run before any work: build every stage's config once.
+    from es_ray.memory_plan import model_shape, startup_check
+
+    shape = model_shape(cfg.model.path)  # later stages start from checkpoints of the same shape
     for method in cfg.methods:
         for spec in stage_plan(cfg, method, Path("/tmp"), seed=cfg.seeds[0]):
-            spec.config()
+            stage_cfg = spec.config()
+            kind = {"train_es": "es", "train_grpo": "grpo", "eval": "eval"}.get(spec.kind)
+            if kind and shape is not None:
+                startup_check(kind, stage_cfg, shape=shape)
     return cfg
 
 

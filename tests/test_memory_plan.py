@@ -285,3 +285,135 @@ def test_readme_table_is_the_cli_output():
     table = run_cli().split("\n\n")[0].strip()
     assert table in section, "README's memory-plan table is stale: paste `python -m es_ray.memory_plan`"
     assert readme.index("## Memory plan (GPU)") < readme.index("## GRPO")
+
+
+# -- the start-up check (every trainer and es-compare stage, before any model loads) --------------------------------
+
+
+def compose_compare(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from launch.compare import register_configs, to_compare_config
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return to_compare_config(compose(config_name="es_compare", overrides=overrides))
+
+
+STAGE_KINDS = {"train_es": "es", "train_grpo": "grpo", "eval": "eval"}
+
+
+@pytest.mark.parametrize("experiment", ["paper_easy", "paper_hard"])
+@pytest.mark.parametrize("model", ["qwen2.5-1.5b", "llama3.2-3b", "qwen2.5-7b", "r1-distill-qwen-1.5b"])
+def test_paper_presets_fit_8_x_80gb_at_every_stage(experiment, model):
+    """Arithmetic only: every es-compare stage's plan (ES with its optimizer; GRPO sharded, as the presets set it)
+    fits an 80 GB card as it reports itself, and GRPO's learner ranks and rollouts fit the 8 GPUs of cluster=gpu8."""
+    from es_ray.memory_plan import card_bytes, plan_for, usable_bytes
+    from launch.compare import stage_plan
+
+    cfg = compose_compare([f"experiment={experiment}", f"model={model}", "cluster=gpu8"])
+    shape, card = preset(model), card_bytes(80)
+    kinds = set()
+    for method in cfg.methods:
+        for spec in stage_plan(cfg, method, Path("/tmp/plan"), pool=7473):
+            kind = STAGE_KINDS.get(spec.kind)
+            if kind is None:
+                continue  # es-drift reads two checkpoints on the host
+            stage = spec.config()
+            plan = plan_for(kind, stage, shape, card)
+            assert plan.refusal(usable_bytes(card)) is None, (spec.name, plan.markdown())
+            kinds.add(kind)
+            if kind == "grpo":
+                g = stage.grpo
+                assert g.gradient_checkpointing and g.dtype == "bf16_mixed"
+                ranks = max(g.fsdp_size, stage.cluster.num_actors) if g.colocate else \
+                    g.fsdp_size + stage.cluster.num_actors
+                assert ranks * stage.cluster.gpus_per_actor <= 8, spec.name
+                assert not plan_grpo(shape, replace(plan.settings, fsdp_size=1, gradient_checkpointing=False)) \
+                    .fits(usable_bytes(card)) or model != "qwen2.5-7b"  # what the presets' sharding is for
+    assert kinds == {"es", "grpo", "eval"}
+
+
+def qwen7b_dir(tmp_path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in PRESETS["qwen2.5-7b"].items() if k != "hub"}))
+    return tmp_path
+
+
+def grpo_cfg(model_dir, **grpo):
+    from grpo.config import to_grpo_config
+
+    return to_grpo_config({"model": {"path": str(model_dir)}, "grpo": grpo,
+                           "cluster": {"gpus_per_actor": 1, "num_actors": 1}})
+
+
+def test_startup_check_refuses_the_unsharded_7b_learner_and_names_the_keys(tmp_path):
+    from es_ray.core.config import ConfigError
+    from es_ray.memory_plan import card_bytes, startup_check
+
+    model = qwen7b_dir(tmp_path)
+    cfg = grpo_cfg(model, gradient_checkpointing=False, prompts_per_step=4, group_size=8)
+    with pytest.raises(ConfigError) as err:
+        startup_check("grpo", cfg, reported=card_bytes(80))
+    msg = str(err.value)
+    assert "grpo.fsdp_size>=" in msg and "grpo.gradient_checkpointing=true" in msg and "79.6 GiB the GPU reports" \
+        in msg and "AdamW moments" in msg
+    ok = grpo_cfg(model, gradient_checkpointing=True, dtype="bf16_mixed", fsdp_size=4)
+    assert startup_check("grpo", ok, reported=card_bytes(80)).gpus["learner"] < 60 * GiB
+    assert startup_check("grpo", ok, reported=card_bytes(141)) is not None
+    with pytest.raises(ConfigError, match=r"set grpo.fsdp_size>=4 or grpo.offload=optimizer;"):  # 2 ranks on 40 GB cards
+        startup_check("grpo", grpo_cfg(model, gradient_checkpointing=True, dtype="bf16_mixed", fsdp_size=2),
+                      reported=card_bytes(40))
+
+
+def test_startup_check_on_cpu_counts_every_process_against_host_ram(tmp_path):
+    from es_ray.core.config import ConfigError
+    from es_ray.memory_plan import startup_check
+    from grpo.config import to_grpo_config
+
+    cfg = to_grpo_config({"model": {"path": str(qwen7b_dir(tmp_path))}, "cluster": {"num_actors": 1}})
+    with pytest.raises(ConfigError, match="host memory .* grpo.fsdp_size"):
+        startup_check("grpo", cfg, host=64 * GiB)
+    assert startup_check("grpo", cfg, host=1024 * GiB) is not None
+
+
+def test_grpo_train_refuses_before_any_model_loads(tmp_path, monkeypatch):
+    """A directory with only a 7B config.json: the plan refuses; no weights are looked for and Ray never starts."""
+    from es_ray.core.config import ConfigError
+    from grpo import driver
+
+    monkeypatch.setattr("es_ray.memory_plan.host_bytes", lambda: 24 * GiB)
+    cfg = replace(grpo_cfg(qwen7b_dir(tmp_path)), cluster=replace(grpo_cfg(tmp_path).cluster, gpus_per_actor=0))
+    monkeypatch.setattr("es_ray.runtime.cluster.connect", lambda *a: pytest.fail("Ray started"))
+    with pytest.raises(ConfigError, match="host memory"):
+        driver.run(cfg)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_offload_names_agree_and_bad_fsdp_settings_are_refused(tmp_path):
+    from es_ray.core.config import ConfigError
+    from es_ray.memory_plan import OFFLOADS
+    from grpo.config import OFFLOADS as GRPO_OFFLOADS, to_grpo_config
+
+    assert OFFLOADS == GRPO_OFFLOADS
+    for grpo, key in (({"fsdp_size": 0}, "grpo.fsdp_size=0"), ({"fsdp_size": 3}, "does not divide"),
+                      ({"offload": "gpu"}, "grpo.offload")):
+        with pytest.raises(ConfigError, match=key):
+            to_grpo_config({"grpo": grpo})
+
+
+def test_fsdp_offload_and_colocation_arithmetic():
+    m = preset("qwen2.5-7b")
+    one, four = plan_grpo(m, Settings(learner="bf16_mixed")), plan_grpo(m, Settings(learner="bf16_mixed", fsdp_size=4))
+    state = ("weights", "gradients", "AdamW moments")
+    assert sum(four.item_bytes("learner", k) for k in state) == pytest.approx(
+        sum(one.item_bytes("learner", k) for k in state) / 4, abs=8)
+    assert four.item_bytes("learner", "activations") == one.item_bytes("learner", "activations") // 4
+    opt = plan_grpo(m, Settings(learner="bf16_mixed", fsdp_size=4, offload="optimizer"))
+    assert opt.item_bytes("host", "AdamW") == four.item_bytes("learner", "AdamW") and \
+        opt.part("learner") == four.part("learner") - four.item_bytes("learner", "AdamW")
+    colo = plan_grpo(m, Settings(learner="bf16_mixed", fsdp_size=8, colocate=True))
+    assert set(colo.gpus) == {"colocated"} and colo.total >= colo.part("vllm") + colo.item_bytes("learner", "AdamW")
+    floor = plan_es(m, Settings(sequences=1, tokens_per_sequence=1024, kv_floor_tokens=32768))
+    assert floor.item_bytes("vllm", "KV cache") == 32768 * m.kv_bytes_per_token(2)
+    low = plan_es(m, Settings(perturbation="lowrank", rank=4, members=8))
+    assert low.item_bytes("es", "low-rank") == 2 * low.item_bytes("vllm", "LoRA slots") > 0
