@@ -161,6 +161,10 @@ def check_lowrank_engine(cfg: ESTrainConfig) -> None:
         raise ConfigError(f"es.perturbation=lowrank with engine.tensor_parallel_size="
                           f"{cfg.engine.tensor_parallel_size} is not supported yet: use tensor_parallel_size=1 or "
                           "es.perturbation=full")
+    if cfg.engine.name == "vllm" and cfg.engine.device != "auto":  # auto: checked where the engine starts
+        from es_ray.engines.vllm import check_gpu_settings
+
+        check_gpu_settings(cfg.engine.device, cfg.engine.dtype, True, cfg.engine.batch_invariant)
     ranks = LOWRANK_RANKS.get(cfg.engine.name)()
     if ranks is not None and cfg.es.rank not in ranks:
         raise ConfigError(f"es.rank={cfg.es.rank}: engine.name={cfg.engine.name} serves low-rank members at ranks "

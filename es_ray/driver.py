@@ -110,9 +110,6 @@ def run(cfg: ESTrainConfig) -> dict:
     from es_ray.runtime.signals import Interrupted, InterruptGuard
     from es_ray.runtime.tracking import Tracker
 
-    from es_ray.memory_plan import startup_check
-
-    startup_check("es", cfg)  # the memory plan against the device, before any model is fetched or loaded
     if not cfg.cluster.address:  # fail fast on this machine; on a remote cluster the actors check
         from es_ray.models import resolve_model
         from es_ray.tasks import load_task
@@ -201,18 +198,27 @@ def preflight_lowrank(cfg: ESTrainConfig, model_dir) -> None:
 def check_noise_devices(cfg: ESTrainConfig, infos: list[dict]) -> None:
     """Refuse noise that depends on the device (per_tensor, table) on a mixed set of devices: CUDA's generator
     sizes its launch grid from the SM count, so an A100, an H100 or a MIG slice draw other numbers for one seed and
-    the replicas would differ from iteration 0. counter is the same everywhere."""
+    the replicas would differ from iteration 0. counter is the same everywhere. es.perturbation=lowrank is refused on
+    a mixed set whatever the noise: its update is one matmul of the factors (``lowrank.gradient``), whose rounding
+    depends on the device's GEMM kernels, so the replicas would differ after the first update."""
     from es_ray.core.config import ConfigError
     from es_ray.noise import PORTABLE_KINDS
 
     kinds = sorted({i.get("noise", cfg.es.noise) for i in infos})
     devices = sorted({(i.get("device", "cpu"), i.get("sm_count", 0)) for i in infos})
-    if set(kinds) <= PORTABLE_KINDS or len(devices) < 2 or not any(sm for _, sm in devices):
+    lowrank = cfg.es.perturbation == "lowrank"
+    if (set(kinds) <= PORTABLE_KINDS and not lowrank) or len(devices) < 2 or not any(sm for _, sm in devices):
         return
     shown = " and ".join(f"{name} ({sm} SMs)" if sm else name for name, sm in devices[:2])
+    if set(kinds) <= PORTABLE_KINDS:
+        raise ConfigError(f"es.perturbation=lowrank applies its update with one matmul of the factors, whose rounding "
+                          f"depends on the device, and the actors run on {shown}"
+                          f"{' and more' if len(devices) > 2 else ''}: their replicas would differ after the first "
+                          "update; run every actor on one GPU model, or set es.perturbation=full with es.noise=counter")
     raise ConfigError(f"es.noise={cfg.es.noise} draws {'/'.join(kinds)} noise, whose numbers depend on the device, but "
                       f"the actors run on {shown}{' and more' if len(devices) > 2 else ''}: their replicas would "
-                      "differ from the first iteration; set es.noise=counter (the same noise on every device)")
+                      "differ from the first iteration; set es.noise=counter (the same noise on every device)"
+                      + (" and es.perturbation=full (low rank's update depends on the device too)" if lowrank else ""))
 
 
 def held_out(cfg: ESTrainConfig, group, t: int, row: dict) -> int:

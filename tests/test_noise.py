@@ -348,6 +348,28 @@ def test_driver_refuses_device_dependent_noise_on_mixed_gpus():
     check_noise_devices(cfg, _infos("table", ("cpu", 0), ("cpu", 0)))
 
 
+def test_driver_refuses_lowrank_on_mixed_gpus_whatever_the_noise():
+    """Low rank's update is one matmul of the factors, whose rounding depends on the device's GEMM kernels: counter
+    noise does not make it portable."""
+    import dataclasses
+
+    from es_ray.config import ESTrainConfig
+    from es_ray.core.config import ConfigError
+    from es_ray.driver import check_noise_devices
+
+    cfg = ESTrainConfig()
+    cfg.es = dataclasses.replace(cfg.es, perturbation="lowrank")
+    h100, a100 = ("NVIDIA H100 80GB HBM3", 132), ("NVIDIA A100-SXM4-80GB", 108)
+    with pytest.raises(ConfigError, match=r"es\.perturbation=lowrank applies its update .* NVIDIA A100-SXM4-80GB"):
+        check_noise_devices(cfg, _infos("counter", h100, a100))
+    with pytest.raises(ConfigError, match=r"set es\.noise=counter .* and es\.perturbation=full"):
+        check_noise_devices(cfg, _infos("per_tensor", h100, a100))
+    with pytest.raises(ConfigError, match="es.perturbation=lowrank"):
+        check_noise_devices(cfg, _infos("counter", ("cpu", 0), h100))
+    check_noise_devices(cfg, _infos("counter", h100, h100))  # one GPU model
+    check_noise_devices(cfg, _infos("per_tensor", h100, h100))
+
+
 @pytest.mark.parametrize("kind", ["per_tensor", "table", "counter"])
 def test_reference_scope_gives_equal_shaped_tensors_the_same_noise(kind):
     """The reference implementation's noise (es.noise_scope=reference): one seed for every tensor of a member, so

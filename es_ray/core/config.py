@@ -12,6 +12,7 @@ are in ``es_ray.runtime.validation``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,10 @@ class EngineConfig:
     """vLLM: GPUs per engine; noise stays per HF tensor, so it does not depend on this."""
     enforce_eager: bool = False
     """vLLM: no torch.compile or CUDA graphs: starts in seconds (CPU: 11 s vs 88 s here), decodes slower."""
+    batch_invariant: bool = False
+    """vLLM on GPU: its batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so a sequence's output does not depend on
+    what else is in the batch: low-rank members batched equal each alone, outputs equal a cold cache (README
+    "Engines"); slower. Refused on CPU and with engine.name=hf."""
 
 
 @dataclass
@@ -145,6 +150,10 @@ class HeldOutConfig:
     0: never): greedy reward, and pass@1 and token entropy of completions sampled at eval.temperature."""
     temperature: float = 1.0
     """Sampling temperature of the held-out pass@1 and entropy (> 0)."""
+    top_p: float = 1.0
+    """Nucleus of the held-out sampling (es-compare sets both to its eval.temperature / eval.top_p)."""
+    max_new_tokens: int = 0
+    """Completion length of the held-out scoring (0: the training sampling's max_new_tokens)."""
 
 
 @dataclass
@@ -208,7 +217,9 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     names = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in data.items():
         if key not in names:
-            raise ConfigError(f"unknown key {where}{key}; known keys: {', '.join(sorted(names))}")
+            close = difflib.get_close_matches(key, sorted(names), n=1)
+            hint = f"did you mean {where}{close[0]}? " if close else ""
+            raise ConfigError(f"unknown key {where}{key}; {hint}known keys: {', '.join(sorted(names))}")
         sub = names[key].default_factory if names[key].default_factory is not dataclasses.MISSING else None
         if sub is not None and dataclasses.is_dataclass(sub) and isinstance(value, dict):
             kwargs[key] = _build(sub, value, f"{where}{key}.")

@@ -73,6 +73,41 @@ def check_lowrank_rank(rank: int) -> None:
                           "max_lora_rank); set es.rank= to one of them, or use engine.name=hf")
 
 
+def check_gpu_settings(device: str, dtype: str, lowrank: bool, batch_invariant: bool) -> None:
+    """ConfigError, naming the key, for settings vLLM's GPU kernels cannot run, before any engine is built: low rank
+    in float32 (vLLM's Triton LoRA shrink kernel takes fp16/bf16 inputs only and fails at CUDA-graph capture), and
+    engine.batch_invariant on a CPU build (its kernels are CUDA's). ``dtype``: engine.dtype's name (auto is bf16 on
+    a GPU)."""
+    if device == "cuda" and lowrank and dtype == "float32":
+        raise ConfigError("engine.dtype=float32 with es.perturbation=lowrank on a GPU: vLLM's LoRA kernels (Triton) "
+                          "take fp16/bf16 only; set engine.dtype=bfloat16 (or auto), or engine.name=hf, or "
+                          "es.perturbation=full")
+    if device == "cpu" and batch_invariant:
+        raise ConfigError("engine.batch_invariant=true turns on vLLM's batch-invariant GPU kernels, and this vLLM runs "
+                          "on the CPU (whose kernels need no such mode for the tests here): set "
+                          "engine.batch_invariant=false")
+
+
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+def enable_batch_invariance() -> None:
+    """engine.batch_invariant=true: vLLM's batch-invariant mode (vLLM 0.32: the VLLM_BATCH_INVARIANT environment
+    variable, read by its GPU worker at start, ``init_batch_invariance``, and by its LoRA Triton kernels when they
+    are imported). Set before the engine is built; refused where this process's vLLM has already read it as off
+    (an earlier engine cached vLLM's environment, or imported the LoRA kernels), since the mode is process-wide."""
+    import sys
+
+    os.environ[BATCH_INVARIANT_ENV] = "1"
+    import vllm.envs as envs
+
+    lora_utils = sys.modules.get("vllm.lora.ops.triton_ops.utils")
+    if not envs.VLLM_BATCH_INVARIANT or (lora_utils is not None and not lora_utils.is_batch_invariant):
+        raise RuntimeError("engine.batch_invariant=true, but vLLM in this process already read "
+                           f"{BATCH_INVARIANT_ENV}=0 (an engine was built here before): start the engine in a fresh "
+                           f"process, or export {BATCH_INVARIANT_ENV}=1 before it starts")
+
+
 def member_lora_name(position: int) -> str:
     """The LoRA name of the member at ``position`` of a ``generate_members`` call (slot id position + 1)."""
     return f"es-member-{position}"
@@ -115,6 +150,9 @@ class VLLMEngine(Engine):
         # auto on CPU is float32 here too: without AVX512-BF16 or AMX, vLLM's CPU GEMM has no bf16 kernel and bf16
         # falls back to torch matmuls 3-5x slower than its fp32 oneDNN path (benchmarks/engines.py).
         self.dtype = resolve_dtype(cfg.dtype, self.device, "engine.dtype")
+        check_gpu_settings(self.device, dtype_name(self.dtype), lowrank is not None, cfg.batch_invariant)
+        if cfg.batch_invariant:
+            enable_batch_invariance()
         kwargs: dict[str, Any] = dict(
             model=self.model_dir, dtype=dtype_name(self.dtype), seed=0,
             tensor_parallel_size=cfg.tensor_parallel_size, worker_extension_cls=EXTENSION,

@@ -30,6 +30,13 @@ def validate_engine(engine: EngineConfig) -> None:
     if engine.tensor_parallel_size > 1 and engine.name not in TENSOR_PARALLEL:
         raise ConfigError(f"engine.tensor_parallel_size={engine.tensor_parallel_size} needs an engine that splits a "
                           f"model over GPUs: set engine.name= to one of {', '.join(TENSOR_PARALLEL)}")
+    if engine.batch_invariant and engine.name != "vllm":
+        raise ConfigError(f"engine.batch_invariant=true is vLLM's batch-invariant mode, and engine.name={engine.name}: "
+                          "set engine.name=vllm, or engine.batch_invariant=false")
+    if engine.name == "vllm" and engine.device != "auto":
+        from es_ray.engines.vllm import check_gpu_settings
+
+        check_gpu_settings(engine.device, engine.dtype, False, engine.batch_invariant)
 
 
 def validate_cluster(cluster: ClusterConfig, engine: EngineConfig | None = None, *, allow_zero_actors=False) -> None:

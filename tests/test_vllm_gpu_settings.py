@@ -1,0 +1,65 @@
+"""Settings vLLM's GPU kernels cannot run, refused before any engine is built (config level, CPU, no GPU needed):
+low rank in float32 on a GPU (vLLM's Triton LoRA kernels take fp16/bf16 only), engine.batch_invariant where there is
+no vLLM GPU kernel to make batch-invariant, and a batch-invariant request that this process's vLLM already read as off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import types
+
+import pytest
+
+from es_ray.config import ESTrainConfig, validate
+from es_ray.core.config import ConfigError
+from es_ray.engines.vllm import check_gpu_settings
+
+
+def _cfg(perturbation: str = "full", **engine) -> ESTrainConfig:
+    cfg = ESTrainConfig()
+    cfg.engine = dataclasses.replace(cfg.engine, **engine)
+    cfg.es = dataclasses.replace(cfg.es, perturbation=perturbation, rank=8)
+    return cfg
+
+
+def test_float32_lowrank_on_a_gpu_is_refused_naming_engine_dtype():
+    with pytest.raises(ConfigError, match=r"^engine\.dtype=float32 with es\.perturbation=lowrank on a GPU"):
+        check_gpu_settings("cuda", "float32", lowrank=True, batch_invariant=False)
+    with pytest.raises(ConfigError, match="set engine.dtype=bfloat16"):
+        validate(_cfg("lowrank", name="vllm", device="cuda", dtype="float32"))
+    for dtype in ("bfloat16", "float16", "auto"):
+        check_gpu_settings("cuda", dtype, lowrank=True, batch_invariant=False)
+    check_gpu_settings("cuda", "float32", lowrank=False, batch_invariant=False)  # full rank: no LoRA kernel
+    check_gpu_settings("cpu", "float32", lowrank=True, batch_invariant=False)  # CPU: es_ray's own LoRA kernel
+    validate(_cfg("lowrank", name="hf", device="cuda", dtype="float32"))  # transformers: its own low-rank path
+
+
+def test_batch_invariant_is_refused_where_vllm_has_no_gpu_kernels():
+    with pytest.raises(ConfigError, match=r"engine\.batch_invariant=true is vLLM's .* engine\.name=hf"):
+        validate(_cfg(name="hf", batch_invariant=True))
+    with pytest.raises(ConfigError, match="set engine.batch_invariant=false"):
+        validate(_cfg(name="vllm", device="cpu", batch_invariant=True))
+    validate(_cfg(name="vllm", device="cuda", batch_invariant=True))
+    validate(_cfg(name="vllm", device="auto", batch_invariant=True))  # the engine checks where it starts
+    assert ESTrainConfig().engine.batch_invariant is False
+
+
+def test_batch_invariance_refused_once_vllm_read_it_as_off(monkeypatch):
+    """vLLM 0.32 reads VLLM_BATCH_INVARIANT in its GPU worker and, once, when its LoRA Triton kernels are imported:
+    a process whose kernels were imported with it off cannot turn it on."""
+    envs = pytest.importorskip("vllm.envs")
+    from es_ray.engines.vllm import BATCH_INVARIANT_ENV, enable_batch_invariance
+
+    envs.disable_envs_cache()  # an engine built earlier in this process cached vLLM's environment
+
+    monkeypatch.delenv(BATCH_INVARIANT_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "vllm.lora.ops.triton_ops.utils",
+                        types.SimpleNamespace(is_batch_invariant=False))
+    with pytest.raises(RuntimeError, match="start the engine in a fresh process"):
+        enable_batch_invariance()
+    monkeypatch.setitem(sys.modules, "vllm.lora.ops.triton_ops.utils", types.SimpleNamespace(is_batch_invariant=True))
+    monkeypatch.delenv(BATCH_INVARIANT_ENV, raising=False)
+    enable_batch_invariance()
+    assert os.environ[BATCH_INVARIANT_ENV] == "1" and envs.VLLM_BATCH_INVARIANT
