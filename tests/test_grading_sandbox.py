@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import uuid
@@ -14,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from es_ray.grading.code import build_program, extract_code, grade_programs
-from es_ray.grading.sandbox import (DROP_FAILED_RC, NOBODY, SandboxLimits, _launch, drop_to_uid, isolation,
-                                    network_isolation, run_many, run_python)
+import es_ray.grading.sandbox as sandbox
+from es_ray.grading.sandbox import (NOBODY, SandboxLimits, SandboxUnavailable, isolation, network_isolation,
+                                    run_many, run_python, sandbox_plan)
 
 LIMITS = SandboxLimits(wall_s=5.0, cpu_s=2.0, memory_mb=512, output_bytes=64 << 10)
 GOOD = "def add(a, b):\n    return a + b\n\nassert add(1, 2) == 3\n"
@@ -152,7 +155,7 @@ def test_writing_outside_the_working_directory_is_refused(tmp_path):
                  f"import os\nfd = os.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)\nos.write(fd, b'x')\n",
                  f"import pathlib\npathlib.Path({str(target)!r}).write_text('x')\n",
                  f"import os\nos.symlink('/etc/passwd', {str(target)!r})\n",
-                 f"import shutil\nshutil.copy('/etc/passwd', {str(target)!r})\n",
+                 f"import shutil\nopen('src', 'w').write('x')\nshutil.copy('src', {str(target)!r})\n",
                  "import os\nos.chdir('/tmp')\nopen('es-ray-escape.txt', 'w').write('x')\n"):
         res = run_python(code, LIMITS)
         assert res.status == "blocked", (code, res)
@@ -199,58 +202,189 @@ def test_many_programs_run_concurrently_and_independently():
     assert [r.status for r in results] == ["passed", "timeout", "failed", "passed", "blocked"]
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON) or drop_to_uid(SYSTEM_PYTHON) is None,
-                    reason="needs root and an interpreter that nobody can run")
-def test_as_root_the_program_runs_as_nobody():
+def test_isolation_reports_its_layers():
+    info = isolation()
+    assert "audit hook" in info["network"]
+    assert set(info) == {"refused", "network", "user", "limits", "filesystem", "signals", "verdict"}
+    assert info["refused"] is None  # CI machines (root, Landlock or a working drop) must grade
+
+
+def test_as_root_the_program_holds_no_capability():
+    """Here (root, a pyenv Python under /root that nobody cannot read) the program keeps uid 0 but no capability:
+    no mount, no permission override, and the report says so."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    plan = sandbox_plan()
+    code = ("import os\nprint(os.getuid())\nfor line in open('/proc/self/status'):\n"
+            "    if line.startswith(('CapEff', 'CapBnd')):\n        print(line.split()[1])\n")
+    res = run_python(code, LIMITS)
+    assert res.passed, res
+    if plan.drop_to is None:
+        assert res.stdout.split() == ["0", "0" * 16, "0" * 16]
+        assert isolation()["user"] == "root without capabilities"
+    else:
+        assert res.stdout.split()[0] == str(NOBODY)
+
+
+@pytest.fixture
+def no_landlock(monkeypatch):
+    """This machine as one without Landlock: the uid drop is the only boundary left."""
+    monkeypatch.setattr(sandbox, "landlock_abi", lambda: 0)
+    sandbox.sandbox_plan.cache_clear()
+    yield
+    sandbox.sandbox_plan.cache_clear()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON), reason="needs root and a system Python")
+def test_without_landlock_root_drops_to_nobody_or_refuses(no_landlock):
+    plan = sandbox_plan(SYSTEM_PYTHON)
+    if plan.refused:  # nobody cannot run even the system Python here: refused, never run as root
+        with pytest.raises(SandboxUnavailable, match="Landlock"):
+            run_python(GOOD, LIMITS, python=SYSTEM_PYTHON)
+        return
+    assert plan.drop_to == NOBODY
     res = run_python("import os\nprint(os.getuid(), os.getgid())\nopen('/etc/es-ray-x', 'a')\n", LIMITS,
                      python=SYSTEM_PYTHON)
     assert res.stdout.split()[:2] == ["65534", "65534"]
     assert res.status == "blocked"
-    res = run_python(GOOD, LIMITS, python=SYSTEM_PYTHON)
-    assert res.passed
+    assert run_python(GOOD, LIMITS, python=SYSTEM_PYTHON).passed
 
 
-def test_isolation_reports_its_layers():
-    info = isolation()
-    assert "audit hook" in info["network"]
-    assert set(info) == {"network", "user", "limits", "filesystem"}
-
-
-def test_isolation_reports_the_user_a_program_really_runs_as():
-    """Here (root, a pyenv Python under /root that nobody cannot read) the uid stays and the report says why."""
-    uid = int(run_python("import os\nprint(os.getuid())\n", LIMITS).stdout)
-    info = isolation()
-    if uid == NOBODY:
-        assert info["user"].startswith("nobody") and "nobody's permissions" in info["filesystem"]
-    else:
-        assert uid == os.geteuid()
-        assert info["user"].startswith("unchanged") and "nobody" not in info["filesystem"]
-        assert ("failed here" in info["user"]) == (uid == 0), info["user"]
-
-
-def _user_namespace_root_python(tmp_path: Path) -> str:
-    """/usr/bin/python3 as root of a fresh user namespace that maps no nobody: setgroups/setuid fail there."""
-    wrapper = tmp_path / "python"
-    wrapper.write_text(f'#!/bin/sh\nexec unshare -r {SYSTEM_PYTHON} "$@"\n')
-    wrapper.chmod(0o755)
-    return str(wrapper)
-
-
-@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON)
-                    or subprocess.run(["unshare", "-r", "true"], capture_output=True).returncode != 0,
+@pytest.mark.skipif(os.geteuid() != 0 or subprocess.run(["unshare", "-r", "true"], capture_output=True).returncode,
                     reason="needs root and unshare -r")
-def test_a_drop_that_fails_is_reported_and_never_passed_off_as_nobody(tmp_path):
-    python = _user_namespace_root_python(tmp_path)
-    assert drop_to_uid(python) is None
-    info = isolation(python)
-    assert info["user"].startswith("unchanged: root; the drop to nobody failed here: cannot drop to uid 65534:")
-    assert "nobody" not in info["filesystem"]
-    res = run_python("import os\nprint(os.getuid())\n", LIMITS, python=python)
-    assert res.passed and res.stdout.split() == ["0"]  # as it says: root of the namespace, unprivileged outside
-    # asked to drop and unable to, the bootstrap stops before the program runs instead of going on as root
-    res = _launch("print('ran')\n", LIMITS, python, NOBODY)
-    assert (res.status, res.returncode, res.stdout) == ("error", DROP_FAILED_RC, "")
-    assert res.stderr.startswith("es-ray-sandbox: cannot drop to uid 65534: [Errno 1] Operation not permitted")
+def test_without_landlock_a_failed_drop_refuses_to_grade(no_landlock, tmp_path):
+    """As root of a user namespace that maps no nobody, setuid fails: grading refuses, naming what to set up."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec unshare -r {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    plan = sandbox_plan(str(wrapper))
+    assert plan.refused and "the drop to nobody failed here" in plan.refused
+    assert isolation(str(wrapper))["refused"] == plan.refused
+    with pytest.raises(SandboxUnavailable, match="lsm= boot list"):
+        run_python("print('ran')\n", LIMITS, python=str(wrapper))
+
+
+def test_without_landlock_and_not_root_grading_refuses(no_landlock, monkeypatch):
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    with pytest.raises(SandboxUnavailable, match="not root, so no uid to drop to"):
+        run_many([GOOD, GOOD], LIMITS)
+
+
+# -- hostile programs: one per reward hack found in review ---------------------------------------------------------
+
+
+def test_frame_walking_finds_no_pass_signal():
+    """Everything the harness holds is readable from the program's frames; none of it makes a test pass: exiting
+    0 after forging a result line, or after reading every frame, still fails an unknown-answer test."""
+    walk = ("import sys, os\nf = sys._getframe()\nseen = []\nwhile f is not None:\n"
+            "    seen += [v for v in f.f_locals.values() if isinstance(v, str) and len(v) == 32]\n"
+            "    f = f.f_back\nprint('\\n'.join(seen))\nsys.stdout.flush()\n")  # what beat the old token check
+    forge = ("import sys, os, json\nf = sys._getframe()\nwhile f is not None:\n    cfg = f.f_locals.get('cfg')\n"
+             "    if isinstance(cfg, dict) and 'result_fd' in cfg:\n        fd = cfg['result_fd']\n"
+             "        os.write(fd, (json.dumps({'values': [['b', True]] * len(cfg['probes']),"
+             " 'verdicts': [True] * 9}) + '\\n').encode())\n        os._exit(0)\n    f = f.f_back\n")
+    tests = "assert secret_answer(7) == 1234567\nassert secret_answer(8) == 7654321\n"
+    for code in (walk + "os._exit(0)\n" + tests, forge + tests, forge + "def secret_answer(x):\n    return 0\n" + tests):
+        res = run_python(code, LIMITS)
+        assert not res.passed, (code, res)
+    assert_still_works()
+
+
+def test_an_object_equal_to_everything_fails():
+    for ret in ("type('A', (), {'__eq__': lambda s, o: True, '__hash__': lambda s: 0})()",
+                "type('L', (list,), {'__eq__': lambda s, o: True})()",  # a builtin subclass with its own __eq__
+                "type('T', (tuple,), {'__iter__': lambda s: iter((1, 2))})()",
+                "float('nan')"):
+        code = f"def f(x):\n    return {ret}\nassert f(1) == (1, 2)\n"
+        res = run_python(code, LIMITS)
+        assert res.status == "failed", (ret, res)
+    # the comparison is done apart: monkeypatching it in the program changes nothing
+    res = run_python("import math\nmath.isclose = lambda *a, **k: True\nimport builtins\nbuiltins.sorted = lambda x: "
+                     "[1, 2]\ndef f():\n    return 9.0\nassert math.isclose(f(), 1.0)\n", LIMITS)
+    assert res.status == "failed"
+    res = run_python("def f():\n    return [2, 1]\nimport builtins\nbuiltins.sorted = lambda x: [7]\n"
+                     "assert sorted(f()) == [1, 2]\n", LIMITS)
+    assert res.passed, res
+    # values the tests legitimately compare against cross faithfully
+    res = run_python("import collections\ndef f():\n    return collections.Counter('aab')\ndef g():\n"
+                     "    return map(int, '12')\ndef h():\n    return collections.namedtuple('P', 'x y')(1, 2)\n"
+                     "assert f() == {'a': 2, 'b': 1}\nassert list(g()) == [1, 2]\nassert h() == (1, 2)\n"
+                     "assert g() != [1, 2]\nassert isinstance(f(), dict)\n", LIMITS)
+    assert res.passed, res
+
+
+def test_dir_fd_writes_outside_are_refused_by_the_kernel(tmp_path):
+    """os.open(..., dir_fd=) passes the audit hook's path check (the path is relative); the kernel refuses it."""
+    if not sandbox_plan().landlock and sandbox_plan().drop_to is None:
+        pytest.skip("needs Landlock or the uid drop")
+    os.chmod(tmp_path, 0o777)
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    code = (f"import os\nfor d, name in (({str(tmp_path)!r}, 'escape.txt'), ({str(purelib)!r}, 'es_ray_evil.pth'),"
+            f" ({str(purelib)!r}, 'es_ray_evil/__init__.py')):\n"
+            "    try:\n        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)\n"
+            "        if '/' in name:\n            os.mkdir(name.split('/')[0], dir_fd=fd)\n"
+            "        w = os.open(name, os.O_WRONLY | os.O_CREAT, dir_fd=fd)\n        os.write(w, b'import os')\n"
+            "        print('wrote', name)\n    except OSError as e:\n        print('refused', name, e.errno)\n")
+    res = run_python(code, LIMITS)
+    assert "wrote" not in res.stdout and res.stdout.count("refused") == 3, res
+    assert not (tmp_path / "escape.txt").exists()
+    assert not (purelib / "es_ray_evil.pth").exists() and not (purelib / "es_ray_evil").exists()
+
+
+def test_site_packages_and_project_files_are_not_writable():
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    init = Path(sandbox.__file__).parent / "__init__.py"
+    before = init.read_bytes()
+    for target in (purelib / "es_ray_evil.pth", init):
+        res = run_python(f"open({str(target)!r}, 'a').write('import os')\n", LIMITS)
+        assert not res.passed, res
+    assert not (purelib / "es_ray_evil.pth").exists() and init.read_bytes() == before
+
+
+def test_signals_cannot_reach_the_grader():
+    got = []
+    old = signal.signal(signal.SIGUSR1, lambda *a: got.append(a))
+    try:
+        me = os.getpid()
+        code = ("import os, signal\nout = []\nfor pid in (%d, os.getppid(), 1):\n    try:\n"
+                "        fd = os.pidfd_open(pid)\n        signal.pidfd_send_signal(fd, signal.SIGUSR1)\n"
+                "        out.append('sent %%d' %% pid)\n    except OSError as e:\n        out.append('no %%d' %% pid)\n"
+                "print(out)\n" % me)
+        res = run_python(code, LIMITS)
+        time.sleep(0.3)
+        assert got == [], res
+        assert "sent %d" % me not in res.stdout
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_the_graders_environment_and_proc_are_out_of_sight(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_es_ray_test_secret")
+    me = os.getpid()
+    code = ("import os\nprint(dict(os.environ))\nfor p in ('/proc/%d/environ', '/proc/%d/cmdline', "
+            "'/proc/' + str(os.getppid()) + '/environ', '/proc/1/environ'):\n    try:\n"
+            "        print(open(p, 'rb').read())\n    except OSError as e:\n        print('no', p)\n"
+            "print(sorted(os.listdir('/proc'))[:5])\n" % (me, me))
+    res = run_python(code, LIMITS)
+    assert "hf_es_ray_test_secret" not in res.stdout + res.stderr
+    assert set(eval(res.stdout.splitlines()[0])) <= {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONHASHSEED", "LC_CTYPE"}
+
+
+def test_no_leftovers_in_dev_shm_and_a_disk_quota():
+    name = f"es-ray-{uuid.uuid4().hex}"
+    code = (f"try:\n    open('/dev/shm/{name}', 'wb').write(b'x' * (1 << 20))\nexcept OSError as e:\n"
+            "    print('refused', e.errno)\nfrom multiprocessing import shared_memory\ntry:\n"
+            f"    shared_memory.SharedMemory(name='{name}b', create=True, size=1 << 20)\nexcept Exception as e:\n"
+            "    print('refused', type(e).__name__)\n")
+    run_python(code, LIMITS)
+    assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith(name)]
+    if not sandbox_plan().mount_ns:
+        pytest.skip("the disk quota needs a mount namespace")
+    fill = ("import errno\nn = 0\ntry:\n    for i in range(100):\n        open('f%d' % i, 'wb').write(b'x' * 60000)\n"
+            "        n += 1\nexcept OSError as e:\n    print('full', n, e.errno == errno.ENOSPC)\n")
+    res = run_python(fill, SandboxLimits(wall_s=5.0, cpu_s=2.0, disk_mb=1, output_bytes=64 << 10))
+    assert res.stdout.split()[:1] == ["full"] and res.stdout.split()[2] == "True", res
+    assert int(res.stdout.split()[1]) < 20
 
 
 # -- MBPP program assembly ------------------------------------------------------------------------------------

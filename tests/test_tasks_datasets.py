@@ -155,6 +155,26 @@ def test_mbpp_prompt_and_sandboxed_grading():
     assert not task.majority_vote
 
 
+def test_mbpp_rows_need_string_tests_each_one_assert():
+    from es_ray.tasks.dataset import RowError
+
+    task = _load("mbpp")
+    good = {"text": "t", "test_list": ["assert f(1) == 1"], "test_setup_code": ""}
+    assert task.parse(good).answer == ("assert f(1) == 1",)
+    for bad in ({"test_list": [None]}, {"test_list": [1, "assert f(1) == 1"]}, {"test_list": ["x = 1"]},
+                {"test_list": ["assert f(1)\nassert g()"]}, {"test_list": ["assert ("]}, {"test_list": "assert f()"},
+                {"test_setup_code": 3}, {"test_imports": [None]}):
+        with pytest.raises(RowError):
+            task.parse({**good, **bad})
+    # the program's code cannot swallow a test: fewer trailing asserts than tests fails
+    p = task.parse({**good, "test_list": ["assert f(1) == 1", "assert f(2) == 2"]})
+    swallow = "```python\ndef f(x):\n    return x\nif False:\n    pass\n```"
+    assert task.grade(swallow, p).score == 1.0
+    from es_ray.grading.sandbox import run_python
+    res = run_python("def f(x):\n    return 0\nassert f(1) == 0\nprint('x')\nassert f(2) == 0\n", n_tests=2)
+    assert res.status == "failed" and "swallowed" in res.stderr
+
+
 def test_aime25_from_the_hub_concatenates_both_parts(monkeypatch):
     import es_ray.tasks.dataset as dataset
 

@@ -1,4 +1,8 @@
-"""MBPP-style code grading: take the program out of a completion, append the task's tests, run it sandboxed."""
+"""MBPP-style code grading: take the program out of a completion, append the task's tests, run it sandboxed.
+
+The tests are the program's trailing asserts; the sandbox checks them outside the program's process
+(es_ray.grading.verdict), and a program whose code swallowed some of them (fewer trailing asserts than tests)
+fails."""
 
 from __future__ import annotations
 
@@ -40,6 +44,6 @@ def grade_results(results: Sequence[SandboxResult]) -> list[Grade]:
     return [Grade(1.0 if r.passed else 0.0, r.passed, SANDBOX_FAILURES.get(r.status)) for r in results]
 
 
-def grade_programs(programs: Sequence[str], limits: SandboxLimits = SandboxLimits(), workers: int = 2
-                   ) -> list[Grade]:
-    return grade_results(run_many(programs, limits, workers))
+def grade_programs(programs: Sequence[str], limits: SandboxLimits = SandboxLimits(), workers: int = 2,
+                   n_tests: Sequence[int | None] | None = None) -> list[Grade]:
+    return grade_results(run_many(programs, limits, workers, n_tests))

@@ -1,42 +1,45 @@
-"""Run untrusted Python (model-written MBPP solutions) in a sandboxed subprocess.
+"""Run untrusted Python (model-written MBPP solutions) so that it can neither pass without being right nor
+reach anything outside its own directory.
 
-Layers, outermost first (each one holds on its own for what it covers):
+The threat is a policy trained on this reward: anything a program can do to look correct, it will eventually
+find. So the verdict never lives in the program's process (es_ray.grading.verdict): the program runs with its
+tests' probes and reports plain values; a second process that never runs the program checks the tests over those
+values. A program that exits early, reads the harness's frames or returns an object whose ``__eq__`` is always
+True reports nothing usable and fails.
 
-* **Process group and wall clock.** The program starts in a new session (its own process group); the parent waits
-  at most ``wall_s`` and then kills the whole group with SIGKILL. After a normal exit the group is killed too, so
-  nothing it left behind survives.
-* **Kernel resource limits** (``setrlimit``, set by the bootstrap before any program code runs, soft = hard so they
-  cannot be raised again): CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), the size of any file written,
-  stdout and stderr included (RLIMIT_FSIZE: the output cap), open files, no core dumps, and processes (RLIMIT_NPROC,
-  which the kernel ignores for root, hence the next layer).
-* **Unprivileged user.** When the grader runs as root, the bootstrap drops to ``nobody`` (uid/gid 65534) before
-  the program runs: root-owned files and directories become read-only to it and RLIMIT_NPROC applies. Only where
-  a probe run (once per interpreter) shows the drop working: it fails where ``nobody`` cannot read the
-  interpreter's standard library (a pyenv Python under /root) or where root cannot change uid (no CAP_SETUID, or
-  root in a user namespace that maps no ``nobody``); then the uid stays, and ``isolation()`` says so and why. A
-  drop that the probe passed but that fails later stops the run (status ``error``) instead of running as root.
-* **Network namespace.** Where ``unshare -n`` works (root, or unprivileged user namespaces), the program runs in a
-  fresh network namespace: no interface but a loopback that is down, so no connection can leave, even from C
-  code. Where it does not (a locked-down container), the audit hook below is the network block.
-* **Audit hook** (PEP 578, installed by the bootstrap; it cannot be removed): refuses socket creation and name
-  lookups, process creation (fork, exec, spawn, system, subprocess), signals to other processes, ctypes, raising
-  rlimits, and any write, create, rename, delete or permission change outside the program's own temporary
-  directory. An audit hook is not a security boundary against code that deliberately subverts the interpreter;
-  it is what makes the common cases fail fast and visibly (``blocked``) on every machine, with the kernel layers
-  above as the boundary.
-* **Fresh temporary working directory** per run (also ``$TMPDIR`` and ``$HOME``), removed afterwards; the program
-  text arrives on stdin, so there is no file to read the harness from.
+Confinement, per program (es_ray/grading/_sandbox_child.py does it before any program code runs):
 
-A run passes only if the process exits 0 **and** prints a per-run random token that the bootstrap writes after
-the program (tests included) has run to completion, so ``exit(0)`` or ``os._exit(0)`` before the tests fails.
+* **Namespaces** (``unshare``, as root or with unprivileged user namespaces): its own PID namespace with a fresh
+  /proc (it sees no other process, so it cannot signal or read the grader's ``/proc/<pid>/environ``), mount
+  namespace (a size-limited tmpfs on its working directory: the disk quota; a private /dev/shm that vanishes with
+  it), network namespace (no interface but a loopback that is down) and IPC namespace.
+* **Landlock** (Linux >= 5.13 with Landlock enabled; ABI read with the syscall): reads only from the interpreter's
+  prefix and the system library directories, writes only in its working directory, whatever the call (``open``,
+  ``os.open(..., dir_fd=)``, ``rename``, ``link``); from ABI 4 no TCP bind or connect; from ABI 6 no signal and no
+  abstract unix socket outside its own domain (``pidfd_send_signal`` included).
+* **No privilege**: as root every capability is dropped (bounding set and effective set), so root-in-the-sandbox
+  can neither mount, override file permissions, kill nor trace. Where Landlock is missing, the only other
+  accepted boundary is the drop to ``nobody`` (checked by a probe run); where that fails too, or the grader is not
+  root, grading is refused (``SandboxUnavailable``) with what to install or configure.
+* **rlimits** (soft = hard): CPU seconds, address space, file size (also the output cap), open files, no core
+  dumps, processes (ignored by the kernel for root; the PID namespace and the audit hook hold there).
+* **Environment**: only PATH, HOME and TMPDIR (its own directory), LANG and PYTHONHASHSEED; the interpreter runs
+  with ``-I -S -B`` (no site-packages, no user paths, no bytecode writes).
+* **Wall clock**: the whole process group is killed after ``wall_s``; ``setpriv --pdeathsig`` kills the sandbox if
+  the grader's thread dies; the PID namespace ends every process the program started.
+* **Audit hook** (PEP 578): refuses sockets, process creation, ctypes, signals and writes outside its directory
+  early and visibly (status ``blocked``). It is no boundary against code that subverts the interpreter; the
+  kernel layers above are.
+
+``isolation()`` says which layers this machine gives (es-eval writes it into results.json).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -45,15 +48,26 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Sequence
+
+from es_ray.grading.verdict import Split, split_tests
 
 NOBODY = 65534
 BLOCKED_MARK = "es-ray-sandbox: blocked"
 DROP_MARK = "es-ray-sandbox: cannot drop to uid"
-DROP_FAILED_RC = 97
+CONFINE_MARK = "es-ray-sandbox: cannot confine"
+CONFINE_RC = 97
+DROP_FAILED_RC = CONFINE_RC
+_CHILD = (Path(__file__).with_name("_sandbox_child.py")).read_text()
+_NAMESPACES = ("--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--net", "--ipc", "--uts")
 # fractions: a module the bootstrap has not imported, so importing it shows that nobody can read the stdlib
 _PROBE = ("import os, sys\nassert 'fractions' not in sys.modules\nimport fractions\n"
           "print(*os.getresuid(), *os.getresgid())\n")
+
+
+class SandboxUnavailable(RuntimeError):
+    """This machine gives the sandbox no boundary it accepts; grading refuses to start."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,8 @@ class SandboxLimits:
     max_open_files: int = 64
     max_processes: int = 64
     """RLIMIT_NPROC for the unprivileged user (counts its threads and processes, all sandboxes together)."""
+    disk_mb: int = 16
+    """Size of the tmpfs mounted on the working directory (the disk quota; needs a mount namespace)."""
 
 
 @dataclass(frozen=True)
@@ -85,96 +101,35 @@ class SandboxResult:
         return self.status == "passed"
 
 
-_BOOTSTRAP = r"""
-import builtins, json, os, resource, sys
+@dataclass(frozen=True)
+class Plan:
+    """What confines programs on this machine (chosen once per interpreter)."""
+    prefix: tuple[str, ...]
+    mount_ns: bool
+    pid_ns: bool
+    landlock: int
+    drop_to: int | None
+    refused: str | None = None
 
-def _setup():
-    cfg = json.loads(sys.stdin.read())
-    sys.stdin.close()
-    lim = cfg["limits"]
-    cpu = max(1, int(-(-lim["cpu_s"] // 1)))
-    for name, soft, hard in (("RLIMIT_CPU", cpu, cpu + 1), ("RLIMIT_AS", lim["memory_mb"] << 20, None),
-                             ("RLIMIT_FSIZE", lim["output_bytes"], None), ("RLIMIT_CORE", 0, None),
-                             ("RLIMIT_NOFILE", lim["max_open_files"], None),
-                             ("RLIMIT_NPROC", lim["max_processes"], None)):
-        resource.setrlimit(getattr(resource, name), (soft, soft if hard is None else hard))
-    if cfg["drop_to"] is not None and os.geteuid() == 0:
-        uid = cfg["drop_to"]
-        try:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            if os.getresuid() != (uid,) * 3 or os.getresgid() != (uid,) * 3:
-                raise OSError("uid/gid are %r/%r after the drop" % (os.getresuid(), os.getresgid()))
-        except OSError as exc:  # never run the program as root when the drop was asked for
-            sys.stderr.write("%s %d: %s\n" % (%(drop)r, uid, exc))
-            sys.stderr.flush()
-            os._exit(%(drop_rc)d)
-    root = os.path.realpath(os.getcwd())
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-    blocked_prefixes = ("socket.", "ctypes.", "subprocess.", "os.fork", "os.forkpty", "os.system", "os.exec",
-                        "os.posix_spawn", "os.spawn", "os.kill", "os.killpg", "signal.pthread_kill",
-                        "resource.setrlimit", "resource.prlimit", "gc.get_referrers", "gc.get_referents",
-                        "gc.get_objects", "urllib.", "http.client.", "ftplib.", "smtplib.", "poplib.", "imaplib.",
-                        "nntplib.", "telnetlib.", "webbrowser.", "pty.")
-    path_events = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1, "os.chown": 1, "os.truncate": 1,
-                   "os.utime": 1, "os.chflags": 1, "os.lchflags": 1, "os.setxattr": 1, "os.removexattr": 1,
-                   "shutil.rmtree": 1, "os.rename": 2, "os.link": 2, "os.symlink": 2}
-    said = set()
-    realpath, join, fspath, getcwd = os.path.realpath, os.path.join, os.fspath, os.getcwd
 
-    def inside(path):
-        if isinstance(path, int):
-            return True
-        p = fspath(path)
-        p = p.decode(errors="replace") if isinstance(p, bytes) else p
-        full = realpath(join(getcwd(), p))
-        return full == root or full.startswith(root + os.sep) or full == "/dev/null"
-
-    def deny(event):
-        if event not in said:
-            said.add(event)
-            try:
-                sys.stderr.write("%s %s\n" % (%(mark)r, event))
-            except Exception:
-                pass
-        raise PermissionError("%s: %s is not allowed" % (%(mark)r, event))
-
-    def hook(event, args):
-        if event == "open":
-            if args[2] & write_flags and not inside(args[0]):
-                deny("write outside the working directory")
-        elif event in path_events:
-            for p in args[:path_events[event]]:
-                if not inside(p):
-                    deny(event + " outside the working directory")
-        elif event == "import" and args[0] in ("_ctypes", "ctypes", "_posixsubprocess"):
-            deny("import " + args[0])
-        elif event.startswith(blocked_prefixes):
-            deny(event)
-
-    sys.dont_write_bytecode = True
-    sys.addaudithook(hook)
-    return cfg["program"], cfg["token"]
-
-def _run():
-    program, token = _setup()
-    exec(compile(program, "program.py", "exec"), {"__name__": "__main__", "__builtins__": builtins})
-    sys.stdout.write("\n" + token + "\n")
-    sys.stdout.flush()
-
-_run()
-""".replace("%(mark)r", repr(BLOCKED_MARK)).replace("%(drop)r", repr(DROP_MARK)).replace(
-    "%(drop_rc)d", str(DROP_FAILED_RC))
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version (0: not built in or not enabled)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        abi = libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # LANDLOCK_CREATE_RULESET_VERSION
+    except (OSError, AttributeError):
+        return 0
+    return max(0, int(abi)) if sys.platform.startswith("linux") and os.uname().machine == "x86_64" else 0
 
 
 @functools.lru_cache(maxsize=1)
-def network_isolation() -> tuple[str, ...]:
-    """The ``unshare`` prefix that gives the program its own empty network namespace, or () where none works."""
+def namespaces() -> tuple[str, ...]:
+    """The ``unshare`` prefix that gives a program its own PID, mount, network, IPC and UTS namespaces (as root,
+    else inside a user namespace), or () where neither works."""
     exe = shutil.which("unshare")
     if exe is None:
         return ()
-    for args in ((exe, "-n"), (exe, "-r", "-n")):
+    for args in ((exe, *_NAMESPACES), (exe, "-r", *_NAMESPACES)):
         try:
             if subprocess.run([*args, "true"], capture_output=True, timeout=10).returncode == 0:
                 return args
@@ -183,41 +138,66 @@ def network_isolation() -> tuple[str, ...]:
     return ()
 
 
+network_isolation = namespaces  # the same namespaces carry the network one
+
+
+def _refusal(why: str) -> str:
+    return (f"the MBPP code sandbox cannot confine programs here ({why}). Grading needs Landlock (Linux >= 5.13 "
+            "with 'landlock' in the lsm= boot list; ABI >= 6 or permitted namespaces for signals), or a grader "
+            "running as root with a Python that user nobody can read (e.g. /usr/bin/python3 instead of one under "
+            "/root), plus util-linux unshare for the PID/mount/network namespaces")
+
+
 @functools.lru_cache(maxsize=8)
-def _probe_drop(python: str) -> tuple[int | None, str]:
-    """(NOBODY when a sandboxed probe run of ``python`` dropped to it and imported from the stdlib, else None;
-    what happened, in words)."""
+def sandbox_plan(python: str = sys.executable) -> Plan:
+    ns = namespaces()
+    mount = pid = bool(ns)
+    abi = landlock_abi()
+    if abi and (abi >= 6 or pid):
+        return Plan(ns, mount, pid, abi, None)
     if os.geteuid() != 0:
-        return None, "unchanged (not root)"
-    res = _launch(_PROBE, SandboxLimits(wall_s=30.0, cpu_s=10.0), python, NOBODY)
+        return Plan(ns, mount, pid, abi, None, _refusal(
+            f"Landlock ABI {abi}" + ("" if abi else " (none)") + (", no PID namespace" if not pid else "")
+            + ", and not root, so no uid to drop to"))
+    probe = Plan(ns, mount, pid, abi, NOBODY)
+    res = _run_split(Split(_PROBE), SandboxLimits(wall_s=30.0, cpu_s=10.0), python, probe)
     if res.passed and res.stdout.split() == [str(NOBODY)] * 6:
-        return NOBODY, f"nobody ({NOBODY}), checked by a probe run"
-    if res.status == "error" and res.stderr.startswith(DROP_MARK):
-        why = res.stderr.splitlines()[0][len("es-ray-sandbox: "):]
-    else:
-        last = res.stderr.strip().splitlines()[-1:] or [res.status]
-        why = f"nobody cannot run this Python or read its standard library ({last[0][:200]})"
-    return None, f"unchanged: root; the drop to nobody failed here: {why}"
+        return probe
+    last = (res.stderr.strip().splitlines() or [res.status])[-1][:200]
+    return Plan(ns, mount, pid, abi, None, _refusal(
+        f"Landlock ABI {abi}; the drop to nobody failed here: {last}"))
+
+
+def require_sandbox(python: str = sys.executable) -> Plan:
+    plan = sandbox_plan(python)
+    if plan.refused:
+        raise SandboxUnavailable(plan.refused)
+    return plan
 
 
 def drop_to_uid(python: str = sys.executable) -> int | None:
-    """``nobody`` when running as root and a probe run shows the sandbox can drop to it, else None (the sandbox
-    then keeps the uid and relies on the other layers)."""
-    return _probe_drop(python)[0]
+    """``nobody`` when the sandbox drops to it (only where Landlock is missing), else None."""
+    return sandbox_plan(python).drop_to
 
 
 def isolation(python: str = sys.executable) -> dict:
-    """What this machine's sandbox uses for ``python`` (reported in es-eval's results.json); the user is what a
-    probe run did."""
-    ns = network_isolation()
-    uid, user = _probe_drop(python)
+    """What this machine's sandbox uses for ``python`` (reported in es-eval's results.json)."""
+    plan = sandbox_plan(python)
+    ns = "PID, mount, network, IPC namespaces" if plan.prefix else "no namespaces (unshare not permitted)"
+    ll = f"Landlock ABI {plan.landlock}" if plan.landlock else "no Landlock"
     return {
-        "network": ("namespace (" + " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(ns)) + ")"
-                    if ns else "audit hook only (unshare unavailable)") + " + audit hook",
-        "user": user,
-        "limits": "rlimit cpu, address space, file size, open files, processes; wall clock; process-group kill",
-        "filesystem": "fresh temporary directory; writes elsewhere refused (audit hook"
-                      + (", nobody's permissions)" if uid is not None else ")"),
+        "refused": plan.refused,
+        "network": (f"namespace ({ns})" if plan.prefix else "audit hook only (unshare unavailable)")
+                   + (" + Landlock TCP" if plan.landlock >= 4 else "") + " + audit hook",
+        "user": ("nobody (65534), checked by a probe run" if plan.drop_to is not None else
+                 "root without capabilities" if os.geteuid() == 0 else "unchanged (not root)"),
+        "limits": "rlimit cpu, address space, file size, open files, processes; wall clock; process-group kill"
+                  + ("; tmpfs disk quota" if plan.mount_ns else "; per-file size only (no mount namespace)"),
+        "filesystem": f"{ll}: " + ("writes only in its own directory, reads only the interpreter and system "
+                                    "libraries" if plan.landlock else "nobody's permissions") + "; audit hook",
+        "signals": ("PID namespace" if plan.pid_ns else "")
+                   + (" + Landlock signal scope" if plan.landlock >= 6 else ""),
+        "verdict": "checked outside the program's process over plain values",
     }
 
 
@@ -233,33 +213,40 @@ def _read_capped(f, cap: int) -> str:
     return f.read(cap).decode("utf-8", errors="replace")
 
 
-def run_python(program: str, limits: SandboxLimits = SandboxLimits(), python: str = sys.executable
-               ) -> SandboxResult:
-    """Run ``program`` (Python source) under the sandbox; ``passed`` only if it ran to its end and exited 0."""
-    return _launch(program, limits, python, drop_to_uid(python))
+@dataclass
+class _Raw:
+    returncode: int | None
+    timed_out: bool
+    over: bool
+    stdout: str
+    stderr: str
+    result: dict | None
+    error: str | None = None
 
 
-def _launch(program: str, limits: SandboxLimits, python: str, drop_to: int | None) -> SandboxResult:
-    """run_python with the uid to drop to given (the probe asks for a drop not yet known to work)."""
-    token = secrets.token_hex(16)
+def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
+    """One confined process: ``cfg`` (mode, program or tests) on stdin, its result line read back from a file."""
     outer = tempfile.mkdtemp(prefix="es-ray-sandbox-")
-    t0 = time.monotonic()
     try:
         work = os.path.join(outer, "work")
         os.mkdir(work, 0o700)
         os.chmod(outer, 0o711)  # the unprivileged program may pass through, not list or write
-        if drop_to is not None:
-            os.chown(work, drop_to, drop_to)
+        if plan.drop_to is not None:
+            os.chown(work, plan.drop_to, plan.drop_to)
         env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
-        cmd = [*network_isolation(), python, "-I", "-S", "-B", "-c", _BOOTSTRAP]
-        payload = json.dumps({"program": program, "token": token, "limits": asdict(limits),
-                              "drop_to": drop_to}).encode()
-        with open(os.path.join(outer, "stdout"), "w+b") as out, open(os.path.join(outer, "stderr"), "w+b") as err:
+        pdeath = ("setpriv", "--pdeathsig", "KILL") if shutil.which("setpriv") else ()
+        cmd = [*pdeath, *plan.prefix, python, "-I", "-S", "-B", "-c", _CHILD]
+        files = [open(os.path.join(outer, n), "w+b") for n in ("stdout", "stderr", "result")]
+        out, err, res = files
+        try:
+            payload = json.dumps({**cfg, "limits": asdict(limits), "work": work, "disk_kb": limits.disk_mb << 10,
+                                  "mount_ns": plan.mount_ns, "pid_ns": plan.pid_ns, "landlock": plan.landlock,
+                                  "drop_to": plan.drop_to, "result_fd": res.fileno()}).encode()
             try:
                 proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=work, env=env,
-                                        start_new_session=True)
+                                        start_new_session=True, pass_fds=(res.fileno(),))
             except OSError as exc:
-                return SandboxResult("error", None, "", f"could not start the sandbox: {exc}", 0.0)
+                return _Raw(None, False, False, "", "", None, f"could not start the sandbox: {exc}")
             timed_out = False
             try:
                 try:
@@ -273,37 +260,97 @@ def _launch(program: str, limits: SandboxLimits, python: str, drop_to: int | Non
             finally:
                 _kill_group(proc)  # always: nothing the program started outlives it
                 proc.wait()
-            seconds = time.monotonic() - t0
             # Python ignores SIGXFSZ: past the cap its writes fail with EFBIG, so the size tells
             over = max(os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size) >= limits.output_bytes
-            stdout = _read_capped(out, limits.output_bytes)
-            stderr = _read_capped(err, 64 << 10)
-        status = "output_limit" if over else _status(proc.returncode, timed_out, stdout, stderr, token)
-        return SandboxResult(status, proc.returncode, stdout.replace("\n" + token + "\n", ""), stderr, seconds)
+            lines = _read_capped(res, limits.output_bytes).splitlines()
+            try:
+                result = json.loads(lines[-1]) if lines else None
+            except ValueError:
+                result = None
+            rc = proc.returncode
+            if plan.pid_ns and rc is not None and rc > 128:  # killed inside: the namespace's init says 128 + signal
+                rc = -(rc - 128)
+            return _Raw(rc, timed_out, over, _read_capped(out, limits.output_bytes),
+                        _read_capped(err, 64 << 10), result if isinstance(result, dict) else None)
+        finally:
+            for f in files:
+                f.close()
     finally:
+        if plan.drop_to is not None and not plan.mount_ns:
+            _clean_shm(plan.drop_to)
         shutil.rmtree(outer, ignore_errors=True)
 
 
-def _status(rc: int | None, timed_out: bool, stdout: str, stderr: str, token: str) -> str:
-    if timed_out or rc in (-signal.SIGXCPU, -signal.SIGKILL):
-        return "timeout"
-    if rc == -signal.SIGXFSZ:
-        return "output_limit"
-    if rc == DROP_FAILED_RC and stderr.startswith(DROP_MARK):  # the bootstrap stopped before the program ran
+def _clean_shm(uid: int) -> None:
+    """Without a private /dev/shm, remove what the sandbox user left there."""
+    for entry in Path("/dev/shm").glob("*"):
+        try:
+            if entry.lstat().st_uid == uid:
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        except OSError:
+            pass
+
+
+def _status(raw: _Raw) -> str:
+    rc = raw.returncode
+    if raw.error:
         return "error"
-    if rc == 0 and stdout.rstrip().endswith(token):
+    if raw.timed_out or rc in (-signal.SIGXCPU, -signal.SIGKILL):
+        return "timeout"
+    if raw.over or rc == -signal.SIGXFSZ:
+        return "output_limit"
+    if rc == CONFINE_RC and raw.stderr.startswith(("es-ray-sandbox: cannot",)):  # stopped before the program ran
+        return "error"
+    if rc == 0:
         return "passed"
-    if "MemoryError" in stderr:
+    if "MemoryError" in raw.stderr:
         return "memory"
-    if BLOCKED_MARK in stderr:
+    if BLOCKED_MARK in raw.stderr:
         return "blocked"
     return "failed"
 
 
-def run_many(programs: Sequence[str], limits: SandboxLimits = SandboxLimits(), workers: int = 2
-             ) -> list[SandboxResult]:
+def _run_split(split: Split, limits: SandboxLimits, python: str, plan: Plan) -> SandboxResult:
+    t0 = time.monotonic()
+    raw = _launch({"mode": "run", "program": split.code, "probes": split.probes}, limits, python, plan)
+    status, stderr = _status(raw), raw.error or raw.stderr
+    values = (raw.result or {}).get("values")
+    if status == "passed" and not (isinstance(values, list) and len(values) == len(split.probes)):
+        status = "failed"  # it exited 0 without running to its end (its tests never reported)
+    if status == "passed" and split.tests:
+        check = _launch({"mode": "verify", "imports": split.imports, "tests": split.tests, "values": values},
+                        limits, python, plan)
+        verdicts = (check.result or {}).get("verdicts")
+        if _status(check) != "passed" or not isinstance(verdicts, list) or len(verdicts) != len(split.tests):
+            status = "timeout" if _status(check) == "timeout" else "error"
+            stderr += f"\nthe test check did not finish: {check.error or check.stderr[-2000:]}"
+        elif not all(v is True for v in verdicts):
+            status = "failed"
+            failed = [t["source"] for t, v in zip(split.tests, verdicts) if v is not True]
+            stderr += "AssertionError: " + "; ".join(f[:200] for f in failed[:3]) + "\n" + check.stderr[-2000:]
+    return SandboxResult(status, raw.returncode, raw.stdout, stderr, time.monotonic() - t0)
+
+
+def run_python(program: str, limits: SandboxLimits = SandboxLimits(), python: str = sys.executable,
+               n_tests: int | None = None) -> SandboxResult:
+    """Run ``program`` (Python source) confined; ``passed`` only if it ran to its end, exited 0 and every
+    trailing top-level assert holds when checked outside its process. ``n_tests``: how many trailing asserts the
+    program must end with (the task's tests; fewer means the code swallowed some, which fails). Raises
+    SandboxUnavailable where this machine gives no accepted boundary."""
+    plan = require_sandbox(python)
+    split = split_tests(program)
+    if n_tests is not None and len(split.tests) < n_tests:
+        return SandboxResult("failed", None, "", f"the program ends with {len(split.tests)} of its {n_tests} tests "
+                             "as separate asserts (its code swallowed the rest)", 0.0)
+    return _run_split(split, limits, python, plan)
+
+
+def run_many(programs: Sequence[str], limits: SandboxLimits = SandboxLimits(), workers: int = 2,
+             n_tests: Sequence[int | None] | None = None) -> list[SandboxResult]:
     """Run several programs, ``workers`` at a time (each is its own process; threads only wait on them)."""
-    if workers <= 1 or len(programs) <= 1:
-        return [run_python(p, limits) for p in programs]
+    require_sandbox()
+    jobs = list(zip(programs, n_tests if n_tests is not None else [None] * len(programs)))
+    if workers <= 1 or len(jobs) <= 1:
+        return [run_python(p, limits, n_tests=n) for p, n in jobs]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda p: run_python(p, limits), programs))
+        return list(pool.map(lambda job: run_python(job[0], limits, n_tests=job[1]), jobs))
