@@ -81,3 +81,37 @@ def test_the_printed_continue_command_resumes_the_run_as_printed(ray_local, tiny
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3], (out + second.stdout + second.stderr)[-4000:]
     assert json.loads((run_dir / "config.json").read_text())["es"]["population"] == 2
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["es.populaton=2"], r"^unknown key es\.populaton in 'es\.populaton=2': did you mean es\.population\?"),
+    (["modle=x"], r"^unknown key modle .*did you mean model\?"),
+    (["es.population=abc"], r"^es\.population=abc: Value 'abc' of type 'str' could not be converted to Integer$"),
+    (["eval.every=1.5"], r"^eval\.every=1\.5: .*Integer$"),
+    (["run.trackers=wandb"], r"^run\.trackers=wandb: .*key=\[a,b\]"),
+    (["es.population=[1"], r"^cannot read the override 'es\.population=\[1'"),
+    (["experiment=nope"], r"^experiment=nope: no such preset; choose one of cpu_demo, "),
+    (["experiment=cpu_demo"], r"^experiment=cpu_demo: Key 'budget' not in 'ESTrainConfig'; the preset is not for"),
+])
+def test_hydra_errors_are_one_line_naming_the_key(args, expected):
+    import re
+
+    from es_ray.config import register_configs
+    from es_ray.runtime.entry import check_overrides
+
+    register_configs()
+    problem = check_overrides("es_train", args)
+    assert problem is not None and "\n" not in problem and re.search(expected, problem), problem
+    assert check_overrides("es_train", ["es.population=4", "experiment=es_reference_gsm8k", "+eval.paths.x=y"]) is None
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["es.populaton=2"], "did you mean es.population?"),
+    (["es.population=abc"], "es.population=abc"),
+    (["-m", "es.sigma=1e-3,2e-3"], "es-submit --sweep"),
+    (["--multirun", "es.sigma=1e-3"], "es-submit --sweep"),
+])
+def test_hydra_errors_and_multirun_exit_2_with_one_line_before_any_work(args, expected, tmp_path):
+    res = es_train(*args, f"run.dir={tmp_path / 'run'}", timeout=300)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and expected in res.stderr, res.stderr[-2000:]
+    assert res.stderr.startswith("es-train: ") and not (tmp_path / "run").exists()

@@ -39,10 +39,119 @@ def hydra_main(config_name: str, fn: Callable[[Any], None], prog: str, register:
     register()
     if not CONF_DIR.is_dir():
         raise SystemExit(f"{prog}: Hydra presets not found at {CONF_DIR}; install the project with `pip install -e .`")
-    if sys.argv[1:] == ["--help"]:
+    args = sys.argv[1:]
+    if args == ["--help"]:
         print(help_text(prog, config_name))
         return
+    if MULTIRUN_FLAGS & set(args):
+        exit_with(prog, "-m/--multirun is not supported: the jobs would share one run.dir and run one after another. "
+                        f"Sweep with `es-submit --sweep es.sigma=1e-3,2e-3 -- {prog} ...` (one job and run dir per "
+                        "value; README: Running), or start one command per value")
+    if not any(a.startswith("-") for a in args):  # Hydra's own flags (--cfg, --info, ...) go to Hydra unchecked
+        problem = check_overrides(config_name, args)
+        if problem:
+            exit_with(prog, problem)
     hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(fn)()
+
+
+MULTIRUN_FLAGS = frozenset({"-m", "--multirun"})
+
+
+def exit_with(prog: str, message: str) -> None:
+    """One line on stderr, exit code 2 (a user's mistake)."""
+    print(f"{prog}: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def known_keys(cfg: Any) -> set[str]:
+    """Every dotted key of a composed config, inner nodes included."""
+    from omegaconf import DictConfig
+
+    out = set()
+    for k, v in cfg.items():
+        out.add(str(k))
+        if isinstance(v, DictConfig):
+            out |= {f"{k}.{sub}" for sub in known_keys(v)}
+    return out
+
+
+def check_overrides(config_name: str, args: list[str]) -> str | None:
+    """What Hydra would refuse in ``args`` (key=value overrides and group=option presets), as one line naming the
+    key: a syntax error, an unknown key (with the closest known one), a preset that does not exist, a value of the
+    wrong type. None when they compose."""
+    import difflib
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    ours = [a for a in args if not a.lstrip("+~").startswith("hydra.")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(ours)
+    except HydraException as exc:
+        bad = next((a for a in ours if _unparsable(a)), " ".join(ours))
+        return f"cannot read the override {bad!r}: {_first_line(exc)} (write key=value, lists as key=[a,b])"
+    groups = {p.name: sorted(f.stem for f in p.glob("*.yaml")) for p in CONF_DIR.iterdir() if p.is_dir()}
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        known = known_keys(compose(config_name=config_name))
+        for text, o in zip(ours, overrides):
+            key = o.key_or_group
+            if key in groups and not o.is_add() and "." not in key and not isinstance(o.value(), (list, dict)):
+                if str(o.value()) not in groups[key] and o.value() is not None:
+                    return f"{key}={o.value()}: no such preset; choose one of {', '.join(groups[key])}"
+                continue
+            if o.is_add() or o.is_delete() or key in known:
+                continue
+            close = difflib.get_close_matches(key, sorted(known | set(groups)), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else "no key is close to it;"
+            return f"unknown key {key} in {text!r}: {hint} (`--help` lists every key and preset)"
+        try:
+            compose(config_name=config_name, overrides=ours)
+        except (HydraException, OmegaConfBaseException) as exc:
+            cause = exc
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            culprit = next((t for t, o in zip(ours, overrides) if f"override {t}" in str(exc)
+                            or f"'{o.key_or_group}/{o.value()}'" in str(exc)), None)
+            culprit = culprit or _full_key(cause) or ""
+            what = _one_line(cause)
+            if culprit and "=" in culprit and culprit.split("=")[0] in groups:
+                what += "; the preset is not for this command (`--help` lists those that are)"
+            if "ListConfig" in what:
+                what += " (a list is written key=[a,b])"
+            return f"{culprit}: {what}" if culprit else what
+    return None
+
+
+def _unparsable(text: str) -> bool:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        OverridesParser.create().parse_override(text)
+    except HydraException:
+        return True
+    return False
+
+
+def _one_line(exc: BaseException) -> str:
+    """Hydra's message without its indented details, its 'where' preamble and its pointers to docs."""
+    import re
+
+    lines = [line.strip() for line in str(exc).splitlines()
+             if line.strip() and not line[0].isspace() and "HYDRA_FULL_ERROR" not in line
+             and not line.startswith(("See https", "Error merging override", "Could not override"))]
+    text = re.sub(r"In '[^']*': \w+ raised while composing config:\s*", "", " ".join(lines)).strip()
+    return text or type(exc).__name__
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _full_key(exc: BaseException) -> str | None:
+    return getattr(exc, "full_key", None)
 
 
 def composable_presets(config_name: str) -> dict[str, list[str]]:

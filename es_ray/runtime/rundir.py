@@ -163,8 +163,8 @@ def resumed_config(dict_cfg: Any, method: str, free: Iterable[str] = (), given: 
     resume-free key) is refused, naming it; anything else is returned as it came (a new run)."""
     from omegaconf import OmegaConf
 
-    run = dict_cfg["run"]
-    if not run["resume"] or not run["dir"] or not (Path(run["dir"]) / "config.json").is_file():
+    run = dict_cfg.get("run") or {}
+    if not run.get("resume") or not run.get("dir") or not (Path(run["dir"]) / "config.json").is_file():
         return dict_cfg
     run_dir = Path(run["dir"]).resolve()
     saved = json.loads((run_dir / "config.json").read_text())
