@@ -32,12 +32,14 @@ def assign(members: list[Member], num_actors: int) -> list[list[Member]]:
 
 
 def prompt_ids(cfg: ESTrainConfig, iteration: int, pool_size: int) -> tuple[int, ...]:
-    """The iteration's training prompts: the whole pool if it fits, else a sample fixed by (seed, iteration)."""
+    """The iteration's training prompts: the whole pool if it fits, else the iteration's slice of the epochs, each
+    a pass over the pool in a seeded order (``epoch_prompts``, the same as GRPO's)."""
+    from es_ray.tasks.base import epoch_prompts
+
     k = cfg.es.prompts_per_iteration
     if k >= pool_size:
         return tuple(range(pool_size))
-    rng = random.Random(f"{cfg.run.seed}/{iteration}/prompts")
-    return tuple(sorted(rng.sample(range(pool_size), k)))
+    return tuple(epoch_prompts(pool_size, k, iteration, cfg.run.seed))
 
 
 def sample_seed(cfg: ESTrainConfig, iteration: int) -> int:
@@ -102,6 +104,7 @@ def tell(keeper, record: dict, members: list[Member], fitness_n: np.ndarray, cfg
 
 def run(cfg: ESTrainConfig) -> dict:
     from es_ray.checkpoint import SeedLog
+    from es_ray.held_out import write_base_point
     from es_ray.recovery import ReplicaKeeper, resume_point
     from es_ray.runtime.cluster import connect
     from es_ray.runtime.ledger import Ledger
@@ -133,9 +136,14 @@ def run(cfg: ESTrainConfig) -> dict:
             placement = place(cfg.cluster, "es")
             pool = _start(cfg, keeper, point, placement, tracker, guard)
             ledger.started()
+            if cfg.eval.every and point.start == 0:  # the held-out curve's first point: the base weights
+                with ledger.apart("held_out"):
+                    write_base_point(run_dir, keeper.group.call(0, "evaluate_center", "eval", sample_seed(cfg, -1)),
+                                     ledger)
             for t in range(point.start, cfg.es.iterations):
                 row = iteration(cfg, keeper, t, pool, seed_log, guard)
-                eval_tokens = held_out(cfg, keeper.group, t, row)
+                with ledger.apart("held_out"):  # not training: its device time and tokens are counted apart
+                    eval_tokens = held_out(cfg, keeper.group, t, row)
                 row.update(keeper.drain_events())
                 tracker.log(t, row)
                 ledger.add_step(row, row["perf/tokens"], generated_eval=eval_tokens)
@@ -145,8 +153,10 @@ def run(cfg: ESTrainConfig) -> dict:
                     tracker.message(f"es: stopping after iteration {t}: {stop}")
                     break
                 if cfg.run.checkpoint_every and (t + 1) % cfg.run.checkpoint_every == 0 and t + 1 < cfg.es.iterations:
-                    keeper.save_checkpoint(run_dir / "checkpoints" / f"iter_{t + 1:06d}", t + 1)
-            final = keeper.save_checkpoint(run_dir / "checkpoints" / "final", keeper.committed)
+                    with ledger.apart("checkpoint"):
+                        keeper.save_checkpoint(run_dir / "checkpoints" / f"iter_{t + 1:06d}", t + 1)
+            with ledger.apart("checkpoint"):
+                final = keeper.save_checkpoint(run_dir / "checkpoints" / "final", keeper.committed)
             finished = True
             summary.update(final_checkpoint=str(final), iterations=keeper.committed,
                            reward_mean=[h["reward/mean"] for h in history],

@@ -153,10 +153,13 @@ class EvalWorker:
         grades = task.grade_batch([c.text for c in completions], [problems[i] for i in ids])
         t2 = time.perf_counter()
         ent_sum, ent_sum_t1, ent_cnt = [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids)
+        ent_sum_full = [0.0] * len(ids)  # at T untruncated, beside the nucleus's when top_p < 1
         hist = np.zeros(len(HIST_EDGES) - 1, dtype=np.int64)
         if ev.entropy:
-            # the distribution that was sampled (logits / eval.temperature) and the model's own (T = 1)
+            # the distribution that was sampled (logits / eval.temperature, its top_p nucleus renormalised when
+            # top_p < 1), the untruncated one at that temperature, and the model's own (T = 1)
             temps = entropy_temperatures(ev.temperature)
+            nucleus = ev.temperature > 0 and ev.top_p < 1.0
             scorer = self._scorer()
             tok = scorer.tokenizer
             prompt_ids = {i: tok(prompts[i], add_special_tokens=False)["input_ids"] for i in chunk.problem_ids}
@@ -164,16 +167,18 @@ class EvalWorker:
             # except where the tokenizer does not round-trip, as for random models' output)
             pairs = [(prompt_ids[i], list(c.token_ids or tok(c.text, add_special_tokens=False)["input_ids"]))
                      for i, c in zip(ids, completions)]
-            for j, h in enumerate(scorer.entropies_batch(pairs, temps)):
-                h = np.asarray(h, dtype=np.float64).reshape(-1, len(temps))
-                ent_sum[j], ent_sum_t1[j], ent_cnt[j] = float(h[:, 0].sum()), float(h[:, -1].sum()), len(h)
-                hist += histogram(h[:, 0])
+            for j, h in enumerate(scorer.entropies_batch(pairs, temps, top_p=ev.top_p if nucleus else 1.0)):
+                h = np.asarray(h, dtype=np.float64).reshape(-1, len(temps) + nucleus)
+                sampled = h[:, -1] if nucleus else h[:, 0]
+                ent_sum[j], ent_sum_t1[j], ent_cnt[j] = float(sampled.sum()), float(h[:, len(temps) - 1].sum()), len(h)
+                ent_sum_full[j] = float(h[:, 0].sum())
+                hist += histogram(sampled)
         t3 = time.perf_counter()
         samples = [{"problem": i, "sample": j % ev.n, "score": g.score, "correct": g.correct, "failure": g.failure,
                     "answer": g.answer, "tokens": c.num_tokens, "entropy_sum": s, "entropy_sum_t1": s1,
-                    "entropy_tokens": k,
+                    "entropy_sum_untruncated": full, "entropy_tokens": k,
                     "checks": task.answer_checks(c.text, problems[i]), "text": c.text if ev.save_samples else None}
-                   for j, (i, c, g, s, s1, k) in enumerate(zip(ids, completions, grades, ent_sum, ent_sum_t1,
-                                                                ent_cnt))]
+                   for j, (i, c, g, s, s1, full, k) in enumerate(zip(ids, completions, grades, ent_sum, ent_sum_t1,
+                                                                      ent_sum_full, ent_cnt))]
         return {"task": chunk.task, "chunk": chunk.index, "samples": samples, "entropy_hist": hist.tolist(),
                 "seconds": {"generate": t1 - t0, "grade": t2 - t1, "entropy": t3 - t2}}

@@ -89,16 +89,18 @@ def summarize_task(task, n: int, ks: list[int], samples: list[dict], hist: np.nd
         "entropy": summarize_stats([s["entropy_sum"] for s in samples], [s["entropy_tokens"] for s in samples],
                                    hist) if samples and any(s["entropy_tokens"] for s in samples) else None,
         "entropy_t1": entropy_at_t1(samples),
+        "entropy_untruncated": entropy_at_t1(samples, "entropy_sum_untruncated"),
         "answer_checks": answer_checks(problems, n, ks) if any(s.get("checks") for s in samples) else None,
     }
 
 
-def entropy_at_t1(samples: list[dict]) -> dict | None:
-    """Mean entropy per token of the model's own distribution (T = 1), beside ``entropy`` (the sampling one)."""
+def entropy_at_t1(samples: list[dict], key: str = "entropy_sum_t1") -> dict | None:
+    """Mean entropy per token of the model's own distribution (T = 1), beside ``entropy`` (the sampled one: the
+    top_p nucleus renormalised when top_p < 1); key="entropy_sum_untruncated": the untruncated one at T."""
     tokens = sum(s["entropy_tokens"] for s in samples)
     if not tokens:
         return None
-    return {"mean_per_token": sum(s["entropy_sum_t1"] for s in samples) / tokens, "tokens": tokens}
+    return {"mean_per_token": sum(s.get(key, 0.0) for s in samples) / tokens, "tokens": tokens}
 
 
 def answer_checks(problems: list[list[dict]], n: int, ks: list[int]) -> dict:
@@ -158,6 +160,7 @@ def run(cfg: EvalJobConfig) -> dict:
                                     [s["entropy_tokens"] for s in everything], sum(hists.values()))
                     if cfg.eval.entropy and everything else None) or {},
         "entropy_t1": entropy_at_t1(everything) if cfg.eval.entropy else None,
+        "entropy_untruncated": entropy_at_t1(everything, "entropy_sum_untruncated") if cfg.eval.entropy else None,
         "tokens_generated": sum(s["tokens"] for s in everything),
         "timing_s": {"total": time.perf_counter() - t_start, **{k: float(v) for k, v in seconds.items()}},
         "sandbox": isolation() if "mbpp" in cfg.eval.tasks else None,

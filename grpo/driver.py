@@ -69,12 +69,11 @@ def check_sync(learner_lp: list[float], engine_lps: list[list[float]], tol: floa
 
 
 def prompt_indices(cfg: GRPOTrainConfig, step: int, pool_size: int) -> list[int]:
-    """The step's prompts: a sample fixed by (run.seed, step), the data position a resumed run restarts from."""
-    k = cfg.grpo.prompts_per_step
-    rng = random.Random(f"{cfg.run.seed}/{step}/grpo-prompts")
-    if k <= pool_size:
-        return sorted(rng.sample(range(pool_size), k))
-    return sorted(rng.choices(range(pool_size), k=k))  # more prompts than the pool holds: with repeats
+    """The step's prompts: its slice of the epochs, each a pass over the pool in an order fixed by (run.seed,
+    epoch) (``epoch_prompts``, the same as ES's), so a resumed run restarts from the same data position."""
+    from es_ray.tasks.base import epoch_prompts
+
+    return epoch_prompts(pool_size, cfg.grpo.prompts_per_step, step, cfg.run.seed)
 
 
 def sample_seed(cfg: GRPOTrainConfig, step: int, part: int = 0) -> int:
@@ -163,6 +162,7 @@ def last_checkpoint(run_dir: Path) -> Path | None:
 
 
 def run(cfg: GRPOTrainConfig) -> dict:
+    from es_ray.held_out import write_base_point
     from es_ray.runtime.cluster import connect
     from es_ray.runtime.ledger import Ledger
     from es_ray.runtime.rundir import keep_metrics, open_run_dir
@@ -196,10 +196,14 @@ def run(cfg: GRPOTrainConfig) -> dict:
             crew = Crew(cfg, tracker, run_dir, guard.check)
             pool = _start(crew, ckpt, start, tracker, run_dir)
             ledger.started()
+            if cfg.eval.every and start == 0:  # the held-out curve's first point: the base weights
+                with ledger.apart("held_out"):
+                    write_base_point(run_dir, crew.rollouts.call(0, "evaluate", "eval", sample_seed(cfg, -1)), ledger)
             history = []
             for t in range(start, g.steps):
                 row = step(cfg, crew, t, pool, guard)
-                eval_tokens = held_out(cfg, crew, t, row)
+                with ledger.apart("held_out"):  # not training: its device time and tokens are counted apart
+                    eval_tokens = held_out(cfg, crew, t, row)
                 row.update(recovery_metrics(crew))
                 tracker.log(t, row, step_key="step")
                 ledger.add_step(row, row["perf/tokens"], row["perf/tokens_backpropagated"], eval_tokens)
@@ -210,9 +214,11 @@ def run(cfg: GRPOTrainConfig) -> dict:
                     tracker.message(f"grpo: stopping after step {t}: {stop}")
                     break
                 if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0 and done < g.steps:
-                    crew.learner.call(0, "save", str(run_dir / "checkpoints" / f"step_{done:06d}"), {"step": done})
+                    with ledger.apart("checkpoint"):
+                        crew.learner.call(0, "save", str(run_dir / "checkpoints" / f"step_{done:06d}"), {"step": done})
             final = run_dir / "checkpoints" / "final"
-            crew.learner.call(0, "save", str(final), {"step": done})
+            with ledger.apart("checkpoint"):
+                crew.learner.call(0, "save", str(final), {"step": done})
             finished = True
             summary.update(final_checkpoint=str(final), steps=done, reward_mean=[h["reward/mean"] for h in history],
                            eval_reward=[h["eval/reward"] for h in history if "eval/reward" in h])

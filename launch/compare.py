@@ -49,7 +49,11 @@ class BudgetConfig:
     tokens: int = 0
     """unit=tokens: training tokens generated per method."""
     device_seconds: float = 0.0
-    """unit=device_seconds: device-seconds per method (GPU-seconds, or core-seconds on CPU-only actors)."""
+    """unit=device_seconds: training device-seconds per method (GPU-seconds, or core-seconds on CPU-only actors;
+    start-up, checkpoint writes and held-out scoring are counted apart)."""
+    tolerance: float = 0.1
+    """unit=tokens/device_seconds: the report calls a method's budget matched when what it reached lies within this
+    fraction of the budget (each run stops at the step that lands closest to it)."""
 
 
 @dataclass
@@ -99,6 +103,8 @@ def validate_compare(cfg: CompareConfig) -> CompareConfig:
     check_positive("budget.epochs", cfg.budget.epochs)
     if cfg.budget.unit != "epochs":
         check_positive(f"budget.{cfg.budget.unit}", getattr(cfg.budget, cfg.budget.unit))
+    if not 0 < cfg.budget.tolerance < 1:
+        raise ConfigError(f"budget.tolerance={cfg.budget.tolerance}: give a fraction in (0, 1), e.g. 0.1")
     check_positive("grpo_rollout_actors", cfg.grpo_rollout_actors)
     check_positive("curve_every", cfg.curve_every, allow_zero=True)
     if not cfg.seeds or len(set(cfg.seeds)) != len(cfg.seeds):
@@ -120,9 +126,15 @@ def validate_compare(cfg: CompareConfig) -> CompareConfig:
 
 
 def pool_size(cfg: CompareConfig) -> int:
+    """The training pool's size; a held-out set that is empty while curves are asked for is refused here."""
     from es_ray.tasks import load_task
 
-    return len(load_task(cfg.task).train)
+    task = load_task(cfg.task)
+    if cfg.curve_every and not task.eval:
+        raise ConfigError(f"task.name={cfg.task.name} with task.eval_size={cfg.task.eval_size} leaves no held-out "
+                          "problems, and curve_every asks for held-out curves: set task.eval_size > 0, or "
+                          "curve_every=0 for no curves")
+    return len(task.train)
 
 
 def budget_units(epochs: float, pool: int, per_unit: int) -> int:
@@ -153,45 +165,65 @@ def _common(cfg: CompareConfig, model_path: str, run_dir: Path, seed: int, share
             "run": dataclasses.replace(cfg.run, dir=str(run_dir), checkpoint_every=0, seed=seed, **stop)}
 
 
-def _check_reachable(cfg: CompareConfig, method: str, per_unit_tokens: int, units: int, share: float) -> None:
-    """A token budget the epoch cap cannot reach is refused before any work."""
-    if cfg.budget.unit == "tokens" and units * per_unit_tokens < cfg.budget.tokens * share:
-        raise ConfigError(f"budget.tokens={cfg.budget.tokens}: {method} generates at most {per_unit_tokens} tokens per "
-                          f"{'iteration' if method == 'es' else 'step'}, {units * per_unit_tokens} within the cap "
-                          f"budget.epochs={cfg.budget.epochs:g}; raise budget.epochs or lower budget.tokens")
+def _check_reachable(cfg: CompareConfig, method: str, samples: int, max_new_tokens: int, units: int, share: float,
+                     measured: float | None = None) -> None:
+    """A token budget the epoch cap cannot reach (within budget.tolerance) is refused before any training: first at
+    max_new_tokens per completion (before any work), then at the base model's measured mean completion length."""
+    if cfg.budget.unit != "tokens":
+        return
+    unit = "iteration" if method == "es" else "step"
+    length = max_new_tokens if measured is None else min(measured, max_new_tokens)
+    reach, need = units * samples * length, cfg.budget.tokens * share * (1 - cfg.budget.tolerance)
+    if reach < need:
+        how = (f"up to {max_new_tokens} tokens per completion" if measured is None else
+               f"about {length:.0f} tokens per completion (the base model's measured mean completion length on the "
+               f"evaluation, at most {max_new_tokens})")
+        raise ConfigError(f"budget.tokens={cfg.budget.tokens}: {method} generates {samples} completions per {unit} "
+                          f"at {how}: about {reach:,.0f} tokens within the cap budget.epochs={cfg.budget.epochs:g} "
+                          f"({units} {unit}s), below {need:,.0f} (its share of the budget less "
+                          f"budget.tolerance={cfg.budget.tolerance:g}); raise budget.epochs or lower budget.tokens")
+
+
+def _held_out(cfg: CompareConfig):
+    """Every training run's held-out curve samples as the final evaluation does (eval.temperature / top_p /
+    max_new_tokens), so the curves end where the evaluation's pass@1 stands."""
+    from es_ray.core.config import HeldOutConfig
+
+    return HeldOutConfig(every=cfg.curve_every, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
+                         max_new_tokens=cfg.eval.max_new_tokens)
 
 
 def _faults(cfg: CompareConfig, cls: type):
     return cls(**dataclasses.asdict(cfg.faults))
 
 
-def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int, seed: int):
+def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int, seed: int,
+               measured: float | None = None):
     from es_ray.config import ESFaultsConfig, ESTrainConfig, validate
-    from es_ray.core.config import HeldOutConfig
 
     iterations = budget_units(epochs, pool, cfg.es.prompts_per_iteration)
     share = epochs / cfg.budget.epochs
-    per_iteration = cfg.es.population * min(cfg.es.prompts_per_iteration, pool) * cfg.es_sampling.max_new_tokens
-    _check_reachable(cfg, "es", per_iteration, iterations, share)
+    samples = cfg.es.population * min(cfg.es.prompts_per_iteration, pool)
+    _check_reachable(cfg, "es", samples, cfg.es_sampling.max_new_tokens, iterations, share, measured)
     return validate(ESTrainConfig(task=cfg.task, es=dataclasses.replace(cfg.es, iterations=iterations),
                                   sampling=cfg.es_sampling, cluster=cfg.cluster,
-                                  eval=HeldOutConfig(every=cfg.curve_every),
+                                  eval=_held_out(cfg),
                                   faults=_faults(cfg, ESFaultsConfig),
                                   **_common(cfg, model_path, run_dir, seed, share)))
 
 
-def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int, seed: int):
-    from es_ray.core.config import HeldOutConfig
+def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int, seed: int,
+                 measured: float | None = None):
     from grpo.config import GRPOClusterConfig, GRPOTrainConfig, validate_grpo
 
     steps = budget_units(epochs, pool, cfg.grpo.prompts_per_step)
     share = epochs / cfg.budget.epochs
-    per_step = cfg.grpo.prompts_per_step * cfg.grpo.group_size * cfg.grpo_sampling.max_new_tokens
-    _check_reachable(cfg, "grpo", per_step, steps, share)
+    samples = cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    _check_reachable(cfg, "grpo", samples, cfg.grpo_sampling.max_new_tokens, steps, share, measured)
     cluster = GRPOClusterConfig(**{**dataclasses.asdict(cfg.cluster), "num_actors": cfg.grpo_rollout_actors})
     return validate_grpo(GRPOTrainConfig(task=cfg.task, grpo=dataclasses.replace(cfg.grpo, steps=steps),
                                          sampling=cfg.grpo_sampling, cluster=cluster,
-                                         eval=HeldOutConfig(every=cfg.curve_every),
+                                         eval=_held_out(cfg),
                                          faults=cfg.faults, **_common(cfg, model_path, run_dir, seed, share)))
 
 
@@ -286,12 +318,12 @@ def run_stage(stage: Stage, root: Path, log: Callable[[str], None]) -> dict:
                 f"{stage.name} in {root} was done with other settings ({', '.join(changed[:8])}); its results would "
                 f"not match this command. Use a new run.dir, or delete {d} to redo that stage (and the stages after "
                 "it that use its checkpoint)")
-        log(f"es-compare: {stage.name}: done earlier, skipped")
+        log(f"{stage.name}: done earlier, skipped")
         return record
     if d.exists():
-        log(f"es-compare: {stage.name}: an earlier attempt did not finish; starting it again")
+        log(f"{stage.name}: an earlier attempt did not finish; starting it again")
         shutil.rmtree(d)
-    log(f"es-compare: {stage.name}: running")
+    log(f"{stage.name}: running")
     t0 = time.perf_counter()
     out = stage.run(stage.config())
     record = {"stage": stage.name, "kind": stage.kind, "seconds": time.perf_counter() - t0,
@@ -300,7 +332,7 @@ def run_stage(stage: Stage, root: Path, log: Callable[[str], None]) -> dict:
     tmp = d / "done.json.tmp"
     tmp.write_text(json.dumps(record, indent=2))
     tmp.replace(done)
-    log(f"es-compare: {stage.name}: finished in {record['seconds']:.0f} s")
+    log(f"{stage.name}: finished in {record['seconds']:.0f} s")
     return record
 
 
@@ -376,14 +408,37 @@ def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
     plan = {m: {s: stage_plan(cfg, m, root, pool, s) for s in cfg.seeds} for m in cfg.methods}
     (root / "compare_config.json").write_text(json.dumps(_json_safe(dataclasses.asdict(cfg)), indent=2))
     connect(cfg.cluster)
-    for seed in cfg.seeds:  # seed by seed: an interrupted comparison has whole seeds to report
-        for method in cfg.methods:
-            for stage in plan[method][seed]:
-                run_stage(stage, root, log)
+    order = [st for seed in cfg.seeds for m in cfg.methods for st in plan[m][seed]]  # seed by seed: an interrupted
+    if "base" in plan:  # comparison has whole seeds; the base evaluation first, to measure completion lengths
+        first = plan["base"][cfg.seeds[0]]
+        order = first + [st for st in order if st not in first]
+    checked = "base" not in plan or cfg.budget.unit != "tokens"
+    for i, stage in enumerate(order):
+        if stage.kind.startswith("train") and not checked:
+            measured = check_reach_measured(cfg, root, plan, pool)
+            log(f"es-compare: budget.tokens={cfg.budget.tokens} reachable by every method at the base model's "
+                f"measured {measured:.1f} tokens per completion")
+            checked = True
+        run_stage(stage, root, lambda line, i=i: log(f"es-compare: stage {i + 1}/{len(order)} {line}"))
     report = write_report(root, cfg, plan, pool)
     log_summary(root, cfg, tracker_metrics(report), "es-compare")
-    log(f"es-compare: report in {root / 'report.md'}")
+    log(f"es-compare: done; report in {root / 'report.md'} (report.json and the plots beside it)")
     return report
+
+
+def check_reach_measured(cfg: CompareConfig, root: Path, plan: dict, pool: int) -> float:
+    """The token budget's reachability at the base model's measured mean completion length (its evaluation's
+    results.json), before any training; returns that length."""
+    res = json.loads((plan["base"][cfg.seeds[0]][-1].dir(root) / "results.json").read_text())
+    lengths = [t["tokens"]["mean_per_completion"] for t in res["tasks"].values()]
+    measured = sum(lengths) / len(lengths)
+    for method in cfg.methods:
+        parts = TRAINED.get(method, ())
+        for part in parts:
+            make = _es_config if part == "es" else _grpo_config
+            make(cfg, cfg.model.path, root / "stages" / "check", cfg.budget.epochs / len(parts), pool, cfg.seeds[0],
+                 measured)
+    return measured
 
 
 _LEDGER_METRICS = ("tokens_generated", "tokens_backpropagated", "wall_s", "startup_s", "device_s",
@@ -420,8 +475,7 @@ def to_compare_config(dict_cfg: Any) -> CompareConfig:
 def _main(dict_cfg) -> None:
     from es_ray.runtime.entry import run_or_exit
 
-    report = run_or_exit("es-compare", lambda: run(to_compare_config(dict_cfg)))
-    print((Path(report["run_dir"]) / "report.md").read_text())
+    run_or_exit("es-compare", lambda: run(to_compare_config(dict_cfg)))  # its last line names the report
 
 
 def main() -> None:

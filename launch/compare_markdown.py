@@ -1,5 +1,5 @@
-"""es-compare's report.md: the tables, the uncertainty and differences, and the verdict, from report.json's data
-(``launch.compare_report.collect``)."""
+"""es-compare's report.md: the tables (means over seeds), each seed, the paired tests with their power, the budgets
+as reached and the verdict, from report.json's data (``launch.compare_report.collect``)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def markdown(rep: dict) -> str:
              "Evaluation: "
              f"n = {e['n']} samples per problem, temperature {e['temperature']}, top_p {e['top_p']}, "
              f"max_new_tokens {e['max_new_tokens']}, limit {e['limit'] or 'none'}, seed {e['seed']}.", "",
-             f"## {kk} (%)", "",
+             f"## {kk} (%): mean over seeds {rep['seeds']}", "",
              "| method | " + " | ".join(tasks) + " | average |", "|---|" + "---|" * (len(tasks) + 1)]
     for m in methods.values():
         cells = [" / ".join(_p(m["pass@k"][t][str(k)]) for k in ks) for t in tasks]
@@ -46,16 +46,20 @@ def markdown(rep: dict) -> str:
 
 def entropy_markdown(rep: dict) -> list[str]:
     tasks, methods, e = rep["tasks"], rep["methods"], rep["eval"]
-    lines = ["", "## Token entropy (nats per generated token, teacher-forced, of the sampled distribution at "
-              f"T = {e['temperature']})", "",
-              "| method | all tasks | change vs base | " + " | ".join(tasks) + " |",
-              "|---|---|---|" + "---|" * len(tasks)]
+    nucleus = e["top_p"] < 1 and e["temperature"] > 0
+    what = (f"the top_p = {e['top_p']} nucleus of softmax(logits / {e['temperature']}), renormalised: what was "
+            "sampled" if nucleus else f"softmax(logits / {e['temperature']}): what was sampled")
+    extra = [f"untruncated at T = {e['temperature']}"] * nucleus + ["T = 1 (the model's own)"]
+    lines = ["", f"## Token entropy (nats per generated token, teacher-forced; {what}; mean over the seeds)", "",
+             "| method | all tasks | change vs base | " + " | ".join(tasks) + " | " + " | ".join(extra) + " |",
+             "|---|---|---|" + "---|" * (len(tasks) + len(extra))]
     before = rep["entropy_before"]
     for m in methods.values():
         now = m["entropy"]["mean_per_token"]
         delta = "-" if before is None or now is None else f"{now - before:+.3f}"
+        beside = ([_f(m["entropy"].get("untruncated"))] if nucleus else []) + [_f(m["entropy"].get("t1"))]
         lines.append(f"| {m['label']} | {_f(now)} | {delta} | "
-                     + " | ".join(_f(m["entropy"]["per_task"][t]) for t in tasks) + " |")
+                     + " | ".join(_f(m["entropy"]["per_task"][t]) for t in tasks) + " | " + " | ".join(beside) + " |")
     return lines
 
 
@@ -101,10 +105,10 @@ def drift_markdown(rep: dict) -> list[str]:
 
 def compute_markdown(rep: dict) -> list[str]:
     ks, methods = rep["k"], rep["methods"]
-    lines = ["", "## Compute ledger (measured)", "",
-              f"Budget matched in {rep['budget']['unit']} ({_budget(rep['budget'])} per method).", "",
-              "| method | tokens generated | tokens back-propagated | wall s | device-s | peak RSS per process GiB "
-              "| peak GPU GiB | held-out pass@1 gained per 1000 device-s |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["", f"## Compute ledger (measured; seed {rep['seeds'][0]}'s runs)", ""] + budget_markdown(rep) + [
+        "", "| method | tokens generated | tokens back-propagated | wall s | training device-s | start-up device-s "
+        "| checkpoint + held-out device-s | peak RSS per process GiB | peak GPU GiB "
+        "| held-out pass@1 gained per 1000 device-s |", "|---|---|---|---|---|---|---|---|---|---|"]
     base_p1 = methods.get("base", {}).get("average", {}).get(str(ks[0]))
     for m in methods.values():
         led = m["ledger"]
@@ -112,15 +116,46 @@ def compute_markdown(rep: dict) -> list[str]:
             continue
         gain = (None if base_p1 is None or not led["device_s"] else
                 1000 * (m["average"][str(ks[0])] - base_p1) / led["device_s"])
+        apart = led.get("device_s_apart") or {}
         lines.append(f"| {m['label']} | {led['tokens_generated']:,} | {led['tokens_backpropagated']:,} | "
-                     f"{led['wall_s']:.0f} | {led['device_s']:.0f} {led['device']} | "
-                     f"{_gib(led['peak_rss_bytes_max'])} | {_gib(led['peak_gpu_bytes_max'])} | "
+                     f"{led['wall_s']:.0f} | {_secs(led['device_s'])} {led['device']} | "
+                     f"{_secs(apart.get('startup'))} | "
+                     f"{_secs(apart.get('checkpoint', 0.0) + apart.get('held_out', 0.0) if apart else None)} "
+                     f"| {_gib(led['peak_rss_bytes_max'])} | {_gib(led['peak_gpu_bytes_max'])} | "
                      f"{_f(None if gain is None else 100 * gain, '{:+.2f}')} points |")
     lines += ["", compute_answer(methods)]
     lines += ["", "device-s: for every actor, the devices it held (GPUs, or CPU cores on a CPU-only actor) times the "
-              "seconds it was held, summed (es_ray.runtime.ledger, the same code for every method). Peak memory: the "
-              "largest peak resident set of any actor process of the run (and its peak GPU allocation).", "",
+              "seconds it was held, summed (es_ray.runtime.ledger, the same code for every method); training "
+              "device-s leave out start-up (placing actors, loading models), checkpoint writes and held-out "
+              "scoring, shown apart. Peak memory: the largest peak resident set of any actor process of the run "
+              "(and its peak GPU allocation).", "",
               "Plots: " + ", ".join(f"`{p}`" for p in rep.get("plots", [])), ""]
+    return lines
+
+
+def _secs(x) -> str:
+    return "-" if x is None else f"{x:.1f}" if x < 100 else f"{x:,.0f}"
+
+
+def budget_markdown(rep: dict) -> list[str]:
+    """The budget each training run reached, every seed: matched within the tolerance, or not, with both figures."""
+    b = rep["budget"]
+    if b["unit"] == "epochs":
+        return [f"Budget: {_budget(b)} per method in prompts seen (every run makes its planned iterations/steps)."]
+    unit = "tokens" if b["unit"] == "tokens" else "training device-s"
+    lines = [f"Budget as reached ({unit}; matched when within +-{100 * b['tolerance']:g}% of the budget; each run "
+             "stops at the step that lands closest to it, or at its epoch cap):", "",
+             f"| method | seed | run | budget | reached | reached / budget | matched | stopped by |",
+             "|---|---|---|---|---|---|---|---|"]
+    for seed, per in rep["per_seed"].items():
+        for method, e in per.items():
+            br = e.get("budget_reached")
+            for part in (br or {}).get("parts", []):
+                fmt = "{:,.0f}" if b["unit"] == "tokens" else "{:.1f}"
+                lines.append(f"| {LABELS[method]} | {seed} | {part['stage']} | {fmt.format(part['budget'])} | "
+                             f"{fmt.format(part['used'])} | {_f(part['ratio'], '{:.2f}')} | "
+                             f"{'yes' if part['matched'] else '**not matched**'} | "
+                             f"{'**epoch cap** (budget.epochs)' if part['epoch_cap'] else 'budget'} |")
     return lines
 
 
@@ -128,37 +163,84 @@ def _iv(x) -> str:
     return f"[{_p(x[0])}, {_p(x[1])}]"
 
 
+def _pts(x, scale: float = 100.0, unit: str = " points") -> str:
+    return "-" if x is None else f"{scale * x:+.1f}{unit}" if scale == 100.0 else f"{x:+.3f}{unit}"
+
+
+def _test_cells(t: dict) -> tuple[str, str, str]:
+    """(difference [interval], verdict, detectable size) of one paired test, in points (pass@k) or nats."""
+    pct = t["metric"] != "entropy"
+    f = (lambda x: f"{100 * x:+.1f}") if pct else (lambda x: f"{x:+.3f}")
+    unit = " points" if pct else " nats"
+    first, second = LABELS[t["a"]], LABELS[t["b"]]
+    diff = f"{f(t['diff'])} [{f(t['low'])}, {f(t['high'])}]"
+    det = "-" if t["detectable"] is None else f"{f(t['detectable']).lstrip('+')}{unit}"
+    if t["separable"]:
+        verdict = f"{first if t['diff'] > 0 else second} higher"
+    elif t["detectable"] is None:
+        verdict = "no difference on any problem (no variance to size a detectable one)"
+    else:
+        verdict = f"no separable difference (could detect {det} at 80% power)"
+    return diff, verdict, det
+
+
+def _needed(t: dict) -> str:
+    """The problems (or, failing that, seeds) the paper's gaps would need, for a pass@k test."""
+    out = []
+    for g, n in t["problems_needed"].items():
+        s = t["seeds_needed"][g]
+        out.append(f"{100 * float(g):g} points: {n:,} problems" if n is not None else
+                   f"{100 * float(g):g} points: {s} seeds" if s is not None else
+                   f"{100 * float(g):g} points: more seeds")
+    return "; ".join(out)
+
+
 def uncertainty_markdown(rep: dict) -> list[str]:
-    """Mean +- std over seeds with the bootstrap interval, and the differences the intervals support."""
+    """Each seed's average pass@k beside the mean, and every paired test with its power."""
     ks, seeds, iv = rep["k"], rep["seeds"], rep["intervals"]
-    lines = ["", f"## Uncertainty: average {'/'.join(f'Pass@{k}' for k in ks)} over tasks (%)", "",
-             f"Mean +- std over seeds {seeds} (the first seed's run is the one the other tables show), and the 95% "
-             "bootstrap interval over problems with the seeds pooled.", "",
-             "| method | " + " | ".join(f"Pass@{k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
+    head = [f"seed {s}" for s in seeds]
+    lines = ["", f"## Per seed: average {'/'.join(f'Pass@{k}' for k in ks)} over tasks (%)", "",
+             "The tables above show the mean over the seeds; each seed's run here, and the 95% bootstrap interval "
+             "over problems of the mean (descriptive; differences are tested paired, below).", "",
+             "| method | " + " | ".join(head) + " | mean +- std | interval over problems |",
+             "|---|" + "---|" * (len(seeds) + 2)]
     for method, m in rep["methods"].items():
+        per = [" / ".join(_p(rep["per_seed"][str(s)][method]["average"][str(k)]) for k in ks) for s in seeds]
         acr = rep["across_seeds"][method]["average"]
-        cells = [f"{_p(acr[str(k)]['mean'])} +- {_p(acr[str(k)]['std'])} "
-                 + (_iv(iv[method]["average"][str(k)]) if method in iv else "") for k in ks]
-        lines.append(f"| {m['label']} | " + " | ".join(cells) + " |")
-    if rep["differences"]:
-        lines += ["", "Differences (called only when the two 95% intervals do not overlap):", "",
-                  "| compared | k | first | second | verdict |", "|---|---|---|---|---|"]
-        for d in rep["differences"]:
-            a, b = LABELS[d["a"]], LABELS[d["b"]]
-            verdict = {1: f"{a} higher", -1: f"{b} higher", 0: "not separable (intervals overlap)"}[d["separated"]]
-            lines.append(f"| {a} vs {b} | {d['k']} | {_iv(d['a_interval'])} | {_iv(d['b_interval'])} | {verdict} |")
+        spread = " / ".join(f"{_p(acr[str(k)]['mean'])} +- {_p(acr[str(k)]['std'])}" for k in ks)
+        ivs = " / ".join(_iv(iv[method]["average"][str(k)]) for k in ks) if method in iv else "-"
+        lines.append(f"| {m['label']} | " + " | ".join(per) + f" | {spread} | {ivs} |")
+    cmp = rep["comparisons"]
+    lines += ["", "## Paired differences (first minus second)", ""]
+    if not cmp["tests"]:
+        return lines + [f"No paired test: {cmp.get('why', 'fewer than two methods')}.", ""]
+    probs = ", ".join(f"{t} {n}" for t, n in rep["problems"].items())
+    lines += [f"Every pair of methods ({cmp['pairs']} pairs) at every k (average pass@k over the tasks, each task "
+              "weighted equally) and on the mean token entropy per problem: the per-problem difference resampled "
+              f"over problems (per task: {probs}) and over the seeds ({len(seeds)}), 2000 draws; p two-sided. "
+              f"Family: all {len(cmp['tests'])} tests of this table ({', '.join(cmp['family'])}), Holm-corrected "
+              f"at {cmp['alpha']:g}. Detectable: the smallest difference each test finds with 80% power at "
+              "alpha 0.05 with these problems and seeds (from the observed per-problem and per-seed variance); "
+              "needed: the problems (at these seeds) or seeds (at these problems) the paper's 2 and 6 point "
+              "Pass@16 gaps would need.", "",
+              "| compared | metric | difference [95% interval] | p | Holm p | verdict | needed for 2 / 6 points |",
+              "|---|---|---|---|---|---|---|"]
+    for t in cmp["tests"]:
+        diff, verdict, _ = _test_cells(t)
+        lines.append(f"| {LABELS[t['a']]} - {LABELS[t['b']]} | {t['metric']} | {diff} | {t['p']:.2g} | "
+                     f"{t['p_holm']:.2g} | {verdict} | {_needed(t) if t['metric'] != 'entropy' else '-'} |")
     return lines
 
 
-def _difference(rep: dict, a: str, b: str, k: int) -> tuple[str, str]:
-    """(numbers, verdict) of the interval comparison of methods a and b at pass@k."""
-    d = next((x for x in rep["differences"] if x["a"] == a and x["b"] == b and x["k"] == k), None)
-    if d is None:
+def _difference(rep: dict, a: str, b: str, k) -> tuple[str, str]:
+    """(numbers, verdict) of the paired test of methods a and b at pass@k (k None: entropy)."""
+    from launch.compare_report import find_test
+
+    t = find_test(rep, a, b, f"pass@{k}" if k is not None else "entropy")
+    if t is None:
         return "-", "not run"
-    la, lb = LABELS[a], LABELS[b]
-    nums = f"{la} {_iv(d['a_interval'])} vs {lb} {_iv(d['b_interval'])}"
-    return nums, {1: f"{la} higher (intervals separate)", -1: f"{lb} higher (intervals separate)",
-                  0: "no separable difference"}[d["separated"]]
+    diff, verdict, _ = _test_cells(t)
+    return f"{LABELS[a]} - {LABELS[b]} = {diff}, Holm p {t['p_holm']:.2g}", verdict
 
 
 def _spread(rep: dict, method: str, key: str) -> str:
@@ -177,22 +259,15 @@ def verdict_markdown(rep: dict) -> list[str]:
     rows.append(("coverage at large k (paper: ES above GRPO at Pass@16/32)", f"Pass@{large}: {nums}", verdict))
     nums, verdict = _difference(rep, "es", "grpo", small)
     rows.append((f"Pass@{small} (paper: GRPO at or above ES)", f"Pass@{small}: {nums}", verdict))
-    ent = {k: (m.get(k) or {}).get("entropy", {}).get("mean_per_token") for k in ("base", "es", "grpo")}
-    if all(v is not None for v in ent.values()):
-        e_es, e_grpo = ent["es"] - ent["base"], ent["grpo"] - ent["base"]
-        sds = [rep["across_seeds"][k]["entropy"]["std"] for k in ("es", "grpo")]
-        clear = len(rep["seeds"]) > 1 and abs(e_es - e_grpo) > 2 * max(sds)
-        rows.append(("entropy (paper: GRPO collapses it, ES keeps it near the base)",
-                     f"change vs base: ES {e_es:+.3f}, GRPO {e_grpo:+.3f} nats (ES {_spread(rep, 'es', 'entropy')}; "
-                     f"GRPO {_spread(rep, 'grpo', 'entropy')})",
-                     ("ES keeps more entropy than GRPO" if e_es > e_grpo else "GRPO keeps more entropy than ES")
-                     + (" (gap above 2 std over seeds)" if clear else
-                        " (not separable: one seed, or within 2 std over seeds)")))
+    nums, verdict = _difference(rep, "es", "grpo", None)
+    if nums != "-":
+        nums += f" (ES {_spread(rep, 'es', 'entropy')}; GRPO {_spread(rep, 'grpo', 'entropy')})"
+    rows.append(("entropy (paper: GRPO collapses it, ES keeps it near the base)", nums, verdict))
     ratio = rep["drift_l2_ratio_es_over_grpo"]
     null = ((m.get("es") or {}).get("drift") or {}).get("null")
     rows.append(("L2 distance (paper: ES 40.7-44.1x GRPO)", f"ES / GRPO = {_f(ratio, '{:.1f}')}x; ES L2 "
                  f"{_spread(rep, 'es', 'drift_l2')}, null model {_f((null or {}).get('l2'), '{:.4g}')}",
-                 "ES moves farther" if ratio and ratio > 1 else "ES does not move farther" if ratio else "-"))
+                 _drift_verdict(rep, ratio)))
     sparsity = null_verdict(m, rep["thresholds"])
     rows.append(("functional sparsity (paper: most ES updates tiny)", sparsity[0] if sparsity else "-",
                  "set by the step sizes (null model)" if sparsity and "alone give" in sparsity[0] else
@@ -203,10 +278,26 @@ def verdict_markdown(rep: dict) -> list[str]:
     lines = ["## Verdict: the paper's effects in this run", "",
              "| effect | this run | verdict |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    lines += ["", "A difference is called only where the 95% bootstrap intervals over problems separate (or, for "
-              "entropy, the gap exceeds twice the spread over seeds); with one seed and few problems most gaps are "
-              "within the noise, and the verdict says so.", ""]
+    lines += ["", "A difference is called only where the paired test over problems and seeds rejects after Holm's "
+              "correction over the whole family; 'no separable difference' names the smallest difference that test "
+              "could have found (80% power), so a reader can tell no effect from one too small for this run. L2: "
+              "paired over the seeds' runs (one value per seed).", ""]
     return lines
+
+
+def _drift_verdict(rep: dict, ratio) -> str:
+    t = rep.get("drift_test")
+    if not ratio:
+        return "-"
+    moved = "ES moves farther" if ratio > 1 else "ES does not move farther"
+    if not t or "diff" not in t:
+        return f"{moved} ({(t or {}).get('why', 'no test')})"
+    sep = t["p"] < ALPHA_DRIFT and (t["low"] > 0 or t["high"] < 0)
+    return (f"{moved}: ES - GRPO L2 {t['diff']:+.3g} [{t['low']:+.3g}, {t['high']:+.3g}] over {t['seeds']} seeds, "
+            + ("separable" if sep else "not separable over these seeds"))
+
+
+ALPHA_DRIFT = 0.05
 
 
 def _budget(b: dict) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from es_ray.eval.passk import pass_at_k
+from es_ray.held_out import BASE_POINT
 
 LABELS = {"base": "Base", "es": "ES", "grpo": "GRPO", "es_grpo": "ES->GRPO", "grpo_es": "GRPO->ES"}
 
@@ -40,56 +41,86 @@ def passk_curves(samples: list[dict], n: int) -> dict[str, list[float]]:
 
 
 def method_ledger(cfg, root: Path, parts: list[tuple[str, str]]) -> dict | None:
-    """Sum of the measured ledgers of a method's training runs ([(stage name, es|grpo)]); peaks are maxima."""
+    """Sum of the measured ledgers of a method's training runs ([(stage name, es|grpo)]); peaks are maxima.
+    ``device_s`` counts the training steps only; start-up, checkpoint writes and held-out scoring are apart."""
     if not parts:
         return None
     out = {"tokens_generated": 0, "tokens_backpropagated": 0, "wall_s": 0.0, "startup_s": 0.0, "device_s": 0.0,
-           "device": None, "peak_rss_bytes_max": 0, "peak_gpu_bytes_max": None, "phase_seconds": {}, "parts": []}
+           "device_s_held": 0.0, "device_s_apart": {}, "device": None, "peak_rss_bytes_max": 0,
+           "peak_gpu_bytes_max": None, "phase_seconds": {}, "parts": []}
     for stage, kind in parts:
         led = _read_json(root / "stages" / stage / "ledger.json")
         if led is None:
             raise FileNotFoundError(f"{root / 'stages' / stage / 'ledger.json'} is missing: the training stage "
                                     f"{stage} did not write its ledger; delete its done.json to run it again")
+        # measured by the runtime's ledger, the same way for every method (a ledger written before training
+        # device-seconds were kept apart counts everything held)
+        training = led.get("device_seconds_training", led["device_seconds"])
         out["tokens_generated"] += led["tokens_generated"]
         out["tokens_backpropagated"] += led["tokens_backpropagated"]
         out["wall_s"] += led["wall_s"]
         out["startup_s"] += led["startup_s"] or 0.0
-        out["device_s"] += led["device_seconds"]  # measured by the runtime's ledger, the same way for every method
+        out["device_s"] += training
+        out["device_s_held"] += led["device_seconds"]
+        for k, v in (led.get("device_seconds_apart") or {}).items():
+            out["device_s_apart"][k] = out["device_s_apart"].get(k, 0.0) + v
         out["device"] = led["device_kind"].upper()
         out["peak_rss_bytes_max"] = max(out["peak_rss_bytes_max"], led["peak_rss_bytes_max"] or 0)
         if led.get("peak_gpu_bytes_max"):
             out["peak_gpu_bytes_max"] = max(out["peak_gpu_bytes_max"] or 0, led["peak_gpu_bytes_max"])
-        for phase, s in led["phase_seconds"].items():
-            out["phase_seconds"][phase] = out["phase_seconds"].get(phase, 0.0) + s
+        for phase, sec in led["phase_seconds"].items():
+            out["phase_seconds"][phase] = out["phase_seconds"].get(phase, 0.0) + sec
         out["parts"].append({"stage": stage, "method": kind, "steps": led["steps"], "wall_s": led["wall_s"],
-                             "tokens_generated": led["tokens_generated"],
+                             "tokens_generated": led["tokens_generated"], "device_s": training,
                              "tokens_backpropagated": led["tokens_backpropagated"],
+                             "stop_reason": led.get("stop_reason"), "finished": led["finished"],
                              "peak_rss_bytes_max": led["peak_rss_bytes_max"],
                              "peak_gpu_bytes_max": led.get("peak_gpu_bytes_max")})
     return out
 
 
-def training_rows(root: Path, parts: list[tuple[str, str]], pool: int, cfg) -> list[tuple[float, dict]]:
-    """(epochs seen, metrics row) per iteration/step of a method's training run(s), the parts of a sequential
-    method end to end: read once, for both curves."""
+def budget_reached(cfg, ledger: dict | None, parts: int) -> dict | None:
+    """The budget as each training part reached it: figure used, budget, ratio, matched within budget.tolerance,
+    and whether the part stopped at its epoch cap (ran every step without the budget stopping it)."""
+    b = cfg.budget
+    if ledger is None or b.unit == "epochs":
+        return None
+    key = "tokens_generated" if b.unit == "tokens" else "device_s"
+    budget = (b.tokens if b.unit == "tokens" else b.device_seconds) / parts
+    rows = []
+    for part in ledger["parts"]:
+        used = part[key]
+        ratio = used / budget if budget else None
+        rows.append({"stage": part["stage"], "used": used, "budget": budget, "ratio": ratio,
+                     "matched": ratio is not None and abs(ratio - 1) <= b.tolerance,
+                     "epoch_cap": part["finished"] and part["stop_reason"] == ""})  # None: not recorded
+    return {"unit": b.unit, "tolerance": b.tolerance, "parts": rows, "matched": all(r["matched"] for r in rows)}
+
+
+def training_rows(root: Path, parts: list[tuple[str, str]], pool: int, cfg) -> list[tuple[float, dict, str]]:
+    """(epochs seen, metrics row, es|grpo) per iteration/step of a method's training run(s), the parts of a
+    sequential method end to end: read once, for both curves."""
     out, offset = [], 0.0
     for stage, kind in parts:
         per_unit = cfg.es.prompts_per_iteration if kind == "es" else cfg.grpo.prompts_per_step
         rows = [r for r in _read_jsonl(root / "stages" / stage / "metrics.jsonl") if r.get("reward/mean") is not None]
-        out += [(offset + (i + 1) * per_unit / pool, r) for i, r in enumerate(rows)]
+        out += [(offset + (i + 1) * per_unit / pool, r, kind) for i, r in enumerate(rows)]
         offset += len(rows) * per_unit / pool
     return out
 
 
-def reward_curve(rows: list[tuple[float, dict]]) -> list[tuple[float, float]]:
-    """(epochs seen, mean training reward) per iteration/step."""
-    return [(x, float(r["reward/mean"])) for x, r in rows]
+def reward_curve(rows: list[tuple[float, dict, str]]) -> list[tuple[float, float, str]]:
+    """(epochs seen, mean training reward, es|grpo) per iteration/step: ES's is the mean over the population's
+    perturbed members (es_sampling), GRPO's over its sampled groups (grpo_sampling): not the same measurement."""
+    return [(x, float(r["reward/mean"]), kind) for x, r, kind in rows]
 
 
-def held_out_curve(rows: list[tuple[float, dict]]) -> list[tuple[float, float, float]]:
-    """(epochs seen, held-out pass@1, held-out entropy) at each eval.every row."""
-    return [(x, float(r["eval/pass_at_1"]), r.get("eval/entropy")) for x, r in rows
-            if r.get("eval/pass_at_1") is not None]
+def held_out_curve(rows: list[tuple[float, dict, str]], base: dict | None = None) -> list[tuple[float, float, float]]:
+    """(epochs seen, held-out pass@1, held-out entropy) at each eval.every row, from the base weights' point (the
+    first training run's held_out_base.json) on; the same scoring for every method."""
+    first = [(0.0, float(base["pass_at_1"]), base.get("entropy"))] if base and base.get("pass_at_1") is not None else []
+    return first + [(x, float(r["eval/pass_at_1"]), r.get("eval/entropy")) for x, r, _ in rows
+                    if r.get("eval/pass_at_1") is not None]
 
 
 def across_seeds(per_seed: dict, ks: list[int]) -> dict:
@@ -109,50 +140,133 @@ def across_seeds(per_seed: dict, ks: list[int]) -> dict:
     return out
 
 
-def intervals(root: Path, cfg, plan: dict) -> dict:
-    """95% bootstrap intervals over problems of each method's pass@k, per task and for the average over tasks; a
-    problem's pass@k is averaged over the seeds first (the problems are the same for every seed)."""
+def per_problem(root: Path, cfg, plan: dict) -> dict:
+    """Per method, the per-problem scores of every seed on the problems every method and seed answered:
+    {"problems": {task: ids}, "methods": {method: {"pass": {task: (seeds, problems, len(k))},
+    "entropy": {task: (seeds, problems)}}}} (entropy: mean per generated token of a problem's samples; NaN where
+    none was scored), from each evaluation's samples.jsonl. Methods without samples.jsonl are left out."""
+    n, ks, tasks = int(cfg.eval.n), [int(k) for k in cfg.eval.k], list(cfg.eval.tasks)
+    raw: dict = {}
+    for method, by_seed in plan.items():
+        seeds = []
+        for stages in by_seed.values():
+            rows = _read_jsonl(root / "stages" / _stage(stages, "eval").name / "samples.jsonl")
+            per: dict = {t: {} for t in tasks}
+            for s in rows:
+                c = per[s["task"]].setdefault(s["problem"], [0, 0.0, 0])
+                c[0] += int(bool(s["correct"]))
+                c[1] += float(s.get("entropy_sum") or 0.0)
+                c[2] += int(s.get("entropy_tokens") or 0)
+            seeds.append(per)
+        if all(seed[t] for seed in seeds for t in tasks):  # else samples.jsonl not kept (eval.save_samples=false)
+            raw[method] = seeds
+    common = {t: sorted(set.intersection(*[set(seed[t]) for seeds in raw.values() for seed in seeds]))
+              for t in tasks} if raw else {t: [] for t in tasks}
+    out = {"problems": common, "methods": {}}
+    for method, seeds in raw.items():
+        out["methods"][method] = {
+            "pass": {t: np.array([[[pass_at_k(n, seed[t][p][0], k) for k in ks] for p in common[t]]
+                                  for seed in seeds]).reshape(len(seeds), len(common[t]), len(ks)) for t in tasks},
+            "entropy": {t: np.array([[seed[t][p][1] / seed[t][p][2] if seed[t][p][2] else np.nan for p in common[t]]
+                                     for seed in seeds]).reshape(len(seeds), len(common[t])) for t in tasks}}
+    return out
+
+
+def intervals(pp: dict, ks: list[int]) -> dict:
+    """95% bootstrap intervals over problems of each method's pass@k (a problem's pass@k averaged over the seeds
+    first), per task and for the average over tasks: descriptive; differences are tested paired (``comparisons``)."""
     from es_ray.eval.bootstrap import interval, interval_of_task_means
 
-    n, ks, tasks = int(cfg.eval.n), [int(k) for k in cfg.eval.k], list(cfg.eval.tasks)
     out = {}
-    for method, by_seed in plan.items():
-        per_task: dict[str, dict[int, list[list[float]]]] = {t: {} for t in tasks}
-        for stages in by_seed.values():
-            correct: dict[str, dict[int, int]] = {t: {} for t in tasks}
-            for s in _read_jsonl(root / "stages" / _stage(stages, "eval").name / "samples.jsonl"):
-                c = correct[s["task"]]
-                c[s["problem"]] = c.get(s["problem"], 0) + int(bool(s["correct"]))
-            for t in tasks:
-                for p, c in correct[t].items():
-                    per_task[t].setdefault(p, []).append([pass_at_k(n, c, k) for k in ks])
-        if not all(per_task[t] for t in tasks):  # samples.jsonl not kept (eval.save_samples=false)
+    for method, m in pp["methods"].items():
+        values = {t: v.mean(axis=0) for t, v in m["pass"].items()}
+        if not all(len(v) for v in values.values()):
             continue
-        values = {t: np.array([np.mean(v, axis=0) for _, v in sorted(per_task[t].items())]) for t in tasks}
-        out[method] = {
-            "tasks": {t: {str(k): list(interval(values[t][:, j])) for j, k in enumerate(ks)} for t in tasks},
-            "average": {str(k): list(interval_of_task_means([values[t][:, j] for t in tasks]))
-                        for j, k in enumerate(ks)},
-        }
+        out[method] = {"tasks": {t: {str(k): list(interval(v[:, j])) for j, k in enumerate(ks)}
+                                 for t, v in values.items()},
+                       "average": {str(k): list(interval_of_task_means([v[:, j] for v in values.values()]))
+                                   for j, k in enumerate(ks)}}
     return out
 
 
 COMPARED = (("es", "base"), ("grpo", "base"), ("es", "grpo"), ("es_grpo", "grpo"), ("grpo_es", "es"),
             ("es_grpo", "grpo_es"))
+PAPER_GAPS = (0.02, 0.06)
+"""The paper's Pass@16 gaps between methods (2 to 6 points): the effects whose needed problems are reported."""
+ALPHA = 0.05
 
 
-def differences(iv: dict, ks: list[int]) -> list[dict]:
-    """For each compared pair and k: both intervals of the average pass@k and whether they separate."""
-    from es_ray.eval.bootstrap import separated
+def method_pairs(methods: list[str]) -> list[tuple[str, str]]:
+    """Every pair of the methods run, as (first, second) with difference first - second: the pairs the verdict
+    reads first (COMPARED), then the rest in METHODS order (later minus earlier)."""
+    pairs = [p for p in COMPARED if p[0] in methods and p[1] in methods]
+    for i, x in enumerate(methods):
+        for y in methods[i + 1:]:
+            if (x, y) not in pairs and (y, x) not in pairs:
+                pairs.append((y, x))
+    return pairs
 
-    out = []
-    for a, b in COMPARED:
-        if a in iv and b in iv:
-            for k in ks:
-                ia, ib = iv[a]["average"][str(k)], iv[b]["average"][str(k)]
-                out.append({"a": a, "b": b, "k": k, "a_interval": ia, "b_interval": ib,
-                            "separated": separated(tuple(ia), tuple(ib))})
-    return out
+
+def comparisons(pp: dict, ks: list[int], tasks: list[str]) -> dict:
+    """Every pair of methods at every k (average pass@k over tasks, tasks weighted equally) and on entropy, as
+    paired differences over problems and seeds with Holm's correction over that whole family, and the power of
+    each (es_ray.eval.paired)."""
+    from es_ray.eval.paired import holm, paired_difference_tasks, power
+
+    methods = list(pp["methods"])
+    tests = []
+    if min((len(v) for v in pp["problems"].values()), default=0) < 2:
+        return {"family": [], "tests": [], "why": "fewer than two problems answered by every method and seed of "
+                "some task (or eval.save_samples=false): no paired test"}
+    for x, y in method_pairs(methods):
+        mx, my = pp["methods"][x], pp["methods"][y]
+        for j, k in enumerate(ks):
+            pairs = [(my["pass"][t][..., j], mx["pass"][t][..., j]) for t in tasks]
+            tests.append(_test(x, y, f"pass@{k}", k, pairs, paired_difference_tasks, power))
+        pairs = []
+        for t in tasks:  # problems whose samples were scored in both methods and every seed
+            ok = np.isfinite(mx["entropy"][t]).all(axis=0) & np.isfinite(my["entropy"][t]).all(axis=0)
+            pairs.append((my["entropy"][t][:, ok], mx["entropy"][t][:, ok]))
+        if all(a.shape[1] >= 2 for a, _ in pairs):
+            tests.append(_test(x, y, "entropy", None, pairs, paired_difference_tasks, power))
+    for t, adj in zip(tests, holm([t["p"] for t in tests])):
+        t["p_holm"] = adj
+        t["separable"] = adj < ALPHA
+    family = sorted({t["metric"] for t in tests}, key=lambda m: (m == "entropy", len(m), m))
+    return {"family": family, "tests": tests, "alpha": ALPHA, "pairs": len(method_pairs(methods))}
+
+
+def _test(x: str, y: str, metric: str, k, pairs, test, power) -> dict:
+    r = test(pairs)
+    pw = power(pairs)
+    return {"a": x, "b": y, "metric": metric, "k": k, "diff": r.diff, "low": r.low, "high": r.high, "p": r.p,
+            "problems": r.problems, "seeds": r.seeds, "detectable": pw.detectable,
+            "problems_needed": {f"{g:g}": pw.problems_needed(g) for g in PAPER_GAPS},
+            "seeds_needed": {f"{g:g}": pw.seeds_needed(g) for g in PAPER_GAPS}}
+
+
+def find_test(rep: dict, a: str, b: str, metric: str) -> dict | None:
+    """The comparison of a and b on a metric, oriented a - b (a stored b - a is flipped)."""
+    for t in rep["comparisons"]["tests"]:
+        if t["metric"] == metric and (t["a"], t["b"]) in ((a, b), (b, a)):
+            if t["a"] == a:
+                return t
+            return {**t, "a": a, "b": b, "diff": -t["diff"], "low": -t["high"], "high": -t["low"]}
+    return None
+
+
+def drift_comparison(per_seed: dict) -> dict | None:
+    """ES vs GRPO L2 drift, paired over seeds (one L2 per seed's run): the seeds are the only level here."""
+    from es_ray.eval.paired import paired_difference
+
+    l2 = {m: [(rep["methods"].get(m, {}).get("drift") or {}).get("l2") for rep in per_seed.values()]
+          for m in ("es", "grpo")}
+    if any(v is None for vals in l2.values() for v in vals) or not all(l2.values()):
+        return None
+    if len(l2["es"]) < 2:
+        return {"seeds": 1, "why": "one seed: the seeds' spread is unknown, no test"}
+    r = paired_difference(np.array(l2["grpo"]), np.array(l2["es"]))
+    return {"seeds": len(l2["es"]), "diff": r.diff, "low": r.low, "high": r.high, "p": r.p}
 
 
 def es_null(root: Path, stage: str, total: dict, thresholds) -> dict:
@@ -171,16 +285,44 @@ def es_null(root: Path, stage: str, total: dict, thresholds) -> dict:
 
 
 def collect(root: Path, cfg, plan: dict, pool: int) -> dict:
-    """The first seed's full report (tables and plots), plus mean +- std over every seed, bootstrap intervals over
-    problems (seeds pooled) and the differences those intervals support. ``plan``: {method: {seed: stages}}."""
+    """The report: point estimates averaged over the seeds (each seed's beside them), the first seed's details
+    (drift histograms, curves, ledger), and the paired tests of every pair of methods over problems and seeds.
+    ``plan``: {method: {seed: stages}}."""
     seeds = list(cfg.seeds)
     per_seed = {s: collect_seed(root, cfg, {m: plan[m][s] for m in plan}, pool) for s in seeds}
     rep = per_seed[seeds[0]]
     rep["seeds"] = seeds
     rep["across_seeds"] = across_seeds(per_seed, rep["k"])
-    rep["intervals"] = intervals(root, cfg, plan)
-    rep["differences"] = differences(rep["intervals"], rep["k"])
+    rep["per_seed"] = {str(s): {m: {"average": e["average"], "entropy": e["entropy"]["mean_per_token"],
+                                    "drift_l2": (e.get("drift") or {}).get("l2"), "ledger": e["ledger"],
+                                    "budget_reached": e["budget_reached"]}
+                                for m, e in r["methods"].items()} for s, r in per_seed.items()}
+    for method, entry in rep["methods"].items():  # the tables' point estimates: means over the seeds
+        entries = [r["methods"][method] for r in per_seed.values()]
+        entry["pass@k"] = {t: {k: _mean([e["pass@k"][t][k] for e in entries]) for k in v}
+                           for t, v in entry["pass@k"].items()}
+        entry["average"] = {k: _mean([e["average"][k] for e in entries]) for k in entry["average"]}
+        entry["passk_curve"] = {t: np.mean([e["passk_curve"][t] for e in entries], axis=0).tolist()
+                                for t in entry["passk_curve"] if all(t in e["passk_curve"] for e in entries)}
+        for key in ("mean_per_token", "untruncated", "t1"):
+            entry["entropy"][key] = _mean([e["entropy"][key] for e in entries])
+        entry["entropy"]["per_task"] = {t: _mean([e["entropy"]["per_task"][t] for e in entries])
+                                        for t in entry["entropy"]["per_task"]}
+    base = rep["methods"].get("base")
+    rep["entropy_before"] = base["entropy"]["mean_per_token"] if base else None
+    l2 = {m: rep["across_seeds"][m]["drift_l2"]["mean"] for m in ("es", "grpo") if m in rep["across_seeds"]}
+    rep["drift_l2_ratio_es_over_grpo"] = l2["es"] / l2["grpo"] if l2.get("es") and l2.get("grpo") else None
+    pp = per_problem(root, cfg, plan)
+    rep["problems"] = {t: len(v) for t, v in pp["problems"].items()}
+    rep["intervals"] = intervals(pp, rep["k"])
+    rep["comparisons"] = comparisons(pp, rep["k"], rep["tasks"])
+    rep["drift_test"] = drift_comparison(per_seed)
     return rep
+
+
+def _mean(values):
+    v = [x for x in values if x is not None]
+    return float(np.mean(v)) if v else None
 
 
 def _stage(stages: list, kind: str):
@@ -195,6 +337,7 @@ def collect_seed(root: Path, cfg, plan: dict, pool: int) -> dict:
     for method, stages in plan.items():
         parts = [(s.name, "es" if s.kind == "train_es" else "grpo") for s in stages if s.kind.startswith("train")]
         rows = training_rows(root, parts, pool, cfg)
+        ledger = method_ledger(cfg, root, parts)
         eval_dir = root / "stages" / _stage(stages, "eval").name
         ev = _read_json(eval_dir / "results.json")
         if ev is None:
@@ -207,11 +350,15 @@ def collect_seed(root: Path, cfg, plan: dict, pool: int) -> dict:
             "label": LABELS[method], "pass@k": per_task, "average": average,
             "entropy": {"mean_per_token": ent.get("mean_per_token"),
                         "per_task": {t: (ev["tasks"][t].get("entropy") or {}).get("mean_per_token") for t in tasks},
-                        "histogram": ent.get("histogram")},
+                        "histogram": ent.get("histogram"),
+                        "untruncated": (ev.get("entropy_untruncated") or {}).get("mean_per_token"),
+                        "t1": (ev.get("entropy_t1") or {}).get("mean_per_token")},
             "mean_reward": {t: ev["tasks"][t]["mean_reward"] for t in tasks},
-            "ledger": method_ledger(cfg, root, parts),
+            "ledger": ledger,
+            "budget_reached": budget_reached(cfg, ledger, len(parts) or 1),
             "reward_curve": reward_curve(rows),
-            "held_out_curve": held_out_curve(rows),
+            "held_out_curve": held_out_curve(rows, _read_json(root / "stages" / parts[0][0] / BASE_POINT)
+                                             if parts else None),
             "checkpoint": ev["model_dir"],
         }
         if dr is not None:
@@ -237,8 +384,9 @@ def collect_seed(root: Path, cfg, plan: dict, pool: int) -> dict:
     base_entropy = methods.get("base", {}).get("entropy", {}).get("mean_per_token")
     return {
         "run_dir": str(root), "pool": pool, "budget_epochs": cfg.budget.epochs, "tasks": tasks, "k": ks,
+        "model": cfg.model.path or "embedded default model", "train_task": cfg.task.name,
         "budget": {"unit": cfg.budget.unit, "epochs": cfg.budget.epochs, "tokens": cfg.budget.tokens,
-                   "device_seconds": cfg.budget.device_seconds},
+                   "device_seconds": cfg.budget.device_seconds, "tolerance": cfg.budget.tolerance},
         "eval": {"n": cfg.eval.n, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
                  "max_new_tokens": cfg.eval.max_new_tokens, "limit": cfg.eval.limit, "seed": cfg.run.seed},
         "thresholds": list(cfg.drift_thresholds), "entropy_before": base_entropy,

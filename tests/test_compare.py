@@ -46,6 +46,38 @@ def test_budget_is_matched_in_prompts_seen():
     assert budget_units(0.1, 16, 16) == 1  # never zero
 
 
+def test_an_epoch_is_a_pass_over_the_pool_for_both_methods(tmp_path):
+    from collections import Counter
+
+    from es_ray.driver import prompt_ids
+    from es_ray.tasks.base import epoch_prompts
+    from grpo.driver import prompt_indices
+
+    pool = 10
+    for per_step in (3, 5, 10, 25):  # slices crossing epochs' ends; a step larger than the pool
+        for steps in range(1, 11):
+            counts = Counter(i for step in range(steps) for i in epoch_prompts(pool, per_step, step, seed=7))
+            # after e whole epochs every prompt was seen e times; in between, at most once more
+            epochs = steps * per_step // pool
+            assert set(counts) <= set(range(pool)) and all(epochs <= counts[i] <= epochs + 1 for i in range(pool))
+            if steps * per_step % pool == 0:
+                assert set(counts.values()) == {epochs}, (per_step, steps, counts)
+    assert epoch_prompts(pool, 3, 0, seed=7) != epoch_prompts(pool, 3, 0, seed=8)  # the order is seeded
+    cfg = _cfg(Path("/m"), tmp_path)
+    cfg.es.prompts_per_iteration = cfg.grpo.prompts_per_step = 3
+    es, grpo = _es_train(cfg), _grpo_train(cfg)
+    # ES and GRPO with the same prompts per step see the same prompts at every step
+    assert all(list(prompt_ids(es, t, pool)) == prompt_indices(grpo, t, pool) for t in range(8))
+
+
+def _es_train(cfg):
+    return stage_plan(cfg, "es", Path(cfg.run.dir), pool=4)[0].config()
+
+
+def _grpo_train(cfg):
+    return stage_plan(cfg, "grpo", Path(cfg.run.dir), pool=4)[0].config()
+
+
 def test_stage_plan_chains_sequential_halves(tmp_path):
     cfg = _cfg(Path("/models/base"), tmp_path)
     plan = {m: stage_plan(cfg, m, tmp_path, pool=4) for m in METHODS}
@@ -87,8 +119,9 @@ def test_token_and_device_second_budgets_become_each_runs_stop_and_an_unreachabl
     es_half, grpo_half = (s.config() for s in stage_plan(cfg, "es_grpo", tmp_path, pool=4)[:2])
     assert es.run.stop_at_tokens == 60 and es_half.run.stop_at_tokens == grpo_half.run.stop_at_tokens == 30
     assert es.es.iterations == 8 and es.run.stop_at_device_seconds == 0  # the epoch budget is now the cap
-    with pytest.raises(ConfigError, match=r"budget.tokens=10000: es generates at most 128 tokens per iteration, "
-                                          r"1024 within the cap budget.epochs=8"):
+    with pytest.raises(ConfigError, match=r"budget.tokens=10000: es generates 8 completions per iteration at up "
+                                          r"to 16 tokens per completion: about 1,024 tokens within the cap "
+                                          r"budget.epochs=8 \(8 iterations\), below 9,000"):
         validate_compare(_cfg(Path("/m"), tmp_path, budget=BudgetConfig(unit="tokens", epochs=8.0, tokens=10_000)))
     secs = _cfg(Path("/m"), tmp_path, budget=BudgetConfig(unit="device_seconds", device_seconds=30.0))
     assert stage_plan(secs, "grpo", tmp_path, pool=4)[0].config().run.stop_at_device_seconds == 30.0
@@ -146,7 +179,7 @@ def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_pa
 
     lines: list[str] = []
     report = run(cfg, log=lines.append)
-    ran = [s.split(":")[1].strip() for s in lines if s.endswith(": running")]
+    ran = [re.match(r"es-compare: stage \d+/\d+ (\S+): running$", s).group(1) for s in lines if s.endswith(": running")]
     assert ran == ["train.grpo_es.es", "eval.grpo_es", "drift.grpo_es"]  # only what was missing
     assert any("did not finish; starting it again" in s for s in lines)
 
@@ -197,27 +230,47 @@ def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_pa
         run(cfg, log=lines.append)
 
 
-def test_two_seeds_and_a_token_budget_give_intervals_differences_and_the_compute_answer(ray_local, tiny_model_dir,
-                                                                                         tmp_path):
+def test_two_seeds_and_a_token_budget_give_paired_tests_budgets_as_reached_and_the_compute_answer(
+        ray_local, tiny_model_dir, tmp_path):
     root = tmp_path / "seeds"
     budget = BudgetConfig(unit="tokens", epochs=2.0, tokens=40)
     cfg = validate_compare(_cfg(tiny_model_dir, root, methods=["base", "es", "grpo"], seeds=[0, 1], budget=budget))
-    run(cfg, log=lambda s: None)
+    lines: list[str] = []
+    run(cfg, log=lines.append)
+    assert re.fullmatch(r"es-compare: stage 1/14 eval.base.s0: running", lines[0]), lines[0]
+    assert lines[-1].startswith(f"es-compare: done; report in {root / 'report.md'}")
+    assert any("reachable by every method at the base model's measured" in s for s in lines)
     rep = json.loads((root / "report.json").read_text())
-    for stage in ("train.es.s0", "train.grpo.s1"):  # each stopped at the first step that reached 40 tokens
+    for stage in ("train.es.s0", "train.grpo.s1"):  # each stopped at the step that lands closest to 40 tokens
         tokens = [json.loads(x)["perf/tokens"] for x in (root / "stages" / stage / "metrics.jsonl").read_text()
                   .splitlines()]
-        assert sum(tokens[:-1]) < 40 and (sum(tokens) >= 40 or len(tokens) == 2), (stage, tokens)
+        used = [sum(tokens[:i + 1]) for i in range(len(tokens))]
+        assert all(u + t / 2 < 40 for u, t in zip(used[:-1], tokens[:-1])), (stage, tokens)
+        led = json.loads((root / "stages" / stage / "ledger.json").read_text())
+        assert (used[-1] + tokens[-1] / 2 >= 40 and "run.stop_at_tokens=40" in led["stop_reason"]) or (
+            len(tokens) == 2 and led["stop_reason"] == ""), (stage, tokens, led["stop_reason"])
+        apart = led["device_seconds_apart"]
+        assert apart["startup"] > 0 and apart["checkpoint"] > 0 and led["device_seconds_training"] > 0
+        assert led["device_seconds_training"] + sum(apart.values()) == pytest.approx(led["device_seconds"])
     assert rep["budget"]["unit"] == "tokens"
     assert rep["seeds"] == [0, 1]
     for m in ("base", "es", "grpo"):
         acr = rep["across_seeds"][m]["average"]["4"]
         assert len(acr["values"]) == 2 and acr["std"] >= 0
+        assert rep["methods"][m]["average"]["4"] == pytest.approx(sum(acr["values"]) / 2)  # the mean over seeds
         lo, hi = rep["intervals"][m]["average"]["4"]
         assert 0 <= lo <= hi <= 1
-    pairs = {(d["a"], d["b"], d["k"]) for d in rep["differences"]}
-    assert {("es", "base", 1), ("grpo", "base", 4), ("es", "grpo", 2)} <= pairs
+    for m in ("es", "grpo"):
+        parts = rep["per_seed"]["1"][m]["budget_reached"]["parts"]
+        assert len(parts) == 1 and parts[0]["budget"] == 40
+        assert parts[0]["matched"] == (abs(parts[0]["used"] / 40 - 1) <= 0.1)
+    cmp = rep["comparisons"]
+    pairs = {(t["a"], t["b"], t["metric"]) for t in cmp["tests"]}
+    assert {("es", "base", "pass@1"), ("grpo", "base", "pass@4"), ("es", "grpo", "pass@2"),
+            ("es", "grpo", "entropy")} <= pairs
+    assert len(cmp["tests"]) == 3 * 4 and all(t["p_holm"] >= t["p"] and t["seeds"] == 2 for t in cmp["tests"])
     md = (root / "report.md").read_text()
-    assert "## Uncertainty" in md and "Differences (called only when the two 95% intervals do not overlap)" in md
-    assert "Budget matched in tokens (40 tokens per method)" in md and "Compute (this run): GRPO's largest peak" in md
+    assert "## Paired differences (first minus second)" in md and "Holm-corrected at 0.05" in md
+    assert "Budget as reached (tokens; matched when within +-10% of the budget" in md
+    assert "| seed 0 | seed 1 |" in md and "Compute (this run): GRPO's largest peak" in md
     assert (root / "stages" / "eval.es.s1" / "results.json").is_file()

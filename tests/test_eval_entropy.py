@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from es_ray.eval.entropy import (HIST_EDGES, batched_completion_entropies, completion_entropies, entropy_from_logits,
-                                 hist_quantile, histogram, summarize, summarize_stats)
+                                 hist_quantile, histogram, nucleus_entropy_from_logits, summarize, summarize_stats)
 
 
 def test_entropy_closed_forms():
@@ -25,6 +25,23 @@ def test_temperature_rescales_the_logits():
     logits = torch.tensor([2.0, 0.5, -1.0, 0.0])
     assert entropy_from_logits(logits, 0.5).item() == pytest.approx(entropy_from_logits(2 * logits).item())
     assert entropy_from_logits(logits, 1e6).item() == pytest.approx(math.log(4), abs=1e-4)
+
+
+def test_nucleus_entropy_is_the_entropy_of_what_top_p_samples():
+    # p = (0.5, 0.25, 0.125, 0.125): top_p 0.7 keeps 0.5 and 0.25 (the one that crosses), renormalised to (2/3, 1/3)
+    logits = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+    want = -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3))
+    assert nucleus_entropy_from_logits(logits, 1.0, 0.7).item() == pytest.approx(want, rel=1e-6)
+    assert nucleus_entropy_from_logits(logits, 1.0, 0.4).item() == pytest.approx(0.0, abs=1e-7)  # the top token
+    assert nucleus_entropy_from_logits(logits, 1.0, 1.0).item() == pytest.approx(entropy_from_logits(logits).item())
+    # the same nucleus as the sampler's own warper (transformers' TopPLogitsWarper), at a temperature
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    z = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    q = torch.softmax(TopPLogitsWarper(0.9)(None, z / 0.7), dim=-1)  # -inf outside the nucleus
+    want = -torch.where(q > 0, q * q.log(), torch.zeros_like(q)).sum(dim=-1)
+    torch.testing.assert_close(nucleus_entropy_from_logits(z, 0.7, 0.9), want, rtol=1e-5, atol=1e-6)
+    assert (nucleus_entropy_from_logits(z, 0.7, 0.9) < entropy_from_logits(z, 0.7)).all()
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +82,14 @@ def test_batched_entropies_equal_one_pass_per_completion_at_every_temperature(sm
     got = batched_completion_entropies(small_model, pairs, (0.6, 1.0), max_batch_tokens=12, chunk=2)
     assert_each_alone(small_model, pairs, got, (0.6, 1.0))
     assert not np.allclose(got[0][:, 0], got[0][:, 1])  # the two temperatures really differ
+    # top_p < 1: one more column, the nucleus at the sampling temperature, from the same logits
+    nucleus = batched_completion_entropies(small_model, pairs, (0.6, 1.0), max_batch_tokens=12, chunk=2, top_p=0.8)
+    prompt, completion = pairs[0]
+    with torch.no_grad():
+        logits = small_model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+    np.testing.assert_allclose(nucleus[0][:, 2], nucleus_entropy_from_logits(logits, 0.6, 0.8).numpy(), rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(nucleus[0][:, :2], got[0], rtol=1e-6, atol=1e-6)
 
 
 def test_completions_of_one_prompt_share_it_and_score_as_each_alone(small_model):

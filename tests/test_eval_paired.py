@@ -80,6 +80,10 @@ def test_fields_interval_and_p_agree():
     same = paired_difference(a[0], a[0])
     assert same.diff == same.low == same.high == 0 and same.p == 1.0
     assert paired_difference(a, b, seed=7) == paired_difference(a, b, seed=7)
+    # Three problems cannot give a small p however large the difference (an exact sign-flip test's floor).
+    few = paired_difference([0.1, 0.2, 0.3], [0.9, 0.8, 0.95])
+    assert few.low > 0 and few.p == 0.25
+    assert power([(a[0], a[0])]).detectable is None and power([(a[0], a[0])]).problems_needed(0.02) is None
 
 
 def test_tasks_are_strata_weighted_as_the_report_weighs_them():
@@ -88,7 +92,8 @@ def test_tasks_are_strata_weighted_as_the_report_weighs_them():
     hard_a = rng.random(8)
     r = paired_difference_tasks([(easy_a, easy_a + 0.2), (hard_a, hard_a)])
     assert r.diff == pytest.approx(0.1)  # the mean over tasks, not over the 38 problems pooled
-    assert r.low == pytest.approx(0.1) and r.high == pytest.approx(0.1)  # constant differences within each task: nothing to resample
+    # constant differences within each task: nothing to resample
+    assert r.low == pytest.approx(0.1) and r.high == pytest.approx(0.1)
     weighted = paired_difference_tasks([(easy_a, easy_a + 0.2), (hard_a, hard_a)], weights=[3, 1])
     assert weighted.diff == pytest.approx(0.15)
 

@@ -178,10 +178,12 @@ class Engine(ABC):
                                   "False): score with a transformers model of the same checkpoint")
 
     def entropies_batch(self, pairs: list[tuple[list[int], list[int]]],
-                        temperatures: tuple[float, ...]) -> list[list[list[float]]]:
+                        temperatures: tuple[float, ...], top_p: float = 1.0) -> list[list[list[float]]]:
         """Per (prompt ids, completion ids) pair, per completion token, the entropy at each temperature: what es-eval
-        scores. The default asks ``token_entropies`` once per pair and temperature; an engine with a batched
-        forward overrides it."""
+        scores (top_p < 1: one more, the renormalised nucleus at temperatures[0]). The default asks
+        ``token_entropies`` once per pair and temperature; an engine with a batched forward overrides it."""
+        if top_p < 1.0:
+            raise NotImplementedError(f"engine.name={self.name} does not score the top_p nucleus's entropy")
         return [[list(row) for row in zip(*(self.token_entropies(p, c, t) for t in temperatures))]
                 for p, c in pairs]
 

@@ -131,12 +131,13 @@ class HFEngine(Engine):
         return completion_entropies(self.model, prompt_ids, completion_ids, check_temperature(temperature)).tolist()
 
     def entropies_batch(self, pairs: list[tuple[list[int], list[int]]],
-                        temperatures: tuple[float, ...]) -> list[list[list[float]]]:
+                        temperatures: tuple[float, ...], top_p: float = 1.0) -> list[list[list[float]]]:
         from es_ray.eval.entropy import batched_completion_entropies
 
         temps = [check_temperature(t) for t in temperatures]
         budget = max(512, self.cfg.batch_size * 128)  # padded tokens per forward pass
-        return [h.tolist() for h in batched_completion_entropies(self.model, pairs, temps, max_batch_tokens=budget)]
+        return [h.tolist() for h in batched_completion_entropies(self.model, pairs, temps, max_batch_tokens=budget,
+                                                                 top_p=top_p)]
 
     @torch.no_grad()
     def write_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -2,7 +2,9 @@
 
 For each completion token t the model's next-token distribution at the position that produced it, at temperature
 T (softmax(l / T), 1 unless given): its entropy H_t = logsumexp(z) - sum softmax(z) * z with z = l / T (natural
-log, nats), or the log-probability of the token itself. Entropy is reported as the mean per token over all
+log, nats), or the log-probability of the token itself. With top_p < 1 the sampler draws from the nucleus, not
+from softmax(z): ``nucleus_entropy_from_logits`` gives the entropy of that renormalised nucleus (what was sampled),
+reported beside the untruncated value at T and at T = 1. Entropy is reported as the mean per token over all
 completion tokens, the mean of per-completion means, quantiles, and a fixed-bin histogram (so histograms from
 many actors add up).
 """
@@ -23,6 +25,19 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     z = logits.float() / temperature
     logp = torch.log_softmax(z, dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)
+
+
+def nucleus_entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+    """[..., V] logits -> [...] entropy in nats of the top-p nucleus of softmax(logits / temperature), renormalised:
+    tokens in descending probability order are kept while the mass before them is below top_p (the token that
+    crosses top_p is kept, and always the first), as the samplers truncate. top_p = 1: ``entropy_from_logits``."""
+    if top_p >= 1.0:
+        return entropy_from_logits(logits, temperature)
+    p = torch.softmax(logits.float() / temperature, dim=-1)
+    sorted_p = p.sort(dim=-1, descending=True).values
+    kept = torch.where(sorted_p.cumsum(dim=-1) - sorted_p < top_p, sorted_p, torch.zeros_like(sorted_p))
+    q = kept / kept.sum(dim=-1, keepdim=True)
+    return -torch.where(q > 0, q * torch.log(q), torch.zeros_like(q)).sum(dim=-1)
 
 
 def chunked_token_scores(head, hidden_nh: torch.Tensor, tokens_n: torch.Tensor, temperature: float = 1.0,
@@ -95,10 +110,11 @@ def completion_log_probs(model, prompt_ids: Sequence[int], completion_ids: Seque
 @torch.no_grad()
 def batched_completion_entropies(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
                                  temperatures: Sequence[float], max_batch_tokens: int = 8192,
-                                 chunk: int = 512) -> list[np.ndarray]:
+                                 chunk: int = 512, top_p: float = 1.0) -> list[np.ndarray]:
     """[L_i, len(temperatures)] entropies per completion of ``pairs`` ((prompt ids, completion ids)), teacher-forced
     in batches of at most ``max_batch_tokens`` padded tokens (longest first, right-padded, attention-masked): one
-    forward pass per batch instead of one per completion, and every temperature from the same logits.
+    forward pass per batch instead of one per completion, and every temperature from the same logits. With
+    top_p < 1 one more column: the renormalised nucleus's entropy at temperatures[0] (the sampling temperature).
 
     Completions of one prompt (eval.n samples of a problem) share it: the prompt runs once and its keys and
     values serve them all (``prefix.shared_prompt_hidden``). Only the completion positions go through the LM head,
@@ -112,9 +128,14 @@ def batched_completion_entropies(model, pairs: Sequence[tuple[Sequence[int], Seq
     def store(batch: list[int], h: torch.Tensor) -> None:
         """[N, H] hidden states predicting the completion tokens of ``batch``'s rows, in order -> each row's
         [L_i, len(temperatures)] entropies in ``out``, the LM head ``chunk`` rows at a time."""
-        cols = [torch.stack([entropy_from_logits(z, t) for t in temperatures], dim=-1)
+        def columns(z: torch.Tensor) -> list[torch.Tensor]:
+            cols = [entropy_from_logits(z, t) for t in temperatures]
+            return cols + ([nucleus_entropy_from_logits(z, temperatures[0], top_p)] if top_p < 1.0 else [])
+
+        cols = [torch.stack(columns(z), dim=-1)
                 for z in (head(h[k : k + chunk]).float() for k in range(0, h.shape[0], chunk))]
-        scores = (torch.cat(cols) if cols else torch.zeros((0, len(temperatures)))).cpu().numpy()
+        width = len(temperatures) + (1 if top_p < 1.0 else 0)
+        scores = (torch.cat(cols) if cols else torch.zeros((0, width))).cpu().numpy()
         for i, piece in zip(batch, np.split(scores, np.cumsum([len(pairs[i][1]) for i in batch])[:-1])):
             out[i] = piece
 

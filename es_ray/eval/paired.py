@@ -9,7 +9,8 @@ the per-problem difference d[s, p] = b[s, p] - a[s, p] (seed s, problem p) is re
              are a second level of noise, training variance, that a bootstrap of problems alone ignores)
     [low, high] = the (1 - level) / 2 and (1 + level) / 2 percentiles of the draws
     p      = min(1, 2 min(share of draws <= 0, share of draws >= 0))   (two-sided; p < 1 - level iff 0 lies
-             outside the interval)
+             outside the interval), floored at 2^(1 - P), the smallest p an exact sign-flip test on P problems
+             can give (a few problems resample into few distinct draws)
 
 Over tasks (``paired_difference_tasks``) each task is a stratum: its problems are resampled within it, the seeds
 once for all tasks (one seed's run answers every task), and the tasks' differences are averaged with the weights
@@ -104,7 +105,10 @@ def paired_difference_tasks(pairs: Sequence[tuple], weights=None, *, level: floa
     diff = float(sum(wt * x.mean() for wt, x in zip(w, d)))
     tail = (1.0 - level) / 2.0
     low, high = (float(v) for v in np.quantile(boot, [tail, 1.0 - tail]))
-    pval = min(1.0, 2.0 * min(float(np.mean(boot <= 0)), float(np.mean(boot >= 0))))
+    # Floored at the smallest two-sided p an exact sign-flip test on these problems can give (2^(1 - P)): a
+    # handful of problems resamples into few distinct draws, which would otherwise all fall on one side of 0.
+    floor = 2.0 ** (1 - min(x.shape[1] for x in d))
+    pval = min(1.0, max(floor, 2.0 * min(float(np.mean(boot <= 0)), float(np.mean(boot >= 0)))))
     return Paired(diff=diff, low=low, high=high, p=pval, level=level, problems=sum(x.shape[1] for x in d),
                   seeds=seeds)
 
@@ -128,8 +132,9 @@ def holm(pvalues: Sequence[float]) -> list[float]:
 class Power:
     se: float
     """standard error of the paired difference (problems and seeds)."""
-    detectable: float
-    """smallest |difference| found with ``power`` by a two-sided test at ``alpha`` with these problems and seeds."""
+    detectable: float | None
+    """smallest |difference| found with ``power`` by a two-sided test at ``alpha`` with these problems and seeds
+    (None where every paired difference is equal: no variance to size it from)."""
     var_problems: float
     """variance over problems of the per-problem difference (averaged over seeds; weighted over tasks)."""
     var_seeds: float
@@ -148,16 +153,14 @@ class Power:
         """Problems (scaled like this run's, per task) that find ``effect`` with this power at the run's seeds;
         None where the seeds' variance alone keeps it out of reach (more seeds are needed)."""
         room = (abs(effect) / self.z) ** 2 - self.var_seeds / self.seeds
-        if room <= 0:
+        if room <= 0 or self.detectable is None:
             return None
-        if self.var_problems == 0:
-            return 2
         return max(2, math.ceil(self.var_problems / room))
 
     def seeds_needed(self, effect: float) -> int | None:
         """Seeds that find ``effect`` at this run's problems; None where the problems' variance alone keeps it out
         of reach, or with one seed (its seed variance is unknown)."""
-        if self.seeds < 2:
+        if self.seeds < 2 or self.detectable is None:
             return None
         room = (abs(effect) / self.z) ** 2 - self.var_problems / self.problems
         if room <= 0:
@@ -179,4 +182,4 @@ def power(pairs: Sequence[tuple], weights=None, *, alpha: float = 0.05, power: f
     se = math.sqrt(var_mean_p + var_s / seeds)
     out = Power(se=se, detectable=0.0, var_problems=var_mean_p * mean_problems, var_seeds=var_s,
                 problems=round(mean_problems), seeds=seeds, alpha=alpha, power=power)
-    return Power(**{**out.__dict__, "detectable": out.z * se})
+    return Power(**{**out.__dict__, "detectable": out.z * se if se > 0 else None})

@@ -11,6 +11,15 @@ def _num(x, fmt: str = "{:.3f}") -> str:
     return "-" if x is None or x != x else fmt.format(x)
 
 
+def _sampled(s: dict) -> str:
+    """What 'entropy' measures: the sampled distribution, named."""
+    t = s.get("entropy_temperatures", [1.0])[0]
+    if s.get("top_p", 1.0) < 1 and s["temperature"] > 0:
+        return (f"the top_p = {s['top_p']} nucleus of softmax(logits / {t}), renormalised (the untruncated "
+                f"softmax at T = {t} beside it)")
+    return f"softmax(logits / {t})"
+
+
 def results_markdown(results: dict) -> str:
     s = results["settings"]
     ks = s["k"]
@@ -23,18 +32,22 @@ def results_markdown(results: dict) -> str:
         "- pass@k is the unbiased estimator (Chen et al. 2021); maj@k votes over the first k samples "
         "('-': the task has no canonical answer to vote on); values in %",
         f"- entropy: mean per generated token (nats) from a teacher-forced forward pass, of the distribution that "
-        f"was sampled (T = {s.get('entropy_temperatures', [1.0])[0]}); 'entropy T=1': the model's own distribution",
+        f"was sampled: {_sampled(s)}; 'entropy T=1': the model's own distribution",
         "",
     ]
+    nucleus = s.get("top_p", 1.0) < 1 and s["temperature"] > 0
     head = (["task", "problems", "n"] + [f"pass@{k}" for k in ks] + [f"maj@{k}" for k in ks]
-            + ["mean reward", "entropy", "entropy T=1", "tokens/completion", "grader failures", "skipped rows"])
+            + ["mean reward", "entropy (sampled)"] + ([f"entropy T={s['temperature']} untruncated"] if nucleus else [])
+            + ["entropy T=1", "tokens/completion", "grader failures", "skipped rows"])
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, t in results["tasks"].items():
         failures = ", ".join(f"{k} {v}" for k, v in sorted(t["grader_failures"].items()) if v) or "0"
         ent = (t.get("entropy") or {}).get("mean_per_token")
         row = ([name, str(t["problems"]), str(t["n"])] + [_pct(t["pass@k"].get(str(k))) for k in ks]
                + [_pct(t["maj@k"].get(str(k))) if t["maj@k"] else "-" for k in ks]
-               + [_num(t["mean_reward"]), _num(ent), _num((t.get("entropy_t1") or {}).get("mean_per_token")),
+               + [_num(t["mean_reward"]), _num(ent)]
+               + ([_num((t.get("entropy_untruncated") or {}).get("mean_per_token"))] if nucleus else [])
+               + [_num((t.get("entropy_t1") or {}).get("mean_per_token")),
                   _num(t["tokens"]["mean_per_completion"], "{:.1f}"),
                   failures, str(t["skipped_rows"])])
         lines.append("| " + " | ".join(row) + " |")

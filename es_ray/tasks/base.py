@@ -16,6 +16,26 @@ class TaskLoadError(ValueError):
     pass
 
 
+def epoch_prompts(pool_size: int, per_step: int, step: int, seed: int) -> list[int]:
+    """The training prompts of ``step`` when an epoch is a pass, for ES and GRPO alike: each epoch visits the whole
+    pool once, in an order fixed by (seed, epoch); the steps take consecutive slices of ``per_step`` from the epochs
+    laid end to end (a slice that crosses an epoch's end takes the next epoch's first prompts). Sorted indices; a
+    prompt repeats within a step only when per_step exceeds the pool."""
+    import random
+
+    if pool_size < 1 or per_step < 1:
+        raise ValueError(f"need a non-empty training pool and prompts per step, got {pool_size} and {per_step}")
+    first, out = step * per_step, []
+    epoch, pos = divmod(first, pool_size)
+    while len(out) < per_step:
+        order = list(range(pool_size))
+        random.Random(f"{seed}/epoch/{epoch}").shuffle(order)
+        take = order[pos : pos + per_step - len(out)]
+        out += take
+        epoch, pos = epoch + 1, 0
+    return sorted(out)
+
+
 @dataclass(frozen=True)
 class Problem:
     question: str

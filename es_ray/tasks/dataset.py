@@ -4,9 +4,9 @@ and propagates), and the split into a training pool and a held-out set. Also the
 share: math answers (math-verify) and multiple choice.
 
 Training sets (``train_split`` set, e.g. GSM8K): from the hub, the training pool is ``train_split`` and the
-held-out set the first ``task.eval_size`` problems of ``test_split``; from one file (or another split, or a
-dataset with no test split) a fixed shuffle (``task.seed``) splits it. es-eval scores the whole test split (or
-the whole file).
+held-out set the first ``task.eval_size`` problems of ``test_split`` (0: all of it); from one file (or another
+split, or a dataset with no test split) a fixed shuffle (``task.seed``) splits it. es-eval scores the whole test
+split (or the whole file).
 
 Benchmarks (``train_split = None``, e.g. MATH-500): one split, ``eval_split``, read in order (``task.split`` is
 used instead when set to something other than its default "train"). The held-out set is the first
@@ -26,7 +26,10 @@ from es_ray.grading.result import Grade
 from es_ray.tasks.base import Problem, Task, hub_rows, read_rows
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-_MALFORMED = (KeyError, ValueError)
+MAX_QUESTION_CHARS = 20_000
+"""A problem whose prompt is longer is skipped and counted at load (the longest prompt of the paper's benchmarks is
+under 5,000 characters): a 10 MB question never reaches an engine as a 10 MB prompt."""
+_MALFORMED = (KeyError, ValueError, RecursionError)
 """What a malformed row raises (RowError is a ValueError): a missing key, a value of the wrong type or that does
 not parse. Not TypeError or AttributeError: those come from a bug in the parser, which must not read as bad data."""
 
@@ -42,7 +45,10 @@ def parse_rows(rows: list, parse) -> tuple[list[Problem], int]:
         try:
             if not isinstance(row, dict) or "__malformed__" in row:
                 raise RowError("not a JSON object")
-            out.append(parse(row))
+            problem = parse(row)
+            if len(problem.question) > MAX_QUESTION_CHARS:
+                raise RowError(f"question longer than {MAX_QUESTION_CHARS} characters")
+            out.append(problem)
         except _MALFORMED:
             skipped += 1
     return out, skipped
@@ -52,6 +58,8 @@ def text_field(row: dict, *keys: str) -> str:
     """The first of ``keys`` present in ``row`` as a non-empty string; RowError when none is."""
     for key in keys:
         value = row.get(key)
+        if isinstance(value, (dict, list, tuple, bool, bytes)):  # str() of these is text no one wrote
+            raise RowError(f"{key} is a {type(value).__name__}, not text")
         if value is not None and str(value).strip():
             return str(value).strip()
     raise RowError(f"none of {keys} in the row")
@@ -121,7 +129,7 @@ class DatasetTask(Task):
         else:
             train = self.problems(self.rows(self.train_split))
             self._all = self.problems(self.rows(self.test_split))
-            held = self._all[: cfg.eval_size]
+            held = self._all[: cfg.eval_size] if cfg.eval_size else list(self._all)  # 0: the whole test split
         if cfg.train_size:
             train = train[: cfg.train_size]
         return train, held
@@ -133,6 +141,7 @@ class DatasetTask(Task):
 class MathTask(DatasetTask):
     """Free-form math: the prompt asks for \\boxed{}; math-verify (in its worker pool) decides equivalence."""
     majority_vote = True
+    grade_timeout_s = None  # math-verify's worker pool holds its own per-check timeout
 
     question_keys: tuple[str, ...] = ("problem",)
     answer_keys: tuple[str, ...] = ("answer",)
@@ -160,12 +169,13 @@ class MathTask(DatasetTask):
         return grades
 
     def prediction(self, completion: str) -> str | None:
-        """What math-verify is given: the final box alone (task.answer=boxed; None when there is none), or the
-        whole completion (last)."""
-        if self.cfg.answer == "last":
-            return completion
+        """What math-verify is given: the final box alone when there is one; without a box, nothing
+        (task.answer=boxed) or the whole completion, whose last expression math-verify takes (last). So ``last``
+        accepts every completion ``boxed`` accepts, and more."""
         box = last_boxed(completion)
-        return None if box is None else f"\\boxed{{{box}}}"
+        if box is not None:
+            return f"\\boxed{{{box}}}"
+        return completion if self.cfg.answer == "last" else None
 
     def answer_checks(self, completion: str, problem: Problem) -> dict[str, bool]:
         """Whether the completion has a final boxed answer, and whether its answer (the box, else the last $...$
@@ -175,12 +185,26 @@ class MathTask(DatasetTask):
         return {"boxed": box is not None, "restated": restates_problem(answer, problem.question)}
 
 
+_TOKEN = re.compile(r"\\[A-Za-z]+|[A-Za-z]+|\s+|.", re.S)
+
+
 def _last_expression(text: str) -> str | None:
+    """The last $...$ span; else the math at the end of the last line: its longest tail of LaTeX commands,
+    numbers, symbols and one-letter names ("The sum is \\frac{1}{2}+\\frac{1}{3}" -> "\\frac{1}{2}+\\frac{1}{3}"), or the
+    whole line when it has none."""
     spans = re.findall(r"\$([^$]+)\$", text)
     if spans:
         return spans[-1]
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1].rstrip(".") if lines else None
+    if not lines:
+        return None
+    line = lines[-1].rstrip(".")
+    tokens = _TOKEN.findall(line)
+    k = len(tokens)
+    while k and (tokens[k - 1].startswith("\\") or len(tokens[k - 1]) == 1 or not tokens[k - 1].isalpha()):
+        k -= 1
+    tail = "".join(tokens[k:]).strip()
+    return tail if any(not t.isspace() for t in tokens[k:]) and tail else line
 
 
 def choice_question(question: str, options: list[str], letters: str) -> str:
