@@ -11,7 +11,7 @@ import pytest
 
 from es_ray.core.config import ConfigError, TaskConfig
 from es_ray.tasks import EVAL_TASKS, TASKS, load_task
-from es_ray.tasks.base import TaskLoadError
+from es_ray.tasks.base import Problem, TaskLoadError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -232,6 +232,42 @@ def test_a_file_of_only_malformed_rows_is_an_error_not_a_silent_zero(tmp_path):
     path.write_text('{"problem": "no answer"}\nnot json\n{"answer": "1"}\n')
     with pytest.raises(TaskLoadError, match="empty"):
         load_task(TaskConfig(name="math500", path=str(path)))
+
+
+def test_bad_rows_are_skipped_and_counted_never_the_whole_file(tmp_path):
+    from es_ray.tasks.dataset import MAX_QUESTION_CHARS
+
+    path = tmp_path / "mixed.jsonl"
+    good = [json.dumps({"problem": f"What is {i}+1?", "answer": str(i + 1)}).encode() for i in range(3)]
+    bad = [b'{"problem": ' + b"[" * 200_000 + b"]" * 200_000 + b', "answer": "1"}',  # nested past the recursion limit
+           b'{"problem": "caf\xe9 \xff", "answer": "1"}',  # not UTF-8
+           json.dumps({"problem": {"text": "a dict"}, "answer": "1"}).encode(),  # wrong types
+           json.dumps({"problem": ["a", "list"], "answer": "1"}).encode(),
+           json.dumps({"problem": "x" * (MAX_QUESTION_CHARS + 1), "answer": "1"}).encode()]  # a 20 kB+ prompt
+    path.write_bytes(b"\n".join([good[0], *bad[:3], good[1], *bad[3:], good[2]]) + b"\n")
+    task = load_task(TaskConfig(name="math500", path=str(path), eval_size=0))
+    assert sorted(p.answer for p in task.eval_problems()) == ["1", "2", "3"]
+    assert task.skipped_rows == len(bad)
+
+
+def test_last_accepts_every_completion_boxed_accepts():
+    """answer=last is a superset of boxed: a final box is graded alone in both modes, so a later stray expression
+    cannot turn a boxed right answer wrong; without a box, last lets math-verify take the last expression."""
+    strict, lenient = _load("math500"), _load("math500", answer="last")
+    p = next(q for q in strict.eval_problems() if q.answer == "32")
+    boxed_then_more = "2^5 = \\boxed{32}. Check: 2^6 = 64"
+    assert strict.grade(boxed_then_more, p).correct and lenient.grade(boxed_then_more, p).correct
+    assert strict.prediction(boxed_then_more) == lenient.prediction(boxed_then_more) == "\\boxed{32}"
+    assert strict.prediction("it is 32") is None and lenient.prediction("it is 32") == "it is 32"
+
+
+def test_a_bare_latex_restatement_in_the_last_line_is_flagged():
+    task = _load("math500")
+    p = Problem(question="Compute $\\frac{1}{2}+\\frac{1}{3}$.", answer="\\frac{5}{6}")
+    assert task.answer_checks("The sum is \\frac{1}{2}+\\frac{1}{3}.", p)["restated"]
+    assert task.answer_checks("We get \\frac{1}{2} + \\frac{1}{3}", p)["restated"]
+    assert not task.answer_checks("The sum is \\frac{5}{6}", p)["restated"]
+    assert not task.answer_checks("The answer is 5", p)["restated"]
 
 
 def test_benchmark_held_out_and_training_pool():

@@ -13,12 +13,14 @@ import re
 def _patterns(letters: str) -> list[re.Pattern]:
     cls = f"[{re.escape(letters)}]"  # capitals only, except inside parentheses: "the answer is a ..." is no answer
     both = f"[{re.escape(letters)}{re.escape(letters.lower())}]"
-    lead = r"(?i:answer)\s*(?i:is|:)?\s*(?i:option|choice)?\s*[:\-]?\s*\**\s*"
+    # Linear: every optional piece starts with a non-space token and owns the spaces after it, so no two
+    # quantifiers can share a run of spaces (the old "\s*(is)?\s*" backtracked as n^4.7 on "answer" + spaces).
+    lead = r"(?i:answer)\s*(?:(?i:is|:)\s*)?(?:(?i:option|choice)\s*)?(?:[:\-]\s*)?(?:\*+\s*)?"
     return [
         re.compile(rf"{lead}(?:\(({both})\)|({cls})(?![\w]))"),
-        re.compile(rf"\\boxed\{{\s*(?:\\text\{{)?\s*\(?({both})\)?\s*\}}"),
+        re.compile(rf"\\boxed\{{\s*(?:\\text\{{\s*)?\(?({both})\)?\s*\}}"),
         re.compile(rf"\(({both})\)"),
-        re.compile(rf"^\s*\**\(?({cls})\)?\**[.):]?\s*$", re.M),
+        re.compile(rf"^[ \t]*\**\(?({cls})\)?\**[.):]?[ \t]*$", re.M),
     ]
 
 

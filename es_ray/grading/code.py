@@ -12,7 +12,8 @@ from typing import Sequence
 from es_ray.grading.result import Grade
 from es_ray.grading.sandbox import SandboxLimits, SandboxResult, run_many
 
-_FENCE = re.compile(r"```[ \t]*([\w+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.S)
+# the language tag owns the spaces after it (linear: "```" + spaces without a newline backtracked as n^2)
+_FENCE = re.compile(r"```[ \t]*(?:([\w+-]+)[ \t]*)?\n(.*?)(?:```|\Z)", re.S)
 # sandbox statuses that are grading failures (counted by kind); "failed" is an ordinary wrong answer
 SANDBOX_FAILURES = {"timeout": "timeout", "memory": "memory", "output_limit": "output_limit", "blocked": "blocked",
              "error": "unavailable"}

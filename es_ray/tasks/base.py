@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from es_ray.grading.limit import GRADE_TIMEOUT_S, time_limit
 from es_ray.grading.result import Grade, GraderFailure
 from es_ray.core.config import TaskConfig
 
@@ -50,6 +51,8 @@ class Task(ABC):
     system_prompt: str | None = None
     majority_vote: bool = False
     """Whether completions have a canonical answer to vote on (``answer_key``), i.e. whether maj@k is defined."""
+    grade_timeout_s: float | None = GRADE_TIMEOUT_S
+    """Time limit per completion's reward or grade (es_ray.grading.limit); None where the grader holds its own."""
 
     def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
@@ -85,14 +88,17 @@ class Task(ABC):
         return None
 
     def grade(self, completion: str, problem: Problem) -> Grade:
-        """Score, correctness (score >= 1), failure kind and vote key; a grader that raises scores 0, counted."""
+        """Score, correctness (score >= 1), failure kind and vote key; a grader that raises or runs past
+        ``grade_timeout_s`` scores 0, counted."""
         try:
-            score = float(self.reward(completion, problem))
+            with time_limit(self.grade_timeout_s):
+                score = float(self.reward(completion, problem))
+                key = self.answer_key(completion, problem)
         except GraderFailure as exc:
             return Grade(0.0, False, exc.kind)
         except Exception:
             return Grade(0.0, False, "error")
-        return Grade(score, score >= 1.0, None, self.answer_key(completion, problem))
+        return Grade(score, score >= 1.0, None, key)
 
     def grade_batch(self, completions: list[str], problems: list[Problem]) -> list[Grade]:
         """One Grade per (completion, problem); tasks whose graders run in subprocesses run them in parallel."""
@@ -105,14 +111,14 @@ def read_rows(path: str | Path) -> list[dict]:
     if not p.is_file():
         raise TaskLoadError(f"task.path={str(path)!r} does not exist; point it at a JSONL/JSON/Parquet file")
     suffix = p.suffix.lower()
-    if suffix == ".jsonl":
+    if suffix == ".jsonl":  # a bad line (not JSON, not UTF-8, nested too deep) is one malformed row, not the file
         rows = []
-        for i, line in enumerate(p.read_text().splitlines()):
+        for i, line in enumerate(p.read_bytes().splitlines()):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
+                rows.append(json.loads(line.decode("utf-8")))
+            except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                 rows.append({"__malformed__": i + 1})
         return rows
     if suffix == ".json":
@@ -130,9 +136,13 @@ def hub_rows(hub_id: str, config: str | None, split: str, task: str) -> list[dic
     """Rows of a hub dataset through `datasets`; a failure says how to use a local file instead."""
     try:
         import datasets
-
+    except ImportError as exc:
+        raise TaskLoadError(f"task {task}: could not load {hub_id}" + (f" ({config})" if config else "")
+                            + f" split {split!r}: the datasets package is not installed: pip install 'es-ray[data]', "
+                            "or point task.path= at a local JSONL file in the same schema") from exc
+    try:
         return list(datasets.load_dataset(hub_id, config, split=split))
-    except Exception as exc:  # no network, no package, gated, unknown split
+    except Exception as exc:  # no network, gated, unknown split
         raise TaskLoadError(
             f"task {task}: could not load {hub_id}"
             + (f" ({config})" if config else "")
@@ -145,10 +155,12 @@ def score(task: Task, completions: list[str], problems: list[Problem]) -> tuple[
     """The task's reward of each completion, and how many rewards raised: such a completion scores 0 and is
     counted (every method reports the count as reward/errors or eval/errors), never dropped silently."""
     rewards, errors = [], 0
+    limit = getattr(task, "grade_timeout_s", GRADE_TIMEOUT_S)
     for text, problem in zip(completions, problems):
         try:
-            rewards.append(float(task.reward(text, problem)))
-        except Exception:  # a reward bug or an odd completion: 0, counted
+            with time_limit(limit):
+                rewards.append(float(task.reward(text, problem)))
+        except Exception:  # a reward bug, an odd completion or one past the time limit: 0, counted
             rewards.append(0.0)
             errors += 1
     return rewards, errors

@@ -36,6 +36,7 @@ class MBPPTask(DatasetTask):
     sandbox_limits = SandboxLimits()
     """Limits for each program (es-eval sets eval.code_timeout_s / eval.code_memory_mb here)."""
     sandbox_workers = 2
+    grade_timeout_s = None  # the sandbox's own wall clock limits each program
 
     def parse(self, row: dict) -> Problem:
         text = text_field(row, "text", "prompt")
