@@ -284,7 +284,8 @@ def test_frame_walking_finds_no_pass_signal():
              "        os.write(fd, (json.dumps({'values': [['b', True]] * len(cfg['probes']),"
              " 'verdicts': [True] * 9}) + '\\n').encode())\n        os._exit(0)\n    f = f.f_back\n")
     tests = "assert secret_answer(7) == 1234567\nassert secret_answer(8) == 7654321\n"
-    for code in (walk + "os._exit(0)\n" + tests, forge + tests, forge + "def secret_answer(x):\n    return 0\n" + tests):
+    wrong = "def secret_answer(x):\n    return 0\n"
+    for code in (walk + "os._exit(0)\n" + tests, forge + tests, forge + wrong + tests):
         res = run_python(code, LIMITS)
         assert not res.passed, (code, res)
     assert_still_works()

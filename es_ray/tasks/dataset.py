@@ -190,8 +190,8 @@ _TOKEN = re.compile(r"\\[A-Za-z]+|[A-Za-z]+|\s+|.", re.S)
 
 def _last_expression(text: str) -> str | None:
     """The last $...$ span; else the math at the end of the last line: its longest tail of LaTeX commands,
-    numbers, symbols and one-letter names ("The sum is \\frac{1}{2}+\\frac{1}{3}" -> "\\frac{1}{2}+\\frac{1}{3}"), or the
-    whole line when it has none."""
+    numbers, symbols and one-letter names ("The sum is \\frac{1}{2}+\\frac{1}{3}" -> "\\frac{1}{2}+\\frac{1}{3}"),
+    or the whole line when it has none."""
     spans = re.findall(r"\$([^$]+)\$", text)
     if spans:
         return spans[-1]
