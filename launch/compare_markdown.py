@@ -170,7 +170,7 @@ def _pts(x, scale: float = 100.0, unit: str = " points") -> str:
 def _test_cells(t: dict) -> tuple[str, str, str]:
     """(difference [interval], verdict, detectable size) of one paired test, in points (pass@k) or nats."""
     pct = t["metric"] != "entropy"
-    f = (lambda x: f"{100 * x:+.1f}") if pct else (lambda x: f"{x:+.3f}")
+    f = (lambda x: f"{100 * x:+.3g}") if pct else (lambda x: f"{x:+.3g}")
     unit = " points" if pct else " nats"
     first, second = LABELS[t["a"]], LABELS[t["b"]]
     diff = f"{f(t['diff'])} [{f(t['low'])}, {f(t['high'])}]"
@@ -186,6 +186,8 @@ def _test_cells(t: dict) -> tuple[str, str, str]:
 
 def _needed(t: dict) -> str:
     """The problems (or, failing that, seeds) the paper's gaps would need, for a pass@k test."""
+    if t["detectable"] is None:
+        return "-"
     out = []
     for g, n in t["problems_needed"].items():
         s = t["seeds_needed"][g]

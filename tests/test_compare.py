@@ -131,6 +131,29 @@ def test_token_and_device_second_budgets_become_each_runs_stop_and_an_unreachabl
         validate_compare(_cfg(Path("/m"), tmp_path, budget=BudgetConfig(unit="tokens")))
 
 
+def test_held_out_curves_sample_as_the_evaluation_and_an_empty_held_out_set_is_refused(tmp_path):
+    import launch.compare as compare
+
+    cfg = _cfg(Path("/models/base"), tmp_path)
+    for s in (stage_plan(cfg, "es", tmp_path, pool=4)[0], stage_plan(cfg, "grpo", tmp_path, pool=4)[0]):
+        ev = s.config().eval
+        assert (ev.temperature, ev.top_p, ev.max_new_tokens) == (cfg.eval.temperature, cfg.eval.top_p,
+                                                                 cfg.eval.max_new_tokens)
+    empty = _cfg(Path("/m"), tmp_path, task=TaskConfig(name="arithmetic", train_size=4, eval_size=0))
+    with pytest.raises(ConfigError, match=r"task.eval_size=0 leaves no held-out problems.*curve_every=0"):
+        compare.pool_size(empty)
+    empty.curve_every = 0
+    assert compare.pool_size(empty) == 4
+
+
+def test_a_held_out_set_without_problems_scores_none_not_zero():
+    from es_ray.core.config import HeldOutConfig
+    from es_ray.held_out import held_out_scores
+
+    res = held_out_scores(None, None, [], [], HeldOutConfig(), 8, 0)
+    assert res["pass_at_1"] is None and res["reward"] is None and res["tokens"] == 0
+
+
 def test_every_seed_has_its_own_stages_with_its_own_run_seed(tmp_path):
     cfg = _cfg(Path("/models/base"), tmp_path, seeds=[0, 5])
     s5 = stage_plan(cfg, "es_grpo", tmp_path, pool=4, seed=5)
@@ -217,6 +240,10 @@ def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_pa
         assert curve and all(0 <= p1 <= 1 and ent > 0 for _, p1, ent in curve), (m, curve)
     es_x = [x for x, _, _ in rep["methods"]["es_grpo"]["held_out_curve"]]
     assert es_x == sorted(es_x) and es_x[-1] == pytest.approx(2.0)  # both halves, end to end, up to the budget
+    assert es_x[0] == 0
+    for m in ("es", "grpo"):  # every curve starts at the base weights, scored before the first step
+        base_point = json.loads((root / "stages" / f"train.{m}" / "held_out_base.json").read_text())
+        assert rep["methods"][m]["held_out_curve"][0][:2] == [0.0, base_point["pass_at_1"]]
     assert report["run_dir"] == str(root)
 
     # A repeat after the end trains nothing and evaluates nothing.
