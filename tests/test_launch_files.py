@@ -35,10 +35,13 @@ def pyproject() -> dict:
 
 
 def pyproject_pins() -> dict[str, str]:
-    """Every dependency pyproject pins with ==, extras included: name -> version."""
+    """Every dependency pyproject pins with ==, extras included, and for its ranges the exact tested version
+    (scripts/constraints.txt, a local label such as +cpu dropped): name -> version."""
     project = pyproject()["project"]
     reqs = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
-    return {m.group(1).lower(): m.group(3) for r in reqs if (m := PINNED.fullmatch(r))}
+    tested = [line.split("#")[0].strip() for line in (REPO / "scripts" / "constraints.txt").read_text().splitlines()]
+    pins = {m.group(1).lower(): m.group(3) for line in tested if (m := PINNED.fullmatch(line.split("+")[0]))}
+    return {**pins, **{m.group(1).lower(): m.group(3) for r in reqs if (m := PINNED.fullmatch(r))}}
 
 
 def pin(name: str) -> str:

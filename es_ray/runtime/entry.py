@@ -10,7 +10,15 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+def _conf_dir() -> Path:
+    """The Hydra presets: es_ray/conf in an installed wheel (setup.py ships conf/ there), else conf/ at the top of
+    the source checkout (an editable install)."""
+    here = Path(__file__).resolve().parents[1] / "conf"
+    return here if here.is_dir() else Path(__file__).resolve().parents[2] / "conf"
+
+
+CONF_DIR = _conf_dir()
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -38,7 +46,8 @@ def hydra_main(config_name: str, fn: Callable[[Any], None], prog: str, register:
 
     register()
     if not CONF_DIR.is_dir():
-        raise SystemExit(f"{prog}: Hydra presets not found at {CONF_DIR}; install the project with `pip install -e .`")
+        raise SystemExit(f"{prog}: Hydra presets not found at {CONF_DIR}; reinstall the project (`pip install .`, or "
+                         "`pip install -e .` in a checkout)")
     args = sys.argv[1:]
     if args == ["--help"]:
         print(help_text(prog, config_name))
