@@ -93,21 +93,31 @@ class Crew:
 
         self.cfg, self.tracker, self.tol = cfg, tracker, sync_tolerance(cfg)
         self.probe = None
-        self.placement = place(cfg.cluster, "grpo", count=cfg.cluster.num_actors + 1)
+        f = cfg.grpo.fsdp_size
+        check_devices(cfg)
+        self.placement = place(cfg.cluster, "grpo", count=cfg.cluster.num_actors + f)
         advice = (f"the run cannot continue without it. Resume from the last checkpoint with run.resume=true "
                   f"run.dir={run_dir} (set run.checkpoint_every to keep some)")
         common = dict(log=tracker.message, check_interrupt=check_interrupt)
-        self.learner, infos = start_group("learner", GRPOLearner, 1, lambda rank: (cfg,), self.placement, cfg.faults,
-                                          replaceable=False, lost_advice=advice, **common)
+        self.learner, infos = start_group("learner", GRPOLearner, f, lambda rank: (cfg, rank, f), self.placement,
+                                          cfg.faults, replaceable=False, lost_advice=advice, **common)
+        if not infos[0]["built"]:  # sharded: rank 0 picks the rendezvous, every rank joins and builds its shard
+            address = self.learner.call(0, "address")
+            joined = self.learner.gather("join", {r: (address,) for r in self.learner.ranks}, slow=True)
+            infos = [joined[r] for r in self.learner.ranks]
         self.learner_info = infos[0]
         self.rollouts, self.infos = start_group(
             "rollout", RolloutWorker, cfg.cluster.num_actors, lambda rank: (cfg, rank), self.placement, cfg.faults,
-            first_bundle=1, restore=self._resync, lost_advice=f"Resume with run.resume=true run.dir={run_dir}",
+            first_bundle=f, restore=self._resync, lost_advice=f"Resume with run.resume=true run.dir={run_dir}",
             **common)
 
     @property
     def groups(self) -> list:
         return [self.learner, self.rollouts]
+
+    def learn(self, method: str, *args, slow: bool = False):
+        """A learner call on every rank at once (a sharded learner's methods are collectives); rank 0's answer."""
+        return self.learner.each(method, *args, slow=slow)[0]
 
     def sync(self, step: int) -> dict:
         """Write the learner's weights into every rollout engine, then verify with the probe. The first sync also
@@ -119,7 +129,7 @@ class Crew:
         first = self.probe is None
         if first:
             self.probe = self.rollouts.call(0, "probe")
-        learner_lp = self.learner.call(0, "probe_logprobs", *self.probe)
+        learner_lp = self.learn("probe_logprobs", *self.probe)
         engine_lps = self.rollouts.each("probe_logprobs", *self.probe)
         calibrate = first and not self.cfg.grpo.sync_tolerance
         worst = check_sync(learner_lp, engine_lps, FIRST_SYNC_CEILING if calibrate else self.tol, step)
@@ -133,20 +143,24 @@ class Crew:
         """The learner's weights into the engines of ``ranks``, one chunk (a layer) at a time, cast by the learner to
         the engines' dtype: while the engines write chunk k the learner casts chunk k+1, so Ray's object store holds
         at most two chunks, and each engine process one. Returns the bytes one engine received."""
-        learner, dtype = self.learner.actors[0], self.infos[0]["dtype"]
-        n = self.learner_info["weight_chunks"]
-        ahead, nbytes = learner.weight_chunk.remote(0, dtype), 0
+        import ray
+
+        dtype, n = self.infos[0]["dtype"], self.learner_info["weight_chunks"]
+        # every learner rank gathers each tensor of chunk k (full_tensor) with the others; rank 0's copy is sent
+        chunk = lambda k: [a.weight_chunk.remote(k, dtype) for a in self.learner.actors]  # noqa: E731
+        ahead, nbytes = chunk(0), 0
         for k in range(n):
-            ref, ahead = ahead, learner.weight_chunk.remote(k + 1, dtype) if k + 1 < n else None
-            nbytes += group.gather("write_weights", {r: (ref,) for r in ranks})[ranks[0]]["bytes"]
-            del ref  # the driver owns the chunk: dropping the last reference frees it in the object store
+            refs, ahead = ahead, chunk(k + 1) if k + 1 < n else None
+            nbytes += group.gather("write_weights", {r: (refs[0],) for r in ranks})[ranks[0]]["bytes"]
+            ray.get(refs[1:])  # the other ranks' (empty) answers: an error there surfaces here
+            del refs  # the driver owns the chunk: dropping the last reference frees it in the object store
         return nbytes
 
     def _resync(self, group, rank: int) -> dict:
         """The rollout group's restore hook: the replacement gets the learner's current weights, verified."""
         self._send_weights([rank], group)
         if self.probe is not None:
-            lp = self.learner.call(0, "probe_logprobs", *self.probe)
+            lp = self.learn("probe_logprobs", *self.probe)
             check_sync(lp, [group.call(rank, "probe_logprobs", *self.probe)], self.tol, -1)
         return {"resynced": True}
 
@@ -154,6 +168,21 @@ class Crew:
         for g in self.groups:
             g.kill()
         self.placement.release()
+
+
+def check_devices(cfg: GRPOTrainConfig) -> None:
+    """grpo.fsdp_size ranks (one device each) must fit the connected cluster's GPUs (or CPUs)."""
+    import ray
+
+    from es_ray.core.config import ConfigError
+
+    key, per = ("GPU", cfg.cluster.gpus_per_actor) if cfg.cluster.gpus_per_actor > 0 else ("CPU",
+                                                                                          cfg.cluster.cpus_per_actor)
+    have = ray.cluster_resources().get(key, 0.0)
+    f = cfg.grpo.fsdp_size
+    if per > 0 and f * per > have:
+        raise ConfigError(f"grpo.fsdp_size={f} learner ranks x {per:g} {key}s each exceed the cluster's {have:g} "
+                          f"{key}s; set grpo.fsdp_size<={max(1, int(have // per))}")
 
 
 def last_checkpoint(run_dir: Path) -> Path | None:
@@ -215,10 +244,10 @@ def run(cfg: GRPOTrainConfig) -> dict:
                     break
                 if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0 and done < g.steps:
                     with ledger.apart("checkpoint"):
-                        crew.learner.call(0, "save", str(run_dir / "checkpoints" / f"step_{done:06d}"), {"step": done})
+                        crew.learn("save", str(run_dir / "checkpoints" / f"step_{done:06d}"), {"step": done})
             final = run_dir / "checkpoints" / "final"
             with ledger.apart("checkpoint"):
-                crew.learner.call(0, "save", str(final), {"step": done})
+                crew.learn("save", str(final), {"step": done})
             finished = True
             summary.update(final_checkpoint=str(final), steps=done, reward_mean=[h["reward/mean"] for h in history],
                            eval_reward=[h["eval/reward"] for h in history if "eval/reward" in h])
@@ -240,7 +269,7 @@ def _start(crew: Crew, ckpt: Path | None, start: int, tracker, run_dir: Path) ->
     """The learner loads the checkpoint to resume from, the rollouts get its weights (verified); returns the
     training pool's size."""
     if ckpt is not None:
-        crew.learner.call(0, "load", str(ckpt), slow=True)
+        crew.learn("load", str(ckpt), slow=True)
         tracker.message(f"grpo: resumed from {ckpt} at step {start}")
     pool = crew.infos[0]["train_size"]
     tracker.message(f"grpo: learner + {len(crew.rollouts)} rollout actor(s), {crew.learner_info['trainable']} "
@@ -277,7 +306,7 @@ def _stop_cleanly(stop, crew: Crew | None, run_dir: Path, tracker, done: int, st
     if crew is not None and done > start:
         crew.rollouts.cancel_inflight()
         path = run_dir / "checkpoints" / f"step_{done:06d}"
-        saved = str(crew.learner.call(0, "save", str(path), {"step": done}))
+        saved = str(crew.learn("save", str(path), {"step": done}))
     tracker.message(f"grpo: stopped by {stop} after {done} step(s); "
                     f"{'checkpoint ' + saved if saved else 'no new checkpoint needed'}. Continue with: "
                     f"{resume_command('grpo', run_dir)}")
@@ -301,7 +330,7 @@ def step(cfg: GRPOTrainConfig, crew: Crew, t: int, pool: int, guard) -> dict:
     adv_b = group_advantages(torch.from_numpy(rewards_pg), g.adv_scale, g.adv_eps).flatten().tolist()
     with guard.critical():  # an optimizer step and the sync that follows it are never split by a signal
         with timer("train"):
-            stats = crew.learner.call(0, "train_step", samples, adv_b)
+            stats = crew.learn("train_step", samples, adv_b)
         sync = crew.sync(t)
     lengths = [len(s["completion_ids"]) for s in samples]
     tokens = sum(res["tokens"] for res in results)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import json
 import re
 import time
 from pathlib import Path
@@ -42,9 +43,14 @@ def forwarded_tokens(samples: list[dict], shared: bool) -> int:
 
 
 class GRPOLearner:
-    def __init__(self, cfg: GRPOTrainConfig):
+    """One learner rank. With grpo.fsdp_size=1 (and grpo.offload other than all) the whole learner, built at once.
+    Otherwise rank ``rank`` of ``world``: the driver asks rank 0 for a rendezvous ``address()``, then every rank
+    ``join``s the torch.distributed group (gloo on CPU, NCCL on GPU; no torchrun) and builds the model sharded with
+    FSDP2 (``fully_shard`` per decoder layer, then at the root). Every method of a sharded learner is a collective:
+    the driver calls it on all ranks at once (``ActorGroup.each``) and reads rank 0's answer."""
+
+    def __init__(self, cfg: GRPOTrainConfig, rank: int = 0, world: int = 1):
         import torch
-        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         from es_ray.engines.base import resolve_device
@@ -53,14 +59,49 @@ class GRPOLearner:
         hf_logging.set_verbosity_error()
         g = cfg.grpo
         torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.cluster.cpus_per_actor)))
-        self.cfg, self.g = cfg, g
+        self.cfg, self.g, self.rank, self.world = cfg, g, rank, world
+        self.sharded = world > 1 or g.offload == "all"
         self.model_dir = resolve_model(cfg.model.path)
         self.device = resolve_device(cfg.engine)
         self.mixed = g.dtype == "bf16_mixed"
         self.temperature = cfg.sampling.temperature
+        self.scorer = None
+        self.built = False
+        if not self.sharded:
+            self._build()
+
+    def address(self) -> str:
+        """Rank 0: this node's address and a free port for the process group's rendezvous (tcp://host:port)."""
+        import socket
+
+        import ray
+
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return f"tcp://{host}:{sock.getsockname()[1]}"
+
+    def join(self, address: str) -> dict:
+        """Join the learner's process group at ``address`` (rank 0's) and build the sharded model."""
+        import datetime
+
+        import torch.distributed as dist
+
+        backend = "nccl" if str(self.device).startswith("cuda") else "gloo"
+        dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world,
+                                timeout=datetime.timedelta(seconds=max(60.0, self.cfg.faults.actor_timeout_s)))
+        self._build()
+        return self.ready()
+
+    def _build(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        g = self.g
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
         if g.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False} if self.sharded else None)
             self.model.config.use_cache = False
         self.model.train()
         self.ref = None
@@ -68,16 +109,24 @@ class GRPOLearner:
             ref_dtype = torch.bfloat16 if self.mixed else torch.float32
             self.ref = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=ref_dtype).to(self.device).eval()
             self.ref.requires_grad_(False)
-        pattern = re.compile(cfg.model.trainable) if cfg.model.trainable else None
+        pattern = re.compile(self.cfg.model.trainable) if self.cfg.model.trainable else None
         for name, p in self.model.named_parameters():
             p.requires_grad_(pattern is None or bool(pattern.search(name)))
+        if self.sharded:
+            self._shard()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
-            raise ValueError(f"model.trainable={cfg.model.trainable!r} matches no parameter")
+            raise ValueError(f"model.trainable={self.cfg.model.trainable!r} matches no parameter")
         # fused on CUDA: one kernel per tensor group, without the multi-tensor path's model-sized temporaries
-        cuda = str(self.device).startswith("cuda")
-        self.optimizer = torch.optim.AdamW(self.params, lr=g.lr, betas=(g.adam_beta1, g.adam_beta2), eps=g.adam_eps,
-                                           weight_decay=g.weight_decay, fused=cuda or None, foreach=False)
+        cuda = str(self.device).startswith("cuda") and not self.sharded
+        self.host_params = None
+        if g.offload == "optimizer":  # AdamW's moments and its step on the host, over fp32 host copies
+            self.host_params = [_local(p).detach().to("cpu", torch.float32, copy=True).requires_grad_(True)
+                                for p in self.params]
+            cuda = False
+        self.optimizer = torch.optim.AdamW(self.host_params or self.params, lr=g.lr, betas=(g.adam_beta1, g.adam_beta2),
+                                           eps=g.adam_eps, weight_decay=g.weight_decay, fused=cuda or None,
+                                           foreach=False)
         warmup = g.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) if warmup else 1.0)
@@ -86,9 +135,36 @@ class GRPOLearner:
         layer = lambda name: m.group(1) if (m := LAYER.search(name)) else name  # noqa: E731
         self.chunks = [list(names) for _, names in itertools.groupby(self.named, layer)]
         """Names per sync chunk: one chunk per transformer layer, one per tensor outside the layers."""
+        self.built = True
+
+    def _shard(self) -> None:
+        """FSDP2: each decoder layer its own group, then the root (embedding, final norm, LM head) through a scorer
+        module whose forward is the whole scoring pass, so the root's parameters are gathered for the LM head too.
+        bf16_mixed: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over the fp32 sharded master (instead
+        of autocast); grpo.offload=all: CPUOffloadPolicy."""
+        import torch
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        kw: dict = {}
+        if self.mixed:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if self.g.offload == "all":
+            kw["offload_policy"] = CPUOffloadPolicy()
+        layers = getattr(self.model.base_model, "layers", None)
+        if layers is None:
+            from es_ray.core.config import ConfigError
+
+            raise ConfigError(f"grpo.fsdp_size={self.g.fsdp_size}: {type(self.model).__name__} has no decoder layers "
+                              "at model.layers to shard; set grpo.fsdp_size=1 and grpo.offload=none")
+        for block in layers:
+            fully_shard(block, **kw)
+        self.scorer = _scorer(self)
+        fully_shard(self.scorer, **kw)
 
     def ready(self) -> dict:
-        return {"pid": os.getpid(), "device": self.device,
+        if not self.built:  # a sharded rank before ``join``
+            return {"pid": os.getpid(), "device": self.device, "rank": self.rank, "built": False}
+        return {"pid": os.getpid(), "device": self.device, "rank": self.rank, "built": True,
                 "parameters": sum(p.numel() for p in self.model.parameters()),
                 "trainable": sum(p.numel() for p in self.params), "reference": self.ref is not None,
                 "weight_chunks": len(self.chunks)}
@@ -142,19 +218,27 @@ class GRPOLearner:
         ``samples`` whose prompts repeat (``_shares_prompts``), each prompt runs once for its rows."""
         import torch
 
+        if self.scorer is not None and model is self.model:  # FSDP2: through the root, whose hooks gather
+            logp_n, entropy_n = self.scorer(ids, attn, mask, entropy, samples)
+        else:
+            with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.mixed,
+                                cache_enabled=False):  # no cache: it would hold a bf16 copy of every weight at once
+                logp_n, entropy_n = self._score(model, ids, attn, mask, entropy, samples)
+        logp = torch.zeros(mask.shape, dtype=torch.float32 if logp_n.dtype == torch.bfloat16 else logp_n.dtype,
+                           device=mask.device)  # fp32 (fp64 in tests)
+        return logp.masked_scatter(mask.bool(), logp_n.to(logp.dtype)), entropy_n
+
+    def _score(self, model, ids, attn, mask, entropy: bool, samples: list[dict] | None):
+        """[N] log-probs (and entropies) of the N masked positions: the body of ``_log_probs``."""
         from es_ray.eval.entropy import chunked_token_scores
 
-        with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.mixed,
-                            cache_enabled=False):  # no cache: it would hold a bf16 copy of every weight at once
-            sel = mask.bool()
-            if samples is not None and self._shares_prompts(samples):
-                hidden_n = self._completion_hidden(model, samples)
-            else:
-                hidden_n = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1][sel]
-            logp_n, entropy_n = chunked_token_scores(model.get_output_embeddings(), hidden_n, ids[:, 1:][sel],
-                                                     self.temperature, self.g.logit_chunk_tokens, entropy)
-        logp = torch.zeros(mask.shape, dtype=logp_n.dtype, device=mask.device)  # fp32 (fp64 in tests)
-        return logp.masked_scatter(sel, logp_n), entropy_n
+        sel = mask.bool()
+        if samples is not None and self._shares_prompts(samples):
+            hidden_n = self._completion_hidden(model, samples)
+        else:
+            hidden_n = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1][sel]
+        return chunked_token_scores(model.get_output_embeddings(), hidden_n, ids[:, 1:][sel], self.temperature,
+                                    self.g.logit_chunk_tokens, entropy)
 
     def train_step(self, samples: list[dict], advantages: list[float]) -> dict:
         import torch
@@ -163,7 +247,7 @@ class GRPOLearner:
 
         g, t0 = self.g, time.perf_counter()
         mb = g.micro_batch_size
-        chunks = [(samples[i : i + mb], advantages[i : i + mb]) for i in range(0, len(samples), mb)]
+        chunks = [self._share(samples[i : i + mb], advantages[i : i + mb]) for i in range(0, len(samples), mb)]
         padded = [self._pad(s) for s, _ in chunks]
         n_seq = len(samples)
         n_tok = float(sum(len(s["completion_ids"]) for s in samples))
@@ -186,16 +270,28 @@ class GRPOLearner:
                     clip_eps=g.clip_eps, clip_eps_high=g.clip_eps_high, beta=g.beta,
                     ref_logp_bt=ref_logp[k] if self.ref is not None else None,
                     max_tokens=self.cfg.sampling.max_new_tokens, num_sequences=n_seq, num_tokens=n_tok)
-                loss.backward()
+                # each rank's loss is its part of the global batch's (N and M are the whole batch's); FSDP2 averages
+                # the gradients over the ranks, so x world makes them the sum of the parts
+                (loss * self.world if self.world > 1 else loss).backward()
                 backprop_tokens += forwarded_tokens(part, self._shares_prompts(part))
                 totals["loss"] += float(loss.detach())
                 for key, value in stats.items():
                     totals[key] += float(value)
             max_norm = g.max_grad_norm if g.max_grad_norm > 0 else float("inf")
-            totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-            self.optimizer.step()
+            totals["grad_norm"] += float(_full(torch.nn.utils.clip_grad_norm_(self.params, max_norm)))
+            self._optimizer_step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
+        if self.world > 1:  # the statistics of every rank's share
+            import torch.distributed as dist
+
+            keys = [k for k in totals if k != "grad_norm"]
+            summed = torch.tensor([totals[k] for k in keys] + [float(backprop_tokens)], dtype=torch.float64)
+            dist.all_reduce(summed)
+            totals.update(zip(keys, summed.tolist()))
+            backprop_tokens = int(summed[-1])
         e, tok = g.epochs_per_batch, max(totals["tokens"], 1.0)
         return {"grpo/loss": totals["loss"] / e, "grpo/kl": totals["kl_sum"] / tok,
                 "grpo/clip_frac": totals["clipped_tokens"] / tok, "grpo/ratio_mean": totals["ratio_sum"] / tok,
@@ -203,12 +299,36 @@ class GRPOLearner:
                 "grpo/lr": self.scheduler.get_last_lr()[0], "tokens_backpropagated": backprop_tokens,
                 "seconds": time.perf_counter() - t0}
 
+    def _share(self, part: list[dict], adv: list[float]) -> tuple[list[dict], list[float]]:
+        """This rank's contiguous 1/world of a micro-batch (grpo.fsdp_size divides grpo.micro_batch_size and the
+        batch, so every rank's share of every micro-batch is equal and no rank skips a collective)."""
+        if self.world == 1:
+            return part, adv
+        k = len(part) // self.world
+        return part[self.rank * k : (self.rank + 1) * k], adv[self.rank * k : (self.rank + 1) * k]
+
+    def _optimizer_step(self) -> None:
+        """AdamW on the device's parameters, or with grpo.offload=optimizer on their fp32 host copies (the device's
+        gradients copied over, the stepped weights copied back)."""
+        import torch
+
+        if self.host_params is None:
+            self.optimizer.step()
+            return
+        for hp, p in zip(self.host_params, self.params):
+            hp.grad = None if p.grad is None else _local(p.grad).detach().to("cpu", torch.float32)
+        self.optimizer.step()
+        with torch.no_grad():
+            for hp, p in zip(self.host_params, self.params):
+                _local(p).copy_(hp)
+                hp.grad = None
+
     # -- weights, probe, checkpoints ---------------------------------------------------------------------------
     def weights(self) -> dict:
         """The policy by HF parameter name, as fp32 CPU tensors (checkpoints)."""
         import torch
 
-        return {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.named.items()}
+        return {n: _full(p.detach()).to("cpu", torch.float32, copy=True) for n, p in self.named.items()}
 
     def weight_chunk(self, k: int, dtype: str) -> dict:
         """Chunk ``k`` of the weights (a transformer layer, or one other tensor) by HF name, cast to ``dtype`` (the
@@ -216,7 +336,9 @@ class GRPOLearner:
         from es_ray.core.dtypes import resolve_dtype
 
         dt = resolve_dtype(dtype, self.device)
-        return {n: self.named[n].detach().to(dtype=dt).to("cpu", copy=True) for n in self.chunks[k]}
+        # sharded: every rank takes part in each gather (full_tensor, once per tensor); rank 0's copy is sent
+        out = {n: _full(self.named[n].detach()).to(dtype=dt).to("cpu", copy=True) for n in self.chunks[k]}
+        return out if self.rank == 0 else {}
 
     def probe_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
         """log p of each probe completion token as the learner scores its batches (same precision, temperature and
@@ -237,28 +359,66 @@ class GRPOLearner:
 
         from es_ray.runtime.checkpoint import save_checkpoint
 
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        weights = self.weights()  # sharded: gathered by every rank together, kept by rank 0
+        state = {"optimizer": self._optimizer_state(), "scheduler": self.scheduler.state_dict(),
                  "torch_rng": torch.get_rng_state(), "step": meta.get("step")}
-        save_checkpoint(path, self.weights(), self.model_dir, state, meta, "grpo")
+        if self.rank == 0:
+            save_checkpoint(path, weights, self.model_dir, state, {**meta, "fsdp_size": self.world}, "grpo")
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()  # no rank returns before the checkpoint is published
         return path
+
+    def _optimizer_state(self) -> dict:
+        """AdamW's state: as torch keeps it, or for a sharded learner the full state by parameter name
+        (torch.distributed.checkpoint.state_dict, gathered by all ranks), which loads on any grpo.fsdp_size."""
+        if not self.sharded or self.host_params is not None:
+            if self.world > 1:
+                from es_ray.core.config import ConfigError
+
+                raise ConfigError("grpo.offload=optimizer with grpo.fsdp_size>1 cannot be checkpointed yet; set "
+                                  "run.checkpoint_every=0 or grpo.offload=none")
+            return self.optimizer.state_dict()
+        # by HF name, each moment gathered whole (a collective, in the same order on every rank)
+        state = {name: {k: _full(v).cpu() if hasattr(v, "full_tensor") else v for k, v in self.optimizer.state[p].items()}
+                 for name, p in self.named.items() if p in self.optimizer.state}
+        return {"by_name": state, "lr": [group["lr"] for group in self.optimizer.param_groups]}
 
     def load(self, path: str) -> dict:
         """Weights, optimizer, scheduler and RNG from a checkpoint written by ``save``; returns its meta."""
-        import json
-
         import torch
 
         from es_ray.models import load_hf_weights
-
         weights = load_hf_weights(path)
         with torch.no_grad():
             for name, p in self.named.items():
                 src = weights.get(name)
                 if src is None and name == "lm_head.weight":  # tied: saved once, as the embedding
                     src = weights["model.embed_tokens.weight"]
-                p.copy_(src)
-        state = torch.load(Path(path) / STATE_FILE, weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+                _local(p).copy_(_slice_like(src.to(p.dtype), p))
+        state = torch.load(Path(path) / STATE_FILE, weights_only=True)
+        if self.sharded and self.host_params is None:  # by parameter name: any grpo.fsdp_size it was saved with
+            saved = state["optimizer"]
+            if "by_name" not in saved:
+                from es_ray.core.config import ConfigError
+
+                raise ConfigError(f"{path} was saved by a one-process learner (grpo.fsdp_size=1); resume with "
+                                  "grpo.fsdp_size=1 grpo.offload=none")
+            for name, p in self.named.items():  # each rank keeps its shard of every moment (any saved fsdp_size)
+                if name in saved["by_name"]:
+                    self.optimizer.state[p] = {k: _distribute_like(v, p) if torch.is_tensor(v) and v.dim() else v
+                                               for k, v in saved["by_name"][name].items()}
+            for group, lr in zip(self.optimizer.param_groups, saved["lr"]):
+                group["lr"] = lr
+        else:
+            saved = json.loads((Path(path) / META_FILE).read_text()).get("fsdp_size", 1)
+            if saved != 1:
+                from es_ray.core.config import ConfigError
+
+                raise ConfigError(f"{path} was saved by a sharded learner (grpo.fsdp_size={saved}); resume with "
+                                  f"grpo.fsdp_size={saved} (or any size > 1)")
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         return json.loads((Path(path) / META_FILE).read_text())
@@ -267,3 +427,47 @@ class GRPOLearner:
         from es_ray.runtime.ledger import process_peak_memory
 
         return process_peak_memory()
+
+
+def _local(t):
+    """A DTensor's local shard (FSDP2), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _full(t):
+    """A DTensor gathered whole (a collective: every rank calls it), or the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _scorer(learner: GRPOLearner):
+    """The FSDP2 root: a module holding the policy whose forward is the learner's whole scoring pass."""
+    import torch
+
+    class Scorer(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, attn, mask, entropy=False, samples=None):
+            return learner._score(self.model, ids, attn, mask, entropy, samples)
+
+    return Scorer(learner.model)
+
+
+def _distribute_like(full, p):
+    """``full`` as a DTensor laid out like parameter ``p`` (an optimizer moment of a sharded parameter)."""
+    if not hasattr(p, "to_local"):
+        return full.to(p.device)
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(_local(p).device), p.device_mesh, p.placements)
+
+
+def _slice_like(full, p):
+    """This rank's shard of the whole tensor ``full`` for the (possibly DTensor) parameter ``p``: FSDP2 shards dim 0
+    in world-size chunks, the last ones possibly short or empty (torch.chunk's split)."""
+    if not hasattr(p, "to_local"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(_local(p).device), p.device_mesh, p.placements).to_local()

@@ -21,10 +21,12 @@ STEPS = [0, 1, 2]
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch, tmp_path):
-    """The defaults a user gets: no W&B mode or MLflow URI set; W&B's own caches kept out of the home directory."""
-    for var in ("WANDB_MODE", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME",
+    """Offline W&B (WANDB_MODE=offline, as a user without network sets it), no MLflow URI set; W&B's own caches
+    kept out of the home directory."""
+    for var in ("WANDB_PROJECT", "WANDB_API_KEY", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME",
                 "MLFLOW_ALLOW_FILE_STORE"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
     for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
 
@@ -174,7 +176,48 @@ def test_missing_package_is_refused_naming_the_install(monkeypatch, name, module
     with pytest.raises(ConfigError, match=f"run.trackers={name} needs the {module} package") as info:
         validate_run(RunConfig(trackers=[name]))
     if name != "tensorboard":
-        assert f"pip install -e '.[{name}]'" in str(info.value)
+        assert f"pip install 'es-ray[{name}]'" in str(info.value)
+
+
+def test_vllm_missing_is_refused_naming_the_extra(monkeypatch):
+    from es_ray.core.config import ClusterConfig, EngineConfig
+    from es_ray.runtime.validation import validate_cluster
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ConfigError, match=r"engine\.name=vllm needs the vllm package.*pip install 'es-ray\[vllm\]'"):
+        validate_cluster(ClusterConfig(), EngineConfig(name="vllm"))
+    validate_cluster(ClusterConfig(address="10.0.0.1:6379"), EngineConfig(name="vllm"))  # the cluster's nodes have it
+
+
+def test_tensorboard_gets_the_config_as_hparams_of_the_same_run(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    _log_three_steps(tmp_path, ["tensorboard"])
+    acc = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    data = plugin_data_pb2.HParamsPluginData.FromString(content)
+    hp = {k: v.ListFields()[0][1] for k, v in data.session_start_info.hparams.items()}
+    assert hp["es.population"] == ESTrainConfig().es.population and hp["run.trackers"] == "['tensorboard']"
+    assert [p.name for p in (tmp_path / "tensorboard").iterdir() if p.is_dir()] == []  # no second run for them
+
+
+def test_wandb_mode_follows_wandb(monkeypatch, tmp_path):
+    """WANDB_MODE wins; unset, online (W&B's default) when an API key is configured, offline when none is."""
+    from es_ray.runtime.tracking import WandbBackend
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # where `wandb login` keeps the key (~/.netrc)
+    assert WandbBackend.mode() == "offline"  # the fixture's WANDB_MODE
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert WandbBackend.mode() == "disabled"
+    monkeypatch.delenv("WANDB_MODE")
+    assert WandbBackend.mode() == "offline"  # no key anywhere
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert WandbBackend.mode() is None  # `wandb login` ran: online
+    (tmp_path / ".netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert WandbBackend.mode() is None
 
 
 def _convert(primary: str, overrides: list[str]):
@@ -204,7 +247,7 @@ def test_every_entry_point_takes_and_checks_run_trackers(primary, monkeypatch):
     with pytest.raises(ConfigError, match="run.trackers='nope'"):
         _convert(primary, ["run.trackers=[nope]"])
     monkeypatch.setitem(sys.modules, "wandb", None)
-    with pytest.raises(ConfigError, match=r"pip install -e '\.\[wandb\]'"):
+    with pytest.raises(ConfigError, match=r"pip install 'es-ray\[wandb\]'"):
         _convert(primary, ["run.trackers=[wandb]"])
 
 

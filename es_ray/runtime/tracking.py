@@ -2,9 +2,16 @@
 (TensorBoard, Weights & Biases, MLflow), plus a timer.
 
 Every backend gets the same metric names and steps, and the run's resolved config (flattened to dotted keys) as its
-parameters. W&B and MLflow work offline by default: W&B in offline mode under ``<run.dir>/wandb`` unless WANDB_MODE
-is set, MLflow to a file store ``<run.dir>/mlruns`` unless MLFLOW_TRACKING_URI is set. A backend's package is
-imported only when a run uses it.
+parameters (TensorBoard: hparams of the same run as the scalars). Each follows its own conventions: W&B honours
+WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY and runs online when an API key is configured (WANDB_API_KEY or `wandb
+login`), else offline under ``<run.dir>/wandb`` (`wandb sync` uploads it later); MLflow logs to MLFLOW_TRACKING_URI
+(experiment MLFLOW_EXPERIMENT_NAME), else to a file store ``<run.dir>/mlruns``. A backend's package is imported only
+when a run uses it.
+
+Why not accelerate.tracking (a dependency already): its TensorBoard tracker writes the hyperparameters to a second,
+timestamped run beside the scalars (and refuses list values), its MLflow tracker drives MLflow's process-global active
+run with the default tracking URI (./mlruns in the working directory) and drops parameters longer than 500
+characters, and its W&B tracker names the project after the run; adapting those costs as many lines as these.
 """
 
 from __future__ import annotations
@@ -46,12 +53,17 @@ class JsonlBackend:
 @TRACKERS.register("tensorboard")
 class TensorBoardBackend:
     module = "tensorboard"
-    install = "pip install -e . (tensorboard is one of its dependencies)"
+    install = "pip install es-ray (tensorboard is one of its dependencies)"
 
     def __init__(self, run_dir: Path, params: dict[str, Any], job: str):
         from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
 
         self._w = SummaryWriter(str(run_dir / "tensorboard"))
+        # the config as hparams of this run (HPARAMS tab); lists and None as text, which TensorBoard takes
+        values = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in params.items()}
+        for summary in hparams(values, {}):
+            self._w.file_writer.add_summary(summary)
 
     def log(self, step: int, metrics: dict, step_key: str) -> None:
         for k, v in _scalars(metrics).items():
@@ -65,14 +77,30 @@ class TensorBoardBackend:
 @TRACKERS.register("wandb")
 class WandbBackend:
     module = "wandb"
-    install = "pip install -e '.[wandb]'"
+    install = "pip install 'es-ray[wandb]' (in a checkout: pip install -e '.[wandb]')"
 
     def __init__(self, run_dir: Path, params: dict[str, Any], job: str):
         import wandb
 
         self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "es-ray"), name=run_dir.name, job_type=job,
-                               dir=str(run_dir), config=params, mode=os.environ.get("WANDB_MODE") or "offline",
+                               dir=str(run_dir), config=params, mode=self.mode(),
                                reinit="create_new")  # es-compare's stages are runs of their own
+
+    @staticmethod
+    def mode() -> str | None:
+        """WANDB_MODE when set; else W&B's own default (online) when an API key is configured, else offline."""
+        if os.environ.get("WANDB_MODE"):
+            return os.environ["WANDB_MODE"]
+        if os.environ.get("WANDB_API_KEY"):
+            return None
+        import netrc
+        from urllib.parse import urlparse
+
+        host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+        try:
+            return None if netrc.netrc().authenticators(host) else "offline"
+        except (OSError, netrc.NetrcParseError):  # no ~/.netrc: `wandb login` never ran
+            return "offline"
 
     def log(self, step: int, metrics: dict, step_key: str) -> None:
         self._run.log(_scalars(metrics), step=step)
@@ -84,7 +112,7 @@ class WandbBackend:
 @TRACKERS.register("mlflow")
 class MlflowBackend:
     module = "mlflow"
-    install = "pip install -e '.[mlflow]'"
+    install = "pip install 'es-ray[mlflow]' (in a checkout: pip install -e '.[mlflow]')"
     _BAD_KEY = re.compile(r"[^/\w.\- :]")  # the characters MLflow refuses in metric and parameter names
     _MAX_VALUE = 500  # the parameter value limit of older MLflow servers (newer ones take 6000)
 

