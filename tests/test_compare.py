@@ -131,6 +131,38 @@ def test_token_and_device_second_budgets_become_each_runs_stop_and_an_unreachabl
         validate_compare(_cfg(Path("/m"), tmp_path, budget=BudgetConfig(unit="tokens")))
 
 
+def test_a_budget_stops_at_the_step_that_lands_closest_and_device_seconds_keep_start_up_and_checkpoints_apart():
+    import time
+    from types import SimpleNamespace
+
+    from es_ray.runtime.ledger import Ledger
+
+    def stops(step_tokens: int, budget: int = 100) -> int:
+        """Tokens used when the run stops (steps of ``step_tokens``)."""
+        led, used = Ledger("es"), 0
+        run = SimpleNamespace(stop_at_tokens=budget, stop_at_device_seconds=0)
+        while True:
+            led.add_step({}, step_tokens)
+            used += step_tokens
+            if led.stop_reason(run, [], None, used):
+                assert "run.stop_at_tokens=100" in led.stopped
+                return used
+
+    assert stops(30) == 90  # 90 (10 short) beats 120 (20 past)
+    assert stops(45) == 90 and stops(60) == 120 and stops(35) == 105  # the step landing nearer to 100, either side
+    assert stops(300) == 300  # one step larger than the budget: the report says "not matched"
+    led = Ledger("grpo")
+    group = SimpleNamespace(created_at=time.perf_counter())
+    time.sleep(0.05)
+    led.started()
+    with led.apart("checkpoint"):
+        time.sleep(0.05)
+    time.sleep(0.05)
+    held = led._held(group.created_at, time.perf_counter())
+    assert held["startup"] >= 0.05 and held["checkpoint"] >= 0.05 and held["training"] >= 0.05
+    assert held["startup"] + held["checkpoint"] + held["training"] == pytest.approx(held["total"])
+
+
 def test_held_out_curves_sample_as_the_evaluation_and_an_empty_held_out_set_is_refused(tmp_path):
     import launch.compare as compare
 
