@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
 from pathlib import Path
+
+from es_ray.runtime.tracking import Timer
 
 FIELDS = ("method", "finished", "start_step", "steps", "wall_s", "startup_s", "phase_seconds", "tokens_generated",
           "tokens_generated_eval", "tokens_backpropagated", "device_kind", "device_seconds",
@@ -77,7 +78,10 @@ class Ledger:
         self.actors: dict[str, dict] = {}
         self.replacements = 0
         self.started_at: float | None = None
-        self.apart_s: dict[str, float] = {}
+        # ``with ledger.apart("checkpoint"):`` a span whose device time is not training (checkpoint writes,
+        # held-out scoring): counted apart, per kind
+        self.apart = Timer()
+        self.apart_s = self.apart.seconds
         self.stopped = ""
         self._last_step = {"tokens": 0, "device_s": None}
 
@@ -85,15 +89,6 @@ class Ledger:
         """The actors are up (placed, models loaded): what came before is start-up."""
         self.started_at = time.perf_counter()
         self.startup_s = self.started_at - self.t0
-
-    @contextmanager
-    def apart(self, kind: str):
-        """A span whose device time is not training (checkpoint writes, held-out scoring): counted apart."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.apart_s[kind] = self.apart_s.get(kind, 0.0) + time.perf_counter() - t0
 
     def _held(self, created_at: float, now: float) -> dict[str, float]:
         """One actor's seconds held, split: start-up (before ``started``), the marked spans, and training."""
