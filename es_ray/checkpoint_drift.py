@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -26,8 +27,10 @@ def run_drift(cfg: DriftJobConfig) -> dict:
     from es_ray.eval.drift import drift
     from es_ray.eval.plots import plot_update_histograms
     from es_ray.models import resolve_model
+    from es_ray.runtime.rundir import open_run_dir
 
     base_dir, tuned_dir = resolve_model(cfg.base), resolve_model(cfg.tuned)
+    run_dir = open_run_dir(cfg, "drift")  # run.dir, else <run.root>/drift-<timestamp>; another run's is refused
     base_idx, tuned_idx = _tensor_index(base_dir), _tensor_index(tuned_dir)
     common = sorted(set(base_idx) & set(tuned_idx))
     with ExitStack() as stack:
@@ -40,14 +43,18 @@ def run_drift(cfg: DriftJobConfig) -> dict:
             return handles[f].get_tensor(name)
 
         cast = resolve_dtype(cfg.cast_dtype, key="cast_dtype") if cfg.cast_dtype else None
-        report = drift(((n, get(base_idx, n), get(tuned_idx, n)) for n in common),
+        names = common
+        if cfg.run.progress:  # reading and comparing every tensor takes a minute on a 1.5B model
+            from tqdm import tqdm
+
+            names = tqdm(common, desc="es-drift", unit="tensor", dynamic_ncols=True, file=sys.stderr)
+        report = drift(((n, get(base_idx, n), get(tuned_idx, n)) for n in names),
                        thresholds=cfg.thresholds, top=cfg.top, cast=cast)
+        if cfg.run.progress:
+            names.close()
     report.update(base=str(base_dir), tuned=str(tuned_dir),
                   missing={"base_only": sorted(set(base_idx) - set(tuned_idx)),
                            "tuned_only": sorted(set(tuned_idx) - set(base_idx))})
-    from es_ray.runtime.rundir import open_run_dir
-
-    run_dir = open_run_dir(cfg, "drift")  # run.dir, else <run.root>/drift-<timestamp>
     (run_dir / "drift.json").write_text(json.dumps(report, indent=2))
     plot_update_histograms(report, run_dir / "drift_hist.png", title=f"{Path(str(tuned_dir)).name} vs base")
     report["run_dir"] = str(run_dir)

@@ -124,7 +124,7 @@ def run(cfg: ESTrainConfig) -> dict:
     point = resume_point(cfg, run_dir)
     ledger = Ledger("es", start_step=point.start)
     connect(cfg.cluster)
-    tracker = Tracker(run_dir, cfg.es.iterations, cfg, cfg.run.trackers, cfg.run.progress)
+    tracker = Tracker(run_dir, cfg.es.iterations, cfg, cfg.run.trackers, cfg.run.progress, start=point.start)
     seed_log = SeedLog(run_dir / "seed_log.jsonl")
     keeper = ReplicaKeeper(run_dir, tracker, point)
     placement = None

@@ -32,7 +32,7 @@ def _run_chunks(cfg: EvalJobConfig, chunks: list[Chunk], progress) -> list[dict]
         out = []
         for c in chunks:
             out.append(worker.run_chunk(c))
-            progress()
+            progress(c)
         return out
     from es_ray.runtime.actors import start_group
     from es_ray.runtime.cluster import connect
@@ -48,9 +48,9 @@ def _run_chunks(cfg: EvalJobConfig, chunks: list[Chunk], progress) -> list[dict]
                                    cfg.faults, check_interrupt=guard.check,
                                    lost_advice="run es-eval again (its chunks are seeded, so results are the same)")
             out = []
-            for _, res in group.map_unordered("run_chunk", [(c,) for c in chunks]):
+            for (chunk,), res in group.map_unordered("run_chunk", [(c,) for c in chunks]):
                 out.append(res)
-                progress()
+                progress(chunk)
             return out
     finally:
         if group is not None:
@@ -172,16 +172,22 @@ def run(cfg: EvalJobConfig) -> dict:
 
 
 def _run_with_progress(cfg: EvalJobConfig, chunks: list[Chunk]) -> list[dict]:
-    bar = None
-    if cfg.run.progress:
-        from tqdm import tqdm
+    """The chunks, with a bar counting problems done (each problem's eval.n samples) and the task last finished."""
+    if not cfg.run.progress:
+        return _run_chunks(cfg, chunks, lambda chunk: None)
+    from tqdm import tqdm
 
-        bar = tqdm(total=len(chunks), desc="es-eval", dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(total=sum(len(c.problem_ids) for c in chunks), desc="es-eval", unit="problem", dynamic_ncols=True,
+               file=sys.stderr)
+
+    def done(chunk: Chunk) -> None:
+        bar.update(len(chunk.problem_ids))
+        bar.set_postfix_str(f"task={chunk.task}")
+
     try:
-        return _run_chunks(cfg, chunks, (lambda: bar.update(1)) if bar else (lambda: None))
+        return _run_chunks(cfg, chunks, done)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
 
 
 def write_results(cfg: EvalJobConfig, run_dir: Path, results: dict, samples: dict[str, list[dict]]) -> None:

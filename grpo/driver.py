@@ -217,7 +217,7 @@ def run(cfg: GRPOTrainConfig) -> dict:
         generated = sum(r.get("perf/tokens", 0) for r in kept)
     ledger = Ledger("grpo", start_step=start)
     connect(cfg.cluster)
-    tracker = Tracker(run_dir, g.steps - start, cfg, cfg.run.trackers, cfg.run.progress, desc="grpo")
+    tracker = Tracker(run_dir, g.steps, cfg, cfg.run.trackers, cfg.run.progress, desc="grpo", start=start)
     crew, done, finished = None, start, False
     summary: dict = {"run_dir": str(run_dir), "resumed_from": str(ckpt) if ckpt else None}
     with InterruptGuard() as guard:

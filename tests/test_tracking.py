@@ -310,3 +310,36 @@ def test_tiny_es_run_lands_in_every_tracker(ray_local, tiny_model_dir, tmp_path)
     assert set(wb) == set(ml) == set(tb)  # the same names everywhere
     assert config["es.iterations"] == 2 and params["es.iterations"] == "2"
     assert config["run.seed"] == 3 and params["model.path"] == str(tiny_model_dir)
+
+
+# -- progress bars -----------------------------------------------------------------------------------------------
+
+
+def test_progress_names_what_it_shows_and_a_resumed_run_counts_from_its_start(tmp_path, capsys):
+    tracker = Tracker(tmp_path, 4, ESTrainConfig(), [], progress=True, start=2)
+    tracker.log(2, {"reward/mean": 0.25, "eval/reward": 0.75, "eval/pass_at_1": 0.5})
+    tracker.log(3, {"reward/mean": 0.3})  # no evaluation this step: the last held-out value stays shown
+    tracker.close()
+    err = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert not [line for line in err if "1/4" in line or "0/4" in line], err
+    last = [line for line in err if "4/4" in line][-1]
+    assert "train_reward=0.300" in last and "heldout_pass@1=0.500" in last and "mean=" not in last, last
+
+
+def test_es_eval_and_es_drift_show_progress(tiny_model_dir, tmp_path, capsys):
+    from es_ray.checkpoint_drift import run_drift
+    from es_ray.eval_config import to_drift_config
+    from es_ray.evaluate import run
+
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    cfg = _convert("es_eval", [f"model.path={tiny_model_dir}", "eval.tasks=[math500,csqa]", "eval.n=1",
+                               "eval.k=[1]", "eval.limit=2", "eval.max_new_tokens=2", f"eval.data_dir={fixtures}",
+                               "cluster.num_actors=0", "run.progress=true", "run.trackers=[]"])
+    cfg.run.dir = str(tmp_path / "eval")
+    run(cfg)
+    err = capsys.readouterr().err.replace("\r", "\n")
+    assert "es-eval: 100%" in err and "4/4 [" in err and "problem" in err and "task=" in err, err[-2000:]
+    run_drift(to_drift_config({"base": str(tiny_model_dir), "tuned": str(tiny_model_dir),
+                               "run": {"dir": str(tmp_path / "drift"), "progress": True}}))
+    err = capsys.readouterr().err.replace("\r", "\n")
+    assert "es-drift: 100%" in err and "tensor" in err, err[-2000:]

@@ -154,8 +154,12 @@ class Tracker:
     """``log(step, metrics)`` writes one row to metrics.jsonl and to every backend in ``trackers``; ``config`` (a
     dataclass) is logged once as the run's parameters."""
 
+    # progress-bar postfix: what each shown number is (the training reward of the step's samples, the held-out
+    # pass@1 of the last evaluation)
+    SHOWN = {"reward/mean": "train_reward", "eval/pass_at_1": "heldout_pass@1"}
+
     def __init__(self, run_dir: str | Path, total: int, config: Any, trackers: list[str], progress: bool = True,
-                 desc: str = "es"):
+                 desc: str = "es", start: int = 0):
         self.run_dir = Path(run_dir)
         params = flatten(dataclasses.asdict(config))
         self._backends = [JsonlBackend(self.run_dir)]
@@ -164,16 +168,17 @@ class Tracker:
         if progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=desc, dynamic_ncols=True)
+            self._bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True)  # a resumed run: from start
+        self._shown: dict[str, str] = {}
 
     def log(self, step: int, metrics: dict, step_key: str = "iteration") -> None:
         for backend in self._backends:
             backend.log(step, metrics, step_key)
         if self._bar is not None:
             self._bar.update(1)
-            shown = {k.split("/")[-1]: f"{v:.3f}" for k, v in metrics.items()
-                     if k in ("reward/mean", "eval/reward") and isinstance(v, float)}
-            self._bar.set_postfix(shown)
+            self._shown.update({name: f"{metrics[k]:.3f}" for k, name in self.SHOWN.items()
+                                if isinstance(metrics.get(k), numbers.Real) and math.isfinite(metrics[k])})
+            self._bar.set_postfix(self._shown)
 
     def message(self, text: str) -> None:
         if self._bar is not None:
