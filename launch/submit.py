@@ -5,8 +5,11 @@
         -- es-train experiment=es_reference_gsm8k
     es-submit --wait -- es-eval model.path=/mnt/shared/runs/<id>/checkpoints/final
 
-The working directory is shipped with launch/runtime_env.yaml (minus .git and run outputs). A Ray Job's driver runs
-in a temporary copy of it, so for the project's entry points es-submit sets `run.dir=<run root>/<job id>` (or keeps
+The working directory is shipped with launch/runtime_env.yaml, never with credentials or run outputs (SECRET_EXCLUDES:
+.env*, .netrc, .aws/, .ssh/, id_*, *.pem, wandb/, mlruns/, runs/, checkpoints/, ...); what goes is listed with its size
+before anything is sent. A cluster with Ray's token authentication gets its token from RAY_AUTH_TOKEN,
+RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token (README "Security"). A Ray Job's driver runs in a temporary copy of the
+working directory, so for the project's entry points es-submit sets `run.dir=<run root>/<job id>` (or keeps
 an absolute `run.dir=` given), on storage every node sees. `--sweep` submits one job per combination of values,
 each with its own run directory (Hydra's Ray launcher plugin is not used). `--wait` streams the job's logs and exits
 0 when it SUCCEEDED, 1 otherwise.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fnmatch
 import itertools
 import os
 import re
@@ -196,12 +200,78 @@ def check_overrides(command: list[str]) -> dict | None:
     return composed
 
 
+# Never shipped, whatever --runtime-env says: credentials and run outputs (gitignore-style, as Ray's excludes).
+SECRET_EXCLUDES = (".env*", ".netrc", ".git-credentials", ".aws/", ".ssh/", ".kube/", ".docker/", ".gnupg/", "id_*",
+                   "*.pem", "*.key", "wandb/", "mlruns/", "runs/", "outputs/", "checkpoints/", "checkpoint-*/")
+
+
 def runtime_env(working_dir: Path, path: Path = RUNTIME_ENV) -> dict:
     env = yaml.safe_load(path.read_text()) or {}
     if not isinstance(env, dict):
         raise SubmitError(f"{path}: a runtime_env must be a mapping")
     env["working_dir"] = str(working_dir)
+    env["excludes"] = list(dict.fromkeys([*(env.get("excludes") or []), *SECRET_EXCLUDES]))
     return env
+
+
+def _excluded(rel: Path, is_dir: bool, patterns: list[str]) -> bool:
+    """gitignore-style, for the shapes the excludes use: 'name', 'glob*', 'dir/', '**/dir/' match a path component
+    at any depth (a trailing '/' only a directory); a pattern with an inner '/' matches from the root."""
+    parts = rel.parts
+    for raw in patterns:
+        pat = raw.removeprefix("**/")
+        dir_only = pat.endswith("/")
+        pat = pat.rstrip("/")
+        if "/" in pat:
+            if fnmatch.fnmatchcase(rel.as_posix(), pat) and (is_dir or not dir_only):
+                return True
+            continue
+        for i, part in enumerate(parts):
+            if fnmatch.fnmatchcase(part, pat) and (not dir_only or i < len(parts) - 1 or is_dir):
+                return True
+    return False
+
+
+def upload_listing(working_dir: Path, excludes: list[str]) -> tuple[list[tuple[str, int, int]], int]:
+    """What Ray would upload from ``working_dir`` under ``excludes`` (and a top-level .gitignore, which Ray also
+    applies): (top-level entry, files, bytes) rows and the total bytes."""
+    ignore = working_dir / ".gitignore"
+    patterns = list(excludes) + ([ln.strip() for ln in ignore.read_text(errors="replace").splitlines()
+                                  if ln.strip() and not ln.startswith(("#", "!"))] if ignore.is_file() else [])
+    rows: dict[str, list[int]] = {}
+    for root, dirs, files in os.walk(working_dir):
+        base = Path(root).relative_to(working_dir)
+        dirs[:] = [d for d in dirs if not _excluded(base / d, True, patterns)]
+        for name in files:
+            rel = base / name
+            if _excluded(rel, False, patterns):
+                continue
+            try:
+                size = (Path(root) / name).lstat().st_size
+            except OSError:
+                continue
+            row = rows.setdefault(rel.parts[0] + ("/" if len(rel.parts) > 1 else ""), [0, 0])
+            row[0] += 1
+            row[1] += size
+    out = sorted(((k, n, b) for k, (n, b) in rows.items()), key=lambda r: -r[2])
+    return out, sum(b for _, _, b in out)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def print_upload(env: dict) -> None:
+    """The upload, listed on stderr (stdout stays the jobs' lines) before anything is sent."""
+    rows, total = upload_listing(Path(env["working_dir"]), env.get("excludes") or [])
+    print(f"es-submit: uploading {env['working_dir']}: {_size(total)} in {sum(r[1] for r in rows)} files "
+          "(credentials and run outputs left out: launch/submit.py SECRET_EXCLUDES)", file=sys.stderr)
+    for name, files, size in rows:
+        print(f"  {_size(size):>9}  {name}" + (f"  ({files} files)" if files > 1 else ""), file=sys.stderr)
 
 
 def use_auth_token_if_present() -> None:
@@ -291,6 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     except SubmitError as exc:
         print(f"es-submit: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    print_upload(env)
     if args.dry_run:
         for s in subs:
             print(f"{s.submission_id}\t{s.run_dir or '-'}\t{s.entrypoint}")

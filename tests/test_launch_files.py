@@ -331,3 +331,37 @@ def test_the_dockerfile_parser_reads_what_docker_reads(tmp_path):
                      ("RUN", 'pip install "a==${V}"      && python -m pip install --quiet b==2 -e ".[x]" > /dev/null;'
                              ' echo pip install')]
     assert pip_installs(steps[-1][1]) == [["a==${V}"], ["--quiet", "b==2", "-e", ".[x]"]]
+
+
+# -- an authenticated cluster (README "Security") ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+def test_cluster_dashboard_on_loopback_and_every_node_with_token_auth(path):
+    cfg = yaml.safe_load(path.read_text())
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in cfg[key]
+              if "ray start" in c]
+    assert len(starts) == 2
+    for command in starts:
+        assert "export RAY_AUTH_MODE=token;" in command.split("ray start")[0], command
+    head = next(c for c in starts if "--head" in c)
+    assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in path.read_text()
+    assert cfg["file_mounts"] == {"~/.ray/auth_token": "~/.ray/auth_token"}  # the same token on every node
+
+
+def test_rayjob_provisions_ray_token_auth_and_runs_non_root():
+    job = yaml.safe_load(RAYJOB.read_text())
+    cluster = job["spec"]["rayClusterSpec"]
+    assert cluster["authOptions"] == {"mode": "token"}
+    major, minor = (int(x) for x in cluster["rayVersion"].split(".")[:2])
+    assert (major, minor) >= (2, 52)  # Ray's token authentication starts at 2.52
+    pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in
+                                                             cluster["workerGroupSpecs"]]
+    for pod in pods:
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_images_run_as_a_non_root_user(path):
+    users = [a.split(":")[0] for k, a in dockerfile_instructions(path) if k == "USER"]
+    assert users and users[-1] not in ("0", "root"), f"{path.name}: last USER {users}"

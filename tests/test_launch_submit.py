@@ -181,3 +181,40 @@ def test_failing_job_exits_1_and_ships_the_tree_without_git_or_outputs(ray_head)
     shipped = ast.literal_eval(listing.removeprefix("LISTING "))
     assert {"es_ray", "launch", "conf", "pyproject.toml"} <= set(shipped)
     assert not {".git", ".venv", "runs"} & set(shipped), shipped
+
+
+# -- what is uploaded ------------------------------------------------------------------------------------------
+
+SECRETS = [".env", ".env.local", ".netrc", ".git-credentials", ".aws/credentials", ".ssh/id_rsa", "id_ed25519",
+           "deploy/server.pem", "wandb/run-1/files/config.yaml", "mlruns/0/meta.yaml", "runs/r1/model.safetensors",
+           "checkpoints/step_10/state.pt", "sub/.env", "sub/runs/x.json"]
+CODE = ["main.py", "pkg/__init__.py", "pkg/envelope.py", "conf/a.yaml", "README.md"]
+
+
+def _tree(root: Path) -> None:
+    for rel in SECRETS + CODE:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x" * 100)
+
+
+def test_secrets_and_run_outputs_are_never_uploaded_whatever_the_runtime_env(tmp_path, capsys):
+    from launch.submit import SECRET_EXCLUDES, print_upload, runtime_env, upload_listing
+
+    work = tmp_path / "work"
+    _tree(work)
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("env_vars: {A: '1'}\n")  # a user's runtime_env without a single exclude
+    for path in (None, bare):
+        env = runtime_env(work, path) if path else runtime_env(work)
+        assert set(SECRET_EXCLUDES) <= set(env["excludes"])
+        rows, total = upload_listing(work, env["excludes"])
+        assert {r[0] for r in rows} == {"main.py", "pkg/", "conf/", "README.md"}
+        assert total == 100 * len(CODE)
+    # Ray's own matcher (the gitwildmatch it applies to runtime_env excludes) leaves out the same files
+    from ray._private.thirdparty.pathspec import PathSpec
+
+    spec = PathSpec.from_lines("gitwildmatch", env["excludes"])
+    assert sorted(r for r in SECRETS + CODE if not spec.match_file(r)) == sorted(CODE)
+    print_upload(env)
+    err = capsys.readouterr().err
+    assert "uploading" in err and "500 B in 5 files" in err and ".env" not in err.replace("SECRET_EXCLUDES", "")
