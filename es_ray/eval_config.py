@@ -12,12 +12,19 @@ from es_ray.grading.boxed import ANSWER_MODES
 from es_ray.tasks import EVAL_TASKS
 
 
+# Hub datasets that need their terms accepted (and a token) before they download: not in the default task list.
+GATED_TASKS = ("gpqa",)
+DEFAULT_EVAL_TASKS = tuple(t for t in EVAL_TASKS if t not in GATED_TASKS)
+
+
 @dataclass
 class BenchmarkConfig:
     """es-eval's `eval` section: which benchmarks, how many samples, how they are sampled and graded."""
 
-    tasks: list[str] = field(default_factory=lambda: list(EVAL_TASKS))
-    """Tasks to evaluate (any task.name; default: the paper's eight evaluation sets)."""
+    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_EVAL_TASKS))
+    """Tasks to evaluate (any task.name; default: the paper's eight evaluation sets less the gated GPQA, which needs
+    its terms accepted on the Hub first: then add it, eval.tasks=[gpqa,mbpp,...], or give a local copy with
+    +eval.paths.gpqa=/abs/gpqa_diamond.jsonl)."""
     n: int = 32
     """Samples per problem (must be >= max(k))."""
     k: list[int] = field(default_factory=lambda: [1, 16, 32])
@@ -33,8 +40,9 @@ class BenchmarkConfig:
     paths: dict[str, str] = field(default_factory=dict)
     """Per-task local file, overriding data_dir: +eval.paths.gpqa=/data/gpqa_diamond.jsonl"""
     answer: str = "boxed"
-    """Math tasks: boxed (only the final \\boxed{} answer counts, as the prompts ask) or last (lenient: math-verify
-    takes the last expression). Either way results count correct samples without a box and restating ones."""
+    """Math tasks: boxed (only the final \\boxed{} answer counts, as the prompts ask) or last (lenient: the final box
+    when there is one, else math-verify takes the last expression). Either way results count correct samples
+    without a box and restating ones."""
     entropy: bool = True
     """Token entropy of the completions from a teacher-forced forward pass (one extra forward per completion)."""
     save_samples: bool = True

@@ -17,8 +17,9 @@ from es_ray.tasks import EVAL_TASKS
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+ALL_TASKS = f"eval.tasks=[{','.join(EVAL_TASKS)}]"  # the paper's eight, gated GPQA included (local fixtures)
 TINY = ["eval.n=2", "eval.k=[1,2]", "eval.limit=2", "eval.max_new_tokens=8", f"eval.data_dir={FIXTURES}",
-        "run.progress=false"]
+        "run.progress=false", ALL_TASKS]
 
 
 def cli(prog: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -45,7 +46,8 @@ def test_es_eval_preset_composes_with_overrides():
     assert ev.eval.tasks == ["gpqa", "math500"] and ev.eval.k == [1, 4] and ev.eval.paths == {"gpqa": "/x.jsonl"}
     assert validate_eval(ev) is ev
     default = to_config(_compose("es_eval", []), EvalJobConfig)
-    assert default.eval.tasks == list(EVAL_TASKS) and default.eval.k == [1, 16, 32] and default.eval.n >= 32
+    assert default.eval.tasks == [t for t in EVAL_TASKS if t != "gpqa"]  # gated on the Hub: not by default
+    assert default.eval.k == [1, 16, 32] and default.eval.n >= 32
     validate_eval(default)
 
 
@@ -190,7 +192,7 @@ def test_es_drift_between_a_checkpoint_and_a_perturbed_copy(tiny_model_dir, tmp_
 def test_es_eval_on_the_default_model(tmp_path):
     """The real SmolLM2-135M-Instruct (model.path empty) over all eight eval tasks, kept tiny: 1 problem each."""
     run_dir = tmp_path / "run"
-    res = cli("es-eval", "eval.n=2", "eval.k=[1,2]", "eval.limit=1", "eval.max_new_tokens=16",
+    res = cli("es-eval", ALL_TASKS, "eval.n=2", "eval.k=[1,2]", "eval.limit=1", "eval.max_new_tokens=16",
               f"eval.data_dir={FIXTURES}", "run.progress=false", "cluster.num_actors=1", f"run.dir={run_dir}")
     assert res.returncode == 0, res.stderr[-4000:]
     results = _check_results(run_dir, n=2, ks=[1, 2], limit=1)
