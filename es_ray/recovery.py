@@ -22,6 +22,7 @@ from typing import Any
 from es_ray.checkpoint import SeedLog, list_checkpoints, replay_record
 from es_ray.config import ESTrainConfig
 from es_ray.runtime.actors import payload_bytes
+from es_ray.runtime.checkpoint import CheckpointError
 from es_ray.core.config import ConfigError
 from es_ray.runtime.rundir import keep_metrics
 
@@ -127,6 +128,9 @@ class ReplicaKeeper:
         calls = {r: (checkpoint, records) for r in ranks}
         sent = {r: payload_bytes(calls[r]) for r in ranks}
         out = self.group.gather("rebuild", calls, slow=True)
+        refused = [res["refused"] for res in out.values() if "refused" in res]
+        if refused:  # a checkpoint file failed its digest: stop, naming it (es_ray.runtime.checkpoint)
+            raise CheckpointError(refused[0])
         unreadable = [r for r, res in out.items() if "unreadable" in res]
         if unreadable:  # that node cannot read run.dir: replay the whole log from the initial weights
             earlier = [replay_record(r) for r in SeedLog.read(self.run_dir / "seed_log.jsonl")[: self.base[1]]]
@@ -144,7 +148,8 @@ class ReplicaKeeper:
         if len(sums) > 1 or (self.checksum and sums != {self.checksum}):
             raise ReplicaMismatchError(
                 f"resume: the replayed replicas' checksums {sorted(sums)} differ from each other or from the seed "
-                f"log's ({self.checksum}); replay is exact only on the hardware type that wrote the log")
+                f"log's ({self.checksum}), though {self.base[0] or 'the initial weights'} and the seed log passed "
+                "their digest checks: the replay itself differs; resume on the hardware type that wrote the log")
         self.tracker.message(f"es: {len(out)} actor(s) rebuilt by replaying {len(self.records)} update(s) in "
                              f"{time.perf_counter() - t0:.1f} s; checksum {sums.pop()} "
                              f"{'matches the seed log' if self.checksum else '(not logged; checked next iteration)'}")
@@ -156,7 +161,8 @@ class ReplicaKeeper:
         if self.checksum and res["checksum"] != self.checksum:
             raise ReplicaMismatchError(
                 f"actor {rank}: the replacement rebuilt from the log has checksum {res['checksum']}, the replicas "
-                f"have {self.checksum}; replay is exact only on one hardware type")
+                f"have {self.checksum}, though the files it read passed their digest checks: replay is exact only "
+                "on one hardware type")
         self.tracker.message(
             f"es: actor {rank} rebuilt in {res['seconds']:.1f} s replaying {res['replayed']} update(s); "
             f"{sent[rank]} bytes sent against a {res['model_bytes']} byte model; checksum "

@@ -139,17 +139,22 @@ class ESWorker:
 
         Returns the master's checksum, the seconds taken, the updates replayed and the model's fp32 size in bytes;
         ``{"unreadable": checkpoint}`` when this node cannot read that checkpoint (no shared disk), so the
-        driver can send the whole log instead.
+        driver can send the whole log instead; ``{"refused": why}`` when a file fails its digest.
         """
         from es_ray.checkpoint import load_es_state
         from es_ray.strategy import Member
+
+        from es_ray.runtime.checkpoint import CheckpointError
 
         t0 = time.perf_counter()
         source = checkpoint or str(self.model_dir)
         if not os.path.isfile(os.path.join(source, "config.json")):
             return {"unreadable": checkpoint}
-        state = load_es_state(source)
-        model_bytes = sum(t.numel() * 4 for t in {id(t): t for t in state["master"].values()}.values())
+        try:
+            state = load_es_state(source)  # verified against its digests; tensors read one at a time
+        except CheckpointError as exc:  # the driver stops with this one line
+            return {"refused": str(exc)}
+        model_bytes = state["master"].nbytes()
         self.replica.load_state_dict(state)
         del state
         for r in records:

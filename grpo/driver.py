@@ -24,7 +24,6 @@ import numpy as np
 
 from es_ray.runtime.tracking import Timer, Tracker
 from grpo.config import RESUME_FREE, GRPOTrainConfig
-from grpo.learner import META_FILE
 
 
 class WeightSyncError(RuntimeError):
@@ -186,7 +185,10 @@ def check_devices(cfg: GRPOTrainConfig) -> None:
 
 
 def last_checkpoint(run_dir: Path) -> Path | None:
-    steps = sorted((run_dir / "checkpoints").glob("step_*"))
+    """The newest published step_* checkpoint (what a killed save left is cleaned up first)."""
+    from es_ray.runtime.checkpoint import checkpoint_dirs
+
+    steps = [d for d in checkpoint_dirs(run_dir / "checkpoints") if d.name.startswith("step_")]
     return steps[-1] if steps else None
 
 
@@ -211,8 +213,11 @@ def run(cfg: GRPOTrainConfig) -> dict:
     start, ckpt, generated = 0, None, 0  # generated: training tokens of the steps before a resume
     if cfg.run.resume:
         ckpt = last_checkpoint(run_dir)  # none yet: a new run, as es-train does
-        if ckpt is not None:
-            start = json.loads((ckpt / META_FILE).read_text())["step"]
+        if ckpt is not None:  # every file checked against its digest here, refused with one line naming it
+            from es_ray.runtime.checkpoint import read_meta, verify_dir
+
+            verify_dir(ckpt)
+            start = read_meta(ckpt, "grpo")["step"]
         kept = keep_metrics(run_dir / "metrics.jsonl", start, "step")  # also cuts a torn last line
         generated = sum(r.get("perf/tokens", 0) for r in kept)
     ledger = Ledger("grpo", start_step=start)

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import itertools
 import os
-import json
 import re
 import time
-from pathlib import Path
 
 from grpo.config import GRPOTrainConfig
 
@@ -386,10 +384,14 @@ class GRPOLearner:
         return {"by_name": state, "lr": [group["lr"] for group in self.optimizer.param_groups]}
 
     def load(self, path: str) -> dict:
-        """Weights, optimizer, scheduler and RNG from a checkpoint written by ``save``; returns its meta."""
+        """Weights, optimizer, scheduler and RNG from a checkpoint written by ``save`` (verified first); returns its
+        meta."""
         import torch
 
         from es_ray.models import load_hf_weights
+        from es_ray.runtime.checkpoint import load_state, read_meta, verify_dir
+
+        verify_dir(path)  # every file against its digest, before anything is read
         weights = load_hf_weights(path)
         with torch.no_grad():
             for name, p in self.named.items():
@@ -397,7 +399,7 @@ class GRPOLearner:
                 if src is None and name == "lm_head.weight":  # tied: saved once, as the embedding
                     src = weights["model.embed_tokens.weight"]
                 _local(p).copy_(_slice_like(src.to(p.dtype), p))
-        state = torch.load(Path(path) / STATE_FILE, weights_only=True)
+        state = load_state(path, "grpo")  # weights_only=True: a planted pickle is refused
         if self.sharded and self.host_params is None:  # by parameter name: any grpo.fsdp_size it was saved with
             saved = state["optimizer"]
             if "by_name" not in saved:
@@ -412,7 +414,7 @@ class GRPOLearner:
             for group, lr in zip(self.optimizer.param_groups, saved["lr"]):
                 group["lr"] = lr
         else:
-            saved = json.loads((Path(path) / META_FILE).read_text()).get("fsdp_size", 1)
+            saved = read_meta(path, "grpo").get("fsdp_size", 1)
             if saved != 1:
                 from es_ray.core.config import ConfigError
 
@@ -421,7 +423,7 @@ class GRPOLearner:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
-        return json.loads((Path(path) / META_FILE).read_text())
+        return read_meta(path, "grpo")
 
     def peak_memory(self) -> dict:
         from es_ray.runtime.ledger import process_peak_memory

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -17,7 +18,9 @@ from es_ray.config import ESTrainConfig
 from es_ray.core.config import ConfigError
 from es_ray.driver import run
 from es_ray.recovery import RESUME_FREE, ReplicaMismatchError
+from es_ray.runtime.checkpoint import CheckpointError
 from es_ray.runtime.rundir import check_same_run
+from test_checkpoint import flip_byte
 from test_faults import alive_es_actors, assert_same_weights, final_weights, log_rows
 from test_ray_es import tiny_cfg
 
@@ -102,4 +105,22 @@ def test_resume_refuses_settings_that_change_the_run(tiny_model_dir, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(old))
     (tmp_path / "seed_log.jsonl").write_text(json.dumps({"iteration": 1}) + "\n")
     with pytest.raises(ConfigError, match="iterations 0, 1, 2"):
+        run(resume_cfg(tiny_model_dir, tmp_path, run__resume=True))
+
+
+def test_resume_refuses_a_corrupted_checkpoint_or_seed_log_naming_the_file(reference, tiny_model_dir, tmp_path):
+    """A copy of the finished reference run: one flipped byte in the final checkpoint's weights stops the resume
+    with one line naming the file (not a checksum mismatch blamed on the hardware); a changed record in the middle
+    of the seed log stops it before any actor starts, naming the line."""
+    shutil.copytree(reference[0], tmp_path, dirs_exist_ok=True)
+    weights = tmp_path / "checkpoints" / "final" / "model.safetensors"
+    flip_byte(weights)
+    with pytest.raises(CheckpointError) as err:
+        run(resume_cfg(tiny_model_dir, tmp_path, run__resume=True))
+    assert str(err.value).startswith(f"{weights}: sha256") and "\n" not in str(err.value)
+    assert not alive_es_actors()
+    lines = (tmp_path / "seed_log.jsonl").read_text().split("\n")
+    lines[1] = lines[1].replace('"iteration": 1', '"iteration": 1, "x": 0')
+    (tmp_path / "seed_log.jsonl").write_text("\n".join(lines))
+    with pytest.raises(ConfigError, match=r"seed_log\.jsonl: line 2 is corrupted"):
         run(resume_cfg(tiny_model_dir, tmp_path, run__resume=True))

@@ -1,27 +1,46 @@
-"""HF-format checkpoint directories, written atomically, for every method.
+"""HF-format checkpoint directories that prove themselves, for every method.
 
 A checkpoint directory loads with ``AutoModelForCausalLM.from_pretrained``: config.json, model.safetensors
-(fp32 weights by HF name), tokenizer files, plus ``<method>_state.pt`` (optimizer and other run state) and
-``<method>_meta.json`` (step or iteration, and what the method adds). Writes go to a temporary sibling and are
-renamed into place, so an interrupted write never leaves a directory that looks finished.
+(fp32 weights by HF name), tokenizer files, plus ``<method>_state.pt`` (optimizer and other run state, tensors and
+plain values only: it is read with ``torch.load(weights_only=True)``) and ``<method>_meta.json`` (step or
+iteration, and what the method adds).
+
+The one way a checkpoint directory is published (``publish_dir``; any method's writer, sharded ones included): the
+files are written into a hidden staging sibling (``staging_dir``), a ``manifest.json`` with every file's size and
+sha256 is written beside them, files and directories are fsynced, then the previous directory of that name is
+renamed aside, the new one renamed in and the parent fsynced, and only then the old one deleted. So at every moment
+a checkpoint of that name exists (or, after a kill between the two renames, the old one waits aside and
+``checkpoint_dirs`` puts it back), and an interrupted write never leaves a directory that looks finished. Hidden
+directories are never listed, and ``checkpoint_dirs`` removes the stale ones. ``verify_dir`` checks every file
+against the manifest (and refuses files it does not list) before a checkpoint is loaded, naming the file.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
 import shutil
 import struct
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
 
+from es_ray.core.config import ConfigError
+
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
+MANIFEST = "manifest.json"
+_STAGING, _ASIDE = ".tmp-", ".old-"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint file that does not match its manifest, or a directory that is not a finished checkpoint."""
 
 
 def state_file(method: str) -> str:
@@ -32,6 +51,149 @@ def meta_file(method: str) -> str:
     return f"{method}_meta.json"
 
 
+# -- publish, verify, list -------------------------------------------------------------------------------------
+
+
+def staging_dir(final: str | Path) -> Path:
+    """A new hidden sibling of ``final`` to write a checkpoint into before ``publish_dir``."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}{_STAGING}"))
+
+
+def sha256_file(file: Path) -> str:
+    with open(file, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_dir(tmp: str | Path, final: str | Path) -> Path:
+    """Publish the finished directory ``tmp`` (from ``staging_dir``) as ``final``: a manifest of every file under it
+    (relative path -> bytes and sha256), everything fsynced, then swapped in atomically (the previous ``final`` is
+    renamed aside and deleted only once the new one is in place)."""
+    tmp, final = Path(tmp), Path(final)
+    files: dict[str, dict] = {}
+    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        rel = f.relative_to(tmp).as_posix()
+        if rel != MANIFEST:
+            _fsync(f)
+            files[rel] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump({"format": 1, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
+        _fsync(d)
+    _fsync(tmp)
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}{_ASIDE}{uuid.uuid4().hex[:8]}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _manifest(path: Path) -> dict[str, dict]:
+    file = path / MANIFEST
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing, so {path} is not a finished checkpoint (or predates checkpoint "
+                              "digests); move it aside to resume from an earlier checkpoint")
+    try:
+        return dict(json.loads(file.read_text())["files"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file}: unreadable ({exc}); move {path} aside to resume from an earlier "
+                              "checkpoint") from None
+
+
+def _check(path: Path, rel: str, want: dict) -> None:
+    file = path / rel
+    if not file.is_file():
+        raise CheckpointError(f"{file}: listed in {MANIFEST} but missing; move {path} aside to resume from an "
+                              "earlier checkpoint")
+    size = file.stat().st_size
+    got = sha256_file(file) if size == want.get("bytes") else ""
+    if got != want.get("sha256"):
+        found = f"sha256 {got[:16]}..." if got else f"{size} bytes"
+        expected = f"sha256 {str(want.get('sha256'))[:16]}..." if got else f"{want.get('bytes')}"
+        raise CheckpointError(f"{file}: {found} where {MANIFEST} says {expected}: the file is corrupted; move "
+                              f"{path} aside to resume from an earlier checkpoint")
+
+
+def verify_dir(path: str | Path) -> dict[str, dict]:
+    """Check every file of checkpoint ``path`` against its manifest; returns the manifest's files. Raises
+    CheckpointError naming the first file that is missing, differs, or is not in the manifest."""
+    path = Path(path)
+    files = _manifest(path)
+    for rel, want in files.items():
+        _check(path, rel, want)
+    listed = set(files) | {MANIFEST}
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        if f.relative_to(path).as_posix() not in listed:
+            raise CheckpointError(f"{f}: not in {path / MANIFEST}; it was not written with this checkpoint: remove "
+                                  "it")
+    return files
+
+
+def verify_file(path: str | Path, rel: str) -> Path:
+    """Check one file of checkpoint ``path`` against its manifest (e.g. the meta a driver reads); returns it."""
+    path = Path(path)
+    files = _manifest(path)
+    if rel not in files:
+        raise CheckpointError(f"{path / rel}: not in {path / MANIFEST}; {path} is not a checkpoint of this kind")
+    _check(path, rel, files[rel])
+    return path / rel
+
+
+def checkpoint_dirs(parent: str | Path) -> list[Path]:
+    """The published checkpoint directories under ``parent``, by name; first cleans up after a killed writer: a
+    staging directory is deleted, a previous checkpoint left aside (killed between the two renames) is put back."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return []
+    for d in sorted(parent.iterdir()):
+        if not d.name.startswith(".") or not d.is_dir():
+            continue
+        if _ASIDE in d.name:
+            home = parent / d.name[1:].rsplit(_ASIDE, 1)[0]
+            if not home.exists():
+                os.rename(d, home)
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+        elif _STAGING in d.name:
+            shutil.rmtree(d, ignore_errors=True)
+    return sorted(d for d in parent.iterdir() if d.is_dir() and not d.name.startswith("."))
+
+
+def read_meta(path: str | Path, method: str) -> dict:
+    """The checkpoint's ``<method>_meta.json``, its digest checked."""
+    return json.loads(verify_file(path, meta_file(method)).read_text())
+
+
+def load_state(path: str | Path, method: str) -> dict:
+    """The checkpoint's ``<method>_state.pt``: tensors and plain values only (``weights_only=True``: a pickle that
+    would run code is refused), memory-mapped so its tensors are read when used."""
+    file = Path(path) / state_file(method)
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - the unpickler's refusals come in several types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{file}: refused by torch.load(weights_only=True) ({first[:200]}); it is not a "
+                              "state this project wrote") from None
+
+
+# -- writing -----------------------------------------------------------------------------------------------------
+
+
 def save_checkpoint(path: str | Path, weights: Mapping[str, torch.Tensor], model_dir: str | Path, state: dict,
                     meta: dict, method: str) -> Path:
     """``weights`` (HF name -> tensor, saved in fp32 over the model directory's own tensors), ``state`` (torch.save'd
@@ -39,7 +201,6 @@ def save_checkpoint(path: str | Path, weights: Mapping[str, torch.Tensor], model
     written one tensor at a time (``write_fp32_safetensors``): the model directory's other tensors are read one by
     one, never all at once, and no tensor of ``weights`` is copied beyond the one being written."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     from es_ray.models import read_tensor, safetensors_index
 
@@ -49,7 +210,7 @@ def save_checkpoint(path: str | Path, weights: Mapping[str, torch.Tensor], model
     if cfg.get("tie_word_embeddings") and "lm_head.weight" in entries and "model.embed_tokens.weight" in entries:
         del entries["lm_head.weight"]
     cfg["torch_dtype"] = cfg["dtype"] = "float32"
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+    tmp = staging_dir(path)
     try:
         write_fp32_safetensors(tmp / "model.safetensors", entries, {"format": "pt"})
         for name in MODEL_FILES:
@@ -58,9 +219,7 @@ def save_checkpoint(path: str | Path, weights: Mapping[str, torch.Tensor], model
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         torch.save(state, tmp / state_file(method))
         (tmp / meta_file(method)).write_text(json.dumps({**meta, "method": method}, indent=2, default=str))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        publish_dir(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -1,0 +1,269 @@
+"""Checkpoints that prove themselves: every file carries a digest checked before it is read (a flipped byte is
+refused, naming the file), state files are read with weights_only=True (a planted pickle never runs), a killed save
+leaves the previous checkpoint as the latest, and a corrupt seed-log record in the middle is refused with its line
+number while a torn last line is cut. No Ray: ES checkpoints through ``es_ray.checkpoint``, GRPO through its
+learner in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from es_ray.checkpoint import SeedLog, list_checkpoints, load_es_state, save_es_checkpoint
+from es_ray.runtime.checkpoint import (MANIFEST, CheckpointError, checkpoint_dirs, publish_dir, staging_dir,
+                                       verify_dir)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def flip_byte(file: Path, offset: int | None = None) -> None:
+    """XOR one byte (by default in the middle of the file: inside the tensors of a safetensors file)."""
+    data = bytearray(file.read_bytes())
+    at = len(data) // 2 if offset is None else offset
+    data[at] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+class Planted:
+    """A pickle that runs code when unpickled (what a tampered state file would hold)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def plant(ckpt: Path, state_name: str, marker: Path) -> None:
+    """Replace the state file with a code-running pickle and re-publish, so the digests match: only
+    weights_only=True stands between the file and the code."""
+    torch.save({"optimizer": Planted(marker)}, ckpt / state_name)
+    (ckpt / MANIFEST).unlink()
+    tmp = staging_dir(ckpt)
+    for f in ckpt.iterdir():
+        os.rename(f, tmp / f.name)
+    publish_dir(tmp, ckpt)
+
+
+# -- the shared API ------------------------------------------------------------------------------------------------
+
+
+def test_publish_writes_digests_and_verify_names_the_bad_file(tmp_path):
+    tmp = staging_dir(tmp_path / "ck")
+    assert tmp.name.startswith(".")
+    (tmp / "shard").mkdir()
+    (tmp / "shard" / "rank0.bin").write_bytes(b"x" * 100)
+    (tmp / "meta.json").write_text("{}")
+    final = publish_dir(tmp, tmp_path / "ck")
+    assert not tmp.exists() and set(verify_dir(final)) == {"shard/rank0.bin", "meta.json"}
+    flip_byte(final / "shard" / "rank0.bin")
+    with pytest.raises(CheckpointError, match=r"rank0\.bin: sha256 .* where manifest\.json says"):
+        verify_dir(final)
+    flip_byte(final / "shard" / "rank0.bin")
+    (final / "extra.safetensors").write_bytes(b"")  # a loader that globs would read it
+    with pytest.raises(CheckpointError, match=r"extra\.safetensors: not in"):
+        verify_dir(final)
+    (final / "extra.safetensors").unlink()
+    (final / "meta.json").write_text("{ }")  # same content, other size
+    with pytest.raises(CheckpointError, match=r"meta\.json: 3 bytes where manifest\.json says 2"):
+        verify_dir(final)
+    (final / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match=r"manifest\.json: missing"):
+        verify_dir(final)
+
+
+def test_publishing_again_replaces_the_old_directory_and_hidden_ones_are_never_listed(tmp_path):
+    for content in (b"old", b"new"):
+        tmp = staging_dir(tmp_path / "final")
+        (tmp / "f").write_bytes(content)
+        publish_dir(tmp, tmp_path / "final")
+    assert (tmp_path / "final" / "f").read_bytes() == b"new"
+    stale = staging_dir(tmp_path / "step_000009")  # what a kill during a write leaves
+    (stale / "grpo_meta.json").write_text("{}")
+    assert checkpoint_dirs(tmp_path) == [tmp_path / "final"]
+    assert not stale.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+# -- ES ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def es_checkpoint(tiny_model_dir, tmp_path) -> Path:
+    state = load_es_state(tiny_model_dir)
+    master = {n: state["master"][n] for n in state["master"]}
+    opt = {"t": 3, "state": {n: {"m": torch.full_like(t, 0.5), "v": torch.ones_like(t)} for n, t in
+                             list(master.items())[:2]}}
+    path = tmp_path / "run" / "checkpoints" / "iter_000002"
+    save_es_checkpoint(path, {"master": master, "optimizer": opt, "theta0": None}, tiny_model_dir,
+                       {"iteration": 2, "checksum": "abc"})
+    return path
+
+
+def test_es_checkpoint_round_trip_reads_tensor_by_tensor(es_checkpoint, tiny_model_dir):
+    state = load_es_state(es_checkpoint)
+    base = load_es_state(tiny_model_dir)["master"]
+    assert set(state["master"]) == set(base)
+    assert all(torch.equal(state["master"][n], base[n]) for n in base)
+    assert state["optimizer"]["t"] == 3 and len(state["optimizer"]["state"]) == 2
+    assert state["master"].nbytes() == sum(4 * t.numel() for n, t in base.items() if n != "lm_head.weight")
+    assert [(it, p.name) for it, p, _ in list_checkpoints(es_checkpoint.parents[1])] == [(2, "iter_000002")]
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "es_state.pt", "config.json"])
+def test_es_checkpoint_with_a_flipped_byte_is_refused_naming_the_file(es_checkpoint, name):
+    flip_byte(es_checkpoint / name)
+    with pytest.raises(CheckpointError, match=rf"{es_checkpoint / name}: sha256 .*corrupted"):
+        load_es_state(es_checkpoint)
+
+
+def test_es_meta_with_a_flipped_byte_is_refused_when_listing(es_checkpoint):
+    flip_byte(es_checkpoint / "es_meta.json", offset=5)
+    with pytest.raises(CheckpointError, match=r"es_meta\.json: sha256"):
+        list_checkpoints(es_checkpoint.parents[1])
+
+
+def test_es_state_with_a_planted_pickle_is_refused_and_never_runs(es_checkpoint, tmp_path):
+    marker = tmp_path / "pwned"
+    plant(es_checkpoint, "es_state.pt", marker)
+    verify_dir(es_checkpoint)  # the digests match: the attacker re-published
+    with pytest.raises(CheckpointError, match=r"es_state\.pt: refused by torch\.load\(weights_only=True\)"):
+        load_es_state(es_checkpoint)
+    assert not marker.exists()
+
+
+_KILLED_SAVE = """
+import os, sys
+from pathlib import Path
+from es_ray.checkpoint import load_es_state, save_es_checkpoint
+import es_ray.runtime.checkpoint as ck
+model, path, where = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+state = load_es_state(model)
+state = {"master": dict(state["master"].items()), "optimizer": state["optimizer"], "theta0": None}
+rename, calls = os.rename, []
+def dying_rename(a, b):
+    calls.append(b)
+    if where == "between" and len(calls) == 2:  # the old one is aside, the new one not yet in
+        os._exit(9)
+    rename(a, b)
+def dying_publish(tmp, final):
+    os._exit(9)  # killed after writing, before publishing
+ck.os.rename = dying_rename
+if where == "writing":
+    ck.publish_dir = dying_publish
+save_es_checkpoint(path, state, model, {"iteration": 4})
+"""
+
+
+@pytest.mark.parametrize("where, name", [("writing", "iter_000004"), ("between", "iter_000002")])
+def test_a_killed_save_leaves_the_previous_checkpoint_as_the_latest(es_checkpoint, tiny_model_dir, where, name):
+    checkpoints = es_checkpoint.parent
+    proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(tiny_model_dir), str(checkpoints / name), where],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    assert any(p.name.startswith(".") for p in checkpoints.iterdir()), "the kill left nothing behind to clean"
+    found = list_checkpoints(checkpoints.parent)
+    assert [(it, p.name) for it, p, _ in found] == [(2, "iter_000002")]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_000002"]  # stale directories cleaned
+    verify_dir(found[0][1])
+    assert load_es_state(found[0][1])["optimizer"]["t"] == 3
+
+
+# -- GRPO --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def grpo_checkpoint(tiny_model_dir, tmp_path):
+    from grpo.config import to_grpo_config
+    from grpo.learner import GRPOLearner
+
+    def make():
+        return GRPOLearner(to_grpo_config({"model": {"path": str(tiny_model_dir)}, "engine": {"threads": 1},
+                                           "grpo": {"lr": 1e-2, "micro_batch_size": 2}}))
+
+    lrn = make()
+    samples = [{"prompt_ids": [1, 2, 3], "completion_ids": [10 + i, 20, 30]} for i in range(2)]
+    lrn.train_step(samples, [1.0, -1.0])
+    path = tmp_path / "checkpoints" / "step_000001"
+    lrn.save(str(path), {"step": 1})
+    return make, lrn, path
+
+
+def test_grpo_checkpoint_round_trip_with_weights_only(grpo_checkpoint):
+    make, lrn, path = grpo_checkpoint
+    fresh = make()
+    assert fresh.load(str(path))["step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(fresh.weights().values(), lrn.weights().values()))
+    assert fresh.optimizer.state_dict()["state"].keys() == lrn.optimizer.state_dict()["state"].keys()
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "grpo_state.pt"])
+def test_grpo_checkpoint_with_flipped_bytes_is_refused_naming_the_file(grpo_checkpoint, name):
+    make, _, path = grpo_checkpoint
+    for k in range(16):  # the review's 16 flipped bytes
+        flip_byte(path / name, offset=(path / name).stat().st_size // 2 + 7 * k)
+    with pytest.raises(CheckpointError, match=rf"{path / name}: sha256 .*corrupted"):
+        make().load(str(path))
+
+
+def test_grpo_state_with_a_planted_pickle_is_refused_and_never_runs(grpo_checkpoint, tmp_path):
+    make, _, path = grpo_checkpoint
+    marker = tmp_path / "pwned"
+    plant(path, "grpo_state.pt", marker)
+    with pytest.raises(CheckpointError, match=r"grpo_state\.pt: refused by torch\.load\(weights_only=True\)"):
+        make().load(str(path))
+    assert not marker.exists()
+
+
+def test_grpo_driver_lists_only_published_checkpoints(grpo_checkpoint):
+    from grpo.driver import last_checkpoint
+
+    _, _, path = grpo_checkpoint
+    stale = staging_dir(path.parent / "step_000002")
+    (stale / "grpo_meta.json").write_text(json.dumps({"step": 2}))
+    assert last_checkpoint(path.parents[1]) == path and not stale.exists()
+
+
+# -- the seed log --------------------------------------------------------------------------------------------------
+
+
+def _log(tmp_path, n=4) -> Path:
+    log = SeedLog(tmp_path / "seed_log.jsonl")
+    for t in range(n):
+        log.append({"iteration": t, "sigma": 0.02, "members": [[0, 0, 1]], "fitness": [0.25 * t - 0.1]})
+    log.close()
+    return tmp_path / "seed_log.jsonl"
+
+
+@pytest.mark.parametrize("edit", [
+    lambda line: line.replace(b"0.15", b"0.25"),  # valid JSON, another number: only the digest sees it
+    lambda line: line[:10] + b"\xff" + line[11:],  # not JSON any more
+])
+def test_a_corrupt_record_in_the_middle_is_refused_with_its_line_number(tmp_path, edit):
+    path = _log(tmp_path)
+    lines = path.read_bytes().split(b"\n")
+    assert b"0.15" in lines[1]
+    lines[1] = edit(lines[1])
+    path.write_bytes(b"\n".join(lines))
+    size = path.stat().st_size
+    with pytest.raises(ValueError, match=r"line 2 is corrupted.*keep lines 1-1"):
+        SeedLog.recover(path)
+    assert path.stat().st_size == size  # nothing cut
+
+
+def test_only_a_torn_last_line_is_cut(tmp_path):
+    path = _log(tmp_path)
+    whole = path.read_bytes()
+    with open(path, "ab") as f:
+        f.write(b'{"iteration": 4, "sig')
+    assert [r["iteration"] for r in SeedLog.recover(path)] == [0, 1, 2, 3]
+    assert path.read_bytes() == whole
+    lines = whole.split(b"\n")
+    path.write_bytes(b"\n".join(lines[:3]) + b"\n" + lines[3].replace(b"0.65", b"0.75") + b"\n")
+    with pytest.raises(ValueError, match="line 4 is corrupted"):  # a complete last line is not torn
+        SeedLog.recover(path)
