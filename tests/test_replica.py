@@ -312,12 +312,12 @@ def test_state_dict_round_trip_resumes_identically():
     for it in range(2):
         a.update(it, members, fits[it], 1e-2)
     buf = io.BytesIO()
-    torch.save(a.state_dict(), buf)
+    torch.save({k: v for k, v in a.state_dict().items() if k != "shards"}, buf)  # what a checkpoint holds
     buf.seek(0)
     # a fresh replica from other weights: loading must restore the master, theta0 and Adam's state
     other = {k: torch.full_like(v, 0.5) for k, v in initial_params().items()}
     b, eb = make_replica(torch.bfloat16, params=other, **kw)
-    b.load_state_dict(torch.load(buf, weights_only=False))
+    b.load_state_dict(torch.load(buf, weights_only=True))
     assert b.checksum() == a.checksum()
     assert b.opt.t == a.opt.t == 2
     for k in a.master:
