@@ -81,8 +81,8 @@ class TaskConfig:
     countdown_source: str = "generated"
     """countdown: generated (from task.seed) or hub (Jiayi-Pan/Countdown-Tasks-3to4); task.path= overrides both."""
     answer: str = "boxed"
-    """Math tasks: boxed (only the final \\boxed{} answer counts, as the prompt asks) or last (math-verify takes the
-    last expression of the completion: lenient, opt-in)."""
+    """Math tasks: boxed (only the final \\boxed{} answer counts, as the prompt asks) or last (lenient, opt-in: the
+    final box when there is one, else math-verify takes the last expression; a superset of boxed)."""
     seed: int = 1234
     """Seed for generated problems and the train/held-out split (independent of run.seed)."""
 
