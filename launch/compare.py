@@ -308,16 +308,9 @@ def _json_safe(x):
 def run_stage(stage: Stage, root: Path, log: Callable[[str], None]) -> dict:
     """Run one stage unless its done.json exists; a directory without it is a cut-off attempt and is cleared."""
     d = stage.dir(root)
-    done = d / "done.json"
     settings = stage_settings(stage.config())
-    if done.is_file():
-        record = json.loads(done.read_text())
-        changed = _changed_keys(record.get("settings"), settings)
-        if changed:
-            raise ConfigError(
-                f"{stage.name} in {root} was done with other settings ({', '.join(changed[:8])}); its results would "
-                f"not match this command. Use a new run.dir, or delete {d} to redo that stage (and the stages after "
-                "it that use its checkpoint)")
+    record = done_record(stage, root, settings)
+    if record is not None:
         log(f"{stage.name}: done earlier, skipped")
         return record
     if d.exists():
@@ -336,27 +329,31 @@ def run_stage(stage: Stage, root: Path, log: Callable[[str], None]) -> dict:
     return record
 
 
+def done_record(stage: Stage, root: Path, settings: dict | None = None) -> dict | None:
+    """The stage's done.json (None: not done); one done with other settings than this command's is refused."""
+    done = stage.dir(root) / "done.json"
+    if not done.is_file():
+        return None
+    record = json.loads(done.read_text())
+    changed = _changed_keys(record.get("settings"), stage_settings(stage.config()) if settings is None else settings)
+    if changed:
+        raise ConfigError(
+            f"{stage.name} in {root} was done with other settings ({', '.join(changed[:8])}); its results would "
+            f"not match this command. Use a new run.dir (or run.overwrite=true to move this comparison aside), or "
+            f"delete {stage.dir(root)} to redo that stage (and the stages after it that use its checkpoint)")
+    return record
+
+
 def claim_compare_dir(root: Path, cfg: CompareConfig, log: Callable[[str], None]) -> None:
-    """Repeating a comparison's command continues it; run.dir holding another comparison (other settings than
-    methods, seeds and the neutral ones) or another kind of run is refused before any work, or moved aside with
-    run.overwrite=true."""
-    from es_ray.core.config import flatten
+    """Repeating a comparison's command continues it (its finished stages are checked against this command before
+    any work: ``done_record``); run.overwrite=true moves an earlier comparison aside first, and a run.dir holding
+    another kind of run is refused."""
     from es_ray.runtime.rundir import claim_run_dir, move_aside
 
-    saved = root / "compare_config.json"
-    if not saved.is_file():
+    if not (root / "compare_config.json").is_file():
         claim_run_dir(root, cfg.run.overwrite, "compare")  # an es-train/grpo-train/es-eval run there
-        return
-    if cfg.run.overwrite:
+    elif cfg.run.overwrite:
         log(f"es-compare: run.overwrite=true: the comparison that was in {root} is now in {move_aside(root)}")
-        return
-    old, now = flatten(json.loads(saved.read_text())), flatten(_json_safe(dataclasses.asdict(cfg)))
-    free = {*_NEUTRAL, "methods", "seeds"}
-    changed = [k for k in _changed_keys(old, now) if k not in free and not k.startswith("faults.")]
-    if changed:
-        raise ConfigError(f"run.dir={root} holds a comparison with other settings ({', '.join(changed[:8])}): "
-                          "repeat its own command to continue it, choose another run.dir, or set run.overwrite=true "
-                          "to move it aside")
 
 
 # Settings that do not change a stage's results (display, logging, cadence of extra checkpoints).
@@ -406,6 +403,8 @@ def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
     resolve_model(cfg.model.path)  # converts the embedded model once, before any stage starts
     pool = pool_size(cfg)
     plan = {m: {s: stage_plan(cfg, m, root, pool, s) for s in cfg.seeds} for m in cfg.methods}
+    for stage in (st for by_seed in plan.values() for stages in by_seed.values() for st in stages):
+        done_record(stage, root)  # a finished stage with other settings: refused before any work
     (root / "compare_config.json").write_text(json.dumps(_json_safe(dataclasses.asdict(cfg)), indent=2))
     connect(cfg.cluster)
     order = [st for seed in cfg.seeds for m in cfg.methods for st in plan[m][seed]]  # seed by seed: an interrupted

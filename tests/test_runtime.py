@@ -261,24 +261,23 @@ def test_resume_takes_the_saved_config_and_refuses_given_settings_that_change_it
     assert resumed_config(new, "es", ES_FREE, given={"es.population"}) is new  # nothing to resume: a new run
 
 
-def test_es_compare_continues_its_own_comparison_and_refuses_another(tmp_path):
+def test_es_compare_continues_its_own_comparison_moves_it_aside_or_refuses_another_run(tmp_path):
     from es_ray.core.config import to_config
     from launch.compare import CompareConfig, claim_compare_dir
 
-    def cfg(**over):
-        return to_config({"run": {"dir": str(tmp_path / "cmp")}, **over}, CompareConfig)
+    def cfg(**run):
+        return to_config({"run": {"dir": str(tmp_path / "cmp"), **run}}, CompareConfig)
 
     root, said = tmp_path / "cmp", []
     claim_compare_dir(root, cfg(), said.append)  # a new directory
     root.mkdir()
     (root / "compare_config.json").write_text(json.dumps(dataclasses.asdict(cfg())))
-    claim_compare_dir(root, cfg(seeds=[0, 1]), said.append)  # the same comparison, one more seed: continued
-    with pytest.raises(ConfigError, match=r"holds a comparison with other settings \(budget\.epochs\).*"
-                                          r"run\.overwrite=true"):
-        claim_compare_dir(root, cfg(budget={"epochs": 3.0}), said.append)
-    claim_compare_dir(root, cfg(budget={"epochs": 3.0}, run={"dir": str(root), "overwrite": True}), said.append)
-    assert not root.exists() and len(said) == 1 and "now in" in said[0]
+    claim_compare_dir(root, cfg(), said.append)  # the same comparison: continued (its stages checked one by one)
+    assert root.is_dir() and not said
+    claim_compare_dir(root, cfg(overwrite=True), said.append)
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("cmp.replaced-")]
+    assert not root.exists() and len(aside) == 1 and len(said) == 1 and str(aside[0]) in said[0]
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "seed_log.jsonl").write_text("{}\n")
-    with pytest.raises(ConfigError, match=r"holds another run"):
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"method": "grpo"}))
+    with pytest.raises(ConfigError, match=r"holds another run \(config\.json\).*grpo-train run\.resume=true"):
         claim_compare_dir(tmp_path / "run", cfg(), said.append)
