@@ -410,3 +410,14 @@ def test_grade_programs_scores_and_counts_failures():
     grades = grade_programs(programs, LIMITS, workers=2)
     assert [(g.score, g.correct, g.failure) for g in grades] == [
         (1.0, True, None), (0.0, False, None), (0.0, False, "timeout"), (0.0, False, "blocked"), (1.0, True, None)]
+
+
+def test_mbpp_refuses_to_load_where_programs_cannot_be_confined(no_landlock, monkeypatch):
+    from es_ray.core.config import TaskConfig
+    from es_ray.tasks import load_task
+    from es_ray.tasks.base import TaskLoadError
+
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    fixture = Path(__file__).parent / "fixtures" / "mbpp.jsonl"
+    with pytest.raises(TaskLoadError, match="task mbpp: the MBPP code sandbox cannot confine programs here"):
+        load_task(TaskConfig(name="mbpp", path=str(fixture), eval_size=0))

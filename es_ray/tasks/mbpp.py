@@ -14,8 +14,8 @@ import ast
 
 from es_ray.grading.code import SANDBOX_FAILURES, build_program, extract_code, grade_programs
 from es_ray.grading.result import Grade, GraderFailure
-from es_ray.grading.sandbox import SandboxLimits, run_python
-from es_ray.tasks.base import Problem
+from es_ray.grading.sandbox import SandboxLimits, SandboxUnavailable, require_sandbox, run_python
+from es_ray.tasks.base import Problem, TaskLoadError
 from es_ray.tasks.dataset import DatasetTask, RowError, list_field, text_field
 
 PROMPT = ("You are an expert Python programmer, and here is your task: {text} Your code should pass these tests:"
@@ -37,6 +37,13 @@ class MBPPTask(DatasetTask):
     """Limits for each program (es-eval sets eval.code_timeout_s / eval.code_memory_mb here)."""
     sandbox_workers = 2
     grade_timeout_s = None  # the sandbox's own wall clock limits each program
+
+    def load(self):
+        try:  # refuse to start where programs cannot be confined, rather than score every completion 0
+            require_sandbox()
+        except SandboxUnavailable as exc:
+            raise TaskLoadError(f"task mbpp: {exc}") from None
+        return super().load()
 
     def parse(self, row: dict) -> Problem:
         text = text_field(row, "text", "prompt")
