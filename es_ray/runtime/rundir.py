@@ -35,7 +35,11 @@ def run_dir_of(cfg: Any, method: str) -> Path:
     same second get two directories)."""
     if cfg.run.dir:
         return Path(cfg.run.dir).resolve()
-    base = Path(cfg.run.root or Path.cwd() / "runs").resolve() / f"{method}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return _unused(Path(cfg.run.root or Path.cwd() / "runs").resolve() / f"{method}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _unused(base: Path) -> Path:
+    """base, or base-2, base-3, ...: the first that does not exist."""
     path, k = base, 1
     while path.exists():
         k += 1
@@ -50,11 +54,7 @@ def holds_run(run_dir: Path) -> list[str]:
 
 def move_aside(run_dir: Path) -> Path:
     """Rename run_dir to a sibling <name>.replaced-<timestamp>[-k]; returns the new path."""
-    base = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-    path, k = base, 1
-    while path.exists():
-        k += 1
-        path = base.with_name(f"{base.name}-{k}")
+    path = _unused(run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
     run_dir.rename(path)
     return path
 
