@@ -308,6 +308,7 @@ def _json_safe(x):
 def run_stage(stage: Stage, root: Path, log: Callable[[str], None]) -> dict:
     """Run one stage unless its done.json exists; a directory without it is a cut-off attempt and is cleared."""
     d = stage.dir(root)
+    done = d / "done.json"
     settings = stage_settings(stage.config())
     record = done_record(stage, root, settings)
     if record is not None:
