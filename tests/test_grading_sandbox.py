@@ -303,6 +303,13 @@ def test_an_object_equal_to_everything_fails():
     res = run_python("import math\nmath.isclose = lambda *a, **k: True\nimport builtins\nbuiltins.sorted = lambda x: "
                      "[1, 2]\ndef f():\n    return 9.0\nassert math.isclose(f(), 1.0)\n", LIMITS)
     assert res.status == "failed"
+    set_test, isclose_test = "assert set(f(1)) == set([1, 2])\n", "assert math.isclose(f(1)[0], 1.5)\n"
+    for rebind, test in (("from operator import truth as set\n", set_test), ("import operator as set\n", set_test),
+                         ("import types\nmath = types.SimpleNamespace(isclose=lambda *a, **k: True)\n",
+                          isclose_test),
+                         ("class math:\n    isclose = staticmethod(lambda *a, **k: True)\n", isclose_test)):
+        res = run_python(rebind + "def f(x):\n    return [9]\n" + test, LIMITS)
+        assert res.status == "failed", (rebind, res)
     res = run_python("def f():\n    return [2, 1]\nimport builtins\nbuiltins.sorted = lambda x: [7]\n"
                      "assert sorted(f()) == [1, 2]\n", LIMITS)
     assert res.passed, res

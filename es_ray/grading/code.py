@@ -46,5 +46,6 @@ def grade_results(results: Sequence[SandboxResult]) -> list[Grade]:
 
 
 def grade_programs(programs: Sequence[str], limits: SandboxLimits = SandboxLimits(), workers: int = 2,
-                   n_tests: Sequence[int | None] | None = None) -> list[Grade]:
-    return grade_results(run_many(programs, limits, workers, n_tests))
+                   n_tests: Sequence[int | None] | None = None, setups: Sequence[str] | None = None
+                   ) -> list[Grade]:
+    return grade_results(run_many(programs, limits, workers, n_tests, setups))

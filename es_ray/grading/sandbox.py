@@ -332,13 +332,14 @@ def _run_split(split: Split, limits: SandboxLimits, python: str, plan: Plan) -> 
 
 
 def run_python(program: str, limits: SandboxLimits = SandboxLimits(), python: str = sys.executable,
-               n_tests: int | None = None) -> SandboxResult:
+               n_tests: int | None = None, setup: str = "") -> SandboxResult:
     """Run ``program`` (Python source) confined; ``passed`` only if it ran to its end, exited 0 and every
     trailing top-level assert holds when checked outside its process. ``n_tests``: how many trailing asserts the
-    program must end with (the task's tests; fewer means the code swallowed some, which fails). Raises
+    program must end with (the task's tests; fewer means the code swallowed some, which fails); ``setup``: the
+    task's setup code the program starts with (its imports are trusted by the check). Raises
     SandboxUnavailable where this machine gives no accepted boundary."""
     plan = require_sandbox(python)
-    split = split_tests(program)
+    split = split_tests(program, setup)
     if n_tests is not None and len(split.tests) < n_tests:
         return SandboxResult("failed", None, "", f"the program ends with {len(split.tests)} of its {n_tests} tests "
                              "as separate asserts (its code swallowed the rest)", 0.0)
@@ -346,11 +347,16 @@ def run_python(program: str, limits: SandboxLimits = SandboxLimits(), python: st
 
 
 def run_many(programs: Sequence[str], limits: SandboxLimits = SandboxLimits(), workers: int = 2,
-             n_tests: Sequence[int | None] | None = None) -> list[SandboxResult]:
+             n_tests: Sequence[int | None] | None = None, setups: Sequence[str] | None = None
+             ) -> list[SandboxResult]:
     """Run several programs, ``workers`` at a time (each is its own process; threads only wait on them)."""
     require_sandbox()
-    jobs = list(zip(programs, n_tests if n_tests is not None else [None] * len(programs)))
+    jobs = list(zip(programs, n_tests or [None] * len(programs), setups or [""] * len(programs)))
+
+    def one(job):
+        return run_python(job[0], limits, n_tests=job[1], setup=job[2])
+
     if workers <= 1 or len(jobs) <= 1:
-        return [run_python(p, limits, n_tests=n) for p, n in jobs]
+        return [one(job) for job in jobs]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda job: run_python(job[0], limits, n_tests=job[1]), jobs))
+        return list(pool.map(one, jobs))

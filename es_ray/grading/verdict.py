@@ -6,9 +6,11 @@ becomes the probe ``f(x)``, evaluated in the program's process and sent back as 
 that data (exact builtin types: an object whose ``__eq__`` returns True cannot cross). What the program can still
 do is report wrong values, which is the same as computing them.
 
-Which parts of a test are probes: every maximal subexpression that uses a name the program defines. Names bound
-by an ``import`` (in the setup or the program) and builtins are the check's own: it re-imports them cleanly, so a
-program that rebinds ``math.isclose`` or a builtin changes its own process only. A probe inside a comprehension
+Which parts of a test are probes: every maximal subexpression that uses a name the program defines. Builtins and
+the names the task's setup code imports, or the program's plain ``import x``, are the check's own: it re-imports
+them cleanly, so a program that rebinds ``math.isclose`` or a builtin changes its own process only (an aliasing
+import, ``from operator import truth as set``, binds a program name, not the check's), and so is a
+standard-library module a test reads an attribute of (``math.isclose``) whatever the program binds to its name. A probe inside a comprehension
 or lambda takes the whole comprehension (its loop variables are local to it); a comparison inside such a probe is
 then evaluated by the program's process, the one case where a returned object's ``__eq__`` still matters.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import sys
 from dataclasses import dataclass, field
 
 _PROBE = "__probe_%d"
@@ -35,12 +38,15 @@ class Split:
     """Every import statement of the program (setup included), replayed by the check."""
 
 
-def _imported_names(tree: ast.AST) -> tuple[set[str], list[str]]:
+def _imported_names(tree: ast.AST, any_form: bool) -> tuple[set[str], list[str]]:
+    """Names bound by imports and the statements that bind them. ``any_form`` (the trusted setup code): every
+    import; else (the program) only plain ``import x`` / ``import x.y``, which bind a module to its own name: a
+    program's ``from operator import truth as set`` must not redefine ``set`` for the check."""
     names, stmts = set(), []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Import) and (any_form or not any(a.asname for a in node.names)):
             names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and not node.level:
+        elif isinstance(node, ast.ImportFrom) and not node.level and any_form:
             names.update(a.asname or a.name for a in node.names if a.name != "*")
         else:
             continue
@@ -80,9 +86,10 @@ class _Prober(ast.NodeTransformer):
         return self.generic_visit(node)  # comparisons, boolean logic, arithmetic, a trusted call's arguments
 
 
-def split_tests(program: str) -> Split:
-    """Take the program's trailing top-level asserts apart (see the module docstring). A program that does not
-    parse is returned whole, with no tests (it fails on its own)."""
+def split_tests(program: str, setup: str = "") -> Split:
+    """Take the program's trailing top-level asserts apart (see the module docstring). ``setup``: the task's own
+    setup code (its imports are the check's in any form). A program that does not parse is returned whole, with no
+    tests (it fails on its own)."""
     try:
         tree = ast.parse(program)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -93,12 +100,22 @@ def split_tests(program: str) -> Split:
         tail.insert(0, body.pop())
     if not tail:
         return Split(program)
-    names, imports = _imported_names(tree)
+    try:
+        names, imports = _imported_names(ast.parse(setup), True)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        names, imports = set(), []
+    more, stmts = _imported_names(ast.Module(body=body, type_ignores=[]), False)
+    names, imports = names | more, imports + stmts
     first = tail[0]
     code = ("".join(program.splitlines(keepends=True)[:first.lineno - 1]) if first.col_offset == 0
             else ast.unparse(ast.Module(body=body, type_ignores=[])) + "\n")
     split = Split(code, imports=imports)
-    prober = _Prober(names | set(dir(builtins)), split.probes)
+    # a standard-library module a test reads an attribute of (math.isclose) is the check's own even when the
+    # program binds that name itself (math = <anything with an isclose>): the check imports the real module
+    modules = {n.value.id for t in tail for n in ast.walk(t.test) if isinstance(n, ast.Attribute)
+               and isinstance(n.value, ast.Name) and n.value.id in sys.stdlib_module_names} - names
+    split.imports += [f"import {m}" for m in sorted(modules)]
+    prober = _Prober(names | modules | set(dir(builtins)), split.probes)
     for node in tail:
         prober.used, source = [], ast.unparse(node)
         expr = prober.visit(node.test)

@@ -68,14 +68,16 @@ class MBPPTask(DatasetTask):
         return build_program(extract_code(completion), problem.answer, problem.meta["setup"])
 
     def reward(self, completion: str, problem: Problem) -> float:
-        result = run_python(self.program(completion, problem), self.sandbox_limits, n_tests=len(problem.answer))
+        result = run_python(self.program(completion, problem), self.sandbox_limits, n_tests=len(problem.answer),
+                            setup=problem.meta["setup"])
         if result.status in SANDBOX_FAILURES:
             raise GraderFailure(SANDBOX_FAILURES[result.status], "mbpp sandbox")
         return 1.0 if result.passed else 0.0
 
     def grade_batch(self, completions: list[str], problems: list[Problem]) -> list[Grade]:
         programs = [self.program(c, p) for c, p in zip(completions, problems)]
-        return grade_programs(programs, self.sandbox_limits, self.sandbox_workers, [len(p.answer) for p in problems])
+        return grade_programs(programs, self.sandbox_limits, self.sandbox_workers, [len(p.answer) for p in problems],
+                              [p.meta["setup"] for p in problems])
 
     def grade(self, completion: str, problem: Problem) -> Grade:
         return self.grade_batch([completion], [problem])[0]
