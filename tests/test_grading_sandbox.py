@@ -319,6 +319,9 @@ def test_an_object_equal_to_everything_fails():
                      "assert f() == {'a': 2, 'b': 1}\nassert list(g()) == [1, 2]\nassert h() == (1, 2)\n"
                      "assert g() != [1, 2]\nassert isinstance(f(), dict)\n", LIMITS)
     assert res.passed, res
+    res = run_python("class P:\n    def __init__(s, a):\n        s.x = a\n    def twice(s):\n        return 2 * s.x\n"
+                     "assert P(1).x == 1\nassert P(2).twice() == 4\nassert [P(3).x][0] == 3\n", LIMITS)
+    assert res.passed, res  # a program's object never crosses; its attributes and methods' results do
 
 
 def test_dir_fd_writes_outside_are_refused_by_the_kernel(tmp_path):

@@ -83,6 +83,8 @@ class _Prober(ast.NodeTransformer):
             return self._probe(node)
         if isinstance(node, ast.Call) and self._is_program(node.func):
             return self._probe(node)  # the program's own function: its result is the value
+        if isinstance(node, (ast.Attribute, ast.Subscript)) and self._is_program(node.value):
+            return self._probe(node)  # Point(1, 2).x: the attribute's value crosses, not the program's object
         return self.generic_visit(node)  # comparisons, boolean logic, arithmetic, a trusted call's arguments
 
 
