@@ -36,6 +36,7 @@ Confinement, per program (es_ray/grading/_sandbox_child.py does it before any pr
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import functools
 import json
@@ -317,7 +318,13 @@ def _run_split(split: Split, limits: SandboxLimits, python: str, plan: Plan) -> 
     values = (raw.result or {}).get("values")
     if status == "passed" and not (isinstance(values, list) and len(values) == len(split.probes)):
         status = "failed"  # it exited 0 without running to its end (its tests never reported)
-    if status == "passed" and split.tests:
+    if status == "passed" and split.tests and all(t["expected"] is not None for t in split.tests):
+        verdicts = _compare_literals(split, values)
+        if not all(verdicts):
+            status = "failed"
+            stderr += "AssertionError: " + "; ".join(t["source"][:200] for t, v in zip(split.tests, verdicts)
+                                                     if not v)
+    elif status == "passed" and split.tests:
         check = _launch({"mode": "verify", "imports": split.imports, "tests": split.tests, "values": values},
                         limits, python, plan)
         verdicts = (check.result or {}).get("verdicts")
@@ -329,6 +336,23 @@ def _run_split(split: Split, limits: SandboxLimits, python: str, plan: Plan) -> 
             failed = [t["source"] for t, v in zip(split.tests, verdicts) if v is not True]
             stderr += "AssertionError: " + "; ".join(f[:200] for f in failed[:3]) + "\n" + check.stderr[-2000:]
     return SandboxResult(status, raw.returncode, raw.stdout, stderr, time.monotonic() - t0)
+
+
+def _compare_literals(split: Split, values: list) -> list[bool]:
+    """Tests of the form ``probe == literal``, compared here: the probe's value rebuilt from plain data (exact
+    builtin types), the literal by ast.literal_eval; no object of the program's is involved."""
+    from es_ray.grading._sandbox_child import _decode
+
+    verdicts = []
+    for test in split.tests:
+        (i,) = test["probes"]
+        try:
+            if not (isinstance(values[i], list) and values[i] and values[i][0] != "E"):
+                raise ValueError("no value")
+            verdicts.append(bool(_decode(values[i]) == ast.literal_eval(test["expected"])))
+        except (ValueError, TypeError, KeyError, IndexError, RecursionError, MemoryError):
+            verdicts.append(False)
+    return verdicts
 
 
 def run_python(program: str, limits: SandboxLimits = SandboxLimits(), python: str = sys.executable,

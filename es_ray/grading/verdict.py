@@ -121,5 +121,20 @@ def split_tests(program: str, setup: str = "") -> Split:
     for node in tail:
         prober.used, source = [], ast.unparse(node)
         expr = prober.visit(node.test)
-        split.tests.append({"source": source, "expr": ast.unparse(expr), "probes": prober.used})
+        split.tests.append({"source": source, "expr": ast.unparse(expr), "probes": prober.used,
+                            "expected": _literal_expected(expr)})
     return split
+
+
+def _literal_expected(expr: ast.expr) -> str | None:
+    """For ``__probe_i == <literal>`` (most MBPP tests) the literal's source: the grader compares that one by value
+    itself, with no check process."""
+    if not (isinstance(expr, ast.Compare) and len(expr.ops) == 1 and isinstance(expr.ops[0], ast.Eq)
+            and isinstance(expr.left, ast.Name) and expr.left.id.startswith("__probe_")):
+        return None
+    source = ast.unparse(expr.comparators[0])
+    try:
+        ast.literal_eval(source)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
+    return source
