@@ -4,7 +4,7 @@ reach anything outside its own directory.
 The threat is a policy trained on this reward: anything a program can do to look correct, it will eventually
 find. So the verdict never lives in the program's process (es_ray.grading.verdict): the program runs with its
 tests' probes and reports plain values; a second process that never runs the program checks the tests over those
-values. A program that exits early, reads the harness's frames or returns an object whose ``__eq__`` is always
+values (a test of the form ``probe == literal``, most of MBPP, is compared by the grader itself). A program that exits early, reads the harness's frames or returns an object whose ``__eq__`` is always
 True reports nothing usable and fails.
 
 Confinement, per program (es_ray/grading/_sandbox_child.py does it before any program code runs):
