@@ -113,7 +113,8 @@ def _confine(cfg):
             libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP: exec cannot regain them
         header = (ctypes.c_uint32 * 2)(0x20080522, 0)
         data = (ctypes.c_uint32 * 6)()
-        check(libc.syscall(126, ctypes.byref(header), ctypes.byref(data)) == 0, "capset")
+        check(cfg["capset"] is not None and libc.syscall(cfg["capset"], ctypes.byref(header), ctypes.byref(data)) == 0,
+              "capset")
     for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
         del sys.modules[name]  # so that `import ctypes` reaches the audit hook
     return os.path.realpath(os.getcwd())

@@ -4,8 +4,9 @@ reach anything outside its own directory.
 The threat is a policy trained on this reward: anything a program can do to look correct, it will eventually
 find. So the verdict never lives in the program's process (es_ray.grading.verdict): the program runs with its
 tests' probes and reports plain values; a second process that never runs the program checks the tests over those
-values (a test of the form ``probe == literal``, most of MBPP, is compared by the grader itself). A program that exits early, reads the harness's frames or returns an object whose ``__eq__`` is always
-True reports nothing usable and fails.
+values (a test of the form ``probe == literal``, most of MBPP, is compared by the grader itself). A program that
+exits early, reads the harness's frames or returns an object whose ``__eq__`` is always True reports nothing
+usable and fails.
 
 Confinement, per program (es_ray/grading/_sandbox_child.py does it before any program code runs):
 
@@ -61,6 +62,8 @@ CONFINE_MARK = "es-ray-sandbox: cannot confine"
 CONFINE_RC = 97
 DROP_FAILED_RC = CONFINE_RC
 _CHILD = (Path(__file__).with_name("_sandbox_child.py")).read_text()
+# the landlock syscalls are 444-446 on both; capset's number differs
+CAPSET_SYSCALL = {"x86_64": 126, "aarch64": 91}
 _NAMESPACES = ("--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--net", "--ipc", "--uts")
 # fractions: a module the bootstrap has not imported, so importing it shows that nobody can read the stdlib
 _PROBE = ("import os, sys\nassert 'fractions' not in sys.modules\nimport fractions\n"
@@ -120,7 +123,7 @@ def landlock_abi() -> int:
         abi = libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # LANDLOCK_CREATE_RULESET_VERSION
     except (OSError, AttributeError):
         return 0
-    return max(0, int(abi)) if sys.platform.startswith("linux") and os.uname().machine == "x86_64" else 0
+    return max(0, int(abi)) if sys.platform.startswith("linux") and os.uname().machine in CAPSET_SYSCALL else 0
 
 
 @functools.lru_cache(maxsize=1)
@@ -202,6 +205,19 @@ def isolation(python: str = sys.executable) -> dict:
     }
 
 
+@functools.lru_cache(maxsize=1)
+def _pdeath_prefix() -> tuple[str, ...]:
+    """``setpriv --pdeathsig KILL`` where it works (util-linux >= 2.33): the sandbox dies with the grader's thread."""
+    exe = shutil.which("setpriv")
+    try:
+        cmd = (exe, "--pdeathsig", "KILL")
+        if exe and subprocess.run([*cmd, "true"], capture_output=True, timeout=10).returncode == 0:
+            return cmd
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return ()
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -235,14 +251,14 @@ def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
         if plan.drop_to is not None:
             os.chown(work, plan.drop_to, plan.drop_to)
         env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
-        pdeath = ("setpriv", "--pdeathsig", "KILL") if shutil.which("setpriv") else ()
-        cmd = [*pdeath, *plan.prefix, python, "-I", "-S", "-B", "-c", _CHILD]
+        cmd = [*_pdeath_prefix(), *plan.prefix, python, "-I", "-S", "-B", "-c", _CHILD]
         files = [open(os.path.join(outer, n), "w+b") for n in ("stdout", "stderr", "result")]
         out, err, res = files
         try:
             payload = json.dumps({**cfg, "limits": asdict(limits), "work": work, "disk_kb": limits.disk_mb << 10,
                                   "mount_ns": plan.mount_ns, "pid_ns": plan.pid_ns, "landlock": plan.landlock,
-                                  "drop_to": plan.drop_to, "result_fd": res.fileno()}).encode()
+                                  "drop_to": plan.drop_to, "result_fd": res.fileno(),
+                                  "capset": CAPSET_SYSCALL.get(os.uname().machine)}).encode()
             try:
                 proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=work, env=env,
                                         start_new_session=True, pass_fds=(res.fileno(),))

@@ -10,9 +10,10 @@ Which parts of a test are probes: every maximal subexpression that uses a name t
 the names the task's setup code imports, or the program's plain ``import x``, are the check's own: it re-imports
 them cleanly, so a program that rebinds ``math.isclose`` or a builtin changes its own process only (an aliasing
 import, ``from operator import truth as set``, binds a program name, not the check's), and so is a
-standard-library module a test reads an attribute of (``math.isclose``) whatever the program binds to its name. A probe inside a comprehension
-or lambda takes the whole comprehension (its loop variables are local to it); a comparison inside such a probe is
-then evaluated by the program's process, the one case where a returned object's ``__eq__`` still matters.
+standard-library module a test reads an attribute of (``math.isclose``) whatever the program binds to its name.
+A probe inside a comprehension or lambda takes the whole comprehension (its loop variables are local to it); a
+comparison inside such a probe is then evaluated by the program's process, the one case where a returned object's
+``__eq__`` still matters. An attribute or item of a program's object is probed whole (``Point(1, 2).x``).
 """
 
 from __future__ import annotations
