@@ -398,6 +398,44 @@ def test_no_leftovers_in_dev_shm_and_a_disk_quota():
     assert int(res.stdout.split()[1]) < 20
 
 
+@pytest.mark.parametrize("layers", ["landlock only", "namespaces and nobody"])
+def test_each_kernel_layer_holds_on_its_own(layers, tmp_path, monkeypatch):
+    """What holds on which kernel: Landlock without any namespace (a container where unshare is blocked), and
+    namespaces with the drop to nobody without Landlock (an older kernel, as root)."""
+    python = sys.executable
+    if layers == "landlock only":
+        if not sandbox.landlock_abi() or sandbox.landlock_abi() < 6:
+            pytest.skip("needs Landlock ABI >= 6")
+        monkeypatch.setattr(sandbox, "namespaces", lambda: ())
+        os.chmod(tmp_path, 0o777)  # even a world-writable directory
+    else:
+        if os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON) or not sandbox.namespaces():
+            pytest.skip("needs root, unshare and a system Python that nobody can run")
+        monkeypatch.setattr(sandbox, "landlock_abi", lambda: 0)
+        python = SYSTEM_PYTHON  # nobody cannot read the pyenv Python under /root
+    sandbox.sandbox_plan.cache_clear()
+    monkeypatch.setenv("HF_TOKEN", "hf_es_ray_layer_secret")
+    got = []
+    old = signal.signal(signal.SIGUSR1, lambda *a: got.append(a))
+    shm = f"es-ray-{uuid.uuid4().hex}"
+    attack = (f"import os, signal\nout = []\ntry:\n    fd = os.open({str(tmp_path)!r}, os.O_RDONLY | os.O_DIRECTORY)\n"
+              "    os.close(os.open('escape', os.O_WRONLY | os.O_CREAT, dir_fd=fd))\n    out.append('wrote')\n"
+              "except OSError:\n    pass\ntry:\n"
+              f"    if b'hf_es_ray' in open('/proc/{os.getpid()}/environ', 'rb').read():\n        out.append('secret')\n"
+              f"except OSError:\n    pass\ntry:\n    signal.pidfd_send_signal(os.pidfd_open({os.getpid()}), "
+              "signal.SIGUSR1)\n    out.append('signalled')\nexcept OSError:\n    pass\n"
+              f"try:\n    os.close(os.open('/dev/shm/{shm}', os.O_WRONLY | os.O_CREAT))\nexcept OSError:\n    pass\n"
+              "print(out)\n")
+    try:
+        res = run_python(attack, LIMITS, python=python)
+        time.sleep(0.3)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        sandbox.sandbox_plan.cache_clear()
+    assert res.passed and res.stdout.strip() == "[]", res
+    assert got == [] and not (tmp_path / "escape").exists() and not Path(f"/dev/shm/{shm}").exists()
+
+
 # -- MBPP program assembly ------------------------------------------------------------------------------------
 
 

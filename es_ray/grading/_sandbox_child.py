@@ -53,6 +53,10 @@ def _confine(cfg):
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     work = cfg["work"]
+    try:  # read before Landlock, which leaves /proc unreadable where there is no PID namespace
+        last_cap = int(open("/proc/sys/kernel/cap_last_cap").read())
+    except (OSError, ValueError):
+        last_cap = 63
 
     def check(ok, what):
         if not ok:
@@ -107,9 +111,7 @@ def _confine(cfg):
         except OSError as exc:  # never run the program as root when the drop was asked for
             _die(DROP_MARK, "%d: %s" % (uid, exc))
     elif os.geteuid() == 0:  # root without capabilities: no mount, no DAC override, no kill, no ptrace
-        last = int(open("/proc/sys/kernel/cap_last_cap").read()) if os.path.exists("/proc/sys/kernel/cap_last_cap") \
-            else 40
-        for cap in range(last + 1):
+        for cap in range(last_cap + 1):
             libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP: exec cannot regain them
         header = (ctypes.c_uint32 * 2)(0x20080522, 0)
         data = (ctypes.c_uint32 * 6)()
@@ -312,7 +314,10 @@ def main():
         _reap(os.fork())
     out = os.fdopen(cfg["result_fd"], "w")
     _rlimits(cfg["limits"])
-    root = _confine(cfg)
+    try:
+        root = _confine(cfg)
+    except Exception as exc:  # noqa: BLE001 - never run the program half-confined
+        _die(CONFINE_MARK, "%s: %s" % (type(exc).__name__, exc))
     sys.dont_write_bytecode = True
     _audit_hook(root)
     (_run if cfg["mode"] == "run" else _verify)(cfg, out)
