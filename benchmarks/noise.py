@@ -8,8 +8,10 @@ safetensors (HF names and shapes, nothing loaded) the way a replica does (into o
 out views), and prints the median and fastest seconds of a full pass over the repeats, the ratio of the medians
 to per_tensor, the median of the same pass followed by master + sigma * eps into a buffer (what a perturbation
 writes, so table's views are charged for being read), and the one-time setup (table: drawing the table; counter:
-building its lookup tables). The last
-line is one JSON object with the same numbers. CPU only: a GPU's costs are not measured here.
+building its lookup tables). counter is measured twice, side by side: eager (the reference) and compiled
+(``es_ray.noise.compiled_block``, torch.compile's C++ on this CPU; its setup includes the compile, paid once per
+process), with the ratio of their medians and the CPU's model. The last line is one JSON object with the same
+numbers. CPU only: a GPU's costs are not measured here (scripts/gpu_smoke.py times nothing of noise).
 """
 
 from __future__ import annotations
@@ -17,11 +19,25 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
 
-KINDS = ("per_tensor", "table", "counter")
+KINDS = ("per_tensor", "table", "counter", "counter_compiled")
+"""es.noise kinds; counter_compiled is counter with ES_RAY_NOISE_COMPILE=1 (the same numbers, compiled)."""
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
 
 
 def tensor_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -41,11 +57,16 @@ def measure(kind: str, shapes: dict[str, tuple[int, ...]], repeats: int, seed: i
 
     from es_ray.noise import NoiseSource, counter_noise
 
+    from es_ray import noise as noise_module
+
+    os.environ[noise_module.COMPILE_ENV] = "1" if kind == "counter_compiled" else "0"
+    kind = kind.removesuffix("_compiled")
     t0 = time.perf_counter()
     src = NoiseSource(seed, kind, table_size=1 << 25)
-    if kind == "counter":  # its lookup tables are built once per process, on first use
-        counter_noise(0, 0, torch.empty(8))
+    if kind == "counter":  # its lookup tables are built once per process, on first use; the compile too
+        counter_noise(0, 0, torch.empty(max(math.prod(s) for s in shapes.values())))
     setup = time.perf_counter() - t0
+    failed = noise_module._COMPILE_FAILED.get("cpu")
     largest = max(math.prod(s) for s in shapes.values())
     buf, master, written = (torch.zeros(largest, dtype=torch.float32) for _ in range(3))
 
@@ -60,8 +81,12 @@ def measure(kind: str, shapes: dict[str, tuple[int, ...]], repeats: int, seed: i
 
     noise = [one_pass(r, False) for r in range(repeats)]
     perturb = [one_pass(r, True) for r in range(repeats)]
-    return {"kind": kind, "median_s": statistics.median(noise), "min_s": min(noise),
-            "with_add_s": statistics.median(perturb), "setup_s": setup}
+    row = {"kind": kind + ("_compiled" if os.environ[noise_module.COMPILE_ENV] == "1" else ""),
+           "median_s": statistics.median(noise), "min_s": min(noise), "with_add_s": statistics.median(perturb),
+           "setup_s": setup}
+    if os.environ[noise_module.COMPILE_ENV] == "1" and failed:
+        row["kind"] += f" (eager: compile failed, {failed})"
+    return row
 
 
 def main() -> None:
@@ -82,16 +107,21 @@ def main() -> None:
     numel = sum(math.prod(s) for s in shapes.values())
     rows = [measure(kind, shapes, args.repeats, args.seed) for kind in KINDS]
     base = rows[0]["median_s"]
+    cpu = cpu_model()
     print(f"{len(shapes)} tensors, {numel / 1e6:.1f}M values, {torch.get_num_threads()} thread(s), "
-          f"{args.repeats} repeats, CPU ({torch.backends.cpu.get_cpu_capability()})")
-    print(f"{'noise':<12}{'median s':>10}{'min s':>9}{'x per_tensor':>14}{'+ add s':>9}{'setup s':>9}")
+          f"{args.repeats} repeats, CPU {cpu} ({torch.backends.cpu.get_cpu_capability()})")
+    print(f"{'noise':<18}{'median s':>10}{'min s':>9}{'x per_tensor':>14}{'+ add s':>9}{'setup s':>9}")
     for r in rows:
         r["ratio"] = r["median_s"] / base
-        print(f"{r['kind']:<12}{r['median_s']:>10.3f}{r['min_s']:>9.3f}{r['ratio']:>14.2f}{r['with_add_s']:>9.3f}"
+        print(f"{r['kind']:<18}{r['median_s']:>10.3f}{r['min_s']:>9.3f}{r['ratio']:>14.2f}{r['with_add_s']:>9.3f}"
               f"{r['setup_s']:>9.2f}")
-    print(json.dumps({"tensors": len(shapes), "values": numel, "threads": torch.get_num_threads(),
-                      "repeats": args.repeats, **{r["kind"]: {k: round(v, 4) for k, v in r.items() if k != "kind"}
-                                                  for r in rows}}))
+    eager, compiled = rows[KINDS.index("counter")], rows[KINDS.index("counter_compiled")]
+    speedup = eager["median_s"] / compiled["median_s"]
+    print(f"counter eager {eager['median_s']:.3f} s vs compiled {compiled['median_s']:.3f} s a pass (medians): "
+          f"{speedup:.2f}x; the compile {compiled['setup_s'] - eager['setup_s']:.1f} s once per process")
+    print(json.dumps({"tensors": len(shapes), "values": numel, "threads": torch.get_num_threads(), "cpu": cpu,
+                      "repeats": args.repeats, "counter_compiled_speedup": round(speedup, 3),
+                      **{r["kind"]: {k: round(v, 4) for k, v in r.items() if k != "kind"} for r in rows}}))
 
 
 if __name__ == "__main__":

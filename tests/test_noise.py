@@ -384,3 +384,46 @@ def test_reference_scope_gives_equal_shaped_tensors_the_same_noise(kind):
     assert not torch.equal(ref.noise(0, 2, "q_proj.weight", shape), q)  # members still differ
     assert not torch.equal(own.noise(0, 1, "q_proj.weight", shape).clone(), own.noise(0, 1, "k_proj.weight", shape))
     torch.testing.assert_close(ref.noise_slice(0, 1, "v_proj.weight", shape, slice(1, 3)), q[1:3], rtol=0, atol=0)
+
+
+# -- compiled counter noise (torch.compile: C++ on a CPU, Triton on a GPU) ----------------------------------------
+
+
+def test_compiled_counter_noise_equals_the_eager_reference_bit_for_bit(monkeypatch):
+    """ES_RAY_NOISE_COMPILE=1 on the CPU: the default step runs ``counter_block`` compiled (one compile per process);
+    every run, at odd offsets, across chunk seams and past 2^32 blocks, equals the eager reference (an explicit chunk
+    runs eager) bit for bit."""
+    from es_ray import noise
+
+    monkeypatch.setenv(noise.COMPILE_ENV, "1")
+    monkeypatch.setattr(noise, "_COMPILED", {})
+    monkeypatch.setattr(noise, "_COMPILE_FAILED", {})
+    device, step = torch.device("cpu"), noise.counter_chunk(torch.device("cpu"))
+    cases = [(12345, 0, 3 * step), (2**63 - 25, 3, 2 * step + 5), (7, 8 * 2**32 - 13, step + 999), (1, 77, step // 7)]
+    for seed, start, numel in cases:
+        compiled = noise.counter_noise(seed, start, torch.empty(numel))
+        eager = noise.counter_noise(seed, start, torch.empty(numel), chunk=step)
+        assert torch.equal(compiled.view(torch.int32), eager.view(torch.int32)), (seed, start, numel)
+    if noise._COMPILE_FAILED:
+        pytest.skip(f"torch.compile is not usable here: {noise._COMPILE_FAILED}")
+    assert list(noise._COMPILED) == [(str(device), (step + 7) // 8 + 1)]  # compiled once, and used
+
+
+def test_counter_noise_falls_back_to_eager_when_compiling_fails(monkeypatch, caplog):
+    from es_ray import noise
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setenv(noise.COMPILE_ENV, "1")
+    monkeypatch.setattr(noise, "_COMPILED", {})
+    monkeypatch.setattr(noise, "_COMPILE_FAILED", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: broken)
+    step = noise.counter_chunk(torch.device("cpu"))
+    with caplog.at_level("WARNING", logger="es_ray.noise"):
+        got = noise.counter_noise(5, 11, torch.empty(step + 3))
+    assert torch.equal(got, noise.counter_noise(5, 11, torch.empty(step + 3), chunk=step))
+    assert noise._COMPILE_FAILED == {"cpu": "RuntimeError: no C++ compiler found"}
+    assert "counter noise on cpu runs eager: torch.compile failed (RuntimeError: no C++ compiler found)" in caplog.text
+    monkeypatch.setenv(noise.COMPILE_ENV, "auto")
+    assert noise.compiled_block(torch.device("cpu"), 9) is None  # auto: CUDA only
