@@ -1,13 +1,17 @@
 """Peak host RAM of ES setup and of an ES checkpoint, per engine, on SmolLM2-135M (or any HF directory).
 
-Each engine runs in a fresh subprocess that measures its own resident set in four phases: building the engine; the
+Each engine runs in a fresh subprocess that measures its own resident set in six phases: building the engine; the
 master's loader alone (``iter_hf_weights``, each tensor cast to fp32 and dropped: what loading a master that lives on
 a GPU costs the host); ``ReplicaHost.setup`` (the fp32 master loaded from the checkpoint and written into the
-engine); one ES checkpoint (``state_dict`` + ``save_es_checkpoint``). The model is first copied with its tensors in
-``--disk-dtype`` (bf16, as released models are stored). Before each phase the process's high-water mark is reset
-(``/proc/self/clear_refs``), so a phase's peak is its own. Reported per phase, in MiB: ``kept`` = RSS after - RSS
-before (what the phase leaves resident: on CPU the master itself) and ``transient`` = peak - RSS after (what it
-needed only while it ran: the copies a GPU machine's host RAM pays too, since its master lives on the GPU).
+engine); one ES checkpoint (``state_dict`` + ``save_es_checkpoint``: weights streamed tensor by tensor, digests);
+resume (``load_es_state``: verified, then read tensor by tensor into the replica) beside the previous resume path
+(``resume_whole``: the whole master read into one dict first). The save and resume peaks are then projected to a
+7B model (``--project``, a memory-plan preset) in proportion to the master and to the largest tensor. The model is
+first copied with its tensors in ``--disk-dtype`` (bf16, as released models are stored). Before each phase the
+process's high-water mark is reset (``/proc/self/clear_refs``), so a phase's peak is its own. Reported per phase,
+in MiB: ``kept`` = RSS after - RSS before (what the phase leaves resident: on CPU the master itself) and
+``transient`` = peak - RSS after (what it needed only while it ran: the copies a GPU machine's host RAM pays too,
+since its master lives on the GPU).
 
     python benchmarks/host_memory.py                         # both engines, SmolLM2-135M, fp32
     python benchmarks/host_memory.py --engines hf --model /abs/hf/dir --json out.json
@@ -58,7 +62,7 @@ def child(engine_name: str, model: str, dtype: str) -> dict:
     """One engine in this process: the three phases, measured."""
     import torch
 
-    from es_ray.checkpoint import save_es_checkpoint
+    from es_ray.checkpoint import load_es_state, save_es_checkpoint
     from es_ray.config import to_train_config
     from es_ray.engines.base import make_engine
     from es_ray.models import iter_hf_weights, resolve_model
@@ -80,11 +84,84 @@ def child(engine_name: str, model: str, dtype: str) -> dict:
     result["master_load"] = _phase(master_load)
     result["es_setup"] = _phase(lambda: host.setup(ReplicaSpec.from_config(cfg)))
     with tempfile.TemporaryDirectory() as tmp:
-        result["checkpoint"] = _phase(lambda: save_es_checkpoint(Path(tmp) / "ckpt", host.state_dict(), model_dir,
+        ckpt = Path(tmp) / "ckpt"
+        result["checkpoint"] = _phase(lambda: save_es_checkpoint(ckpt, host.state_dict(), model_dir,
                                                                  {"iteration": 0}))
-    result["master_mib"] = sum(t.numel() * 4 for t in host.state_dict()["master"].values()) / MIB
+        # resume / rebuild: the checkpoint verified, then read tensor by tensor into the replica ...
+        result["resume"] = _phase(lambda: host.load_state_dict(load_es_state(ckpt)))
+        # ... and the previous path, side by side: every tensor read into one dict first, then loaded
+        result["resume_whole"] = _phase(lambda: host.load_state_dict(_whole_state(ckpt)))
+    master = host.state_dict()["master"]
+    result["master_mib"] = sum(t.numel() * 4 for t in master.values()) / MIB
+    result["largest_mib"] = max(t.numel() * 4 for t in master.values()) / MIB
     held["engine"].close()
     return result
+
+
+def _whole_state(ckpt: Path) -> dict:
+    """The resume path before tensor-by-tensor reads: the whole fp32 master in one dict (load_hf_weights)."""
+    from es_ray.models import load_hf_weights
+
+    master = load_hf_weights(ckpt)
+    if "lm_head.weight" not in master and "model.embed_tokens.weight" in master:
+        master["lm_head.weight"] = master["model.embed_tokens.weight"]
+    return {"master": master, "optimizer": {"t": 0, "state": {}}, "theta0": None}
+
+
+def projection(results: list[dict], target: str) -> str:
+    """Each phase's peak over start, projected to the preset ``target`` (es_ray.memory_plan) two ways: in proportion
+    to the fp32 master (a phase that holds the model) and to the largest tensor (a phase that streams)."""
+    import math
+
+    from es_ray.memory_plan import preset
+
+    shape = preset(target)
+    master = 4 * shape.parameters() / MIB
+    largest = 4 * max(math.prod(s) for s in shape.tensors().values()) / MIB
+    lines = [f"\nprojected to {target} (fp32 master {master / 1024:.1f} GiB, largest tensor {largest / 1024:.2f} GiB), "
+             "GiB\n", "| engine | phase | measured MiB | x master | x largest tensor | 7B if it holds the model | "
+             "7B if it streams |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        for phase in ("checkpoint", "resume", "resume_whole"):
+            peak = r[phase]["peak_over_start_mib"]
+            lines.append(f"| {r['engine']} | {phase} | {peak:.0f} | {peak / r['master_mib']:.2f} | "
+                         f"{peak / r['largest_mib']:.2f} | {peak / r['master_mib'] * master / 1024:.1f} | "
+                         f"{peak / r['largest_mib'] * largest / 1024:.1f} |")
+    return "\n".join(lines)
+
+
+ENGINE_PROCESS_GIB = 8.0
+"""Host RAM the ES actor's processes hold besides checkpoint state (torch, CUDA context, vLLM, Ray worker): stated,
+above the 2.7 GiB the vLLM CPU build measures here at 135M (engine_build)."""
+GATHER_COPIES = 2
+"""A checkpoint through vLLM on a GPU gathers the replica state from vLLM's worker process into the actor over
+vLLM's message queue: the worker's CPU copy and the actor's copy are alive together (the in-process CPU engines
+here measure no copy: the checkpoint phase above)."""
+
+
+def es_actor_host_plan_gib(target: str, optimizer: str = "sgd", anchor_decay: bool = False) -> float:
+    """Host RAM one ES actor on a GPU node needs at ``target`` (a memory-plan preset): the processes, plus the larger
+    of a checkpoint (master, Adam's two moments, theta_0, GATHER_COPIES times) and a resume (one tensor at a time).
+    launch/kuberay/rayjob.yaml and launch/cluster/*.yaml size their worker memory from it (tests check)."""
+    import math
+
+    from es_ray.memory_plan import preset
+
+    shape = preset(target)
+    master = 4 * shape.parameters()
+    state = master * (1 + (2 if optimizer == "adam" else 0) + (1 if anchor_decay else 0))
+    resume = 4 * max(math.prod(s) for s in shape.tensors().values())
+    return ENGINE_PROCESS_GIB + max(GATHER_COPIES * state, resume) / (1 << 30)
+
+
+def plan_table() -> str:
+    from es_ray.memory_plan import PRESETS
+
+    lines = ["\nhost RAM per ES actor on a GPU node (es_actor_host_plan_gib), GiB\n", "| model | sgd | adam |",
+             "|---|---|---|"]
+    lines += [f"| {name} | {es_actor_host_plan_gib(name):.1f} | {es_actor_host_plan_gib(name, 'adam'):.1f} |"
+              for name in PRESETS]
+    return "\n".join(lines)
 
 
 def copy_in_dtype(model_dir: Path, dtype: str, out: Path) -> Path:
@@ -115,6 +192,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="engine.dtype")
     ap.add_argument("--disk-dtype", default="bfloat16", help="dtype of the safetensors read (as released models)")
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument("--project", default="qwen2.5-7b", help="memory-plan preset the save and resume peaks are "
+                    "projected to")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -137,10 +216,12 @@ def main() -> None:
     print("| engine | phase | kept | transient | peak over start |")
     print("|---|---|---|---|---|")
     for r in results:
-        for phase in ("engine_build", "master_load", "es_setup", "checkpoint"):
+        for phase in ("engine_build", "master_load", "es_setup", "checkpoint", "resume", "resume_whole"):
             p = r[phase]
             print(f"| {r['engine']} | {phase} | {p['kept_mib']:.0f} | {p['transient_mib']:.0f} | "
                   f"{p['peak_over_start_mib']:.0f} |")
+    print(projection(results, args.project))
+    print(plan_table())
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -267,3 +267,22 @@ def test_only_a_torn_last_line_is_cut(tmp_path):
     path.write_bytes(b"\n".join(lines[:3]) + b"\n" + lines[3].replace(b"0.65", b"0.75") + b"\n")
     with pytest.raises(ValueError, match="line 4 is corrupted"):  # a complete last line is not torn
         SeedLog.recover(path)
+
+
+# -- host memory planned for checkpoints -------------------------------------------------------------------------
+
+
+def test_kuberay_worker_memory_covers_the_es_host_plan_at_7b():
+    """The RayJob's GPU workers ask for at least the host RAM one ES actor plans at the largest preset (7B, SGD):
+    a checkpoint's state gathered out of vLLM's worker, or a resume's largest tensor, plus the processes."""
+    import re
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from host_memory import es_actor_host_plan_gib
+
+    text = (REPO / "launch" / "kuberay" / "rayjob.yaml").read_text()
+    worker = text[text.index("workerGroupSpecs"):]
+    asked = [int(x) for x in re.findall(r"memory: (\d+)Gi", worker)]
+    plan = es_actor_host_plan_gib("qwen2.5-7b")
+    assert asked and min(asked) >= plan, f"worker memory {asked} Gi below the plan's {plan:.1f} GiB"
+    assert es_actor_host_plan_gib("qwen2.5-7b", "adam") > 2.5 * plan - 2 * 8  # Adam's moments are planned too
