@@ -145,3 +145,23 @@ def test_full_rank_replica_refuses_population_batching(tiny_model_dir):
     eng = build(tiny_model_dir, perturbation="full")
     with pytest.raises(RuntimeError, match="es.perturbation=lowrank"):
         eng.replica_host().generate_members(ITERATION, MEMBERS, SIGMA, ["Hi"], GREEDY, seed=0)
+
+
+def test_linear_forwards_are_restored_on_exit_and_on_error(engine):
+    """The term runs in a forward of each perturbed layer's own while the context is open; on exit, error or not,
+    every module runs its class's forward again (nothing left in its instance dict) and the plain logits return."""
+    host = engine.replica_host()
+    factors = host.replica.member_factors(ITERATION, MEMBERS, SIGMA)
+    enc = engine._encode(_prompts(engine)[:1])
+    with torch.inference_mode():
+        plain = engine.model(**enc).logits
+        with LowRankTerms(engine.model, factors) as terms:
+            assert all("forward" in engine.model.get_submodule(n.removesuffix(".weight")).__dict__ for n in factors)
+            terms.select(range(1))
+            assert not torch.equal(engine.model(**enc).logits, plain)
+        with pytest.raises(RuntimeError, match="not whole members"):
+            with LowRankTerms(engine.model, factors) as terms:
+                terms.select(range(2))
+                engine.model(**enc)  # 1 row for 2 members
+        assert not any("forward" in m.__dict__ for m in engine.model.modules())
+        assert torch.equal(engine.model(**enc).logits, plain)

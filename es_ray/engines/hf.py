@@ -53,7 +53,10 @@ class HFEngine(Engine):
         return {i for i in ids if i is not None}
 
     @torch.inference_mode()
-    def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int) -> list[Completion]:
+    def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int,
+                 share_prompts: bool = True) -> list[Completion]:
+        """``share_prompts=False`` prefills every row, also rows with equal prompts: the work of a low-rank
+        population's batch of the same rows, whose members cannot share a prefill (benchmarks/population.py)."""
         out: list[Completion] = []
         gen = torch.Generator(device="cpu").manual_seed(int(seed))
         for start in range(0, len(prompts), self.cfg.batch_size):
@@ -62,7 +65,7 @@ class HFEngine(Engine):
             groups = prompt_groups(batch)
             # rows with equal prompts (eval.n samples of a problem, a GRPO group): their prompt is prefilled once
             cache = shared_prefill(self.model, enc["input_ids"], enc["attention_mask"], groups) \
-                if len(groups) < len(batch) else None
+                if share_prompts and len(groups) < len(batch) else None
             out += self._generate_rows(enc, sampling, gen, cache)
         return out
 
