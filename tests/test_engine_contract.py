@@ -458,6 +458,17 @@ def test_tensor_parallel_engine_matches_the_unsplit_replica(tiny_model_dir):
         assert stats[0]["update_norm"] == pytest.approx(stats[1]["update_norm"], rel=1e-5)
         state, ref_state = hosts[0].state_dict(), hosts[1].state_dict()
         _assert_weights_equal(state["master"], ref_state["master"])
+        saved = hosts[0].checksum()  # a resume: each rank maps the saved state from a file and takes its own shard
+        hosts[0].update(1, ask(4), FITNESS, 0.01)
+        assert hosts[0].checksum() != saved
+        calls, rpc = [], tp._rpc
+        tp._rpc = lambda method, *args: calls.append(method) or rpc(method, *args)
+        try:
+            hosts[0].load_state_dict(state)
+        finally:
+            del tp._rpc
+        assert calls == ["es_load_state_file"] and hosts[0].checksum() == saved
+        assert tp._rpc("es_mismatches") == [{}, {}]
         for host in hosts:  # the same perturbation of the updated weights stands in for a learner's new weights
             host.perturb(4, 2, -1, 0.02)
         tp.write_weights(ref.read_weights().items())

@@ -11,6 +11,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from es_ray.config import ESTrainConfig, validate
 from es_ray.core.config import ConfigError
@@ -63,3 +64,32 @@ def test_batch_invariance_refused_once_vllm_read_it_as_off(monkeypatch):
     monkeypatch.delenv(BATCH_INVARIANT_ENV, raising=False)
     enable_batch_invariance()
     assert os.environ[BATCH_INVARIANT_ENV] == "1" and envs.VLLM_BATCH_INVARIANT
+
+
+def test_memory_check_measures_every_worker_and_the_tightest_rank_decides(tiny_model_dir, monkeypatch):
+    """check_es_memory asks each vLLM worker for its own device's free memory (``es_device_memory``, measured after
+    its cache is sized); the actor process never touches CUDA. One rank short of memory refuses the run."""
+    from test_replica import replica_spec
+
+    from es_ray.core.config import EngineConfig
+    from es_ray.engines.vllm import VLLMEngine
+    from es_ray.memory_plan import GiB
+
+    def no_cuda_here(*args, **kwargs):
+        raise AssertionError("the actor process must not create a CUDA context")
+
+    monkeypatch.setattr("torch.cuda.mem_get_info", no_cuda_here)
+    engine = object.__new__(VLLMEngine)  # no vLLM: only what check_es_memory reads
+    engine.model_dir, engine._gpu_share = str(tiny_model_dir), 0.5
+    engine.cfg = EngineConfig(name="vllm", device="cuda", tensor_parallel_size=2)
+    engine.dtype = torch.bfloat16
+    asked = []
+    spec = replica_spec(0, optimizer="adam")
+    for free in ((40 * GiB, 40 * GiB), (40 * GiB, 0)):
+        engine._rpc = lambda method, *args, free=free: asked.append(method) or [(f, 80 * GiB) for f in free]
+        if free[1]:
+            engine.check_es_memory(spec)
+        else:
+            with pytest.raises(ConfigError):
+                engine.check_es_memory(spec)
+    assert asked == ["es_device_memory", "es_device_memory"]

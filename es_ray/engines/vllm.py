@@ -28,6 +28,7 @@ on in vLLM's LoRA internals is listed in ``vllm_extension``.
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any, Iterable
 
 import torch
@@ -40,6 +41,8 @@ from es_ray.core.dtypes import dtype_name, resolve_dtype
 from es_ray.strategy import Member
 
 EXTENSION = "es_ray.engines.vllm_extension.ESExtension"
+STATE_KEYS = ("master", "optimizer", "theta0")
+"""What ``Replica.load_state_dict`` reads of a state: tensors, dicts and ints only (a weights-only load)."""
 _CPU_KV_CACHE_BYTES = 1 << 30
 """KV cache per engine on CPU when engine.gpu_memory_utilization=0: 1 GiB holds ~11k tokens of SmolLM2-135M
 in fp32, more than 64 prompts x (prompt + 64 new tokens), and leaves RAM for a second actor."""
@@ -221,11 +224,13 @@ class VLLMEngine(Engine):
     def check_es_memory(self, spec: ReplicaSpec) -> None:
         """Refuse (ConfigError, naming the keys) before the replica is built or anything generated when the GPU's
         free memory beside vLLM cannot hold the plan's ES part: otherwise Adam's moments fail at the first update,
-        after a whole iteration of generation."""
+        after a whole iteration of generation. Measured inside every vLLM worker, on its own device, after its cache
+        is sized (``es_device_memory``); the tightest rank decides. Not in this process: it holds no CUDA context
+        (one would cost ~0.5 GiB on GPU 0) and would see GPU 0 only under tensor parallelism."""
         from es_ray.core.config import ConfigError
         from es_ray.memory_plan import plan_es, vllm_batch_defaults
 
-        free, total = torch.cuda.mem_get_info()
+        free, total = min(tuple(m) for m in self._rpc("es_device_memory"))
         try:
             shape, settings = self._plan_settings(
                 optimizer=spec.optimizer, anchor_decay=spec.anchor_decay, noise=spec.noise,
@@ -412,7 +417,17 @@ class VLLMReplicaHost(ReplicaHost):
         return gather_states(self._call("es_state_dict"))
 
     def load_state_dict(self, sd: dict) -> None:
-        self._write("es_load_state_dict", sd)
+        """Whole tensors (a checkpoint) or the ranks' gathered state. One rank (the engine core in this process) takes
+        it by reference. Under tensor parallelism the state is not sent to the ranks through vLLM's message queue
+        (pickled, whole, once per rank: 30 GB per rank at 7B): it is saved once to a local file, and each rank maps
+        it (``es_load_state_file``) and copies out its own shard."""
+        if self.engine.cfg.tensor_parallel_size == 1:
+            self._write("es_load_state_dict", sd)
+            return
+        with tempfile.TemporaryDirectory(prefix="es_ray_state_") as tmp:
+            path = os.path.join(tmp, "state.pt")
+            torch.save({key: sd.get(key) for key in STATE_KEYS}, path)
+            self._write("es_load_state_file", path)
 
 
 def _completion(output) -> Completion:

@@ -463,6 +463,18 @@ class ESExtension:
     def es_load_state_dict(self, sd: dict) -> None:
         self._es().load_state_dict(sd)
 
+    def es_load_state_file(self, path: str) -> None:
+        """This rank's parts of the state saved at ``path`` (``VLLMReplicaHost.load_state_dict`` under tensor
+        parallelism): the file is memory-mapped, so the rank copies its shard out of the page cache instead of
+        receiving the whole state."""
+        self._es().load_state_dict(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
+
+    def es_device_memory(self) -> tuple[int, int]:
+        """(free, total) bytes of this worker's own GPU, measured here, after vLLM sized its KV cache
+        (``VLLMEngine.check_es_memory``)."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(free), int(total)
+
     def es_read_weights(self) -> tuple[dict[str, Shard], dict[str, torch.Tensor]]:
         """The parts of the engine's weights this rank owns, in HF layout (fused tensors split back), fp32 on the
         CPU, with their shards (``gather_shards`` joins the ranks')."""
