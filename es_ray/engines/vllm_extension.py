@@ -379,7 +379,10 @@ class ESExtension:
         lora_a = A_m^T (r x in), lora_b = B_s,m (out x r) = sign * sigma / sqrt(r) * B_m, so the slot adds
         (x A_m) B_s,m^T to the layer's output, scaling 1. Packed layers (qkv_proj, gate_up_proj) take one slice
         per HF tensor in their packing order; a LoRA layer part the replica does not perturb (outside
-        model.trainable) gets zeros. The base weights are not touched."""
+        model.trainable) gets zeros. The base weights are not touched. The slots hold the factors in the model's
+        dtype (vLLM's LoRA buffers; its GPU kernels take fp16/bf16 only): what a member is scored with is rounded
+        there, while the update never reads the slots: it regenerates each factor in fp32 from its seed
+        (``Replica.update``)."""
         from es_ray.strategy import Member
 
         slots = self._es_lora_slots(len(members))
