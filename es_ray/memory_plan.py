@@ -736,7 +736,7 @@ def host_plan_bytes(kind: str, plan: MemoryPlan, cfg) -> tuple[int, str]:
 
 
 def startup_check(kind: str, cfg, reported: int | None = None, host: int | None = None,
-                  shape: ModelShape | None = None) -> MemoryPlan | None:
+                  shape: ModelShape | None = None, gpu: bool | None = None) -> MemoryPlan | None:
     """Refuse (ConfigError: the numbers and the keys that would make it fit) a run whose plan does not fit the
     device it will run on, before any model is loaded. GPU: each GPU's plan against ``reported`` bytes (default: this
     machine's smallest GPU; unknown: no check here), less usable_bytes's margin; CPU: every actor's bytes summed
@@ -747,7 +747,7 @@ def startup_check(kind: str, cfg, reported: int | None = None, host: int | None 
     shape = shape or model_shape(cfg.model.path)
     if shape is None:
         return None
-    if on_gpu(cfg):
+    if on_gpu(cfg) if gpu is None else gpu:
         reported = gpu_reported_bytes() if reported is None else reported
         if reported is None:
             return None

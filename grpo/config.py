@@ -173,6 +173,10 @@ def check_fsdp(cfg: GRPOTrainConfig) -> None:
     if g.fsdp_size < 1:
         raise ConfigError(f"grpo.fsdp_size={g.fsdp_size}: the learner needs at least one rank; set grpo.fsdp_size=1 "
                           "(one process) or more")
+    if g.colocate and cfg.cluster.num_actors != g.fsdp_size:
+        raise ConfigError(f"grpo.colocate=true puts one rollout engine beside each learner rank: cluster.num_actors="
+                          f"{cfg.cluster.num_actors} rollout actors but grpo.fsdp_size={g.fsdp_size} ranks; set "
+                          f"cluster.num_actors={g.fsdp_size}")
     batch = g.prompts_per_step * g.group_size
     for key, n in (("grpo.micro_batch_size", g.micro_batch_size), ("the batch (grpo.prompts_per_step x "
                                                                    "grpo.group_size)", batch)):

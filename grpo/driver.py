@@ -80,9 +80,10 @@ def sample_seed(cfg: GRPOTrainConfig, step: int, part: int = 0) -> int:
 
 
 class Crew:
-    """The learner (bundle 0 of the run's placement group; not replaceable: its optimizer state lives only there)
-    and the rollout actors (bundles 1..n; a dead or silent one is replaced and re-synced from the learner), each an
-    ActorGroup of the runtime."""
+    """The learner ranks (bundles 0..fsdp_size-1 of the run's placement group; not replaceable: the optimizer state
+    lives only there) and the rollout actors (the next bundles; a dead or silent one is replaced and re-synced from
+    the learner), each an ActorGroup of the runtime. With grpo.colocate one group of grpo.fsdp_size actors is both:
+    each holds a learner rank and a rollout engine (grpo.colocated.ColocatedWorker)."""
 
     def __init__(self, cfg: GRPOTrainConfig, tracker: Tracker, run_dir: Path, check_interrupt):
         from es_ray.runtime.actors import start_group
@@ -94,17 +95,28 @@ class Crew:
         self.probe = None
         f = cfg.grpo.fsdp_size
         check_devices(cfg)
-        self.placement = place(cfg.cluster, "grpo", count=cfg.cluster.num_actors + f)
+        self.colocated = cfg.grpo.colocate
+        self.placement = place(cfg.cluster, "grpo", count=f if self.colocated else cfg.cluster.num_actors + f)
         advice = (f"the run cannot continue without it. Resume from the last checkpoint with run.resume=true "
                   f"run.dir={run_dir} (set run.checkpoint_every to keep some)")
         common = dict(log=tracker.message, check_interrupt=check_interrupt)
-        self.learner, infos = start_group("learner", GRPOLearner, f, lambda rank: (cfg, rank, f), self.placement,
+        if self.colocated:
+            from grpo.colocated import ColocatedWorker
+
+            role, cls = "learner+rollout", ColocatedWorker
+        else:
+            role, cls = "learner", GRPOLearner
+        self.learner, infos = start_group(role, cls, f, lambda rank: (cfg, rank, f), self.placement,
                                           cfg.faults, replaceable=False, lost_advice=advice, **common)
         if not infos[0]["built"]:  # sharded: rank 0 picks the rendezvous, every rank joins and builds its shard
             address = self.learner.call(0, "address")
             joined = self.learner.gather("join", {r: (address,) for r in self.learner.ranks}, slow=True)
             infos = [joined[r] for r in self.learner.ranks]
         self.learner_info = infos[0]
+        self.learner_probe = "learner_probe_logprobs" if self.colocated else "probe_logprobs"
+        if self.colocated:
+            self.rollouts, self.infos = self.learner, infos
+            return
         self.rollouts, self.infos = start_group(
             "rollout", RolloutWorker, cfg.cluster.num_actors, lambda rank: (cfg, rank), self.placement, cfg.faults,
             first_bundle=f, restore=self._resync, lost_advice=f"Resume with run.resume=true run.dir={run_dir}",
@@ -112,7 +124,7 @@ class Crew:
 
     @property
     def groups(self) -> list:
-        return [self.learner, self.rollouts]
+        return [self.learner] if self.colocated else [self.learner, self.rollouts]
 
     def learn(self, method: str, *args, slow: bool = False):
         """A learner call on every rank at once (a sharded learner's methods are collectives); rank 0's answer."""
@@ -128,7 +140,7 @@ class Crew:
         first = self.probe is None
         if first:
             self.probe = self.rollouts.call(0, "probe")
-        learner_lp = self.learn("probe_logprobs", *self.probe)
+        learner_lp = self.learn(self.learner_probe, *self.probe)
         engine_lps = self.rollouts.each("probe_logprobs", *self.probe)
         calibrate = first and not self.cfg.grpo.sync_tolerance
         worst = check_sync(learner_lp, engine_lps, FIRST_SYNC_CEILING if calibrate else self.tol, step)
@@ -145,6 +157,8 @@ class Crew:
         import ray
 
         dtype, n = self.infos[0]["dtype"], self.learner_info["weight_chunks"]
+        if self.colocated:  # each actor from its own learner rank into its own engine
+            return self.learner.each("sync_local", dtype)[0]["bytes"]
         # every learner rank gathers each tensor of chunk k (full_tensor) with the others; rank 0's copy is sent
         chunk = lambda k: [a.weight_chunk.remote(k, dtype) for a in self.learner.actors]  # noqa: E731
         ahead, nbytes = chunk(0), 0
@@ -197,6 +211,7 @@ def run(cfg: GRPOTrainConfig) -> dict:
     from es_ray.runtime.cluster import connect
     from es_ray.runtime.ledger import Ledger
     from es_ray.runtime.rundir import keep_metrics, open_run_dir
+    from es_ray.runtime.actors import ActorLostError
     from es_ray.runtime.signals import Interrupted, InterruptGuard
 
     from es_ray.memory_plan import startup_check
@@ -225,7 +240,7 @@ def run(cfg: GRPOTrainConfig) -> dict:
     tracker = Tracker(run_dir, g.steps, cfg, cfg.run.trackers, cfg.run.progress, desc="grpo", start=start)
     crew, done, finished = None, start, False
     summary: dict = {"run_dir": str(run_dir), "resumed_from": str(ckpt) if ckpt else None}
-    with InterruptGuard() as guard:
+    with InterruptGuard(cfg.faults.stop_timeout_s) as guard:
         try:
             crew = Crew(cfg, tracker, run_dir, guard.check)
             pool = _start(crew, ckpt, start, tracker, run_dir)
@@ -259,7 +274,7 @@ def run(cfg: GRPOTrainConfig) -> dict:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             tracker.message(f"grpo: done; final checkpoint {final}")
             return summary
-        except Interrupted as stop:
+        except (Interrupted, ActorLostError) as stop:  # a lost actor: a checkpoint from the learner if it lives
             _stop_cleanly(stop, crew, run_dir, tracker, done, start)
         finally:
             if crew is not None:  # what the run cost, also when it stopped early
@@ -303,12 +318,16 @@ def recovery_metrics(crew: Crew) -> dict:
 
 
 def _stop_cleanly(stop, crew: Crew | None, run_dir: Path, tracker, done: int, start: int) -> None:
-    """After SIGTERM / Ctrl-C: checkpoint the completed steps (an optimizer step and its sync are never split by a
-    signal), stop the actors, exit non-zero with the resume command."""
+    """After SIGTERM / Ctrl-C, or a rollout actor lost for good (no room to place its replacement): checkpoint the
+    completed steps (an optimizer step and its sync are never split by a signal), stop the actors, exit non-zero
+    with the resume command. A lost learner's error is raised as it is (nothing left to checkpoint from)."""
     from es_ray.runtime.rundir import resume_command
 
     saved = ""
+    if crew is not None and crew.learner.lost:  # no checkpoint without the learner: its error says how to resume
+        raise stop
     if crew is not None and done > start:
+        crew.rollouts.replaceable = False  # stopping: a rollout failing now is not waited for
         crew.rollouts.cancel_inflight()
         path = run_dir / "checkpoints" / f"step_{done:06d}"
         saved = str(crew.learn("save", str(path), {"step": done}))

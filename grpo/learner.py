@@ -20,6 +20,7 @@ import time
 
 from grpo.config import GRPOTrainConfig
 
+from es_ray.runtime.actors import once
 from es_ray.runtime.checkpoint import meta_file, state_file
 
 STATE_FILE = state_file("grpo")
@@ -96,6 +97,11 @@ class GRPOLearner:
         from transformers import AutoModelForCausalLM
 
         g = self.g
+        if str(self.device).startswith("cuda"):  # this rank's own card, before the model is loaded onto it
+            from es_ray.memory_plan import startup_check
+
+            startup_check("grpo", self.cfg, gpu=True,
+                          reported=torch.cuda.get_device_properties(torch.device(self.device)).total_memory)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
         if g.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
@@ -238,6 +244,7 @@ class GRPOLearner:
         return chunked_token_scores(model.get_output_embeddings(), hidden_n, ids[:, 1:][sel], self.temperature,
                                     self.g.logit_chunk_tokens, entropy)
 
+    @once  # an optimizer step: never re-sent after a transient ActorUnavailableError (it may have run)
     def train_step(self, samples: list[dict], advantages: list[float]) -> dict:
         import torch
 
@@ -328,7 +335,7 @@ class GRPOLearner:
 
         return {n: _full(p.detach()).to("cpu", torch.float32, copy=True) for n, p in self.named.items()}
 
-    def weight_chunk(self, k: int, dtype: str) -> dict:
+    def weight_chunk(self, k: int, dtype: str, everywhere: bool = False) -> dict:
         """Chunk ``k`` of the weights (a transformer layer, or one other tensor) by HF name, cast to ``dtype`` (the
         rollout engine's) on the learner's device, then copied to the CPU: the sync sends the engine's bytes."""
         from es_ray.core.dtypes import resolve_dtype
@@ -336,7 +343,7 @@ class GRPOLearner:
         dt = resolve_dtype(dtype, self.device)
         # sharded: every rank takes part in each gather (full_tensor, once per tensor); rank 0's copy is sent
         out = {n: _full(self.named[n].detach()).to(dtype=dt).to("cpu", copy=True) for n in self.chunks[k]}
-        return out if self.rank == 0 else {}
+        return out if self.rank == 0 or everywhere else {}
 
     def probe_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
         """log p of each probe completion token as the learner scores its batches (same precision, temperature and

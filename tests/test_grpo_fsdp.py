@@ -121,3 +121,34 @@ def test_grpo_run_with_two_learner_ranks_ends_where_one_rank_does(tiny_model_dir
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < TOL
     metrics = [__import__("json").loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["sync/max_logprob_diff"] < 1e-4 and m["sync/bytes"] > 0 for m in metrics)
+
+
+def test_colocated_run_ends_where_the_separate_one_does(tiny_model_dir, ray_local, tmp_path):
+    """grpo.colocate=true: one actor holds the learner and the rollout engine; the same steps give the same weights
+    (fp32), and the ledger counts one actor's devices instead of two."""
+    from es_ray.models import load_hf_weights
+    from grpo.driver import run
+
+    def cfg(colocate, name):
+        return to_grpo_config({
+            "model": {"path": str(tiny_model_dir)}, "task": {"name": "arithmetic", "train_size": 4},
+            "grpo": {"steps": 2, "lr": 1e-3, "group_size": 2, "prompts_per_step": 2, "micro_batch_size": 4,
+                     "colocate": colocate},
+            "sampling": {"max_new_tokens": 4, "temperature": 1.0}, "engine": {"threads": 1, "dtype": "float32"},
+            "cluster": {"num_actors": 1, "cpus_per_actor": 0.5}, "eval": {"every": 0},
+            "run": {"dir": str(tmp_path / name), "progress": False, "trackers": []}})
+
+    apart, together = run(cfg(False, "apart")), run(cfg(True, "together"))
+    assert apart["reward_mean"] == together["reward_mean"]
+    w1, w2 = load_hf_weights(apart["final_checkpoint"]), load_hf_weights(together["final_checkpoint"])
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < TOL
+    ledgers = [__import__("json").loads((tmp_path / n / "ledger.json").read_text()) for n in ("apart", "together")]
+    roles = [sorted(a["role"] for a in led["actors"].values()) for led in ledgers]
+    assert roles == [["learner", "rollout"], ["learner+rollout"]]
+
+
+def test_colocation_needs_one_engine_per_learner_rank():
+    from es_ray.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="cluster.num_actors=2"):
+        to_grpo_config({"grpo": {"colocate": True, "fsdp_size": 2}, "cluster": {"num_actors": 1}})

@@ -121,6 +121,11 @@ def _request_seed(seed: int, index: int) -> int:
     return (int(seed) * 1_000_003 + index) % (1 << 63)
 
 
+SLEEP_MODE_ENV = "ES_RAY_VLLM_SLEEP_MODE"
+"""Set to 1 by a colocated GRPO actor before its engine is built: vLLM's sleep mode, so the engine's weights and KV
+cache leave the GPU while the learner beside it trains."""
+
+
 class VLLMEngine(Engine):
     name = "vllm"
     package = "vllm"
@@ -179,6 +184,8 @@ class VLLMEngine(Engine):
             kwargs["distributed_executor_backend"] = "mp"
         if lowrank is not None:
             kwargs.update(self._lora_kwargs(lowrank, current_platform))
+        if self.device == "cuda" and os.environ.get(SLEEP_MODE_ENV) == "1":  # grpo.colocate (grpo/colocated.py)
+            kwargs["enable_sleep_mode"] = True
         self.llm = LLM(**kwargs)
         _quiet_thread_warning()
         self.tokenizer = self.llm.get_tokenizer()
