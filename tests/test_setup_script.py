@@ -76,3 +76,15 @@ def test_failing_nvidia_smi_is_refused_not_taken_for_cpu(tmp_path):
 def test_bad_device_settings_are_refused(tmp_path, device, message):
     res = dry_run(tmp_path, None, ES_RAY_DEVICE=device)
     assert res.returncode == 1 and message in res.stderr and not installs(res)
+
+
+def test_gpu_install_drops_the_cpu_only_pins_of_the_constraints(tmp_path):
+    """scripts/constraints.txt is the CPU test set: on a GPU its torch+cpu and triton pins are left out, the rest
+    constrains the install."""
+    if not (ROOT / "scripts" / "constraints.txt").exists():
+        pytest.skip("no scripts/constraints.txt")
+    res = dry_run(tmp_path, 'echo "580.95.05, NVIDIA H200"')
+    lines, pins = installs(res), (ROOT / "scripts" / "constraints.txt").read_text().splitlines()
+    dropped = [p for p in pins if not p.startswith("#") and ("+cpu" in p or p.startswith("triton=="))]
+    assert f"setup: scripts/constraints.txt without its CPU-only pins: {' '.join(dropped)}" in res.stdout
+    assert lines and all(" -c " in line and "scripts/constraints.txt" not in line for line in lines)
