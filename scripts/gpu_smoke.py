@@ -239,8 +239,9 @@ def check_lowrank(smoke: Smoke, engine, prompts, greedy, args, key: str, fig: di
 
 def check_counter_noise(smoke: Smoke, shape: ModelShape, key: str, fig: dict) -> None:
     """The device's counter noise equals the CPU's bit for bit: a row slice at odd rows of the largest MLP weight
-    (``noise_slice``), and a run starting at an odd element offset of odd length (``counter_noise``). On a CPU the
-    "device" draws in odd-sized chunks, so the slicing and chunk seams are what is compared."""
+    (``noise_slice``), and a run starting at an odd element offset of odd length (``counter_noise``). On a GPU the
+    device draws through the compiled kernel (``noise.compiled_block``; the figures say whether it compiled). On a
+    CPU the "device" draws in odd-sized chunks, so the slicing and chunk seams are what is compared."""
     device = smoke.device
     name = "model.layers.0.mlp.down_proj.weight"
     tensor = torch.Size(shape.tensors()[name])
@@ -253,7 +254,11 @@ def check_counter_noise(smoke: Smoke, shape: ModelShape, key: str, fig: dict) ->
     a = counter_noise(seed, start, torch.empty(numel, device=device), chunk).cpu()
     b = counter_noise(seed, start, torch.empty(numel))
     same = [torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in ((here, cpu), (a, b))]
-    fig["counter_noise"] = {"rows": [rows.start, rows.stop], "start": start, "numel": numel, "bit_exact": same}
+    from es_ray import noise
+
+    compiled = sorted(d for d, _ in noise._COMPILED if d.startswith(device.type))
+    fig["counter_noise"] = {"rows": [rows.start, rows.stop], "start": start, "numel": numel, "bit_exact": same,
+                            "compiled_on": compiled, "compile_failed": noise._COMPILE_FAILED.get(device.type)}
     smoke.check(f"{key}/counter_noise_device_equals_cpu", all(same),
                 f"{device.type} vs cpu: rows [{rows.start}, {rows.stop}) of {name} {tuple(tensor)}, "
                 f"{numel} elements from offset {start}")
