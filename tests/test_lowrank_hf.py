@@ -165,3 +165,17 @@ def test_linear_forwards_are_restored_on_exit_and_on_error(engine):
                 engine.model(**enc)  # 1 row for 2 members
         assert not any("forward" in m.__dict__ for m in engine.model.modules())
         assert torch.equal(engine.model(**enc).logits, plain)
+
+
+def test_siblings_share_the_first_product(engine, monkeypatch):
+    """q, k, v (and gate, up) read one input: one x A product per group and forward, the siblings taking their
+    columns of it (the merged-weight test above checks the values)."""
+    factors = engine.replica_host().replica.member_factors(ITERATION, MEMBERS, SIGMA)
+    calls = []
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a, **k: calls.append(1) or bmm(*a, **k))
+    with torch.inference_mode(), LowRankTerms(engine.model, factors) as terms:
+        terms.select(range(len(MEMBERS)))
+        engine.model(**{k: v.repeat(len(MEMBERS), 1) for k, v in engine._encode(_prompts(engine)[:1]).items()})
+    assert terms.group_of and len(terms.group_of) < len(factors)  # attention and MLP groups, o/down alone
+    assert len(calls) == len(terms.group_at) + len(factors) - len(terms.group_of)
