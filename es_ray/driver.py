@@ -110,6 +110,7 @@ def run(cfg: ESTrainConfig) -> dict:
     from es_ray.runtime.ledger import Ledger
     from es_ray.runtime.placement import place
     from es_ray.runtime.rundir import open_run_dir
+    from es_ray.runtime.actors import ActorLostError
     from es_ray.runtime.signals import Interrupted, InterruptGuard
     from es_ray.runtime.tracking import Tracker
 
@@ -131,7 +132,7 @@ def run(cfg: ESTrainConfig) -> dict:
     summary: dict = {"run_dir": str(run_dir)}
     history = list(point.history)
     finished = False
-    with InterruptGuard() as guard:
+    with InterruptGuard(cfg.faults.stop_timeout_s) as guard:
         try:
             placement = place(cfg.cluster, "es")
             pool = _start(cfg, keeper, point, placement, tracker, guard)
@@ -164,7 +165,7 @@ def run(cfg: ESTrainConfig) -> dict:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             tracker.message(f"es: done; final checkpoint {final}")
             return summary
-        except Interrupted as stop:
+        except (Interrupted, ActorLostError) as stop:
             _stop_cleanly(stop, keeper, run_dir, tracker)
         finally:
             if keeper.group is not None:  # what the run cost, also when it stopped early
@@ -242,21 +243,30 @@ def held_out(cfg: ESTrainConfig, group, t: int, row: dict) -> int:
 
 
 def _stop_cleanly(stop, keeper, run_dir: Path, tracker) -> None:
-    """After SIGTERM / Ctrl-C: stop the actors' work, checkpoint the committed iterations, exit non-zero.
+    """After SIGTERM / Ctrl-C, or an actor lost for good (ActorLostError: its node gone and no room for a
+    replacement): stop the actors' work, checkpoint the committed iterations from a live actor, exit non-zero with
+    the resume command.
 
     The seed log is already complete up to the last committed iteration (an update and its log line are never
     split by a signal), so resuming is exact even if a second signal cuts this checkpoint short.
     """
+    from es_ray.runtime.actors import ActorLostError
     from es_ray.runtime.rundir import resume_command
 
     done = keeper.committed
     saved = ""
-    if keeper.group is not None and done > keeper.base[1]:
+    if keeper.group is not None and done > keeper.base[1] and keeper.group.live_ranks:
+        keeper.group.replaceable = False  # stopping: an actor failing now is skipped, never waited for
         keeper.group.cancel_inflight()
-        saved = str(keeper.save_checkpoint(run_dir / "checkpoints" / f"iter_{done:06d}", done))
-    tracker.message(f"es: stopped by {stop} after {done} iteration(s); "
-                    f"{'checkpoint ' + saved if saved else 'no new checkpoint needed'}; seed log "
-                    f"{run_dir / 'seed_log.jsonl'}. Continue with: {resume_command('es', run_dir)}")
+        try:
+            saved = str(keeper.save_checkpoint(run_dir / "checkpoints" / f"iter_{done:06d}", done))
+        except ActorLostError as exc:
+            tracker.message(f"es: no live actor could write a checkpoint ({exc})")
+    cause = stop if not isinstance(stop, ActorLostError) else f"a lost actor ({stop})"
+    tracker.message(f"es: stopped by {cause} after {done} iteration(s); "
+                    f"{'checkpoint ' + saved if saved else 'no new checkpoint'}; seed log "
+                    f"{run_dir / 'seed_log.jsonl'} (every committed iteration). Continue with: "
+                    f"{resume_command('es', run_dir)}")
     raise SystemExit(stop.exit_code)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from es_ray.checkpoint import SeedLog, list_checkpoints, replay_record
 from es_ray.config import ESTrainConfig
-from es_ray.runtime.actors import payload_bytes
+from es_ray.runtime.actors import ActorLostError, payload_bytes
 from es_ray.runtime.checkpoint import CheckpointError
 from es_ray.core.config import ConfigError
 from es_ray.runtime.rundir import keep_metrics
@@ -117,7 +117,17 @@ class ReplicaKeeper:
     def save_checkpoint(self, path: Path, iteration: int) -> Path:
         if iteration != self.committed:
             raise RuntimeError(f"checkpoint of iteration {iteration} requested at iteration {self.committed}")
-        self.group.call(0, "save_checkpoint", str(path), {"iteration": iteration})
+        ranks = self.group.live_ranks
+        for rank in ranks:  # the first live actor writes it (at a stop, one whose node is lost is skipped)
+            try:
+                out = self.group.call(rank, "save_checkpoint", str(path), {"iteration": iteration})
+                if isinstance(out, dict):  # it applied an update the run did not commit: back to the committed state
+                    self.rebuild([rank])
+                    self.group.call(rank, "save_checkpoint", str(path), {"iteration": iteration})
+                break
+            except ActorLostError:
+                if rank == ranks[-1]:
+                    raise
         self.base, self.records = (str(path), iteration), []
         return path
 

@@ -40,6 +40,9 @@ class ESWorker:
         self.replica.setup(ReplicaSpec.from_config(cfg))
         self.task = load_task(cfg.task)
         self._prompts = templated_prompts(self.engine, self.task)
+        self.applied = -1
+        """The iteration whose update the replica holds last (-1: the initial weights)."""
+        self._last_update: tuple[int, UpdateResult] | None = None
 
     def ready(self) -> dict:
         """Sizes, and the device the noise is drawn on: its name and SM count ("cpu" and 0 on a CPU; a MIG slice
@@ -114,20 +117,31 @@ class ESWorker:
                                self.cfg.sampling.max_new_tokens, seed)
 
     def update(self, req: UpdateRequest) -> UpdateResult:
+        """Apply iteration ``req.iteration``'s update; the same request again (re-sent after a transient
+        ActorUnavailableError) gets the first answer, never a second update."""
+        if self._last_update is not None and self._last_update[0] == req.iteration == self.applied:
+            return self._last_update[1]
         t0 = time.perf_counter()
         self.faults.before_update(req.iteration)
         stats = self.replica.update(req.iteration, list(req.members), list(req.fitness), req.sigma)
         self.faults.after_update(req.iteration, self.replica)
         digest = self.replica.checksum() if req.want_checksum else ""
-        return UpdateResult(stats["update_norm"], stats["realised_cos"], stats["realised_norm"], digest,
-                            time.perf_counter() - t0)
+        self.applied = req.iteration
+        result = UpdateResult(stats["update_norm"], stats["realised_cos"], stats["realised_norm"], digest,
+                              time.perf_counter() - t0)
+        self._last_update = (req.iteration, result)
+        return result
 
     def checksum(self) -> str:
         return self.replica.checksum()
 
-    def save_checkpoint(self, path: str, extra: dict) -> str:
+    def save_checkpoint(self, path: str, extra: dict) -> str | dict:
+        """The replica as checkpoint ``path`` of iteration ``extra["iteration"]``; ``{"at": i}`` instead when the
+        replica holds the weights of iteration i (an update the run did not commit: lost mid-update)."""
         from es_ray.checkpoint import save_es_checkpoint
 
+        if extra["iteration"] != self.applied + 1:
+            return {"at": self.applied + 1}
         state = self.replica.state_dict()
         meta = {**extra, "checksum": self.replica.checksum(), "engine": asdict(self.cfg.engine)}
         save_es_checkpoint(path, state, self.model_dir, meta)
@@ -144,7 +158,7 @@ class ESWorker:
         from es_ray.checkpoint import load_es_state
         from es_ray.strategy import Member
 
-        from es_ray.runtime.checkpoint import CheckpointError
+        from es_ray.runtime.checkpoint import CheckpointError, read_meta
 
         t0 = time.perf_counter()
         source = checkpoint or str(self.model_dir)
@@ -157,9 +171,12 @@ class ESWorker:
         model_bytes = state["master"].nbytes()
         self.replica.load_state_dict(state)
         del state
+        self.applied = read_meta(checkpoint, "es")["iteration"] - 1 if checkpoint else -1
+        self._last_update = None
         for r in records:
             members = [Member(*m) for m in r["members"]]
             self.replica.update(r["iteration"], members, r["fitness"], r["sigma"])
+            self.applied = r["iteration"]
         return {"checksum": self.replica.checksum(), "seconds": time.perf_counter() - t0,
                 "replayed": len(records), "model_bytes": model_bytes}
 

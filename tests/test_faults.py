@@ -14,6 +14,7 @@ from es_ray.config import validate
 
 from es_ray.core.config import ConfigError
 from es_ray.driver import run
+from es_ray.runtime.actors import once
 from test_ray_es import tiny_cfg
 
 pytestmark = pytest.mark.ray
@@ -109,3 +110,134 @@ def test_bad_fault_settings_are_refused_naming_the_key(tiny_model_dir, tmp_path,
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         faulty_cfg(tiny_model_dir, tmp_path, **over)
     assert validate(faulty_cfg(tiny_model_dir, tmp_path))  # the same settings without the bad one are fine
+
+
+# -- transient unavailability, the SIGTERM bound -------------------------------------------------------------------
+
+
+class Flaky:
+    """Raises Ray's ActorUnavailableError on its first ``fails`` calls (as a transient network fault does)."""
+
+    def __init__(self, fails: int):
+        self.fails, self.calls = fails, 0
+
+    def ready(self) -> dict:
+        return {}
+
+    def _answer(self, x):
+        import ray
+
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise ray.exceptions.ActorUnavailableError("transient (test)", None)
+        return x, self.calls
+
+    def work(self, x):
+        return self._answer(x)
+
+    @once
+    def step(self, x):
+        return self._answer(x)
+
+
+def _flaky_group(fails: list[int], retries: int = 2):
+    from es_ray.core.config import ClusterConfig, FaultPolicy
+    from es_ray.runtime.actors import ActorGroup
+    from es_ray.runtime.placement import Placement
+
+    made = iter(fails)  # the first actor fails fails[0] times, its replacement fails[1] times
+    return ActorGroup("flaky", Flaky, 1, lambda rank: (next(made),),
+                      Placement(ClusterConfig(num_actors=1, cpus_per_actor=0), None),
+                      FaultPolicy(unavailable_retries=retries, max_replacements=1), log=lambda msg: None)
+
+
+def test_a_transient_unavailability_is_retried_before_it_counts_as_death(ray_local):
+    group = _flaky_group([2, 0])
+    assert group.call(0, "work", "a") == ("a", 3) and group.replacements == 0  # two retries, same actor
+    group.kill()
+    group = _flaky_group([5, 0])
+    assert group.call(0, "work", "b") == ("b", 1) and group.replacements == 1  # retries spent: replaced
+    group.kill()
+
+
+def test_a_method_not_safe_to_repeat_is_never_sent_again_to_the_same_actor(ray_local):
+    group = _flaky_group([1, 0])
+    assert group.call(0, "step", "c") == ("c", 1) and group.replacements == 1
+    group.kill()
+
+
+_GUARDED = """
+import sys, time
+from es_ray.runtime.signals import InterruptGuard
+with InterruptGuard(float(sys.argv[1])):
+    print("ready", flush=True)
+    while True:  # stuck where nothing checks for the signal (a stop-time checkpoint on a lost node)
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("stop_timeout_s, signals, bound_s", [(1.0, 1, 8.0), (600.0, 2, 5.0)])
+def test_sigterm_ends_a_stuck_run_within_the_stop_timeout_and_a_second_one_at_once(stop_timeout_s, signals,
+                                                                                    bound_s):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", _GUARDED, str(stop_timeout_s)], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert proc.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    for _ in range(signals):
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM and time.monotonic() - t0 < bound_s
+    assert ("a second signal" if signals == 2 else "faults.stop_timeout_s=1 s passed") in out
+
+
+_LOCAL_RAY = """
+import time
+import ray
+from es_ray.runtime.signals import InterruptGuard
+ray.init(num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False)
+print(ray._private.worker._global_node.get_session_dir_path(), flush=True)
+with InterruptGuard(600.0):
+    while True:
+        time.sleep(0.05)
+"""
+
+
+def test_no_ray_process_outlives_a_driver_stopped_by_two_signals():
+    """A driver with its own local Ray, stuck, gets SIGTERM twice: it exits at once and takes its Ray with it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", _LOCAL_RAY], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    session = Path(proc.stdout.readline().strip()).name
+    assert session.startswith("session_")
+
+    def ray_processes() -> list[str]:
+        out = []
+        for cmd in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                text = cmd.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if session in text:
+                out.append(text[:120])
+        return out
+
+    assert ray_processes(), "the local Ray's processes were not found by their session"
+    for _ in range(2):
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 20
+    while ray_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not ray_processes(), ray_processes()

@@ -97,3 +97,61 @@ def test_es_actors_on_two_nodes_stay_bit_identical(two_nodes, tiny_model_dir, tm
     base = load_file(Path(tiny_model_dir) / "model.safetensors")
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
     assert any(not torch.equal(w2[k], base[k].float()) for k in w2), "training did not change the weights"
+
+
+def test_node_lost_on_a_full_cluster_stops_cleanly_with_a_checkpoint_from_a_live_actor(two_nodes, tiny_model_dir,
+                                                                                          tmp_path, capsys):
+    """Both one-CPU nodes hold an actor (no spare capacity). The node of actor 0 is removed after the first
+    iteration: its replacement cannot be placed, so within faults.placement_timeout_s the run stops, actor 1 (alive)
+    writes the checkpoint of the committed iterations, and the message gives the resume command."""
+    import threading
+    import time
+
+    import ray
+
+    import es_ray.driver as driver
+    from es_ray.checkpoint import SeedLog
+    from es_ray.runtime.checkpoint import verify_dir
+
+    cluster, _ = two_nodes
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, cluster__num_actors=2, cluster__placement="spread", es__iterations=8,
+                   es__prompts_per_iteration=4, faults__actor_delay_s=1.0, faults__placement_timeout_s=3.0)
+    groups, removed = [], {}
+    start_workers = driver.start_workers
+
+    def recording(*args, **kw):
+        group, infos = start_workers(*args, **kw)
+        groups.append(group)
+        return group, infos
+
+    def remove_actor_0_node():
+        log = tmp_path / "seed_log.jsonl"
+        while not (groups and log.is_file() and log.read_text().count("\n") >= 1):
+            time.sleep(0.1)
+        node_id = _node_of(groups[0][0])
+        node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+        cluster.remove_node(node)
+        removed["at"] = time.monotonic()
+
+    remover = threading.Thread(target=remove_actor_0_node, daemon=True)
+    driver.start_workers = recording
+    try:
+        remover.start()
+        with pytest.raises(SystemExit) as stop:
+            driver.run(cfg)
+    finally:
+        driver.start_workers = start_workers
+        remover.join(timeout=60)
+        cluster.add_node(num_cpus=1)  # the next tests get two nodes again
+        cluster.wait_for_nodes()
+    took = time.monotonic() - removed["at"]
+    out = capsys.readouterr().out
+    assert stop.value.code == 75, out[-3000:]
+    assert took < 90, f"the run took {took:.0f} s to stop after the node was lost"
+    done = len(SeedLog.read(tmp_path / "seed_log.jsonl"))
+    assert 1 <= done < 8
+    verify_dir(tmp_path / "checkpoints" / f"iter_{done:06d}")
+    assert "could not be placed within faults.placement_timeout_s=3 s" in out
+    assert f"Continue with: es-train run.resume=true run.dir={tmp_path}" in out
+    assert not any(p.name.startswith(".") for p in (tmp_path / "checkpoints").iterdir())
+    assert ray.is_initialized()

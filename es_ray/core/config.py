@@ -192,6 +192,14 @@ class FaultPolicy:
     A killed process or a lost node is noticed by Ray itself, without waiting for this."""
     max_replacements: int = 8
     """Dead actors replaced per run before the run stops (it can then be resumed with run.resume=true)."""
+    placement_timeout_s: float = 300.0
+    """A replacement actor Ray cannot place this long (its node lost and no spare capacity: the placement group
+    stays in RESCHEDULING) stops the run: a checkpoint from a live actor and the resume command (0: wait forever)."""
+    unavailable_retries: int = 3
+    """A call that fails with Ray's ActorUnavailableError (a transient network or node hiccup) is sent again this
+    many times, after 1, 2, 4 ... s, before its actor counts as dead."""
+    stop_timeout_s: float = 120.0
+    """After SIGTERM / Ctrl-C the run ends within this long, checkpoint or not (a second signal ends it at once)."""
 
 
 # -- shared validation -----------------------------------------------------------------------------------------
@@ -207,6 +215,9 @@ def validate_sampling(sampling: SamplingConfig, key: str = "sampling") -> None:
 def validate_faults(faults: FaultPolicy) -> None:
     check_positive("faults.actor_timeout_s", faults.actor_timeout_s, allow_zero=True)
     check_positive("faults.max_replacements", faults.max_replacements, allow_zero=True)
+    check_positive("faults.placement_timeout_s", faults.placement_timeout_s, allow_zero=True)
+    check_positive("faults.unavailable_retries", faults.unavailable_retries, allow_zero=True)
+    check_positive("faults.stop_timeout_s", faults.stop_timeout_s)
 
 
 # -- conversion -----------------------------------------------------------------------------------------------

@@ -431,9 +431,12 @@ class VLLMReplicaHost(ReplicaHost):
         if self.engine.cfg.tensor_parallel_size == 1:
             self._write("es_load_state_dict", sd)
             return
+        state = {key: sd.get(key) for key in STATE_KEYS}
+        if state["master"] is not None and not isinstance(state["master"], dict):  # a checkpoint read lazily
+            state["master"] = dict(state["master"].items())  # (es_ray.checkpoint.LazyTensors): plain tensors to save
         with tempfile.TemporaryDirectory(prefix="es_ray_state_") as tmp:
             path = os.path.join(tmp, "state.pt")
-            torch.save({key: sd.get(key) for key in STATE_KEYS}, path)
+            torch.save(state, path)
             self._write("es_load_state_file", path)
 
 

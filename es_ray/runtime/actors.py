@@ -8,6 +8,11 @@ Roles differ in what they compute, not in how they are placed, called, timed out
   an actor whose process dies (Ray says so at once) or that stays silent past ``faults.actor_timeout_s`` is
   killed, replaced in the same bundle, brought back to the group's state by the role's ``restore`` hook, and
   called again (its request is a pure function of the step, so its answer is the one it would have given);
+* a call that fails with Ray's ActorUnavailableError (transient) is sent again up to
+  ``faults.unavailable_retries`` times (1, 2, 4 ... s apart) before its actor counts as dead; a method marked
+  ``@once`` (not safe to run twice: GRPO's optimizer step) is never sent again;
+* a replacement that Ray cannot place within ``faults.placement_timeout_s`` (its node lost, no spare capacity)
+  raises PlacementTimeoutError: the run stops with a checkpoint from a live actor (``live_ranks``);
 * a group that must not be replaced (GRPO's learner) raises ActorLostError with the role's resume advice;
 * ``kill()`` ends the actors and frees the placement group.
 
@@ -31,6 +36,19 @@ POLL_S = 0.5
 
 class ActorLostError(RuntimeError):
     """An actor died and the run cannot replace it (its role forbids it, or faults.max_replacements is spent)."""
+
+    exit_code = 75  # EX_TEMPFAIL: try again later (run.resume=true)
+
+
+class PlacementTimeoutError(ActorLostError):
+    """A replacement actor could not be placed within faults.placement_timeout_s."""
+
+
+def once(method: Callable) -> Callable:
+    """Mark an actor method that must not run twice for one request (it is never re-sent after a transient
+    ActorUnavailableError, which leaves unknown whether it ran)."""
+    method.__es_ray_once__ = True
+    return method
 
 
 def payload_bytes(obj: Any) -> int:
@@ -58,8 +76,11 @@ class ActorGroup:
         self.check_interrupt = check_interrupt
         """Called while waiting on actors; the driver sets it to its InterruptGuard's check."""
         self.replacements = 0
+        self.lost: set[int] = set()
+        """Ranks whose actor is gone and could not be replaced."""
         self.events: list[dict] = []
         self._inflight: set = set()
+        self._once = {name for name in dir(cls) if getattr(getattr(cls, name, None), "__es_ray_once__", False)}
         self._cls = ray.remote(cls)
         self.created_at = time.perf_counter()
         self.actors = [self._new(rank) for rank in range(size)]
@@ -80,6 +101,11 @@ class ActorGroup:
     @property
     def ranks(self) -> list[int]:
         return list(range(len(self.actors)))
+
+    @property
+    def live_ranks(self) -> list[int]:
+        """Ranks whose actor was not given up on (``lost``), in order."""
+        return [r for r in self.ranks if r not in self.lost]
 
     # -- calls ---------------------------------------------------------------------------------------------
     def gather(self, method: str, calls: dict[int, tuple], slow: bool = False) -> dict[int, Any]:
@@ -111,6 +137,7 @@ class ActorGroup:
             pending[ref] = (rank, args, time.monotonic() + timeout)
             self._inflight.add(ref)
 
+        unavailable: dict[int, int] = {}
         for rank in ranks:
             send(rank, take(rank))
         while pending:
@@ -128,12 +155,30 @@ class ActorGroup:
                 rank, args, _ = self._drop(pending, ref)
                 try:
                     result = ray.get(ref)
+                except ray.exceptions.ActorUnavailableError as exc:
+                    tries = unavailable[rank] = unavailable.get(rank, 0) + 1
+                    if tries > self.policy.unavailable_retries or method in self._once:
+                        self.replace(rank, f"{type(exc).__name__} during {method}" + (
+                            f", {tries - 1} retries" if method not in self._once else " (not safe to send again)"))
+                    else:
+                        self.log(f"{self.role}: actor {rank} unavailable during {method}; retry {tries} of "
+                                 f"{self.policy.unavailable_retries} (faults.unavailable_retries)")
+                        self._sleep(2.0 ** (tries - 1))
+                    send(rank, args)
+                    continue
                 except ray.exceptions.RayActorError as exc:
                     self.replace(rank, f"{type(exc).__name__} during {method}")
                     send(rank, args)
                     continue
                 yield rank, args, result
                 send(rank, take(rank))
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait, still answering SIGTERM / Ctrl-C."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.check_interrupt()
+            time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
 
     def call(self, rank: int, method: str, *args: Any, slow: bool = False) -> Any:
         return self.gather(method, {rank: args}, slow=slow)[rank]
@@ -178,22 +223,56 @@ class ActorGroup:
         """Kill actor ``rank``, start a new one in its bundle, wait until it is ready, then ``restore`` it."""
         if not self.replaceable:
             self._kill_one(rank)
+            self.lost.add(rank)
             raise ActorLostError(f"the {self.role} actor {rank} was lost ({reason}); {self.lost_advice}")
         self.replacements += 1
         if self.replacements > self.policy.max_replacements:
+            self.lost.add(rank)
             raise ActorLostError(f"{self.role} actor {rank}: {reason}; faults.max_replacements="
                                  f"{self.policy.max_replacements} actors were already replaced. {self.lost_advice}")
         t0 = time.perf_counter()
         self.log(f"{self.role}: actor {rank} lost ({reason}); starting a replacement")
         self._kill_one(rank)
         self.actors[rank] = self._new(rank)
-        self.gather("ready", {rank: ()}, slow=True)
+        self._wait_ready(rank)
         started = time.perf_counter() - t0
         event = {"kind": "replace", "role": self.role, "rank": rank, "reason": reason, "start_seconds": started}
         event.update((self.restore(self, rank) if self.restore is not None else None) or {})
         event["seconds"] = time.perf_counter() - t0
         self.events.append(event)
         self.log(f"{self.role}: actor {rank} replaced in {event['seconds']:.1f} s (start {started:.1f} s)")
+
+    def _wait_ready(self, rank: int) -> None:
+        """Until the new actor of ``rank`` answers ready(). While the run's placement group is not whole (Ray
+        re-reserving a lost node's bundle elsewhere, if it can) the clock is faults.placement_timeout_s, past which
+        the replacement is given up (PlacementTimeoutError); once placed, the actor may load as long as a slow call."""
+        import ray
+
+        limit = self.policy.placement_timeout_s or math.inf
+        slow = max(self.policy.actor_timeout_s or math.inf, SLOW_CALL_FLOOR_S)
+        ref, unplaced, t0 = self.actors[rank].ready.remote(), 0.0, time.monotonic()
+        while True:
+            self.check_interrupt()
+            t = time.monotonic()
+            ready, _ = ray.wait([ref], timeout=POLL_S)
+            if ready:
+                break
+            state = self.placement.state()
+            unplaced = unplaced + time.monotonic() - t if state not in ("CREATED", "") else 0.0
+            if unplaced > limit or time.monotonic() - t0 > slow:
+                self._kill_one(rank)
+                self.lost.add(rank)
+                if unplaced > limit:
+                    raise PlacementTimeoutError(
+                        f"{self.role} actor {rank}: its replacement could not be placed within "
+                        f"faults.placement_timeout_s={limit:g} s (the placement group stays {state}: no node has its "
+                        f"resources free). {self.lost_advice}")
+                raise ActorLostError(f"{self.role} actor {rank}: its replacement did not start within {slow:g} s. "
+                                     f"{self.lost_advice}")
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            self.replace(rank, f"{type(exc).__name__} while starting")
 
     def _kill_one(self, rank: int) -> None:
         import ray

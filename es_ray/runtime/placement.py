@@ -89,6 +89,15 @@ class Placement:
     def options(self, rank: int) -> dict[str, Any]:
         return actor_options(self, rank)
 
+    def state(self) -> str:
+        """Ray's state of the placement group: CREATED when every bundle is reserved, RESCHEDULING after a node
+        holding some was lost (until Ray finds room for them elsewhere), PENDING; '' without a group."""
+        if self.group is None:
+            return ""
+        from ray.util import placement_group_table
+
+        return str(placement_group_table(self.group).get("state", ""))
+
     def release(self) -> None:
         if self.group is not None:
             from ray.util import remove_placement_group

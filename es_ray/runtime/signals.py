@@ -4,6 +4,11 @@ The handler only records the signal: an exception raised inside Ray's blocking w
 so the actor group's wait loop polls ``InterruptGuard.check()`` instead. ``critical()`` marks a stretch that a
 signal must not split (ES: an update and its seed-log line; GRPO: an optimizer step and its weight sync).
 `ray job stop` sends SIGKILL RAY_JOB_STOP_WAIT_TIME_S after SIGTERM (3 s by default).
+
+The run always ends: the first signal also starts a watchdog that, ``stop_timeout_s`` (faults.stop_timeout_s)
+later, ends the process whatever it is doing (a stop-time checkpoint stuck on a lost node included); a second
+signal ends it at once. Both shut down the Ray this driver started (bounded) before ``os._exit``, so no Ray process
+outlives the driver.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ class InterruptGuard:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, stop_timeout_s: float = 120.0):
         self._depth, self._pending, self._previous = 0, 0, {}
+        self.stop_timeout_s = stop_timeout_s
+        self._watchdog: threading.Timer | None = None
 
     def __enter__(self) -> "InterruptGuard":
         if threading.current_thread() is threading.main_thread():
@@ -42,9 +49,17 @@ class InterruptGuard:
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+        if self._watchdog is not None:  # the run ended in time
+            self._watchdog.cancel()
 
     def _handle(self, signum, frame) -> None:
+        if self._watchdog is not None:  # the second signal: end now
+            force_exit(signum, "a second signal")
         self._pending = signum
+        self._watchdog = threading.Timer(self.stop_timeout_s, force_exit,
+                                         (signum, f"faults.stop_timeout_s={self.stop_timeout_s:g} s passed"))
+        self._watchdog.daemon = True
+        self._watchdog.start()
 
     def check(self) -> None:
         """Raise Interrupted if a signal came (and we are not inside ``critical()``)."""
@@ -67,3 +82,19 @@ def interrupt_soon(delay_s: float = 0.2) -> None:
     if threading.current_thread() is not threading.main_thread():  # no handler here: interrupt directly
         raise Interrupted(signal.SIGTERM)
     threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+
+def force_exit(signum: int, why: str, shutdown_s: float = 10.0) -> None:
+    """End this process now with 128 + signum, after shutting down Ray (at most ``shutdown_s``; Ray's own atexit
+    hook does not run on ``os._exit``)."""
+    print(f"stopping now ({why} after {signal.Signals(signum).name}); the last checkpoint and the logs written so far "
+          "are what resume starts from", flush=True)
+    try:
+        import ray
+
+        if ray.is_initialized():
+            t = threading.Thread(target=ray.shutdown, daemon=True)
+            t.start()
+            t.join(shutdown_s)
+    finally:
+        os._exit(128 + signum)
