@@ -75,13 +75,19 @@ def plots(rep: dict, root: Path) -> list[str]:
         out.append(_save(fig, root / "training_curves.png"))
     out.append(_entropy(plt, rep, root))
     fig, ax = plt.subplots(figsize=(6.5, 4))
+    marks = [math.log10(t) for t in rep["thresholds"]]
+    lo, hi = min(marks, default=0.0), max(marks, default=0.0)
     for m in methods.values():
         d = m.get("drift")
         if d and d.get("histogram_log10") and d.get("histogram_edges"):
-            edges = np.asarray(d["histogram_edges"])
-            ax.step((edges[:-1] + edges[1:]) / 2, d["histogram_log10"], where="mid", label=m["label"])
-    for t in rep["thresholds"]:
-        ax.axvline(math.log10(t), color="grey", lw=0.8, ls="--")
+            edges, counts = np.asarray(d["histogram_edges"]), np.asarray(d["histogram_log10"])
+            ax.step((edges[:-1] + edges[1:]) / 2, counts, where="mid", label=m["label"])
+            used = counts.nonzero()[0]
+            if used.size:  # the populated bins (and the thresholds), not the histogram's whole fixed range
+                lo, hi = min(lo, edges[used[0]]), max(hi, edges[used[-1] + 1])
+    for t in marks:
+        ax.axvline(t, color="grey", lw=0.8, ls="--")
+    ax.set_xlim(lo - 0.3, hi + 0.3)
     ax.set_xlabel("log10 |delta| (changed parameters)")
     ax.set_ylabel("parameters")
     ax.set_title(title(rep, "update sizes against the base weights (seed 0's run)"), fontsize=9)
