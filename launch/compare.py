@@ -7,7 +7,8 @@
 Budgets are matched by the number of training prompts seen, in epochs over the training pool (the paper's
 unit): ES runs ``epochs * pool / es.prompts_per_iteration`` iterations, GRPO ``epochs * pool /
 grpo.prompts_per_step`` steps; in ES->GRPO and GRPO->ES each half gets half the epochs and the second starts from
-the first's final checkpoint. Every method is evaluated with the same es-eval settings (tasks, n, k, sampling,
+the first's final checkpoint. With budget.unit=tokens or device_seconds each run stops at the step landing
+closest to its budget, and the report says what each reached (matched only within budget.tolerance). Every method is evaluated with the same es-eval settings (tasks, n, k, sampling,
 seed) and compared with the base weights (es-drift).
 
 The work is cut into stages (a training run, an evaluation, a drift report), each in its own directory under
@@ -212,6 +213,25 @@ def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float
                                   **_common(cfg, model_path, run_dir, seed, share)))
 
 
+def grpo_placement(cfg: CompareConfig) -> tuple[bool, int]:
+    """(grpo.colocate, rollout actors): GRPO's learner ranks and rollout actors on devices of their own when the
+    cluster (cluster.num_actors devices) has room for both, else colocated, one rollout engine per learner rank."""
+    g = cfg.grpo
+    if g.colocate or g.fsdp_size + cfg.grpo_rollout_actors > cfg.cluster.num_actors:
+        return True, g.fsdp_size
+    return False, cfg.grpo_rollout_actors
+
+
+def grpo_placement_text(cfg: CompareConfig) -> str:
+    colocate, rollouts = grpo_placement(cfg)
+    if colocate:
+        return (f"GRPO ran colocated: {rollouts} actor(s), each holding a learner rank and a rollout engine "
+                f"(grpo.colocate; cluster.num_actors={cfg.cluster.num_actors} has no spare devices for "
+                f"grpo.fsdp_size={cfg.grpo.fsdp_size} learner ranks beside grpo_rollout_actors={cfg.grpo_rollout_actors})")
+    return (f"GRPO ran on separate devices: {cfg.grpo.fsdp_size} learner rank(s) (grpo.fsdp_size) and {rollouts} "
+            "rollout actor(s) (grpo_rollout_actors)")
+
+
 def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int, seed: int,
                  measured: float | None = None):
     from grpo.config import GRPOClusterConfig, GRPOTrainConfig, validate_grpo
@@ -220,8 +240,10 @@ def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: flo
     share = epochs / cfg.budget.epochs
     samples = cfg.grpo.prompts_per_step * cfg.grpo.group_size
     _check_reachable(cfg, "grpo", samples, cfg.grpo_sampling.max_new_tokens, steps, share, measured)
-    cluster = GRPOClusterConfig(**{**dataclasses.asdict(cfg.cluster), "num_actors": cfg.grpo_rollout_actors})
-    return validate_grpo(GRPOTrainConfig(task=cfg.task, grpo=dataclasses.replace(cfg.grpo, steps=steps),
+    colocate, rollouts = grpo_placement(cfg)
+    cluster = GRPOClusterConfig(**{**dataclasses.asdict(cfg.cluster), "num_actors": rollouts})
+    return validate_grpo(GRPOTrainConfig(task=cfg.task, grpo=dataclasses.replace(cfg.grpo, steps=steps,
+                                                                                  colocate=colocate),
                                          sampling=cfg.grpo_sampling, cluster=cluster,
                                          eval=_held_out(cfg),
                                          faults=cfg.faults, **_common(cfg, model_path, run_dir, seed, share)))

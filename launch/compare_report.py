@@ -1,6 +1,8 @@
 """es-compare's report data: report.json (per method and seed: pass@k, entropy, drift with its null model and
-bf16 view, the measured ledger, curves; across seeds: mean +- std, bootstrap intervals, differences), written
-with report.md (launch.compare_markdown) and the plots (launch.compare_plots), from the stages' own output files.
+bf16 view, the measured ledger and the budget as reached, curves; across seeds: means, mean +- std, descriptive
+bootstrap intervals, and the paired tests of every pair of methods with Holm's correction and their power,
+es_ray.eval.paired), written with report.md (launch.compare_markdown) and the plots (launch.compare_plots), from
+the stages' own output files.
 
 Everything here is read back from disk (results.json and samples.jsonl of each evaluation, metrics.jsonl and
 ledger.json of each training run, drift.json of each drift stage), so a report can be rebuilt at any time from a
@@ -292,6 +294,10 @@ def collect(root: Path, cfg, plan: dict, pool: int) -> dict:
     per_seed = {s: collect_seed(root, cfg, {m: plan[m][s] for m in plan}, pool) for s in seeds}
     rep = per_seed[seeds[0]]
     rep["seeds"] = seeds
+    if any(m in plan for m in ("grpo", "es_grpo", "grpo_es")):
+        from launch.compare import grpo_placement_text
+
+        rep["grpo_placement"] = grpo_placement_text(cfg)
     rep["across_seeds"] = across_seeds(per_seed, rep["k"])
     rep["per_seed"] = {str(s): {m: {"average": e["average"], "entropy": e["entropy"]["mean_per_token"],
                                     "drift_l2": (e.get("drift") or {}).get("l2"), "ledger": e["ledger"],
