@@ -8,8 +8,9 @@ Budgets are matched by the number of training prompts seen, in epochs over the t
 unit): ES runs ``epochs * pool / es.prompts_per_iteration`` iterations, GRPO ``epochs * pool /
 grpo.prompts_per_step`` steps; in ES->GRPO and GRPO->ES each half gets half the epochs and the second starts from
 the first's final checkpoint. With budget.unit=tokens or device_seconds each run stops at the step landing
-closest to its budget, and the report says what each reached (matched only within budget.tolerance). Every method is evaluated with the same es-eval settings (tasks, n, k, sampling,
-seed) and compared with the base weights (es-drift).
+closest to its budget, and the report says what each reached (matched only within budget.tolerance). Every
+method is evaluated with the same es-eval settings (tasks, n, k, sampling, seed) and compared with the base
+weights (es-drift).
 
 The work is cut into stages (a training run, an evaluation, a drift report), each in its own directory under
 ``run.dir/stages``; a finished stage writes ``done.json`` and is never run again, so repeating the command after an
