@@ -177,6 +177,9 @@ def _test_cells(t: dict) -> tuple[str, str, str]:
     det = "-" if t["detectable"] is None else f"{f(t['detectable']).lstrip('+')}{unit}"
     if t["separable"]:
         verdict = f"{first if t['diff'] > 0 else second} higher"
+    elif not t.get("testable", True):
+        verdict = (f"too few problems to test ({t['problems']}: no p-value below 0.05 is possible; raise "
+                   "eval.limit)")
     elif t["detectable"] is None:
         verdict = "no difference on any problem (no variance to size a detectable one)"
     else:

@@ -241,8 +241,11 @@ def comparisons(pp: dict, ks: list[int], tasks: list[str]) -> dict:
 def _test(x: str, y: str, metric: str, k, pairs, test, power) -> dict:
     r = test(pairs)
     pw = power(pairs)
+    fewest = min(np.shape(a)[-1] for a, _ in pairs)
     return {"a": x, "b": y, "metric": metric, "k": k, "diff": r.diff, "low": r.low, "high": r.high, "p": r.p,
             "problems": r.problems, "seeds": r.seeds, "detectable": pw.detectable,
+            # the smallest p this many problems can give (paired.py's floor) is not below alpha: untestable
+            "testable": 2.0 ** (1 - fewest) < ALPHA,
             "problems_needed": {f"{g:g}": pw.problems_needed(g) for g in PAPER_GAPS},
             "seeds_needed": {f"{g:g}": pw.seeds_needed(g) for g in PAPER_GAPS}}
 
