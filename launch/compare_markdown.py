@@ -124,6 +124,8 @@ def compute_markdown(rep: dict) -> list[str]:
                      f"| {_gib(led['peak_rss_bytes_max'])} | {_gib(led['peak_gpu_bytes_max'])} | "
                      f"{_f(None if gain is None else 100 * gain, '{:+.2f}')} points |")
     lines += ["", compute_answer(methods)]
+    if rep.get("grpo_placement"):
+        lines += ["", rep["grpo_placement"] + "."]
     lines += ["", "device-s: for every actor, the devices it held (GPUs, or CPU cores on a CPU-only actor) times the "
               "seconds it was held, summed (es_ray.runtime.ledger, the same code for every method); training "
               "device-s leave out start-up (placing actors, loading models), checkpoint writes and held-out "

@@ -152,3 +152,16 @@ def test_colocation_needs_one_engine_per_learner_rank():
 
     with pytest.raises(ConfigError, match="cluster.num_actors=2"):
         to_grpo_config({"grpo": {"colocate": True, "fsdp_size": 2}, "cluster": {"num_actors": 1}})
+
+
+def test_es_compare_colocates_grpo_when_the_cluster_has_no_spare_device():
+    from launch.compare import CompareConfig, grpo_placement, grpo_placement_text, stage_plan
+    from pathlib import Path
+
+    cfg = CompareConfig()  # 2 devices: 1 learner rank + 1 rollout actor fit apart
+    assert grpo_placement(cfg) == (False, 1) and "separate devices" in grpo_placement_text(cfg)
+    cfg.cluster.num_actors = 1  # one device: the learner and the engine share it
+    assert grpo_placement(cfg) == (True, 1) and "colocated" in grpo_placement_text(cfg)
+    grpo_stage = [s for s in stage_plan(cfg, "grpo", Path("/tmp/x"), pool=16) if s.kind == "train_grpo"][0]
+    stage = grpo_stage.config()
+    assert stage.grpo.colocate and stage.cluster.num_actors == stage.grpo.fsdp_size == 1
