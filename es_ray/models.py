@@ -11,6 +11,8 @@ Three kinds of reference are accepted by ``model.path``:
 
 from __future__ import annotations
 
+import functools
+
 import importlib.util
 import json
 import os
@@ -105,6 +107,9 @@ def resolve_model(path: str) -> Path:
     local = Path(ref).expanduser()
     if local.is_dir():
         if (local / "config.json").is_file():
+            if (local / "manifest.json").is_file():  # a checkpoint of a run: its files against their digests, once
+                _verified(str(local.resolve()), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns)
+                                                      for f in sorted(local.rglob("*")) if f.is_file()))
             return local.resolve()
         tried.append(f"local directory {local} (no config.json in it)")
     else:
@@ -122,6 +127,14 @@ def resolve_model(path: str) -> Path:
         f"model.path={ref!r} could not be resolved; tried: " + "; ".join(tried)
         + ". Use model.path= with an HF directory, an HF hub id, or leave it empty for the embedded SmolLM2-135M."
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _verified(path: str, files: tuple) -> None:
+    """verify_dir once per process for a directory whose files (names, sizes, times) have not changed."""
+    from es_ray.runtime.checkpoint import verify_dir
+
+    verify_dir(path)
 
 
 def safetensors_index(model_dir: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:

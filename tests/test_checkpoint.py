@@ -286,3 +286,13 @@ def test_kuberay_worker_memory_covers_the_es_host_plan_at_7b():
     plan = es_actor_host_plan_gib("qwen2.5-7b")
     assert asked and min(asked) >= plan, f"worker memory {asked} Gi below the plan's {plan:.1f} GiB"
     assert es_actor_host_plan_gib("qwen2.5-7b", "adam") > 2.5 * plan - 2 * 8  # Adam's moments are planned too
+
+
+def test_a_checkpoint_given_as_model_path_is_verified(es_checkpoint):
+    """es-eval, es-compare and a run starting from another run's checkpoint resolve it through resolve_model."""
+    from es_ray.models import resolve_model
+
+    assert resolve_model(str(es_checkpoint)) == es_checkpoint.resolve()
+    flip_byte(es_checkpoint / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: sha256"):
+        resolve_model(str(es_checkpoint))
