@@ -6,6 +6,7 @@ and hadolint passes on both."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -51,16 +52,35 @@ def pin(name: str) -> str:
     return pins[name]
 
 
+def _lexer(line: str) -> shlex.shlex:
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|()<>")
+    lexer.whitespace_split, lexer.commenters = True, "#"
+    return lexer
+
+
+def _logical_lines(text: str) -> list[str]:
+    """Physical lines joined while a quote is open, as the shell reads them (a `python -c "..."` over lines)."""
+    lines, pending = [], None
+    for line in text.splitlines():
+        pending = line if pending is None else pending + "\n" + line
+        try:
+            list(_lexer(pending))
+        except ValueError:  # "No closing quotation": the quoted text goes on in the next line
+            continue
+        lines.append(pending)
+        pending = None
+    assert pending is None, f"unclosed quotation in shell text: {pending[:200]!r}"
+    return lines
+
+
 def shell_commands(text: str) -> list[list[str]]:
     """The words of each simple command in a shell text: line continuations joined, cut at shell operators,
     comments dropped, and a redirection dropped with the rest of its command."""
     text = re.sub(r"\\\n\s*", " ", text)  # line continuations
     commands = []
-    for line in text.splitlines():
-        lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|()<>")
-        lexer.whitespace_split, lexer.commenters = True, "#"
+    for line in _logical_lines(text):
         words: list[str] = []
-        for tok in [*lexer, ";"]:
+        for tok in [*_lexer(line), ";"]:
             redirect = set(tok) <= set("<>&|") and bool(set(tok) & set("<>"))
             if redirect:  # drop the target (and a file descriptor before it) with the rest of this command
                 if words and words[-1].isdigit():
@@ -263,6 +283,28 @@ def pip_installs(shell: str) -> list[list[str]]:
     return out
 
 
+def setup_plan(script: Path, device: str) -> str:
+    """The commands a setup script would run for ``device``, from its dry run (nothing is installed)."""
+    env = {**os.environ, "ES_RAY_SETUP_DRY_RUN": "1", "ES_RAY_DEVICE": device}
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60, check=True)
+    return "\n".join(line[2:] for line in out.stdout.splitlines() if line.startswith("+ "))
+
+
+def install_targets(installs: list[list[str]]) -> list[str]:
+    """The requirements of pip install commands, without options and their values (-c constraints.txt)."""
+    targets = []
+    for words in installs:
+        takes_value = False
+        for w in words:
+            if takes_value:
+                takes_value = False
+            elif w.startswith("-"):
+                takes_value = w in ("-c", "--constraint", "-r", "--requirement")
+            else:
+                targets.append(w)
+    return targets
+
+
 def copy_sources(steps: list[tuple[str, str]]) -> list[str]:
     """The build-context paths a Dockerfile's COPY instructions read."""
     return [w.rstrip("/") for k, a in steps if k == "COPY" for w in shlex.split(a)[:-1] if not w.startswith("--")]
@@ -288,9 +330,12 @@ def test_dockerfile_pins_its_base_image_and_installs_pyprojects_pins(path):
     shell = [expand(a) for k, a in steps if k == "RUN"]
     scripts = [REPO / w for text in shell for w in shlex.split(text) if w.endswith(".sh")]
     assert all(s.is_file() for s in scripts), scripts
-    installs = [words for text in shell + [s.read_text() for s in scripts] for words in pip_installs(text)]
+    # A script's installs are what its dry run plans for the device the image asks for.
+    device = {m for text in shell for m in re.findall(r"ES_RAY_DEVICE=(\w+)", text)}
+    assert not scripts or device == {"cpu"}, f"{path.name}: run scripts/setup.sh with ES_RAY_DEVICE=cpu"
+    installs = [words for text in shell + [setup_plan(s, "cpu") for s in scripts] for words in pip_installs(text)]
     pins, optional, installed = pyproject_pins(), pyproject()["project"]["optional-dependencies"], set()
-    for word in (w for words in installs for w in words if not w.startswith("-")):
+    for word in install_targets(installs):
         if word.startswith(".["):  # the project itself, with extras that must exist
             assert set(word[2:-1].split(",")) <= set(optional), f"{path.name}: pip install {word}"
             continue
