@@ -17,6 +17,7 @@ import itertools
 import os
 import re
 import time
+from pathlib import Path
 
 from grpo.config import GRPOTrainConfig
 
@@ -360,45 +361,81 @@ class GRPOLearner:
         return logp[mask.bool()].tolist()
 
     def save(self, path: str, meta: dict) -> str:
+        """An HF-format checkpoint (what es-eval and es-drift read) with the optimizer, scheduler and RNG state. A
+        sharded learner writes no whole copy anywhere: each rank saves its shards of AdamW's moments with
+        torch.distributed.checkpoint into the checkpoint's ``shards/`` (resharded on load, so any grpo.fsdp_size
+        resumes), and the HF weights are written tensor by tensor, each gathered (full_tensor) only while rank 0
+        writes it. Published atomically with a manifest of every file (es_ray.runtime.checkpoint)."""
         import torch
 
         from es_ray.runtime.checkpoint import save_checkpoint
 
-        weights = self.weights()  # sharded: gathered by every rank together, kept by rank 0
-        state = {"optimizer": self._optimizer_state(), "scheduler": self.scheduler.state_dict(),
-                 "torch_rng": torch.get_rng_state(), "step": meta.get("step")}
-        if self.rank == 0:
-            save_checkpoint(path, weights, self.model_dir, state, {**meta, "fsdp_size": self.world}, "grpo")
-        if self.world > 1:
-            import torch.distributed as dist
+        rng = {"scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(), "step": meta.get("step")}
+        meta = {**meta, "fsdp_size": self.world}
+        if not self.sharded:
+            save_checkpoint(path, self.weights(), self.model_dir, {"optimizer": self.optimizer.state_dict(), **rng},
+                            meta, "grpo")
+            return path
+        if self.host_params is not None:
+            from es_ray.core.config import ConfigError
 
-            dist.barrier()  # no rank returns before the checkpoint is published
+            raise ConfigError("grpo.offload=optimizer with grpo.fsdp_size>1 cannot be checkpointed yet; set "
+                              "run.checkpoint_every=0 or grpo.offload=none")
+        import shutil
+
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        from es_ray.runtime.checkpoint import staging_dir
+
+        where = [str(staging_dir(Path(path).parent / f"{Path(path).name}-shards")) if self.rank == 0 else None]
+        dist.broadcast_object_list(where)
+        dcp.save({"optimizer": self._sharded_optimizer_state()}, checkpoint_id=where[0])
+        dist.barrier()
+        state = {"optimizer": {"dcp": "shards", "lr": [group["lr"] for group in self.optimizer.param_groups]}, **rng}
+        if self.rank == 0:
+            move = lambda tmp: shutil.move(where[0], tmp / "shards")  # noqa: E731
+            save_checkpoint(path, {n: _Gathered(p) for n, p in self.named.items()}, self.model_dir, state, meta,
+                            "grpo", extra=move)
+        else:  # the same gathers, in the order rank 0 writes them (sorted names)
+            for name in sorted(self.named):
+                _full(self.named[name].detach())
+        dist.barrier()  # no rank returns before the checkpoint is published
         return path
 
-    def _optimizer_state(self) -> dict:
-        """AdamW's state: as torch keeps it, or for a sharded learner the full state by parameter name
-        (torch.distributed.checkpoint.state_dict, gathered by all ranks), which loads on any grpo.fsdp_size."""
-        if not self.sharded or self.host_params is not None:
-            if self.world > 1:
-                from es_ray.core.config import ConfigError
+    def _sharded_optimizer_state(self, fresh: bool = False) -> dict:
+        """AdamW's state by HF parameter name, each moment as this rank's DTensor shard (torch.distributed.checkpoint
+        saves and reshards them); ``fresh``: zeros of the right layout to load into."""
+        import torch
 
-                raise ConfigError("grpo.offload=optimizer with grpo.fsdp_size>1 cannot be checkpointed yet; set "
-                                  "run.checkpoint_every=0 or grpo.offload=none")
-            return self.optimizer.state_dict()
-        # by HF name, each moment gathered whole (a collective, in the same order on every rank)
-        state = {name: {k: _full(v).cpu() if hasattr(v, "full_tensor") else v for k, v in self.optimizer.state[p].items()}
-                 for name, p in self.named.items() if p in self.optimizer.state}
-        return {"by_name": state, "lr": [group["lr"] for group in self.optimizer.param_groups]}
+        out = {}
+        for name, p in self.named.items():
+            if not p.requires_grad:
+                continue
+            if fresh or p not in self.optimizer.state:
+                out[name] = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
+                             "exp_avg_sq": torch.zeros_like(p)}
+            else:
+                out[name] = self.optimizer.state[p]
+        return out
 
     def load(self, path: str) -> dict:
         """Weights, optimizer, scheduler and RNG from a checkpoint written by ``save`` (verified first); returns its
-        meta."""
+        meta. A sharded learner reads its own shards of AdamW's state, resharded from whatever grpo.fsdp_size wrote
+        them; a one-process learner refuses a sharded checkpoint (and the reverse), naming the key."""
         import torch
 
+        from es_ray.core.config import ConfigError
         from es_ray.models import load_hf_weights
         from es_ray.runtime.checkpoint import load_state, read_meta, verify_dir
 
         verify_dir(path)  # every file against its digest, before anything is read
+        saved = read_meta(path, "grpo").get("fsdp_size", 1)
+        sharded = (Path(path) / "shards").is_dir()
+        if sharded != (self.sharded and self.host_params is None):
+            raise ConfigError(f"{path} was saved by a {'sharded' if sharded else 'one-process'} learner "
+                              f"(grpo.fsdp_size={saved}); resume with grpo.fsdp_size="
+                              f"{saved if sharded else 1}" + ("" if sharded else " grpo.offload=none"))
         weights = load_hf_weights(path)
         with torch.no_grad():
             for name, p in self.named.items():
@@ -407,26 +444,17 @@ class GRPOLearner:
                     src = weights["model.embed_tokens.weight"]
                 _local(p).copy_(_slice_like(src.to(p.dtype), p))
         state = load_state(path, "grpo")  # weights_only=True: a planted pickle is refused
-        if self.sharded and self.host_params is None:  # by parameter name: any grpo.fsdp_size it was saved with
-            saved = state["optimizer"]
-            if "by_name" not in saved:
-                from es_ray.core.config import ConfigError
+        if sharded:
+            import torch.distributed.checkpoint as dcp
 
-                raise ConfigError(f"{path} was saved by a one-process learner (grpo.fsdp_size=1); resume with "
-                                  "grpo.fsdp_size=1 grpo.offload=none")
-            for name, p in self.named.items():  # each rank keeps its shard of every moment (any saved fsdp_size)
-                if name in saved["by_name"]:
-                    self.optimizer.state[p] = {k: _distribute_like(v, p) if torch.is_tensor(v) and v.dim() else v
-                                               for k, v in saved["by_name"][name].items()}
-            for group, lr in zip(self.optimizer.param_groups, saved["lr"]):
+            moments = {"optimizer": self._sharded_optimizer_state(fresh=True)}
+            dcp.load(moments, checkpoint_id=str(Path(path) / "shards"))  # into this rank's layout
+            for name, p in self.named.items():
+                if name in moments["optimizer"]:
+                    self.optimizer.state[p] = moments["optimizer"][name]
+            for group, lr in zip(self.optimizer.param_groups, state["optimizer"]["lr"]):
                 group["lr"] = lr
         else:
-            saved = read_meta(path, "grpo").get("fsdp_size", 1)
-            if saved != 1:
-                from es_ray.core.config import ConfigError
-
-                raise ConfigError(f"{path} was saved by a sharded learner (grpo.fsdp_size={saved}); resume with "
-                                  f"grpo.fsdp_size={saved} (or any size > 1)")
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
@@ -463,13 +491,15 @@ def _scorer(learner: GRPOLearner):
     return Scorer(learner.model)
 
 
-def _distribute_like(full, p):
-    """``full`` as a DTensor laid out like parameter ``p`` (an optimizer moment of a sharded parameter)."""
-    if not hasattr(p, "to_local"):
-        return full.to(p.device)
-    from torch.distributed.tensor import distribute_tensor
+class _Gathered:
+    """A sharded parameter that becomes its whole tensor only when the checkpoint writer reads it (``detach``:
+    full_tensor, a collective the other ranks join in the same order)."""
 
-    return distribute_tensor(full.to(_local(p).device), p.device_mesh, p.placements)
+    def __init__(self, p):
+        self.p, self.shape = p, p.shape
+
+    def detach(self):
+        return _full(self.p.detach())
 
 
 def _slice_like(full, p):

@@ -85,6 +85,8 @@ def test_sharded_checkpoint_resumes_exactly(tiny_model_dir, ray_local, tmp_path)
             ray_local.kill(a)
     actors = start_ranks(ray_local, cfg)
     try:
+        manifest = __import__("json").loads((tmp_path / "step_1" / "manifest.json").read_text())["files"]
+        assert any(f.startswith("shards/") for f in manifest)  # each rank's shards, under the manifest's digests
         meta = each(ray_local, actors, "load", str(tmp_path / "step_1"))[0]
         assert meta["step"] == 1 and meta["fsdp_size"] == 2
         again = each(ray_local, actors, "train_step", samples, adv)[0]

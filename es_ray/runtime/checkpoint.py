@@ -195,7 +195,7 @@ def load_state(path: str | Path, method: str) -> dict:
 
 
 def save_checkpoint(path: str | Path, weights: Mapping[str, torch.Tensor], model_dir: str | Path, state: dict,
-                    meta: dict, method: str) -> Path:
+                    meta: dict, method: str, extra: Callable[[Path], None] | None = None) -> Path:
     """``weights`` (HF name -> tensor, saved in fp32 over the model directory's own tensors), ``state`` (torch.save'd
     as <method>_state.pt) and ``meta`` (<method>_meta.json) into the directory ``path``. The weights file is
     written one tensor at a time (``write_fp32_safetensors``): the model directory's other tensors are read one by
@@ -219,6 +219,8 @@ def save_checkpoint(path: str | Path, weights: Mapping[str, torch.Tensor], model
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         torch.save(state, tmp / state_file(method))
         (tmp / meta_file(method)).write_text(json.dumps({**meta, "method": method}, indent=2, default=str))
+        if extra is not None:  # more files into the staging dir (a sharded learner's shards), published with it
+            extra(tmp)
         publish_dir(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
