@@ -154,7 +154,7 @@ class GRPOLearner:
         if self.mixed:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if self.g.offload == "all":
-            kw["offload_policy"] = CPUOffloadPolicy()
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=str(self.device).startswith("cuda"))  # pinned: GPU
         layers = getattr(self.model.base_model, "layers", None)
         if layers is None:
             from es_ray.core.config import ConfigError

@@ -167,3 +167,24 @@ def test_es_compare_colocates_grpo_when_the_cluster_has_no_spare_device():
     grpo_stage = [s for s in stage_plan(cfg, "grpo", Path("/tmp/x"), pool=16) if s.kind == "train_grpo"][0]
     stage = grpo_stage.config()
     assert stage.grpo.colocate and stage.cluster.num_actors == stage.grpo.fsdp_size == 1
+
+
+def test_offloaded_learners_take_the_same_steps(tiny_model_dir, ray_local):
+    """grpo.offload=optimizer (AdamW on fp32 host copies) in-process, and grpo.offload=all (FSDP2's
+    CPUOffloadPolicy over one rank, through join) against no offload."""
+    samples, adv = batch()
+    plain, host = GRPOLearner(config(tiny_model_dir)), GRPOLearner(config(tiny_model_dir, offload="optimizer"))
+    assert host.host_params is not None
+    for _ in range(2):
+        a, b = plain.train_step(samples, adv), host.train_step(samples, adv)
+        assert a["grpo/grad_norm"] == pytest.approx(b["grpo/grad_norm"], rel=1e-6)
+    w1, w2 = plain.weights(), host.weights()
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-6
+    actors = start_ranks(ray_local, config(tiny_model_dir, offload="all"), world=1)
+    try:
+        for _ in range(2):
+            each(ray_local, actors, "train_step", samples, adv)
+        w3 = each(ray_local, actors, "weights")[0]
+        assert max(float((w1[k] - w3[k]).abs().max()) for k in w1) < TOL
+    finally:
+        ray_local.kill(actors[0])
