@@ -198,7 +198,7 @@ def _needed(t: dict) -> str:
         s = t["seeds_needed"][g]
         out.append(f"{100 * float(g):g} points: {n:,} problems" if n is not None else
                    f"{100 * float(g):g} points: {s} seeds" if s is not None else
-                   f"{100 * float(g):g} points: more seeds")
+                   f"{100 * float(g):g} points: more problems and seeds")
     return "; ".join(out)
 
 
@@ -300,8 +300,10 @@ def _drift_verdict(rep: dict, ratio) -> str:
     if not t or "diff" not in t:
         return f"{moved} ({(t or {}).get('why', 'no test')})"
     sep = t["p"] < ALPHA_DRIFT and (t["low"] > 0 or t["high"] < 0)
+    few = 2.0 ** (1 - t["seeds"]) >= ALPHA_DRIFT  # no p below alpha is possible with this few seeds
     return (f"{moved}: ES - GRPO L2 {t['diff']:+.3g} [{t['low']:+.3g}, {t['high']:+.3g}] over {t['seeds']} seeds, "
-            + ("separable" if sep else "not separable over these seeds"))
+            + ("too few seeds to test (at least 6 can give p < 0.05)" if few else
+               "separable" if sep else "not separable over these seeds"))
 
 
 ALPHA_DRIFT = 0.05

@@ -10,7 +10,7 @@ the per-problem difference d[s, p] = b[s, p] - a[s, p] (seed s, problem p) is re
     [low, high] = the (1 - level) / 2 and (1 + level) / 2 percentiles of the draws
     p      = min(1, 2 min(share of draws <= 0, share of draws >= 0))   (two-sided; p < 1 - level iff 0 lies
              outside the interval), floored at 2^(1 - P), the smallest p an exact sign-flip test on P problems
-             can give (a few problems resample into few distinct draws)
+             can give (a few problems resample into few distinct draws), and at 1 / draws
 
 Over tasks (``paired_difference_tasks``) each task is a stratum: its problems are resampled within it, the seeds
 once for all tasks (one seed's run answers every task), and the tasks' differences are averaged with the weights
@@ -106,8 +106,9 @@ def paired_difference_tasks(pairs: Sequence[tuple], weights=None, *, level: floa
     tail = (1.0 - level) / 2.0
     low, high = (float(v) for v in np.quantile(boot, [tail, 1.0 - tail]))
     # Floored at the smallest two-sided p an exact sign-flip test on these problems can give (2^(1 - P)): a
-    # handful of problems resamples into few distinct draws, which would otherwise all fall on one side of 0.
-    floor = 2.0 ** (1 - min(x.shape[1] for x in d))
+    # handful of problems resamples into few distinct draws, which would otherwise all fall on one side of 0;
+    # and at 1 / draws, the resolution of the draws themselves.
+    floor = max(2.0 ** (1 - min(x.shape[1] for x in d)), 1.0 / draws)
     pval = min(1.0, max(floor, 2.0 * min(float(np.mean(boot <= 0)), float(np.mean(boot >= 0)))))
     return Paired(diff=diff, low=low, high=high, p=pval, level=level, problems=sum(x.shape[1] for x in d),
                   seeds=seeds)
