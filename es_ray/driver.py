@@ -104,7 +104,7 @@ def tell(keeper, record: dict, members: list[Member], fitness_n: np.ndarray, cfg
 
 def run(cfg: ESTrainConfig) -> dict:
     from es_ray.checkpoint import SeedLog
-    from es_ray.held_out import write_base_point
+    from es_ray.held_out import held_out_seed, write_base_point
     from es_ray.recovery import ReplicaKeeper, resume_point
     from es_ray.runtime.cluster import connect
     from es_ray.runtime.ledger import Ledger
@@ -139,8 +139,8 @@ def run(cfg: ESTrainConfig) -> dict:
             ledger.started()
             if cfg.eval.every and point.start == 0:  # the held-out curve's first point: the base weights
                 with ledger.apart("held_out"):
-                    write_base_point(run_dir, keeper.group.call(0, "evaluate_center", "eval", sample_seed(cfg, -1)),
-                                     ledger)
+                    write_base_point(run_dir, keeper.group.call(0, "evaluate_center", "eval",
+                                                                held_out_seed(cfg.run.seed)), ledger)
             for t in range(point.start, cfg.es.iterations):
                 row = iteration(cfg, keeper, t, pool, seed_log, guard)
                 with ledger.apart("held_out"):  # not training: its device time and tokens are counted apart
@@ -236,7 +236,9 @@ def held_out(cfg: ESTrainConfig, group, t: int, row: dict) -> int:
     """eval.every: the unperturbed weights on the held-out set (eval/reward); returns the tokens generated."""
     if not cfg.eval.every or ((t + 1) % cfg.eval.every and t != 0):
         return 0
-    res = group.call(0, "evaluate_center", "eval", sample_seed(cfg, -1))
+    from es_ray.held_out import held_out_seed
+
+    res = group.call(0, "evaluate_center", "eval", held_out_seed(cfg.run.seed))
     row.update({f"eval/{k}": res[k] for k in ("reward", "pass_at_1", "entropy", "tokens", "errors")})
     row["timing_s/eval"] = res["seconds"]
     return res["tokens"]

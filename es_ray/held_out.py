@@ -25,6 +25,14 @@ from es_ray.tasks.base import score
 BASE_POINT = "held_out_base.json"
 
 
+def held_out_seed(run_seed: int) -> int:
+    """The held-out scoring's sampling seed, the same for ES and GRPO: at the base weights both curves start from
+    the same completions."""
+    import random
+
+    return random.Random(f"{run_seed}/held-out").getrandbits(62)
+
+
 def held_out_scores(engine, task, prompts: list[str], problems: list, cfg: HeldOutConfig, max_new_tokens: int,
                     seed: int) -> dict:
     if not problems:

@@ -207,7 +207,7 @@ def last_checkpoint(run_dir: Path) -> Path | None:
 
 
 def run(cfg: GRPOTrainConfig) -> dict:
-    from es_ray.held_out import write_base_point
+    from es_ray.held_out import held_out_seed, write_base_point
     from es_ray.runtime.cluster import connect
     from es_ray.runtime.ledger import Ledger
     from es_ray.runtime.rundir import keep_metrics, open_run_dir
@@ -247,7 +247,8 @@ def run(cfg: GRPOTrainConfig) -> dict:
             ledger.started()
             if cfg.eval.every and start == 0:  # the held-out curve's first point: the base weights
                 with ledger.apart("held_out"):
-                    write_base_point(run_dir, crew.rollouts.call(0, "evaluate", "eval", sample_seed(cfg, -1)), ledger)
+                    write_base_point(run_dir, crew.rollouts.call(0, "evaluate", "eval", held_out_seed(cfg.run.seed)),
+                                     ledger)
             history = []
             for t in range(start, g.steps):
                 row = step(cfg, crew, t, pool, guard)
@@ -304,7 +305,9 @@ def held_out(cfg: GRPOTrainConfig, crew: Crew, t: int, row: dict) -> int:
     """eval.every: the current weights on the held-out set, greedy (eval/reward); returns the tokens generated."""
     if not cfg.eval.every or ((t + 1) % cfg.eval.every and t != 0):
         return 0
-    res = crew.rollouts.call(0, "evaluate", "eval", sample_seed(cfg, -1))
+    from es_ray.held_out import held_out_seed
+
+    res = crew.rollouts.call(0, "evaluate", "eval", held_out_seed(cfg.run.seed))
     row.update({f"eval/{k}": res[k] for k in ("reward", "pass_at_1", "entropy", "tokens", "errors")})
     row["timing_s/eval"] = res["seconds"]
     return res["tokens"]

@@ -17,11 +17,11 @@ def _budget(rep: dict) -> str:
             "device_seconds": f"{b['device_seconds']:g} device-s"}[b["unit"]]
 
 
-def title(rep: dict, what: str) -> str:
-    """'<what>' over a second line naming the model, the training task, the seeds and the budget."""
+def title(rep: dict, what: str, first_seed: bool = False) -> str:
+    """'<what>' over two lines naming the model and the training task, then the seeds shown and the budget."""
     seeds = rep.get("seeds") or []
-    shown = "seed 0's run" if len(seeds) > 1 and what.startswith("training") else f"seeds {seeds}"
-    return (f"{what}\n{Path(str(rep.get('model', '?'))).name}, trained on {rep.get('train_task', '?')}, "
+    shown = f"seed {seeds[0]}'s run" if first_seed and seeds else f"mean over seeds {seeds}"
+    return (f"{what}\n{Path(str(rep.get('model', '?'))).name}, trained on {rep.get('train_task', '?')}\n"
             f"{shown}, budget {_budget(rep)} per method")
 
 
@@ -39,7 +39,7 @@ def plots(rep: dict, root: Path) -> list[str]:
     out = []
     methods = rep["methods"]
     for task in rep["tasks"]:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(6.5, 4.3))
         values = []
         for m in methods.values():
             curve = m["passk_curve"].get(task)
@@ -50,12 +50,12 @@ def plots(rep: dict, root: Path) -> list[str]:
         _percent_axis(ax, values)
         ax.set_xlabel("k (samples per problem)")
         ax.set_ylabel("pass@k (%)")
-        ax.set_title(title(rep, f"{task}: pass@k (unbiased estimator), mean over the seeds"), fontsize=9)
+        ax.set_title(title(rep, f"{task}: pass@k (unbiased estimator)"), fontsize=9)
         ax.legend(fontsize=8)
         out.append(_save(fig, root / f"passk_{task}.png"))
     out.append(_reward_curves(plt, rep, root))
     if any(m["held_out_curve"] for m in methods.values()):
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.3))
         p1s = []
         for m in methods.values():
             if m["held_out_curve"]:
@@ -71,10 +71,10 @@ def plots(rep: dict, root: Path) -> list[str]:
         a2.set_xlabel("epochs over the training pool (0: the base weights)")
         a2.set_ylabel("held-out token entropy (nats)")
         a1.legend(fontsize=8)
-        fig.suptitle(title(rep, "training curves: held-out set, the same scoring for every method"), fontsize=9)
+        fig.suptitle(title(rep, "training curves: held-out set, the same scoring for every method", True), fontsize=9)
         out.append(_save(fig, root / "training_curves.png"))
     out.append(_entropy(plt, rep, root))
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 4.3))
     marks = [math.log10(t) for t in rep["thresholds"]]
     lo, hi = min(marks, default=0.0), max(marks, default=0.0)
     for m in methods.values():
@@ -90,7 +90,7 @@ def plots(rep: dict, root: Path) -> list[str]:
     ax.set_xlim(lo - 0.3, hi + 0.3)
     ax.set_xlabel("log10 |delta| (changed parameters)")
     ax.set_ylabel("parameters")
-    ax.set_title(title(rep, "update sizes against the base weights (seed 0's run)"), fontsize=9)
+    ax.set_title(title(rep, "update sizes against the base weights", True), fontsize=9)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     out.append(_save(fig, root / "update_histograms.png"))
@@ -100,7 +100,7 @@ def plots(rep: dict, root: Path) -> list[str]:
 def _reward_curves(plt, rep: dict, root: Path) -> str:
     """Two panels, never one axis: ES's reward is the mean over its perturbed members' completions (es_sampling,
     greedy by default), GRPO's the mean over its sampled groups (grpo_sampling): different measurements."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=False)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.3), sharey=False)
     what = {"es": "ES: mean reward of the perturbed members\n(training prompts, es_sampling)",
             "grpo": "GRPO: mean reward of the sampled groups\n(training prompts, grpo_sampling)"}
     for ax, kind in zip(axes, ("es", "grpo")):
@@ -116,12 +116,12 @@ def _reward_curves(plt, rep: dict, root: Path) -> str:
             ax.legend(fontsize=8)
         else:
             ax.text(0.5, 0.5, "no run of this method", ha="center", va="center", transform=ax.transAxes)
-    fig.suptitle(title(rep, "training reward (seed 0's run): not comparable across the two panels"), fontsize=9)
+    fig.suptitle(title(rep, "training reward: not comparable across the two panels", True), fontsize=9)
     return _save(fig, root / "reward_curves.png")
 
 
 def _entropy(plt, rep: dict, root: Path) -> str:
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 4.3))
     lo, hi = math.inf, -math.inf
     for m in rep["methods"].values():
         h = m["entropy"]["histogram"]
@@ -138,7 +138,7 @@ def _entropy(plt, rep: dict, root: Path) -> str:
     ax.set_xlabel("token entropy (nats) of the distribution sampled")
     ax.set_ylabel("share of generated tokens")
     ax.set_yscale("log")
-    ax.set_title(title(rep, "token entropy of the evaluation's samples (seed 0's run)"), fontsize=9)
+    ax.set_title(title(rep, "token entropy of the evaluation's samples", True), fontsize=9)
     return _save(fig, root / "entropy.png")
 
 
