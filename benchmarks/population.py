@@ -25,6 +25,12 @@ and an iteration (iterations 1, 2, ...). Figures are medians over the repeats. v
 Keys of the JSON object on the last line, per engine E in hf, vllm (where it ran), M in full, lowrank:
   E_limit_tok_s                 (a): tokens/s of the limit call, measured in the full-rank phase (a plain engine)
   E_limit_s, E_limit_tokens     (a): seconds and generated tokens of one limit call
+  E_limit_rows_tok_s            the limit's rows each prefilled (``each_row_generation``): the population's work on
+                                the base weights, interleaved with the lowrank iterations
+  E_lowrank_share_of_rows_limit generated tokens / generate seconds of the lowrank iteration over E_limit_rows_tok_s
+                                of its own phase; _iteration_share_of_rows_limit the same with iteration seconds;
+                                _cpu_share_of_rows_limit (hf) with the calling thread's CPU seconds (evaluate vs
+                                the call), which other processes on the cores inflate less
   E_limit_lowrank_engine_tok_s  the same call on the low-rank phase's engine, interleaved with (c): for hf the same
                                 kind of engine (a check on drift between the phases); for vLLM the LoRA-enabled
                                 engine serving no LoRA
@@ -37,9 +43,14 @@ Keys of the JSON object on the last line, per engine E in hf, vllm (where it ran
   E_M_tokens                    generated tokens per iteration (all members)
   E_M_target_met                true / false against the target below; absent where the pair has none
   E_M_error                     only when the phase failed: the last line of its error (its figures are absent)
-Settings: model, engines, members, prompts, max_new_tokens, threads, rank, repeats, batch_size, vllm_enforce_eager.
+machine: CPU model, its matmul-relevant flags, cores, torch threads, load average before the run.
+Settings: model, engines, members, prompts, max_new_tokens, threads, rank, repeats, batch_size, vllm_enforce_eager,
+no_eos.
 
-Targets: hf lowrank >= 85% of the limit; hf full < 3% of the iteration outside generation; vllm full < 10%;
+--profile (hf only, ``profile``): where the low-rank generation's time goes beside the limit and the limit's rows
+each prefilled, per layer kind, prefill and decode; JSON: machine, settings, hf_profile.
+
+Targets: hf lowrank generation >= 95% of the limit of the same rows each prefilled; hf full < 3% of the iteration outside generation; vllm full < 10%;
 vllm lowrank is reported as measured (its target holds on a GPU only).
 """
 
@@ -55,7 +66,7 @@ import time
 
 PERTURBATIONS = ("full", "lowrank")
 PHASES = ("iteration", "generate", "perturb", "restore", "reward", "update")
-TARGETS = {("hf", "lowrank"): ("share_of_limit", ">=", 0.85, "of the limit"),
+TARGETS = {("hf", "lowrank"): ("share_of_rows_limit", ">=", 0.95, "of the limit of the same rows each prefilled"),
            ("hf", "full"): ("outside_generation", "<", 0.03, "of the iteration outside generation"),
            ("vllm", "full"): ("outside_generation", "<", 0.10, "of the iteration outside generation")}
 """(engine, perturbation) -> (figure, comparison, bound, words)."""
@@ -84,6 +95,36 @@ def build_config(args, engine_name: str, perturbation: str):
         run=RunConfig(dir="/tmp", seed=0, trackers=[], progress=False)))
 
 
+def suppress_eos(engine, args) -> None:
+    """--no-eos (hf): every row generates --max-new-tokens tokens (generation_config.min_new_tokens), so the limit
+    and a population whose members stop at other lengths run the same decode steps: their ratio compares the same
+    work (with EOS, generate runs until its last row stops, and finished rows still cost a step)."""
+    if args.no_eos:
+        if engine.name != "hf":
+            raise SystemExit("--no-eos applies to --engines hf only")
+        engine.model.generation_config.min_new_tokens = args.max_new_tokens
+
+
+def each_row_generation(engine):
+    """The limit's rows, each prefilled: the population's work on the base weights. The limit's rows repeat each
+    prompt once per member; the engines prefill a repeated prompt once (hf: ``shared_prefill``; vLLM: its prefix
+    cache, for requests scheduled after the prompt's first blocks were computed, and across calls on the same
+    weights), which members under different weights cannot share. hf: ``generate(share_prompts=False)``; vLLM: each
+    row its own prefix-cache salt."""
+    if engine.name == "hf":
+        return lambda rows, sampling, seed: engine.generate(rows, sampling, seed, share_prompts=False)
+    from es_ray.engines.vllm import _completion
+
+    def generate(rows, sampling, seed):
+        inputs = engine._inputs(rows)
+        for i, p in enumerate(inputs):
+            p["cache_salt"] = f"{p['cache_salt']}-row-{i}-{time.perf_counter_ns()}"
+        outputs = engine.llm.generate(inputs, engine._sampling_params(sampling, seed, len(rows)), use_tqdm=False)
+        return [_completion(o) for o in outputs]
+
+    return generate
+
+
 def measure(args, engine_name: str, perturbation: str) -> dict:
     """Runs in the child process: one ESWorker, the limit calls and the ES iterations, interleaved."""
     from es_ray.protocol import EvalRequest, UpdateRequest
@@ -93,41 +134,52 @@ def measure(args, engine_name: str, perturbation: str) -> dict:
 
     cfg = build_config(args, engine_name, perturbation)
     worker = ESWorker(cfg)
+    suppress_eos(worker.engine, args)
     prompt_ids = tuple(range(cfg.es.prompts_per_iteration))
     train = templated_prompts(worker.engine, worker.task)["train"]
     rows = [train[i] for i in prompt_ids] * cfg.es.population  # member-major, as generate_members lays them out
 
-    def limit() -> tuple[float, int]:
+    def limit(each_row: bool = False) -> tuple[float, int, float]:
         worker.replica.restore()  # weights = cast(master); untimed
-        t0 = time.perf_counter()
-        done = worker.engine.generate(rows, cfg.sampling, seed=0)
-        return time.perf_counter() - t0, sum(c.num_tokens for c in done)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        done = (each_row_generate if each_row else worker.engine.generate)(rows, cfg.sampling, seed=0)
+        return time.perf_counter() - t0, sum(c.num_tokens for c in done), time.thread_time() - c0
 
     def iteration(t: int) -> dict:
         members = ask(cfg.es.population, cfg.es.estimator)
         every = cfg.es.checksum_every
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         res = worker.evaluate(EvalRequest(t, cfg.es.sigma, tuple(members), prompt_ids, sample_seed=t))
+        evaluate_cpu = time.thread_time() - c0
         fitness_n = shape_fitness([m.reward for m in res.members], cfg.es.shaping)
         upd = worker.update(UpdateRequest(t, cfg.es.sigma, tuple(members), tuple(map(float, fitness_n)),
                                           bool(every) and (t + 1) % every == 0))
         wall = time.perf_counter() - t0
-        return {**res.timing_s, "update": upd.seconds, "iteration": wall,
+        return {**res.timing_s, "update": upd.seconds, "iteration": wall, "evaluate_cpu": evaluate_cpu,
                 "tokens": sum(m.tokens for m in res.members)}
 
+    each_row_generate = each_row_generation(worker.engine)
     limit(), iteration(0)  # warm-up
-    limits, iters = [], []
+    limits, limits_rows, iters = [], [], []
     for r in range(args.repeats):
         limits.append(limit())
+        if perturbation == "lowrank":
+            limits_rows.append(limit(each_row=True))
         iters.append(iteration(r + 1))
     worker.engine.close()
 
     med = statistics.median
-    out = {"limit_s": med(s for s, _ in limits), "limit_tokens": med(n for _, n in limits),
-           "limit_tok_s": med(n / s for s, n in limits)}
+    out = {"limit_s": med(s for s, _, _ in limits), "limit_tokens": med(n for _, n, _ in limits),
+           "limit_tok_s": med(n / s for s, n, _ in limits)}
+    if limits_rows:
+        out.update({"limit_rows_s": med(s for s, _, _ in limits_rows),
+                    "limit_rows_tok_s": med(n / s for s, n, _ in limits_rows),
+                    "limit_rows_cpu_tok_s": med(n / c for _, n, c in limits_rows)})
     out.update({f"{k}_s": med(it.get(k, 0.0) for it in iters) for k in PHASES})
     out["tokens"] = med(it["tokens"] for it in iters)
     out["tok_s"] = med(it["tokens"] / it["iteration"] for it in iters)
+    out["generation_tok_s"] = med(it["tokens"] / it["generate"] for it in iters)
+    out["evaluate_cpu_tok_s"] = med(it["tokens"] / it["evaluate_cpu"] for it in iters)
     out["outside_generation"] = med(1 - it["generate"] / it["iteration"] for it in iters)
     return out
 
@@ -137,7 +189,8 @@ def run_phase(args, engine_name: str, perturbation: str) -> dict:
     cmd = [sys.executable, __file__, "--child", f"{engine_name}:{perturbation}", "--model", args.model,
            "--members", str(args.members), "--prompts", str(args.prompts), "--max-new-tokens",
            str(args.max_new_tokens), "--threads", str(args.threads), "--rank", str(args.rank), "--repeats",
-           str(args.repeats), *(["--vllm-compiled"] if args.vllm_compiled else [])]
+           str(args.repeats), *(["--vllm-compiled"] if args.vllm_compiled else []),
+           *(["--no-eos"] if args.no_eos else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not line:
@@ -156,6 +209,8 @@ def collect(engine_name: str, phases: dict[str, dict]) -> dict:
         out.update({f"{engine_name}_limit_{k}": full[f"limit_{k}"] for k in ("tok_s", "s", "tokens")})
     if "limit_tok_s" in low:
         out[f"{engine_name}_limit_lowrank_engine_tok_s"] = low["limit_tok_s"]
+    if "limit_rows_tok_s" in low:
+        out[f"{engine_name}_limit_rows_tok_s"] = low["limit_rows_tok_s"]
     for mode, res in phases.items():
         key = f"{engine_name}_{mode}"
         if "error" in res:
@@ -164,6 +219,13 @@ def collect(engine_name: str, phases: dict[str, dict]) -> dict:
         out[f"{key}_tok_s"] = res["tok_s"]
         if f"{engine_name}_limit_tok_s" in out:
             out[f"{key}_share_of_limit"] = res["tok_s"] / out[f"{engine_name}_limit_tok_s"]
+        if mode == "lowrank" and "limit_rows_tok_s" in res:  # side by side in the same process
+            out[f"{key}_share_of_rows_limit"] = res["generation_tok_s"] / res["limit_rows_tok_s"]
+            out[f"{key}_iteration_share_of_rows_limit"] = res["tok_s"] / res["limit_rows_tok_s"]
+        if mode == "lowrank" and "limit_rows_tok_s" in res and engine_name == "hf":
+            # CPU seconds of the calling thread (evaluate: generation and scoring), less inflated by other processes
+            # (vLLM computes in its engine process: wall time only)
+            out[f"{key}_cpu_share_of_rows_limit"] = res["evaluate_cpu_tok_s"] / res["limit_rows_cpu_tok_s"]
         out[f"{key}_outside_generation"] = res["outside_generation"]
         out.update({f"{key}_{k}_s": res[f"{k}_s"] for k in PHASES})
         out[f"{key}_tokens"] = res["tokens"]
@@ -190,6 +252,11 @@ def report(figures: dict, engines: list[str]) -> None:
             vals = [f"{figures[f'{key}_tok_s']:.1f}", f"{share:.1%}" if share is not None else "-"]
             vals += [f"{figures[f'{key}_{k}_s']:.3f}" for k in PHASES] + [f"{figures[f'{key}_outside_generation']:.1%}"]
             print(f"{e:<7}{mode:<9}" + "".join(f"{v:>12}" for v in vals))
+        if f"{e}_limit_rows_tok_s" in figures:
+            print(f"{e}: the limit's rows each prefilled (the population's work): {figures[f'{e}_limit_rows_tok_s']:.1f}"
+                  f" tok/s; lowrank generation {figures.get(f'{e}_lowrank_share_of_rows_limit', 0):.1%} of it, "
+                  f"its iteration {figures.get(f'{e}_lowrank_iteration_share_of_rows_limit', 0):.1%}; in CPU "
+                  f"seconds, evaluate {figures.get(f'{e}_lowrank_cpu_share_of_rows_limit', 0):.1%}")
         if f"{e}_limit_lowrank_engine_tok_s" in figures:
             print(f"{e}: the limit call on the low-rank phase's engine: "
                   f"{figures[f'{e}_limit_lowrank_engine_tok_s']:.1f} tok/s")
@@ -210,6 +277,173 @@ def report(figures: dict, engines: list[str]) -> None:
             print(f"  {e} {mode}: {op} {bound:.0%} {words}: {verdict}")
 
 
+def machine() -> dict:
+    """The machine the figures are from: CPU model, the flags that decide matmul speed, cores, torch threads, the
+    load average (other processes on the cores) before the run."""
+    import os
+
+    import torch
+
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+              "amx_int8")
+    return {"cpu_model": model or "unknown", "cpu_flags": [f for f in wanted if f in flags],
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "load_average_1m": os.getloadavg()[0]}
+
+
+KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def kind_of(name: str) -> str:
+    leaf = name.removesuffix(".weight").rsplit(".", 1)[-1]
+    return leaf if leaf in KINDS else "lm_head" if "lm_head" in name or "embed" in name else "other"
+
+
+def profile(args) -> dict:
+    """--profile (hf): the limit (rows with equal prompts share a prefill), the same rows each prefilled, and the
+    low-rank population of those rows, interleaved, with timed wrappers: seconds in the base linear layers (F.linear,
+    per layer kind), in the low-rank term (``LowRankTerms.add_term``, per kind), in the layers' forward replacement
+    around them (dispatch, "hooks and reshapes"), and the rest (attention, norms, the KV cache), split by prefill
+    and decode (a forward of one position per row is decode; the limit's shared prefill counts as prefill).
+    Seconds are CPU seconds of the calling thread (``time.thread_time``; torch runs its one thread there), which
+    other processes on the cores inflate far less than wall time. Medians over the repeats."""
+    import torch
+    import torch.nn.functional as F
+
+    from es_ray.engines import hf_lowrank
+    from es_ray.strategy import ask
+    from es_ray.tasks.base import templated_prompts
+    from es_ray.worker import ESWorker
+
+    cfg = build_config(args, "hf", "lowrank")
+    worker = ESWorker(cfg)
+    eng = worker.engine
+    suppress_eos(eng, args)
+    train = templated_prompts(eng, worker.task)["train"]
+    prompts = [train[i] for i in range(cfg.es.prompts_per_iteration)]
+    rows = prompts * cfg.es.population
+    kinds = {id(p): kind_of(n) for n, p in eng.model.named_parameters()}
+    acc: dict[str, float] = {}
+    phase = ["decode"]
+
+    def add(key: str, dt: float) -> None:
+        acc[key] = acc.get(key, 0.0) + dt
+
+    linear, add_term, make_forward = F.linear, hf_lowrank.LowRankTerms.add_term, hf_lowrank.LowRankTerms._forward
+    base = eng.model.base_model  # the transformer without the LM head; the limit's shared prefill calls it too
+    base_forward = base.forward
+    clock = time.thread_time
+
+    def timed_linear(x, weight, bias=None):
+        t0 = clock()
+        out = linear(x, weight, bias)
+        add(f"{phase[0]}/linear/{kinds.get(id(weight), 'other')}", clock() - t0)
+        return out
+
+    def timed_term(self, name, x, out):
+        t0 = clock()
+        add_term(self, name, x, out)
+        add(f"{phase[0]}/term/{kind_of(name)}", clock() - t0)
+
+    def timed_make_forward(self, name, module):
+        inner = make_forward(self, name, module)
+
+        def forward(x):
+            t0 = clock()
+            out = inner(x)
+            add(f"{phase[0]}/layer_forward", clock() - t0)
+            return out
+
+        return forward
+
+    def timed_base_forward(*a, **kw):
+        ids = kw.get("input_ids", a[0] if a else None)
+        phase[0] = "prefill" if ids is not None and ids.shape[-1] > 1 else "decode"
+        t0 = clock()
+        out = base_forward(*a, **kw)
+        add(f"{phase[0]}/model", clock() - t0)
+        return out
+
+    F.linear = timed_linear
+    hf_lowrank.LowRankTerms.add_term = timed_term
+    hf_lowrank.LowRankTerms._forward = timed_make_forward
+    base.forward = timed_base_forward
+
+    def run(mode: str, t: int) -> dict:
+        worker.replica.restore()
+        acc.clear()
+        t0 = clock()
+        if mode == "lowrank":
+            members = ask(cfg.es.population, cfg.es.estimator)
+            done = [c for m in worker.replica.generate_members(t, list(members), cfg.es.sigma, prompts,
+                                                               cfg.sampling, 0) for c in m]
+        else:
+            done = eng.generate(rows, cfg.sampling, seed=0, share_prompts=mode == "limit")
+        cpu = clock() - t0
+        return {"generate": cpu, "tokens": sum(c.num_tokens for c in done),
+                "steps": max(c.num_tokens for c in done), **dict(acc)}
+
+    modes = ("limit", "limit_rows", "lowrank")
+    [run(m, 0) for m in modes]  # warm-up
+    runs = {m: [] for m in modes}
+    for r in range(args.repeats):
+        for m in modes:
+            runs[m].append(run(m, r + 1))
+    base.__dict__.pop("forward", None)
+    eng.close()
+    out = {}
+    for m, rs in runs.items():
+        keys = sorted({k for x in rs for k in x})
+        fig = {k: statistics.median(x.get(k, 0.0) for x in rs) for k in keys}
+        for ph in ("prefill", "decode"):
+            parts = sum(v for k, v in fig.items() if k.startswith(f"{ph}/linear/") or k.startswith(f"{ph}/term/"))
+            glue = fig.get(f"{ph}/layer_forward", 0.0)
+            if glue:  # the forward replacement's own time: its wall minus the linear and the term inside it
+                glue -= sum(v for k, v in fig.items() if k.startswith(f"{ph}/term/") or
+                            (k.startswith(f"{ph}/linear/") and k.split("/")[-1] in KINDS))
+                fig[f"{ph}/layer_forward"] = glue
+            fig[f"{ph}/model"] = fig.get(f"{ph}/model", 0.0) + fig.get(f"{ph}/linear/lm_head", 0.0)
+            fig[f"{ph}/rest"] = fig[f"{ph}/model"] - parts - max(glue, 0.0)
+        fig["outside_forward"] = fig["generate"] - fig["prefill/model"] - fig["decode/model"]
+        out[m] = fig
+    tok_s = {m: out[m]["tokens"] / out[m]["generate"] for m in modes}
+    out["lowrank_share_of_rows_limit"] = tok_s["lowrank"] / tok_s["limit_rows"]
+    out["lowrank_share_of_limit"] = tok_s["lowrank"] / tok_s["limit"]
+    return out
+
+
+def report_profile(prof: dict) -> None:
+    modes = [m for m in prof if isinstance(prof[m], dict)]
+    print("profile (hf, CPU seconds per generate call, medians): " + ", ".join(
+        f"{m}: {prof[m]['generate']:.2f} s, {prof[m]['tokens']:.0f} tokens, {prof[m]['steps']:.0f} steps"
+        for m in modes))
+    rows = []
+    for ph in ("prefill", "decode"):
+        rows += [(f"{ph} linear {k}", f"{ph}/linear/{k}") for k in (*KINDS, "lm_head")]
+        rows += [(f"{ph} term {k}", f"{ph}/term/{k}") for k in KINDS]
+        rows += [(f"{ph} forward replacement", f"{ph}/layer_forward"), (f"{ph} rest", f"{ph}/rest"),
+                 (f"{ph} total", f"{ph}/model")]
+    rows += [("outside the forward", "outside_forward"), ("generate", "generate")]
+    print(f"{'':<28}" + "".join(f"{m:>12}" for m in modes))
+    for label, key in rows:
+        vals = [prof[m].get(key, 0.0) for m in modes]
+        if any(vals):
+            print(f"{label:<28}" + "".join(f"{v:>12.3f}" for v in vals))
+    print(f"lowrank tok/s (CPU): {prof['lowrank_share_of_rows_limit']:.1%} of limit_rows (the same rows, each "
+          f"prefilled), {prof['lowrank_share_of_limit']:.1%} of limit (a repeated prompt prefilled once)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default_engines = "hf,vllm" if importlib.util.find_spec("vllm") else "hf"
@@ -222,6 +456,10 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=8, help="es.rank of the low-rank phase")
     ap.add_argument("--repeats", type=int, default=3, help="measured repeats (after a warm-up); medians")
     ap.add_argument("--vllm-compiled", action="store_true", help="vLLM without engine.enforce_eager")
+    ap.add_argument("--profile", action="store_true",
+                    help="hf only: where the low-rank phase's generation time goes, beside the limit (see profile)")
+    ap.add_argument("--no-eos", action="store_true",
+                    help="hf: every row generates --max-new-tokens tokens, the same decode steps in every mode")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if min(args.members, args.prompts, args.max_new_tokens, args.threads, args.repeats) < 1:
@@ -229,8 +467,23 @@ def main() -> None:
     if args.members < 2:
         ap.error("--members must be >= 2 (es.population >= 2)")
     if args.child:
+        import torch
+
+        torch.set_num_threads(args.threads)
         engine_name, perturbation = args.child.split(":")
-        print("RESULT " + json.dumps(measure(args, engine_name, perturbation)), flush=True)
+        res = profile(args) if perturbation == "profile" else measure(args, engine_name, perturbation)
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+    host = machine()
+    if args.profile:
+        prof = run_phase(args, "hf", "profile")
+        if "error" in prof:
+            sys.exit(f"profile failed: {prof['error']}")
+        report_profile(prof)
+        print(json.dumps({"machine": {**host, "torch_threads": args.threads}, "members": args.members,
+                          "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "rank": args.rank,
+                          "no_eos": args.no_eos,
+                          "repeats": args.repeats, "hf_profile": prof}))
         return
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -241,8 +494,8 @@ def main() -> None:
     settings = {"model": args.model, "engines": engines, "members": args.members, "prompts": args.prompts,
                 "max_new_tokens": args.max_new_tokens, "threads": args.threads, "rank": args.rank,
                 "repeats": args.repeats, "batch_size": batch_size(args),
-                "vllm_enforce_eager": not args.vllm_compiled}
-    print(json.dumps({**settings, **figures}))
+                "vllm_enforce_eager": not args.vllm_compiled, "no_eos": args.no_eos}
+    print(json.dumps({"machine": {**host, "torch_threads": args.threads}, **settings, **figures}))
     if any(k.endswith("_error") for k in figures):
         sys.exit(1)
 

@@ -67,6 +67,7 @@ class LowRankTerms:
             self.bt[name] = b_s.to(w.device, w.dtype).transpose(1, 2).contiguous()  # (M, r, out)
         # name -> (group index, first column, end column) in the group's A (M, g * r, in)
         self.group_of: dict[str, tuple[int, int, int]] = {}
+        self.group_size: list[int] = []
         self.group_at: list[torch.Tensor] = []
         groups: dict[tuple[str, int], list[str]] = {}
         for name in self.modules:
@@ -83,7 +84,10 @@ class LowRankTerms:
                 self.group_of[n] = (len(self.group_at), col, col + self.at[n].shape[1])
                 col += self.at[n].shape[1]
             self.group_at.append(torch.cat(ats, dim=1))
-        self._shared: tuple | None = None  # (group, members, x, x A of the group): the last group's first product
+            self.group_size.append(len(names))
+        # (group, members, x, x A of the group, siblings still to take it): the last group's first product, dropped
+        # when every sibling has taken its columns, so no layer input outlives its layer
+        self._shared: list | None = None
         self.members = range(0)
         self._saved: dict[str, object] = {}
 
@@ -107,9 +111,12 @@ class LowRankTerms:
             g, lo, hi = group
             shared = self._shared
             if shared is None or shared[0] != g or shared[1] != self.members or shared[2] is not x:
-                # one slot: at most one layer input held past its layer
-                shared = self._shared = (g, self.members, x, torch.bmm(xv, self.group_at[g][m0:m1].transpose(1, 2)))
+                xa_group = torch.bmm(xv, self.group_at[g][m0:m1].transpose(1, 2))
+                shared = self._shared = [g, self.members, x, xa_group, self.group_size[g]]
             xa = shared[3][..., lo:hi]
+            shared[4] -= 1
+            if shared[4] == 0:
+                self._shared = None
         out.view(k, -1, out.shape[-1]).baddbmm_(xa, self.bt[name][m0:m1])
 
     def _forward(self, name: str, module: nn.Linear):
