@@ -147,6 +147,7 @@ def test_first_sync_to_a_bf16_engine_sets_the_tolerance_and_sends_bf16_layer_by_
                                          "engine": {"threads": 1, "dtype": "bfloat16"}}))
     crew = Crew.__new__(Crew)
     crew.cfg, crew.tol, crew.probe = cfg, sync_tolerance(cfg), None
+    crew.colocated, crew.learner_probe = False, "probe_logprobs"
     crew.learner, crew.learner_info = Local(learner), learner.ready()
     crew.rollouts, crew.infos = Local(bf16), [bf16.ready()]
     first = crew.sync(-1)

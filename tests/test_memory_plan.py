@@ -237,9 +237,10 @@ def test_the_replica_host_refuses_before_setup_when_the_gpu_is_too_full(tmp_path
 
     engine, _ = fake_engine(tmp_path, share=0.7, max_model_len=2048)
     calls = []
-    engine._rpc = lambda method, *args: calls.append(method)
+    # every vLLM worker measures its own device (es_device_memory): 10 GiB free of 40
+    engine._rpc = lambda method, *args: [(10 * GiB, 40 * GiB)] if method == "es_device_memory" else \
+        calls.append(method)
     host = VLLMReplicaHost(engine)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10 * GiB, 40 * GiB))
     with pytest.raises(ConfigError) as err:  # adam on 1.5B: ~21 GiB beside vLLM, 10 free
         host.setup(replica_spec())
     assert "engine.gpu_memory_utilization=0." in str(err.value) and "es.optimizer=sgd (fits)" in str(err.value)
