@@ -193,7 +193,7 @@ def check_devices(cfg: GRPOTrainConfig) -> None:
                                                                                           cfg.cluster.cpus_per_actor)
     have = ray.cluster_resources().get(key, 0.0)
     f = cfg.grpo.fsdp_size
-    if per > 0 and f * per > have:
+    if f > 1 and per > 0 and f * per > have:  # one rank that does not fit: the placement's own message says so
         raise ConfigError(f"grpo.fsdp_size={f} learner ranks x {per:g} {key}s each exceed the cluster's {have:g} "
                           f"{key}s; set grpo.fsdp_size<={max(1, int(have // per))}")
 
