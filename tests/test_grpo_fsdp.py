@@ -188,3 +188,14 @@ def test_offloaded_learners_take_the_same_steps(tiny_model_dir, ray_local):
         assert max(float((w1[k] - w3[k]).abs().max()) for k in w1) < TOL
     finally:
         ray_local.kill(actors[0])
+
+
+def test_more_learner_ranks_than_devices_are_refused_naming_the_key(tiny_model_dir, ray_local, tmp_path):
+    from es_ray.core.config import ConfigError
+    from grpo.driver import run
+
+    cfg = to_grpo_config({"model": {"path": str(tiny_model_dir)}, "grpo": {"fsdp_size": 2},
+                          "cluster": {"num_actors": 1, "gpus_per_actor": 1},
+                          "run": {"dir": str(tmp_path / "run"), "progress": False, "trackers": []}})
+    with pytest.raises(ConfigError, match=r"grpo.fsdp_size=2 learner ranks x 1 GPUs each exceed the cluster's 0"):
+        run(cfg)
