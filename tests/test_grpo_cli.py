@@ -67,7 +67,11 @@ def test_grpo_train_on_default_model_writes_loadable_checkpoint(tmp_path):
     for key in ("reward/mean", "reward/std", "grpo/loss", "grpo/kl", "grpo/clip_frac", "grpo/entropy",
                 "grpo/grad_norm", "completions/mean_length", "timing_s/generate", "timing_s/train", "timing_s/sync"):
         assert all(key in r for r in rows), key
-    assert all(r["grpo/grad_norm"] > 0 and r["sync/max_logprob_diff"] <= r["sync/tolerance"] for r in rows)
+    assert all(r["sync/max_logprob_diff"] <= r["sync/tolerance"] for r in rows)
+    # One prompt, two completions, beta 0: a group whose rewards are all equal has zero advantages and so exactly
+    # zero gradient; a group that differs must move the weights. The seeded run has at least one such group.
+    assert any(r["reward/std"] > 0 for r in rows), rows
+    assert all((r["grpo/grad_norm"] > 0) == (r["reward/std"] > 0) for r in rows), rows
     assert list((run_dir / "tensorboard").iterdir())
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["tokens_generated"] == sum(r["perf/tokens"] for r in rows) > 0
