@@ -739,9 +739,9 @@ def startup_check(kind: str, cfg, reported: int | None = None, host: int | None 
                   shape: ModelShape | None = None, gpu: bool | None = None) -> MemoryPlan | None:
     """Refuse (ConfigError: the numbers and the keys that would make it fit) a run whose plan does not fit the
     device it will run on, before any model is loaded. GPU: each GPU's plan against ``reported`` bytes (default: this
-    machine's smallest GPU; unknown: no check here), less usable_bytes's margin; CPU: every actor's bytes summed
-    against HOST_SHARE of the host's RAM. Returns the plan checked (None: the model's shape is unknown, or no GPU is
-    visible here)."""
+    machine's smallest GPU; unknown: no check here), less usable_bytes's margin; CPU with a local Ray (cluster.address
+    empty): every actor's bytes summed against HOST_SHARE of the host's RAM; CPU on a cluster: not checked here.
+    Returns the plan checked (None: the model's shape is unknown, or no GPU is visible here)."""
     from es_ray.core.config import ConfigError
 
     shape = shape or model_shape(cfg.model.path)
@@ -763,6 +763,8 @@ def startup_check(kind: str, cfg, reported: int | None = None, host: int | None 
                               "line: python -m es_ray.memory_plan --detail]")
         return plan
     plan = plan_for(kind, cfg, shape)
+    if cfg.cluster.address:  # the actors run on the cluster's nodes, not on this host: each is sized by its node
+        return plan
     need, how = host_plan_bytes(kind, plan, cfg)
     have = int(HOST_SHARE * (host_bytes() if host is None else host))
     if need > have:

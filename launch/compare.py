@@ -114,17 +114,25 @@ def validate_compare(cfg: CompareConfig) -> CompareConfig:
     if cfg.run.seed:
         raise ConfigError(f"run.seed={cfg.run.seed}: es-compare takes its run seeds from seeds=[...]; set "
                           f"seeds=[{cfg.run.seed}] instead")
-    # Each stage's own validation and memory plan run before any work: build every stage's config once.
+    for method in cfg.methods:  # each stage's own validation: build every stage's config once
+        for spec in stage_plan(cfg, method, Path("/tmp"), seed=cfg.seeds[0]):
+            spec.config()
+    return cfg
+
+
+def check_stage_memory(cfg: CompareConfig) -> None:
+    """Every stage's memory plan against the devices it will run on, before any work (run dir, model, Ray). Not part
+    of validate_compare: a preset composes on any machine; it is the run that must fit the one it starts on."""
     from es_ray.memory_plan import model_shape, startup_check
 
     shape = model_shape(cfg.model.path)  # later stages start from checkpoints of the same shape
+    if shape is None:
+        return
     for method in cfg.methods:
         for spec in stage_plan(cfg, method, Path("/tmp"), seed=cfg.seeds[0]):
-            stage_cfg = spec.config()
             kind = {"train_es": "es", "train_grpo": "grpo", "eval": "eval"}.get(spec.kind)
-            if kind and shape is not None:
-                startup_check(kind, stage_cfg, shape=shape)
-    return cfg
+            if kind:
+                startup_check(kind, spec.config(), shape=shape)
 
 
 def pool_size(cfg: CompareConfig) -> int:
@@ -422,6 +430,7 @@ def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
         raise ConfigError("run.dir= is required: the comparison's absolute directory (repeat the command with the "
                           "same run.dir to resume it)")
     root = Path(cfg.run.dir).expanduser().resolve()
+    check_stage_memory(cfg)
     claim_compare_dir(root, cfg, log)
     root.mkdir(parents=True, exist_ok=True)
     resolve_model(cfg.model.path)  # converts the embedded model once, before any stage starts

@@ -418,3 +418,22 @@ def test_fsdp_offload_and_colocation_arithmetic():
     assert floor.item_bytes("vllm", "KV cache") == 32768 * m.kv_bytes_per_token(2)
     low = plan_es(m, Settings(perturbation="lowrank", rank=4, members=8))
     assert low.item_bytes("es", "low-rank") == 2 * low.item_bytes("vllm", "LoRA slots") > 0
+
+
+def test_es_compare_refuses_a_stage_that_cannot_fit_before_any_work(tmp_path, monkeypatch):
+    """es-compare checks every stage's plan when it starts, before its run dir, the model or Ray; composing the
+    same preset (config conversion, --help) does not depend on this machine's memory."""
+    from es_ray.core.config import ConfigError
+    from launch import compare
+
+    monkeypatch.setattr("es_ray.memory_plan.host_bytes", lambda: 24 * GiB)
+    monkeypatch.setattr("es_ray.runtime.cluster.connect", lambda *a: pytest.fail("Ray started"))
+    (tmp_path / "model").mkdir()
+    model = qwen7b_dir(tmp_path / "model")
+    run_dir = tmp_path / "cmp"
+    cfg = compose_compare([f"model.path={model}", f"run.dir={run_dir}", "methods=[base,grpo]"])
+    with pytest.raises(ConfigError, match="host memory"):
+        compare.run(cfg)
+    assert not run_dir.exists()
+    remote = replace(cfg, cluster=replace(cfg.cluster, address="ray://head:10001"))
+    compare.check_stage_memory(remote)  # a cluster's nodes size their own actors: nothing to refuse on this host
