@@ -114,6 +114,9 @@ def run(cfg: ESTrainConfig) -> dict:
     from es_ray.runtime.signals import Interrupted, InterruptGuard
     from es_ray.runtime.tracking import Tracker
 
+    from es_ray.memory_plan import startup_check
+
+    startup_check("es", cfg)  # the memory plan against the device, before any model is fetched or loaded
     if not cfg.cluster.address:  # fail fast on this machine; on a remote cluster the actors check
         from es_ray.models import resolve_model
         from es_ray.tasks import load_task

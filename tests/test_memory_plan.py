@@ -437,3 +437,18 @@ def test_es_compare_refuses_a_stage_that_cannot_fit_before_any_work(tmp_path, mo
     assert not run_dir.exists()
     remote = replace(cfg, cluster=replace(cfg.cluster, address="ray://head:10001"))
     compare.check_stage_memory(remote)  # a cluster's nodes size their own actors: nothing to refuse on this host
+
+
+def test_es_train_refuses_before_any_model_loads(tmp_path, monkeypatch):
+    """es-train's plan against this host: 7B with Adam on two local CPU actors is refused before Ray starts."""
+    from es_ray import driver
+    from es_ray.config import to_train_config
+    from es_ray.core.config import ConfigError
+
+    monkeypatch.setattr("es_ray.memory_plan.host_bytes", lambda: 24 * GiB)
+    monkeypatch.setattr("es_ray.runtime.cluster.connect", lambda *a: pytest.fail("Ray started"))
+    cfg = to_train_config({"model": {"path": str(qwen7b_dir(tmp_path))}, "es": {"optimizer": "adam"},
+                           "cluster": {"num_actors": 2}, "run": {"dir": str(tmp_path / "run")}})
+    with pytest.raises(ConfigError, match="host memory .* cluster.num_actors"):
+        driver.run(cfg)
+    assert not (tmp_path / "run").exists()
