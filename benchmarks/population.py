@@ -255,8 +255,9 @@ def report(figures: dict, engines: list[str]) -> None:
         if f"{e}_limit_rows_tok_s" in figures:
             print(f"{e}: the limit's rows each prefilled (the population's work): {figures[f'{e}_limit_rows_tok_s']:.1f}"
                   f" tok/s; lowrank generation {figures.get(f'{e}_lowrank_share_of_rows_limit', 0):.1%} of it, "
-                  f"its iteration {figures.get(f'{e}_lowrank_iteration_share_of_rows_limit', 0):.1%}; in CPU "
-                  f"seconds, evaluate {figures.get(f'{e}_lowrank_cpu_share_of_rows_limit', 0):.1%}")
+                  f"its iteration {figures.get(f'{e}_lowrank_iteration_share_of_rows_limit', 0):.1%}"
+                  + (f"; in CPU seconds, evaluate {figures[f'{e}_lowrank_cpu_share_of_rows_limit']:.1%}"
+                     if f"{e}_lowrank_cpu_share_of_rows_limit" in figures else ""))
         if f"{e}_limit_lowrank_engine_tok_s" in figures:
             print(f"{e}: the limit call on the low-rank phase's engine: "
                   f"{figures[f'{e}_limit_lowrank_engine_tok_s']:.1f} tok/s")
