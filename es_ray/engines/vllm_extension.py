@@ -472,6 +472,17 @@ class ESExtension:
         receiving the whole state."""
         self._es().load_state_dict(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
 
+    def es_logit_scale(self, scale: float) -> float:
+        """Set the model's logit scale (vLLM's LogitsProcessor multiplies the logits by it before any log-prob is
+        taken, prompt log-probs included) and return the previous one. ``VLLMEngine.token_logprobs`` divides it by
+        T for one call, so vLLM returns log softmax(l / T) of the tokens asked for, not the whole vocabulary."""
+        processor = getattr(self.model_runner.get_model(), "logits_processor", None)
+        if processor is None or not hasattr(processor, "scale"):
+            raise RuntimeError(f"{type(self.model_runner.get_model()).__name__} has no logits_processor.scale: "
+                               "log-probs at a temperature other than 1 need it; use engine.name=hf")
+        previous, processor.scale = float(processor.scale), float(scale)
+        return previous
+
     def es_device_memory(self) -> tuple[int, int]:
         """(free, total) bytes of this worker's own GPU, measured here, after vLLM sized its KV cache
         (``VLLMEngine.check_es_memory``)."""
