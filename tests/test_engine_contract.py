@@ -535,3 +535,18 @@ def test_lowrank_members_batched_equal_each_member_alone(name, tiny_model_dir):
         eng.close()
         os.environ.clear()
         os.environ.update(env)
+
+
+def test_a_prompt_that_does_not_fit_the_context_is_refused_not_cut(engine):
+    """The engines' one rule for long prompts (es_ray.engines.base.check_context): refused with the numbers and the
+    keys to change; a prompt that fits with its max_new_tokens still generates."""
+    prompt = _prompts(engine)[1]
+    n = len(engine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    context = 512  # the tiny model's max_position_embeddings (vLLM's max_model_len defaults to it)
+    with pytest.raises(ConfigError, match=rf"{n} tokens with max_new_tokens={context - n + 1} does not fit .* "
+                                          rf"context of {context} tokens.*max_new_tokens"):
+        engine.generate([prompt], SamplingConfig(max_new_tokens=context - n + 1, temperature=0.0), seed=0)
+    long_prompt = prompt + " 2 + 2 =" * context
+    with pytest.raises(ConfigError, match="does not fit the model's context"):
+        engine.generate([prompt, long_prompt], GREEDY, seed=0)
+    assert len(engine.generate([prompt], GREEDY, seed=0)) == 1

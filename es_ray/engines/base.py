@@ -203,6 +203,18 @@ class Engine(ABC):
         """Release what the engine holds beyond its Python objects (vLLM: its engine core and process groups)."""
 
 
+def check_context(prompt_lengths: Iterable[int], max_new_tokens: int, context: int | None) -> None:
+    """The engines' one rule for long prompts: a prompt that leaves less than ``max_new_tokens`` of the model's
+    context is refused, never cut (a cut question is another question, and its reward would grade that one)."""
+    longest = max(prompt_lengths, default=0)
+    if context and longest + max_new_tokens > context:
+        from es_ray.core.config import ConfigError
+
+        raise ConfigError(f"a prompt of {longest} tokens with max_new_tokens={max_new_tokens} does not fit the "
+                          f"model's context of {context} tokens: lower the sampling's max_new_tokens, raise "
+                          "engine.max_model_len where the model allows it, or leave the longest rows out of the task")
+
+
 def check_temperature(temperature: float) -> float:
     if not temperature > 0:
         raise ValueError(f"scoring needs a temperature > 0 (got {temperature}): greedy decoding has no log-probs")

@@ -8,8 +8,8 @@ from typing import Any, Iterable
 
 import torch
 
-from es_ray.engines.base import (Completion, Engine, InProcessReplicaHost, ReplicaHost, check_temperature,
-                                 resolve_device)
+from es_ray.engines.base import (Completion, Engine, InProcessReplicaHost, ReplicaHost, check_context,
+                                 check_temperature, resolve_device)
 from es_ray.engines.hf_lowrank import Factors, LowRankTerms, population_calls
 from es_ray.eval.prefix import prompt_groups, shared_prefill
 from es_ray.core.config import EngineConfig, SamplingConfig
@@ -61,7 +61,7 @@ class HFEngine(Engine):
         gen = torch.Generator(device="cpu").manual_seed(int(seed))
         for start in range(0, len(prompts), self.cfg.batch_size):
             batch = prompts[start : start + self.cfg.batch_size]
-            enc = self._encode(batch)
+            enc = self._encode(batch, sampling.max_new_tokens)
             groups = prompt_groups(batch)
             # rows with equal prompts (eval.n samples of a problem, a GRPO group): their prompt is prefilled once
             cache = shared_prefill(self.model, enc["input_ids"], enc["attention_mask"], groups) \
@@ -82,7 +82,7 @@ class HFEngine(Engine):
         gen = torch.Generator(device="cpu").manual_seed(int(seed))
         with LowRankTerms(self.model, factors) as terms:
             for chunk, members in population_calls(len(prompts), num_members, self.cfg.batch_size):
-                enc = self._encode(prompts[chunk])
+                enc = self._encode(prompts[chunk], sampling.max_new_tokens)
                 rows = {k: v.repeat(len(members), 1) for k, v in enc.items()}  # member-major
                 terms.select(members)
                 done = self._generate_rows(rows, sampling, gen)
@@ -91,8 +91,10 @@ class HFEngine(Engine):
                     out[m] += done[j * per_member : (j + 1) * per_member]
         return out
 
-    def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+    def _encode(self, prompts: list[str], max_new_tokens: int = 0) -> dict[str, torch.Tensor]:
         enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        check_context(enc["attention_mask"].sum(1).tolist(), max_new_tokens,
+                      getattr(self.model.config, "max_position_embeddings", None))
         return {k: v.to(self.device) for k, v in enc.items()}
 
     def _generate_rows(self, enc: dict[str, torch.Tensor], sampling: SamplingConfig,

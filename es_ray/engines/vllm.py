@@ -33,7 +33,7 @@ from typing import Any, Iterable
 
 import torch
 
-from es_ray.engines.base import Completion, Engine, ReplicaHost, check_temperature
+from es_ray.engines.base import Completion, Engine, ReplicaHost, check_context, check_temperature
 from es_ray.lowrank import LowRankSlots, is_target
 from es_ray.replica import ReplicaSpec, combine_checksums, gather_shards, gather_states, update_health
 from es_ray.core.config import ConfigError, EngineConfig, SamplingConfig
@@ -249,7 +249,7 @@ class VLLMEngine(Engine):
 
     # -- generation ----------------------------------------------------------------------------------------
     def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int) -> list[Completion]:
-        outputs = self.llm.generate(self._inputs(prompts), self._sampling_params(sampling, seed, len(prompts)),
+        outputs = self.llm.generate(self._inputs(prompts, sampling.max_new_tokens), self._sampling_params(sampling, seed, len(prompts)),
                                     use_tqdm=False)
         return [_completion(o) for o in outputs]
 
@@ -264,9 +264,11 @@ class VLLMEngine(Engine):
             for i in range(n)
         ]
 
-    def _inputs(self, prompts: list[str]) -> list:
+    def _inputs(self, prompts: list[str], max_new_tokens: int = 0) -> list:
         # Tokenised here as the transformers engine does (no special tokens added: the template has them).
-        return [self._prompt(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        check_context(map(len, ids), max_new_tokens, self.llm.llm_engine.model_config.max_model_len)
+        return [self._prompt(x) for x in ids]
 
     def token_logprobs(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
         """log softmax(l / T) of each completion token, and only of those: vLLM's prompt log-probs are taken after
@@ -400,7 +402,7 @@ class VLLMReplicaHost(ReplicaHost):
             self._call("es_fill_lora", int(iteration), triples, float(sigma))
         finally:
             eng._weights_changed()
-        inputs = eng._inputs(prompts)
+        inputs = eng._inputs(prompts, sampling.max_new_tokens)
         params, loras = [], []
         for position in range(len(members)):
             params += eng._sampling_params(sampling, seed, len(prompts))
