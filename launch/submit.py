@@ -361,12 +361,13 @@ def main(argv: list[str] | None = None) -> None:
     except SubmitError as exc:
         print(f"es-submit: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    print_upload(env)
     if args.dry_run:
+        print_upload(env)
         for s in subs:
             print(f"{s.submission_id}\t{s.run_dir or '-'}\t{s.entrypoint}")
         return
-    client = connect_jobs(args.address)
+    client = connect_jobs(args.address)  # an unreachable address is its one line, before the listing
+    print_upload(env)  # what is about to be uploaded, before the first job sends it
     for s in subs:
         client.submit_job(entrypoint=s.entrypoint, submission_id=s.submission_id, runtime_env=env,
                           metadata={"command": s.entrypoint, **s.metadata})
