@@ -41,6 +41,8 @@ def ray_local():
     import ray
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    # address="local": always a new Ray of the test's own, never one that `ray start` left running on this machine
+    # (ray.init() without an address joins that one, and another test run's cluster would then serve this one)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield ray
     ray.shutdown()

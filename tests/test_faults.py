@@ -200,7 +200,7 @@ _LOCAL_RAY = """
 import time
 import ray
 from es_ray.runtime.signals import InterruptGuard
-ray.init(num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False)
+ray.init(address="local", num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False)
 print(ray._private.worker._global_node.get_session_dir_path(), flush=True)
 with InterruptGuard(600.0):
     while True:
