@@ -165,7 +165,8 @@ class Crew:
         for k in range(n):
             refs, ahead = ahead, chunk(k + 1) if k + 1 < n else None
             nbytes += group.gather("write_weights", {r: (refs[0],) for r in ranks})[ranks[0]]["bytes"]
-            ray.get(refs[1:])  # the other ranks' (empty) answers: an error there surfaces here
+            if len(refs) > 1:  # the other ranks' (empty) answers: an error there surfaces here (ray.get of
+                ray.get(refs[1:])  # nothing would start a Ray of its own where none is running)
             del refs  # the driver owns the chunk: dropping the last reference frees it in the object store
         return nbytes
 
