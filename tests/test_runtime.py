@@ -43,8 +43,13 @@ class Echo:
 
 
 class _NoPlacement:
+    """The Placement interface without a placement group (es_ray.runtime.placement.Placement)."""
+
     def options(self, rank: int) -> dict:
         return {"num_cpus": 0}
+
+    def state(self) -> str:
+        return ""  # as Placement.state() without a group: nothing to wait for
 
 
 def _group(size: int, timeout_s: float = 0.0, **kw):
