@@ -10,14 +10,16 @@ For each model, randomly initialised (seeded, std 0.02, norms 1) and saved with 
 * ES full rank through the engine's replica host: perturb changes the weights and the greedy output, restore gives
   cast(master) back bit for bit and the base model's greedy output, an Adam update is realised (cos > 0.9); the
   replica's measured peak memory beside the engine against the memory plan's ES part (``es_ray.memory_plan``);
-* low rank: every member's greedy completions from one batched generation equal that member generated alone;
+* low rank: every member's greedy completions from one batched generation equal that member generated alone (on a
+  GPU, whose bf16 kernels are not batch-invariant: its teacher-forced logits, within the base model's own batch noise);
 * counter noise: the device's equals the CPU's bit for bit at odd element offsets and odd row slices;
 * GRPO: a 2-step grpo.dtype=bf16_mixed learner (``grpo.learner.GRPOLearner``), its measured peak memory against the
   plan's learner part;
 * timings: an ES iteration (full rank: perturb, generate, restore per member, then the update; low rank: one batched
   generation, then the update) against bare batched generation of the same rows.
 
-Peak memory is CUDA's ``max_memory_allocated`` (n/a on CPU). The last line of the output is one JSON object with
+Peak memory is what CUDA's caching allocator reserved at its peak (``max_memory_reserved``; the allocated peak
+beside it), against the plan's part less its CUDA-context line (n/a on CPU). The last line of the output is one JSON object with
 every figure; ``ok`` says whether every check passed (exit status 1 if not).
 """
 
@@ -140,26 +142,39 @@ class Smoke:
         self.sync()
         return out, time.perf_counter() - t0
 
-    def start_peak(self) -> int | None:
-        """Resets CUDA's peak counter; returns what is allocated now (the base the next peak is measured from)."""
+    def start_peak(self) -> tuple[int, int] | None:
+        """Resets CUDA's peak counters; returns what is allocated and reserved now (the base the next peaks are
+        measured from)."""
         if self.device.type != "cuda":
             return None
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        return torch.cuda.memory_allocated(self.device)
+        return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
 
-    def peak_since(self, base: int | None) -> int | None:
-        return None if base is None else torch.cuda.max_memory_allocated(self.device) - base
+    def peak_since(self, base: tuple[int, int] | None) -> tuple[int, int] | None:
+        """(allocated, reserved) peaks above ``base``: reserved is what the caching allocator held from the device,
+        the figure a plan must cover."""
+        if base is None:
+            return None
+        return (torch.cuda.max_memory_allocated(self.device) - base[0],
+                torch.cuda.max_memory_reserved(self.device) - base[1])
 
-    def memory(self, key: str, name: str, measured: int | None, planned: int, fig: dict) -> None:
-        fig.update({f"{name}_planned_bytes": planned, f"{name}_measured_bytes": measured})
+    def memory(self, key: str, name: str, measured: tuple[int, int] | None, plan, part: str, fig: dict) -> None:
+        """The plan's ``part`` against the measured peaks; the check is on the reserved peak, against the part less
+        its CUDA-context line (which lies outside torch's allocator)."""
+        planned = plan.part(part)
+        context = sum(line.nbytes for line in plan.lines if line.part == part and line.item == "CUDA context")
+        fig[f"{name}_planned_bytes"] = planned
+        fig[f"{name}_measured_bytes"], fig[f"{name}_reserved_bytes"] = measured or (None, None)
         if measured is None:
             print(f"memory {key}/{name}: planned {planned / GiB:.3f} GiB, measured n/a ({self.device.type})")
-        else:
-            self.check(f"{key}/{name}_memory_within_plan", measured <= planned,
-                       f"measured {measured / GiB:.3f} <= planned {planned / GiB:.3f} GiB "
-                       f"({measured / max(planned, 1):.2f} of the plan)")
+            return
+        allocated, reserved = measured
+        budget = planned - context
+        self.check(f"{key}/{name}_memory_within_plan", reserved <= budget,
+                   f"reserved peak {reserved / GiB:.3f} (allocated {allocated / GiB:.3f}) <= planned "
+                   f"{budget / GiB:.3f} GiB without the CUDA context ({reserved / max(budget, 1):.2f} of the plan)")
 
 
 def ids(completions) -> list[tuple[int, ...]]:
@@ -190,7 +205,7 @@ def check_full_rank(smoke: Smoke, engine, shape: ModelShape, prompts, greedy, ba
     host.perturb(0, 0, 1, args.sigma)
     host.restore()
     stats = host.update(0, members, fitness, args.sigma)
-    smoke.memory(key, "es_replica", smoke.peak_since(mem_base), plan.part("es"), fig)
+    smoke.memory(key, "es_replica", smoke.peak_since(mem_base), plan, "es", fig)
     updated = engine.generate(prompts, greedy, seed=0)
     host.perturb(1, 0, 1, args.sigma)
     changed = sum(host.replica.engine_mismatches().values())
@@ -221,7 +236,33 @@ def check_full_rank(smoke: Smoke, engine, shape: ModelShape, prompts, greedy, ba
     _, fig["bare_batched_generation_s"] = smoke.timed(lambda: engine.generate(prompts * len(members), greedy, seed=0))
 
 
+def max_logit_gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    """max |a - b| over the real (unpadded) positions of two (rows, seq, vocab) logit tensors."""
+    return float((a.float() - b.float()).abs().amax(-1)[mask.bool()].max())
+
+
+def prompt_logits(engine, enc: dict, factors=None, members: range | None = None) -> torch.Tensor:
+    """Teacher-forced logits of the encoded rows: the base model's, or under ``LowRankTerms(factors)`` with the rows
+    member-major over ``members``."""
+    from es_ray.engines.hf_lowrank import LowRankTerms
+
+    with torch.no_grad():
+        if factors is None:
+            return engine.model(**enc).logits.float()
+        with LowRankTerms(engine.model, factors) as terms:
+            terms.select(members)
+            return engine.model(**enc).logits.float()
+
+
 def check_lowrank(smoke: Smoke, engine, prompts, greedy, args, key: str, fig: dict) -> None:
+    """Low-rank population batching. Exact on CPU: every member's greedy completions from one batched generation
+    equal that member's alone. On a GPU the bf16 kernels pick tiles by batch shape (README "Exactness on a GPU"), so
+    a member's logits move in their last bits with what shares its batch, and a random model's near-tied greedy
+    choices then part: there the check is on teacher-forced logits over the prompts. The base model's own batch
+    noise D0 (its rows batched with copies of themselves vs alone) bounds what the hardware does; each member's
+    batched logits must equal its alone logits within max(2 D0, Dm / 20), Dm being the smallest gap between two
+    members alone (a row given the wrong member's term, or none, moves by about Dm). The greedy agreement is
+    reported either way."""
     host = engine.replica_host()
     host.setup(spec(perturbation="lowrank", rank=args.rank))
     members = ask(args.population)
@@ -230,11 +271,55 @@ def check_lowrank(smoke: Smoke, engine, prompts, greedy, args, key: str, fig: di
     alone = [host.generate_members(0, [m], args.sigma, prompts, greedy, seed=0)[0] for m in members]
     differ = [m.index for m, a, b in zip(members, together, alone) if ids(a) != ids(b)]
     fig["lowrank_members_differing_alone"] = differ
-    smoke.check(f"{key}/lowrank_batched_equals_alone", not differ and len({tuple(ids(c)) for c in together}) > 1,
-                f"{len(members)} members x {len(prompts)} prompts, rank {args.rank}; differing: {differ}")
+    distinct = len({tuple(ids(c)) for c in together}) > 1
+    enc = engine._encode(prompts)
+    k, mask = len(members), enc["attention_mask"]
+    batched_enc = {n: v.repeat(k, 1) for n, v in enc.items()}
+    base_alone = prompt_logits(engine, enc)
+    d0 = max_logit_gap(prompt_logits(engine, batched_enc)[: len(prompts)], base_alone, mask)
+    factors = host.replica.member_factors(0, members, args.sigma)
+    batched = prompt_logits(engine, batched_enc, factors, range(k)).view(k, len(prompts), *base_alone.shape[1:])
+    each = [prompt_logits(engine, enc, host.replica.member_factors(0, [m], args.sigma), range(1)) for m in members]
+    d1 = max(max_logit_gap(batched[i], each[i], mask) for i in range(k))
+    dm = min(max_logit_gap(each[i], each[j], mask) for i in range(k) for j in range(i + 1, k))
+    bound = max(2 * d0, dm / 20)
+    fig["lowrank_logits"] = {"base_batch_gap": d0, "batched_vs_alone_gap": d1, "min_member_gap": dm, "bound": bound}
+    detail = (f"{k} members x {len(prompts)} prompts, rank {args.rank}; greedy differing alone: {differ}; logits: "
+              f"batched vs alone {d1:.3g}, base model's batch noise {d0:.3g}, members apart >= {dm:.3g}")
+    if smoke.device.type == "cpu":
+        smoke.check(f"{key}/lowrank_batched_equals_alone", not differ and distinct and d1 <= bound and dm > 0, detail)
+    else:
+        smoke.check(f"{key}/lowrank_batched_within_batch_rounding", distinct and dm > 0 and d1 <= bound, detail)
+    del batched, each, base_alone
     fitness = shape_fitness([float(i % 3) for i in range(args.population)])
     _, update_s = smoke.timed(lambda: host.update(0, members, fitness, args.sigma))
     fig["es_lowrank_iteration_s"] = fig["es_lowrank_generation_s"] + update_s
+
+
+def time_noise_draws(smoke: Smoke, numel: int) -> dict:
+    """Seconds to draw one member's noise for the whole model (``numel`` elements, through one reused fp32 buffer of
+    at most 2^27): counter noise eager (the reference loop) and compiled (``noise.compiled_block``), and torch.randn
+    (es.noise=per_tensor) beside them; medians of 3 after a warm-up pass."""
+    from es_ray.noise import counter_chunk
+
+    buf = torch.empty(min(numel, 1 << 27), device=smoke.device)
+    gen = torch.Generator(device=smoke.device).manual_seed(0)
+
+    def full_pass(draw):
+        for off in range(0, numel, buf.numel()):
+            draw(off, buf[: min(buf.numel(), numel - off)])
+
+    ways = {"counter_eager": lambda o, b: counter_noise(12345, o, b, counter_chunk(smoke.device)),
+            "counter_compiled": lambda o, b: counter_noise(12345, o, b),
+            "per_tensor_randn": lambda o, b: torch.randn(b.shape, generator=gen, device=b.device, out=b)}
+    out = {}
+    for name, draw in ways.items():
+        full_pass(draw)
+        out[name] = round(sorted(smoke.timed(lambda: full_pass(draw))[1] for _ in range(3))[1], 4)
+    out["eager_over_compiled"] = round(out["counter_eager"] / max(out["counter_compiled"], 1e-9), 2)
+    print(f"noise {numel:,} elements: counter eager {out['counter_eager']} s, compiled {out['counter_compiled']} s "
+          f"({out['eager_over_compiled']}x), randn {out['per_tensor_randn']} s", flush=True)
+    return out
 
 
 def check_counter_noise(smoke: Smoke, shape: ModelShape, key: str, fig: dict) -> None:
@@ -259,6 +344,7 @@ def check_counter_noise(smoke: Smoke, shape: ModelShape, key: str, fig: dict) ->
     compiled = sorted(d for d, _ in noise._COMPILED if d.startswith(device.type))
     fig["counter_noise"] = {"rows": [rows.start, rows.stop], "start": start, "numel": numel, "bit_exact": same,
                             "compiled_on": compiled, "compile_failed": noise._COMPILE_FAILED.get(device.type)}
+    fig["noise_draw_s"] = time_noise_draws(smoke, shape.parameters())
     smoke.check(f"{key}/counter_noise_device_equals_cpu", all(same),
                 f"{device.type} vs cpu: rows [{rows.start}, {rows.stop}) of {name} {tuple(tensor)}, "
                 f"{numel} elements from offset {start}")
@@ -294,7 +380,7 @@ def check_grpo(smoke: Smoke, model_dir: Path, shape: ModelShape, args, key: str,
     smoke.check(f"{key}/grpo_bf16_mixed_two_steps", moved and all(
         s["grpo/loss"] == s["grpo/loss"] and s["grpo/grad_norm"] > 0 for s in steps),
         f"losses {[round(s['grpo/loss'], 4) for s in steps]}, weights moved: {moved}")
-    smoke.memory(key, "grpo_learner", measured, plan.part("learner"), fig)
+    smoke.memory(key, "grpo_learner", measured, plan, "learner", fig)
     del learner, before
 
 

@@ -23,3 +23,41 @@ def test_gpu_smoke_runs_tiny_on_cpu():
     assert model["counter_noise"]["bit_exact"] == [True, True] and len(model["grpo"]["loss"]) == 2
     assert model["es_replica_planned_bytes"] > 0 and model["grpo_learner_planned_bytes"] > 0
     assert model["es_iteration_s"] > 0 and model["bare_batched_generation_s"] > 0
+
+
+def test_lowrank_check_catches_rows_given_the_wrong_member(tmp_path, monkeypatch):
+    """The low-rank check can fail: with each batched row handed its neighbour's factors (a member-mapping bug),
+    both its greedy comparison and its logit bound say so."""
+    import argparse
+    import importlib.util
+
+    import torch
+
+    from es_ray.replica import Replica
+
+    spec = importlib.util.spec_from_file_location("gpu_smoke", REPO / "scripts" / "gpu_smoke.py")
+    smoke_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke_mod)
+    from es_ray.core.config import EngineConfig, SamplingConfig
+    from es_ray.engines.hf import HFEngine
+
+    smoke_mod.build_model_dir(smoke_mod.TINY["tiny-qwen2"], torch.device("cpu"), 0, tmp_path)
+    engine = HFEngine(str(tmp_path), EngineConfig(name="hf", device="cpu", batch_size=32, threads=1))
+    args = argparse.Namespace(population=4, sigma=1e-2, rank=4)
+    prompts, greedy = list(smoke_mod.PROMPTS[:4]), SamplingConfig(max_new_tokens=8, temperature=0.0)
+    honest = smoke_mod.Smoke(torch.device("cpu"))
+    smoke_mod.check_lowrank(honest, engine, prompts, greedy, args, "tiny", {})
+    assert honest.checks == {"tiny/lowrank_batched_equals_alone": True}
+
+    real = Replica.member_factors
+
+    def rolled(self, iteration, members, sigma):  # row block i gets member i - 1's term (alone: unchanged)
+        return {n: (a.roll(1, 0), b.roll(1, 0)) for n, (a, b) in real(self, iteration, members, sigma).items()}
+
+    monkeypatch.setattr(Replica, "member_factors", rolled)
+    broken, fig = smoke_mod.Smoke(torch.device("cpu")), {}
+    smoke_mod.check_lowrank(broken, engine, prompts, greedy, args, "tiny", fig)
+    assert broken.checks == {"tiny/lowrank_batched_equals_alone": False}
+    gaps = fig["lowrank_logits"]
+    assert gaps["batched_vs_alone_gap"] > gaps["bound"] and fig["lowrank_members_differing_alone"]
+    engine.close()
