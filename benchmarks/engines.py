@@ -12,7 +12,7 @@ each engine the same clean memory). vLLM runs with engine.enforce_eager=true: it
 * seconds per weight write: ``restore`` (write cast(master), no noise) and ``perturb`` (table noise + add +
   write), medians over ``--repeats`` calls;
 * for ``--es-dtype`` (the CPU default, fp32): the share of an ES iteration spent outside generation, from the
-  actor's own work (es_ray.worker.ESWorker in-process, no Ray) with the default ES configuration (population 8,
+  actor's own work (es_ray.es.worker.ESWorker in-process, no Ray) with the default ES configuration (population 8,
   16 prompts, 16 new tokens, table noise on CPU), ``--iterations`` iterations after a warm-up one. ES overhead
   = perturb + restore + update (noise, optimizer, writes, checksum); "outside gen" also counts the reward.
 
@@ -47,15 +47,15 @@ def measure(engine_name: str, dtype: str, batches: list[int], repeats: int, iter
     import torch
 
     torch.set_num_threads(threads)
-    from es_ray.config import ESConfig
-    from es_ray.config import ESTrainConfig, validate
+    from es_ray.es.config import ESConfig
+    from es_ray.es.config import ESTrainConfig, validate
     from es_ray.core.config import ClusterConfig, EngineConfig, RunConfig, SamplingConfig, TaskConfig
     from es_ray.engines.base import make_engine
     from es_ray.models import resolve_model
-    from es_ray.protocol import EvalRequest, UpdateRequest
+    from es_ray.es.protocol import EvalRequest, UpdateRequest
     from es_ray.strategy import ask, shape_fitness
     from es_ray.tasks import load_task
-    from es_ray.worker import ESWorker
+    from es_ray.es.worker import ESWorker
 
     out: dict = {"engine": engine_name, "dtype": dtype}
     model_dir = str(resolve_model(""))

@@ -62,8 +62,8 @@ def child(engine_name: str, model: str, dtype: str) -> dict:
     """One engine in this process: the three phases, measured."""
     import torch
 
-    from es_ray.checkpoint import load_es_state, save_es_checkpoint
-    from es_ray.config import to_train_config
+    from es_ray.es.state import load_es_state, save_es_checkpoint
+    from es_ray.es.config import to_train_config
     from es_ray.engines.base import make_engine
     from es_ray.models import iter_hf_weights, resolve_model
     from es_ray.replica import ReplicaSpec

@@ -32,9 +32,9 @@ def main() -> None:
     ap.add_argument("--out", default="", help="directory for both runs (default: a temporary one)")
     args = ap.parse_args()
 
-    from es_ray.config import to_train_config
+    from es_ray.es.config import to_train_config
     from es_ray.runtime.ledger import FIELDS
-    from es_ray.driver import run as es_run
+    from es_ray.es.driver import run as es_run
     from grpo.config import to_grpo_config
     from grpo.driver import run as grpo_run
 

@@ -7,7 +7,7 @@ the same rows by the base model, per engine, in one run.
 The batch: N members (``--members``) x P prompts (``--prompts``) of the task ``arithmetic`` with the chat template,
 greedy, ``--max-new-tokens`` new tokens, one actor's torch threads (``--threads``), engine.batch_size >= N x P.
 Per engine and per es.perturbation, in a fresh subprocess (vLLM keeps process-global state; each phase also gets
-the same clean memory), an ``es_ray.worker.ESWorker`` runs in-process (no Ray) and the script calls what the driver
+the same clean memory), an ``es_ray.es.worker.ESWorker`` runs in-process (no Ray) and the script calls what the driver
 calls through Ray: ``evaluate(EvalRequest)`` then ``update(UpdateRequest)`` with the shaped fitness and the
 driver's checksum request, so the figures are the actor's own code path:
 
@@ -80,7 +80,7 @@ def batch_size(args) -> int:
 
 
 def build_config(args, engine_name: str, perturbation: str):
-    from es_ray.config import ESConfig, ESTrainConfig, validate
+    from es_ray.es.config import ESConfig, ESTrainConfig, validate
     from es_ray.core.config import (ClusterConfig, EngineConfig, ModelConfig, RunConfig, SamplingConfig,
                                     TaskConfig)
 
@@ -127,10 +127,10 @@ def each_row_generation(engine):
 
 def measure(args, engine_name: str, perturbation: str) -> dict:
     """Runs in the child process: one ESWorker, the limit calls and the ES iterations, interleaved."""
-    from es_ray.protocol import EvalRequest, UpdateRequest
+    from es_ray.es.protocol import EvalRequest, UpdateRequest
     from es_ray.strategy import ask, shape_fitness
     from es_ray.tasks.base import templated_prompts
-    from es_ray.worker import ESWorker
+    from es_ray.es.worker import ESWorker
 
     cfg = build_config(args, engine_name, perturbation)
     worker = ESWorker(cfg)
@@ -325,7 +325,7 @@ def profile(args) -> dict:
     from es_ray.engines import hf_lowrank
     from es_ray.strategy import ask
     from es_ray.tasks.base import templated_prompts
-    from es_ray.worker import ESWorker
+    from es_ray.es.worker import ESWorker
 
     cfg = build_config(args, "hf", "lowrank")
     worker = ESWorker(cfg)

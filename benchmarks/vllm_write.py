@@ -3,7 +3,7 @@
     python benchmarks/vllm_write.py                      # the embedded SmolLM2-135M, 6 perturbations + a restore
     python benchmarks/vllm_write.py --writes 3 --threads 1
 
-(1) A write, split: an ``es_ray.worker.ESWorker`` with engine.name=vllm (in-process, one thread as one demo
+(1) A write, split: an ``es_ray.es.worker.ESWorker`` with engine.name=vllm (in-process, one thread as one demo
     actor has) perturbs the replica ``--writes`` times and restores it once; the extension's write is timed in
     its parts: the replica's generator (noise drawn and added to the master, into a reused buffer), vLLM's
     ``load_weights`` (copies into the fused tensors), and the post-load step (``process_weights_after_loading``:
@@ -90,7 +90,7 @@ def main() -> None:
         return _median_time(fn, repeats)
 
     from es_ray.engines import vllm_extension as vx
-    from es_ray.worker import ESWorker
+    from es_ray.es.worker import ESWorker
 
     times: dict[str, list[float]] = collections.defaultdict(list)
     seen: dict = {}

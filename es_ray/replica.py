@@ -40,7 +40,7 @@ from es_ray.noise import NoiseSource, resolve_kind
 from es_ray.strategy import Member, Optimizer, noise_coefficients
 
 if TYPE_CHECKING:
-    from es_ray.config import ESTrainConfig
+    from es_ray.es.config import ESTrainConfig
 
 Writer = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 Reader = Callable[[str], "torch.Tensor | None"]

@@ -5,7 +5,7 @@ and a frozen reference model only when grpo.beta > 0. The loss is grpo.loss's.
 One ``train_step`` is grpo.epochs_per_batch optimizer steps on one batch, each accumulating gradients over
 micro-batches; the log-probs of the first pass (before any step) are the ratio's old policy. Every log-prob,
 ratio, KL and entropy is of softmax(logits / sampling.temperature), the distribution the rollouts sampled, and
-the LM head runs grpo.logit_chunk_tokens positions at a time (es_ray.eval.entropy.chunked_token_scores).
+the LM head runs grpo.logit_chunk_tokens positions at a time (es_ray.metrics.entropy.chunked_token_scores).
 
 Weights leave the learner in the rollout engines' dtype, one chunk at a time (``weight_chunk``): a transformer
 layer, or one tensor outside the layers.
@@ -194,7 +194,7 @@ class GRPOLearner:
     def _shares_prompts(self, samples: list[dict]) -> bool:
         """A micro-batch holding several completions of one prompt (a group) runs that prompt once, except under
         gradient checkpointing (which turns the model's key/value cache off)."""
-        from es_ray.eval.prefix import shares_prompts
+        from es_ray.metrics.prefix import shares_prompts
 
         return not self.g.gradient_checkpointing and shares_prompts([tuple(s["prompt_ids"]) for s in samples])
 
@@ -204,7 +204,7 @@ class GRPOLearner:
         forward, and the same values to within rounding (tests/test_grpo_learner.py)."""
         import torch
 
-        from es_ray.eval.prefix import prompt_groups, shared_prompt_hidden
+        from es_ray.metrics.prefix import prompt_groups, shared_prompt_hidden
 
         rows: dict[int, torch.Tensor] = {}
         for group in prompt_groups([tuple(s["prompt_ids"]) for s in samples]):
@@ -235,7 +235,7 @@ class GRPOLearner:
 
     def _score(self, model, ids, attn, mask, entropy: bool, samples: list[dict] | None):
         """[N] log-probs (and entropies) of the N masked positions: the body of ``_log_probs``."""
-        from es_ray.eval.entropy import chunked_token_scores
+        from es_ray.metrics.entropy import chunked_token_scores
 
         sel = mask.bool()
         if samples is not None and self._shares_prompts(samples):

@@ -1,6 +1,6 @@
 """GRPO math, pure torch (no Ray, no vLLM): group-relative advantages, the clipped surrogate with an optional k3 KL,
 and the three loss aggregations. Token log-probs (at the sampling temperature, chunked over positions) are
-es_ray.eval.entropy.chunked_token_scores.
+es_ray.metrics.entropy.chunked_token_scores.
 
 Shapes: P prompts x G completions per prompt; B = P * G sequences; T = the longest completion in a micro-batch.
 ``mask_bt`` is 1 on completion tokens and 0 on padding.

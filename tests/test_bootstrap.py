@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from es_ray.eval.bootstrap import interval, interval_of_task_means, separated
+from es_ray.metrics.bootstrap import interval, interval_of_task_means, separated
 
 
 def test_interval_covers_the_true_mean_about_95_percent_of_the_time():

@@ -1,7 +1,7 @@
 """Checkpoints that prove themselves: every file carries a digest checked before it is read (a flipped byte is
 refused, naming the file), state files are read with weights_only=True (a planted pickle never runs), a killed save
 leaves the previous checkpoint as the latest, and a corrupt seed-log record in the middle is refused with its line
-number while a torn last line is cut. No Ray: ES checkpoints through ``es_ray.checkpoint``, GRPO through its
+number while a torn last line is cut. No Ray: ES checkpoints through ``es_ray.es.state``, GRPO through its
 learner in-process."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from es_ray.checkpoint import SeedLog, list_checkpoints, load_es_state, save_es_checkpoint
+from es_ray.es.state import SeedLog, list_checkpoints, load_es_state, save_es_checkpoint
 from es_ray.runtime.checkpoint import (MANIFEST, CheckpointError, checkpoint_dirs, publish_dir, staging_dir,
                                        verify_dir)
 
@@ -140,7 +140,7 @@ def test_es_state_with_a_planted_pickle_is_refused_and_never_runs(es_checkpoint,
 _KILLED_SAVE = """
 import os, sys
 from pathlib import Path
-from es_ray.checkpoint import load_es_state, save_es_checkpoint
+from es_ray.es.state import load_es_state, save_es_checkpoint
 import es_ray.runtime.checkpoint as ck
 model, path, where = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 state = load_es_state(model)

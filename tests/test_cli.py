@@ -96,7 +96,7 @@ def test_the_printed_continue_command_resumes_the_run_as_printed(ray_local, tiny
 def test_hydra_errors_are_one_line_naming_the_key(args, expected):
     import re
 
-    from es_ray.config import register_configs
+    from es_ray.es.config import register_configs
     from es_ray.runtime.entry import check_overrides
 
     register_configs()

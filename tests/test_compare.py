@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from es_ray.config import ESConfig
+from es_ray.es.config import ESConfig
 from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, ModelConfig, RunConfig, SamplingConfig,
                                 TaskConfig)
-from es_ray.eval_config import BenchmarkConfig
-from launch.compare import (METHODS, BudgetConfig, CompareConfig, budget_units, run, stage_plan,
+from es_ray.evaluation.config import BenchmarkConfig
+from launch.compare.run import (METHODS, BudgetConfig, CompareConfig, budget_units, run, stage_plan,
                             validate_compare)
 
 
@@ -49,7 +49,7 @@ def test_budget_is_matched_in_prompts_seen():
 def test_an_epoch_is_a_pass_over_the_pool_for_both_methods(tmp_path):
     from collections import Counter
 
-    from es_ray.driver import prompt_ids
+    from es_ray.es.driver import prompt_ids
     from es_ray.tasks.base import epoch_prompts
     from grpo.driver import prompt_indices
 
@@ -164,7 +164,7 @@ def test_a_budget_stops_at_the_step_that_lands_closest_and_device_seconds_keep_s
 
 
 def test_held_out_curves_sample_as_the_evaluation_and_an_empty_held_out_set_is_refused(tmp_path):
-    import launch.compare as compare
+    import launch.compare.run as compare
 
     cfg = _cfg(Path("/models/base"), tmp_path)
     for s in (stage_plan(cfg, "es", tmp_path, pool=4)[0], stage_plan(cfg, "grpo", tmp_path, pool=4)[0]):
@@ -211,7 +211,7 @@ class _Interrupt(Exception):
 
 
 def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_path, monkeypatch):
-    import launch.compare as compare
+    import launch.compare.run as compare
 
     root = tmp_path / "cmp"
     cfg = validate_compare(_cfg(tiny_model_dir, root))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from es_ray.config import ESConfig, ESTrainConfig, register_configs, to_train_config, validate
+from es_ray.es.config import ESConfig, ESTrainConfig, register_configs, to_train_config, validate
 
 from es_ray.core.config import ConfigError, RunConfig, TaskConfig
 from es_ray.runtime.entry import run_or_exit
@@ -190,7 +190,7 @@ def _compose_for(primary: str, overrides: list[str]):
     if primary == "es_train":
         return to_train_config(_compose(overrides))
     if primary == "es_compare":
-        from launch.compare import register_configs as register, to_compare_config as convert
+        from launch.compare.run import register_configs as register, to_compare_config as convert
     else:
         from grpo.config import register_configs as register, to_grpo_config as convert
     register()

@@ -185,7 +185,7 @@ def test_token_logprobs_agree_with_the_transformers_engine(engine, tiny_model_di
 
 
 def test_token_entropies_where_the_engine_can_score_them(engine):
-    from es_ray.eval.entropy import completion_entropies
+    from es_ray.metrics.entropy import completion_entropies
 
     prompt_ids, completion_ids = _probe(engine)
     if not engine.can_score_entropy:
@@ -202,7 +202,7 @@ def test_eval_scores_entropy_with_the_engine_or_a_transformers_copy(engine, tiny
     """es-eval's entropy: the engine's own where it can score it, else a transformers engine on the checkpoint."""
     from types import SimpleNamespace
 
-    from es_ray.eval_worker import EvalWorker
+    from es_ray.evaluation.worker import EvalWorker
 
     worker = EvalWorker.__new__(EvalWorker)  # the scorer choice only: no second generation engine
     worker.engine, worker.model_dir, worker._entropy_engine = engine, tiny_model_dir, None
@@ -270,7 +270,7 @@ def test_checksums_agree_across_two_actors(name, ray_local, tiny_model_dir, tmp_
     """Two actors, several iterations: the driver compares checksums every iteration and stops on a mismatch."""
     from test_ray_es import tiny_cfg
 
-    from es_ray.driver import run
+    from es_ray.es.driver import run
 
     summary = run(tiny_cfg(tiny_model_dir, tmp_path / "run", cluster__num_actors=2, es__iterations=3,
                            engine__name=name, engine__enforce_eager=True))
@@ -492,7 +492,7 @@ def test_es_run_with_a_tensor_parallel_vllm_engine(ray_local, tiny_model_dir, tm
     from test_ray_es import tiny_cfg
     from transformers import AutoModelForCausalLM
 
-    from es_ray.driver import run
+    from es_ray.es.driver import run
 
     summary = run(tiny_cfg(tiny_model_dir, tmp_path / "run", es__iterations=2, engine__name="vllm",
                            engine__enforce_eager=True, engine__tensor_parallel_size=2, engine__threads=1))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 
-from es_ray.eval_config import DriftJobConfig, EvalJobConfig, register_configs, validate_drift, validate_eval
+from es_ray.evaluation.config import DriftJobConfig, EvalJobConfig, register_configs, validate_drift, validate_eval
 
 from es_ray.core.config import ConfigError, to_config
 from es_ray.tasks import EVAL_TASKS

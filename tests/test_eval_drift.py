@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from es_ray.eval.drift import drift, drift_state_dicts, module_type
-from es_ray.eval.plots import plot_update_histograms
+from es_ray.metrics.drift import drift, drift_state_dicts, module_type
+from es_ray.metrics.plots import plot_update_histograms
 
 
 @pytest.mark.parametrize("name,kind", [

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from es_ray.eval.entropy import (HIST_EDGES, batched_completion_entropies, completion_entropies, entropy_from_logits,
+from es_ray.metrics.entropy import (HIST_EDGES, batched_completion_entropies, completion_entropies, entropy_from_logits,
                                  hist_quantile, histogram, nucleus_entropy_from_logits, summarize, summarize_stats)
 
 

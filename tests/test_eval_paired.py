@@ -10,8 +10,8 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from es_ray.eval.bootstrap import interval, separated
-from es_ray.eval.paired import holm, paired_difference, paired_difference_tasks, power
+from es_ray.metrics.bootstrap import interval, separated
+from es_ray.metrics.paired import holm, paired_difference, paired_difference_tasks, power
 
 REPLICATES, DRAWS, N = 300, 1000, 4
 Z80 = NormalDist().inv_cdf(0.975) + NormalDist().inv_cdf(0.8)

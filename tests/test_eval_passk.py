@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from es_ray.eval.passk import (NotEnoughSamplesError, maj_at_k, majority_correct, mean_pass_at_k, pass_at_k)
+from es_ray.metrics.passk import (NotEnoughSamplesError, maj_at_k, majority_correct, mean_pass_at_k, pass_at_k)
 
 
 @pytest.mark.parametrize("n,c,k,expected", [

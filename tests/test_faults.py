@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from es_ray.config import validate
+from es_ray.es.config import validate
 
 from es_ray.core.config import ConfigError
-from es_ray.driver import run
+from es_ray.es.driver import run
 from es_ray.runtime.actors import once
 from test_ray_es import tiny_cfg
 

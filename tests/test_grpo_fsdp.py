@@ -157,7 +157,8 @@ def test_colocation_needs_one_engine_per_learner_rank():
 
 
 def test_es_compare_colocates_grpo_when_the_cluster_has_no_spare_device():
-    from launch.compare import CompareConfig, grpo_placement, grpo_placement_text, stage_plan
+    from launch.compare.methods import grpo_placement, grpo_placement_text
+    from launch.compare.run import CompareConfig, stage_plan
     from pathlib import Path
 
     cfg = CompareConfig()  # 2 devices: 1 learner rank + 1 rollout actor fit apart

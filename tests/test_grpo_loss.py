@@ -134,9 +134,9 @@ def test_unknown_options_are_refused():
 
 @pytest.mark.parametrize("chunk", [1, 4, 100])
 def test_chunked_token_scores_match_the_whole_log_softmax_at_a_temperature(chunk):
-    """The learner's chunked LM head (es_ray.eval.entropy.chunked_token_scores) against log_softmax(h W^T / T) over
+    """The learner's chunked LM head (es_ray.metrics.entropy.chunked_token_scores) against log_softmax(h W^T / T) over
     all positions at once, in float64: log-probs, entropies and the gradients to h and W."""
-    from es_ray.eval.entropy import chunked_token_scores, entropy_from_logits
+    from es_ray.metrics.entropy import chunked_token_scores, entropy_from_logits
 
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(6, 40, bias=False).double()

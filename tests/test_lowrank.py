@@ -13,7 +13,7 @@ import torch
 from test_replica import Engine, initial_params, replica_spec
 
 from es_ray import lowrank
-from es_ray.config import ESTrainConfig, validate
+from es_ray.es.config import ESTrainConfig, validate
 from es_ray.core.config import ConfigError
 from es_ray.noise import NoiseSource
 from es_ray.replica import Replica
@@ -148,7 +148,7 @@ def test_config_refuses_bad_perturbation_and_rank():
 
 
 def test_preflight_checks_the_rank_against_the_model(tiny_model_dir):
-    from es_ray.driver import preflight_lowrank
+    from es_ray.es.driver import preflight_lowrank
     from es_ray.models import safetensors_index
 
     smallest = min(min(s) for n, (_, s) in safetensors_index(tiny_model_dir).items() if lowrank.is_target(n, s))

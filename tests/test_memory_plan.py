@@ -294,7 +294,7 @@ def test_readme_table_is_the_cli_output():
 def compose_compare(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    from launch.compare import register_configs, to_compare_config
+    from launch.compare.run import register_configs, to_compare_config
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -310,7 +310,7 @@ def test_paper_presets_fit_8_x_80gb_at_every_stage(experiment, model):
     """Arithmetic only: every es-compare stage's plan (ES with its optimizer; GRPO sharded, as the presets set it)
     fits an 80 GB card as it reports itself, and GRPO's learner ranks and rollouts fit the 8 GPUs of cluster=gpu8."""
     from es_ray.memory_plan import card_bytes, plan_for, usable_bytes
-    from launch.compare import stage_plan
+    from launch.compare.run import stage_plan
 
     cfg = compose_compare([f"experiment={experiment}", f"model={model}", "cluster=gpu8"])
     shape, card = preset(model), card_bytes(80)
@@ -424,7 +424,7 @@ def test_es_compare_refuses_a_stage_that_cannot_fit_before_any_work(tmp_path, mo
     """es-compare checks every stage's plan when it starts, before its run dir, the model or Ray; composing the
     same preset (config conversion, --help) does not depend on this machine's memory."""
     from es_ray.core.config import ConfigError
-    from launch import compare
+    from launch.compare import run as compare
 
     monkeypatch.setattr("es_ray.memory_plan.host_bytes", lambda: 24 * GiB)
     monkeypatch.setattr("es_ray.runtime.cluster.connect", lambda *a: pytest.fail("Ray started"))
@@ -441,8 +441,8 @@ def test_es_compare_refuses_a_stage_that_cannot_fit_before_any_work(tmp_path, mo
 
 def test_es_train_refuses_before_any_model_loads(tmp_path, monkeypatch):
     """es-train's plan against this host: 7B with Adam on two local CPU actors is refused before Ray starts."""
-    from es_ray import driver
-    from es_ray.config import to_train_config
+    from es_ray.es import driver
+    from es_ray.es.config import to_train_config
     from es_ray.core.config import ConfigError
 
     monkeypatch.setattr("es_ray.memory_plan.host_bytes", lambda: 24 * GiB)

@@ -75,8 +75,8 @@ def _wait_all_cpus_free(timeout: float = 30.0) -> None:
 
 
 def test_es_actors_on_two_nodes_stay_bit_identical(two_nodes, tiny_model_dir, tmp_path):
-    from es_ray.driver import run, start_workers
-    from es_ray.recovery import ReplicaKeeper, ResumePoint
+    from es_ray.es.driver import run, start_workers
+    from es_ray.es.recovery import ReplicaKeeper, ResumePoint
     from es_ray.runtime.placement import place
 
     small = dict(es__iterations=2, es__prompts_per_iteration=4)
@@ -109,8 +109,8 @@ def test_node_lost_on_a_full_cluster_stops_cleanly_with_a_checkpoint_from_a_live
 
     import ray
 
-    import es_ray.driver as driver
-    from es_ray.checkpoint import SeedLog
+    import es_ray.es.driver as driver
+    from es_ray.es.state import SeedLog
     from es_ray.runtime.checkpoint import verify_dir
 
     cluster, _ = two_nodes

@@ -328,9 +328,9 @@ def _infos(noise: str, *devices: tuple[str, int]) -> list[dict]:
 
 
 def test_driver_refuses_device_dependent_noise_on_mixed_gpus():
-    from es_ray.config import ESTrainConfig
+    from es_ray.es.config import ESTrainConfig
     from es_ray.core.config import ConfigError
-    from es_ray.driver import check_noise_devices
+    from es_ray.es.driver import check_noise_devices
 
     cfg = ESTrainConfig()
     h100, a100, mig = ("NVIDIA H100 80GB HBM3", 132), ("NVIDIA A100-SXM4-80GB", 108), ("NVIDIA A100 MIG 3g.40gb", 42)
@@ -353,9 +353,9 @@ def test_driver_refuses_lowrank_on_mixed_gpus_whatever_the_noise():
     noise does not make it portable."""
     import dataclasses
 
-    from es_ray.config import ESTrainConfig
+    from es_ray.es.config import ESTrainConfig
     from es_ray.core.config import ConfigError
-    from es_ray.driver import check_noise_devices
+    from es_ray.es.driver import check_noise_devices
 
     cfg = ESTrainConfig()
     cfg.es = dataclasses.replace(cfg.es, perturbation="lowrank")

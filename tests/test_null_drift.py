@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from es_ray.eval.null_drift import null_drift, sum_z_squared
+from es_ray.metrics.null_drift import null_drift, sum_z_squared
 from es_ray.strategy import centered_rank, zscore
 
 TH = (1.0e-3, 1.5e-3, 2.0e-3)

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from es_ray.config import ESTrainConfig, validate
+from es_ray.es.config import ESTrainConfig, validate
 
 from es_ray.core.config import ClusterConfig, ConfigError, RunConfig
 from es_ray.runtime.placement import fit_problem, needs

@@ -1,4 +1,4 @@
-"""Prompts shared by several rows run once (es_ray/eval/prefix.py): grouping, and transformers generation with the
+"""Prompts shared by several rows run once (es_ray/metrics/prefix.py): grouping, and transformers generation with the
 shared prefill giving the same completions as generation with every prompt prefilled (greedy and sampled, float32,
 several prompt lengths so that the rows are left-padded; the embedded model)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from es_ray.eval.prefix import prompt_groups, shares_prompts
+from es_ray.metrics.prefix import prompt_groups, shares_prompts
 
 
 def test_prompt_groups_keep_first_appearance_order():

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from es_ray.config import ESConfig, ESTrainConfig
-from es_ray.driver import prompt_ids, sample_seed
-from es_ray.protocol import EvalRequest, EvalResult, MemberResult, UpdateRequest, UpdateResult
+from es_ray.es.config import ESConfig, ESTrainConfig
+from es_ray.es.driver import prompt_ids, sample_seed
+from es_ray.es.protocol import EvalRequest, EvalResult, MemberResult, UpdateRequest, UpdateResult
 from es_ray.strategy import ask, shape_fitness
 
 POPULATION = 32

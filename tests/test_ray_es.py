@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from es_ray.config import ESConfig, ESTrainConfig, validate
+from es_ray.es.config import ESConfig, ESTrainConfig, validate
 from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, ModelConfig, RunConfig, SamplingConfig,
                                 TaskConfig)
-from es_ray.driver import run
+from es_ray.es.driver import run
 from es_ray.runtime.cluster import check_address
 
 pytestmark = pytest.mark.ray

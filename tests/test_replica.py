@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from es_ray.config import ESConfig, ESTrainConfig
+from es_ray.es.config import ESConfig, ESTrainConfig
 from es_ray.noise import NoiseSource
 from es_ray.replica import (Replica, ReplicaSpec, Shard, checksum, combine_checksums, gather_shards, gather_states,
                             mismatches, tensor_checksum, update_health, update_sums)

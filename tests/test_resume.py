@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from es_ray.checkpoint import SeedLog
-from es_ray.config import ESTrainConfig
+from es_ray.es.state import SeedLog
+from es_ray.es.config import ESTrainConfig
 from es_ray.core.config import ConfigError
-from es_ray.driver import run
-from es_ray.recovery import RESUME_FREE, ReplicaMismatchError
+from es_ray.es.driver import run
+from es_ray.es.recovery import RESUME_FREE, ReplicaMismatchError
 from es_ray.runtime.checkpoint import CheckpointError
 from es_ray.runtime.rundir import check_same_run
 from test_checkpoint import flip_byte

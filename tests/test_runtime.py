@@ -140,7 +140,7 @@ def test_resume_refuses_changed_settings_naming_them_and_keeps_config_json(tmp_p
         open_run_dir(cfg(lr=1e-3), "grpo", RESUME_FREE)
     assert json.loads((tmp_path / "config.json").read_text())["grpo"]["steps"] == 8
     assert json.loads(before)["method"] == "grpo"
-    from es_ray.config import to_train_config
+    from es_ray.es.config import to_train_config
 
     es = to_train_config({"run": {"dir": str(tmp_path), "resume": True}})
     with pytest.raises(ConfigError, match=r"method='es' \(the run used 'grpo'\)"):
@@ -172,7 +172,7 @@ def _check_ledger(led: dict, method: str, cpus_per_actor: float, actors: set[str
 
 @pytest.mark.ray
 def test_es_and_grpo_fill_the_same_ledger(ray_local, tiny_model_dir, tmp_path):
-    from es_ray.driver import run as es_run
+    from es_ray.es.driver import run as es_run
     from grpo.driver import run as grpo_run
     from test_grpo_ray import tiny_cfg as grpo_cfg
     from test_ray_es import tiny_cfg as es_cfg
@@ -221,7 +221,7 @@ def test_run_config_refuses_relative_paths():
 
 
 def test_a_new_run_into_another_runs_dir_is_refused_or_moved_aside(tmp_path, capsys):
-    from es_ray.config import to_train_config
+    from es_ray.es.config import to_train_config
 
     def cfg(**run):
         return to_train_config({"run": {"dir": str(tmp_path / "run"), **run}})
@@ -246,8 +246,8 @@ def test_a_new_run_into_another_runs_dir_is_refused_or_moved_aside(tmp_path, cap
 
 
 def test_resume_takes_the_saved_config_and_refuses_given_settings_that_change_it(tmp_path):
-    from es_ray.config import to_train_config
-    from es_ray.recovery import RESUME_FREE as ES_FREE
+    from es_ray.es.config import to_train_config
+    from es_ray.es.recovery import RESUME_FREE as ES_FREE
     from es_ray.runtime.rundir import resumed_config
 
     original = to_train_config({"es": {"sigma": 0.01, "population": 2}, "run": {"dir": str(tmp_path)}})
@@ -268,7 +268,7 @@ def test_resume_takes_the_saved_config_and_refuses_given_settings_that_change_it
 
 def test_es_compare_continues_its_own_comparison_moves_it_aside_or_refuses_another_run(tmp_path):
     from es_ray.core.config import to_config
-    from launch.compare import CompareConfig, claim_compare_dir
+    from launch.compare.run import CompareConfig, claim_compare_dir
 
     def cfg(**run):
         return to_config({"run": {"dir": str(tmp_path / "cmp"), **run}}, CompareConfig)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from es_ray.config import ESTrainConfig
+from es_ray.es.config import ESTrainConfig
 from es_ray.core.config import ConfigError, RunConfig
 from es_ray.runtime.validation import validate_run
 from es_ray.runtime.tracking import TRACKERS, Tracker
@@ -224,13 +224,13 @@ def _convert(primary: str, overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
     if primary == "es_train":
-        from es_ray.config import register_configs as register, to_train_config as convert
+        from es_ray.es.config import register_configs as register, to_train_config as convert
     elif primary == "grpo_train":
         from grpo.config import register_configs as register, to_grpo_config as convert
     elif primary == "es_eval":
-        from es_ray.eval_config import register_configs as register, to_eval_config as convert
+        from es_ray.evaluation.config import register_configs as register, to_eval_config as convert
     else:
-        from launch.compare import register_configs as register, to_compare_config as convert
+        from launch.compare.run import register_configs as register, to_compare_config as convert
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return convert(compose(config_name=primary, overrides=overrides + ["run.dir=/tmp/tracking-check"]))
@@ -255,8 +255,8 @@ def test_every_entry_point_takes_and_checks_run_trackers(primary, monkeypatch):
 
 
 def test_eval_and_compare_summaries_use_names_every_backend_takes():
-    from es_ray.evaluate import tracker_metrics as eval_metrics
-    from launch.compare import tracker_metrics as compare_metrics
+    from es_ray.evaluation.es_eval import tracker_metrics as eval_metrics
+    from launch.compare.run import tracker_metrics as compare_metrics
 
     task = {"pass@k": {"1": 0.25, "4": 0.5}, "maj@k": None, "mean_reward": 0.3, "entropy": {"mean_per_token": 0.7}}
     out = eval_metrics({"tasks": {"math500": task}, "entropy": {"mean_per_token": 0.7}, "tokens_generated": 9,
@@ -272,7 +272,7 @@ def test_eval_and_compare_summaries_use_names_every_backend_takes():
 
 
 def test_es_eval_logs_its_summary_once_with_the_config(tiny_model_dir, tmp_path):
-    from es_ray.evaluate import run
+    from es_ray.evaluation.es_eval import run
 
     fixtures = Path(__file__).resolve().parent / "fixtures"
     cfg = _convert("es_eval", [f"model.path={tiny_model_dir}", "eval.tasks=[math500,csqa]", "eval.n=2",
@@ -293,7 +293,7 @@ def test_es_eval_logs_its_summary_once_with_the_config(tiny_model_dir, tmp_path)
 
 @pytest.mark.ray
 def test_tiny_es_run_lands_in_every_tracker(ray_local, tiny_model_dir, tmp_path):
-    from es_ray.driver import run
+    from es_ray.es.driver import run
     from test_ray_es import tiny_cfg
 
     run_dir = tmp_path / "es"
@@ -327,9 +327,9 @@ def test_progress_names_what_it_shows_and_a_resumed_run_counts_from_its_start(tm
 
 
 def test_es_eval_and_es_drift_show_progress(tiny_model_dir, tmp_path, capsys):
-    from es_ray.checkpoint_drift import run_drift
-    from es_ray.eval_config import to_drift_config
-    from es_ray.evaluate import run
+    from es_ray.evaluation.es_drift import run_drift
+    from es_ray.evaluation.config import to_drift_config
+    from es_ray.evaluation.es_eval import run
 
     fixtures = Path(__file__).resolve().parent / "fixtures"
     cfg = _convert("es_eval", [f"model.path={tiny_model_dir}", "eval.tasks=[math500,csqa]", "eval.n=1",

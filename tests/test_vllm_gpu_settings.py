@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from es_ray.config import ESTrainConfig, validate
+from es_ray.es.config import ESTrainConfig, validate
 from es_ray.core.config import ConfigError
 from es_ray.engines.vllm import check_gpu_settings
 

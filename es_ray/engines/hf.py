@@ -11,7 +11,7 @@ import torch
 from es_ray.engines.base import (Completion, Engine, InProcessReplicaHost, ReplicaHost, check_context,
                                  check_temperature, resolve_device)
 from es_ray.engines.hf_lowrank import Factors, LowRankTerms, population_calls
-from es_ray.eval.prefix import prompt_groups, shared_prefill
+from es_ray.metrics.prefix import prompt_groups, shared_prefill
 from es_ray.core.config import EngineConfig, SamplingConfig
 from es_ray.core.dtypes import resolve_dtype
 from es_ray.lowrank import LowRankSlots
@@ -125,19 +125,19 @@ class HFEngine(Engine):
         return out
 
     def token_logprobs(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
-        from es_ray.eval.entropy import completion_log_probs
+        from es_ray.metrics.entropy import completion_log_probs
 
         return completion_log_probs(self.model, prompt_ids, completion_ids, check_temperature(temperature)).tolist()
 
     def token_entropies(self, prompt_ids: list[int], completion_ids: list[int],
                         temperature: float = 1.0) -> list[float]:
-        from es_ray.eval.entropy import completion_entropies
+        from es_ray.metrics.entropy import completion_entropies
 
         return completion_entropies(self.model, prompt_ids, completion_ids, check_temperature(temperature)).tolist()
 
     def entropies_batch(self, pairs: list[tuple[list[int], list[int]]],
                         temperatures: tuple[float, ...], top_p: float = 1.0) -> list[list[list[float]]]:
-        from es_ray.eval.entropy import batched_completion_entropies
+        from es_ray.metrics.entropy import batched_completion_entropies
 
         temps = [check_temperature(t) for t in temperatures]
         budget = max(512, self.cfg.batch_size * 128)  # padded tokens per forward pass

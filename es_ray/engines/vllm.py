@@ -430,7 +430,7 @@ class VLLMReplicaHost(ReplicaHost):
             return
         state = {key: sd.get(key) for key in STATE_KEYS}
         if state["master"] is not None and not isinstance(state["master"], dict):  # a checkpoint read lazily
-            state["master"] = dict(state["master"].items())  # (es_ray.checkpoint.LazyTensors): plain tensors to save
+            state["master"] = dict(state["master"].items())  # (es_ray.es.state.LazyTensors): plain tensors to save
         with tempfile.TemporaryDirectory(prefix="es_ray_state_") as tmp:
             path = os.path.join(tmp, "state.pt")
             torch.save(state, path)

@@ -148,7 +148,7 @@ def validate(cfg: ESTrainConfig) -> ESTrainConfig:
 def check_lowrank_engine(cfg: ESTrainConfig) -> None:
     """es.perturbation=lowrank: a rank of at least 1, and an engine that batches a population (the engine's
     ``lowrank_ranks``: the ranks it can serve, None for any). The rank's upper bound, min(out, in) of the model's
-    linear layers, is checked where the model is at hand (``es_ray.driver.preflight`` and every replica)."""
+    linear layers, is checked where the model is at hand (``es_ray.es.driver.preflight`` and every replica)."""
     from es_ray.engines import ENGINES, LOWRANK_RANKS
 
     if cfg.es.rank < 1:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from es_ray.config import ESTrainConfig
-from es_ray.protocol import EvalRequest, UpdateRequest
-from es_ray.recovery import RESUME_FREE, ReplicaMismatchError
+from es_ray.es.config import ESTrainConfig
+from es_ray.es.protocol import EvalRequest, UpdateRequest
+from es_ray.es.recovery import RESUME_FREE, ReplicaMismatchError
 from es_ray.runtime.signals import interrupt_soon
 from es_ray.runtime.tracking import Timer
 from es_ray.strategy import Member, ask, shape_fitness
@@ -51,7 +51,7 @@ def start_workers(cfg: ESTrainConfig, keeper, log=print, placement=None):
     ``keeper.restore``. Returns the actor group and the actors' ready() answers."""
     from es_ray.runtime.actors import start_group
     from es_ray.runtime.placement import place
-    from es_ray.worker import ESWorker
+    from es_ray.es.worker import ESWorker
 
     # a replacement started during iteration t is immune to the injected faults of iterations up to t
     def make_args(rank: int) -> tuple:
@@ -103,9 +103,9 @@ def tell(keeper, record: dict, members: list[Member], fitness_n: np.ndarray, cfg
 
 
 def run(cfg: ESTrainConfig) -> dict:
-    from es_ray.checkpoint import SeedLog
+    from es_ray.es.state import SeedLog
     from es_ray.held_out import held_out_seed, write_base_point
-    from es_ray.recovery import ReplicaKeeper, resume_point
+    from es_ray.es.recovery import ReplicaKeeper, resume_point
     from es_ray.runtime.cluster import connect
     from es_ray.runtime.ledger import Ledger
     from es_ray.runtime.placement import place

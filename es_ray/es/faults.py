@@ -10,7 +10,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from es_ray.config import ESFaultsConfig
+from es_ray.es.config import ESFaultsConfig
 
 if TYPE_CHECKING:
     from es_ray.engines.base import ReplicaHost

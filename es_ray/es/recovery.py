@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from es_ray.checkpoint import SeedLog, list_checkpoints, replay_record
-from es_ray.config import ESTrainConfig
+from es_ray.es.state import SeedLog, list_checkpoints, replay_record
+from es_ray.es.config import ESTrainConfig
 from es_ray.runtime.actors import ActorLostError, payload_bytes
 from es_ray.runtime.checkpoint import CheckpointError
 from es_ray.core.config import ConfigError

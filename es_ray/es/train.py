@@ -1,4 +1,4 @@
-"""`es-train`: ES fine-tuning on Ray, configured with Hydra over the typed schema in es_ray.config.
+"""`es-train`: ES fine-tuning on Ray, configured with Hydra over the typed schema in es_ray.es.config.
 
     es-train task.name=countdown es.population=8 es.iterations=5 run.dir=/abs/path
     es-train experiment=es_reference_gsm8k
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 
 def _main(dict_cfg) -> None:
-    from es_ray.config import to_train_config
-    from es_ray.driver import run
-    from es_ray.recovery import RESUME_FREE
+    from es_ray.es.config import to_train_config
+    from es_ray.es.driver import run
+    from es_ray.es.recovery import RESUME_FREE
     from es_ray.runtime.entry import run_or_exit
     from es_ray.runtime.rundir import resumed_config
 
@@ -19,7 +19,7 @@ def _main(dict_cfg) -> None:
 
 
 def main() -> None:
-    from es_ray.config import register_configs
+    from es_ray.es.config import register_configs
     from es_ray.runtime.entry import hydra_main
 
     hydra_main("es_train", _main, "es-train", register_configs)

@@ -11,8 +11,8 @@ import os
 import time
 from dataclasses import asdict
 
-from es_ray.config import ESTrainConfig
-from es_ray.protocol import EvalRequest, EvalResult, MemberResult, UpdateRequest, UpdateResult
+from es_ray.es.config import ESTrainConfig
+from es_ray.es.protocol import EvalRequest, EvalResult, MemberResult, UpdateRequest, UpdateResult
 from es_ray.tasks.base import score, templated_prompts
 
 
@@ -27,7 +27,7 @@ class ESWorker:
         torch.set_num_threads(threads)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from es_ray.engines.base import make_engine
-        from es_ray.faults import FaultInjector
+        from es_ray.es.faults import FaultInjector
         from es_ray.models import resolve_model
         from es_ray.replica import ReplicaSpec
         from es_ray.tasks import load_task
@@ -138,7 +138,7 @@ class ESWorker:
     def save_checkpoint(self, path: str, extra: dict) -> str | dict:
         """The replica as checkpoint ``path`` of iteration ``extra["iteration"]``; ``{"at": i}`` instead when the
         replica holds the weights of iteration i (an update the run did not commit: lost mid-update)."""
-        from es_ray.checkpoint import save_es_checkpoint
+        from es_ray.es.state import save_es_checkpoint
 
         if extra["iteration"] != self.applied + 1:
             return {"at": self.applied + 1}
@@ -155,7 +155,7 @@ class ESWorker:
         ``{"unreadable": checkpoint}`` when this node cannot read that checkpoint (no shared disk), so the
         driver can send the whole log instead; ``{"refused": why}`` when a file fails its digest.
         """
-        from es_ray.checkpoint import load_es_state
+        from es_ray.es.state import load_es_state
         from es_ray.strategy import Member
 
         from es_ray.runtime.checkpoint import CheckpointError, read_meta

@@ -1,4 +1,4 @@
-"""`es-drift`: compare two checkpoints' weights, one tensor pair at a time (es_ray.eval.drift holds the metrics).
+"""`es-drift`: compare two checkpoints' weights, one tensor pair at a time (es_ray.metrics.drift holds the metrics).
 
     es-drift base=Qwen/Qwen2.5-1.5B-Instruct tuned=/abs/run/checkpoints/final run.dir=/abs/drift
 """
@@ -10,7 +10,7 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from es_ray.eval_config import DriftJobConfig
+from es_ray.evaluation.config import DriftJobConfig
 
 
 def _tensor_index(model_dir: Path) -> dict[str, Path]:
@@ -24,8 +24,8 @@ def run_drift(cfg: DriftJobConfig) -> dict:
     from safetensors import safe_open
 
     from es_ray.core.dtypes import resolve_dtype
-    from es_ray.eval.drift import drift
-    from es_ray.eval.plots import plot_update_histograms
+    from es_ray.metrics.drift import drift
+    from es_ray.metrics.plots import plot_update_histograms
     from es_ray.models import resolve_model
     from es_ray.runtime.rundir import open_run_dir
 
@@ -80,7 +80,7 @@ def drift_summary(report: dict) -> str:
 
 
 def _main(dict_cfg) -> None:
-    from es_ray.eval_config import to_drift_config
+    from es_ray.evaluation.config import to_drift_config
     from es_ray.runtime.entry import run_or_exit
 
     report = run_or_exit("es-drift", lambda: run_drift(to_drift_config(dict_cfg)))
@@ -89,7 +89,7 @@ def _main(dict_cfg) -> None:
 
 
 def main() -> None:
-    from es_ray.eval_config import register_configs
+    from es_ray.evaluation.config import register_configs
     from es_ray.runtime.entry import hydra_main
 
     hydra_main("es_drift", _main, "es-drift", register_configs)

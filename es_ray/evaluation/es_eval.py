@@ -3,7 +3,7 @@
     es-eval model.path=/abs/run/checkpoints/final eval.tasks=[gpqa,math500] eval.n=32 eval.k=[1,16,32]
     es-eval eval.data_dir=/data/benchmarks eval.limit=50 cluster.num_actors=4 cluster.gpus_per_actor=1
 
-Every problem gets eval.n samples. The work is cut into seeded chunks (``es_ray.eval_worker``) that go to
+Every problem gets eval.n samples. The work is cut into seeded chunks (``es_ray.evaluation.worker``) that go to
 ``cluster.num_actors`` Ray actors as each becomes free (0: run in this process). The driver computes pass@k, maj@k
 and the entropy summary and writes results.json, results.md and samples.jsonl to run.dir.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from es_ray.eval_config import EvalJobConfig
-from es_ray.eval_worker import (Chunk, EvalWorker, entropy_temperatures, load_eval_task, plan_chunks,
+from es_ray.evaluation.config import EvalJobConfig
+from es_ray.evaluation.worker import (Chunk, EvalWorker, entropy_temperatures, load_eval_task, plan_chunks,
                                 task_config)
 
 
@@ -60,8 +60,8 @@ def _run_chunks(cfg: EvalJobConfig, chunks: list[Chunk], progress) -> list[dict]
 
 def summarize_task(task, n: int, ks: list[int], samples: list[dict], hist: np.ndarray, skipped: int,
                    source: str) -> dict:
-    from es_ray.eval.entropy import summarize_stats
-    from es_ray.eval.passk import maj_at_k, mean_pass_at_k
+    from es_ray.metrics.entropy import summarize_stats
+    from es_ray.metrics.passk import maj_at_k, mean_pass_at_k
     from es_ray.grading.result import FAILURE_KINDS
 
     by_problem: dict[int, list[dict]] = {}
@@ -106,7 +106,7 @@ def entropy_at_t1(samples: list[dict], key: str = "entropy_sum_t1") -> dict | No
 def answer_checks(problems: list[list[dict]], n: int, ks: list[int]) -> dict:
     """Correct samples with no final boxed answer and correct samples whose answer only restates the problem, and
     pass@k with those counted wrong (how much of pass@k they make)."""
-    from es_ray.eval.passk import mean_pass_at_k
+    from es_ray.metrics.passk import mean_pass_at_k
 
     def flagged(s: dict) -> bool:
         return bool(s["correct"]) and (not s["checks"].get("boxed", True) or s["checks"].get("restated", False))
@@ -119,7 +119,7 @@ def answer_checks(problems: list[list[dict]], n: int, ks: list[int]) -> dict:
 
 
 def run(cfg: EvalJobConfig) -> dict:
-    from es_ray.eval.entropy import HIST_EDGES, summarize_stats
+    from es_ray.metrics.entropy import HIST_EDGES, summarize_stats
     from es_ray.grading.sandbox import isolation
     from es_ray.models import resolve_model
     from es_ray.runtime.rundir import open_run_dir
@@ -192,7 +192,7 @@ def _run_with_progress(cfg: EvalJobConfig, chunks: list[Chunk]) -> list[dict]:
 
 def write_results(cfg: EvalJobConfig, run_dir: Path, results: dict, samples: dict[str, list[dict]]) -> None:
     """results.json, results.md, samples.jsonl (eval.save_samples) and the trackers' summary."""
-    from es_ray.eval.report import results_markdown
+    from es_ray.metrics.report import results_markdown
     from es_ray.runtime.tracking import log_summary
 
     (run_dir / "results.json").write_text(json.dumps(results, indent=2))
@@ -218,7 +218,7 @@ def tracker_metrics(results: dict) -> dict[str, float]:
 
 
 def _main(dict_cfg) -> None:
-    from es_ray.eval_config import to_eval_config
+    from es_ray.evaluation.config import to_eval_config
     from es_ray.runtime.entry import run_or_exit
 
     results = run_or_exit("es-eval", lambda: run(to_eval_config(dict_cfg)))
@@ -227,7 +227,7 @@ def _main(dict_cfg) -> None:
 
 
 def main() -> None:
-    from es_ray.eval_config import register_configs
+    from es_ray.evaluation.config import register_configs
     from es_ray.runtime.entry import hydra_main
 
     hydra_main("es_eval", _main, "es-eval", register_configs)

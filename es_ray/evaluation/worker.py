@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from es_ray.eval_config import EvalJobConfig
+from es_ray.evaluation.config import EvalJobConfig
 from es_ray.core.config import TaskConfig
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -141,7 +141,7 @@ class EvalWorker:
 
     def run_chunk(self, chunk: Chunk) -> dict:
         from es_ray.core.config import SamplingConfig
-        from es_ray.eval.entropy import HIST_EDGES, histogram
+        from es_ray.metrics.entropy import HIST_EDGES, histogram
 
         ev = self.cfg.eval
         task, problems, prompts = self._task(chunk.task)

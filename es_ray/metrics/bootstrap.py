@@ -3,7 +3,7 @@
 ``interval(values_p)``: resample the P problems with replacement B times and take the 2.5 / 97.5 percentiles of the
 resampled means. ``interval_of_task_means([values_p per task])``: the same for the average over tasks, each task's
 problems resampled within the task (so every replicate keeps every task). These intervals describe one method;
-two methods scored on the same problems are compared paired (``es_ray.eval.paired``). ``separated`` (do two
+two methods scored on the same problems are compared paired (``es_ray.metrics.paired``). ``separated`` (do two
 marginal intervals not overlap?) is the rule that replaced: kept to show in the tests how rarely it sees a real
 difference between correlated methods.
 """

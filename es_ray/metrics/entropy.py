@@ -119,7 +119,7 @@ def batched_completion_entropies(model, pairs: Sequence[tuple[Sequence[int], Seq
     Completions of one prompt (eval.n samples of a problem) share it: the prompt runs once and its keys and
     values serve them all (``prefix.shared_prompt_hidden``). Only the completion positions go through the LM head,
     ``chunk`` at a time (a [chunk, V] fp32 block)."""
-    from es_ray.eval.prefix import prompt_groups, shared_prompt_hidden, valid_rows
+    from es_ray.metrics.prefix import prompt_groups, shared_prompt_hidden, valid_rows
 
     out: list[np.ndarray | None] = [None] * len(pairs)
     device = next(model.parameters()).device

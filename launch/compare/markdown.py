@@ -1,11 +1,11 @@
 """es-compare's report.md: the tables (means over seeds), each seed, the paired tests with their power, the budgets
-as reached and the verdict, from report.json's data (``launch.compare_report.collect``)."""
+as reached and the verdict, from report.json's data (``launch.compare.report.collect``)."""
 
 from __future__ import annotations
 
 import math
 
-from launch.compare_report import LABELS
+from launch.compare.methods import LABELS
 
 
 def _p(x) -> str:
@@ -97,7 +97,7 @@ def drift_markdown(rep: dict) -> list[str]:
               "engine sees.", "",
               "Null model: with z-scored (or ranked) fitness an SGD step of ES moves every weight by Normal(0, "
               "(lr / (N sigma))^2 sum z^2) whatever the rewards, so T steps are a random walk "
-              "(es_ray/eval/null_drift.py). "
+              "(es_ray/metrics/null_drift.py). "
               "A measured L2 or sparsity share close to the null's is set by the step sizes, not by what ES learned.",
               ""] + null_verdict(methods, th)
     return lines
@@ -241,8 +241,6 @@ def uncertainty_markdown(rep: dict) -> list[str]:
 
 def _difference(rep: dict, a: str, b: str, k) -> tuple[str, str]:
     """(numbers, verdict) of the paired test of methods a and b at pass@k (k None: entropy)."""
-    from launch.compare_report import find_test
-
     t = find_test(rep, a, b, f"pass@{k}" if k is not None else "entropy")
     if t is None:
         return "-", "not run"
@@ -350,3 +348,13 @@ def null_verdict(methods: dict, th) -> list[str]:
                    + ("the drift differs from what the step sizes alone give." if beyond else
                       "the drift and the sparsity are what the step sizes alone give (not evidence of learning)."))
     return out
+
+
+def find_test(rep: dict, a: str, b: str, metric: str) -> dict | None:
+    """The comparison of a and b on a metric, oriented a - b (a stored b - a is flipped)."""
+    for t in rep["comparisons"]["tests"]:
+        if t["metric"] == metric and (t["a"], t["b"]) in ((a, b), (b, a)):
+            if t["a"] == a:
+                return t
+            return {**t, "a": a, "b": b, "diff": -t["diff"], "low": -t["high"], "high": -t["low"]}
+    return None

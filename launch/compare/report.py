@@ -1,7 +1,7 @@
 """es-compare's report data: report.json (per method and seed: pass@k, entropy, drift with its null model and
 bf16 view, the measured ledger and the budget as reached, curves; across seeds: means, mean +- std, descriptive
 bootstrap intervals, and the paired tests of every pair of methods with Holm's correction and their power,
-es_ray.eval.paired), written with report.md (launch.compare_markdown) and the plots (launch.compare_plots), from
+es_ray.metrics.paired), written with report.md (launch.compare.markdown) and the plots (launch.compare.plots), from
 the stages' own output files.
 
 Everything here is read back from disk (results.json and samples.jsonl of each evaluation, metrics.jsonl and
@@ -16,10 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from es_ray.eval.passk import pass_at_k
+from es_ray.metrics.passk import pass_at_k
 from es_ray.held_out import BASE_POINT
+from launch.compare.markdown import markdown
+from launch.compare.methods import COMPARED, LABELS, grpo_placement_text, runs_grpo
+from launch.compare.plots import plots
 
-LABELS = {"base": "Base", "es": "ES", "grpo": "GRPO", "es_grpo": "ES->GRPO", "grpo_es": "GRPO->ES"}
 
 
 def _read_json(path: Path) -> dict | None:
@@ -177,7 +179,7 @@ def per_problem(root: Path, cfg, plan: dict) -> dict:
 def intervals(pp: dict, ks: list[int]) -> dict:
     """95% bootstrap intervals over problems of each method's pass@k (a problem's pass@k averaged over the seeds
     first), per task and for the average over tasks: descriptive; differences are tested paired (``comparisons``)."""
-    from es_ray.eval.bootstrap import interval, interval_of_task_means
+    from es_ray.metrics.bootstrap import interval, interval_of_task_means
 
     out = {}
     for method, m in pp["methods"].items():
@@ -191,8 +193,6 @@ def intervals(pp: dict, ks: list[int]) -> dict:
     return out
 
 
-COMPARED = (("es", "base"), ("grpo", "base"), ("es", "grpo"), ("es_grpo", "grpo"), ("grpo_es", "es"),
-            ("es_grpo", "grpo_es"))
 PAPER_GAPS = (0.02, 0.06)
 """The paper's Pass@16 gaps between methods (2 to 6 points): the effects whose needed problems are reported."""
 ALPHA = 0.05
@@ -212,8 +212,8 @@ def method_pairs(methods: list[str]) -> list[tuple[str, str]]:
 def comparisons(pp: dict, ks: list[int], tasks: list[str]) -> dict:
     """Every pair of methods at every k (average pass@k over tasks, tasks weighted equally) and on entropy, as
     paired differences over problems and seeds with Holm's correction over that whole family, and the power of
-    each (es_ray.eval.paired)."""
-    from es_ray.eval.paired import holm, paired_difference_tasks, power
+    each (es_ray.metrics.paired)."""
+    from es_ray.metrics.paired import holm, paired_difference_tasks, power
 
     methods = list(pp["methods"])
     tests = []
@@ -250,19 +250,9 @@ def _test(x: str, y: str, metric: str, k, pairs, test, power) -> dict:
             "seeds_needed": {f"{g:g}": pw.seeds_needed(g) for g in PAPER_GAPS}}
 
 
-def find_test(rep: dict, a: str, b: str, metric: str) -> dict | None:
-    """The comparison of a and b on a metric, oriented a - b (a stored b - a is flipped)."""
-    for t in rep["comparisons"]["tests"]:
-        if t["metric"] == metric and (t["a"], t["b"]) in ((a, b), (b, a)):
-            if t["a"] == a:
-                return t
-            return {**t, "a": a, "b": b, "diff": -t["diff"], "low": -t["high"], "high": -t["low"]}
-    return None
-
-
 def drift_comparison(per_seed: dict) -> dict | None:
     """ES vs GRPO L2 drift, paired over seeds (one L2 per seed's run): the seeds are the only level here."""
-    from es_ray.eval.paired import paired_difference
+    from es_ray.metrics.paired import paired_difference
 
     l2 = {m: [(rep["methods"].get(m, {}).get("drift") or {}).get("l2") for rep in per_seed.values()]
           for m in ("es", "grpo")}
@@ -275,9 +265,9 @@ def drift_comparison(per_seed: dict) -> dict | None:
 
 
 def es_null(root: Path, stage: str, total: dict, thresholds) -> dict:
-    """The null model's drift for an ES run (es_ray.eval.null_drift) from the run's own config.json and metrics:
+    """The null model's drift for an ES run (es_ray.metrics.null_drift) from the run's own config.json and metrics:
     the drift its step sizes give whatever the rewards were."""
-    from es_ray.eval.null_drift import null_drift
+    from es_ray.metrics.null_drift import null_drift
 
     run_cfg = _read_json(root / "stages" / stage / "config.json")
     es = run_cfg["es"]
@@ -297,9 +287,7 @@ def collect(root: Path, cfg, plan: dict, pool: int) -> dict:
     per_seed = {s: collect_seed(root, cfg, {m: plan[m][s] for m in plan}, pool) for s in seeds}
     rep = per_seed[seeds[0]]
     rep["seeds"] = seeds
-    if any(m in plan for m in ("grpo", "es_grpo", "grpo_es")):
-        from launch.compare import grpo_placement_text
-
+    if runs_grpo(plan):
         rep["grpo_placement"] = grpo_placement_text(cfg)
     rep["across_seeds"] = across_seeds(per_seed, rep["k"])
     rep["per_seed"] = {str(s): {m: {"average": e["average"], "entropy": e["entropy"]["mean_per_token"],
@@ -405,9 +393,6 @@ def collect_seed(root: Path, cfg, plan: dict, pool: int) -> dict:
 
 def write_report(root: Path, cfg, plan: dict, pool: int) -> dict:
     rep = collect(root, cfg, plan, pool)
-    from launch.compare_markdown import markdown
-    from launch.compare_plots import plots
-
     rep["plots"] = plots(rep, root)
     (root / "report.json").write_text(json.dumps(rep, indent=2))
     (root / "report.md").write_text(markdown(rep))

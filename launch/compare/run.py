@@ -30,15 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from es_ray.config import ESConfig
-from es_ray.eval_config import BenchmarkConfig
+from es_ray.es.config import ESConfig
+from es_ray.evaluation.config import BenchmarkConfig
 from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, ModelConfig, RunConfig,
                                 SamplingConfig, TaskConfig, check_choice, check_positive)
 from grpo.config import GRPOConfig, GRPOSamplingConfig
+from launch.compare.methods import METHODS, TRAINED, grpo_placement
 
-METHODS = ("base", "es", "grpo", "es_grpo", "grpo_es")
 BUDGET_UNITS = ("epochs", "tokens", "device_seconds")
-TRAINED = {"es": ("es",), "grpo": ("grpo",), "es_grpo": ("es", "grpo"), "grpo_es": ("grpo", "es")}
 
 
 @dataclass
@@ -209,7 +208,7 @@ def _faults(cfg: CompareConfig, cls: type):
 
 def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int, seed: int,
                measured: float | None = None):
-    from es_ray.config import ESFaultsConfig, ESTrainConfig, validate
+    from es_ray.es.config import ESFaultsConfig, ESTrainConfig, validate
 
     iterations = budget_units(epochs, pool, cfg.es.prompts_per_iteration)
     share = epochs / cfg.budget.epochs
@@ -220,25 +219,6 @@ def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float
                                   eval=_held_out(cfg),
                                   faults=_faults(cfg, ESFaultsConfig),
                                   **_common(cfg, model_path, run_dir, seed, share)))
-
-
-def grpo_placement(cfg: CompareConfig) -> tuple[bool, int]:
-    """(grpo.colocate, rollout actors): GRPO's learner ranks and rollout actors on devices of their own when the
-    cluster (cluster.num_actors devices) has room for both, else colocated, one rollout engine per learner rank."""
-    g = cfg.grpo
-    if g.colocate or g.fsdp_size + cfg.grpo_rollout_actors > cfg.cluster.num_actors:
-        return True, g.fsdp_size
-    return False, cfg.grpo_rollout_actors
-
-
-def grpo_placement_text(cfg: CompareConfig) -> str:
-    colocate, rollouts = grpo_placement(cfg)
-    if colocate:
-        return (f"GRPO ran colocated: {rollouts} actor(s), each holding a learner rank and a rollout engine "
-                f"(grpo.colocate; cluster.num_actors={cfg.cluster.num_actors} has no spare devices for "
-                f"grpo.fsdp_size={cfg.grpo.fsdp_size} learner ranks beside grpo_rollout_actors={cfg.grpo_rollout_actors})")
-    return (f"GRPO ran on separate devices: {cfg.grpo.fsdp_size} learner rank(s) (grpo.fsdp_size) and {rollouts} "
-            "rollout actor(s) (grpo_rollout_actors)")
 
 
 def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int, seed: int,
@@ -259,7 +239,7 @@ def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: flo
 
 
 def _run_es(train_cfg) -> dict:
-    from es_ray.driver import run
+    from es_ray.es.driver import run
 
     return run(train_cfg)
 
@@ -271,7 +251,7 @@ def _run_grpo(train_cfg) -> dict:
 
 
 def _eval_config(cfg: CompareConfig, model_path: str, run_dir: Path, seed: int):
-    from es_ray.eval_config import EvalJobConfig, validate_eval
+    from es_ray.evaluation.config import EvalJobConfig, validate_eval
 
     return validate_eval(EvalJobConfig(model=dataclasses.replace(cfg.model, path=model_path), eval=cfg.eval,
                                        engine=cfg.engine, cluster=cfg.cluster, faults=cfg.faults,
@@ -279,22 +259,26 @@ def _eval_config(cfg: CompareConfig, model_path: str, run_dir: Path, seed: int):
 
 
 def _run_eval(eval_cfg) -> dict:
-    from es_ray.evaluate import run
+    from es_ray.evaluation.es_eval import run
 
     return run(eval_cfg)
 
 
 def _drift_config(cfg: CompareConfig, tuned: str, run_dir: Path):
-    from es_ray.eval_config import DriftJobConfig, validate_drift
+    from es_ray.evaluation.config import DriftJobConfig, validate_drift
 
     return validate_drift(DriftJobConfig(base=cfg.model.path, tuned=tuned, thresholds=list(cfg.drift_thresholds),
                                          run=dataclasses.replace(cfg.run, dir=str(run_dir))))
 
 
 def _run_drift(drift_cfg) -> dict:
-    from es_ray.checkpoint_drift import run_drift
+    from es_ray.evaluation.es_drift import run_drift
 
     return run_drift(drift_cfg)
+
+
+PART_STAGES = {"es": (_es_config, _run_es), "grpo": (_grpo_config, _run_grpo)}
+"""How each training part (``methods.PARTS``) is built: (its config from the comparison's, its run)."""
 
 
 def stage_plan(cfg: CompareConfig, method: str, root: Path, pool: int | None = None,
@@ -311,10 +295,9 @@ def stage_plan(cfg: CompareConfig, method: str, root: Path, pool: int | None = N
         # is measured, not apportioned.
         name = f"train.{method}.{part}{suffix}" if len(parts) > 1 else f"train.{method}{suffix}"
         run_dir, start = root / "stages" / name, model_path
-        make = _es_config if part == "es" else _grpo_config
+        make, run_part = PART_STAGES[part]
         stages.append(Stage(name, f"train_{part}",
-                            (lambda s=start, d=run_dir, f=make: f(cfg, s, d, epochs, pool, seed)),
-                            _run_es if part == "es" else _run_grpo))
+                            (lambda s=start, d=run_dir, f=make: f(cfg, s, d, epochs, pool, seed)), run_part))
         model_path = str(run_dir / "checkpoints" / "final")
     eval_dir = root / "stages" / f"eval.{method}{suffix}"
     stages.append(Stage(eval_dir.name, "eval", (lambda p=model_path, d=eval_dir: _eval_config(cfg, p, d, seed)),
@@ -423,7 +406,7 @@ def _stage_result(stage: Stage, out: dict) -> dict:
 def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
     from es_ray.runtime.cluster import connect
     from es_ray.runtime.tracking import log_summary
-    from launch.compare_report import write_report
+    from launch.compare.report import write_report
     from es_ray.models import resolve_model
 
     if not cfg.run.dir:
@@ -467,7 +450,7 @@ def check_reach_measured(cfg: CompareConfig, root: Path, plan: dict, pool: int) 
     for method in cfg.methods:
         parts = TRAINED.get(method, ())
         for part in parts:
-            make = _es_config if part == "es" else _grpo_config
+            make = PART_STAGES[part][0]
             make(cfg, cfg.model.path, root / "stages" / "check", cfg.budget.epochs / len(parts), pool, cfg.seeds[0],
                  measured)
     return measured
