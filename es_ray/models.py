@@ -132,7 +132,7 @@ def resolve_model(path: str) -> Path:
 @functools.lru_cache(maxsize=16)
 def _verified(path: str, files: tuple) -> None:
     """verify_dir once per process for a directory whose files (names, sizes, times) have not changed."""
-    from es_ray.runtime.checkpoint import verify_dir
+    from es_ray.core.manifest import verify_dir
 
     verify_dir(path)
 

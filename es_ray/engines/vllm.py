@@ -33,6 +33,7 @@ from typing import Any, Iterable
 
 import torch
 
+from es_ray.engines.vllm_extension import LORA_PATH, member_lora_name
 from es_ray.engines.base import Completion, Engine, ReplicaHost, check_context, check_temperature
 from es_ray.lowrank import LowRankSlots, is_target
 from es_ray.replica import ReplicaSpec, combine_checksums, gather_shards, gather_states, update_health
@@ -49,11 +50,6 @@ in fp32, more than 64 prompts x (prompt + 64 new tokens), and leaves RAM for a s
 _GPU_MEMORY_UTILIZATION = 0.5
 """vLLM's share of the GPU when engine.gpu_memory_utilization=0 and the memory plan cannot count the model's
 tensors (neither Llama- nor Qwen2-shaped); otherwise the share comes from ``es_ray.memory_plan``."""
-
-
-LORA_PATH = "/es-ray/lowrank-slot/not-a-file"
-"""The path every member's LoRARequest names: the adapters are built in memory by the worker (``vllm_extension``),
-and no file is ever read; a path that does not exist makes vLLM fail loudly should it ever try to load one."""
 
 
 def lowrank_ranks() -> tuple[int, ...] | None:
@@ -109,11 +105,6 @@ def enable_batch_invariance() -> None:
         raise RuntimeError("engine.batch_invariant=true, but vLLM in this process already read "
                            f"{BATCH_INVARIANT_ENV}=0 (an engine was built here before): start the engine in a fresh "
                            f"process, or export {BATCH_INVARIANT_ENV}=1 before it starts")
-
-
-def member_lora_name(position: int) -> str:
-    """The LoRA name of the member at ``position`` of a ``generate_members`` call (slot id position + 1)."""
-    return f"es-member-{position}"
 
 
 def _request_seed(seed: int, index: int) -> int:

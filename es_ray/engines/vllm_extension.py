@@ -55,6 +55,16 @@ if TYPE_CHECKING:
     from es_ray.replica import ReplicaSpec
 
 
+LORA_PATH = "/es-ray/lowrank-slot/not-a-file"
+"""The path every member's LoRARequest names: the adapters are built in memory by the worker (``vllm_extension``),
+and no file is ever read; a path that does not exist makes vLLM fail loudly should it ever try to load one."""
+
+
+def member_lora_name(position: int) -> str:
+    """The LoRA name of the member at ``position`` of a ``generate_members`` call (slot id position + 1)."""
+    return f"es-member-{position}"
+
+
 def keep_weights_when_packing() -> None:
     """CPU: vLLM's GEMM dispatch packs ``layer.weight`` and then drops it; keep it (the packed copy is used)."""
     from vllm.model_executor.layers import utils as layer_utils
@@ -417,7 +427,6 @@ class ESExtension:
         loads anything (a load would fail on the LoRARequest's path, which does not exist)."""
         from vllm.lora.request import LoRARequest
 
-        from es_ray.engines.vllm import LORA_PATH, member_lora_name
 
         worker = self._es_lora_manager()
         manager = worker._adapter_manager

@@ -1,0 +1,73 @@
+"""A directory's manifest: every file's bytes and sha256 (``manifest.json``, written by
+``es_ray.runtime.checkpoint.publish_dir``), and the checks that a directory still matches it. Here, at the bottom,
+so that resolving a model (``es_ray.models``) can verify a checkpoint directory without importing the runtime."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from es_ray.core.config import ConfigError
+
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint file that does not match its manifest, or a directory that is not a finished checkpoint."""
+
+
+def sha256_file(file: Path) -> str:
+    with open(file, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _manifest(path: Path) -> dict[str, dict]:
+    file = path / MANIFEST
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing, so {path} is not a finished checkpoint (or predates checkpoint "
+                              "digests); move it aside to resume from an earlier checkpoint")
+    try:
+        return dict(json.loads(file.read_text())["files"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file}: unreadable ({exc}); move {path} aside to resume from an earlier "
+                              "checkpoint") from None
+
+
+def _check(path: Path, rel: str, want: dict) -> None:
+    file = path / rel
+    if not file.is_file():
+        raise CheckpointError(f"{file}: listed in {MANIFEST} but missing; move {path} aside to resume from an "
+                              "earlier checkpoint")
+    size = file.stat().st_size
+    got = sha256_file(file) if size == want.get("bytes") else ""
+    if got != want.get("sha256"):
+        found = f"sha256 {got[:16]}..." if got else f"{size} bytes"
+        expected = f"sha256 {str(want.get('sha256'))[:16]}..." if got else f"{want.get('bytes')}"
+        raise CheckpointError(f"{file}: {found} where {MANIFEST} says {expected}: the file is corrupted; move "
+                              f"{path} aside to resume from an earlier checkpoint")
+
+
+def verify_dir(path: str | Path) -> dict[str, dict]:
+    """Check every file of checkpoint ``path`` against its manifest; returns the manifest's files. Raises
+    CheckpointError naming the first file that is missing, differs, or is not in the manifest."""
+    path = Path(path)
+    files = _manifest(path)
+    for rel, want in files.items():
+        _check(path, rel, want)
+    listed = set(files) | {MANIFEST}
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        if f.relative_to(path).as_posix() not in listed:
+            raise CheckpointError(f"{f}: not in {path / MANIFEST}; it was not written with this checkpoint: remove "
+                                  "it")
+    return files
+
+
+def verify_file(path: str | Path, rel: str) -> Path:
+    """Check one file of checkpoint ``path`` against its manifest (e.g. the meta a driver reads); returns it."""
+    path = Path(path)
+    files = _manifest(path)
+    if rel not in files:
+        raise CheckpointError(f"{path / rel}: not in {path / MANIFEST}; {path} is not a checkpoint of this kind")
+    _check(path, rel, files[rel])
+    return path / rel

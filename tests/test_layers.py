@@ -1,0 +1,142 @@
+"""The layering, kept by CI: every import of the project's own modules (function-local ones included, only
+``if TYPE_CHECKING:`` blocks exempt) points down the layers of README "Architecture", the methods never import each
+other (only the comparison above them imports both), and no two modules import each other, directly or around a
+circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("es_ray", "grpo", "launch")
+LAYERS = {
+    "launch": 7,  # the comparison and es-submit: above every method
+    "es_ray.es": 6, "grpo": 6, "es_ray.evaluation": 6,  # the methods (and the evaluation jobs)
+    "es_ray.runtime": 5, "es_ray.held_out": 5,  # one runtime under every method
+    "es_ray.engines": 4, "es_ray.replica": 4, "es_ray.memory_plan": 4,
+    "es_ray.tasks": 3, "es_ray.grading": 3, "es_ray.models": 3,
+    "es_ray.noise": 2, "es_ray.strategy": 2, "es_ray.lowrank": 2, "es_ray.metrics": 2, "grpo.loss": 2,  # pure math
+    "es_ray.core": 1,  # imports nothing of the project but itself
+}
+METHODS = ("es_ray.es", "grpo", "es_ray.evaluation")
+
+
+def group_of(module: str) -> str | None:
+    """The longest LAYERS prefix naming ``module`` (a package, a module, or a name inside one)."""
+    hits = [p for p in LAYERS if module == p or module.startswith(p + ".")]
+    return max(hits, key=len) if hits else None
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py"))}
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for sub in node.body:
+                lines.update(range(sub.lineno, (sub.end_lineno or sub.lineno) + 1))
+    return lines
+
+
+def imports(path: Path, known: set[str]) -> list[tuple[int, str]]:
+    """(line, imported project module) for every import in ``path`` outside TYPE_CHECKING blocks; a name imported
+    from a package counts as that package's submodule when it is one."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_lines(tree)
+    out = []
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] in PACKAGES]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] in PACKAGES:
+            subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known]
+            out += [(node.lineno, m) for m in subs] or [(node.lineno, node.module)]
+    return out
+
+
+def import_graph() -> dict[str, list[tuple[int, str]]]:
+    mods = project_modules()
+    return {m: imports(p, set(mods)) for m, p in mods.items()}
+
+
+def test_every_project_module_has_a_layer():
+    assert [m for m in project_modules() if group_of(m) is None] == []
+
+
+def test_imports_point_down_the_layers_and_methods_do_not_import_each_other():
+    bad = []
+    for mod, found in import_graph().items():
+        mine = group_of(mod)
+        for line, other in found:
+            theirs = group_of(other)
+            if theirs is None or theirs == mine or mine.startswith(theirs + ".") or theirs.startswith(mine + "."):
+                continue
+            if LAYERS[theirs] > LAYERS[mine] or (mine in METHODS and theirs in METHODS):
+                bad.append(f"{mod}:{line} imports {other} ({theirs}, layer {LAYERS[theirs]} above {mine}'s "
+                           f"{LAYERS[mine]})" if LAYERS[theirs] > LAYERS[mine] else f"{mod}:{line} imports the "
+                           f"method {other}")
+    assert bad == []
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_between_modules():
+    mods = set(project_modules())
+
+    def owner(name: str) -> str | None:  # the project module a dotted import name lands in
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {m: {o for _, n in found if (o := owner(n)) and o != m and not m.startswith(o + ".")}
+             for m, found in import_graph().items()}
+    assert circles(graph) == []
+
+
+def test_the_rules_can_fail():
+    """The circle finder and the layer rule see what they are meant to see."""
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert group_of("es_ray.engines.vllm") == "es_ray.engines" and group_of("grpo.loss") == "grpo.loss"
+    assert LAYERS[group_of("es_ray.runtime.actors")] > LAYERS[group_of("es_ray.models")]
