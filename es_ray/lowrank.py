@@ -32,13 +32,7 @@ from typing import Iterable, Mapping
 import torch
 
 from es_ray.core.config import ConfigError
-from es_ray.core.registry import Registry
 
-PERTURBATIONS = Registry("es.perturbation", {
-    "full": "every trainable tensor gets its own full-rank Gaussian noise, written into the weights per member "
-            "(the paper's ES)",
-    "lowrank": "each linear layer's weight gets sigma * B A^T / sqrt(es.rank); all members are generated in one "
-               "batched pass (transformers: a per-member low-rank term; vLLM: one LoRA slot per member)"})
 _NOT_TARGETS = re.compile(r"(^|\.)(embed_tokens|embed_in|wte|wpe|lm_head|embed_out|embeddings?)(\.|$)")
 
 

@@ -312,6 +312,14 @@ them (an AdamW step of ~1e-5 is below bf16's spacing near 1 and vanishes)."""
 # -- the plan ---------------------------------------------------------------------------------------------------
 
 
+def _perturbation(name: str):
+    """The es.perturbation mode (``es_ray.perturbation``), imported when a plan needs it (this module's command line
+    imports no torch)."""
+    from es_ray.perturbation import PERTURBATIONS
+
+    return PERTURBATIONS.get(name)
+
+
 @dataclass(frozen=True)
 class Line:
     part: str
@@ -482,7 +490,7 @@ def _vllm_lines(m: ModelShape, s: Settings) -> list[Line]:
              f"{VLLM_FIXED_BYTES // GiB} GiB context/workspaces/CUDA graphs + profile run of "
              f"{s.max_num_batched_tokens} tokens + sampler over {s.max_num_seqs} x vocab fp32"),
     ]
-    if s.perturbation == "lowrank":
+    if _perturbation(s.perturbation).batched:
         per = lowrank_elements(m, s.rank)
         lines.append(Line("vllm", "LoRA slots", s.members * per * dt // tp,
                           f"{s.members} slots x {per:,} factor elements (rank {s.rank}) x {dt} B / TP {tp}"))
@@ -527,7 +535,7 @@ def plan_es(m: ModelShape, s: Settings = Settings()) -> MemoryPlan:
         es.append(Line("es", "step temporary", 4 * big, "Adam's sqrt(v) or the anchor's theta - theta_0"))
     es.append(Line("es", "update chunks", 4 * CHUNK_TEMPORARIES * min(REPLICA_CHUNK, big),
                    f"{CHUNK_TEMPORARIES} fp32 temporaries of replica.CHUNK={REPLICA_CHUNK} elements"))
-    if s.perturbation == "lowrank":
+    if _perturbation(s.perturbation).factored:
         per = lowrank_elements(m, s.rank)
         es.append(Line("es", "low-rank factors", 4 * s.members * per,
                        f"fp32 A and B of {s.members} members x {per:,} elements (rank {s.rank})"))
@@ -686,7 +694,7 @@ def settings_for(kind: str, cfg, shape: ModelShape, card: int = 80 * GiB) -> Set
                         reference_model=g.beta > 0, fsdp_size=g.fsdp_size, offload=g.offload, colocate=g.colocate)
     if kind == "es":
         es = cfg.es
-        members = -(-es.population // max(1, cfg.cluster.num_actors)) if es.perturbation == "lowrank" else 0
+        members = _perturbation(es.perturbation).members_at_once(es.population, cfg.cluster.num_actors)
         sequences = es.prompts_per_iteration * max(1, members)
         return Settings(**_engine(cfg, shape, sequences, cfg.sampling.max_new_tokens, card), optimizer=es.optimizer,
                         anchor_decay=es.anchor_decay, noise=es.noise, noise_table_size=es.noise_table_size,

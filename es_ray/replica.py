@@ -37,6 +37,7 @@ import torch
 
 from es_ray import lowrank
 from es_ray.noise import NoiseSource, resolve_kind
+from es_ray.perturbation import PERTURBATIONS, Perturbation
 from es_ray.strategy import Member, Optimizer, noise_coefficients
 
 if TYPE_CHECKING:
@@ -85,11 +86,12 @@ class ReplicaSpec:
         es.perturbation=lowrank only linear-layer weights are (``lowrank.is_target``; needs ``shape``)."""
         if self.trainable and re.search(self.trainable, name) is None:
             return False
-        return shape is None or self.perturbation != "lowrank" or lowrank.is_target(name, shape)
+        return self.kind.selects(name, shape)
 
     @property
-    def is_lowrank(self) -> bool:
-        return self.perturbation == "lowrank"
+    def kind(self) -> Perturbation:
+        """The es.perturbation mode (``es_ray.perturbation``)."""
+        return PERTURBATIONS.get(self.perturbation)
 
 
 @dataclass(frozen=True)
@@ -282,10 +284,9 @@ class Replica:
                 self.master[name] = t.detach().to(device=self.device, dtype=torch.float32, copy=True)
         if not self.master:
             raise ValueError(f"model.trainable={spec.trainable!r} matches no parameter"
-                             f"{' that es.perturbation=lowrank perturbs (linear-layer weights)' if spec.is_lowrank else ''}"
+                             f"{spec.kind.target_note()}"
                              "; fix the regex")
-        if spec.is_lowrank:
-            lowrank.check_rank(spec.rank, {n: s.shape for n, s in self.shards.items()})
+        spec.kind.check_model(spec.rank, lambda: {n: s.shape for n, s in self.shards.items()})
         self.names = sorted(self.master)
         self.theta0 = {k: v.clone() for k, v in self.master.items()} if spec.anchor_decay else None
         kind = resolve_kind(spec.noise, self.device.type)
@@ -297,7 +298,7 @@ class Replica:
         # part alone where noise_slice draws just its rows (counter, table), else the whole tensor it is cut from
         self._buf = torch.empty(max(math.prod(s.shape) for s in self.shards.values()), dtype=torch.float32,
                                 device=self.device)
-        self._nbuf = None if kind == "table" and not spec.is_lowrank else torch.empty(
+        self._nbuf = None if kind == "table" and not spec.kind.factored else torch.empty(
             max(math.prod(self._noise_shape(s)) for s in self.shards.values()), dtype=torch.float32,
             device=self.device)
 
@@ -349,8 +350,9 @@ class Replica:
         tensor-parallel rank: vLLM's LoRA layers take their own slice), (A, B_s) stacked over ``members`` in order:
         A (M, in, r) and B_s (M, out, r) = sign * sigma / sqrt(r) * B, so member m's layer output is
         x W^T + (x A[m]) B_s[m]^T (``lowrank.lowrank_output``)."""
-        if not self.spec.is_lowrank:
-            raise RuntimeError("member_factors needs es.perturbation=lowrank")
+        if not self.spec.kind.factored:
+            raise RuntimeError(f"member_factors needs factored noise (es.perturbation=lowrank), not "
+                               f"es.perturbation={self.spec.perturbation}")
         scale = sigma / math.sqrt(self.spec.rank)
         out = {}
         for name in self.names:
@@ -363,7 +365,7 @@ class Replica:
         """The noise of this replica's part of tensor ``name``: the whole tensor's noise, sliced (lowrank: the
         merged B A^T / sqrt(r) of the part)."""
         shard = self.shards[name]
-        if self.spec.is_lowrank:
+        if self.spec.kind.factored:
             b, a = self._local_factors(iteration, noise_id, name)
             e = self._view(self._nbuf, shard.local_shape)
             return torch.matmul(b, a.T, out=e).div_(math.sqrt(self.spec.rank))
@@ -458,7 +460,7 @@ class Replica:
         for name in self.names:
             theta = self.master[name]
             g = self._view(self._buf, theta.shape)
-            if self.spec.is_lowrank:
+            if self.spec.kind.factored:
                 lowrank.gradient([self._local_factors(iteration, noise_id, name) for noise_id, _ in coeffs],
                                  [c * scale for _, c in coeffs], out=g)
             else:

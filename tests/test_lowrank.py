@@ -148,16 +148,16 @@ def test_config_refuses_bad_perturbation_and_rank():
 
 
 def test_preflight_checks_the_rank_against_the_model(tiny_model_dir):
-    from es_ray.es.driver import preflight_lowrank
+    from es_ray.es.driver import preflight_perturbation
     from es_ray.models import safetensors_index
 
     smallest = min(min(s) for n, (_, s) in safetensors_index(tiny_model_dir).items() if lowrank.is_target(n, s))
     cfg = ESTrainConfig()
     cfg.es.perturbation, cfg.es.rank = "lowrank", smallest
-    preflight_lowrank(cfg, tiny_model_dir)
+    preflight_perturbation(cfg, tiny_model_dir)
     cfg.es.rank = smallest + 1
     with pytest.raises(ConfigError, match=f"es.rank={smallest + 1} exceeds"):
-        preflight_lowrank(cfg, tiny_model_dir)
+        preflight_perturbation(cfg, tiny_model_dir)
 
 
 def test_share_of_parameters_lowrank_trains(tiny_model_dir):

@@ -38,7 +38,8 @@ def test_float32_lowrank_on_a_gpu_is_refused_naming_engine_dtype():
 
 
 def test_batch_invariant_is_refused_where_vllm_has_no_gpu_kernels():
-    with pytest.raises(ConfigError, match=r"engine\.batch_invariant=true is vLLM's .* engine\.name=hf"):
+    with pytest.raises(ConfigError, match=r"engine\.batch_invariant=true needs an engine with a batch-invariant mode.*"
+                       r"engine\.name=hf has none: set engine\.name= one of vllm"):
         validate(_cfg(name="hf", batch_invariant=True))
     with pytest.raises(ConfigError, match="set engine.batch_invariant=false"):
         validate(_cfg(name="vllm", device="cpu", batch_invariant=True))

@@ -116,7 +116,7 @@ class InProcessReplicaHost(ReplicaHost):
                          sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
         if self.generate_population is None:
             return super().generate_members(iteration, members, sigma, prompts, sampling, seed)
-        if not self.replica.spec.is_lowrank:
+        if not self.replica.spec.kind.batched:
             raise RuntimeError(f"generate_members batches low-rank members, and this replica was set up with "
                                f"es.perturbation={self.replica.spec.perturbation}: set es.perturbation=lowrank, or "
                                "evaluate members one at a time (perturb, generate, restore)")

@@ -54,7 +54,7 @@ tensors (neither Llama- nor Qwen2-shaped); otherwise the share comes from ``es_r
 
 def lowrank_ranks() -> tuple[int, ...] | None:
     """es.perturbation=lowrank: the LoRA ranks the installed vLLM serves (its ``MaxLoRARanks``), None without vLLM
-    (``es_ray.engines.LOWRANK_RANKS``)."""
+    (``es_ray.engines.TRAITS``)."""
     import typing
 
     try:
@@ -378,7 +378,7 @@ class VLLMReplicaHost(ReplicaHost):
         eng = self.engine
         if self._spec is None:
             raise RuntimeError("ReplicaHost.setup(spec) must run before any other ES call")
-        if not self._spec.is_lowrank:
+        if not self._spec.kind.batched:
             raise RuntimeError(f"generate_members batches low-rank members, and this replica was set up with "
                                f"es.perturbation={self._spec.perturbation}: set es.perturbation=lowrank, or "
                                "evaluate members one at a time (perturb, generate, restore)")

@@ -108,7 +108,7 @@ class ESTrainConfig:
 
 
 def validate(cfg: ESTrainConfig) -> ESTrainConfig:
-    from es_ray.lowrank import PERTURBATIONS
+    from es_ray.perturbation import PERTURBATIONS
     from es_ray.noise import NOISE_KINDS, NOISE_SCOPES
     from es_ray.strategy import OPTIMIZERS, SHAPERS
 
@@ -130,9 +130,8 @@ def validate(cfg: ESTrainConfig) -> ESTrainConfig:
     OPTIMIZERS.check(es.optimizer)
     check_choice("es.noise", es.noise, ("auto", *NOISE_KINDS.names()))
     NOISE_SCOPES.check(es.noise_scope)
-    PERTURBATIONS.check(es.perturbation)
-    if es.perturbation == "lowrank":
-        check_lowrank_engine(cfg)
+    if PERTURBATIONS.get(es.perturbation).batched:
+        check_population_engine(cfg)
     check_choice("es.estimator", es.estimator, ESTIMATORS)
     check_choice("es.on_mismatch", es.on_mismatch, ON_MISMATCH)
     validate_trainer(cfg)
@@ -145,27 +144,26 @@ def validate(cfg: ESTrainConfig) -> ESTrainConfig:
     return cfg
 
 
-def check_lowrank_engine(cfg: ESTrainConfig) -> None:
+def check_population_engine(cfg: ESTrainConfig) -> None:
     """es.perturbation=lowrank: a rank of at least 1, and an engine that batches a population (the engine's
     ``lowrank_ranks``: the ranks it can serve, None for any). The rank's upper bound, min(out, in) of the model's
     linear layers, is checked where the model is at hand (``es_ray.es.driver.preflight`` and every replica)."""
-    from es_ray.engines import ENGINES, LOWRANK_RANKS
+    from es_ray.engines import TRAITS, engines_that, resolve
 
+    traits = TRAITS.get(cfg.engine.name)
     if cfg.es.rank < 1:
         raise ConfigError(f"es.rank={cfg.es.rank}: the rank of a low-rank perturbation must be >= 1 (e.g. es.rank=8)")
-    if cfg.engine.name not in LOWRANK_RANKS:
-        raise ConfigError(f"es.perturbation=lowrank needs an engine that batches a population; engine.name="
-                          f"{cfg.engine.name} does not: use engine.name= one of {', '.join(LOWRANK_RANKS)}, or "
-                          "es.perturbation=full")
+    if not traits.lowrank_ranks:
+        raise ConfigError(f"es.perturbation={cfg.es.perturbation} needs an engine that batches a population; "
+                          f"engine.name={cfg.engine.name} does not: use engine.name= one of "
+                          f"{', '.join(engines_that('lowrank_ranks'))}, or es.perturbation=full")
     if cfg.engine.tensor_parallel_size > 1:
         raise ConfigError(f"es.perturbation=lowrank with engine.tensor_parallel_size="
                           f"{cfg.engine.tensor_parallel_size} is not supported yet: use tensor_parallel_size=1 or "
                           "es.perturbation=full")
-    if cfg.engine.name == "vllm" and cfg.engine.device != "auto":  # auto: checked where the engine starts
-        from es_ray.engines.vllm import check_gpu_settings
-
-        check_gpu_settings(cfg.engine.device, cfg.engine.dtype, True, cfg.engine.batch_invariant)
-    ranks = LOWRANK_RANKS.get(cfg.engine.name)()
+    if traits.check_settings and cfg.engine.device != "auto":  # auto: checked where the engine starts
+        resolve(traits.check_settings)(cfg.engine.device, cfg.engine.dtype, True, cfg.engine.batch_invariant)
+    ranks = resolve(traits.lowrank_ranks)()
     if ranks is not None and cfg.es.rank not in ranks:
         raise ConfigError(f"es.rank={cfg.es.rank}: engine.name={cfg.engine.name} serves low-rank members at ranks "
                           f"{', '.join(map(str, ranks))} only; set es.rank= to one of them")

