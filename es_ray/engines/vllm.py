@@ -408,24 +408,44 @@ class VLLMReplicaHost(ReplicaHost):
         return combine_checksums(self._call("es_checksum_parts"))
 
     def state_dict(self) -> dict:
-        """Whole tensors, gathered from the ranks (each part sent by its owner only)."""
+        """Whole tensors, gathered from the ranks (each part sent by its owner only): tests and small models;
+        checkpoints use ``save_parts``."""
         return gather_states(self._call("es_state_dict"))
 
+    def save_parts(self, directory: str) -> list[dict]:
+        """Each rank writes its part of the state into ``directory``/rank-<r> tensor by tensor (``es_save_part``)
+        and returns where (``es_ray.es.state.save_es_checkpoint_parts`` assembles the checkpoint from them): the
+        state never crosses vLLM's message queue nor is gathered in this process."""
+        return self._call("es_save_part", str(directory))
+
     def load_state_dict(self, sd: dict) -> None:
-        """Whole tensors (a checkpoint) or the ranks' gathered state. One rank (the engine core in this process) takes
-        it by reference. Under tensor parallelism the state is not sent to the ranks through vLLM's message queue
-        (pickled, whole, once per rank: 30 GB per rank at 7B): it is saved once to a local file, and each rank maps
-        it (``es_load_state_file``) and copies out its own shard."""
-        if self.engine.cfg.tensor_parallel_size == 1:
+        """Whole tensors (a checkpoint) or the ranks' gathered state. A checkpoint read lazily
+        (``es_ray.es.state.load_es_state``: mappings that pickle as their file names) is sent as it is, and each
+        rank reads only its own part from the files (``es_load_state_dict``). A state of tensors in memory goes to
+        the one rank of an unsplit engine by reference (the engine core runs in this process); under tensor
+        parallelism it is not sent through vLLM's message queue (pickled, whole, once per rank): it is saved once
+        to a local file, and each rank maps it (``es_load_state_file``) and copies out its own shard."""
+        if self.engine.cfg.tensor_parallel_size == 1 or _on_disk(sd):
             self._write("es_load_state_dict", sd)
             return
         state = {key: sd.get(key) for key in STATE_KEYS}
-        if state["master"] is not None and not isinstance(state["master"], dict):  # a checkpoint read lazily
-            state["master"] = dict(state["master"].items())  # (es_ray.es.state.LazyTensors): plain tensors to save
+        for key in ("master", "theta0"):  # a lazily read part beside tensors in memory (a checkpoint written
+            if getattr(state[key], "on_disk", False):  # before es_state.tensors): plain tensors to save
+                state[key] = dict(state[key].items())
+        opt = state["optimizer"]
+        if opt is not None and getattr(opt["state"], "on_disk", False):
+            state["optimizer"] = {"t": opt["t"], "state": {n: dict(m) for n, m in opt["state"].items()}}
         with tempfile.TemporaryDirectory(prefix="es_ray_state_") as tmp:
             path = os.path.join(tmp, "state.pt")
             torch.save(state, path)
             self._write("es_load_state_file", path)
+
+
+def _on_disk(sd: dict) -> bool:
+    """Every tensor of the state is read from checkpoint files when used (``on_disk`` mappings), none in memory."""
+    opt = (sd.get("optimizer") or {}).get("state") or {}
+    return all(x is None or (isinstance(x, dict) and not x) or getattr(x, "on_disk", False)
+               for x in (sd.get("master"), opt, sd.get("theta0")))
 
 
 def _completion(output) -> Completion:

@@ -45,7 +45,7 @@ relies on, vLLM 0.32.0's LoRA internals (they change between releases; tests/tes
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Iterable, Iterator, NamedTuple
 
 import torch
 
@@ -473,7 +473,21 @@ class ESExtension:
         return _to_cpu(self._es().state_dict())
 
     def es_load_state_dict(self, sd: dict) -> None:
-        self._es().load_state_dict(sd)
+        """A state of tensors, or a checkpoint read lazily (``es_ray.es.state.load_es_state``, sent as its file
+        names): its master is then read part by part, each rank reading only its own rows or columns of each
+        tensor (``sliced``), and its memory-mapped optimizer state and theta_0 only where this rank's part lies."""
+        replica = self._es()
+        master = sd.get("master")
+        if hasattr(master, "sliced"):
+            sd = {**sd, "master": master.sliced(replica.shards)}
+        replica.load_state_dict(sd)
+
+    def es_save_part(self, directory: str) -> dict:
+        """This rank's part of the state (the parts it owns: master, optimizer moments, theta_0) written under
+        ``directory``/rank-<r> (``write_state_part``): nothing is gathered, only file names and shards go back."""
+        import os
+
+        return write_state_part(self._es().state_dict(), os.path.join(directory, f"rank-{self._es_rank()}"))
 
     def es_load_state_file(self, path: str) -> None:
         """This rank's parts of the state saved at ``path`` (``VLLMReplicaHost.load_state_dict`` under tensor
@@ -504,6 +518,36 @@ class ESExtension:
         locations = self._es_locations(self.model_runner.get_model())
         owned = {name: loc.shard for name, loc in locations.items() if loc.shard.owner}
         return owned, {name: self._es_read(name).to("cpu", torch.float32, copy=True) for name in owned}
+
+
+def state_tensors(state: dict) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(key, HF name, tensor) of every tensor of a ``Replica.state_dict`` (or of whole tensors): the keys of an ES
+    checkpoint's parts and files (``es_ray.es.state``): ``master/<name>``, ``optimizer/<moment>/<name>``,
+    ``theta0/<name>``."""
+    for name, t in state["master"].items():
+        yield f"master/{name}", name, t
+    for name, moments in ((state.get("optimizer") or {}).get("state") or {}).items():
+        for k, t in moments.items():
+            yield f"optimizer/{k}/{name}", name, t
+    for name, t in (state.get("theta0") or {}).items():
+        yield f"theta0/{name}", name, t
+
+
+def write_state_part(state: dict, directory: str) -> dict:
+    """One replica's ``Replica.state_dict`` (on any device) into ``directory``, one safetensors file per tensor,
+    each copied to the CPU in fp32 on its own: a tensor-parallel rank's part of an ES checkpoint, which
+    ``es_ray.es.state.save_es_checkpoint_parts`` assembles. Returns {"t", "tensors": key -> (file, shard)}."""
+    import os
+
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    shards, out = state.get("shards") or {}, {}
+    for number, (key, name, t) in enumerate(state_tensors(state)):
+        file = os.path.join(directory, f"{number:06d}.safetensors")
+        save_file({key: t.detach().to("cpu", torch.float32).contiguous()}, file)
+        out[key] = (file, shards.get(name) or Shard(tuple(t.shape)))
+    return {"t": int((state.get("optimizer") or {}).get("t", 0)), "tensors": out}
 
 
 def _plain(name: str) -> str:

@@ -1,19 +1,34 @@
 """ES run state: the append-only seed/reward log, ES checkpoints (``es_ray.runtime.checkpoint`` directories with
-``es_state.pt``: optimizer state and theta_0; ``es_meta.json``: iteration and checksum) and loading them back,
-verified against their digests and read tensor by tensor."""
+``es_state.pt``: the optimizer's step count; ``es_state.tensors``: the optimizer's moments and theta_0, fp32
+whole tensors keyed ``optimizer/<moment>/<HF name>`` and ``theta0/<HF name>``; ``es_meta.json``: iteration and
+checksum) and loading them back, verified against their digests and read tensor by tensor.
+
+Saving never holds the state whole: every tensor of the export (model.safetensors) and of es_state.tensors is
+assembled on its own from the parts that hold it (``save_es_checkpoint_parts``: the files each tensor-parallel
+rank wrote, one tensor at a time, ``VLLMReplicaHost.save_parts``; ``save_es_checkpoint``: a state in this
+process) and written before the next is read. Loading returns mappings that read one tensor, or one rank's part
+of it, when asked (``LazyTensors``, ``MappedTensors``), and pickle as their file names, so a tensor-parallel rank
+they are sent to reads its own part from the checkpoint. Checkpoints whose es_state.pt holds the tensors (written
+before es_state.tensors) load as before."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import os
-from collections.abc import Mapping
+import shutil
+import struct
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 
 DIGEST_KEY = "sha256"
+STATE_TENSORS = "es_state.tensors"
+"""The checkpoint file of the optimizer's moments and theta_0: safetensors format (fp32, whole tensors, streamed in
+and out), named so that no loader globbing ``*.safetensors`` for the model's weights (vLLM, ``LazyTensors``) takes it."""
 
 
 def _record_digest(record: dict) -> str:
@@ -121,12 +136,7 @@ class LazyTensors(Mapping):
             self.alias = {"lm_head.weight": "model.embed_tokens.weight"}
         else:
             self.alias = {}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        from es_ray.models import read_tensor
-
-        file, _ = self.index[name]
-        return read_tensor(file, self.alias.get(name, name)).to(torch.float32)
+        self.parts: dict[str, tuple[slice, ...]] = {}
 
     def __iter__(self):
         return iter(self.index)
@@ -138,13 +148,97 @@ class LazyTensors(Mapping):
         """fp32 bytes of the distinct tensors (a tied head counted once)."""
         return sum(4 * math.prod(shape) for name, (_, shape) in self.index.items() if name not in self.alias)
 
+    def sliced(self, parts: Mapping) -> "LazyTensors":
+        """The same tensors where ``parts`` (HF name -> ``es_ray.replica.Shard``) names a part: only that part is
+        read from disk (``safe_open`` ``get_slice``), what a tensor-parallel rank needs of the master."""
+        out = object.__new__(LazyTensors)
+        out.index, out.alias = self.index, self.alias
+        out.parts = {n: s.index for n, s in parts.items() if s.dim is not None}
+        return out
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from es_ray.models import read_tensor
+
+        file, _ = self.index[name]
+        return read_tensor(file, self.alias.get(name, name), self.parts.get(name)).to(torch.float32)
+
+    on_disk = True
+    """Read from files when asked, and pickled as their names (``VLLMReplicaHost.load_state_dict`` sends it)."""
+
+
+class MappedTensors(Mapping):
+    """name -> fp32 CPU tensor of the keys ``<prefix><name>`` of one fp32 safetensors file (``STATE_TENSORS``), each
+    a view of the file memory-mapped (copy-on-write): nothing is read until used, and a tensor-parallel rank that
+    copies out its part reads only that part's pages. Pickles as (file, prefix): a rank it is sent to maps the file
+    itself."""
+
+    on_disk = True
+
+    def __init__(self, file: str | Path, prefix: str):
+        self.file, self.prefix = str(file), prefix
+        with open(self.file, "rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(size))
+        self.entries = {}
+        for key, info in header.items():
+            if key.startswith(prefix) and key != "__metadata__":
+                start = 8 + size + info["data_offsets"][0]
+                if info["dtype"] != "F32" or start % 4:
+                    raise ValueError(f"{self.file}: {key} is {info['dtype']} at byte {start}; the ES state file "
+                                     "holds 4-byte-aligned fp32 tensors only")
+                self.entries[key[len(prefix):]] = (tuple(info["shape"]), start // 4)
+        self._storage = None
+
+    def __reduce__(self):
+        return MappedTensors, (self.file, self.prefix)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape, offset = self.entries[name]
+        if self._storage is None:
+            self._storage = torch.UntypedStorage.from_file(self.file, False, os.path.getsize(self.file))
+        return torch.empty(0, dtype=torch.float32).set_(self._storage, offset, shape)
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class MomentTensors(Mapping):
+    """HF name -> {moment: tensor} of the optimizer state in ``STATE_TENSORS`` (keys ``optimizer/<moment>/<name>``),
+    each a ``MappedTensors`` view; pickles as the file name."""
+
+    on_disk = True
+
+    def __init__(self, file: str | Path):
+        self.tensors = MappedTensors(file, "optimizer/")
+        self.moments: dict[str, list[str]] = {}
+        for key in self.tensors:
+            moment, _, name = key.partition("/")
+            self.moments.setdefault(name, []).append(moment)
+
+    def __reduce__(self):
+        return MomentTensors, (self.tensors.file,)
+
+    def __getitem__(self, name: str) -> dict[str, torch.Tensor]:
+        return {k: self.tensors[f"{k}/{name}"] for k in self.moments[name]}
+
+    def __iter__(self):
+        return iter(self.moments)
+
+    def __len__(self) -> int:
+        return len(self.moments)
+
 
 def load_es_state(path: str | Path) -> dict:
     """A replica state dict from a checkpoint directory (its files checked against their digests first) or from
     the initial model directory (no optimizer state).
 
     The master is a ``LazyTensors`` (every tensor of the directory, read in fp32 one at a time as the replica takes
-    it); the optimizer state and theta_0 are memory-mapped (``load_state``): nothing is read whole up front.
+    it); the optimizer's moments and theta_0 are memory-mapped (``MomentTensors``, ``MappedTensors``; in a
+    checkpoint written before es_state.tensors, ``load_state``'s mapping of es_state.pt): nothing is read whole
+    up front.
     """
     from es_ray.runtime.checkpoint import MANIFEST, load_state, meta_file, state_file, verify_dir
 
@@ -153,12 +247,88 @@ def load_es_state(path: str | Path) -> dict:
     if any((path / f).is_file() for f in (MANIFEST, meta_file("es"), state_file("es"))):  # a checkpoint
         verify_dir(path)
         extra = load_state(path, "es")
+        if extra.get("tensors"):
+            file = path / extra["tensors"]
+            theta0 = MappedTensors(file, "theta0/")
+            extra = {"optimizer": {"t": extra["optimizer"]["t"], "state": MomentTensors(file)},
+                     "theta0": theta0 if len(theta0) else None}
     return {"master": LazyTensors(path), "optimizer": extra["optimizer"], "theta0": extra.get("theta0")}
 
 
-def save_es_checkpoint(path: str | Path, state: dict, model_dir: str | Path, meta: dict) -> Path:
-    """A replica state (master, optimizer, theta0) as an HF checkpoint directory with es_state.pt / es_meta.json."""
-    from es_ray.runtime.checkpoint import save_checkpoint
+class _Assembled:
+    """One whole tensor of a checkpoint being written, read only when the writer takes it (``detach``)."""
 
-    return save_checkpoint(path, state["master"], model_dir,
-                           {"optimizer": state.get("optimizer"), "theta0": state.get("theta0")}, meta, "es")
+    def __init__(self, shape: tuple[int, ...], read: Callable[[], torch.Tensor]):
+        self.shape, self.read = shape, read
+
+    def detach(self) -> torch.Tensor:
+        return self.read()
+
+
+def state_parts(state: dict) -> dict:
+    """A replica state in this process (``Replica.state_dict``: its parts with their shards; or whole tensors, e.g.
+    ``gather_states``) as one part of ``save_es_checkpoint_parts``: {"t", "tensors": key -> (shard, reader)}, keys
+    as ``state_tensors``. Nothing is copied."""
+    from es_ray.engines.vllm_extension import state_tensors
+    from es_ray.replica import Shard
+
+    shards = state.get("shards") or {}
+    tensors = {key: (shards.get(name) or Shard(tuple(t.shape)), lambda t=t: t) for key, name, t in state_tensors(state)}
+    return {"t": int((state.get("optimizer") or {}).get("t", 0)), "tensors": tensors}
+
+
+def file_parts(part: dict) -> dict:
+    """A part written to files (``write_state_part``: {"t", "tensors": key -> (file, shard)}) with readers."""
+    from es_ray.models import read_tensor
+
+    return {"t": int(part["t"]), "tensors": {key: (shard, functools.partial(read_tensor, file, key))
+                                             for key, (file, shard) in part["tensors"].items()}}
+
+
+def save_es_checkpoint_parts(path: str | Path, write_parts: Callable[[str], list[dict]], model_dir: str | Path,
+                             meta: dict) -> Path:
+    """An ES checkpoint from the parts each tensor-parallel rank writes: ``write_parts(directory)`` has every rank
+    write its part there (``es_ray.engines.vllm_extension.write_state_part``) and returns them; each whole tensor is then assembled from its parts
+    and written (model.safetensors by HF name, the optimizer's moments and theta_0 into es_state.tensors) before
+    the next is read, so the writer holds one tensor and its parts, never the state. The parts are deleted."""
+    from es_ray.runtime.checkpoint import staging_dir
+
+    tmp = staging_dir(path)
+    try:
+        parts = [file_parts(p) for p in write_parts(str(tmp))]
+        return _save_parts(path, parts, model_dir, meta)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_es_checkpoint(path: str | Path, state: dict, model_dir: str | Path, meta: dict) -> Path:
+    """A replica state in this process (master, optimizer, theta0; whole tensors or one replica's parts with their
+    shards) as an HF checkpoint directory with es_state.pt / es_state.tensors / es_meta.json, tensor by tensor
+    (``save_es_checkpoint_parts``)."""
+    return _save_parts(path, [state_parts(state)], model_dir, meta)
+
+
+def _save_parts(path: str | Path, parts: list[dict], model_dir: str | Path, meta: dict) -> Path:
+    from es_ray.replica import gather_shards
+    from es_ray.runtime.checkpoint import save_checkpoint, write_fp32_safetensors
+
+    steps = {p["t"] for p in parts}
+    if len(steps) != 1:
+        raise RuntimeError(f"the tensor-parallel ranks' optimizers are at different steps {sorted(steps)}")
+    tiles: dict[str, list] = {}
+    for p in parts:
+        for key, (shard, read) in p["tensors"].items():
+            tiles.setdefault(key, []).append((shard, read))
+
+    def whole(key: str) -> torch.Tensor:  # the ranks' parts of one tensor, joined (each read now, dropped after)
+        return gather_shards(({key: shard}, {key: read()}) for shard, read in tiles[key])[key]
+
+    entries = {key: (tiles[key][0][0].shape, functools.partial(whole, key)) for key in tiles}
+    weights = {key[len("master/"):]: _Assembled(*entries[key]) for key in entries if key.startswith("master/")}
+    rest = {key: entry for key, entry in entries.items() if not key.startswith("master/")}
+
+    def write_state(tmp: Path) -> None:
+        write_fp32_safetensors(tmp / STATE_TENSORS, rest, {"format": "pt"})
+
+    state = {"optimizer": {"t": steps.pop(), "state": {}}, "theta0": None, "tensors": STATE_TENSORS if rest else ""}
+    return save_checkpoint(path, weights, model_dir, state, meta, "es", write_state if rest else None)

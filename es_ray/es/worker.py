@@ -141,13 +141,16 @@ class ESWorker:
     def save_checkpoint(self, path: str, extra: dict) -> str | dict:
         """The replica as checkpoint ``path`` of iteration ``extra["iteration"]``; ``{"at": i}`` instead when the
         replica holds the weights of iteration i (an update the run did not commit: lost mid-update)."""
-        from es_ray.es.state import save_es_checkpoint
+        from es_ray.es.state import save_es_checkpoint, save_es_checkpoint_parts
 
         if extra["iteration"] != self.applied + 1:
             return {"at": self.applied + 1}
-        state = self.replica.state_dict()
         meta = {**extra, "checksum": self.replica.checksum(), "engine": asdict(self.cfg.engine)}
-        save_es_checkpoint(path, state, self.model_dir, meta)
+        save_parts = getattr(self.replica, "save_parts", None)
+        if save_parts is not None:  # the state lives in the engine's worker processes: each writes its own part
+            save_es_checkpoint_parts(path, save_parts, self.model_dir, meta)
+        else:
+            save_es_checkpoint(path, self.replica.state_dict(), self.model_dir, meta)
         return path
 
     def rebuild(self, checkpoint: str, records: list[dict]) -> dict:
