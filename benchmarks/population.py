@@ -43,7 +43,8 @@ Keys of the JSON object on the last line, per engine E in hf, vllm (where it ran
   E_M_tokens                    generated tokens per iteration (all members)
   E_M_target_met                true / false against the target below; absent where the pair has none
   E_M_error                     only when the phase failed: the last line of its error (its figures are absent)
-machine: CPU model, its matmul-relevant flags, cores, torch threads, load average before the run.
+machine: CPU model, its matmul-relevant flags, cores, torch threads and version, the load average before the run
+(1 minute) and at its end (1, 5, 15 minutes).
 Settings: model, engines, members, prompts, max_new_tokens, threads, rank, repeats, batch_size, vllm_enforce_eager,
 no_eos.
 
@@ -303,6 +304,13 @@ def machine() -> dict:
             "load_average_1m": os.getloadavg()[0]}
 
 
+def load_after() -> dict:
+    """The load average (1, 5, 15 minutes) when the run ends: with the one before it, how busy the cores were."""
+    import os
+
+    return {"load_average_end": list(os.getloadavg())}
+
+
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -314,8 +322,9 @@ def kind_of(name: str) -> str:
 def profile(args) -> dict:
     """--profile (hf): the limit (rows with equal prompts share a prefill), the same rows each prefilled, and the
     low-rank population of those rows, interleaved, with timed wrappers: seconds in the base linear layers (F.linear,
-    per layer kind), in the low-rank term (``LowRankTerms.add_term``, per kind), in the layers' forward replacement
-    around them (dispatch, "hooks and reshapes"), and the rest (attention, norms, the KV cache), split by prefill
+    per layer kind; in the low-rank phase ``hf_lowrank.base_gemm``, the same GEMM accumulating into the term), in the
+    low-rank term (``LowRankTerms.term``, per kind), in the layers' forward replacement around them (dispatch,
+    "hooks and reshapes"), and the rest (attention, norms, the KV cache), split by prefill
     and decode (a forward of one position per row is decode; the limit's shared prefill counts as prefill).
     Seconds are CPU seconds of the calling thread (``time.thread_time``; torch runs its one thread there), which
     other processes on the cores inflate far less than wall time. Medians over the repeats."""
@@ -341,7 +350,8 @@ def profile(args) -> dict:
     def add(key: str, dt: float) -> None:
         acc[key] = acc.get(key, 0.0) + dt
 
-    linear, add_term, make_forward = F.linear, hf_lowrank.LowRankTerms.add_term, hf_lowrank.LowRankTerms._forward
+    linear, term, make_forward = F.linear, hf_lowrank.LowRankTerms.term, hf_lowrank.LowRankTerms._forward
+    base_gemm = hf_lowrank.base_gemm
     base = eng.model.base_model  # the transformer without the LM head; the limit's shared prefill calls it too
     base_forward = base.forward
     clock = time.thread_time
@@ -352,10 +362,17 @@ def profile(args) -> dict:
         add(f"{phase[0]}/linear/{kinds.get(id(weight), 'other')}", clock() - t0)
         return out
 
-    def timed_term(self, name, x, out):
+    def timed_base_gemm(out, x, weight):
         t0 = clock()
-        add_term(self, name, x, out)
+        base_gemm(out, x, weight)
+        add(f"{phase[0]}/linear/{kinds.get(id(weight), 'other')}", clock() - t0)
+        return out
+
+    def timed_term(self, name, x, bias=None):
+        t0 = clock()
+        out = term(self, name, x, bias)
         add(f"{phase[0]}/term/{kind_of(name)}", clock() - t0)
+        return out
 
     def timed_make_forward(self, name, module):
         inner = make_forward(self, name, module)
@@ -377,7 +394,8 @@ def profile(args) -> dict:
         return out
 
     F.linear = timed_linear
-    hf_lowrank.LowRankTerms.add_term = timed_term
+    hf_lowrank.LowRankTerms.term = timed_term
+    hf_lowrank.base_gemm = timed_base_gemm
     hf_lowrank.LowRankTerms._forward = timed_make_forward
     base.forward = timed_base_forward
 
@@ -481,7 +499,7 @@ def main() -> None:
         if "error" in prof:
             sys.exit(f"profile failed: {prof['error']}")
         report_profile(prof)
-        print(json.dumps({"machine": {**host, "torch_threads": args.threads}, "members": args.members,
+        print(json.dumps({"machine": {**host, "torch_threads": args.threads, **load_after()}, "members": args.members,
                           "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "rank": args.rank,
                           "no_eos": args.no_eos,
                           "repeats": args.repeats, "hf_profile": prof}))
@@ -496,7 +514,7 @@ def main() -> None:
                 "max_new_tokens": args.max_new_tokens, "threads": args.threads, "rank": args.rank,
                 "repeats": args.repeats, "batch_size": batch_size(args),
                 "vllm_enforce_eager": not args.vllm_compiled, "no_eos": args.no_eos}
-    print(json.dumps({"machine": {**host, "torch_threads": args.threads}, **settings, **figures}))
+    print(json.dumps({"machine": {**host, "torch_threads": args.threads, **load_after()}, **settings, **figures}))
     if any(k.endswith("_error") for k in figures):
         sys.exit(1)
 

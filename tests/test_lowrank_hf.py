@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch import nn
 from test_replica import replica_spec
 
 from es_ray.core.config import EngineConfig, SamplingConfig
@@ -179,3 +180,25 @@ def test_siblings_share_the_first_product(engine, monkeypatch):
         engine.model(**{k: v.repeat(len(MEMBERS), 1) for k, v in engine._encode(_prompts(engine)[:1]).items()})
     assert terms.group_of and len(terms.group_of) < len(factors)  # attention and MLP groups, o/down alone
     assert len(calls) == len(terms.group_at) + len(factors) - len(terms.group_of)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_term_and_base_gemm_equal_the_merged_layer_with_and_without_bias(bias):
+    """The forward replacement writes the term (plus the bias) first and accumulates x W^T into it: each member's rows
+    equal x (W + B_s A^T)^T + b, for a layer with a bias (Qwen's q, k, v) and without, grouped siblings included."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"q_proj": nn.Linear(12, 10, bias=bias), "k_proj": nn.Linear(12, 6, bias=bias),
+                           "o_proj": nn.Linear(12, 12, bias=bias)}).requires_grad_(False)
+    members, rows, rank = 3, 4, 2
+    factors = {f"{n}.weight": (torch.randn(members, 12, rank), torch.randn(members, m.out_features, rank))
+               for n, m in model.items()}
+    x = torch.randn(members * rows, 5, 12)
+    with torch.inference_mode(), LowRankTerms(model, factors) as terms:
+        terms.select(range(members))
+        got = {n: m(x) for n, m in model.items()}
+    assert terms.group_of  # q and k share their first product
+    for n, m in model.items():
+        a, b_s = factors[f"{n}.weight"]
+        for i in range(members):
+            merged = torch.nn.functional.linear(x[i * rows : (i + 1) * rows], m.weight + b_s[i] @ a[i].T, m.bias)
+            torch.testing.assert_close(got[n][i * rows : (i + 1) * rows], merged, atol=1e-5, rtol=1e-5)

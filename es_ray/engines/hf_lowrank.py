@@ -4,8 +4,9 @@ layer's output, never written into the weights (``es_ray.lowrank``).
 
 Rows are member-major: a call for members [m0, m1) over p prompts holds member m0's p rows, then m0 + 1's, and so
 on, so for a layer input x (rows, seq, in) the term of all members is two batched matmuls over the members,
-x viewed as (members, p * seq, in): (x A[m0:m1]) B_s[m0:m1]^T, added into the output in place (no per-row loop,
-one (members, p * seq, r) temporary per layer and step).
+x viewed as (members, p * seq, in): (x A[m0:m1]) B_s[m0:m1]^T, written as the layer's output, into which the base
+GEMM x W^T then accumulates (no per-row loop, no pass over the output of its own for the term, one
+(members, p * seq, r) temporary per layer and step).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 Factors = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
@@ -36,10 +36,17 @@ def population_calls(num_prompts: int, num_members: int, batch_size: int) -> lis
     return calls
 
 
+def base_gemm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """out += x W^T in one GEMM accumulating into out (x and out contiguous, any leading dims); returns out."""
+    out.view(-1, out.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), weight.t())
+    return out
+
+
 class LowRankTerms:
     """Context manager: each ``nn.Linear`` whose weight ``factors`` names gets, for the duration, a forward of its
-    own (an instance attribute in place of the class's; no forward hook) computing x W^T + b and then adding member
-    m's (x A[m]) B_s[m]^T to its rows' outputs in place; the class forward is back on exit, error or not.
+    own (an instance attribute in place of the class's; no forward hook) computing member m's (x A[m]) B_s[m]^T (+ b)
+    for its rows into a new output and then x W^T into that output (``base_gemm``, one GEMM with beta = 1, so the
+    term costs no read and write of the output of its own); the class forward is back on exit, error or not.
     ``select(members)`` sets the members of the next forward passes (rows member-major, the same number per member).
 
     The factors are cast to the layer's dtype and device and laid out once, here, as the two batched products read
@@ -95,10 +102,10 @@ class LowRankTerms:
         self.members = members
         self._shared = None
 
-    def add_term(self, name: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out += the low-rank term of layer ``name`` for input x, rows member-major over ``self.members``: two
-        batched matmuls over the members on views of x and out (no copy of the activations), the second
-        accumulating into out."""
+    def term(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The low-rank term of layer ``name`` for input x (plus ``bias``, when given), rows member-major over
+        ``self.members``, in a new tensor (k members, rows / k * seq, out): two batched matmuls over the members on a
+        view of x (no copy of the activations); the layer's forward then accumulates x W^T into it."""
         m0, m1 = self.members.start, self.members.stop
         k = m1 - m0
         if k < 1 or x.shape[0] % k:
@@ -117,15 +124,19 @@ class LowRankTerms:
             shared[4] -= 1
             if shared[4] == 0:
                 self._shared = None
-        out.view(k, -1, out.shape[-1]).baddbmm_(xa, self.bt[name][m0:m1])
+        bt = self.bt[name][m0:m1]
+        if bias is None:
+            return torch.matmul(xa, bt)
+        return torch.baddbmm(bias.expand(k, xa.shape[1], bias.shape[0]), xa, bt)
 
     def _forward(self, name: str, module: nn.Linear):
-        weight, bias, add_term = module.weight, module.bias, self.add_term
+        weight, bias, term = module.weight, module.bias, self.term
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            out = F.linear(x, weight, bias)
-            add_term(name, x, out)
-            return out
+            # the term first, then the base GEMM accumulating into it (beta = 1): no separate pass adding the term
+            # into the layer's output
+            out = term(name, x, bias).view(*x.shape[:-1], weight.shape[0])
+            return base_gemm(out, x, weight)
 
         return forward
 
