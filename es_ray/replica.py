@@ -540,13 +540,23 @@ class Replica:
         """Whole tensors (a checkpoint, ``gather_states``) or this replica's own parts; each takes its part."""
         for name in self.names:
             self.master[name].copy_(self._local(name, sd["master"][name]))
-        opt = sd["optimizer"]
-        self.opt.load_state_dict({"t": opt["t"], "state": {n: {k: self._local(n, v) for k, v in st.items()}
-                                                          for n, st in opt["state"].items()}}, device=self.device)
+        opt = sd["optimizer"]  # each tensor's moments taken, copied and dropped before the next (a lazy checkpoint)
+        moments = _Pairs((n, {k: self._local(n, v) for k, v in st.items()}) for n, st in opt["state"].items())
+        self.opt.load_state_dict({"t": opt["t"], "state": moments}, device=self.device)
         if self.theta0 is not None and sd.get("theta0") is not None:
             for name in self.names:
                 self.theta0[name].copy_(self._local(name, sd["theta0"][name]))
         self.restore()
+
+
+class _Pairs:
+    """``items()`` of (key, value) pairs made as they are taken (``Optimizer.load_state_dict`` iterates them once)."""
+
+    def __init__(self, pairs: Iterable[tuple]):
+        self.pairs = pairs
+
+    def items(self) -> Iterable[tuple]:
+        return self.pairs
 
 
 def gather_states(states: Iterable[dict]) -> dict:

@@ -14,7 +14,8 @@ from test_engine_contract import FITNESS, RUN_SEED, SKIP_VLLM
 from test_replica import replica_spec
 
 from es_ray.engines.vllm_extension import write_state_part
-from es_ray.es.state import STATE_TENSORS, LazyTensors, load_es_state, save_es_checkpoint, save_es_checkpoint_parts
+from es_ray.es.state import (STATE_TENSORS, LazyTensors, load_es_state, save_es_checkpoint,
+                             save_es_checkpoint_parts)
 from es_ray.replica import Shard
 from es_ray.strategy import ask
 
@@ -83,10 +84,12 @@ def test_parts_assemble_the_bytes_of_a_whole_save_and_ranks_read_only_their_part
     assert len(sent) < 20_000 < sum(4 * t.numel() for t in whole_state["master"].values())
     rank1 = pickle.loads(sent)
     mine = {n: s[1] for n, s in shards.items()}
-    sliced = rank1["master"].sliced(mine)
+    master, moments, theta0 = (rank1["master"].sliced(mine), rank1["optimizer"]["state"].sliced(mine),
+                               rank1["theta0"].sliced(mine))
     for n, s in mine.items():
-        assert torch.equal(sliced[n], s.take(whole_state["master"][n]))
-        assert torch.equal(s.take(rank1["optimizer"]["state"][n]["v"]), s.take(whole_state["optimizer"]["state"][n]["v"]))
+        assert tuple(master[n].shape) == s.local_shape and torch.equal(master[n], s.take(whole_state["master"][n]))
+        assert torch.equal(theta0[n], s.take(whole_state["theta0"][n]))
+        assert all(torch.equal(moments[n][k], s.take(v)) for k, v in whole_state["optimizer"]["state"][n].items())
 
 
 def test_a_state_without_moments_writes_no_state_tensors(tiny_model_dir, tmp_path):

@@ -474,12 +474,13 @@ class ESExtension:
 
     def es_load_state_dict(self, sd: dict) -> None:
         """A state of tensors, or a checkpoint read lazily (``es_ray.es.state.load_es_state``, sent as its file
-        names): its master is then read part by part, each rank reading only its own rows or columns of each
-        tensor (``sliced``), and its memory-mapped optimizer state and theta_0 only where this rank's part lies."""
+        names): then every tensor of it (master, optimizer moments, theta_0) is read when the replica takes it, this
+        rank reading only its own rows or columns (``sliced``)."""
         replica = self._es()
-        master = sd.get("master")
-        if hasattr(master, "sliced"):
-            sd = {**sd, "master": master.sliced(replica.shards)}
+        sd = {key: value.sliced(replica.shards) if hasattr(value, "sliced") else value for key, value in sd.items()}
+        opt = sd.get("optimizer")
+        if opt is not None and hasattr(opt["state"], "sliced"):
+            sd["optimizer"] = {**opt, "state": opt["state"].sliced(replica.shards)}
         replica.load_state_dict(sd)
 
     def es_save_part(self, directory: str) -> dict:

@@ -7,7 +7,7 @@ Saving never holds the state whole: every tensor of the export (model.safetensor
 assembled on its own from the parts that hold it (``save_es_checkpoint_parts``: the files each tensor-parallel
 rank wrote, one tensor at a time, ``VLLMReplicaHost.save_parts``; ``save_es_checkpoint``: a state in this
 process) and written before the next is read. Loading returns mappings that read one tensor, or one rank's part
-of it, when asked (``LazyTensors``, ``MappedTensors``), and pickle as their file names, so a tensor-parallel rank
+of it, when asked (``FileTensors``), and pickle as their file names, so a tensor-parallel rank
 they are sent to reads its own part from the checkpoint. Checkpoints whose es_state.pt holds the tensors (written
 before es_state.tensors) load as before."""
 
@@ -19,7 +19,6 @@ import json
 import math
 import os
 import shutil
-import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -28,7 +27,8 @@ import torch
 DIGEST_KEY = "sha256"
 STATE_TENSORS = "es_state.tensors"
 """The checkpoint file of the optimizer's moments and theta_0: safetensors format (fp32, whole tensors, streamed in
-and out), named so that no loader globbing ``*.safetensors`` for the model's weights (vLLM, ``LazyTensors``) takes it."""
+and out), named so that no loader globbing ``*.safetensors`` for the model's weights (vLLM, ``LazyTensors``) takes
+it."""
 
 
 def _record_digest(record: dict) -> str:
@@ -122,21 +122,24 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path, dict]]:
     return sorted(out, key=lambda x: (x[0], x[1].name))
 
 
-class LazyTensors(Mapping):
-    """HF name -> fp32 CPU tensor of a directory's safetensors files, each read from disk when asked for and not
-    kept: a consumer that takes one tensor at a time holds one. Pickles as the file index, so a process it is
-    sent to (a tensor-parallel worker) reads the tensors itself. A tied LM head (stored once) reads the embedding."""
+class FileTensors(Mapping):
+    """name -> fp32 CPU tensor read from a safetensors-format file when asked for and not kept: a consumer that
+    takes one tensor at a time holds one. ``index``: name -> (file, key in it, shape). ``sliced`` makes the copy a
+    tensor-parallel rank uses, which reads only its own part of each tensor (``safe_open`` ``get_slice``). Pickles
+    as its index (file names and shapes), so a process it is sent to reads the tensors itself."""
 
-    def __init__(self, model_dir: str | Path):
-        from es_ray.models import safetensors_index
+    on_disk = True
+    """Read from files when asked, and sent as their names (``VLLMReplicaHost.load_state_dict``)."""
 
-        self.index = safetensors_index(model_dir)
-        if "lm_head.weight" not in self.index and "model.embed_tokens.weight" in self.index:
-            self.index["lm_head.weight"] = self.index["model.embed_tokens.weight"]
-            self.alias = {"lm_head.weight": "model.embed_tokens.weight"}
-        else:
-            self.alias = {}
+    def __init__(self, index: dict[str, tuple[str, str, tuple[int, ...]]]):
+        self.index = index
         self.parts: dict[str, tuple[slice, ...]] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from es_ray.models import read_tensor
+
+        file, key, _ = self.index[name]
+        return read_tensor(file, key, self.parts.get(name)).to(torch.float32)
 
     def __iter__(self):
         return iter(self.index)
@@ -144,82 +147,51 @@ class LazyTensors(Mapping):
     def __len__(self) -> int:
         return len(self.index)
 
-    def nbytes(self) -> int:
-        """fp32 bytes of the distinct tensors (a tied head counted once)."""
-        return sum(4 * math.prod(shape) for name, (_, shape) in self.index.items() if name not in self.alias)
-
-    def sliced(self, parts: Mapping) -> "LazyTensors":
-        """The same tensors where ``parts`` (HF name -> ``es_ray.replica.Shard``) names a part: only that part is
-        read from disk (``safe_open`` ``get_slice``), what a tensor-parallel rank needs of the master."""
-        out = object.__new__(LazyTensors)
-        out.index, out.alias = self.index, self.alias
-        out.parts = {n: s.index for n, s in parts.items() if s.dim is not None}
+    def sliced(self, parts: Mapping) -> FileTensors:
+        """The same tensors where ``parts`` (name -> ``es_ray.replica.Shard``) names a part: only that part is read."""
+        out = FileTensors(self.index)
+        out.parts = {n: s.index for n, s in parts.items() if n in self.index and s.dim is not None}
         return out
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        from es_ray.models import read_tensor
-
-        file, _ = self.index[name]
-        return read_tensor(file, self.alias.get(name, name), self.parts.get(name)).to(torch.float32)
-
-    on_disk = True
-    """Read from files when asked, and pickled as their names (``VLLMReplicaHost.load_state_dict`` sends it)."""
+    def nbytes(self) -> int:
+        """fp32 bytes of the distinct tensors (one stored tensor read under two names counted once)."""
+        return sum(4 * math.prod(shape) for shape in {(f, k): s for f, k, s in self.index.values()}.values())
 
 
-class MappedTensors(Mapping):
-    """name -> fp32 CPU tensor of the keys ``<prefix><name>`` of one fp32 safetensors file (``STATE_TENSORS``), each
-    a view of the file memory-mapped (copy-on-write): nothing is read until used, and a tensor-parallel rank that
-    copies out its part reads only that part's pages. Pickles as (file, prefix): a rank it is sent to maps the file
-    itself."""
+class LazyTensors(FileTensors):
+    """HF name -> fp32 CPU tensor of a directory's safetensors files (``FileTensors``). A tied LM head (stored once)
+    reads the embedding."""
 
-    on_disk = True
+    def __init__(self, model_dir: str | Path):
+        from es_ray.models import safetensors_index
 
-    def __init__(self, file: str | Path, prefix: str):
-        self.file, self.prefix = str(file), prefix
-        with open(self.file, "rb") as f:
-            size = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(size))
-        self.entries = {}
-        for key, info in header.items():
-            if key.startswith(prefix) and key != "__metadata__":
-                start = 8 + size + info["data_offsets"][0]
-                if info["dtype"] != "F32" or start % 4:
-                    raise ValueError(f"{self.file}: {key} is {info['dtype']} at byte {start}; the ES state file "
-                                     "holds 4-byte-aligned fp32 tensors only")
-                self.entries[key[len(prefix):]] = (tuple(info["shape"]), start // 4)
-        self._storage = None
+        index = {name: (file, name, shape) for name, (file, shape) in safetensors_index(model_dir).items()}
+        if "lm_head.weight" not in index and "model.embed_tokens.weight" in index:
+            index["lm_head.weight"] = index["model.embed_tokens.weight"]
+        super().__init__(index)
 
-    def __reduce__(self):
-        return MappedTensors, (self.file, self.prefix)
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        shape, offset = self.entries[name]
-        if self._storage is None:
-            self._storage = torch.UntypedStorage.from_file(self.file, False, os.path.getsize(self.file))
-        return torch.empty(0, dtype=torch.float32).set_(self._storage, offset, shape)
+def state_tensors_file(file: str | Path, prefix: str) -> FileTensors:
+    """The tensors of ``STATE_TENSORS`` whose keys start with ``prefix``, by the rest of the key (``FileTensors``)."""
+    from safetensors import safe_open
 
-    def __iter__(self):
-        return iter(self.entries)
-
-    def __len__(self) -> int:
-        return len(self.entries)
+    with safe_open(str(file), framework="pt") as sf:
+        return FileTensors({key[len(prefix):]: (str(file), key, tuple(sf.get_slice(key).get_shape()))
+                            for key in sf.keys() if key.startswith(prefix)})
 
 
 class MomentTensors(Mapping):
-    """HF name -> {moment: tensor} of the optimizer state in ``STATE_TENSORS`` (keys ``optimizer/<moment>/<name>``),
-    each a ``MappedTensors`` view; pickles as the file name."""
+    """HF name -> {moment: fp32 tensor} of the optimizer state in ``STATE_TENSORS`` (keys
+    ``optimizer/<moment>/<name>``), each read when asked for (``FileTensors``, ``sliced`` included)."""
 
     on_disk = True
 
-    def __init__(self, file: str | Path):
-        self.tensors = MappedTensors(file, "optimizer/")
+    def __init__(self, tensors: FileTensors):
+        self.tensors = tensors
         self.moments: dict[str, list[str]] = {}
-        for key in self.tensors:
+        for key in tensors:
             moment, _, name = key.partition("/")
             self.moments.setdefault(name, []).append(moment)
-
-    def __reduce__(self):
-        return MomentTensors, (self.tensors.file,)
 
     def __getitem__(self, name: str) -> dict[str, torch.Tensor]:
         return {k: self.tensors[f"{k}/{name}"] for k in self.moments[name]}
@@ -230,15 +202,19 @@ class MomentTensors(Mapping):
     def __len__(self) -> int:
         return len(self.moments)
 
+    def sliced(self, parts: Mapping) -> MomentTensors:
+        return MomentTensors(self.tensors.sliced({f"{k}/{n}": s for n, s in parts.items()
+                                                  for k in self.moments.get(n, ())}))
+
 
 def load_es_state(path: str | Path) -> dict:
     """A replica state dict from a checkpoint directory (its files checked against their digests first) or from
     the initial model directory (no optimizer state).
 
     The master is a ``LazyTensors`` (every tensor of the directory, read in fp32 one at a time as the replica takes
-    it); the optimizer's moments and theta_0 are memory-mapped (``MomentTensors``, ``MappedTensors``; in a
-    checkpoint written before es_state.tensors, ``load_state``'s mapping of es_state.pt): nothing is read whole
-    up front.
+    it), the optimizer's moments and theta_0 are read the same way from es_state.tensors (``MomentTensors``,
+    ``FileTensors``; in a checkpoint written before es_state.tensors, es_state.pt is memory-mapped, ``load_state``):
+    nothing is read whole up front.
     """
     from es_ray.runtime.checkpoint import MANIFEST, load_state, meta_file, state_file, verify_dir
 
@@ -249,8 +225,9 @@ def load_es_state(path: str | Path) -> dict:
         extra = load_state(path, "es")
         if extra.get("tensors"):
             file = path / extra["tensors"]
-            theta0 = MappedTensors(file, "theta0/")
-            extra = {"optimizer": {"t": extra["optimizer"]["t"], "state": MomentTensors(file)},
+            theta0 = state_tensors_file(file, "theta0/")
+            extra = {"optimizer": {"t": extra["optimizer"]["t"],
+                                   "state": MomentTensors(state_tensors_file(file, "optimizer/"))},
                      "theta0": theta0 if len(theta0) else None}
     return {"master": LazyTensors(path), "optimizer": extra["optimizer"], "theta0": extra.get("theta0")}
 
@@ -288,9 +265,10 @@ def file_parts(part: dict) -> dict:
 def save_es_checkpoint_parts(path: str | Path, write_parts: Callable[[str], list[dict]], model_dir: str | Path,
                              meta: dict) -> Path:
     """An ES checkpoint from the parts each tensor-parallel rank writes: ``write_parts(directory)`` has every rank
-    write its part there (``es_ray.engines.vllm_extension.write_state_part``) and returns them; each whole tensor is then assembled from its parts
-    and written (model.safetensors by HF name, the optimizer's moments and theta_0 into es_state.tensors) before
-    the next is read, so the writer holds one tensor and its parts, never the state. The parts are deleted."""
+    write its part there (``es_ray.engines.vllm_extension.write_state_part``) and returns them; each whole tensor
+    is then assembled from its parts and written (model.safetensors by HF name, the optimizer's moments and theta_0
+    into es_state.tensors) before the next is read, so the writer holds one tensor and its parts, never the state.
+    The parts are deleted."""
     from es_ray.runtime.checkpoint import staging_dir
 
     tmp = staging_dir(path)
