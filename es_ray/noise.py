@@ -41,7 +41,10 @@ NOISE_SCOPES = Registry("es.noise_scope", {
                  "noise): to reproduce the paper's own setting"})
 NOISE_KINDS = Registry("es.noise", {"per_tensor": "a generator per tensor", "table": "slices of one seeded table",
                                     "counter": "Philox-4x32-10 of (tensor seed, element index)"})
-"""The noise sources (es.noise also accepts auto: ``resolve_kind``)."""
+"""The noise sources."""
+ES_NOISE = Registry("es.noise", {"auto": "table on a CPU, per_tensor on a GPU (``resolve_kind``)",
+                                 **{k: NOISE_KINDS.get(k) for k in NOISE_KINDS}})
+"""es.noise's values: a source, or auto."""
 PORTABLE_KINDS = frozenset({"counter"})
 """Kinds whose numbers do not depend on the device: the others need every replica on the same device model."""
 _MASK63 = (1 << 63) - 1

@@ -8,12 +8,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, HeldOutConfig, ModelConfig,
-                                RunConfig, SamplingConfig, TaskConfig, check_choice, check_positive, to_config)
+                                RunConfig, SamplingConfig, TaskConfig, check_positive, to_config)
+from es_ray.core.registry import Registry
 from es_ray.runtime.validation import validate_trainer
 
-LEARNER_DTYPES = ("float32", "bf16_mixed")
-OFFLOADS = ("none", "optimizer", "all")
-"""grpo.offload (es_ray.memory_plan.OFFLOADS; a test keeps them equal)."""
+LEARNER_DTYPES = Registry("grpo.dtype", {
+    "float32": "fp32 weights, gradients, AdamW and compute",
+    "bf16_mixed": "fp32 master weights, gradients and AdamW, bf16 compute (autocast; FSDP2's MixedPrecisionPolicy)"})
+OFFLOADS = Registry("grpo.offload", {
+    "none": "everything on the device", "optimizer": "AdamW moments and the step on the host",
+    "all": "FSDP2's CPUOffloadPolicy: sharded parameters, gradients and AdamW on the host"})
+"""grpo.offload (es_ray.memory_plan.OFFLOADS: the same names in the same order; a test keeps them equal)."""
 # Settings a resumed GRPO run may change besides the runtime's (es_ray.runtime.rundir.RESUME_FREE).
 RESUME_FREE = frozenset({"grpo.steps", "cluster.num_actors"})
 
@@ -139,7 +144,7 @@ def validate_grpo(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
         raise ConfigError("grpo.dtype=bfloat16 (bf16 weights under AdamW) loses small steps: an update of ~lr=1e-5 "
                           "is below bf16's rounding of weights near 1 (2^-8) and vanishes; set grpo.dtype=bf16_mixed "
                           "(fp32 master weights and AdamW, bf16 compute) or grpo.dtype=float32")
-    check_choice("grpo.dtype", g.dtype, LEARNER_DTYPES)
+    LEARNER_DTYPES.check(g.dtype)
     check_positive("grpo.logit_chunk_tokens", g.logit_chunk_tokens)
     check_positive("grpo.steps", g.steps, allow_zero=True)
     check_positive("grpo.lr", g.lr, allow_zero=True)
@@ -152,7 +157,7 @@ def validate_grpo(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
     check_positive("grpo.weight_decay", g.weight_decay, allow_zero=True)
     check_positive("grpo.warmup_steps", g.warmup_steps, allow_zero=True)
     check_positive("grpo.sync_tolerance", g.sync_tolerance, allow_zero=True)
-    check_choice("grpo.offload", g.offload, OFFLOADS)
+    OFFLOADS.check(g.offload)
     check_fsdp(cfg)
     if cfg.sampling.temperature <= 0:
         raise ConfigError(f"sampling.temperature={cfg.sampling.temperature}: GRPO samples its groups, and greedy "

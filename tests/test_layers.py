@@ -16,7 +16,7 @@ LAYERS = {
     "es_ray.runtime": 5, "es_ray.held_out": 5,  # one runtime under every method
     "es_ray.engines": 4, "es_ray.replica": 4, "es_ray.memory_plan": 4,
     "es_ray.tasks": 3, "es_ray.grading": 3, "es_ray.models": 3,
-    "es_ray.noise": 2, "es_ray.strategy": 2, "es_ray.lowrank": 2, "es_ray.metrics": 2, "grpo.loss": 2,  # pure math
+    "es_ray.noise": 2, "es_ray.strategy": 2, "es_ray.perturbation": 2, "es_ray.lowrank": 2, "es_ray.metrics": 2, "grpo.loss": 2,  # pure math
     "es_ray.core": 1,  # imports nothing of the project but itself
 }
 METHODS = ("es_ray.es", "grpo", "es_ray.evaluation")

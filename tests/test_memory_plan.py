@@ -395,7 +395,7 @@ def test_offload_names_agree_and_bad_fsdp_settings_are_refused(tmp_path):
     from es_ray.memory_plan import OFFLOADS
     from grpo.config import OFFLOADS as GRPO_OFFLOADS, to_grpo_config
 
-    assert OFFLOADS == GRPO_OFFLOADS
+    assert OFFLOADS == GRPO_OFFLOADS.names()
     for grpo, key in (({"fsdp_size": 0}, "grpo.fsdp_size=0"), ({"fsdp_size": 3}, "does not divide"),
                       ({"offload": "gpu"}, "grpo.offload")):
         with pytest.raises(ConfigError, match=key):

@@ -17,20 +17,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-PLACEMENTS = ("pack", "spread")
-DEVICES = ("auto", "cpu", "cuda")
-
 
 class ConfigError(ValueError):
     """A setting that cannot work; the message names the key and what to change."""
 
 
 # -- checks ---------------------------------------------------------------------------------------------------
-
-
-def check_choice(key: str, value: str, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise ConfigError(f"{key}={value!r} is not one of {', '.join(options)}; set {key}= to one of them")
 
 
 def check_positive(key: str, value: float, *, allow_zero: bool = False) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from es_ray.core.config import ConfigError
+from es_ray.core.registry import Registry
 
-DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
+DTYPES = Registry("engine.dtype", {"auto": "bfloat16 on a GPU, float32 on a CPU", "bfloat16": "bfloat16",
+                                   "float16": "float16", "float32": "float32"})
 
 
 def resolve_dtype(name: str, device: str = "cpu", key: str = "engine.dtype"):
@@ -15,8 +16,7 @@ def resolve_dtype(name: str, device: str = "cpu", key: str = "engine.dtype"):
     if isinstance(name, torch.dtype):
         return name
     name = str(name).removeprefix("torch.")
-    if name not in DTYPE_NAMES:
-        raise ConfigError(f"{key}={name!r} is not one of {', '.join(DTYPE_NAMES)}; set {key}= to one of them")
+    DTYPES.check(name, key)
     if name == "auto":
         return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     return getattr(torch, name)

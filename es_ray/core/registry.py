@@ -30,13 +30,18 @@ class Registry:
     def names(self) -> tuple[str, ...]:
         return tuple(self._entries)
 
+    def __iter__(self):
+        return iter(self._entries)
+
     def __contains__(self, name: str) -> bool:
         return name in self._entries
 
-    def check(self, name: str) -> None:
+    def check(self, name: str, key: str | None = None) -> None:
+        """ConfigError unless ``name`` is registered, listing what is; ``key``: the config key to name when the
+        options serve several (task.answer and eval.answer), else ``self.key``."""
         if name not in self._entries:
-            raise ConfigError(f"{self.key}={name!r} is not one of {', '.join(self._entries)}; "
-                              f"set {self.key}= to one of them")
+            key = key or self.key
+            raise ConfigError(f"{key}={name!r} is not one of {', '.join(self._entries)}; set {key}= to one of them")
 
     def get(self, name: str) -> Any:
         self.check(name)

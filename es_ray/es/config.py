@@ -11,12 +11,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, HeldOutConfig, ModelConfig,
-                                RunConfig, SamplingConfig, TaskConfig, check_choice, check_positive, to_config)
+                                RunConfig, SamplingConfig, TaskConfig, check_positive, to_config)
+from es_ray.core.registry import Registry
 from es_ray.runtime.validation import validate_trainer
 
-ESTIMATORS = ("one_point", "antithetic")
-ON_MISMATCH = ("stop", "rebuild")
-KILL_PHASES = ("evaluate", "update")
+ESTIMATORS = Registry("es.estimator", {
+    "one_point": "each member's own noise, the update sum_i f_i eps_i / (N sigma) (the paper's)",
+    "antithetic": "members in +/- pairs sharing one noise (es.population even): lower variance for the same draws"})
+ON_MISMATCH = Registry("es.on_mismatch", {
+    "stop": "a replica whose checksum differs from the others' stops the run",
+    "rebuild": "it is rebuilt from the last checkpoint and the seed log, and the run goes on"})
+KILL_PHASES = Registry("faults.kill_actor_phase", {"evaluate": "during a member evaluation",
+                                                   "update": "during the update"})
 
 
 @dataclass
@@ -109,7 +115,7 @@ class ESTrainConfig:
 
 def validate(cfg: ESTrainConfig) -> ESTrainConfig:
     from es_ray.perturbation import PERTURBATIONS
-    from es_ray.noise import NOISE_KINDS, NOISE_SCOPES
+    from es_ray.noise import ES_NOISE, NOISE_SCOPES
     from es_ray.strategy import OPTIMIZERS, SHAPERS
 
     es = cfg.es
@@ -128,12 +134,12 @@ def validate(cfg: ESTrainConfig) -> ESTrainConfig:
     check_positive("es.noise_table_size", es.noise_table_size)
     SHAPERS.check(es.shaping)
     OPTIMIZERS.check(es.optimizer)
-    check_choice("es.noise", es.noise, ("auto", *NOISE_KINDS.names()))
+    ES_NOISE.check(es.noise)
     NOISE_SCOPES.check(es.noise_scope)
     if PERTURBATIONS.get(es.perturbation).batched:
         check_population_engine(cfg)
-    check_choice("es.estimator", es.estimator, ESTIMATORS)
-    check_choice("es.on_mismatch", es.on_mismatch, ON_MISMATCH)
+    ESTIMATORS.check(es.estimator)
+    ON_MISMATCH.check(es.on_mismatch)
     validate_trainer(cfg)
     if cfg.cluster.num_actors > es.population:
         raise ConfigError(
@@ -173,7 +179,7 @@ def validate_injection(cfg: ESTrainConfig) -> None:
     """The faults group's injection keys."""
     f = cfg.faults
     check_positive("faults.actor_delay_s", f.actor_delay_s, allow_zero=True)
-    check_choice("faults.kill_actor_phase", f.kill_actor_phase, KILL_PHASES)
+    KILL_PHASES.check(f.kill_actor_phase)
     if not 0 <= f.actor_rank < cfg.cluster.num_actors:
         raise ConfigError(f"faults.actor_rank={f.actor_rank} is not an actor: set it in "
                           f"[0, cluster.num_actors={cfg.cluster.num_actors})")

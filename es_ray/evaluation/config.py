@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, ModelConfig, RunConfig,
-                                check_choice, check_positive, to_config, validate_faults)
+                                check_positive, to_config, validate_faults)
+from es_ray.core.registry import Registry
 from es_ray.runtime.validation import validate_cluster, validate_engine, validate_run
 from es_ray.grading.boxed import ANSWER_MODES
 from es_ray.tasks import EVAL_TASKS
@@ -16,6 +17,9 @@ from es_ray.tasks import EVAL_TASKS
 GATED_TASKS = ("gpqa",)
 DEFAULT_EVAL_TASKS = tuple(t for t in EVAL_TASKS if t not in GATED_TASKS)
 
+CAST_DTYPES = Registry("cast_dtype", {"bfloat16": "what a bf16 GPU engine holds", "float16": "fp16",
+                                      "float32": "fp32 (no cast)"})
+"""es-drift's cast_dtype (empty: fp32 only)."""
 
 @dataclass
 class BenchmarkConfig:
@@ -82,8 +86,8 @@ def validate_eval(cfg: EvalJobConfig) -> EvalJobConfig:
 
     for name in ev.tasks:
         if ":" not in name:
-            check_choice("eval.tasks", name, tuple(sorted(TASKS)))
-    check_choice("eval.answer", ev.answer, ANSWER_MODES)
+            TASKS.check(name, "eval.tasks")
+    ANSWER_MODES.check(ev.answer, "eval.answer")
     check_positive("eval.n", ev.n)
     if not ev.k or any(k < 1 for k in ev.k):
         raise ConfigError(f"eval.k={list(ev.k)} must be a non-empty list of integers >= 1, e.g. eval.k=[1,16,32]")
@@ -139,7 +143,7 @@ def validate_drift(cfg: DriftJobConfig) -> DriftJobConfig:
         raise ConfigError(f"thresholds={list(cfg.thresholds)} must be a non-empty list of positive numbers")
     check_positive("top", cfg.top, allow_zero=True)
     if cfg.cast_dtype:
-        check_choice("cast_dtype", cfg.cast_dtype, ("bfloat16", "float16", "float32"))
+        CAST_DTYPES.check(cfg.cast_dtype)
     validate_run(cfg.run)
     return cfg
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import re
 
-ANSWER_MODES = ("boxed", "last")
+from es_ray.core.registry import Registry
+
+ANSWER_MODES = Registry("task.answer", {"boxed": "the last \\boxed{...} of the completion",
+                                        "last": "the last number (or choice) of the completion"})
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _SPACE = re.compile(r"\s+|\\[,;!: ]|\\left|\\right|\$")
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 from importlib.util import find_spec
 from typing import Any
 
-from es_ray.core.config import (DEVICES, PLACEMENTS, ClusterConfig, ConfigError, EngineConfig, RunConfig, TaskConfig,
-                                check_absolute, check_choice, check_positive, validate_faults, validate_sampling)
-from es_ray.core.dtypes import DTYPE_NAMES
+from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, RunConfig, TaskConfig,
+                                check_absolute, check_positive, validate_faults, validate_sampling)
+from es_ray.core.dtypes import DTYPES
+from es_ray.core.registry import Registry
 from es_ray.engines import ENGINES, TRAITS, engines_that, resolve
 from es_ray.grading.boxed import ANSWER_MODES
 from es_ray.runtime.cluster import check_address_syntax
@@ -16,11 +17,16 @@ from es_ray.runtime.tracking import TRACKERS
 from es_ray.tasks import TASKS
 from es_ray.tasks.countdown import SOURCES
 
+DEVICES = Registry("engine.device", {"auto": "CUDA when torch sees a GPU, else the CPU", "cpu": "the CPU",
+                                     "cuda": "the GPU (refused where torch sees none)"})
+PLACEMENTS = Registry("cluster.placement", {"pack": "actors on as few nodes as fit (Ray's PACK)",
+                                            "spread": "actors over as many nodes as there are (Ray's SPREAD)"})
+
 
 def validate_engine(engine: EngineConfig) -> None:
     ENGINES.check(engine.name)
-    check_choice("engine.dtype", engine.dtype, DTYPE_NAMES)
-    check_choice("engine.device", engine.device, DEVICES)
+    DTYPES.check(engine.dtype, "engine.dtype")
+    DEVICES.check(engine.device)
     check_positive("engine.batch_size", engine.batch_size)
     if not 0 <= engine.gpu_memory_utilization <= 1:
         raise ConfigError(f"engine.gpu_memory_utilization={engine.gpu_memory_utilization} must be in [0, 1] "
@@ -43,7 +49,7 @@ def validate_cluster(cluster: ClusterConfig, engine: EngineConfig | None = None,
     check_positive("cluster.num_actors", cluster.num_actors, allow_zero=allow_zero_actors)
     check_positive("cluster.gpus_per_actor", cluster.gpus_per_actor, allow_zero=True)
     check_positive("cluster.cpus_per_actor", cluster.cpus_per_actor, allow_zero=True)
-    check_choice("cluster.placement", cluster.placement, PLACEMENTS)
+    PLACEMENTS.check(cluster.placement)
     check_positive("cluster.wait_for_resources_s", cluster.wait_for_resources_s, allow_zero=True)
     check_address_syntax(cluster.address)
     traits = TRAITS.get(engine.name) if engine is not None else None
@@ -70,11 +76,11 @@ def validate_run(run: RunConfig) -> None:
 
 def validate_task(task: TaskConfig) -> None:
     if ":" not in task.name:  # an import path is checked where it is imported (in the actors)
-        check_choice("task.name", task.name, tuple(sorted(TASKS)))
+        TASKS.check(task.name)
     if task.train_size < 0 or task.eval_size < 0:
         raise ConfigError("task.train_size and task.eval_size must be >= 0")
-    check_choice("task.countdown_source", task.countdown_source, SOURCES)
-    check_choice("task.answer", task.answer, ANSWER_MODES)
+    SOURCES.check(task.countdown_source)
+    ANSWER_MODES.check(task.answer, "task.answer")
 
 
 def validate_trainer(cfg: Any) -> None:

@@ -17,10 +17,12 @@ from fractions import Fraction
 
 from es_ray.grading.countdown import score
 from es_ray.tasks.base import Problem, Task, TaskLoadError, hub_rows, read_rows
+from es_ray.core.registry import Registry
 from es_ray.tasks.dataset import RowError, list_field, parse_rows
 
 HUB_ID = "Jiayi-Pan/Countdown-Tasks-3to4"
-SOURCES = ("generated", "hub")
+SOURCES = Registry("task.countdown_source", {
+    "generated": "puzzles generated here, seeded (every one solvable)", "hub": "the paper's hub dataset"})
 """task.countdown_source values (task.path= overrides either)."""
 
 PROMPT = (
@@ -71,9 +73,11 @@ class CountdownTask(Task):
 
     def load(self):
         cfg = self.cfg
-        if cfg.countdown_source not in SOURCES:
-            raise TaskLoadError(f"task.countdown_source={cfg.countdown_source!r} is not one of "
-                                f"{', '.join(SOURCES)}; set task.countdown_source= to one of them")
+        if cfg.countdown_source not in SOURCES:  # a TaskLoadError (what a task's load raises), in the registry's words
+            try:
+                SOURCES.check(cfg.countdown_source)
+            except ValueError as err:
+                raise TaskLoadError(str(err)) from None
         want = cfg.train_size + cfg.eval_size
         self._loaded = None
         if cfg.path or cfg.countdown_source == "hub":

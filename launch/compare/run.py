@@ -33,11 +33,14 @@ from typing import Any, Callable
 from es_ray.es.config import ESConfig
 from es_ray.evaluation.config import BenchmarkConfig
 from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, ModelConfig, RunConfig,
-                                SamplingConfig, TaskConfig, check_choice, check_positive)
+                                SamplingConfig, TaskConfig, check_positive)
+from es_ray.core.registry import Registry
 from grpo.config import GRPOConfig, GRPOSamplingConfig
 from launch.compare.methods import METHODS, TRAINED, grpo_placement
 
-BUDGET_UNITS = ("epochs", "tokens", "device_seconds")
+BUDGET_UNITS = Registry("budget.unit", {
+    "epochs": "prompts seen: passes over the training pool", "tokens": "tokens generated in training",
+    "device_seconds": "the ledger's device-seconds of training"})
 
 
 @dataclass
@@ -98,9 +101,9 @@ class CompareConfig:
 
 def validate_compare(cfg: CompareConfig) -> CompareConfig:
     unknown = [m for m in cfg.methods if m not in METHODS]
-    if unknown or not cfg.methods:
+    if unknown or not cfg.methods:  # a list: one message for every unknown name
         raise ConfigError(f"methods={list(cfg.methods)}: choose from {', '.join(METHODS)} (at least one)")
-    check_choice("budget.unit", cfg.budget.unit, BUDGET_UNITS)
+    BUDGET_UNITS.check(cfg.budget.unit)
     check_positive("budget.epochs", cfg.budget.epochs)
     if cfg.budget.unit != "epochs":
         check_positive(f"budget.{cfg.budget.unit}", getattr(cfg.budget, cfg.budget.unit))
