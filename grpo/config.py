@@ -53,9 +53,13 @@ class GRPOConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0: no clipping; the norm is logged either way)."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     adam_beta1: float = 0.9
+    """AdamW's first moment decay."""
     adam_beta2: float = 0.999
+    """AdamW's second moment decay."""
     adam_eps: float = 1e-8
+    """AdamW's epsilon."""
     warmup_steps: int = 0
     """Linear learning-rate warmup over this many optimizer steps."""
     dtype: str = "float32"

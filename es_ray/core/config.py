@@ -82,9 +82,12 @@ class TaskConfig:
 @dataclass
 class SamplingConfig:
     max_new_tokens: int = 16
+    """Tokens generated per completion at most (a prompt whose tokens and these do not fit the model's context is
+    refused, never cut)."""
     temperature: float = 0.0
     """0 is greedy decoding."""
     top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: all)."""
 
 
 @dataclass
@@ -122,7 +125,9 @@ class ClusterConfig:
     num_actors: int = 2
     """Actors of the method's main role (ES actors, GRPO rollout actors, es-eval actors)."""
     gpus_per_actor: float = 0.0
+    """GPUs each actor asks Ray for (0 on CPU; a fraction shares a GPU between actors)."""
     cpus_per_actor: float = 1.0
+    """CPUs each actor asks Ray for."""
     num_cpus: int = 0
     """CPUs for a local Ray (0: all of this machine's)."""
     placement: str = "pack"
@@ -170,6 +175,7 @@ class RunConfig:
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     """Metric backends besides metrics.jsonl: any of tensorboard, wandb, mlflow (offline by default; [] for none)."""
     progress: bool = True
+    """A progress bar on stderr (train_reward=, heldout_pass@1=); false for plain logs."""
     overwrite: bool = False
     """A new run into a run.dir that holds another run: refused unless true, which first moves the old run aside to
     <run.dir>.replaced-<timestamp> (never mixed with it)."""

@@ -45,8 +45,11 @@ class ESConfig:
     optimizer: str = "sgd"
     """sgd or adam (es_ray.strategy.OPTIMIZERS), applied to the ascent direction g."""
     adam_beta1: float = 0.9
+    """es.optimizer=adam: the first moment's decay."""
     adam_beta2: float = 0.999
+    """es.optimizer=adam: the second moment's decay."""
     adam_eps: float = 1e-8
+    """es.optimizer=adam: added to sqrt(v) in the step's denominator."""
     weight_decay: float = 0.0
     """Decoupled decay: theta <- theta - lr * weight_decay * theta."""
     anchor_decay: float = 0.0

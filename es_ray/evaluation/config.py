@@ -36,7 +36,9 @@ class BenchmarkConfig:
     temperature: float = 0.6
     """Sampling temperature (0 is greedy, which only makes sense with n=1)."""
     top_p: float = 0.95
+    """Nucleus sampling of the evaluation (the paper's 0.95)."""
     max_new_tokens: int = 1024
+    """Tokens per completion at most; one that hits it without an answer scores 0."""
     limit: int = 0
     """Problems per task, the first ones in dataset order (0: all)."""
     data_dir: str = ""
