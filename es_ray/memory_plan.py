@@ -1,7 +1,7 @@
 """GPU memory plan of one ES actor, or of one GRPO learner and its rollout GPUs, from the model's HF config alone.
 
 Pure arithmetic (no torch): ``python -m es_ray.memory_plan`` prints the paper's four models on 24, 40 and 80 GB
-cards (the README's "Memory plan (GPU)" table); the vLLM engine sizes vLLM's share of the GPU from it when
+cards (docs/memory-plan.md's table); the vLLM engine sizes vLLM's share of the GPU from it when
 engine.gpu_memory_utilization=0, and its ES replica host checks it against the free memory before the first
 generation, so a run that cannot fit stops at start-up, not after a whole iteration.
 
@@ -746,7 +746,8 @@ def host_plan_bytes(kind: str, plan: MemoryPlan, cfg) -> tuple[int, str]:
     if kind == "grpo":
         f = max(1, cfg.grpo.fsdp_size)
         total = f * (per["learner"] + per["host"]) + n * per["vllm"]
-        return total, f"{f} learner rank(s) x {_gib(per['learner'] + per['host'])} + {n} rollout(s) x {_gib(per['vllm'])}"
+        return total, (f"{f} learner rank(s) x {_gib(per['learner'] + per['host'])} + {n} rollout(s) x "
+                       f"{_gib(per['vllm'])}")
     if kind == "es":
         return n * (per["vllm"] + per["es"]), f"{n} ES actor(s) x {_gib(per['vllm'] + per['es'])}"
     return n * per["vllm"], f"{n} engine(s) x {_gib(per['vllm'])}"

@@ -52,7 +52,7 @@ _MASK63 = (1 << 63) - 1
 
 def resolve_kind(kind: str, device_type: str) -> str:
     """es.noise=auto: table on a CPU, per_tensor on a GPU (the cheapest on each; benchmarks/noise.py and the
-    README's "Noise:" paragraph give the costs and why counter, portable but dearer, is opt-in)."""
+    the "Noise:" paragraph of docs/es-update.md give the costs and why counter, portable but dearer, is opt-in)."""
     if kind != "auto":
         return kind
     return "table" if device_type == "cpu" else "per_tensor"

@@ -8,7 +8,7 @@
 The working directory is shipped with launch/runtime_env.yaml, never with credentials or run outputs (SECRET_EXCLUDES:
 .env*, .netrc, .aws/, .ssh/, id_*, *.pem, wandb/, mlruns/, runs/, checkpoints/, ...); what goes is listed with its size
 before anything is sent. A cluster with Ray's token authentication gets its token from RAY_AUTH_TOKEN,
-RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token (README "Security"). A Ray Job's driver runs in a temporary copy of the
+RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token (docs/security.md). A Ray Job's driver runs in a temporary copy of the
 working directory, so for the project's entry points es-submit sets `run.dir=<run root>/<job id>` (or keeps
 an absolute `run.dir=` given), on storage every node sees. `--sweep` submits one job per combination of values,
 each with its own run directory (Hydra's Ray launcher plugin is not used). `--wait` streams the job's logs and exits

@@ -19,8 +19,8 @@ For each model, randomly initialised (seeded, std 0.02, norms 1) and saved with 
   generation, then the update) against bare batched generation of the same rows.
 
 Peak memory is what CUDA's caching allocator reserved at its peak (``max_memory_reserved``; the allocated peak
-beside it), against the plan's part less its CUDA-context line (n/a on CPU). The last line of the output is one JSON object with
-every figure; ``ok`` says whether every check passed (exit status 1 if not).
+beside it), against the plan's part less its CUDA-context line (n/a on CPU). The last line of the output is one
+JSON object with every figure; ``ok`` says whether every check passed (exit status 1 if not).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def check_full_rank(smoke: Smoke, engine, shape: ModelShape, prompts, greedy, ba
     plan = plan_es(shape, Settings(engine_dtype_bytes=engine.dtype.itemsize, optimizer="adam", noise="per_tensor"))
     members = ask(args.population)
     fitness = shape_fitness([float(i % 3) for i in range(args.population)])
-    mem_base = smoke.start_peak()  # the replica's own memory: setup, a perturb/restore and an Adam update, no generation
+    mem_base = smoke.start_peak()  # the replica's own memory: setup, perturb/restore, an Adam update; no generation
     host.setup(spec())
     host.perturb(0, 0, 1, args.sigma)
     host.restore()
@@ -256,13 +256,13 @@ def prompt_logits(engine, enc: dict, factors=None, members: range | None = None)
 
 def check_lowrank(smoke: Smoke, engine, prompts, greedy, args, key: str, fig: dict) -> None:
     """Low-rank population batching. Exact on CPU: every member's greedy completions from one batched generation
-    equal that member's alone. On a GPU the bf16 kernels pick tiles by batch shape (README "Exactness on a GPU"), so
-    a member's logits move in their last bits with what shares its batch, and a random model's near-tied greedy
-    choices then part: there the check is on teacher-forced logits over the prompts. The base model's own batch
-    noise D0 (its rows batched with copies of themselves vs alone) bounds what the hardware does; each member's
-    batched logits must equal its alone logits within max(2 D0, Dm / 20), Dm being the smallest gap between two
-    members alone (a row given the wrong member's term, or none, moves by about Dm). The greedy agreement is
-    reported either way."""
+    equal that member's alone. On a GPU the bf16 kernels pick tiles by batch shape (docs/engines.md, "Exactness on
+    a GPU"), so a member's logits move in their last bits with what shares its batch, and a random model's
+    near-tied greedy choices then part: there the check is on teacher-forced logits over the prompts. The base
+    model's own batch noise D0 (its rows batched with copies of themselves vs alone) bounds what the hardware does;
+    each member's batched logits must equal its alone logits within max(2 D0, Dm / 20), Dm being the smallest gap
+    between two members alone (a row given the wrong member's term, or none, moves by about Dm). The greedy
+    agreement is reported either way."""
     host = engine.replica_host()
     host.setup(spec(perturbation="lowrank", rank=args.rank))
     members = ask(args.population)

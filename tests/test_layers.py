@@ -1,7 +1,7 @@
 """The layering, kept by CI: every import of the project's own modules (function-local ones included, only
-``if TYPE_CHECKING:`` blocks exempt) points down the layers of README "Architecture", the methods never import each
-other (only the comparison above them imports both), and no two modules import each other, directly or around a
-circle."""
+``if TYPE_CHECKING:`` blocks exempt) points down the layers of README "Architecture" (docs/architecture.md), the
+methods never import each other (only the comparison above them imports both), and no two modules import each
+other, directly or around a circle."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ LAYERS = {
     "es_ray.runtime": 5, "es_ray.held_out": 5,  # one runtime under every method
     "es_ray.engines": 4, "es_ray.replica": 4, "es_ray.memory_plan": 4,
     "es_ray.tasks": 3, "es_ray.grading": 3, "es_ray.models": 3,
-    "es_ray.noise": 2, "es_ray.strategy": 2, "es_ray.perturbation": 2, "es_ray.lowrank": 2, "es_ray.metrics": 2, "grpo.loss": 2,  # pure math
+    # pure math
+    "es_ray.noise": 2, "es_ray.strategy": 2, "es_ray.perturbation": 2, "es_ray.lowrank": 2, "es_ray.metrics": 2,
+    "grpo.loss": 2,
     "es_ray.core": 1,  # imports nothing of the project but itself
 }
 METHODS = ("es_ray.es", "grpo", "es_ray.evaluation")

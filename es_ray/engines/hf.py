@@ -18,7 +18,7 @@ from es_ray.lowrank import LowRankSlots
 
 
 def lowrank_ranks() -> None:
-    """es.perturbation=lowrank: the ranks this engine serves; None, any (``es_ray.engines.LOWRANK_RANKS``)."""
+    """es.perturbation=lowrank: the ranks this engine serves; None, any (``es_ray.engines.TRAITS``)."""
     return None
 
 

@@ -66,8 +66,8 @@ class ESConfig:
     perturbation: str = "full"
     """full: every trainable tensor gets full-rank noise, written into the weights member by member (the paper's
     ES); lowrank: each linear layer's weight gets sigma * B A^T / sqrt(es.rank) and all of an actor's members are
-    generated in one batched pass, the weights written once per iteration (es_ray.lowrank; README "Population
-    batching"). lowrank leaves 1-D tensors and embeddings out."""
+    generated in one batched pass, the weights written once per iteration (es_ray.lowrank;
+    docs/population-batching.md). lowrank leaves 1-D tensors and embeddings out."""
     rank: int = 8
     """es.perturbation=lowrank: rank r of each member's perturbation (1 <= r <= min(out, in); vLLM: one of the
     LoRA ranks it supports)."""

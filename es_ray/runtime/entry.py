@@ -55,7 +55,7 @@ def hydra_main(config_name: str, fn: Callable[[Any], None], prog: str, register:
     if MULTIRUN_FLAGS & set(args):
         exit_with(prog, "-m/--multirun is not supported: the jobs would share one run.dir and run one after another. "
                         f"Sweep with `es-submit --sweep es.sigma=1e-3,2e-3 -- {prog} ...` (one job and run dir per "
-                        "value; README: Running), or start one command per value")
+                        "value; docs/running.md), or start one command per value")
     if not any(a.startswith("-") for a in args):  # Hydra's own flags (--cfg, --info, ...) go to Hydra unchecked
         problem = check_overrides(config_name, args)
         if problem:

@@ -51,6 +51,7 @@ def grpo_placement_text(cfg) -> str:
     if colocate:
         return (f"GRPO ran colocated: {rollouts} actor(s), each holding a learner rank and a rollout engine "
                 f"(grpo.colocate; cluster.num_actors={cfg.cluster.num_actors} has no spare devices for "
-                f"grpo.fsdp_size={cfg.grpo.fsdp_size} learner ranks beside grpo_rollout_actors={cfg.grpo_rollout_actors})")
+                f"grpo.fsdp_size={cfg.grpo.fsdp_size} learner ranks beside "
+                f"grpo_rollout_actors={cfg.grpo_rollout_actors})")
     return (f"GRPO ran on separate devices: {cfg.grpo.fsdp_size} learner rank(s) (grpo.fsdp_size) and {rollouts} "
             "rollout actor(s) (grpo_rollout_actors)")
