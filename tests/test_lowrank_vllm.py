@@ -179,3 +179,32 @@ def test_unsupported_rank_is_refused(tiny_model_dir):
     with pytest.raises(ConfigError, match=r"es\.rank=3: vLLM serves LoRA ranks 1, 8, 16"):
         make_engine(str(tiny_model_dir), EngineConfig(name="vllm", dtype="float32", device="cpu",
                                                       enforce_eager=True), LowRankSlots(2, 3))
+
+
+@pytest.mark.parametrize("counts", [{0: 5, 1: 5, 2: 5}, {1: 3, 2: 3}, {0: 5, 1: 4, 2: 5}])
+def test_cpu_lora_kernel_batches_equal_runs(counts, monkeypatch):
+    """Runs of equally many tokens, one per slot in order (a decode step of members with as many requests each): the
+    kernel batches them (``_lora_equal_runs``) and equals the per-token formula; unequal runs take the loop."""
+    from types import SimpleNamespace
+
+    from vllm.lora.punica_wrapper.utils import compute_meta
+
+    from es_ray.engines import vllm_extension
+
+    batched = []
+    equal_runs = vllm_extension._lora_equal_runs
+    monkeypatch.setattr(vllm_extension, "_lora_equal_runs", lambda *a: batched.append(1) or equal_runs(*a))
+    gen = torch.Generator().manual_seed(1)
+    slots, rank, inp, sizes = 3, 8, 16, (12, 4, 4)
+    a = tuple(torch.randn(slots, 1, rank, inp, generator=gen) for _ in sizes)
+    b = tuple(torch.randn(slots, 1, size, rank, generator=gen) for size in sizes)
+    index = torch.tensor([slot for slot, n in counts.items() for _ in range(n)])
+    x, y = torch.randn(len(index), inp, generator=gen), torch.randn(len(index), sum(sizes), generator=gen)
+    expected = y.clone()
+    for t, slot in enumerate(index.tolist()):
+        expected[t] += 0.5 * torch.cat([(x[t] @ a[s][slot, 0].T) @ b[s][slot, 0].T for s in range(len(sizes))])
+    wrapper = SimpleNamespace(token_lora_indices=index, is_prefill=True, no_lora=False,
+                              prefill_metadata=compute_meta(index)[:3])
+    vllm_extension._add_lora_linear(wrapper, y, x, a, b, 0.5, sizes)
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    assert len(batched) == (len(set(counts.values())) == 1)
