@@ -120,6 +120,7 @@ class Optimizer:
     def load_state_dict(self, sd: dict, device: str | torch.device | None = None) -> None:
         """State from ``state_dict`` (a checkpoint is read onto the CPU): every tensor lands on ``device`` in fp32."""
         self.t = int(sd["t"])
+        self.state = {}  # the old moments go before the new ones are made: a replica reloaded in place holds one set
         self.state = {name: {k: v.detach().to(device=device, dtype=torch.float32, copy=True) for k, v in st.items()}
                       for name, st in sd["state"].items()}
 

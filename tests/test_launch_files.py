@@ -208,6 +208,32 @@ def test_cluster_yamls_pass_rays_own_schema():
         assert cfg["docker"]["image"].endswith(f":{pyproject()['project']['version']}-gpu"), path
 
 
+HOST_GIB = {"g5.2xlarge": 32, "p4d.24xlarge": 1152, "a2-highgpu-1g": 85e9 / (1 << 30),
+            "a2-highgpu-8g": 680e9 / (1 << 30)}
+"""Host RAM of the GPU instance types the cluster launcher files name (the clouds' instance tables)."""
+
+
+def test_cluster_gpu_nodes_hold_one_es_actor_per_gpu_at_the_host_plan():
+    """Each GPU worker type has the host RAM the ES host plan asks at 7B for one actor per GPU
+    (benchmarks/host_memory.py: checkpoints streamed, so any optimizer), and its comment states the plan's figure."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from host_memory import es_actor_host_plan_gib
+
+    plan = es_actor_host_plan_gib("qwen2.5-7b")
+    for path in CLUSTER_YAMLS:
+        cfg = yaml.safe_load(path.read_text())
+        for name, t in cfg["available_node_types"].items():
+            if not t["resources"].get("GPU"):
+                continue
+            node = t["node_config"]
+            kind = node.get("InstanceType") or node.get("machineType")
+            assert kind in HOST_GIB, f"{path}: {name} is {kind}, whose host RAM this test does not know"
+            assert HOST_GIB[kind] >= t["resources"]["GPU"] * plan, (path, name, kind, plan)
+        assert f"{plan:.1f} GiB" in path.read_text(), f"{path}: no comment states the plan's {plan:.1f} GiB at 7B"
+
+
 def test_version_pins_agree_across_pyproject_dockerfiles_and_cluster_files():
     ray, vllm, torch = pin("ray"), pin("vllm"), pin("torch")
     gpu = (REPO / "docker" / "Dockerfile").read_text()
