@@ -48,8 +48,9 @@ machine: CPU model, its matmul-relevant flags, cores, torch threads and version,
 Settings: model, engines, members, prompts, max_new_tokens, threads, rank, repeats, batch_size, vllm_enforce_eager,
 no_eos.
 
---profile (hf only, ``profile``): where the low-rank generation's time goes beside the limit and the limit's rows
-each prefilled, per layer kind, prefill and decode; JSON: machine, settings, hf_profile.
+--profile (``profile``, ``profile_vllm``): where the low-rank generation's time goes beside the limit and the limit's
+rows each prefilled; hf per layer kind, prefill and decode; vLLM split into the CPU LoRA kernel of
+``vllm_extension`` and vLLM's own LoRA path; JSON: machine, settings, hf_profile, vllm_profile (per engine run).
 
 Targets: hf lowrank generation >= 95% of the limit of the same rows each prefilled; hf full < 3% of the iteration outside generation; vllm full < 10%;
 vllm lowrank is reported as measured (its target holds on a GPU only).
@@ -442,6 +443,82 @@ def profile(args) -> dict:
     return out
 
 
+def profile_vllm(args) -> dict:
+    """--profile (vLLM, CPU build): one LoRA-enabled engine, interleaved: the limit's rows each prefilled (no LoRA, each
+    row its own prefix-cache salt), the low-rank population (``generate_members``), and the same with the linear
+    layers' LoRA kernel (``PunicaWrapperCPU.add_lora_linear``, ``vllm_extension._add_lora_linear``) a no-op: the
+    population's gap to the rows splits into that kernel (its own CPU seconds, timed inside, and population minus
+    no-op) and vLLM's own LoRA path (no-op minus rows: metadata per step, the LoRA layers' wrappers). EOS is ignored
+    in every mode (each row generates --max-new-tokens). CPU seconds of the calling thread (the engine core runs in
+    it with one thread) and wall seconds, medians."""
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    from es_ray.es.worker import ESWorker
+    from es_ray.strategy import ask
+    from es_ray.tasks.base import templated_prompts
+
+    cfg = build_config(args, "vllm", "lowrank")
+    worker = ESWorker(cfg)
+    eng = worker.engine
+    prompts = [templated_prompts(eng, worker.task)["train"][i] for i in range(cfg.es.prompts_per_iteration)]
+    members = list(ask(cfg.es.population, cfg.es.estimator))
+    each_row = each_row_generation(eng)
+    kernel, sampling_params, clock = PunicaWrapperCPU.add_lora_linear, eng._sampling_params, time.thread_time
+    kernel_s = [0.0]
+
+    def timed(self, *a, **kw):
+        t0 = clock()
+        kernel(self, *a, **kw)
+        kernel_s[0] += clock() - t0
+
+    def all_tokens(*a, **kw):
+        params = sampling_params(*a, **kw)
+        for p in params:
+            p.ignore_eos, p.min_tokens = True, args.max_new_tokens
+        return params
+
+    eng._sampling_params = all_tokens
+    kernels = {"lowrank": timed, "lowrank_no_kernel": lambda self, *a, **kw: None}
+
+    def run(mode: str, t: int) -> dict:
+        kernel_s[0] = 0.0
+        PunicaWrapperCPU.add_lora_linear = kernels.get(mode, kernel)
+        t0, c0 = time.perf_counter(), clock()
+        if mode == "limit_rows":
+            done = each_row(prompts * cfg.es.population, cfg.sampling, 0)
+        else:
+            done = [c for m in worker.replica.generate_members(t, members, cfg.es.sigma, prompts, cfg.sampling, 0)
+                    for c in m]
+        return {"cpu": clock() - c0, "wall": time.perf_counter() - t0, "kernel_cpu": kernel_s[0],
+                "tokens": sum(c.num_tokens for c in done)}
+
+    modes = ("limit_rows", "lowrank", "lowrank_no_kernel")
+    [run(m, 0) for m in modes]  # warm-up
+    runs: dict[str, list] = {m: [] for m in modes}
+    for r in range(args.repeats):
+        for m in modes if r % 2 == 0 else modes[::-1]:
+            runs[m].append(run(m, r + 1))
+    PunicaWrapperCPU.add_lora_linear = kernel
+    eng.close()
+    out: dict = {m: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for m, rs in runs.items()}
+    rows, low, bare = out["limit_rows"], out["lowrank"], out["lowrank_no_kernel"]
+    out["lowrank_cpu_share_of_rows_limit"] = rows["cpu"] / low["cpu"]
+    out["lowrank_wall_share_of_rows_limit"] = rows["wall"] / low["wall"]
+    out["gap_cpu_s"] = low["cpu"] - rows["cpu"]
+    out["kernel_cpu_s"] = low["kernel_cpu"]
+    out["vllm_lora_path_cpu_s"] = bare["cpu"] - rows["cpu"]
+    return out
+
+
+def report_vllm_profile(prof: dict) -> None:
+    print("profile (vllm, seconds per generate call, medians): " + ", ".join(
+        f"{m}: {prof[m]['cpu']:.2f} CPU s, {prof[m]['wall']:.2f} wall s, {prof[m]['tokens']:.0f} tokens"
+        for m in ("limit_rows", "lowrank", "lowrank_no_kernel")))
+    print(f"lowrank: {prof['lowrank_cpu_share_of_rows_limit']:.1%} of limit_rows in CPU seconds "
+          f"({prof['lowrank_wall_share_of_rows_limit']:.1%} wall); its {prof['gap_cpu_s']:.2f} s more: the LoRA "
+          f"kernel {prof['kernel_cpu_s']:.2f} s, vLLM's own LoRA path {prof['vllm_lora_path_cpu_s']:.2f} s")
+
+
 def report_profile(prof: dict) -> None:
     modes = [m for m in prof if isinstance(prof[m], dict)]
     print("profile (hf, CPU seconds per generate call, medians): " + ", ".join(
@@ -476,7 +553,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="measured repeats (after a warm-up); medians")
     ap.add_argument("--vllm-compiled", action="store_true", help="vLLM without engine.enforce_eager")
     ap.add_argument("--profile", action="store_true",
-                    help="hf only: where the low-rank phase's generation time goes, beside the limit (see profile)")
+                    help="where the low-rank phase's generation time goes, beside the limit (see profile, "
+                         "profile_vllm)")
     ap.add_argument("--no-eos", action="store_true",
                     help="hf: every row generates --max-new-tokens tokens, the same decode steps in every mode")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -490,22 +568,26 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
         engine_name, perturbation = args.child.split(":")
-        res = profile(args) if perturbation == "profile" else measure(args, engine_name, perturbation)
+        if perturbation == "profile":
+            res = profile(args) if engine_name == "hf" else profile_vllm(args)
+        else:
+            res = measure(args, engine_name, perturbation)
         print("RESULT " + json.dumps(res), flush=True)
         return
     host = machine()
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if args.profile:
-        prof = run_phase(args, "hf", "profile")
-        if "error" in prof:
-            sys.exit(f"profile failed: {prof['error']}")
-        report_profile(prof)
+        profiles = {}
+        for e in engines:
+            profiles[f"{e}_profile"] = prof = run_phase(args, e, "profile")
+            if "error" in prof:
+                sys.exit(f"{e} profile failed: {prof['error']}")
+            (report_profile if e == "hf" else report_vllm_profile)(prof)
         print(json.dumps({"machine": {**host, "torch_threads": args.threads, **load_after()}, "members": args.members,
                           "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "rank": args.rank,
-                          "no_eos": args.no_eos,
-                          "repeats": args.repeats, "hf_profile": prof}))
+                          "no_eos": args.no_eos, "repeats": args.repeats, **profiles}))
         return
 
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     figures: dict = {}
     for e in engines:
         figures.update(collect(e, {mode: run_phase(args, e, mode) for mode in PERTURBATIONS}))
