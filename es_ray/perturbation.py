@@ -8,11 +8,12 @@ instance here; the replica, the worker and the memory plan follow its attributes
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
-from es_ray import lowrank
 from es_ray.core.registry import Registry
-from es_ray.lowrank import LowRankSlots
+
+if TYPE_CHECKING:
+    from es_ray.lowrank import LowRankSlots
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,11 @@ class Perturbation:
     def selects(self, name: str, shape: Iterable[int] | None) -> bool:
         """Whether a trainable tensor (the model.trainable regex already matched) is perturbed: every one, or for
         factored noise the linear-layer weights only (``lowrank.is_target``; without a shape: not yet known)."""
-        return shape is None or not self.factored or lowrank.is_target(name, shape)
+        if shape is None or not self.factored:
+            return True
+        from es_ray.lowrank import is_target  # torch, imported where a model is at hand (not by the driver)
+
+        return is_target(name, shape)
 
     def target_note(self) -> str:
         """How an error about the selected tensors names this mode's restriction."""
@@ -45,6 +50,8 @@ class Perturbation:
 
     def slots(self, population: int, num_actors: int, rank: int) -> LowRankSlots | None:
         """What the engine reserves: a slot per member generated at once, at ``rank``; None for none."""
+        from es_ray.lowrank import LowRankSlots
+
         members = self.members_at_once(population, num_actors)
         return LowRankSlots(members=members, rank=rank) if members else None
 
@@ -52,7 +59,9 @@ class Perturbation:
         """Before any actor starts: factored noise needs 1 <= rank <= min(out, in) of every perturbed tensor
         (``shapes`` reads them, only when needed)."""
         if self.factored:
-            lowrank.check_rank(rank, shapes())
+            from es_ray.lowrank import check_rank
+
+            check_rank(rank, shapes())
 
 
 FULL = Perturbation("full", "every trainable tensor gets its own full-rank Gaussian noise, written into the weights "

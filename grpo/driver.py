@@ -23,7 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from es_ray.runtime.tracking import Timer, Tracker
+from grpo.colocated import ColocatedWorker
 from grpo.config import RESUME_FREE, GRPOTrainConfig
+from grpo.learner import GRPOLearner
+from grpo.rollout import RolloutWorker
 
 
 class WeightSyncError(RuntimeError):
@@ -88,8 +91,6 @@ class Crew:
     def __init__(self, cfg: GRPOTrainConfig, tracker: Tracker, run_dir: Path, check_interrupt):
         from es_ray.runtime.actors import start_group
         from es_ray.runtime.placement import place
-        from grpo.learner import GRPOLearner
-        from grpo.rollout import RolloutWorker
 
         self.cfg, self.tracker, self.tol = cfg, tracker, sync_tolerance(cfg)
         self.probe = None
@@ -101,19 +102,18 @@ class Crew:
                   f"run.dir={run_dir} (set run.checkpoint_every to keep some)")
         common = dict(log=tracker.message, check_interrupt=check_interrupt)
         if self.colocated:
-            from grpo.colocated import ColocatedWorker
-
             role, cls = "learner+rollout", ColocatedWorker
         else:
             role, cls = "learner", GRPOLearner
         self.learner, infos = start_group(role, cls, f, lambda rank: (cfg, rank, f), self.placement,
                                           cfg.faults, replaceable=False, lost_advice=advice, **common)
         if not infos[0]["built"]:  # sharded: rank 0 picks the rendezvous, every rank joins and builds its shard
-            address = self.learner.call(0, "address")
-            joined = self.learner.gather("join", {r: (address,) for r in self.learner.ranks}, slow=True)
+            address = self.learner.call(0, GRPOLearner.address)
+            joined = self.learner.gather(GRPOLearner.join, {r: (address,) for r in self.learner.ranks}, slow=True)
             infos = [joined[r] for r in self.learner.ranks]
         self.learner_info = infos[0]
-        self.learner_probe = "learner_probe_logprobs" if self.colocated else "probe_logprobs"
+        self.learner_probe = (ColocatedWorker.learner_probe_logprobs if self.colocated
+                              else GRPOLearner.probe_logprobs)
         if self.colocated:
             self.rollouts, self.infos = self.learner, infos
             return
@@ -126,7 +126,7 @@ class Crew:
     def groups(self) -> list:
         return [self.learner] if self.colocated else [self.learner, self.rollouts]
 
-    def learn(self, method: str, *args, slow: bool = False):
+    def learn(self, method, *args, slow: bool = False):
         """A learner call on every rank at once (a sharded learner's methods are collectives); rank 0's answer."""
         return self.learner.each(method, *args, slow=slow)[0]
 
@@ -139,9 +139,9 @@ class Crew:
         t1 = time.perf_counter()
         first = self.probe is None
         if first:
-            self.probe = self.rollouts.call(0, "probe")
+            self.probe = self.rollouts.call(0, RolloutWorker.probe)
         learner_lp = self.learn(self.learner_probe, *self.probe)
-        engine_lps = self.rollouts.each("probe_logprobs", *self.probe)
+        engine_lps = self.rollouts.each(RolloutWorker.probe_logprobs, *self.probe)
         calibrate = first and not self.cfg.grpo.sync_tolerance
         worst = check_sync(learner_lp, engine_lps, FIRST_SYNC_CEILING if calibrate else self.tol, step)
         if calibrate:
@@ -158,13 +158,13 @@ class Crew:
 
         dtype, n = self.infos[0]["dtype"], self.learner_info["weight_chunks"]
         if self.colocated:  # each actor from its own learner rank into its own engine
-            return self.learner.each("sync_local", dtype)[0]["bytes"]
+            return self.learner.each(ColocatedWorker.sync_local, dtype)[0]["bytes"]
         # every learner rank gathers each tensor of chunk k (full_tensor) with the others; rank 0's copy is sent
-        chunk = lambda k: [a.weight_chunk.remote(k, dtype) for a in self.learner.actors]  # noqa: E731
+        chunk = lambda k: self.learner.send_all(GRPOLearner.weight_chunk, k, dtype)  # noqa: E731
         ahead, nbytes = chunk(0), 0
         for k in range(n):
             refs, ahead = ahead, chunk(k + 1) if k + 1 < n else None
-            nbytes += group.gather("write_weights", {r: (refs[0],) for r in ranks})[ranks[0]]["bytes"]
+            nbytes += group.gather(RolloutWorker.write_weights, {r: (refs[0],) for r in ranks})[ranks[0]]["bytes"]
             if len(refs) > 1:  # the other ranks' (empty) answers: an error there surfaces here (ray.get of
                 ray.get(refs[1:])  # nothing would start a Ray of its own where none is running)
             del refs  # the driver owns the chunk: dropping the last reference frees it in the object store
@@ -174,8 +174,8 @@ class Crew:
         """The rollout group's restore hook: the replacement gets the learner's current weights, verified."""
         self._send_weights([rank], group)
         if self.probe is not None:
-            lp = self.learn("probe_logprobs", *self.probe)
-            check_sync(lp, [group.call(rank, "probe_logprobs", *self.probe)], self.tol, -1)
+            lp = self.learn(GRPOLearner.probe_logprobs, *self.probe)
+            check_sync(lp, [group.call(rank, RolloutWorker.probe_logprobs, *self.probe)], self.tol, -1)
         return {"resynced": True}
 
     def kill(self) -> None:
@@ -248,8 +248,8 @@ def run(cfg: GRPOTrainConfig) -> dict:
             ledger.started()
             if cfg.eval.every and start == 0:  # the held-out curve's first point: the base weights
                 with ledger.apart("held_out"):
-                    write_base_point(run_dir, crew.rollouts.call(0, "evaluate", "eval", held_out_seed(cfg.run.seed)),
-                                     ledger)
+                    base = crew.rollouts.call(0, RolloutWorker.evaluate, "eval", held_out_seed(cfg.run.seed))
+                    write_base_point(run_dir, base, ledger)
             history = []
             for t in range(start, g.steps):
                 row = step(cfg, crew, t, pool, guard)
@@ -266,10 +266,10 @@ def run(cfg: GRPOTrainConfig) -> dict:
                     break
                 if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0 and done < g.steps:
                     with ledger.apart("checkpoint"):
-                        crew.learn("save", str(run_dir / "checkpoints" / f"step_{done:06d}"), {"step": done})
+                        crew.learn(GRPOLearner.save, str(run_dir / "checkpoints" / f"step_{done:06d}"), {"step": done})
             final = run_dir / "checkpoints" / "final"
             with ledger.apart("checkpoint"):
-                crew.learn("save", str(final), {"step": done})
+                crew.learn(GRPOLearner.save, str(final), {"step": done})
             finished = True
             summary.update(final_checkpoint=str(final), steps=done, reward_mean=[h["reward/mean"] for h in history],
                            eval_reward=[h["eval/reward"] for h in history if "eval/reward" in h])
@@ -291,7 +291,7 @@ def _start(crew: Crew, ckpt: Path | None, start: int, tracker, run_dir: Path) ->
     """The learner loads the checkpoint to resume from, the rollouts get its weights (verified); returns the
     training pool's size."""
     if ckpt is not None:
-        crew.learn("load", str(ckpt), slow=True)
+        crew.learn(GRPOLearner.load, str(ckpt), slow=True)
         tracker.message(f"grpo: resumed from {ckpt} at step {start}")
     pool = crew.infos[0]["train_size"]
     tracker.message(f"grpo: learner + {len(crew.rollouts)} rollout actor(s), {crew.learner_info['trainable']} "
@@ -308,7 +308,7 @@ def held_out(cfg: GRPOTrainConfig, crew: Crew, t: int, row: dict) -> int:
         return 0
     from es_ray.held_out import held_out_seed
 
-    res = crew.rollouts.call(0, "evaluate", "eval", held_out_seed(cfg.run.seed))
+    res = crew.rollouts.call(0, RolloutWorker.evaluate, "eval", held_out_seed(cfg.run.seed))
     row.update({f"eval/{k}": res[k] for k in ("reward", "pass_at_1", "entropy", "tokens", "errors")})
     row["timing_s/eval"] = res["seconds"]
     return res["tokens"]
@@ -334,7 +334,7 @@ def _stop_cleanly(stop, crew: Crew | None, run_dir: Path, tracker, done: int, st
         crew.rollouts.replaceable = False  # stopping: a rollout failing now is not waited for
         crew.rollouts.cancel_inflight()
         path = run_dir / "checkpoints" / f"step_{done:06d}"
-        saved = str(crew.learn("save", str(path), {"step": done}))
+        saved = str(crew.learn(GRPOLearner.save, str(path), {"step": done}))
     tracker.message(f"grpo: stopped by {stop} after {done} step(s); "
                     f"{'checkpoint ' + saved if saved else 'no new checkpoint needed'}. Continue with: "
                     f"{resume_command('grpo', run_dir)}")
@@ -350,7 +350,7 @@ def step(cfg: GRPOTrainConfig, crew: Crew, t: int, pool: int, guard) -> dict:
     ids = prompt_indices(cfg, t, pool)
     parts = [list(map(int, p)) for p in np.array_split(ids, len(crew.rollouts))]
     with timer("generate"):
-        out = crew.rollouts.gather("generate", {r: (parts[r], g.group_size, sample_seed(cfg, t, r))
+        out = crew.rollouts.gather(RolloutWorker.generate, {r: (parts[r], g.group_size, sample_seed(cfg, t, r))
                                                 for r in crew.rollouts.ranks})
     results = [out[r] for r in crew.rollouts.ranks]
     samples = [s for res in results for s in res["samples"]]  # prompt-major: P groups of G, in ids order
@@ -358,7 +358,7 @@ def step(cfg: GRPOTrainConfig, crew: Crew, t: int, pool: int, guard) -> dict:
     adv_b = group_advantages(torch.from_numpy(rewards_pg), g.adv_scale, g.adv_eps).flatten().tolist()
     with guard.critical():  # an optimizer step and the sync that follows it are never split by a signal
         with timer("train"):
-            stats = crew.learn("train_step", samples, adv_b)
+            stats = crew.learn(GRPOLearner.train_step, samples, adv_b)
         sync = crew.sync(t)
     lengths = [len(s["completion_ids"]) for s in samples]
     tokens = sum(res["tokens"] for res in results)

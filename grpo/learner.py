@@ -21,7 +21,7 @@ from pathlib import Path
 
 from grpo.config import GRPOTrainConfig
 
-from es_ray.runtime.actors import once
+from es_ray.runtime.actors import Actor, actor_threads, once
 from es_ray.runtime.checkpoint import meta_file, state_file
 
 STATE_FILE = state_file("grpo")
@@ -42,7 +42,7 @@ def forwarded_tokens(samples: list[dict], shared: bool) -> int:
     return sum(map(len, prompts)) + sum(max(0, len(s["completion_ids"]) - 1) for s in samples)
 
 
-class GRPOLearner:
+class GRPOLearner(Actor):
     """One learner rank. With grpo.fsdp_size=1 (and grpo.offload other than all) the whole learner, built at once.
     Otherwise rank ``rank`` of ``world``: the driver asks rank 0 for a rendezvous ``address()``, then every rank
     ``join``s the torch.distributed group (gloo on CPU, NCCL on GPU; no torchrun) and builds the model sharded with
@@ -50,7 +50,6 @@ class GRPOLearner:
     the driver calls it on all ranks at once (``ActorGroup.each``) and reads rank 0's answer."""
 
     def __init__(self, cfg: GRPOTrainConfig, rank: int = 0, world: int = 1):
-        import torch
         from transformers.utils import logging as hf_logging
 
         from es_ray.engines.base import resolve_device
@@ -58,8 +57,8 @@ class GRPOLearner:
 
         hf_logging.set_verbosity_error()
         g = cfg.grpo
-        torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.cluster.cpus_per_actor)))
-        self.cfg, self.g, self.rank, self.world = cfg, g, rank, world
+        super().__init__(rank, actor_threads(cfg.engine, cfg.cluster))
+        self.cfg, self.g, self.world = cfg, g, world
         self.sharded = world > 1 or g.offload == "all"
         self.model_dir = resolve_model(cfg.model.path)
         self.device = resolve_device(cfg.engine)
@@ -459,11 +458,6 @@ class GRPOLearner:
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         return read_meta(path, "grpo")
-
-    def peak_memory(self) -> dict:
-        from es_ray.runtime.ledger import process_peak_memory
-
-        return process_peak_memory()
 
 
 def _local(t):

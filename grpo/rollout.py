@@ -8,9 +8,9 @@ the driver can verify a sync.
 
 from __future__ import annotations
 
-import os
 import time
 
+from es_ray.runtime.actors import Actor, actor_threads
 from es_ray.tasks.base import score
 from grpo.config import GRPOTrainConfig
 
@@ -19,20 +19,17 @@ PROBE_TOKENS = 32
 PROBE_SEED = 0
 
 
-class RolloutWorker:
+class RolloutWorker(Actor):
     """Plain class; the driver wraps it with ``ray.remote``. Tests also use it in-process."""
 
     def __init__(self, cfg: GRPOTrainConfig, rank: int = 0):
-        import torch
-
-        torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.cluster.cpus_per_actor)))
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        super().__init__(rank, actor_threads(cfg.engine, cfg.cluster))
         from es_ray.engines.base import make_engine
         from es_ray.models import resolve_model
         from es_ray.tasks import load_task
         from es_ray.tasks.base import templated_prompts
 
-        self.cfg, self.rank = cfg, rank
+        self.cfg = cfg
         self.engine = make_engine(str(resolve_model(cfg.model.path)), cfg.engine)
         self.task = load_task(cfg.task)
         self._prompts = templated_prompts(self.engine, self.task)
@@ -40,7 +37,7 @@ class RolloutWorker:
     def ready(self) -> dict:
         from es_ray.core.dtypes import dtype_name
 
-        return {"rank": self.rank, "pid": os.getpid(), "train_size": len(self.task.train),
+        return {**super().ready(), "train_size": len(self.task.train),
                 "eval_size": len(self.task.eval), "dtype": dtype_name(self.engine.dtype)}
 
     def _tokens(self, text: str) -> list[int]:
@@ -97,9 +94,3 @@ class RolloutWorker:
         sampling = replace(self.cfg.sampling, max_new_tokens=min(PROBE_TOKENS, self.cfg.sampling.max_new_tokens))
         c = self.engine.generate([self._prompts["train"][0]], sampling, PROBE_SEED)[0]
         return self._tokens(self._prompts["train"][0]), self._ids(c)
-
-    def peak_memory(self) -> dict:
-        from es_ray.runtime.ledger import process_peak_memory
-
-        return process_peak_memory()
-

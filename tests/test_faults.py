@@ -153,16 +153,16 @@ def _flaky_group(fails: list[int], retries: int = 2):
 
 def test_a_transient_unavailability_is_retried_before_it_counts_as_death(ray_local):
     group = _flaky_group([2, 0])
-    assert group.call(0, "work", "a") == ("a", 3) and group.replacements == 0  # two retries, same actor
+    assert group.call(0, Flaky.work, "a") == ("a", 3) and group.replacements == 0  # two retries, same actor
     group.kill()
     group = _flaky_group([5, 0])
-    assert group.call(0, "work", "b") == ("b", 1) and group.replacements == 1  # retries spent: replaced
+    assert group.call(0, Flaky.work, "b") == ("b", 1) and group.replacements == 1  # retries spent: replaced
     group.kill()
 
 
 def test_a_method_not_safe_to_repeat_is_never_sent_again_to_the_same_actor(ray_local):
     group = _flaky_group([1, 0])
-    assert group.call(0, "step", "c") == ("c", 1) and group.replacements == 1
+    assert group.call(0, Flaky.step, "c") == ("c", 1) and group.replacements == 1
     group.kill()
 
 

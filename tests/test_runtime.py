@@ -63,21 +63,21 @@ def _group(size: int, timeout_s: float = 0.0, **kw):
 
     policy = FaultPolicy(actor_timeout_s=timeout_s, max_replacements=2)
     group = ActorGroup("echo", Echo, size, make_args, _NoPlacement(), policy, log=lambda m: None, **kw)
-    group.each("ready", slow=True)
+    group.each(Echo.ready, slow=True)
     return group
 
 
 @pytest.mark.ray
 def test_dead_and_hung_actors_are_replaced_restored_and_asked_again(ray_local):
     def restore(group, rank):
-        group.call(rank, "set_state", 7)  # the role's hook brings the new actor to the group's state
+        group.call(rank, Echo.set_state, 7)  # the role's hook brings the new actor to the group's state
         return {"restored": rank}
 
     group = _group(2, timeout_s=3.0, restore=restore)
     try:
-        out = group.gather("work", {0: (1,), 1: (2, -1, 2)})  # actor 1 dies during its call
+        out = group.gather(Echo.work, {0: (1,), 1: (2, -1, 2)})  # actor 1 dies during its call
         assert out == {0: (0, 10, 0), 1: (1, 20, 7)}
-        out = group.gather("work", {0: (3, 3), 1: (4,)})  # actor 0 hangs past faults.actor_timeout_s
+        out = group.gather(Echo.work, {0: (3, 3), 1: (4,)})  # actor 0 hangs past faults.actor_timeout_s
         assert out == {0: (0, 30, 7), 1: (1, 40, 7)}
         events = group.drain_events()
         assert [(e["rank"], e["restored"]) for e in events] == [(1, 1), (0, 0)]
@@ -95,14 +95,14 @@ def test_a_role_that_cannot_be_replaced_and_a_spent_budget_stop_with_advice(ray_
     group = _group(1, replaceable=False, lost_advice="resume with run.resume=true")
     try:
         with pytest.raises(ActorLostError, match="echo actor 0 was lost.*resume with run.resume=true"):
-            group.call(0, "work", 1, -1, 1)
+            group.call(0, Echo.work, 1, -1, 1)
     finally:
         group.kill()
     group = _group(1)
     group.policy = FaultPolicy(max_replacements=0)
     try:
         with pytest.raises(ActorLostError, match="faults.max_replacements=0"):
-            group.call(0, "work", 1, -1, 1)
+            group.call(0, Echo.work, 1, -1, 1)
     finally:
         group.kill()
 
@@ -113,7 +113,7 @@ def test_map_unordered_spreads_the_work_and_an_interrupt_is_polled_while_waiting
 
     group = _group(2)
     try:
-        out = dict(group.map_unordered("work", [(i,) for i in range(6)]))
+        out = dict(group.map_unordered(Echo.work, [(i,) for i in range(6)]))
         assert sorted(v[1] for v in out.values()) == [0, 10, 20, 30, 40, 50]
         assert {v[0] for v in out.values()} == {0, 1}  # both actors took work
 
@@ -122,7 +122,7 @@ def test_map_unordered_spreads_the_work_and_an_interrupt_is_polled_while_waiting
 
         group.check_interrupt = interrupted
         with pytest.raises(Interrupted):
-            group.call(0, "work", 1)
+            group.call(0, Echo.work, 1)
     finally:
         group.kill()
 
@@ -286,3 +286,24 @@ def test_es_compare_continues_its_own_comparison_moves_it_aside_or_refuses_anoth
     (tmp_path / "run" / "config.json").write_text(json.dumps({"method": "grpo"}))
     with pytest.raises(ConfigError, match=r"holds another run \(config\.json\).*grpo-train run\.resume=true"):
         claim_compare_dir(tmp_path / "run", cfg(), said.append)
+
+
+def test_actor_calls_name_a_method_of_the_group_class():
+    """Calls across the process boundary are method references, checked before anything is sent: a string, or a
+    method the actors' class does not have, is refused (ActorGroup.method_name; no Ray needed)."""
+    import types
+
+    from es_ray.runtime.actors import Actor, ActorGroup
+
+    group = types.SimpleNamespace(cls=Echo, role="echo")
+    assert ActorGroup.method_name(group, Echo.work) == "work"
+    assert ActorGroup.method_name(group, Actor.peak_memory) == "peak_memory"  # Echo has one of that name
+    with pytest.raises(TypeError, match=r"called with a method of their class \(e\.g\. Echo\.ready\), not 'work'"):
+        ActorGroup.method_name(group, "work")
+
+    class Other:
+        def launch(self):
+            return None
+
+    with pytest.raises(TypeError, match="the echo actors' class Echo has no method launch"):
+        ActorGroup.method_name(group, Other.launch)

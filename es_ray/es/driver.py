@@ -18,6 +18,7 @@ import numpy as np
 from es_ray.es.config import ESTrainConfig
 from es_ray.es.protocol import EvalRequest, UpdateRequest
 from es_ray.es.recovery import RESUME_FREE, ReplicaMismatchError
+from es_ray.es.worker import ESWorker
 from es_ray.runtime.signals import interrupt_soon
 from es_ray.runtime.tracking import Timer
 from es_ray.strategy import Member, ask, shape_fitness
@@ -51,7 +52,6 @@ def start_workers(cfg: ESTrainConfig, keeper, log=print, placement=None):
     ``keeper.restore``. Returns the actor group and the actors' ready() answers."""
     from es_ray.runtime.actors import start_group
     from es_ray.runtime.placement import place
-    from es_ray.es.worker import ESWorker
 
     # a replacement started during iteration t is immune to the injected faults of iterations up to t
     def make_args(rank: int) -> tuple:
@@ -72,7 +72,7 @@ def evaluate(group, iteration: int, members: list[Member], cfg: ESTrainConfig, i
     seed = sample_seed(cfg, iteration)
     parts = assign(members, len(group))
     calls = {r: (EvalRequest(iteration, cfg.es.sigma, tuple(part), ids, seed),) for r, part in enumerate(parts)}
-    results = group.gather("evaluate", calls).values()
+    results = group.gather(ESWorker.evaluate, calls).values()
     by_index = {mr.index: mr for res in results for mr in res.members}
     timing: dict[str, float] = {}
     for res in results:  # actors run in parallel: report the slowest actor's time per phase
@@ -87,7 +87,7 @@ def tell(keeper, record: dict, members: list[Member], fitness_n: np.ndarray, cfg
     every = cfg.es.checksum_every
     want = bool(every) and ((t + 1) % every == 0 or t + 1 == cfg.es.iterations)
     req = UpdateRequest(t, cfg.es.sigma, tuple(members), tuple(float(z) for z in fitness_n), want)
-    updates = keeper.group.each("update", req)
+    updates = keeper.group.each(ESWorker.update, req)
     sums = [u.checksum for u in updates]
     if want and len(set(sums)) > 1:
         if cfg.es.on_mismatch != "rebuild":
@@ -142,7 +142,7 @@ def run(cfg: ESTrainConfig) -> dict:
             ledger.started()
             if cfg.eval.every and point.start == 0:  # the held-out curve's first point: the base weights
                 with ledger.apart("held_out"):
-                    write_base_point(run_dir, keeper.group.call(0, "evaluate_center", "eval",
+                    write_base_point(run_dir, keeper.group.call(0, ESWorker.evaluate_center, "eval",
                                                                 held_out_seed(cfg.run.seed)), ledger)
             for t in range(point.start, cfg.es.iterations):
                 row = iteration(cfg, keeper, t, pool, seed_log, guard)
@@ -242,7 +242,7 @@ def held_out(cfg: ESTrainConfig, group, t: int, row: dict) -> int:
         return 0
     from es_ray.held_out import held_out_seed
 
-    res = group.call(0, "evaluate_center", "eval", held_out_seed(cfg.run.seed))
+    res = group.call(0, ESWorker.evaluate_center, "eval", held_out_seed(cfg.run.seed))
     row.update({f"eval/{k}": res[k] for k in ("reward", "pass_at_1", "entropy", "tokens", "errors")})
     row["timing_s/eval"] = res["seconds"]
     return res["tokens"]

@@ -21,6 +21,7 @@ from typing import Any
 
 from es_ray.es.state import SeedLog, list_checkpoints, replay_record
 from es_ray.es.config import ESTrainConfig
+from es_ray.es.worker import ESWorker
 from es_ray.runtime.actors import ActorLostError, payload_bytes
 from es_ray.runtime.checkpoint import CheckpointError
 from es_ray.core.config import ConfigError
@@ -120,10 +121,10 @@ class ReplicaKeeper:
         ranks = self.group.live_ranks
         for rank in ranks:  # the first live actor writes it (at a stop, one whose node is lost is skipped)
             try:
-                out = self.group.call(rank, "save_checkpoint", str(path), {"iteration": iteration})
+                out = self.group.call(rank, ESWorker.save_checkpoint, str(path), {"iteration": iteration})
                 if isinstance(out, dict):  # it applied an update the run did not commit: back to the committed state
                     self.rebuild([rank])
-                    self.group.call(rank, "save_checkpoint", str(path), {"iteration": iteration})
+                    self.group.call(rank, ESWorker.save_checkpoint, str(path), {"iteration": iteration})
                 break
             except ActorLostError:
                 if rank == ranks[-1]:
@@ -137,7 +138,7 @@ class ReplicaKeeper:
         records = self.records + [replay_record(r) for r in extra]
         calls = {r: (checkpoint, records) for r in ranks}
         sent = {r: payload_bytes(calls[r]) for r in ranks}
-        out = self.group.gather("rebuild", calls, slow=True)
+        out = self.group.gather(ESWorker.rebuild, calls, slow=True)
         refused = [res["refused"] for res in out.values() if "refused" in res]
         if refused:  # a checkpoint file failed its digest: stop, naming it (es_ray.runtime.checkpoint)
             raise CheckpointError(refused[0])
@@ -145,7 +146,7 @@ class ReplicaKeeper:
         if unreadable:  # that node cannot read run.dir: replay the whole log from the initial weights
             earlier = [replay_record(r) for r in SeedLog.read(self.run_dir / "seed_log.jsonl")[: self.base[1]]]
             full = {r: ("", earlier + records) for r in unreadable}
-            out.update(self.group.gather("rebuild", full, slow=True))
+            out.update(self.group.gather(ESWorker.rebuild, full, slow=True))
             for r in unreadable:
                 sent[r] += payload_bytes(full[r])
         return out, sent

@@ -14,26 +14,23 @@ from dataclasses import asdict
 from es_ray.es.config import ESTrainConfig
 from es_ray.es.protocol import EvalRequest, EvalResult, MemberResult, UpdateRequest, UpdateResult
 from es_ray.perturbation import PERTURBATIONS
+from es_ray.runtime.actors import Actor, actor_threads
 from es_ray.tasks.base import score, templated_prompts
 
 
-class ESWorker:
+class ESWorker(Actor):
     """Plain class; the driver wraps it with ``ray.remote``. Tests also use it in-process."""
 
     def __init__(self, cfg: ESTrainConfig, rank: int = 0, immune_through: int = -1):
         """``immune_through``: a replacement started during iteration t ignores injected faults up to t."""
-        import torch
-
-        threads = cfg.engine.threads or max(1, int(cfg.cluster.cpus_per_actor))
-        torch.set_num_threads(threads)
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        super().__init__(rank, actor_threads(cfg.engine, cfg.cluster))
         from es_ray.engines.base import make_engine
         from es_ray.es.faults import FaultInjector
         from es_ray.models import resolve_model
         from es_ray.replica import ReplicaSpec
         from es_ray.tasks import load_task
 
-        self.cfg, self.rank = cfg, rank
+        self.cfg = cfg
         self.faults = FaultInjector(cfg.faults, rank, immune_through)
         self.model_dir = resolve_model(cfg.model.path)
         self.perturbation = PERTURBATIONS.get(cfg.es.perturbation)
@@ -61,7 +58,7 @@ class ESWorker:
             name, sm_count = props.name, props.multi_processor_count
         else:
             name, sm_count = device.type, 0
-        return {"rank": self.rank, "pid": os.getpid(), "train_size": len(self.task.train),
+        return {**super().ready(), "train_size": len(self.task.train),
                 "eval_size": len(self.task.eval), "skipped_rows": self.task.skipped_rows,
                 "device": name, "sm_count": sm_count, "noise": resolve_kind(self.cfg.es.noise, device.type)}
 
@@ -185,12 +182,6 @@ class ESWorker:
             self.applied = r["iteration"]
         return {"checksum": self.replica.checksum(), "seconds": time.perf_counter() - t0,
                 "replayed": len(records), "model_bytes": model_bytes}
-
-    def peak_memory(self) -> dict:
-        from es_ray.runtime.ledger import process_peak_memory
-
-        return process_peak_memory()
-
 
 def _cancelled() -> bool:
     """True inside a Ray actor task the driver has cancelled (ray.cancel); False outside Ray."""

@@ -48,7 +48,7 @@ def _run_chunks(cfg: EvalJobConfig, chunks: list[Chunk], progress) -> list[dict]
                                    cfg.faults, check_interrupt=guard.check,
                                    lost_advice="run es-eval again (its chunks are seeded, so results are the same)")
             out = []
-            for (chunk,), res in group.map_unordered("run_chunk", [(c,) for c in chunks]):
+            for (chunk,), res in group.map_unordered(EvalWorker.run_chunk, [(c,) for c in chunks]):
                 out.append(res)
                 progress(chunk)
             return out

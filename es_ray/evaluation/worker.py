@@ -9,7 +9,6 @@ forward pass (the engine's own where it can score entropy; else a transformers c
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import numpy as np
 
 from es_ray.evaluation.config import EvalJobConfig
 from es_ray.core.config import TaskConfig
+from es_ray.runtime.actors import Actor, actor_threads
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 SCORING_ENGINE = "hf"
@@ -85,28 +85,21 @@ def plan_chunks(cfg: EvalJobConfig, sizes: dict[str, int]) -> list[Chunk]:
     return chunks
 
 
-class EvalWorker:
+class EvalWorker(Actor):
     """Plain class; es-eval wraps it with ``ray.remote`` (or runs it in-process with cluster.num_actors=0)."""
 
     def __init__(self, cfg: EvalJobConfig, rank: int = 0):
-        import torch
-
-        threads = cfg.engine.threads or max(1, int(cfg.cluster.cpus_per_actor or 1))
-        torch.set_num_threads(threads)
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        super().__init__(rank, actor_threads(cfg.engine, cfg.cluster))
         from es_ray.engines.base import make_engine
         from es_ray.grading.mathverify import configure_default_pool
         from es_ray.models import resolve_model
 
-        self.cfg, self.rank = cfg, rank
+        self.cfg = cfg
         self.model_dir = resolve_model(cfg.model.path)
         self.engine = make_engine(str(self.model_dir), cfg.engine)
         configure_default_pool(cfg.eval.grader_workers, cfg.eval.math_timeout_s)
         self._tasks: dict[str, tuple] = {}
         self._entropy_engine = None
-
-    def ready(self) -> dict:
-        return {"rank": self.rank, "pid": os.getpid()}
 
     def _task(self, name: str):
         if name not in self._tasks:

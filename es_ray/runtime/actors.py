@@ -56,6 +56,36 @@ def payload_bytes(obj: Any) -> int:
     return len(pickle.dumps(obj, protocol=5))
 
 
+def actor_threads(engine, cluster) -> int:
+    """An actor's torch threads: engine.threads, else its cluster.cpus_per_actor (at least one)."""
+    return engine.threads or max(1, int(cluster.cpus_per_actor or 1))
+
+
+class Actor:
+    """What every actor class shares: the process set-up (its torch threads; no tokenizers thread pool beside
+    them) and the calls the runtime makes on any actor, ``ready`` (the group waits for it after start) and
+    ``peak_memory`` (the ledger's). Subclasses add their role's methods and extend ``ready``'s answer."""
+
+    def __init__(self, rank: int, threads: int):
+        import os
+
+        import torch
+
+        torch.set_num_threads(threads)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.rank = rank
+
+    def ready(self) -> dict:
+        import os
+
+        return {"rank": self.rank, "pid": os.getpid()}
+
+    def peak_memory(self) -> dict:
+        from es_ray.runtime.ledger import process_peak_memory
+
+        return process_peak_memory()
+
+
 class ActorGroup:
     """The actors of one role, by rank.
 
@@ -81,6 +111,8 @@ class ActorGroup:
         self.events: list[dict] = []
         self._inflight: set = set()
         self._once = {name for name in dir(cls) if getattr(getattr(cls, name, None), "__es_ray_once__", False)}
+        self.cls = cls
+        """The actors' Python class: calls name its methods (``ESWorker.evaluate``), checked against it."""
         self._cls = ray.remote(cls)
         self.created_at = time.perf_counter()
         self.actors = [self._new(rank) for rank in range(size)]
@@ -108,17 +140,31 @@ class ActorGroup:
         return [r for r in self.ranks if r not in self.lost]
 
     # -- calls ---------------------------------------------------------------------------------------------
-    def gather(self, method: str, calls: dict[int, tuple], slow: bool = False) -> dict[int, Any]:
+    def method_name(self, method: Callable) -> str:
+        """The actor method a call names, given as a method reference (``ESWorker.evaluate``, ``Actor.ready``) so a
+        renamed method fails where it is referenced; refused here, before anything is sent, when it is a string or
+        the actors' class has no method of that name (a learner group's class may be GRPOLearner or the colocated
+        worker, which exposes the learner's methods under their names)."""
+        name = getattr(method, "__name__", None)
+        if isinstance(method, str) or not callable(method) or name is None:
+            raise TypeError(f"{self.role} actors are called with a method of their class (e.g. "
+                            f"{self.cls.__name__}.ready), not {method!r}")
+        if not callable(getattr(self.cls, name, None)):
+            raise TypeError(f"{getattr(method, '__qualname__', name)}: the {self.role} actors' class "
+                            f"{self.cls.__name__} has no method {name}")
+        return name
+
+    def gather(self, method: Callable, calls: dict[int, tuple], slow: bool = False) -> dict[int, Any]:
         """Call ``method`` on the actors named by ``calls`` (rank -> args); results by rank. A dead or silent
         actor is replaced, restored and called again (for a slow call the timeout is at least SLOW_CALL_FLOOR_S)."""
-        todo = dict(calls)
-        return {rank: res for rank, _, res in self._drive(method, lambda rank: todo.pop(rank, None), list(calls), slow)}
+        todo, name = dict(calls), self.method_name(method)
+        return {rank: res for rank, _, res in self._drive(name, lambda rank: todo.pop(rank, None), list(calls), slow)}
 
-    def map_unordered(self, method: str, args_list: list[tuple], slow: bool = False):
+    def map_unordered(self, method: Callable, args_list: list[tuple], slow: bool = False):
         """Spread calls over the actors, each actor taking the next as soon as it is free; yields (args, result)
         in the order they finish. A lost actor's call is sent again to its replacement."""
-        queue = list(reversed(args_list))
-        for _, args, res in self._drive(method, lambda rank: queue.pop() if queue else None, self.ranks, slow):
+        queue, name = list(reversed(args_list)), self.method_name(method)
+        for _, args, res in self._drive(name, lambda rank: queue.pop() if queue else None, self.ranks, slow):
             yield args, res
 
     def _drive(self, method: str, take: Callable[[int], tuple | None], ranks: list[int], slow: bool):
@@ -180,20 +226,28 @@ class ActorGroup:
             self.check_interrupt()
             time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
 
-    def call(self, rank: int, method: str, *args: Any, slow: bool = False) -> Any:
+    def call(self, rank: int, method: Callable, *args: Any, slow: bool = False) -> Any:
         return self.gather(method, {rank: args}, slow=slow)[rank]
 
-    def each(self, method: str, *args: Any, slow: bool = False) -> list:
+    def each(self, method: Callable, *args: Any, slow: bool = False) -> list:
         """The same call on every actor; results in rank order."""
         out = self.gather(method, {r: args for r in self.ranks}, slow=slow)
         return [out[r] for r in self.ranks]
 
-    def ask_all(self, method: str, timeout_s: float = 60.0) -> list:
+    def send_all(self, method: Callable, *args: Any) -> list:
+        """``method(*args)`` sent to every actor at once, without waiting: their ObjectRefs, in rank order, for
+        pipelined calls whose results another call consumes (the GRPO learner's weight chunks, cast while the
+        engines write the previous one). No timeout or replacement here: ``ray.get`` on them raises what failed."""
+        name = self.method_name(method)
+        return [getattr(a, name).remote(*args) for a in self.actors]
+
+    def ask_all(self, method: Callable, timeout_s: float = 60.0) -> list:
         """``method()`` on every actor, without replacing any: an actor that is gone or silent answers None
         (for reports at the end of a run, which may be ending because an actor was lost)."""
         import ray
 
-        refs = [getattr(a, method).remote() for a in self.actors]
+        name = self.method_name(method)
+        refs = [getattr(a, name).remote() for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         out = []
         for ref in refs:
@@ -295,5 +349,5 @@ def start_group(role: str, cls: type, size: int, make_args: Callable[[int], tupl
                 **kw: Any) -> tuple[ActorGroup, list[dict]]:
     """An ActorGroup whose actors have all answered ``ready()`` (a slow call: they load their models)."""
     group = ActorGroup(role, cls, size, make_args, placement, policy, **kw)
-    infos = group.each("ready", slow=True)
+    infos = group.each(Actor.ready, slow=True)
     return group, infos

@@ -116,7 +116,7 @@ class Ledger:
         kind, devices = actor_devices(cluster)
         held = self._held(group.created_at, time.perf_counter())
         reports = [r or {"peak_rss_bytes": None, "peak_gpu_bytes": None, "unanswered": True}
-                   for r in group.ask_all("peak_memory")]
+                   for r in group.ask_all(group.cls.peak_memory)]  # every actor class has it (runtime.actors.Actor)
         for rank, report in zip(group.ranks, reports):
             self.actors[f"{group.role}_{rank}"] = {"role": group.role, "device_kind": kind, "devices": devices,
                                                    "seconds_held": held["total"], "seconds_split": held, **report}
