@@ -184,16 +184,17 @@ def projection(results: list[dict], target: str, optimizer: str) -> str:
 ENGINE_PROCESS_GIB = 8.0
 """Host RAM the ES actor's processes hold besides checkpoint state (torch, CUDA context, vLLM, Ray worker): stated,
 above the 2.7 GiB the vLLM CPU build measures here at 135M (engine_build)."""
-STREAM_COPIES = 2
-"""Largest tensors alive at once in the actor while a checkpoint is written (``save_es_checkpoint_parts``: the ranks'
-parts of one tensor and the tensor they join into) or read (one tensor, or a rank's part of it): the state itself
-is never held on the host by a GPU replica. The optimizer's moments are read back memory-mapped (page cache, which
-the kernel reclaims), one tensor's pages at a time as each is copied to the device."""
+STREAM_COPIES = 2.5
+"""Largest tensors alive at once in the actor while a checkpoint is written from the ranks' parts
+(``save_es_checkpoint_parts``): the joined tensor, the parts read so far, and the file pages of the part being read
+(safetensors copies out of a mapping): 2 + 1/TP, at most 2.5 at TP=2 (at TP=1 the one part is the tensor: 2);
+measured 2.35 at TP=3. A resume holds one tensor, or a rank's part of it. The state itself is never held on the
+host by a GPU replica."""
 
 
 def es_actor_host_plan_gib(target: str) -> float:
     """Host RAM one ES actor on a GPU node needs at ``target`` (a memory-plan preset): the processes, plus
-    STREAM_COPIES of the largest tensor (a checkpoint is written and read tensor by tensor, each tensor-parallel
+    STREAM_COPIES times the largest tensor (a checkpoint is written and read tensor by tensor, each tensor-parallel
     rank writing and reading its own part), whatever the optimizer: Adam's moments and theta_0 add files on disk,
     not host RAM. launch/kuberay/rayjob.yaml and launch/cluster/*.yaml size their worker memory from it (tests
     check)."""

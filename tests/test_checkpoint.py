@@ -274,7 +274,7 @@ def test_only_a_torn_last_line_is_cut(tmp_path):
 
 def test_kuberay_worker_memory_covers_the_es_host_plan_at_7b():
     """The RayJob's GPU workers ask for the host RAM one ES actor plans at the largest preset (7B): the processes
-    and two of the largest tensor, checkpoints being written and read tensor by tensor at any optimizer; and not
+    and 2.5 x the largest tensor, checkpoints being written and read tensor by tensor at any optimizer; and not
     for the whole state gathered into the actor, which no path does any more."""
     import re
 
