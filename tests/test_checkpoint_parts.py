@@ -92,6 +92,21 @@ def test_parts_assemble_the_bytes_of_a_whole_save_and_ranks_read_only_their_part
         assert all(torch.equal(moments[n][k], s.take(v)) for k, v in whole_state["optimizer"]["state"][n].items())
 
 
+def test_a_checkpoint_with_the_moments_in_es_state_pt_still_loads(whole_state, tiny_model_dir, tmp_path):
+    """The layout written before es_state.tensors: the moments and theta_0 torch.save'd inside es_state.pt."""
+    from es_ray.runtime.checkpoint import save_checkpoint
+
+    path = save_checkpoint(tmp_path / "old", whole_state["master"], tiny_model_dir,
+                           {"optimizer": whole_state["optimizer"], "theta0": whole_state["theta0"]},
+                           {"iteration": 1}, "es")
+    assert not (path / STATE_TENSORS).exists()
+    state = load_es_state(path)
+    assert state["optimizer"]["t"] == 5
+    for n, t in whole_state["master"].items():
+        assert torch.equal(state["master"][n], t) and torch.equal(state["theta0"][n], whole_state["theta0"][n])
+        assert torch.equal(state["optimizer"]["state"][n]["m"], whole_state["optimizer"]["state"][n]["m"])
+
+
 def test_a_state_without_moments_writes_no_state_tensors(tiny_model_dir, tmp_path):
     master = dict(LazyTensors(tiny_model_dir).items())
     path = save_es_checkpoint(tmp_path / "sgd", {"master": master, "optimizer": {"t": 2, "state": {}}, "theta0": None},
@@ -105,7 +120,8 @@ def test_a_state_without_moments_writes_no_state_tensors(tiny_model_dir, tmp_pat
 def test_tensor_parallel_ranks_save_and_resume_their_own_parts(tiny_model_dir, tmp_path):
     """engine.tensor_parallel_size=2 (vLLM's CPU build) with Adam and theta_0: the checkpoint written from the ranks'
     parts equals the one saved from their gathered state, byte for byte; a resume sends the ranks the checkpoint's
-    file names only (one es_load_state_dict) and every rank comes back to the saved master and optimizer exactly."""
+    file names only (one es_load_state_dict) and every rank comes back to the saved master and optimizer exactly;
+    the transformers engine resumes from it too, to the same next update."""
     from es_ray.core.config import EngineConfig
     from es_ray.engines.base import make_engine
 
@@ -115,6 +131,7 @@ def test_tensor_parallel_ranks_save_and_resume_their_own_parts(tiny_model_dir, t
     spec = replica_spec(RUN_SEED, noise="counter", optimizer="adam", anchor_decay=0.1)
     tp = make_engine(str(tiny_model_dir), EngineConfig(name="vllm", dtype="float32", device="cpu", enforce_eager=True,
                                                         tensor_parallel_size=2))
+    ref = make_engine(str(tiny_model_dir), EngineConfig(name="hf", dtype="float32", device="cpu"))
     try:
         host = tp.replica_host()
         host.setup(spec)
@@ -137,7 +154,16 @@ def test_tensor_parallel_ranks_save_and_resume_their_own_parts(tiny_model_dir, t
         again = save_es_checkpoint_parts(tmp_path / "again", host.save_parts, tiny_model_dir, {"iteration": 1})
         for name in ("model.safetensors", STATE_TENSORS):  # the optimizer state came back too
             assert (again / name).read_bytes() == (parted / name).read_bytes(), name
+        # the same checkpoint resumes on the unsplit transformers engine: the next Adam step agrees bit for bit
+        other = ref.replica_host()
+        other.setup(spec)
+        other.load_state_dict(load_es_state(parted))
+        assert other.checksum() == saved
+        host.update(1, ask(4), FITNESS, 0.01)
+        other.update(1, ask(4), FITNESS, 0.01)
+        assert other.checksum() == host.checksum() != saved
     finally:
+        ref.close()
         tp.close()
         torch.set_num_threads(threads)
         os.environ.clear()
