@@ -21,7 +21,9 @@ says which rows or columns of each HF tensor the rank's weight loader reads), dr
 and slices it, and writes the whole HF-shaped tensor (its shard in place) through the same ``load_weights``. Setup
 proves the bookkeeping: the first write fills everything outside the shards with NaN, then every parameter must
 be NaN-free and hold cast(master) where the bookkeeping says. Checksums and states go back per rank, each part
-once (``es_checksum_parts``, ``es_state_dict``); the engine combines them.
+once (``es_checksum_parts``, ``es_state_dict``); the engine combines them. Checkpoints never cross the message
+queue: each rank writes the parts it owns to files tensor by tensor (``es_save_part``) and, on resume, is sent
+the checkpoint's file names and reads only its own part of each tensor (``es_load_state_dict``).
 
 An input embedding's post-load step is not rerun (``input_embeddings``): vLLM's CPU step packs it for a GEMM it
 never runs (the tied LM head, a module of its own, has its own packed copy), which cost a quarter of a write.
