@@ -119,14 +119,14 @@ class Handle:
 
 
 class Local:
-    """An in-process stand-in for a runtime ActorGroup (gather / call / each, and ``actors[r]``), so that Crew.sync
-    runs without Ray."""
+    """An in-process stand-in for a runtime ActorGroup (gather / call / each / send_all with method references, and
+    ``actors[r]``), so that Crew.sync runs without Ray."""
 
     def __init__(self, *objs):
         self.objs, self.actors, self.ranks = list(objs), [Handle(o) for o in objs], list(range(len(objs)))
 
     def gather(self, method, calls, slow=False):
-        return {r: getattr(self.objs[r], method)(*args) for r, args in calls.items()}
+        return {r: getattr(self.objs[r], method.__name__)(*args) for r, args in calls.items()}
 
     def call(self, rank, method, *args, slow=False):
         return self.gather(method, {rank: args})[rank]
@@ -134,12 +134,16 @@ class Local:
     def each(self, method, *args, slow=False):
         return [self.call(r, method, *args) for r in self.ranks]
 
+    def send_all(self, method, *args):
+        return [getattr(h, method.__name__).remote(*args) for h in self.actors]
+
 
 def test_first_sync_to_a_bf16_engine_sets_the_tolerance_and_sends_bf16_layer_by_layer(pair, tiny_model_dir):
     """An fp32 learner and a bf16 engine: the first sync measures their difference on a completion the engine
     samples, sets the tolerance to max(floor, 4x) it, sends half the fp32 bytes; a later sync verifies within it,
     and a wrong tensor is still caught."""
     from grpo.driver import Crew
+    from grpo.learner import GRPOLearner
     from grpo.rollout import RolloutWorker
 
     cfg, learner, _ = pair
@@ -147,7 +151,7 @@ def test_first_sync_to_a_bf16_engine_sets_the_tolerance_and_sends_bf16_layer_by_
                                          "engine": {"threads": 1, "dtype": "bfloat16"}}))
     crew = Crew.__new__(Crew)
     crew.cfg, crew.tol, crew.probe = cfg, sync_tolerance(cfg), None
-    crew.colocated, crew.learner_probe = False, "probe_logprobs"
+    crew.colocated, crew.learner_probe = False, GRPOLearner.probe_logprobs
     crew.learner, crew.learner_info = Local(learner), learner.ready()
     crew.rollouts, crew.infos = Local(bf16), [bf16.ready()]
     first = crew.sync(-1)
