@@ -13,7 +13,7 @@ import torch
 from test_engine_contract import FITNESS, RUN_SEED, SKIP_VLLM
 from test_replica import replica_spec
 
-from es_ray.engines.vllm_extension import write_state_part
+from es_ray.engines.vllm_extension import ESExtension, write_state_part
 from es_ray.es.state import (STATE_TENSORS, LazyTensors, load_es_state, save_es_checkpoint,
                              save_es_checkpoint_parts)
 from es_ray.replica import Shard
@@ -144,13 +144,13 @@ def test_tensor_parallel_ranks_save_and_resume_their_own_parts(tiny_model_dir, t
         host.update(1, ask(4), FITNESS, 0.01)
         assert host.checksum() != saved
         calls, rpc = [], tp._rpc
-        tp._rpc = lambda method, *args: calls.append(method) or rpc(method, *args)
+        tp._rpc = lambda method, *args: calls.append(method.__name__) or rpc(method, *args)
         try:
             host.load_state_dict(load_es_state(parted))
         finally:
             del tp._rpc
         assert calls == ["es_load_state_dict"] and host.checksum() == saved
-        assert tp._rpc("es_mismatches") == [{}, {}]
+        assert tp._rpc(ESExtension.es_mismatches) == [{}, {}]
         again = save_es_checkpoint_parts(tmp_path / "again", host.save_parts, tiny_model_dir, {"iteration": 1})
         for name in ("model.safetensors", STATE_TENSORS):  # the optimizer state came back too
             assert (again / name).read_bytes() == (parted / name).read_bytes(), name

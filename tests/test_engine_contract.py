@@ -22,6 +22,7 @@ import torch
 from test_replica import replica_spec
 
 from es_ray.engines.base import make_engine
+from es_ray.engines.vllm_extension import ESExtension
 from es_ray.lowrank import LowRankSlots
 from es_ray.noise import NoiseSource
 from es_ray.core.config import ConfigError, EngineConfig, SamplingConfig
@@ -436,7 +437,7 @@ def test_tensor_parallel_engine_matches_the_unsplit_replica(tiny_model_dir):
         for host in hosts:
             host.setup(spec)
         assert hosts[0].checksum() == hosts[1].checksum()
-        shards = tp._rpc("es_state_dict")
+        shards = tp._rpc(ESExtension.es_state_dict)
         assert len(shards) == 2 and all(st["shards"] for st in shards)
         q = "model.layers.0.self_attn.q_proj.weight"  # each rank's master holds half of it
         assert [tuple(st["master"][q].shape) for st in shards] == [(32, 64), (32, 64)]
@@ -449,7 +450,7 @@ def test_tensor_parallel_engine_matches_the_unsplit_replica(tiny_model_dir):
         assert [c.text for c in tp.generate(prompts, GREEDY, seed=0)] != before
         hosts[0].restore()
         hosts[1].restore()
-        assert tp._rpc("es_mismatches") == [{}, {}]  # every rank holds cast(master) exactly
+        assert tp._rpc(ESExtension.es_mismatches) == [{}, {}]  # every rank holds cast(master) exactly
         _assert_weights_equal(tp.read_weights(), before_w)
         assert [c.text for c in tp.generate(prompts, GREEDY, seed=0)] == before
         start = hosts[0].checksum()
@@ -462,13 +463,13 @@ def test_tensor_parallel_engine_matches_the_unsplit_replica(tiny_model_dir):
         hosts[0].update(1, ask(4), FITNESS, 0.01)
         assert hosts[0].checksum() != saved
         calls, rpc = [], tp._rpc
-        tp._rpc = lambda method, *args: calls.append(method) or rpc(method, *args)
+        tp._rpc = lambda method, *args: calls.append(method.__name__) or rpc(method, *args)
         try:
             hosts[0].load_state_dict(state)
         finally:
             del tp._rpc
         assert calls == ["es_load_state_file"] and hosts[0].checksum() == saved
-        assert tp._rpc("es_mismatches") == [{}, {}]
+        assert tp._rpc(ESExtension.es_mismatches) == [{}, {}]
         for host in hosts:  # the same perturbation of the updated weights stands in for a learner's new weights
             host.perturb(4, 2, -1, 0.02)
         tp.write_weights(ref.read_weights().items())

@@ -22,6 +22,7 @@ from test_replica import replica_spec
 
 from es_ray.core.config import ConfigError, EngineConfig, SamplingConfig
 from es_ray.engines.base import make_engine
+from es_ray.engines.vllm_extension import ESExtension
 from es_ray.lowrank import LowRankSlots
 from es_ray.strategy import Member, ask, zscore
 
@@ -126,13 +127,13 @@ def test_weights_stay_cast_master(engine):
     prompts = _prompts(engine)
     before, checksum = _ids(engine.generate(prompts, GREEDY, seed=0)), host.checksum()
     host.generate_members(ITERATION, MEMBERS, SIGMA, prompts, GREEDY, seed=0)
-    assert engine._rpc("es_mismatches") == [{}]
+    assert engine._rpc(ESExtension.es_mismatches) == [{}]
     assert host.checksum() == checksum
     assert _ids(engine.generate(prompts, GREEDY, seed=0)) == before
     stats = host.update(ITERATION, ask(4), list(zscore([0.1, 0.5, 0.2, 0.9])), SIGMA)
     assert stats["realised_cos"] == pytest.approx(1.0, abs=1e-3) and host.checksum() != checksum
     host.generate_members(ITERATION + 1, MEMBERS, SIGMA, prompts, GREEDY, seed=0)
-    assert engine._rpc("es_mismatches") == [{}]
+    assert engine._rpc(ESExtension.es_mismatches) == [{}]
 
 
 @pytest.mark.parametrize("order", ["by_member", "interleaved"])

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
-from es_ray.engines.vllm_extension import LORA_PATH, member_lora_name
+from es_ray.engines.vllm_extension import LORA_PATH, ESExtension, member_lora_name
 from es_ray.engines.base import Completion, Engine, ReplicaHost, check_context, check_temperature
 from es_ray.lowrank import LowRankSlots, is_target
 from es_ray.replica import ReplicaSpec, combine_checksums, gather_shards, gather_states, update_health
@@ -227,7 +227,7 @@ class VLLMEngine(Engine):
         from es_ray.core.config import ConfigError
         from es_ray.memory_plan import plan_es, vllm_batch_defaults
 
-        free, total = min(tuple(m) for m in self._rpc("es_device_memory"))
+        free, total = min(tuple(m) for m in self._rpc(ESExtension.es_device_memory))
         try:
             shape, settings = self._plan_settings(
                 optimizer=spec.optimizer, anchor_decay=spec.anchor_decay, noise=spec.noise,
@@ -270,25 +270,25 @@ class VLLMEngine(Engine):
         t = check_temperature(temperature)
         ids = list(prompt_ids) + list(completion_ids)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        previous = self._rpc("es_logit_scale", 1.0 / t)[0] if t != 1.0 else None
+        previous = self._rpc(ESExtension.es_logit_scale, 1.0 / t)[0] if t != 1.0 else None
         try:
             per_pos = self.llm.generate([self._prompt(ids)], params, use_tqdm=False)[0].prompt_logprobs
         finally:
             if previous is not None:
-                self._rpc("es_logit_scale", previous)
+                self._rpc(ESExtension.es_logit_scale, previous)
         # position j: {token id: Logprob} for ids[j] given ids[:j]
         return [float(per_pos[j][ids[j]].logprob) for j in range(len(prompt_ids), len(ids))]
 
     # -- weights -------------------------------------------------------------------------------------------
     def write_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         try:
-            self._rpc("es_write_weights", [(n, t.detach().cpu()) for n, t in named])
+            self._rpc(ESExtension.es_write_weights, [(n, t.detach().cpu()) for n, t in named])
         finally:  # a write that failed half-way changed weights too
             self._weights_changed()
 
     def read_weights(self) -> dict[str, torch.Tensor]:
         """Gathered from the tensor-parallel ranks, each part from its owner."""
-        return gather_shards(self._rpc("es_read_weights"))
+        return gather_shards(self._rpc(ESExtension.es_read_weights))
 
     def replica_host(self) -> ReplicaHost:
         if self._host is None:
@@ -310,8 +310,14 @@ class VLLMEngine(Engine):
         torch.set_num_threads = self._set_num_threads
 
     # -- helpers -------------------------------------------------------------------------------------------
-    def _rpc(self, method: str, *args: Any) -> list:
-        return self.llm.collective_rpc(method, args=args)
+    def _rpc(self, method: Callable, *args: Any) -> list:
+        """One collective_rpc of an ``ESExtension`` method, named by reference (``ESExtension.es_setup``) so a renamed
+        one fails where it is referenced; every worker (tensor-parallel rank) answers, in rank order."""
+        name = getattr(method, "__name__", None)
+        if getattr(ESExtension, str(name), None) is not method:
+            raise TypeError(f"{method!r}: the vLLM workers are called with a method of ESExtension "
+                            "(es_ray.engines.vllm_extension), e.g. ESExtension.es_setup")
+        return self.llm.collective_rpc(name, args=args)
 
     def _weights_changed(self) -> None:
         self._weights_version += 1
@@ -334,12 +340,12 @@ class VLLMReplicaHost(ReplicaHost):
         self._ready = False
         self._spec: ReplicaSpec | None = None
 
-    def _call(self, method: str, *args: Any) -> list:
+    def _call(self, method: Callable, *args: Any) -> list:
         if not self._ready:
             raise RuntimeError("ReplicaHost.setup(spec) must run before any other ES call")
         return self.engine._rpc(method, *args)
 
-    def _write(self, method: str, *args: Any) -> list:
+    def _write(self, method: Callable, *args: Any) -> list:
         try:
             return self._call(method, *args)
         finally:  # a write that failed half-way changed weights too
@@ -349,21 +355,21 @@ class VLLMReplicaHost(ReplicaHost):
         if self.engine.device == "cuda":
             self.engine.check_es_memory(spec)
         try:
-            self.engine._rpc("es_setup", spec)
+            self.engine._rpc(ESExtension.es_setup, spec)
         finally:
             self.engine._weights_changed()
         self._spec = spec
         self._ready = True
 
     def perturb(self, iteration: int, noise_id: int, sign: int, sigma: float) -> None:
-        self._write("es_perturb", int(iteration), int(noise_id), int(sign), float(sigma))
+        self._write(ESExtension.es_perturb, int(iteration), int(noise_id), int(sign), float(sigma))
 
     def restore(self) -> None:
-        self._write("es_restore")
+        self._write(ESExtension.es_restore)
 
     def update(self, iteration: int, members: list[Member], fitness: list[float], sigma: float) -> dict:
         triples = [[int(m.index), int(m.noise_id), int(m.sign)] for m in members]
-        results = self._write("es_update", int(iteration), triples, [float(z) for z in fitness], float(sigma))
+        results = self._write(ESExtension.es_update, int(iteration), triples, [float(z) for z in fitness], float(sigma))
         return update_health(r["sums"] for r in results)
 
     def generate_members(self, iteration: int, members: list[Member], sigma: float, prompts: list[str],
@@ -390,7 +396,7 @@ class VLLMReplicaHost(ReplicaHost):
             return []
         triples = [[int(m.index), int(m.noise_id), int(m.sign)] for m in members]
         try:
-            self._call("es_fill_lora", int(iteration), triples, float(sigma))
+            self._call(ESExtension.es_fill_lora, int(iteration), triples, float(sigma))
         finally:
             eng._weights_changed()
         inputs = eng._inputs(prompts, sampling.max_new_tokens)
@@ -405,18 +411,18 @@ class VLLMReplicaHost(ReplicaHost):
     def checksum(self) -> str:
         """The digest of the whole master, equal to the unsplit one's at any TP degree; raises if two ranks hold
         different values for a part they share."""
-        return combine_checksums(self._call("es_checksum_parts"))
+        return combine_checksums(self._call(ESExtension.es_checksum_parts))
 
     def state_dict(self) -> dict:
         """Whole tensors, gathered from the ranks (each part sent by its owner only): tests and small models;
         checkpoints use ``save_parts``."""
-        return gather_states(self._call("es_state_dict"))
+        return gather_states(self._call(ESExtension.es_state_dict))
 
     def save_parts(self, directory: str) -> list[dict]:
         """Each rank writes its part of the state into ``directory``/rank-<r> tensor by tensor (``es_save_part``)
         and returns where (``es_ray.es.state.save_es_checkpoint_parts`` assembles the checkpoint from them): the
         state never crosses vLLM's message queue nor is gathered in this process."""
-        return self._call("es_save_part", str(directory))
+        return self._call(ESExtension.es_save_part, str(directory))
 
     def load_state_dict(self, sd: dict) -> None:
         """Whole tensors (a checkpoint) or the ranks' gathered state. A checkpoint read lazily
@@ -426,7 +432,7 @@ class VLLMReplicaHost(ReplicaHost):
         parallelism it is not sent through vLLM's message queue (pickled, whole, once per rank): it is saved once
         to a local file, and each rank maps it (``es_load_state_file``) and copies out its own shard."""
         if self.engine.cfg.tensor_parallel_size == 1 or _on_disk(sd):
-            self._write("es_load_state_dict", sd)
+            self._write(ESExtension.es_load_state_dict, sd)
             return
         state = {key: sd.get(key) for key in STATE_KEYS}
         for key in ("master", "theta0"):  # a lazily read part beside tensors in memory (a checkpoint written
@@ -438,7 +444,7 @@ class VLLMReplicaHost(ReplicaHost):
         with tempfile.TemporaryDirectory(prefix="es_ray_state_") as tmp:
             path = os.path.join(tmp, "state.pt")
             torch.save(state, path)
-            self._write("es_load_state_file", path)
+            self._write(ESExtension.es_load_state_file, path)
 
 
 def _on_disk(sd: dict) -> bool:
