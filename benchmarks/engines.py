@@ -48,7 +48,7 @@ def measure(engine_name: str, dtype: str, batches: list[int], repeats: int, iter
 
     torch.set_num_threads(threads)
     from es_ray.es.config import ESConfig
-    from es_ray.es.config import ESTrainConfig, validate
+    from es_ray.es.config import ESTrainConfig, replica_spec, validate
     from es_ray.core.config import ClusterConfig, EngineConfig, RunConfig, SamplingConfig, TaskConfig
     from es_ray.engines.base import make_engine
     from es_ray.models import resolve_model
@@ -75,10 +75,9 @@ def measure(engine_name: str, dtype: str, batches: list[int], repeats: int, iter
             rates.append(sum(c.num_tokens for c in done) / (time.perf_counter() - t0))
         out[f"tok_s/b{batch}"] = statistics.median(rates)
 
-    from es_ray.replica import ReplicaSpec
 
     host = engine.replica_host()
-    host.setup(dataclasses.replace(ReplicaSpec.from_config(ESTrainConfig()), run_seed=0, noise="table"))
+    host.setup(dataclasses.replace(replica_spec(ESTrainConfig()), run_seed=0, noise="table"))
     host.perturb(0, 0, 1, 1e-3)
     out["write_s/restore"] = _median_time(host.restore, repeats)
     out["write_s/perturb"] = _median_time(lambda: host.perturb(0, 1, 1, 1e-3), repeats)

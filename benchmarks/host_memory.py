@@ -92,10 +92,9 @@ def child(engine_name: str, model: str, dtype: str, tensor_parallel: int = 1, op
     import torch
 
     from es_ray.es.state import load_es_state, save_es_checkpoint, save_es_checkpoint_parts
-    from es_ray.es.config import to_train_config
+    from es_ray.es.config import replica_spec, to_train_config
     from es_ray.engines.base import make_engine
     from es_ray.models import iter_hf_weights, resolve_model
-    from es_ray.replica import ReplicaSpec
     from es_ray.strategy import ask, zscore
 
     torch.set_num_threads(1 if tensor_parallel > 1 else 2)
@@ -115,7 +114,7 @@ def child(engine_name: str, model: str, dtype: str, tensor_parallel: int = 1, op
             t.to(torch.float32)
 
     result["master_load"] = _phase(master_load)
-    result["es_setup"] = _phase(lambda: host.setup(ReplicaSpec.from_config(cfg)))
+    result["es_setup"] = _phase(lambda: host.setup(replica_spec(cfg)))
     result["update"] = _phase(lambda: host.update(0, ask(4), list(zscore([0.1, 0.5, 0.2, 0.9])), 0.001))
     meta = {"iteration": 1}
     with tempfile.TemporaryDirectory() as tmp:

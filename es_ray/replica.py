@@ -26,12 +26,11 @@ tensors (``gather_shards``), each part sent once, by its owner.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 import re
-from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -39,9 +38,6 @@ from es_ray import lowrank
 from es_ray.noise import NoiseSource, resolve_kind
 from es_ray.perturbation import PERTURBATIONS, Perturbation
 from es_ray.strategy import Member, Optimizer, noise_coefficients
-
-if TYPE_CHECKING:
-    from es_ray.es.config import ESTrainConfig
 
 Writer = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 Reader = Callable[[str], "torch.Tensor | None"]
@@ -59,8 +55,9 @@ def _from(key: str):
 @dataclass(frozen=True)
 class ReplicaSpec:
     """Every setting the replica needs, as plain scalars: this object itself crosses into vLLM's worker through
-    collective_rpc. Each field names its config key, and ``from_config`` is the one place a spec is built, so a
-    new field cannot be forgotten on the way (there are no defaults to fall back on)."""
+    collective_rpc. Each field names its config key, and ``es_ray.es.config.replica_spec`` is the one place a spec
+    is built (the replica knows no ES config), so a new field cannot be forgotten on the way (there are no defaults
+    to fall back on)."""
 
     run_seed: int = _from("run.seed")
     noise: str = _from("es.noise")
@@ -76,10 +73,6 @@ class ReplicaSpec:
     anchor_decay: float = _from("es.anchor_decay")
     perturbation: str = _from("es.perturbation")
     rank: int = _from("es.rank")
-
-    @classmethod
-    def from_config(cls, cfg: ESTrainConfig) -> ReplicaSpec:
-        return cls(**{f.name: functools.reduce(getattr, f.metadata["config"].split("."), cfg) for f in fields(cls)})
 
     def selects(self, name: str, shape: Iterable[int] | None = None) -> bool:
         """Whether the tensor ``name`` is trainable: model.trainable is a regex (empty selects all), and with

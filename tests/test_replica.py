@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from es_ray.es.config import ESConfig, ESTrainConfig
+from es_ray.es.config import replica_spec as spec_from_config
 from es_ray.noise import NoiseSource
 from es_ray.replica import (Replica, ReplicaSpec, Shard, checksum, combine_checksums, gather_shards, gather_states,
                             mismatches, tensor_checksum, update_health, update_sums)
@@ -50,7 +51,7 @@ class Engine:
 def replica_spec(run_seed: int = SEED, **kw) -> ReplicaSpec:
     """The default config's spec (per-tensor noise unless given), with test overrides."""
     kw.setdefault("noise", "per_tensor")
-    return dataclasses.replace(ReplicaSpec.from_config(ESTrainConfig()), run_seed=run_seed, **kw)
+    return dataclasses.replace(spec_from_config(ESTrainConfig()), run_seed=run_seed, **kw)
 
 
 def make_replica(dtype=torch.bfloat16, params=None, **spec_kw):
@@ -344,14 +345,14 @@ def test_spec_from_config_carries_every_es_setting():
     keys = {f.name: f.metadata["config"] for f in fields}
     es_keys = {k.removeprefix("es.") for k in keys.values() if k.startswith("es.")}
     assert es_keys == {f.name for f in dataclasses.fields(ESConfig)} - driver_only
-    base = ReplicaSpec.from_config(ESTrainConfig())
+    base = spec_from_config(ESTrainConfig())
     for f in fields:
         cfg = ESTrainConfig()
         section, _, attr = keys[f.name].partition(".")
         old = getattr(getattr(cfg, section), attr)
         new = old + "x" if isinstance(old, str) else old + 3
         setattr(getattr(cfg, section), attr, new)
-        spec = ReplicaSpec.from_config(cfg)
+        spec = spec_from_config(cfg)
         assert getattr(spec, f.name) == new, f.name
         assert dataclasses.replace(spec, **{f.name: old}) == base, f"{keys[f.name]} changed another field"
 
@@ -361,7 +362,7 @@ def test_spec_has_no_defaults_and_holds_plain_scalars():
 
     with pytest.raises(TypeError):
         ReplicaSpec(run_seed=1)  # every field comes from the config, none from a default of its own
-    spec = ReplicaSpec.from_config(ESTrainConfig())
+    spec = spec_from_config(ESTrainConfig())
     assert all(isinstance(getattr(spec, f.name), (int, float, str)) for f in dataclasses.fields(spec))
     assert pickle.loads(pickle.dumps(spec)) == spec
 

@@ -7,13 +7,17 @@ The shared sections (model, task, sampling, engine, cluster, eval, run) are the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import functools
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, HeldOutConfig, ModelConfig,
                                 RunConfig, SamplingConfig, TaskConfig, check_positive, to_config)
 from es_ray.core.registry import Registry
 from es_ray.runtime.validation import validate_trainer
+
+if TYPE_CHECKING:
+    from es_ray.replica import ReplicaSpec
 
 ESTIMATORS = Registry("es.estimator", {
     "one_point": "each member's own noise, the update sum_i f_i eps_i / (N sigma) (the paper's)",
@@ -114,6 +118,15 @@ class ESTrainConfig:
     eval: HeldOutConfig = field(default_factory=HeldOutConfig)
     run: RunConfig = field(default_factory=RunConfig)
     faults: ESFaultsConfig = field(default_factory=ESFaultsConfig)
+
+
+def replica_spec(cfg: ESTrainConfig) -> ReplicaSpec:
+    """The replica's settings from the ES config, the one place a ``ReplicaSpec`` is built: each field reads the key
+    its metadata names (``es.sigma``, ``run.seed``, ...)."""
+    from es_ray.replica import ReplicaSpec
+
+    return ReplicaSpec(**{f.name: functools.reduce(getattr, f.metadata["config"].split("."), cfg)
+                          for f in fields(ReplicaSpec)})
 
 
 def validate(cfg: ESTrainConfig) -> ESTrainConfig:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from es_ray.es.config import ESTrainConfig
+from es_ray.es.config import ESTrainConfig, replica_spec
 from es_ray.es.protocol import EvalRequest, UpdateRequest
 from es_ray.es.recovery import RESUME_FREE, ReplicaMismatchError
 from es_ray.es.worker import ESWorker
@@ -201,9 +201,8 @@ def preflight_perturbation(cfg: ESTrainConfig, model_dir) -> None:
     trainable linear layers), read from the checkpoint's headers, before any actor starts (each replica checks it
     again)."""
     from es_ray.models import safetensors_index
-    from es_ray.replica import ReplicaSpec
 
-    spec = ReplicaSpec.from_config(cfg)
+    spec = replica_spec(cfg)
     spec.kind.check_model(cfg.es.rank, lambda: {n: shape for n, (_, shape) in safetensors_index(model_dir).items()
                                                 if spec.selects(n)})
 

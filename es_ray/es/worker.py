@@ -11,7 +11,7 @@ import os
 import time
 from dataclasses import asdict
 
-from es_ray.es.config import ESTrainConfig
+from es_ray.es.config import ESTrainConfig, replica_spec
 from es_ray.es.protocol import EvalRequest, EvalResult, MemberResult, UpdateRequest, UpdateResult
 from es_ray.perturbation import PERTURBATIONS
 from es_ray.runtime.actors import Actor, actor_threads
@@ -27,7 +27,6 @@ class ESWorker(Actor):
         from es_ray.engines.base import make_engine
         from es_ray.es.faults import FaultInjector
         from es_ray.models import resolve_model
-        from es_ray.replica import ReplicaSpec
         from es_ray.tasks import load_task
 
         self.cfg = cfg
@@ -37,7 +36,7 @@ class ESWorker(Actor):
         self.engine = make_engine(str(self.model_dir), cfg.engine, self.perturbation.slots(
             cfg.es.population, cfg.cluster.num_actors, cfg.es.rank))
         self.replica = self.engine.replica_host()
-        self.replica.setup(ReplicaSpec.from_config(cfg))
+        self.replica.setup(replica_spec(cfg))
         self.task = load_task(cfg.task)
         self._prompts = templated_prompts(self.engine, self.task)
         self.applied = -1
