@@ -234,11 +234,12 @@ def replica_spec(**changes):
 def test_the_replica_host_refuses_before_setup_when_the_gpu_is_too_full(tmp_path, monkeypatch):
     from es_ray.core.config import ConfigError
     from es_ray.engines.vllm import VLLMReplicaHost
+    from es_ray.engines.vllm_extension import ESExtension
 
     engine, _ = fake_engine(tmp_path, share=0.7, max_model_len=2048)
     calls = []
     # every vLLM worker measures its own device (es_device_memory): 10 GiB free of 40
-    engine._rpc = lambda method, *args: [(10 * GiB, 40 * GiB)] if method == "es_device_memory" else \
+    engine._rpc = lambda method, *args: [(10 * GiB, 40 * GiB)] if method is ESExtension.es_device_memory else \
         calls.append(method)
     host = VLLMReplicaHost(engine)
     with pytest.raises(ConfigError) as err:  # adam on 1.5B: ~21 GiB beside vLLM, 10 free
@@ -246,7 +247,7 @@ def test_the_replica_host_refuses_before_setup_when_the_gpu_is_too_full(tmp_path
     assert "engine.gpu_memory_utilization=0." in str(err.value) and "es.optimizer=sgd (fits)" in str(err.value)
     assert calls == []  # refused before the replica was built
     host.setup(replica_spec(optimizer="sgd"))  # ~8 GiB fits in 10
-    assert calls == ["es_setup"]
+    assert calls == [ESExtension.es_setup]
 
 
 def test_the_engine_share_comes_from_the_plan(tmp_path):

@@ -74,6 +74,7 @@ def test_memory_check_measures_every_worker_and_the_tightest_rank_decides(tiny_m
 
     from es_ray.core.config import EngineConfig
     from es_ray.engines.vllm import VLLMEngine
+    from es_ray.engines.vllm_extension import ESExtension
     from es_ray.memory_plan import GiB
 
     def no_cuda_here(*args, **kwargs):
@@ -93,4 +94,4 @@ def test_memory_check_measures_every_worker_and_the_tightest_rank_decides(tiny_m
         else:
             with pytest.raises(ConfigError):
                 engine.check_es_memory(spec)
-    assert asked == ["es_device_memory", "es_device_memory"]
+    assert asked == [ESExtension.es_device_memory, ESExtension.es_device_memory]
