@@ -15,13 +15,14 @@ Connecting, the run directory, signals, the actor groups (timeouts, replacement)
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
 
 import numpy as np
 
+from es_ray.runtime.loop import Training
+from es_ray.runtime.names import REWARD_MEAN, REWARD_STD
 from es_ray.runtime.tracking import Timer, Tracker
 from grpo.colocated import ColocatedWorker
 from grpo.config import RESUME_FREE, GRPOTrainConfig
@@ -178,11 +179,6 @@ class Crew:
             check_sync(lp, [group.call(rank, RolloutWorker.probe_logprobs, *self.probe)], self.tol, -1)
         return {"resynced": True}
 
-    def kill(self) -> None:
-        for g in self.groups:
-            g.kill()
-        self.placement.release()
-
 
 def check_devices(cfg: GRPOTrainConfig) -> None:
     """grpo.fsdp_size ranks (one device each) must fit the connected cluster's GPUs (or CPUs)."""
@@ -208,25 +204,12 @@ def last_checkpoint(run_dir: Path) -> Path | None:
 
 
 def run(cfg: GRPOTrainConfig) -> dict:
-    from es_ray.held_out import held_out_seed, write_base_point
-    from es_ray.runtime.cluster import connect
-    from es_ray.runtime.ledger import Ledger
-    from es_ray.runtime.rundir import keep_metrics, open_run_dir
-    from es_ray.runtime.actors import ActorLostError
-    from es_ray.runtime.signals import Interrupted, InterruptGuard
+    """grpo-train: the runtime's run skeleton (``es_ray.runtime.loop``) around the GRPO step."""
+    from es_ray.runtime.loop import prepare
+    from es_ray.runtime.rundir import keep_metrics
 
-    from es_ray.memory_plan import startup_check
-
-    g = cfg.grpo
-    startup_check("grpo", cfg)  # the memory plan against the device, before any model is fetched or loaded
-    if not cfg.cluster.address:  # fail fast on this machine; on a remote cluster the actors check
-        from es_ray.models import resolve_model
-        from es_ray.tasks import load_task
-
-        resolve_model(cfg.model.path)
-        load_task(cfg.task)
-    run_dir = open_run_dir(cfg, "grpo", RESUME_FREE)  # refuses a resume with changed settings, naming them
-    start, ckpt, generated = 0, None, 0  # generated: training tokens of the steps before a resume
+    run_dir = prepare(cfg, "grpo", RESUME_FREE)
+    start, ckpt, history = 0, None, []
     if cfg.run.resume:
         ckpt = last_checkpoint(run_dir)  # none yet: a new run, as es-train does
         if ckpt is not None:  # every file checked against its digest here, refused with one line naming it
@@ -234,111 +217,75 @@ def run(cfg: GRPOTrainConfig) -> dict:
 
             verify_dir(ckpt)
             start = read_meta(ckpt, "grpo")["step"]
-        kept = keep_metrics(run_dir / "metrics.jsonl", start, "step")  # also cuts a torn last line
-        generated = sum(r.get("perf/tokens", 0) for r in kept)
-    ledger = Ledger("grpo", start_step=start)
-    connect(cfg.cluster)
-    tracker = Tracker(run_dir, g.steps, cfg, cfg.run.trackers, cfg.run.progress, desc="grpo", start=start)
-    crew, done, finished = None, start, False
-    summary: dict = {"run_dir": str(run_dir), "resumed_from": str(ckpt) if ckpt else None}
-    with InterruptGuard(cfg.faults.stop_timeout_s) as guard:
-        try:
-            crew = Crew(cfg, tracker, run_dir, guard.check)
-            pool = _start(crew, ckpt, start, tracker, run_dir)
-            ledger.started()
-            if cfg.eval.every and start == 0:  # the held-out curve's first point: the base weights
-                with ledger.apart("held_out"):
-                    base = crew.rollouts.call(0, RolloutWorker.evaluate, "eval", held_out_seed(cfg.run.seed))
-                    write_base_point(run_dir, base, ledger)
-            history = []
-            for t in range(start, g.steps):
-                row = step(cfg, crew, t, pool, guard)
-                with ledger.apart("held_out"):  # not training: its device time and tokens are counted apart
-                    eval_tokens = held_out(cfg, crew, t, row)
-                row.update(recovery_metrics(crew))
-                tracker.log(t, row, step_key="step")
-                ledger.add_step(row, row["perf/tokens"], row["perf/tokens_backpropagated"], eval_tokens)
-                history.append(row)
-                done = t + 1
-                stop = ledger.stop_reason(cfg.run, crew.groups, cfg.cluster, generated + ledger.tokens_generated)
-                if stop:
-                    tracker.message(f"grpo: stopping after step {t}: {stop}")
-                    break
-                if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0 and done < g.steps:
-                    with ledger.apart("checkpoint"):
-                        crew.learn(GRPOLearner.save, str(run_dir / "checkpoints" / f"step_{done:06d}"), {"step": done})
-            final = run_dir / "checkpoints" / "final"
-            with ledger.apart("checkpoint"):
-                crew.learn(GRPOLearner.save, str(final), {"step": done})
-            finished = True
-            summary.update(final_checkpoint=str(final), steps=done, reward_mean=[h["reward/mean"] for h in history],
-                           eval_reward=[h["eval/reward"] for h in history if "eval/reward" in h])
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            tracker.message(f"grpo: done; final checkpoint {final}")
-            return summary
-        except (Interrupted, ActorLostError) as stop:  # a lost actor: a checkpoint from the learner if it lives
-            _stop_cleanly(stop, crew, run_dir, tracker, done, start)
-        finally:
-            if crew is not None:  # what the run cost, also when it stopped early
-                for group in crew.groups:
-                    ledger.add_group(group, cfg.cluster)
-                crew.kill()
-            ledger.write(run_dir, finished)
-            tracker.close()
+        history = keep_metrics(run_dir / "metrics.jsonl", start, "step")  # also cuts a torn last line
+    return GRPORun(cfg, run_dir, start, history, ckpt).run()
 
 
-def _start(crew: Crew, ckpt: Path | None, start: int, tracker, run_dir: Path) -> int:
-    """The learner loads the checkpoint to resume from, the rollouts get its weights (verified); returns the
-    training pool's size."""
-    if ckpt is not None:
-        crew.learn(GRPOLearner.load, str(ckpt), slow=True)
-        tracker.message(f"grpo: resumed from {ckpt} at step {start}")
-    pool = crew.infos[0]["train_size"]
-    tracker.message(f"grpo: learner + {len(crew.rollouts)} rollout actor(s), {crew.learner_info['trainable']} "
-                    f"trainable parameters, training pool {pool}, run dir {run_dir}")
-    first = crew.sync(start - 1)
-    tracker.message(f"grpo: initial weight sync verified (max |dlogp| {first['sync/max_logprob_diff']:.2e}, "
-                    f"tolerance {crew.tol:g})")
-    return pool
+class GRPORun(Training):
+    """GRPO on the run skeleton: the actors are the crew (learner ranks and rollout engines), a step is one
+    ``step`` (generate, advantages, optimizer step, weight sync), checkpoints come from the learner."""
 
+    method, unit, checkpoint_prefix = "grpo", "step", "step"
 
-def held_out(cfg: GRPOTrainConfig, crew: Crew, t: int, row: dict) -> int:
-    """eval.every: the current weights on the held-out set, greedy (eval/reward); returns the tokens generated."""
-    if not cfg.eval.every or ((t + 1) % cfg.eval.every and t != 0):
-        return 0
-    from es_ray.held_out import held_out_seed
+    def __init__(self, cfg: GRPOTrainConfig, run_dir: Path, start: int, history: list[dict], ckpt: Path | None):
+        super().__init__(cfg, run_dir, cfg.grpo.steps, start, history)
+        self.ckpt, self.crew, self.pool = ckpt, None, 0
 
-    res = crew.rollouts.call(0, RolloutWorker.evaluate, "eval", held_out_seed(cfg.run.seed))
-    row.update({f"eval/{k}": res[k] for k in ("reward", "pass_at_1", "entropy", "tokens", "errors")})
-    row["timing_s/eval"] = res["seconds"]
-    return res["tokens"]
+    def start_actors(self, guard) -> None:
+        """The learner loads the checkpoint to resume from, the rollouts get its weights (verified)."""
+        tracker = self.tracker
+        self.crew = crew = Crew(self.cfg, tracker, self.run_dir, guard.check)
+        if self.ckpt is not None:
+            crew.learn(GRPOLearner.load, str(self.ckpt), slow=True)
+            tracker.message(f"grpo: resumed from {self.ckpt} at step {self.start}")
+        self.pool = crew.infos[0]["train_size"]
+        tracker.message(f"grpo: learner + {len(crew.rollouts)} rollout actor(s), {crew.learner_info['trainable']} "
+                        f"trainable parameters, training pool {self.pool}, run dir {self.run_dir}")
+        first = crew.sync(self.start - 1)
+        tracker.message(f"grpo: initial weight sync verified (max |dlogp| {first['sync/max_logprob_diff']:.2e}, "
+                        f"tolerance {crew.tol:g})")
 
+    def step(self, t: int, guard) -> dict:
+        return step(self.cfg, self.crew, t, self.pool, guard)
 
-def recovery_metrics(crew: Crew) -> dict:
-    events = [e for g in crew.groups for e in g.drain_events()]
-    if not events:
-        return {}
-    return {"recovery/replacements": len(events), "recovery/seconds": sum(e["seconds"] for e in events)}
+    def evaluate_held_out(self) -> dict:
+        """The current weights on the held-out set, greedy."""
+        from es_ray.held_out import held_out_seed
 
+        return self.crew.rollouts.call(0, RolloutWorker.evaluate, "eval", held_out_seed(self.cfg.run.seed))
 
-def _stop_cleanly(stop, crew: Crew | None, run_dir: Path, tracker, done: int, start: int) -> None:
-    """After SIGTERM / Ctrl-C, or a rollout actor lost for good (no room to place its replacement): checkpoint the
-    completed steps (an optimizer step and its sync are never split by a signal), stop the actors, exit non-zero
-    with the resume command. A lost learner's error is raised as it is (nothing left to checkpoint from)."""
-    from es_ray.runtime.rundir import resume_command
+    def save(self, path: Path, done: int) -> str:
+        return str(self.crew.learn(GRPOLearner.save, str(path), {"step": done}))
 
-    saved = ""
-    if crew is not None and crew.learner.lost:  # no checkpoint without the learner: its error says how to resume
-        raise stop
-    if crew is not None and done > start:
+    def save_at_stop(self, stop: BaseException, done: int) -> str:
+        """Checkpoint the completed steps (an optimizer step and its sync are never split by a signal) after
+        stopping the rollouts. A lost learner's error is raised as it is (nothing left to checkpoint from)."""
+        crew = self.crew
+        if crew is not None and crew.learner.lost:  # its error says how to resume
+            raise stop
+        if crew is None or done <= self.start:
+            return ""
         crew.rollouts.replaceable = False  # stopping: a rollout failing now is not waited for
         crew.rollouts.cancel_inflight()
-        path = run_dir / "checkpoints" / f"step_{done:06d}"
-        saved = str(crew.learn(GRPOLearner.save, str(path), {"step": done}))
-    tracker.message(f"grpo: stopped by {stop} after {done} step(s); "
-                    f"{'checkpoint ' + saved if saved else 'no new checkpoint needed'}. Continue with: "
-                    f"{resume_command('grpo', run_dir)}")
-    raise SystemExit(stop.exit_code)
+        return self.save(self._checkpoint_dir(done), done)
+
+    def events(self) -> dict:
+        """Rollout actors replaced during the step."""
+        events = [e for g in self.crew.groups for e in g.drain_events()]
+        if not events:
+            return {}
+        return {"recovery/replacements": len(events), "recovery/seconds": sum(e["seconds"] for e in events)}
+
+    @property
+    def groups(self) -> list:
+        return self.crew.groups if self.crew is not None else []
+
+    def summary(self) -> dict:
+        return {"steps": self.done, "resumed_from": str(self.ckpt) if self.ckpt else None}
+
+    def close(self) -> None:
+        if self.crew is not None:
+            self.crew.placement.release()
 
 
 def step(cfg: GRPOTrainConfig, crew: Crew, t: int, pool: int, guard) -> dict:
@@ -363,7 +310,7 @@ def step(cfg: GRPOTrainConfig, crew: Crew, t: int, pool: int, guard) -> dict:
     lengths = [len(s["completion_ids"]) for s in samples]
     tokens = sum(res["tokens"] for res in results)
     row = {
-        "reward/mean": float(rewards_pg.mean()), "reward/std": float(rewards_pg.std()),
+        REWARD_MEAN: float(rewards_pg.mean()), REWARD_STD: float(rewards_pg.std()),
         "reward/max": float(rewards_pg.max()), "reward/min": float(rewards_pg.min()),
         "reward/errors": int(sum(res["reward_errors"] for res in results)),
         "reward/zero_std_groups": float(np.mean(rewards_pg.std(axis=1) == 0)),

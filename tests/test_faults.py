@@ -201,8 +201,8 @@ import time
 import ray
 from es_ray.runtime.signals import InterruptGuard
 ray.init(address="local", num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False)
-print(ray._private.worker._global_node.get_session_dir_path(), flush=True)
-with InterruptGuard(600.0):
+with InterruptGuard(600.0):  # the handlers first: a signal before them would meet Ray's own (exit code 15)
+    print(ray._private.worker._global_node.get_session_dir_path(), flush=True)
     while True:
         time.sleep(0.05)
 """

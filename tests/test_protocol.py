@@ -95,3 +95,22 @@ def test_the_leaf_walk_finds_smuggled_tensors_and_arrays():
     assert len(bad_leaves(with_np_scalar)) == 4
     big = UpdateRequest(0, 1e-3, members, tuple(float(x) for x in range(1000)), False)
     assert len(pickle.dumps(big)) > MAX_BYTES  # the size bound is tight enough to notice a big payload
+
+
+def test_seed_record_is_the_update_request_and_its_log_line():
+    """A seed-log record round-trips through its JSON line unchanged, and the update it replays is the request the
+    driver sent (one type for both, ``SeedRecord.update_request``)."""
+    import json
+
+    from es_ray.es.protocol import SeedRecord
+    from es_ray.es.state import replay_request
+
+    members = tuple(ask(6, "antithetic"))
+    fitness = tuple(float(z) for z in shape_fitness(np.array([0.1, 0.7, 0.3, 0.3, 0.9, 0.0])))
+    record = SeedRecord(7, 1e-3, 5e-4, members, (0.1, 0.7, 0.3, 0.3, 0.9, 0.0), fitness, checksum="abc")
+    line = json.loads(json.dumps(record.to_json()))
+    assert list(line) == ["iteration", "sigma", "lr", "members", "rewards", "fitness", "checksum"]
+    assert line["members"][1] == [members[1].index, members[1].noise_id, members[1].sign]
+    assert SeedRecord.from_json(line) == record
+    assert replay_request(line) == record.update_request() == UpdateRequest(7, 1e-3, members, fitness, False)
+    assert "checksum" not in SeedRecord(0, 1e-3, 0.0, members, (), fitness).to_json()

@@ -8,7 +8,7 @@ Connecting, the run directory, signals, the actor group and the ledger are the r
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -16,9 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from es_ray.es.config import ESTrainConfig, replica_spec
-from es_ray.es.protocol import EvalRequest, UpdateRequest
+from es_ray.es.protocol import EvalRequest, SeedRecord
 from es_ray.es.recovery import RESUME_FREE, ReplicaMismatchError
 from es_ray.es.worker import ESWorker
+from es_ray.runtime.loop import Training
+from es_ray.runtime.names import ES_ZERO_UPDATE, REWARD_MEAN, REWARD_STD
 from es_ray.runtime.signals import interrupt_soon
 from es_ray.runtime.tracking import Timer
 from es_ray.strategy import Member, ask, shape_fitness
@@ -81,12 +83,12 @@ def evaluate(group, iteration: int, members: list[Member], cfg: ESTrainConfig, i
     return [by_index[m.index] for m in members], timing
 
 
-def tell(keeper, record: dict, members: list[Member], fitness_n: np.ndarray, cfg: ESTrainConfig):
+def tell(keeper, record: SeedRecord, cfg: ESTrainConfig):
     """Every actor applies the update; the replicas' checksums are compared (es.checksum_every)."""
-    t = record["iteration"]
+    t = record.iteration
     every = cfg.es.checksum_every
     want = bool(every) and ((t + 1) % every == 0 or t + 1 == cfg.es.iterations)
-    req = UpdateRequest(t, cfg.es.sigma, tuple(members), tuple(float(z) for z in fitness_n), want)
+    req = record.update_request(want)
     updates = keeper.group.each(ESWorker.update, req)
     sums = [u.checksum for u in updates]
     if want and len(set(sums)) > 1:
@@ -103,97 +105,95 @@ def tell(keeper, record: dict, members: list[Member], fitness_n: np.ndarray, cfg
 
 
 def run(cfg: ESTrainConfig) -> dict:
-    from es_ray.es.state import SeedLog
-    from es_ray.held_out import held_out_seed, write_base_point
-    from es_ray.es.recovery import ReplicaKeeper, resume_point
-    from es_ray.runtime.cluster import connect
-    from es_ray.runtime.ledger import Ledger
-    from es_ray.runtime.placement import place
-    from es_ray.runtime.rundir import open_run_dir
-    from es_ray.runtime.actors import ActorLostError
-    from es_ray.runtime.signals import Interrupted, InterruptGuard
-    from es_ray.runtime.tracking import Tracker
+    """es-train: the runtime's run skeleton (``es_ray.runtime.loop``) around the ES iteration."""
+    from es_ray.es.recovery import resume_point
+    from es_ray.runtime.loop import prepare
 
-    from es_ray.memory_plan import startup_check
+    run_dir = prepare(cfg, "es", RESUME_FREE, lambda model_dir: preflight_perturbation(cfg, model_dir))
+    return ESRun(cfg, run_dir, resume_point(cfg, run_dir)).run()
 
-    startup_check("es", cfg)  # the memory plan against the device, before any model is fetched or loaded
-    if not cfg.cluster.address:  # fail fast on this machine; on a remote cluster the actors check
-        from es_ray.models import resolve_model
-        from es_ray.tasks import load_task
 
-        model_dir = resolve_model(cfg.model.path)  # also converts the embedded model once, before actors start
-        load_task(cfg.task)
-        preflight_perturbation(cfg, model_dir)
-    run_dir = open_run_dir(cfg, "es", RESUME_FREE)  # refuses a resume with changed settings, naming them
-    point = resume_point(cfg, run_dir)
-    ledger = Ledger("es", start_step=point.start)
-    connect(cfg.cluster)
-    tracker = Tracker(run_dir, cfg.es.iterations, cfg, cfg.run.trackers, cfg.run.progress, start=point.start)
-    seed_log = SeedLog(run_dir / "seed_log.jsonl")
-    keeper = ReplicaKeeper(run_dir, tracker, point)
-    placement = None
-    summary: dict = {"run_dir": str(run_dir)}
-    history = list(point.history)
-    finished = False
-    with InterruptGuard(cfg.faults.stop_timeout_s) as guard:
+class ESRun(Training):
+    """ES on the run skeleton: the actors are the replicas (``ReplicaKeeper`` knows the state they must be in), a
+    step is one ``iteration``, and every committed update is in the seed log before the next begins."""
+
+    method, unit, checkpoint_prefix = "es", "iteration", "iter"
+
+    def __init__(self, cfg: ESTrainConfig, run_dir: Path, point):
+        super().__init__(cfg, run_dir, cfg.es.iterations, point.start, point.history)
+        self.point, self.keeper, self.seed_log, self.placement, self.pool = point, None, None, None, 0
+
+    def start_actors(self, guard) -> None:
+        """Start the actors (models loaded), rebuild them to the resume point."""
+        from es_ray.es.recovery import ReplicaKeeper
+        from es_ray.es.state import SeedLog
+        from es_ray.runtime.placement import place
+
+        cfg, point, tracker = self.cfg, self.point, self.tracker
+        self.seed_log = SeedLog(self.run_dir / "seed_log.jsonl")
+        self.keeper = ReplicaKeeper(self.run_dir, tracker, point)
+        self.placement = place(cfg.cluster, "es")
+        group, infos = start_workers(cfg, self.keeper, tracker.message, self.placement)
+        group.check_interrupt = guard.check
+        check_noise_devices(cfg, infos)
+        self.pool = infos[0]["train_size"]
+        tracker.message(f"es: {len(group)} actor(s), training pool {self.pool}, held-out {infos[0]['eval_size']}, "
+                        f"run dir {self.run_dir}")
+        if point.note:
+            tracker.message(point.note)
+        if point.checkpoint or point.records:
+            self.keeper.rebuild_all()
+
+    def step(self, t: int, guard) -> dict:
+        return iteration(self.cfg, self.keeper, t, self.pool, self.seed_log, guard)
+
+    def evaluate_held_out(self) -> dict:
+        from es_ray.held_out import held_out_seed
+
+        return self.keeper.group.call(0, ESWorker.evaluate_center, "eval", held_out_seed(self.cfg.run.seed))
+
+    def save(self, path: Path, done: int) -> str:
+        return str(self.keeper.save_checkpoint(path, done))
+
+    def save_at_stop(self, stop: BaseException, done: int) -> str:
+        """Stop the actors' work and checkpoint the committed iterations from a live actor. The seed log is already
+        complete up to the last committed iteration (an update and its log line are never split by a signal), so
+        resuming is exact even if a second signal cuts this checkpoint short."""
+        from es_ray.runtime.actors import ActorLostError
+
+        keeper = self.keeper
+        if keeper is None or keeper.group is None or done <= keeper.base[1] or not keeper.group.live_ranks:
+            return ""
+        keeper.group.replaceable = False  # stopping: an actor failing now is skipped, never waited for
+        keeper.group.cancel_inflight()
         try:
-            placement = place(cfg.cluster, "es")
-            pool = _start(cfg, keeper, point, placement, tracker, guard)
-            ledger.started()
-            if cfg.eval.every and point.start == 0:  # the held-out curve's first point: the base weights
-                with ledger.apart("held_out"):
-                    write_base_point(run_dir, keeper.group.call(0, ESWorker.evaluate_center, "eval",
-                                                                held_out_seed(cfg.run.seed)), ledger)
-            for t in range(point.start, cfg.es.iterations):
-                row = iteration(cfg, keeper, t, pool, seed_log, guard)
-                with ledger.apart("held_out"):  # not training: its device time and tokens are counted apart
-                    eval_tokens = held_out(cfg, keeper.group, t, row)
-                row.update(keeper.drain_events())
-                tracker.log(t, row)
-                ledger.add_step(row, row["perf/tokens"], generated_eval=eval_tokens)
-                history.append(row)
-                stop = ledger.stop_reason(cfg.run, [keeper.group], cfg.cluster, sum(h["perf/tokens"] for h in history))
-                if stop:
-                    tracker.message(f"es: stopping after iteration {t}: {stop}")
-                    break
-                if cfg.run.checkpoint_every and (t + 1) % cfg.run.checkpoint_every == 0 and t + 1 < cfg.es.iterations:
-                    with ledger.apart("checkpoint"):
-                        keeper.save_checkpoint(run_dir / "checkpoints" / f"iter_{t + 1:06d}", t + 1)
-            with ledger.apart("checkpoint"):
-                final = keeper.save_checkpoint(run_dir / "checkpoints" / "final", keeper.committed)
-            finished = True
-            summary.update(final_checkpoint=str(final), iterations=keeper.committed,
-                           reward_mean=[h["reward/mean"] for h in history],
-                           eval_reward=[h["eval/reward"] for h in history if "eval/reward" in h])
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            tracker.message(f"es: done; final checkpoint {final}")
-            return summary
-        except (Interrupted, ActorLostError) as stop:
-            _stop_cleanly(stop, keeper, run_dir, tracker)
-        finally:
-            if keeper.group is not None:  # what the run cost, also when it stopped early
-                ledger.add_group(keeper.group, cfg.cluster)
-                keeper.group.kill()
-            ledger.write(run_dir, finished)
-            seed_log.close()
-            tracker.close()
-            if placement is not None:
-                placement.release()
+            return self.save(self._checkpoint_dir(done), done)
+        except ActorLostError as exc:
+            self.tracker.message(f"es: no live actor could write a checkpoint ({exc})")
+            return ""
 
+    def stop_note(self) -> str:
+        return f"; seed log {self.run_dir / 'seed_log.jsonl'} (every committed iteration)"
 
-def _start(cfg: ESTrainConfig, keeper, point, placement, tracker, guard) -> int:
-    """Start the actors (models loaded), rebuild them to the resume point; returns the training pool's size."""
-    group, infos = start_workers(cfg, keeper, tracker.message, placement)
-    group.check_interrupt = guard.check
-    check_noise_devices(cfg, infos)
-    pool = infos[0]["train_size"]
-    tracker.message(f"es: {len(group)} actor(s), training pool {pool}, held-out {infos[0]['eval_size']}, "
-                    f"run dir {keeper.run_dir}")
-    if point.note:
-        tracker.message(point.note)
-    if point.checkpoint or point.records:
-        keeper.rebuild_all()
-    return pool
+    def events(self) -> dict:
+        return self.keeper.drain_events()
+
+    @property
+    def groups(self) -> list:
+        return [self.keeper.group] if self.keeper is not None and self.keeper.group is not None else []
+
+    @property
+    def done(self) -> int:
+        return self.keeper.committed if self.keeper is not None else self.start
+
+    def summary(self) -> dict:
+        return {"iterations": self.keeper.committed}
+
+    def close(self) -> None:
+        if self.seed_log is not None:
+            self.seed_log.close()
+        if self.placement is not None:
+            self.placement.release()
 
 
 def preflight_perturbation(cfg: ESTrainConfig, model_dir) -> None:
@@ -235,46 +235,6 @@ def check_noise_devices(cfg: ESTrainConfig, infos: list[dict]) -> None:
                       + (" and es.perturbation=full (low rank's update depends on the device too)" if lowrank else ""))
 
 
-def held_out(cfg: ESTrainConfig, group, t: int, row: dict) -> int:
-    """eval.every: the unperturbed weights on the held-out set (eval/reward); returns the tokens generated."""
-    if not cfg.eval.every or ((t + 1) % cfg.eval.every and t != 0):
-        return 0
-    from es_ray.held_out import held_out_seed
-
-    res = group.call(0, ESWorker.evaluate_center, "eval", held_out_seed(cfg.run.seed))
-    row.update({f"eval/{k}": res[k] for k in ("reward", "pass_at_1", "entropy", "tokens", "errors")})
-    row["timing_s/eval"] = res["seconds"]
-    return res["tokens"]
-
-
-def _stop_cleanly(stop, keeper, run_dir: Path, tracker) -> None:
-    """After SIGTERM / Ctrl-C, or an actor lost for good (ActorLostError: its node gone and no room for a
-    replacement): stop the actors' work, checkpoint the committed iterations from a live actor, exit non-zero with
-    the resume command.
-
-    The seed log is already complete up to the last committed iteration (an update and its log line are never
-    split by a signal), so resuming is exact even if a second signal cuts this checkpoint short.
-    """
-    from es_ray.runtime.actors import ActorLostError
-    from es_ray.runtime.rundir import resume_command
-
-    done = keeper.committed
-    saved = ""
-    if keeper.group is not None and done > keeper.base[1] and keeper.group.live_ranks:
-        keeper.group.replaceable = False  # stopping: an actor failing now is skipped, never waited for
-        keeper.group.cancel_inflight()
-        try:
-            saved = str(keeper.save_checkpoint(run_dir / "checkpoints" / f"iter_{done:06d}", done))
-        except ActorLostError as exc:
-            tracker.message(f"es: no live actor could write a checkpoint ({exc})")
-    cause = stop if not isinstance(stop, ActorLostError) else f"a lost actor ({stop})"
-    tracker.message(f"es: stopped by {cause} after {done} iteration(s); "
-                    f"{'checkpoint ' + saved if saved else 'no new checkpoint'}; seed log "
-                    f"{run_dir / 'seed_log.jsonl'} (every committed iteration). Continue with: "
-                    f"{resume_command('es', run_dir)}")
-    raise SystemExit(stop.exit_code)
-
-
 def iteration(cfg: ESTrainConfig, keeper, t: int, pool: int, seed_log, guard) -> dict:
     timer = Timer()
     t_start = time.perf_counter()
@@ -286,23 +246,22 @@ def iteration(cfg: ESTrainConfig, keeper, t: int, pool: int, seed_log, guard) ->
         results, actor_timing = evaluate(keeper.group, t, members, cfg, ids)
     rewards_n = np.array([r.reward for r in results], dtype=np.float64)
     fitness_n = shape_fitness(rewards_n, cfg.es.shaping)
-    record = {"iteration": t, "sigma": cfg.es.sigma, "lr": cfg.es.lr,
-              "members": [[m.index, m.noise_id, m.sign] for m in members],
-              "rewards": rewards_n.tolist(), "fitness": fitness_n.tolist()}
+    record = SeedRecord(t, cfg.es.sigma, cfg.es.lr, tuple(members), tuple(rewards_n.tolist()),
+                        tuple(fitness_n.tolist()))
     with guard.critical():  # a signal waits until the update is applied and logged (replay needs both or none)
         with timer("update"):
-            updates, checksum = tell(keeper, record, members, fitness_n, cfg)
-        record["checksum"] = checksum
-        seed_log.append(record)
+            updates, checksum = tell(keeper, record, cfg)
+        record = dataclasses.replace(record, checksum=checksum)
+        seed_log.append(record.to_json())
         keeper.commit(record)
     tokens = sum(r.tokens for r in results)
     wall = time.perf_counter() - t_start
     row = {
-        "reward/mean": float(rewards_n.mean()), "reward/std": float(rewards_n.std()),
+        REWARD_MEAN: float(rewards_n.mean()), REWARD_STD: float(rewards_n.std()),
         "reward/max": float(rewards_n.max()), "reward/min": float(rewards_n.min()),
         "reward/errors": int(sum(r.reward_errors for r in results)),
         "es/update_norm": updates[0].update_norm, "es/realised_cos": updates[0].realised_cos,
-        "es/realised_norm": updates[0].realised_norm, "es/zero_update": bool(not np.any(fitness_n)),
+        "es/realised_norm": updates[0].realised_norm, ES_ZERO_UPDATE: bool(not np.any(fitness_n)),
         "es/checksums_verified": bool(checksum),
         "perf/tokens": tokens, "perf/tokens_per_s": tokens / max(timer.seconds["evaluate"], 1e-9),
         "completions/mean_length": tokens / max(1, len(results) * len(ids)),

@@ -59,3 +59,36 @@ class UpdateResult:
     checksum: str
     """Hex digest of the master weights ('' when not requested)."""
     seconds: float
+
+
+@dataclass(frozen=True)
+class SeedRecord:
+    """One iteration of the seed log (``seed_log.jsonl``; with the initial weights and config.json the log
+    determines the run). The update it applied is ``update_request()``: what the driver sends every actor and what a
+    rebuilt or resumed actor replays are the same object."""
+
+    iteration: int
+    sigma: float
+    lr: float
+    members: tuple[Member, ...]
+    rewards: tuple[float, ...]
+    """Raw rewards, indexed by member index."""
+    fitness: tuple[float, ...]
+    """Shaped fitness z_i, indexed by member index (JSON floats round-trip exactly, so a replay is exact)."""
+    checksum: str | None = None
+    """The replicas' checksum after the update (None until every actor has applied it)."""
+
+    def update_request(self, want_checksum: bool = False) -> UpdateRequest:
+        return UpdateRequest(self.iteration, self.sigma, self.members, self.fitness, want_checksum)
+
+    def to_json(self) -> dict:
+        out = {"iteration": self.iteration, "sigma": self.sigma, "lr": self.lr,
+               "members": [[m.index, m.noise_id, m.sign] for m in self.members],
+               "rewards": list(self.rewards), "fitness": list(self.fitness)}
+        return out if self.checksum is None else {**out, "checksum": self.checksum}
+
+    @classmethod
+    def from_json(cls, row: dict) -> SeedRecord:
+        return cls(int(row["iteration"]), float(row["sigma"]), float(row.get("lr", 0.0)),
+                   tuple(Member(*m) for m in row["members"]), tuple(row.get("rewards", ())), tuple(row["fitness"]),
+                   row.get("checksum"))

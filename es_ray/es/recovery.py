@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from es_ray.es.state import SeedLog, list_checkpoints, replay_record
+from es_ray.es.protocol import SeedRecord
+from es_ray.es.state import SeedLog, list_checkpoints, replay_request
 from es_ray.es.config import ESTrainConfig
 from es_ray.es.worker import ESWorker
 from es_ray.runtime.actors import ActorLostError, payload_bytes
@@ -101,7 +102,7 @@ class ReplicaKeeper:
         self.run_dir, self.tracker = Path(run_dir), tracker
         self.group = None
         self.base = (point.checkpoint, point.checkpoint_iteration)
-        self.records = [replay_record(r) for r in point.records]
+        self.records = [replay_request(r) for r in point.records]
         self.checksum = point.checksum
         self.events: list[dict] = []
 
@@ -110,10 +111,10 @@ class ReplicaKeeper:
         """Iterations whose update every replica holds."""
         return self.base[1] + len(self.records)
 
-    def commit(self, record: dict) -> None:
+    def commit(self, record: SeedRecord) -> None:
         """Every replica has applied this seed-log record."""
-        self.records.append(replay_record(record))
-        self.checksum = record.get("checksum") or ""
+        self.records.append(record.update_request())
+        self.checksum = record.checksum or ""
 
     def save_checkpoint(self, path: Path, iteration: int) -> Path:
         if iteration != self.committed:
@@ -132,10 +133,10 @@ class ReplicaKeeper:
         self.base, self.records = (str(path), iteration), []
         return path
 
-    def rebuild(self, ranks: list[int], extra: list[dict] = ()) -> tuple[dict[int, dict], dict[int, int]]:
+    def rebuild(self, ranks: list[int], extra: list[SeedRecord] = ()) -> tuple[dict[int, dict], dict[int, int]]:
         """Rebuild these actors to the committed state plus ``extra`` records: results and bytes sent per rank."""
         checkpoint = self.base[0]
-        records = self.records + [replay_record(r) for r in extra]
+        records = self.records + [r.update_request() for r in extra]
         calls = {r: (checkpoint, records) for r in ranks}
         sent = {r: payload_bytes(calls[r]) for r in ranks}
         out = self.group.gather(ESWorker.rebuild, calls, slow=True)
@@ -144,7 +145,7 @@ class ReplicaKeeper:
             raise CheckpointError(refused[0])
         unreadable = [r for r, res in out.items() if "unreadable" in res]
         if unreadable:  # that node cannot read run.dir: replay the whole log from the initial weights
-            earlier = [replay_record(r) for r in SeedLog.read(self.run_dir / "seed_log.jsonl")[: self.base[1]]]
+            earlier = [replay_request(r) for r in SeedLog.read(self.run_dir / "seed_log.jsonl")[: self.base[1]]]
             full = {r: ("", earlier + records) for r in unreadable}
             out.update(self.group.gather(ESWorker.rebuild, full, slow=True))
             for r in unreadable:
@@ -182,7 +183,7 @@ class ReplicaKeeper:
                 "bytes_sent": payload_bytes(group.make_args(rank)) + sent[rank], "model_bytes": res["model_bytes"],
                 "checksum_verified": bool(self.checksum), "iteration": self.committed}
 
-    def repair(self, checksums: list[str], pending: dict) -> list[str]:
+    def repair(self, checksums: list[str], pending: SeedRecord) -> list[str]:
         """es.on_mismatch=rebuild: rebuild the actors outside the majority (without one, actor 0 first and then
         whoever disagrees with it) from the log, ``pending`` (this iteration's record) included."""
         t0 = time.perf_counter()
@@ -199,12 +200,12 @@ class ReplicaKeeper:
             rebuilt.append(rank)
             truth = truth or sums[rank]
         if len(set(sums)) > 1:
-            raise ReplicaMismatchError(f"iteration {pending['iteration']}: replicas rebuilt from the log still "
+            raise ReplicaMismatchError(f"iteration {pending.iteration}: replicas rebuilt from the log still "
                                        f"disagree ({sums}); the hardware is not deterministic")
         event = {"kind": "rebuild", "ranks": rebuilt, "before": list(checksums), "after": sums[0],
-                 "seconds": time.perf_counter() - t0, "iteration": pending["iteration"]}
+                 "seconds": time.perf_counter() - t0, "iteration": pending.iteration}
         self.events.append(event)
-        self.tracker.message(f"es: iteration {pending['iteration']}: replica checksums differed {list(checksums)}; "
+        self.tracker.message(f"es: iteration {pending.iteration}: replica checksums differed {list(checksums)}; "
                              f"rebuilt actor(s) {rebuilt} from the log in {event['seconds']:.1f} s (es.on_mismatch="
                              f"rebuild); all now {sums[0]}")
         return sums

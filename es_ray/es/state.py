@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from es_ray.es.protocol import SeedRecord, UpdateRequest
+
 DIGEST_KEY = "sha256"
 STATE_TENSORS = "es_state.tensors"
 """The checkpoint file of the optimizer's moments and theta_0: safetensors format (fp32, whole tensors, streamed in
@@ -104,9 +106,9 @@ class SeedLog:
         return rows
 
 
-def replay_record(record: dict) -> dict:
-    """What replaying one seed-log record needs (the shaped fitness as logged: JSON floats round-trip exactly)."""
-    return {k: record[k] for k in ("iteration", "sigma", "members", "fitness")}
+def replay_request(record: dict) -> UpdateRequest:
+    """The update a seed-log row applied, as the driver sent it (``SeedRecord.update_request``)."""
+    return SeedRecord.from_json(record).update_request()
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path, dict]]:

@@ -149,7 +149,7 @@ class ESWorker(Actor):
             save_es_checkpoint(path, self.replica.state_dict(), self.model_dir, meta)
         return path
 
-    def rebuild(self, checkpoint: str, records: list[dict]) -> dict:
+    def rebuild(self, checkpoint: str, records: list[UpdateRequest]) -> dict:
         """Load the replica from a checkpoint on disk ('' = the initial weights), then replay the seed-log
         records since it, update by update: the weights never cross the network.
 
@@ -158,7 +158,6 @@ class ESWorker(Actor):
         driver can send the whole log instead; ``{"refused": why}`` when a file fails its digest.
         """
         from es_ray.es.state import load_es_state
-        from es_ray.strategy import Member
 
         from es_ray.runtime.checkpoint import CheckpointError, read_meta
 
@@ -175,10 +174,9 @@ class ESWorker(Actor):
         del state
         self.applied = read_meta(checkpoint, "es")["iteration"] - 1 if checkpoint else -1
         self._last_update = None
-        for r in records:
-            members = [Member(*m) for m in r["members"]]
-            self.replica.update(r["iteration"], members, r["fitness"], r["sigma"])
-            self.applied = r["iteration"]
+        for r in records:  # the updates as the driver sent them (SeedRecord.update_request)
+            self.replica.update(r.iteration, list(r.members), r.fitness, r.sigma)
+            self.applied = r.iteration
         return {"checksum": self.replica.checksum(), "seconds": time.perf_counter() - t0,
                 "replayed": len(records), "model_bytes": model_bytes}
 

@@ -14,12 +14,16 @@ from typing import Any, Callable, Iterable
 
 from es_ray.core.config import ConfigError, flatten
 
-# Settings that never change a run's result: a resume may change them.
-RESUME_FREE = frozenset({
-    "run.resume", "run.dir", "run.root", "run.checkpoint_every", "run.progress", "run.trackers",
-    "cluster.address", "cluster.num_cpus", "cluster.placement", "cluster.wait_for_resources_s", "eval.every",
-    "run.stop_at_tokens", "run.stop_at_device_seconds", "run.overwrite",
+# Settings that never change what a run computes (display, logging, where the cluster is, the cadence of extra
+# checkpoints): es-compare ignores them when it checks a finished stage against the command.
+RESULT_NEUTRAL = frozenset({
+    "run.progress", "run.trackers", "run.resume", "run.overwrite", "run.checkpoint_every",
+    "cluster.address", "cluster.placement", "cluster.wait_for_resources_s",
 })
+# Settings a resume may change: the neutral ones, and where the run lives, its budget and the held-out cadence
+# (continuing a run under a new budget is what a resume is for; the steps it computes stay the same).
+RESUME_FREE = RESULT_NEUTRAL | {"run.dir", "run.root", "cluster.num_cpus", "eval.every", "run.stop_at_tokens",
+                                "run.stop_at_device_seconds"}
 
 # What a run writes into run.dir first (config.json) or appends to: a directory holding any of them holds a run.
 RUN_FILES = ("config.json", "metrics.jsonl", "seed_log.jsonl", "summary.json", "ledger.json", "checkpoints",
@@ -84,13 +88,22 @@ def claim_run_dir(run_dir: Path, overwrite: bool, method: str) -> Path | None:
 def check_same_run(old: dict, new: Any, free: Iterable[str] = ()) -> None:
     """Refuse a resume whose settings would change the result (the keys both configs know, less ``free`` ones and
     the faults group)."""
-    free = RESUME_FREE | set(free)
     a, b = flatten(old), flatten(new if isinstance(new, dict) else dataclasses.asdict(new))
-    diff = [k for k in sorted(a.keys() & b.keys()) if a[k] != b[k] and k not in free and not k.startswith("faults.")]
+    diff = changed_settings(a, b, RESUME_FREE | set(free))
     if diff:
         shown = "; ".join(f"{k}={b[k]!r} (the run used {a[k]!r})" for k in diff[:6])
         raise ConfigError(f"run.resume=true: these settings differ from the stopped run's config.json and would "
                           f"change its result: {shown}. Set them back, or start a new run.dir")
+
+
+def changed_settings(old: dict, new: dict, free: Iterable[str] = (), missing: bool = False) -> list[str]:
+    """The dotted keys (sorted) whose values differ between two flattened configs, less the ``free`` ones and the
+    faults group (a rehearsal, never a result). Only keys both know are compared (a config saved by an older
+    version lacks the newer keys), unless ``missing``: then a key only one side has counts as changed."""
+    free = set(free)
+    keys = old.keys() | new.keys() if missing else old.keys() & new.keys()
+    return sorted(k for k in keys if k not in free and not k.startswith("faults.")
+                  and (k not in old or k not in new or old[k] != new[k]))
 
 
 def open_run_dir(cfg: Any, method: str, resume_free: Iterable[str] = (),
@@ -178,8 +191,8 @@ def resumed_config(dict_cfg: Any, method: str, free: Iterable[str] = (), given: 
     now = flatten(dict_cfg if isinstance(dict_cfg, dict) else OmegaConf.to_container(dict_cfg, resolve=True))
     old = flatten(saved)
     free = RESUME_FREE | set(free)
-    changed = sorted(k for k in given & now.keys()
-                     if now[k] != old.get(k) and k not in free and not k.startswith("faults."))
+    asked = given & now.keys()
+    changed = changed_settings({k: old.get(k) for k in asked}, {k: now[k] for k in asked}, free)
     if changed:
         shown = "; ".join(f"{k}={now[k]!r} (the run used {old.get(k)!r})" for k in changed[:6])
         raise ConfigError(f"run.resume=true continues the run with its saved config.json; these settings given with "

@@ -29,6 +29,7 @@ from typing import Any
 
 from es_ray.core.config import flatten
 from es_ray.core.registry import Registry
+from es_ray.runtime.names import HELD_OUT_PASS1, REWARD_MEAN
 
 TRACKERS = Registry("run.trackers")
 """Metric backends by name; metrics.jsonl is always written besides them."""
@@ -156,7 +157,7 @@ class Tracker:
 
     # progress-bar postfix: what each shown number is (the training reward of the step's samples, the held-out
     # pass@1 of the last evaluation)
-    SHOWN = {"reward/mean": "train_reward", "eval/pass_at_1": "heldout_pass@1"}
+    SHOWN = {REWARD_MEAN: "train_reward", HELD_OUT_PASS1: "heldout_pass@1"}
 
     def __init__(self, run_dir: str | Path, total: int, config: Any, trackers: list[str], progress: bool = True,
                  desc: str = "es", start: int = 0):

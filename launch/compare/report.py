@@ -18,6 +18,7 @@ import numpy as np
 
 from es_ray.metrics.passk import pass_at_k
 from es_ray.held_out import BASE_POINT
+from es_ray.runtime.names import ES_ZERO_UPDATE, HELD_OUT_ENTROPY, HELD_OUT_PASS1, REWARD_MEAN
 from launch.compare.markdown import markdown
 from launch.compare.methods import COMPARED, LABELS, grpo_placement_text, runs_grpo
 from launch.compare.plots import plots
@@ -107,7 +108,7 @@ def training_rows(root: Path, parts: list[tuple[str, str]], pool: int, cfg) -> l
     out, offset = [], 0.0
     for stage, kind in parts:
         per_unit = cfg.es.prompts_per_iteration if kind == "es" else cfg.grpo.prompts_per_step
-        rows = [r for r in _read_jsonl(root / "stages" / stage / "metrics.jsonl") if r.get("reward/mean") is not None]
+        rows = [r for r in _read_jsonl(root / "stages" / stage / "metrics.jsonl") if r.get(REWARD_MEAN) is not None]
         out += [(offset + (i + 1) * per_unit / pool, r, kind) for i, r in enumerate(rows)]
         offset += len(rows) * per_unit / pool
     return out
@@ -116,15 +117,15 @@ def training_rows(root: Path, parts: list[tuple[str, str]], pool: int, cfg) -> l
 def reward_curve(rows: list[tuple[float, dict, str]]) -> list[tuple[float, float, str]]:
     """(epochs seen, mean training reward, es|grpo) per iteration/step: ES's is the mean over the population's
     perturbed members (es_sampling), GRPO's over its sampled groups (grpo_sampling): not the same measurement."""
-    return [(x, float(r["reward/mean"]), kind) for x, r, kind in rows]
+    return [(x, float(r[REWARD_MEAN]), kind) for x, r, kind in rows]
 
 
 def held_out_curve(rows: list[tuple[float, dict, str]], base: dict | None = None) -> list[tuple[float, float, float]]:
     """(epochs seen, held-out pass@1, held-out entropy) at each eval.every row, from the base weights' point (the
     first training run's held_out_base.json) on; the same scoring for every method."""
     first = [(0.0, float(base["pass_at_1"]), base.get("entropy"))] if base and base.get("pass_at_1") is not None else []
-    return first + [(x, float(r["eval/pass_at_1"]), r.get("eval/entropy")) for x, r, _ in rows
-                    if r.get("eval/pass_at_1") is not None]
+    return first + [(x, float(r[HELD_OUT_PASS1]), r.get(HELD_OUT_ENTROPY)) for x, r, _ in rows
+                    if r.get(HELD_OUT_PASS1) is not None]
 
 
 def across_seeds(per_seed: dict, ks: list[int]) -> dict:
@@ -272,7 +273,7 @@ def es_null(root: Path, stage: str, total: dict, thresholds) -> dict:
     run_cfg = _read_json(root / "stages" / stage / "config.json")
     es = run_cfg["es"]
     rows = _read_jsonl(root / "stages" / stage / "metrics.jsonl")
-    zero = sum(1 for r in rows if r.get("es/zero_update"))
+    zero = sum(1 for r in rows if r.get(ES_ZERO_UPDATE))
     return null_drift(lr=es["lr"], sigma=es["sigma"], population=es["population"], iterations=len(rows),
                       parameters=total["nonzero"], thresholds=thresholds, shaping=es["shaping"],
                       optimizer=es["optimizer"], estimator=es["estimator"], weight_decay=es["weight_decay"],

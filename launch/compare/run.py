@@ -35,6 +35,7 @@ from es_ray.evaluation.config import BenchmarkConfig
 from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, ModelConfig, RunConfig,
                                 SamplingConfig, TaskConfig, check_positive)
 from es_ray.core.registry import Registry
+from es_ray.runtime.rundir import RESULT_NEUTRAL, changed_settings
 from grpo.config import GRPOConfig, GRPOSamplingConfig
 from launch.compare.methods import METHODS, TRAINED, grpo_placement
 
@@ -353,7 +354,11 @@ def done_record(stage: Stage, root: Path, settings: dict | None = None) -> dict 
     if not done.is_file():
         return None
     record = json.loads(done.read_text())
-    changed = _changed_keys(record.get("settings"), stage_settings(stage.config()) if settings is None else settings)
+    now = stage_settings(stage.config()) if settings is None else settings
+    # a record without settings (written before they were kept) is trusted as it is; a key only one side has is a
+    # change (a stage's settings come from one version of this code)
+    before = record.get("settings")
+    changed = [] if before is None else changed_settings(before, now, RESULT_NEUTRAL, missing=True)
     if changed:
         raise ConfigError(
             f"{stage.name} in {root} was done with other settings ({', '.join(changed[:8])}); its results would "
@@ -374,11 +379,6 @@ def claim_compare_dir(root: Path, cfg: CompareConfig, log: Callable[[str], None]
         log(f"es-compare: run.overwrite=true: the comparison that was in {root} is now in {move_aside(root)}")
 
 
-# Settings that do not change a stage's results (display, logging, cadence of extra checkpoints).
-_NEUTRAL = ("run.progress", "run.trackers", "run.resume", "run.overwrite", "run.checkpoint_every",
-            "cluster.address", "cluster.placement", "cluster.wait_for_resources_s")
-
-
 def stage_settings(stage_cfg) -> dict:
     """The stage's full configuration, flattened to dotted keys, without the keys that cannot change results."""
     flat: dict = {}
@@ -391,13 +391,7 @@ def stage_settings(stage_cfg) -> dict:
             flat[prefix[:-1]] = x
 
     walk("", _json_safe(dataclasses.asdict(stage_cfg)))
-    return {k: v for k, v in flat.items() if k not in _NEUTRAL and not k.startswith("faults.")}
-
-
-def _changed_keys(before: dict | None, now: dict) -> list[str]:
-    if before is None:  # a record without settings (written before they were kept): trusted as it is
-        return []
-    return sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    return {k: v for k, v in flat.items() if k not in RESULT_NEUTRAL and not k.startswith("faults.")}
 
 
 def _stage_result(stage: Stage, out: dict) -> dict:

@@ -1,0 +1,200 @@
+"""One run skeleton under every training method (ES and GRPO). What a run does around its method's step is written
+once here:
+
+    prepare          the memory plan against the device, on a local cluster the model converted and the task
+                     loaded (a typo fails before any actor starts), the run dir opened (a resume with changed
+                     settings refused, naming them)
+    Training.run     the ledger, the cluster, the tracker, the interrupt guard; the method's actors started (and
+                     brought to the resume point); the held-out curve's base point; per step: the method's step,
+                     held-out scoring (eval.every), the tracker row, the ledger, the budget (run.stop_at_*),
+                     checkpoints (run.checkpoint_every); the final checkpoint and summary.json; after a signal or a
+                     lost actor a checkpoint of the completed steps and the resume command; what the run cost
+                     (ledger.json), also when it stopped early
+
+A method is a subclass that implements the hooks (start its actors, one step, one held-out scoring, save a
+checkpoint) and keeps nothing else: ``es_ray.es.driver.ESRun``, ``grpo.driver.GRPORun``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from es_ray.runtime.names import REWARD_MEAN, held_out_row
+
+
+def prepare(cfg: Any, method: str, resume_free: Iterable[str] = (),
+            preflight: Callable[[Path], None] | None = None) -> Path:
+    """Everything a run checks before it starts an actor; returns the opened run dir. ``preflight`` is the method's
+    own check against the converted model (e.g. low rank's es.rank against the layers)."""
+    from es_ray.memory_plan import startup_check
+    from es_ray.runtime.rundir import open_run_dir
+
+    startup_check(method, cfg)  # the memory plan against the device, before any model is fetched or loaded
+    if not cfg.cluster.address:  # fail fast on this machine; on a remote cluster the actors check
+        from es_ray.models import resolve_model
+        from es_ray.tasks import load_task
+
+        model_dir = resolve_model(cfg.model.path)  # also converts the embedded model once, before actors start
+        load_task(cfg.task)
+        if preflight is not None:
+            preflight(model_dir)
+    return open_run_dir(cfg, method, resume_free)  # refuses a resume with changed settings, naming them
+
+
+def due(every: int, t: int, last: int) -> bool:
+    """Whether a cadence of ``every`` steps (0: never) falls after step t: t + 1 a multiple of it, before ``last``."""
+    return bool(every) and (t + 1) % every == 0 and t + 1 < last
+
+
+class Training:
+    """A training method on the common skeleton. Subclasses set the class attributes and implement the hooks."""
+
+    method = ""
+    """The run dir's and the ledger's method ("es", "grpo"), and the word that opens every message."""
+    unit = "step"
+    """A step's name in metrics.jsonl (its step key) and in messages ("iteration" for ES)."""
+    checkpoint_prefix = "step"
+    """Periodic checkpoints are checkpoints/<prefix>_<done:06d>."""
+
+    def __init__(self, cfg: Any, run_dir: Path, total: int, start: int = 0, history: list[dict] | None = None):
+        self.cfg, self.run_dir, self.total, self.start = cfg, run_dir, total, start
+        self.history = list(history or [])  # metrics rows of the steps before a resume, then this run's
+        self._history_before = len(self.history)
+        self.tracker = None
+
+    # -- the method's hooks ------------------------------------------------------------------------------------
+    def start_actors(self, guard) -> None:
+        """Start the method's actors (models loaded) and bring them to the resume point."""
+        raise NotImplementedError
+
+    def step(self, t: int, guard) -> dict:
+        """One training step: its metrics row (with perf/tokens, and perf/tokens_backpropagated if any)."""
+        raise NotImplementedError
+
+    def evaluate_held_out(self) -> dict:
+        """The current weights on the held-out set: held_out_scores' answer (reward, pass_at_1, ..., tokens)."""
+        raise NotImplementedError
+
+    def save(self, path: Path, done: int) -> str:
+        """Write a checkpoint of ``done`` completed steps at ``path``; returns where it is."""
+        raise NotImplementedError
+
+    def save_at_stop(self, stop: BaseException, done: int) -> str:
+        """After ``stop`` (a signal or a lost actor): a checkpoint of the ``done`` completed steps ('' when none was
+        written); raise ``stop`` to give up (nothing left to save from)."""
+        raise NotImplementedError
+
+    def events(self) -> dict:
+        """What happened beside the step (actor replacements): merged into its row."""
+        return {}
+
+    @property
+    def groups(self) -> list:
+        """The actor groups alive now (their cost goes into the ledger; they are killed at the end)."""
+        return []
+
+    @property
+    def done(self) -> int:
+        """Steps completed (ES: committed iterations)."""
+        return self.start + len(self.history) - self._history_before
+
+    def close(self) -> None:
+        """Release what the method holds beyond its actor groups (placement, logs)."""
+
+    def summary(self) -> dict:
+        """Entries of summary.json beside the common ones."""
+        return {}
+
+    # -- the skeleton --------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        from es_ray.held_out import write_base_point
+        from es_ray.runtime.actors import ActorLostError
+        from es_ray.runtime.cluster import connect
+        from es_ray.runtime.ledger import Ledger
+        from es_ray.runtime.signals import Interrupted, InterruptGuard
+        from es_ray.runtime.tracking import Tracker
+
+        cfg = self.cfg
+        tokens_before = sum(h.get("perf/tokens", 0) for h in self.history)
+        ledger = Ledger(self.method, start_step=self.start)
+        connect(cfg.cluster)
+        self.tracker = Tracker(self.run_dir, self.total, cfg, cfg.run.trackers, cfg.run.progress, desc=self.method,
+                               start=self.start)
+        summary: dict = {"run_dir": str(self.run_dir)}
+        finished = False
+        with InterruptGuard(cfg.faults.stop_timeout_s) as guard:
+            try:
+                self.start_actors(guard)
+                ledger.started()
+                if cfg.eval.every and self.start == 0:  # the held-out curve's first point: the base weights
+                    with ledger.apart("held_out"):
+                        write_base_point(self.run_dir, self.evaluate_held_out(), ledger)
+                for t in range(self.start, self.total):
+                    row = self.step(t, guard)
+                    with ledger.apart("held_out"):  # not training: its device time and tokens are counted apart
+                        eval_tokens = self._held_out(t, row)
+                    row.update(self.events())
+                    self.tracker.log(t, row, step_key=self.unit)
+                    ledger.add_step(row, row["perf/tokens"], row.get("perf/tokens_backpropagated", 0), eval_tokens)
+                    self.history.append(row)
+                    stop = ledger.stop_reason(cfg.run, self.groups, cfg.cluster,
+                                              tokens_before + ledger.tokens_generated)
+                    if stop:
+                        self.tracker.message(f"{self.method}: stopping after {self.unit} {t}: {stop}")
+                        break
+                    if due(cfg.run.checkpoint_every, t, self.total):
+                        with ledger.apart("checkpoint"):
+                            self.save(self._checkpoint_dir(self.done), self.done)
+                final = self.run_dir / "checkpoints" / "final"
+                with ledger.apart("checkpoint"):
+                    final = self.save(final, self.done)
+                finished = True
+                summary.update(final_checkpoint=str(final), **self.summary(),
+                               reward_mean=[h[REWARD_MEAN] for h in self.history],
+                               eval_reward=[h["eval/reward"] for h in self.history if "eval/reward" in h])
+                (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+                self.tracker.message(f"{self.method}: done; final checkpoint {final}")
+                return summary
+            except (Interrupted, ActorLostError) as stop:
+                self._stop_cleanly(stop)
+            finally:
+                for group in self.groups:  # what the run cost, also when it stopped early
+                    ledger.add_group(group, cfg.cluster)
+                    group.kill()
+                ledger.write(self.run_dir, finished)
+                self.close()
+                self.tracker.close()
+
+    def _checkpoint_dir(self, done: int) -> Path:
+        return self.run_dir / "checkpoints" / f"{self.checkpoint_prefix}_{done:06d}"
+
+    def _held_out(self, t: int, row: dict) -> int:
+        """eval.every (and the first step): the current weights on the held-out set into the row (eval/reward,
+        eval/pass_at_1, ...); returns the tokens generated."""
+        every = self.cfg.eval.every
+        if not every or ((t + 1) % every and t != 0):
+            return 0
+        res = self.evaluate_held_out()
+        row.update(held_out_row(res))
+        return res["tokens"]
+
+    def _stop_cleanly(self, stop) -> None:
+        """After SIGTERM / Ctrl-C, or an actor lost for good (its node gone and no room for a replacement): a
+        checkpoint of the completed steps (a step and what must follow it are never split by a signal), then exit
+        non-zero with the resume command."""
+        from es_ray.runtime.actors import ActorLostError
+        from es_ray.runtime.rundir import resume_command
+
+        done = self.done
+        saved = self.save_at_stop(stop, done)
+        cause = stop if not isinstance(stop, ActorLostError) else f"a lost actor ({stop})"
+        self.tracker.message(f"{self.method}: stopped by {cause} after {done} {self.unit}(s); "
+                             f"{'checkpoint ' + saved if saved else 'no new checkpoint'}{self.stop_note()}. "
+                             f"Continue with: {resume_command(self.method, self.run_dir)}")
+        raise SystemExit(stop.exit_code)
+
+    def stop_note(self) -> str:
+        """What the stop message adds after the checkpoint (ES: the seed log)."""
+        return ""
