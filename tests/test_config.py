@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from es_ray.es.config import ESConfig, ESTrainConfig, register_configs, to_train_config, validate
 
-from es_ray.core.config import ConfigError, RunConfig, TaskConfig
+from es_ray.core.config import ConfigError, HeldOutConfig, RunConfig, TaskConfig
 from es_ray.runtime.entry import run_or_exit
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -41,6 +41,10 @@ def test_defaults_validate():
     (_cfg(es=ESConfig(noise="uniform")), "es.noise"),
     (_cfg(task=TaskConfig(name="not_a_task")), "task.name"),
     (_cfg(run=RunConfig(dir="runs/relative")), "run.dir"),
+    (_cfg(eval=HeldOutConfig(top_p=0.0)), "eval.top_p"),
+    (_cfg(eval=HeldOutConfig(top_p=1.5)), "eval.top_p"),
+    (_cfg(eval=HeldOutConfig(temperature=0.0)), "eval.temperature"),
+    (_cfg(eval=HeldOutConfig(max_new_tokens=-1)), "eval.max_new_tokens"),
 ])
 def test_validate_refuses_naming_the_key(cfg, key):
     with pytest.raises(ConfigError) as info:

@@ -206,8 +206,21 @@ class FaultPolicy:
 def validate_sampling(sampling: SamplingConfig, key: str = "sampling") -> None:
     check_positive(f"{key}.max_new_tokens", sampling.max_new_tokens)
     check_positive(f"{key}.temperature", sampling.temperature, allow_zero=True)
-    if not 0 < sampling.top_p <= 1:
-        raise ConfigError(f"{key}.top_p={sampling.top_p} must be in (0, 1]")
+    check_top_p(f"{key}.top_p", sampling.top_p)
+
+
+def check_top_p(key: str, value: float) -> None:
+    """A nucleus: a probability mass in (0, 1] (1: every token)."""
+    if not 0 < value <= 1:
+        raise ConfigError(f"{key}={value} must be in (0, 1] (1: every token)")
+
+
+def validate_held_out(held_out: HeldOutConfig) -> None:
+    """The trainers' eval section: its cadence, and the sampling of its pass@1 and entropy."""
+    check_positive("eval.every", held_out.every, allow_zero=True)
+    check_positive("eval.temperature", held_out.temperature)
+    check_top_p("eval.top_p", held_out.top_p)
+    check_positive("eval.max_new_tokens", held_out.max_new_tokens, allow_zero=True)
 
 
 def validate_faults(faults: FaultPolicy) -> None:

@@ -7,7 +7,8 @@ from importlib.util import find_spec
 from typing import Any
 
 from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, RunConfig, TaskConfig,
-                                check_absolute, check_positive, validate_faults, validate_sampling)
+                                check_absolute, check_positive, validate_faults, validate_held_out,
+                                validate_sampling)
 from es_ray.core.dtypes import DTYPES
 from es_ray.core.registry import Registry
 from es_ray.engines import ENGINES, TRAITS, engines_that, resolve
@@ -90,6 +91,5 @@ def validate_trainer(cfg: Any) -> None:
     validate_engine(cfg.engine)
     validate_cluster(cfg.cluster, cfg.engine)
     validate_run(cfg.run)
-    check_positive("eval.every", cfg.eval.every, allow_zero=True)
-    check_positive("eval.temperature", cfg.eval.temperature)
+    validate_held_out(cfg.eval)
     validate_faults(cfg.faults)
