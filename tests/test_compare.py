@@ -176,6 +176,12 @@ def test_held_out_curves_sample_as_the_evaluation_and_an_empty_held_out_set_is_r
         compare.pool_size(empty)
     empty.curve_every = 0
     assert compare.pool_size(empty) == 4
+    greedy = _cfg(Path("/m"), tmp_path)
+    greedy.eval.temperature, greedy.eval.n, greedy.eval.k = 0.0, 1, [1]
+    with pytest.raises(ConfigError, match=r"eval.temperature=0 \(greedy\).*curve_every=0 for no curves"):
+        compare.validate_compare(greedy)
+    greedy.curve_every = 0
+    compare.validate_compare(greedy)  # greedy evaluation without curves is a valid comparison
 
 
 def test_a_held_out_set_without_problems_scores_none_not_zero():

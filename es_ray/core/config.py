@@ -216,8 +216,11 @@ def check_top_p(key: str, value: float) -> None:
 
 
 def validate_held_out(held_out: HeldOutConfig) -> None:
-    """The trainers' eval section: its cadence, and the sampling of its pass@1 and entropy."""
+    """The trainers' eval section: its cadence, and the sampling of its pass@1 and entropy (unused, so unchecked, when
+    eval.every=0: es-compare's greedy evaluation with curve_every=0 hands its temperature 0 through)."""
     check_positive("eval.every", held_out.every, allow_zero=True)
+    if not held_out.every:
+        return
     check_positive("eval.temperature", held_out.temperature)
     check_top_p("eval.top_p", held_out.top_p)
     check_positive("eval.max_new_tokens", held_out.max_new_tokens, allow_zero=True)

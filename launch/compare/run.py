@@ -112,6 +112,11 @@ def validate_compare(cfg: CompareConfig) -> CompareConfig:
         raise ConfigError(f"budget.tolerance={cfg.budget.tolerance}: give a fraction in (0, 1), e.g. 0.1")
     check_positive("grpo_rollout_actors", cfg.grpo_rollout_actors)
     check_positive("curve_every", cfg.curve_every, allow_zero=True)
+    if cfg.curve_every and cfg.eval.temperature == 0:  # the curves sample as the evaluation does (``_held_out``)
+        raise ConfigError(f"eval.temperature=0 (greedy) leaves the training runs' held-out curves nothing to sample "
+                          f"(their pass@1 and entropy, every curve_every={cfg.curve_every} steps, are of sampled "
+                          "completions at eval.temperature): set eval.temperature > 0, or curve_every=0 for no "
+                          "curves")
     if not cfg.seeds or len(set(cfg.seeds)) != len(cfg.seeds):
         raise ConfigError(f"seeds={list(cfg.seeds)}: give one or more distinct run seeds, e.g. seeds=[0,1,2]")
     if cfg.run.seed:
