@@ -16,6 +16,9 @@ from es_ray.core.config import ConfigError, FaultPolicy, RunConfig
 from es_ray.runtime.ledger import FIELDS
 from es_ray.runtime.rundir import keep_metrics, open_run_dir
 
+# An address nothing answers at that never leaves the machine: the discard port on loopback, closed on test hosts.
+UNREACHABLE = "127.0.0.1:9"
+
 
 class Echo:
     """A tiny actor: answers, sleeps, or dies on request."""
@@ -188,9 +191,9 @@ def test_es_and_grpo_fill_the_same_ledger(ray_local, tiny_model_dir, tmp_path):
         grpo["phase_seconds"])
 
 
-@pytest.mark.parametrize("address", ["10.255.255.1:6379", "10.0.0.1:notaport"])
+@pytest.mark.parametrize("address", [UNREACHABLE, "127.0.0.1:notaport"])
 def test_every_entry_point_answers_a_bad_cluster_address_in_one_line(tmp_path, address):
-    """Unreachable (a non-routable address) or malformed: exit 2 within 30 s, one line naming the setting."""
+    """Unreachable (a closed loopback port) or malformed: exit 2 within 30 s, one line naming the setting."""
     runs = {
         "es-train": [f"cluster.address={address}", f"run.dir={tmp_path}/es"],
         "grpo-train": [f"cluster.address={address}", f"run.dir={tmp_path}/grpo"],
@@ -207,9 +210,9 @@ def test_every_entry_point_answers_a_bad_cluster_address_in_one_line(tmp_path, a
         assert time.monotonic() - t0 < 30 + 15, prog  # 15 s of interpreter and model resolution start-up here
         assert len(lines) == 1 and lines[0].startswith(f"{prog}: ConfigError: cluster.address="), (prog, lines)
         assert "Traceback" not in res.stderr
-    res = subprocess.run([os.path.join(bindir, "es-submit"), "--address", "http://10.255.255.1:8265", "--no-check",
+    res = subprocess.run([os.path.join(bindir, "es-submit"), "--address", f"http://{UNREACHABLE}", "--no-check",
                           "--", "python", "-c", "pass"], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and res.stderr.strip().startswith("es-submit: --address='http://10.255.255.1:8265'")
+    assert res.returncode == 2 and res.stderr.strip().startswith(f"es-submit: --address='http://{UNREACHABLE}'")
     assert len(res.stderr.strip().splitlines()) == 1
 
 

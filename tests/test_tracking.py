@@ -186,7 +186,7 @@ def test_vllm_missing_is_refused_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ConfigError, match=r"engine\.name=vllm needs the vllm package.*pip install 'es-ray\[vllm\]'"):
         validate_cluster(ClusterConfig(), EngineConfig(name="vllm"))
-    validate_cluster(ClusterConfig(address="10.0.0.1:6379"), EngineConfig(name="vllm"))  # the cluster's nodes have it
+    validate_cluster(ClusterConfig(address="127.0.0.1:9"), EngineConfig(name="vllm"))  # the cluster's nodes have it
 
 
 def test_tensorboard_gets_the_config_as_hparams_of_the_same_run(tmp_path):
