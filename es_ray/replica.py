@@ -7,7 +7,7 @@ tensor before asking for the next (the replica reuses one buffer); ``read(name)`
 holds for one HF name, in the engine's own dtype and HF shape (a view where the layout allows), or None where
 the engine cannot give it back (vLLM with tensor parallelism).
 
-Exactness (DESIGN "ES, precisely"):
+Exactness (docs/design.md "ES, precisely"):
 * a member is written as cast(master + sign * sigma * eps); restoring writes cast(master); nothing is ever
   subtracted in the engine's dtype;
 * the update is applied to the fp32 master in a fixed order (sorted tensor names, noise ids ascending), so

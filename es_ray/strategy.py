@@ -1,6 +1,6 @@
 """ES strategy, pure: ask/tell, fitness shaping, the gradient estimate and the optimizers (torch/numpy only).
 
-The update convention (also in the README):
+The update convention (also in docs/es-update.md):
 
     g      = 1 / (N * sigma) * sum_i z_i * eps_i          (one-point; z_i the shaped fitness of member i)
     theta <- theta + lr * g                              (sgd; or theta + lr * adam(g))

@@ -1,6 +1,6 @@
 """The engine contract, one test body per engine: transformers always, vLLM where it is installed.
 
-Exactness (DESIGN "ES, precisely" 2-4): perturb, generate, restore leaves greedy output, engine weights and
+Exactness (docs/design.md "ES, precisely" 2-4): perturb, generate, restore leaves greedy output, engine weights and
 master identical bit for bit; the engine holds cast(master + sign * sigma * eps) in HF layout, the same on every
 engine; an update leaves cast(new master) and reports the update it realised, read back from the engine;
 replicas in two actors agree. Generation role: token log-probs agree across engines at the sampling temperature;

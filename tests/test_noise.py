@@ -1,4 +1,5 @@
-"""Noise identity (DESIGN "ES, precisely" 1): a pure function of (run seed, iteration, noise id, tensor name)."""
+"""Noise identity (docs/design.md "ES, precisely" 1): a pure function of (run seed, iteration, noise id, tensor
+name)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Replica exactness (DESIGN "ES, precisely" 2, 3): exact restore, exact perturbation, identical replicas; the
+"""Replica exactness (docs/design.md "ES, precisely" 2, 3): exact restore, exact perturbation, identical replicas; the
 update's health measured against what the engine holds; one spec built from the config."""
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def initial_params() -> dict[str, torch.Tensor]:
         "model.layers.0.self_attn.q_proj.weight": torch.randn(16, 8, generator=g),
         "model.layers.0.self_attn.v_proj.weight": torch.randn(16, 8, generator=g),  # same shape as q_proj
         "model.layers.0.mlp.up_proj.weight": 0.02 * torch.randn(24, 8, generator=g),
-        "model.norm.weight": torch.ones(8),  # norm weights at exactly 1.0 (the drift case in DESIGN)
+        # norm weights at exactly 1.0: the drift case of docs/design.md "ES, precisely" 2
+        "model.norm.weight": torch.ones(8),
     }
 
 

@@ -1,6 +1,6 @@
 """ES math: fitness shaping, ask, noise coefficients, and the full update of Replica.update against plain numpy.
 
-Update convention (es_ray/strategy.py, DESIGN "ES, precisely" 5):
+Update convention (es_ray/strategy.py, docs/design.md "ES, precisely" 5):
     g      = 1 / (N sigma) * sum_i z_i eps_i
     theta <- theta + lr * g                  (sgd; Adam with bias correction on g for adam)
              - lr * weight_decay * theta

