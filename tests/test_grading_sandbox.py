@@ -17,12 +17,11 @@ import pytest
 
 from es_ray.grading.code import build_program, extract_code, grade_programs
 import es_ray.grading.sandbox as sandbox
-from es_ray.grading.sandbox import (NOBODY, SandboxLimits, SandboxUnavailable, isolation, network_isolation,
+from es_ray.grading.sandbox import (SandboxLimits, SandboxUnavailable, isolation, network_isolation,
                                     run_many, run_python, sandbox_plan)
 
 LIMITS = SandboxLimits(wall_s=5.0, cpu_s=2.0, memory_mb=512, output_bytes=64 << 10)
 GOOD = "def add(a, b):\n    return a + b\n\nassert add(1, 2) == 3\n"
-SYSTEM_PYTHON = "/usr/bin/python3"
 
 
 def assert_still_works():
@@ -205,68 +204,78 @@ def test_many_programs_run_concurrently_and_independently():
 def test_isolation_reports_its_layers():
     info = isolation()
     assert "audit hook" in info["network"]
-    assert set(info) == {"refused", "network", "user", "limits", "filesystem", "signals", "verdict"}
+    assert set(info) == {"refused", "syscalls", "network", "user", "limits", "filesystem", "signals", "verdict"}
+    assert "seccomp" in info["syscalls"] and "minimal read-only root" in info["filesystem"]
     assert info["refused"] is None  # CI machines (root, Landlock or a working drop) must grade
 
 
-def test_as_root_the_program_holds_no_capability():
-    """Here (root, a pyenv Python under /root that nobody cannot read) the program keeps uid 0 but no capability:
-    no mount, no permission override, and the report says so."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root")
-    plan = sandbox_plan()
-    code = ("import os\nprint(os.getuid())\nfor line in open('/proc/self/status'):\n"
-            "    if line.startswith(('CapEff', 'CapBnd')):\n        print(line.split()[1])\n")
+def test_as_root_the_program_runs_as_a_dedicated_uid_without_capabilities():
+    """As root the program never keeps uid 0: it runs as one of the dedicated uids, with every capability gone
+    (bounding set included), inside the seccomp filter."""
+    if os.geteuid() != 0 or "-r" in sandbox.namespaces():
+        pytest.skip("needs real root")
+    code = ("import os\nprint(*os.getresuid(), *os.getresgid())\nfor line in open('/proc/self/status'):\n"
+            "    if line.startswith(('CapEff', 'CapBnd', 'Seccomp:', 'NoNewPrivs')):\n        print(line.split()[1])\n")
     res = run_python(code, LIMITS)
     assert res.passed, res
-    if plan.drop_to is None:
-        assert res.stdout.split() == ["0", "0" * 16, "0" * 16]
-        assert isolation()["user"] == "root without capabilities"
-    else:
-        assert res.stdout.split()[0] == str(NOBODY)
+    ids = res.stdout.split()[:6]
+    assert len(set(ids)) == 1 and sandbox.UID_BASE <= int(ids[0]) < sandbox.UID_BASE + sandbox.UID_SLOTS, res
+    assert res.stdout.split()[6:] == ["0" * 16, "0" * 16, "1", "2"], res  # CapEff, CapBnd, NoNewPrivs, Seccomp
+    assert "dedicated uid" in isolation()["user"]
+
+
+def test_concurrent_programs_get_different_uids():
+    code = "import os, time\ntime.sleep(0.5)\nprint(os.getuid())\n"
+    uids = [r.stdout.strip() for r in run_many([code] * 3, LIMITS, workers=3)]
+    if os.geteuid() == 0 and "-r" not in sandbox.namespaces():
+        assert len(set(uids)) == 3 and "0" not in uids, uids
 
 
 @pytest.fixture
 def no_landlock(monkeypatch):
-    """This machine as one without Landlock: the uid drop is the only boundary left."""
+    """This machine as one without Landlock: the jail, seccomp and the uid drop remain."""
     monkeypatch.setattr(sandbox, "landlock_abi", lambda: 0)
     sandbox.sandbox_plan.cache_clear()
     yield
     sandbox.sandbox_plan.cache_clear()
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON), reason="needs root and a system Python")
-def test_without_landlock_root_drops_to_nobody_or_refuses(no_landlock):
-    plan = sandbox_plan(SYSTEM_PYTHON)
-    if plan.refused:  # nobody cannot run even the system Python here: refused, never run as root
-        with pytest.raises(SandboxUnavailable, match="Landlock"):
-            run_python(GOOD, LIMITS, python=SYSTEM_PYTHON)
-        return
-    assert plan.drop_to == NOBODY
-    res = run_python("import os\nprint(os.getuid(), os.getgid())\nopen('/etc/es-ray-x', 'a')\n", LIMITS,
-                     python=SYSTEM_PYTHON)
-    assert res.stdout.split()[:2] == ["65534", "65534"]
-    assert res.status == "blocked"
-    assert run_python(GOOD, LIMITS, python=SYSTEM_PYTHON).passed
+@pytest.fixture
+def no_namespaces(monkeypatch):
+    """This machine as one where unshare is not permitted (a container with the default seccomp profile)."""
+    monkeypatch.setattr(sandbox, "namespaces", lambda: ())
+    sandbox.sandbox_plan.cache_clear()
+    yield
+    sandbox.sandbox_plan.cache_clear()
+
+
+def test_without_landlock_the_jail_still_holds(no_landlock, tmp_path):
+    os.chmod(tmp_path, 0o777)
+    target = tmp_path / "escape"
+    res = run_python(f"import os\nprint(os.path.exists({str(tmp_path)!r}))\nopen('/etc/es-ray-x', 'a')\n", LIMITS)
+    assert res.stdout.split()[:1] == ["False"] and not res.passed, res  # the host's directories do not exist
+    res = run_python(f"open({str(target)!r}, 'w')\n", LIMITS)
+    assert not res.passed and not target.exists()
+    assert run_python(GOOD, LIMITS).passed
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or subprocess.run(["unshare", "-r", "true"], capture_output=True).returncode,
                     reason="needs root and unshare -r")
-def test_without_landlock_a_failed_drop_refuses_to_grade(no_landlock, tmp_path):
-    """As root of a user namespace that maps no nobody, setuid fails: grading refuses, naming what to set up."""
+def test_a_failed_drop_refuses_to_grade(tmp_path):
+    """An interpreter that runs as root of its own user namespace (which owns neither the mount namespace nor any
+    other uid): the confinement fails before any program runs, and grading refuses, naming what to set up."""
     wrapper = tmp_path / "python"
     wrapper.write_text(f'#!/bin/sh\nexec unshare -r {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
     plan = sandbox_plan(str(wrapper))
-    assert plan.refused and "the drop to nobody failed here" in plan.refused
+    assert plan.refused and "did not run confined here: es-ray-sandbox: cannot confine" in plan.refused, plan
     assert isolation(str(wrapper))["refused"] == plan.refused
-    with pytest.raises(SandboxUnavailable, match="lsm= boot list"):
+    with pytest.raises(SandboxUnavailable, match="unprivileged_userns_clone"):
         run_python("print('ran')\n", LIMITS, python=str(wrapper))
 
 
-def test_without_landlock_and_not_root_grading_refuses(no_landlock, monkeypatch):
-    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
-    with pytest.raises(SandboxUnavailable, match="not root, so no uid to drop to"):
+def test_without_namespaces_grading_refuses(no_namespaces):
+    with pytest.raises(SandboxUnavailable, match="no namespaces: unshare is not permitted"):
         run_many([GOOD, GOOD], LIMITS)
 
 
@@ -398,21 +407,12 @@ def test_no_leftovers_in_dev_shm_and_a_disk_quota():
     assert int(res.stdout.split()[1]) < 20
 
 
-@pytest.mark.parametrize("layers", ["landlock only", "namespaces and nobody"])
+@pytest.mark.parametrize("layers", ["all", "no landlock"])
 def test_each_kernel_layer_holds_on_its_own(layers, tmp_path, monkeypatch):
-    """What holds on which kernel: Landlock without any namespace (a container where unshare is blocked), and
-    namespaces with the drop to nobody without Landlock (an older kernel, as root)."""
-    python = sys.executable
-    if layers == "landlock only":
-        if not sandbox.landlock_abi() or sandbox.landlock_abi() < 6:
-            pytest.skip("needs Landlock ABI >= 6")
-        monkeypatch.setattr(sandbox, "namespaces", lambda: ())
-        os.chmod(tmp_path, 0o777)  # even a world-writable directory
-    else:
-        if os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON) or not sandbox.namespaces():
-            pytest.skip("needs root, unshare and a system Python that nobody can run")
+    """The jail, the PID namespace and seccomp without Landlock (an older kernel) hold the same attacks."""
+    if layers == "no landlock":
         monkeypatch.setattr(sandbox, "landlock_abi", lambda: 0)
-        python = SYSTEM_PYTHON  # nobody cannot read the pyenv Python under /root
+    os.chmod(tmp_path, 0o777)  # even a world-writable directory
     sandbox.sandbox_plan.cache_clear()
     monkeypatch.setenv("HF_TOKEN", "hf_es_ray_layer_secret")
     got = []
@@ -427,7 +427,7 @@ def test_each_kernel_layer_holds_on_its_own(layers, tmp_path, monkeypatch):
               f"try:\n    os.close(os.open('/dev/shm/{shm}', os.O_WRONLY | os.O_CREAT))\nexcept OSError:\n    pass\n"
               "print(out)\n")
     try:
-        res = run_python(attack, LIMITS, python=python)
+        res = run_python(attack, LIMITS)
         time.sleep(0.3)
     finally:
         signal.signal(signal.SIGUSR1, old)
@@ -460,12 +460,11 @@ def test_grade_programs_scores_and_counts_failures():
         (1.0, True, None), (0.0, False, None), (0.0, False, "timeout"), (0.0, False, "blocked"), (1.0, True, None)]
 
 
-def test_mbpp_refuses_to_load_where_programs_cannot_be_confined(no_landlock, monkeypatch):
+def test_mbpp_refuses_to_load_where_programs_cannot_be_confined(no_namespaces):
     from es_ray.core.config import TaskConfig
     from es_ray.tasks import load_task
     from es_ray.tasks.base import TaskLoadError
 
-    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
     fixture = Path(__file__).parent / "fixtures" / "mbpp.jsonl"
     with pytest.raises(TaskLoadError, match="task mbpp: the MBPP code sandbox cannot confine programs here"):
         load_task(TaskConfig(name="mbpp", path=str(fixture), eval_size=0))

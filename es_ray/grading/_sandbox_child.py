@@ -1,20 +1,27 @@
 """The sandboxed side of es_ray.grading.sandbox: confine this process, then run a program or check its values.
 
 Run as ``python -I -S -B -c <this file's text>`` inside the namespaces the parent chose; the configuration comes
-on stdin, results go to the file descriptor it names (a file the parent opened). Two modes:
+on stdin. This process (the namespace's init) confines itself, then forks the one process that runs untrusted
+code, and only it writes the result record, to a descriptor that the forked process closes before anything of
+the program runs. Two modes for that process:
 
 * ``run``: the candidate's code, then each probe (an expression of the tests that calls the candidate's code);
-  every probe's value is encoded as plain data (exact builtin types only) and written there. This process never
-  decides whether a test passed: whatever the program does to this process can change only the values it reports.
+  every probe's value is encoded as plain data (exact builtin types only) and written to a pipe.
 * ``verify``: no candidate code. The tests' own imports, then each test with the probes replaced by the decoded
-  values; the list of booleans goes back the same way. Decoding builds builtin objects, so a value cannot bring its own
-  ``__eq__``.
+  values; the list of booleans goes back the same way. Decoding builds builtin objects, so a value cannot bring
+  its own ``__eq__``.
 
-Confinement, in order (each step only where the parent's configuration says the kernel allows it): rlimits; a
-size-limited tmpfs mounted on the working directory and a private /dev/shm (mount namespace); Landlock (reads
-only from the interpreter and system directories, writes only in the working directory, no TCP, no signals or
-abstract sockets outside this domain); every capability dropped (as root) or the drop to an unprivileged uid; the
-audit hook. The parent refuses to grade where none of Landlock or the uid drop is available.
+The record this process writes carries the run's nonce, how the forked process ended (exit status or signal,
+read by ``waitpid``: a seccomp kill is SIGSYS) and at most ``output_bytes`` of what came through the pipe, as a
+string; the grader parses that string with its own bounds. The program can write anything into its pipe (that
+is the same as computing other values) but cannot reach the record: the descriptor is closed in its process,
+this process is not dumpable (no ``/proc/1/mem`` or ``/proc/1/fd`` without CAP_SYS_PTRACE) and ptrace is
+refused by the filter.
+
+Confinement, in order: the minimal root (a tmpfs with the interpreter, the system libraries, a fresh /proc,
+private /tmp, /dev/shm and a size-limited working directory, then ``pivot_root``), Landlock, the drop to the
+grader's dedicated uid (as root) or of every capability (root of a user namespace); then, in the forked
+process, rlimits, the seccomp filter (es_ray/grading/seccomp.py, built by the grader) and the audit hook.
 """
 
 import builtins
@@ -48,8 +55,50 @@ def _rlimits(lim):
         resource.setrlimit(getattr(resource, name), (soft, soft if hard is None else hard))
 
 
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+MNT_DETACH = 2
+
+
+def _jail(libc, check, jail):
+    """Build the minimal root the parent planned (es_ray.grading.sandbox._jail_ops) on a tmpfs and pivot into
+    it: nothing of the host is reachable by path afterwards (no socket, no Ray session dir, no other work dir)."""
+    root = jail["root"]
+
+    def mount(src, dst, fstype, flags, data):
+        check(libc.mount(src and src.encode(), dst.encode(), fstype and fstype.encode(), flags,
+                         data and data.encode()) == 0, "mount %s on %s" % (fstype or src, dst))
+
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=256k,mode=0755")
+    for op in jail["ops"]:
+        kind, path = op[0], op[1]
+        dst = root + path
+        if kind == "symlink":
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.symlink(op[2], dst)
+            continue
+        if kind == "file":
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            open(dst, "w").close()
+        else:
+            os.makedirs(dst, exist_ok=True)
+        if kind in ("bind", "file"):
+            mount(path, dst, None, MS_BIND | MS_REC, None)
+            # a remount keeps the source's locked flags (a user namespace may not clear them) and adds read-only
+            keep = op[2] | (os.statvfs(path).f_flag & (MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC))
+            mount(None, dst, None, MS_BIND | MS_REMOUNT | keep, None)
+        elif kind == "proc":
+            mount("proc", dst, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        else:  # tmpfs
+            mount("tmpfs", dst, "tmpfs", MS_NOSUID | MS_NODEV, op[2])
+    os.chdir(root)
+    check(libc.syscall(jail["pivot_root"], b".", b".") == 0, "pivot_root")
+    check(libc.umount2(b".", MNT_DETACH) == 0, "detach the host's root")
+    os.chdir("/")
+    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+
+
 def _confine(cfg):
-    """Mounts, Landlock and privileges; returns the working directory. Exits (CONFINE_RC) on any failure."""
+    """Mounts, Landlock and privileges; returns the working directory. Raises on any failure."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     work = cfg["work"]
@@ -60,13 +109,10 @@ def _confine(cfg):
 
     def check(ok, what):
         if not ok:
-            _die(CONFINE_MARK, "%s: %s" % (what, os.strerror(ctypes.get_errno())))
+            raise OSError("%s: %s" % (what, os.strerror(ctypes.get_errno())))
 
-    if cfg["mount_ns"]:  # the parent's util-linux unshare made every mount private already
-        check(libc.mount(b"tmpfs", work.encode(), b"tmpfs", 0x2 | 0x4,  # nosuid, nodev
-                         ("size=%dk,mode=0700" % (cfg["disk_kb"],)).encode()) == 0, "mount tmpfs on " + work)
-        check(libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0x2 | 0x4 | 0x8, b"size=64k,mode=1777") == 0,
-              "mount tmpfs on /dev/shm")
+    if cfg.get("jail"):
+        _jail(libc, check, cfg["jail"])
     os.chdir(work)
     abi = cfg["landlock"]
     if abi:
@@ -100,6 +146,9 @@ def _confine(cfg):
         check(libc.prctl(38, 1, 0, 0, 0) == 0, "PR_SET_NO_NEW_PRIVS")
         check(libc.syscall(446, ruleset, 0) == 0, "landlock_restrict_self")
         os.close(ruleset)
+    if os.geteuid() == 0:
+        for cap in range(last_cap + 1):
+            libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP: exec cannot regain them
     if os.geteuid() == 0 and cfg["drop_to"] is not None:
         uid = cfg["drop_to"]
         try:
@@ -109,21 +158,19 @@ def _confine(cfg):
             if os.getresuid() != (uid,) * 3 or os.getresgid() != (uid,) * 3:
                 raise OSError("uid/gid are %r/%r after the drop" % (os.getresuid(), os.getresgid()))
         except OSError as exc:  # never run the program as root when the drop was asked for
-            _die(DROP_MARK, "%d: %s" % (uid, exc))
-    elif os.geteuid() == 0:  # root without capabilities: no mount, no DAC override, no kill, no ptrace
-        for cap in range(last_cap + 1):
-            libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP: exec cannot regain them
+            raise OSError("%s %d: %s" % (DROP_MARK, uid, exc))
+    elif os.geteuid() == 0:  # root of a user namespace without capabilities: no mount, no DAC override
         header = (ctypes.c_uint32 * 2)(0x20080522, 0)
         data = (ctypes.c_uint32 * 6)()
         check(cfg["capset"] is not None and libc.syscall(cfg["capset"], ctypes.byref(header), ctypes.byref(data)) == 0,
               "capset")
-    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
-        del sys.modules[name]  # so that `import ctypes` reaches the audit hook
     return os.path.realpath(os.getcwd())
 
 
-def _audit_hook(root):
-    """Refuse the common escapes fast and visibly; the kernel layers above are the boundary."""
+def _audit_hook(root, mark_nonce):
+    """Refuse the common escapes fast and visibly; the kernel layers (seccomp, the jail, Landlock) are the
+    boundary. Its mark carries a nonce of its own: the program can read it, so a forged mark only changes which
+    reason a failing program is counted under."""
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
     blocked_prefixes = ("socket.", "ctypes.", "subprocess.", "os.fork", "os.forkpty", "os.system", "os.exec",
                         "os.posix_spawn", "os.spawn", "os.kill", "os.killpg", "signal.pthread_kill",
@@ -148,7 +195,7 @@ def _audit_hook(root):
         if event not in said:
             said.add(event)
             try:
-                sys.stderr.write("%s %s\n" % (MARK, event))
+                sys.stderr.write("%s [%s] %s\n" % (MARK, mark_nonce, event))
             except Exception:
                 pass
         raise PermissionError("%s: %s is not allowed" % (MARK, event))
@@ -297,30 +344,89 @@ def _verify(cfg, out):
     out.flush()
 
 
-def _reap(child):
-    """As init of the namespace: wait for the program, pass on how it ended (128 + signal when killed)."""
-    if child == 0:
-        return
+def _seccomp(program):
+    """Install the grader's filter (es_ray/grading/seccomp.py) on this process and its future threads."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    prog = Prog(len(program) // 8, program)
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # NO_NEW_PRIVS, FILTER
+        _die(CONFINE_MARK, "seccomp: %s" % os.strerror(ctypes.get_errno()))
+
+
+def _untrusted(cfg, root, result_fd, write_fd):
+    """The forked process: the program (or the check) under rlimits, seccomp and the audit hook."""
+    os.close(result_fd)
+    _rlimits(cfg["limits"])
+    _seccomp(bytes.fromhex(cfg["seccomp"]))
+    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
+        del sys.modules[name]  # so that `import ctypes` reaches the audit hook
+    sys.dont_write_bytecode = True
+    _audit_hook(root, cfg["mark_nonce"])
+    (_run if cfg["mode"] == "run" else _verify)(cfg, os.fdopen(write_fd, "w"))
+
+
+def _collect(read_fd, child, cap):
+    """Read at most ``cap`` bytes of the pipe (the rest is drained and counted), then reap every process."""
+    chunks, size = [], 0
     while True:
-        pid, status = os.wait()
+        block = os.read(read_fd, 1 << 16)
+        if not block:
+            break
+        if size < cap:
+            chunks.append(block[:cap - size])
+        size += len(block)
+    status = None
+    while True:
+        try:
+            pid, st = os.wait()
+        except ChildProcessError:
+            break
         if pid == child:
-            os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+            status = st
+    text = b"".join(chunks).decode("utf-8", errors="replace")
+    return text, size > cap, status
 
 
 def main():
     cfg = json.loads(sys.stdin.read())
     sys.stdin.close()
-    if os.getpid() == 1:  # the PID namespace's init ignores signals it has no handler for: SIGXCPU among them
-        _reap(os.fork())
-    out = os.fdopen(cfg["result_fd"], "w")
-    _rlimits(cfg["limits"])
+    result_fd = cfg["result_fd"]
+    record = {"nonce": cfg["nonce"]}
+
+    def report(**fields):
+        os.write(result_fd, (json.dumps(dict(record, **fields)) + "\n").encode())
+        os._exit(0)
+
     try:
         root = _confine(cfg)
-    except Exception as exc:  # noqa: BLE001 - never run the program half-confined
-        _die(CONFINE_MARK, "%s: %s" % (type(exc).__name__, exc))
-    sys.dont_write_bytecode = True
-    _audit_hook(root)
-    (_run if cfg["mode"] == "run" else _verify)(cfg, out)
+        import ctypes
+        if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: the program cannot read this one
+            raise OSError("PR_SET_DUMPABLE")
+        read_fd, write_fd = os.pipe()
+        child = os.fork()
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - never run the program half-confined
+        sys.stderr.write("%s: %s: %s\n" % (CONFINE_MARK, type(exc).__name__, exc))
+        report(stage="confine", error="%s: %s" % (type(exc).__name__, str(exc)[:500]))
+    if child == 0:
+        os.close(read_fd)
+        try:
+            _untrusted(cfg, root, result_fd, write_fd)
+        except SystemExit:
+            raise
+        except BaseException:  # noqa: BLE001 - the program's own exception: traceback, exit 1
+            import traceback
+            traceback.print_exc()
+            sys.exit(1)
+        sys.exit(0)
+    os.close(write_fd)
+    text, over, status = _collect(read_fd, child, cfg["limits"]["output_bytes"])
+    report(stage="done", exit=os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) else None,
+           signal=os.WTERMSIG(status) if status is not None and os.WIFSIGNALED(status) else None,
+           result=text, over=over)
 
 
 if __name__ == "__main__":  # run with -c; the grader imports this file only for _decode

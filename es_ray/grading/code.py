@@ -16,7 +16,8 @@ from es_ray.grading.sandbox import SandboxLimits, SandboxResult, run_many
 _FENCE = re.compile(r"```[ \t]*(?:([\w+-]+)[ \t]*)?\n(.*?)(?:```|\Z)", re.S)
 # sandbox statuses that are grading failures (counted by kind); "failed" is an ordinary wrong answer
 SANDBOX_FAILURES = {"timeout": "timeout", "memory": "memory", "output_limit": "output_limit", "blocked": "blocked",
-             "error": "unavailable"}
+                    "escape_attempt": "escape_attempt", "unparseable_result": "unparseable_result",
+                    "error": "unavailable"}
 
 
 def extract_code(completion: str) -> str:

@@ -11,10 +11,15 @@ from dataclasses import dataclass
 #   output_limit  the program under test wrote more than its output cap
 #   blocked       the program under test tried something the sandbox forbids (network, processes, writes outside
 #                 its directory, ctypes, signals) and failed because of it
+#   escape_attempt the program under test made a system call the sandbox's seccomp filter kills (a second
+#                 process, exec, a socket, ptrace, mount, ...): it scores 0 however it looked otherwise
+#   unparseable_result  the program's reported values could not be parsed, rebuilt or compared within the
+#                 grader's size, depth and time bounds (a malformed record, NaN constants, colliding hashes)
 #   crash         the grader's worker process died
 #   unavailable   the grader could not be started (e.g. math-verify not installed)
 #   error         the grader raised (a bug or an input it cannot handle)
-FAILURE_KINDS = ("timeout", "memory", "output_limit", "blocked", "crash", "unavailable", "error")
+FAILURE_KINDS = ("timeout", "memory", "output_limit", "blocked", "escape_attempt", "unparseable_result", "crash",
+                 "unavailable", "error")
 
 
 class GraderFailure(RuntimeError):

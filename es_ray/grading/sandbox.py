@@ -39,23 +39,30 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import fcntl
 import functools
 import json
 import os
 import shutil
 import signal
+import secrets
 import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
 from es_ray.grading.verdict import Split, split_tests
 
 NOBODY = 65534
+UID_BASE = 2_000_000_000
+"""First of the dedicated unprivileged uids (one per concurrent program, claimed with a lock file); never root,
+never the uid that runs Ray."""
+UID_SLOTS = 256
 BLOCKED_MARK = "es-ray-sandbox: blocked"
 DROP_MARK = "es-ray-sandbox: cannot drop to uid"
 CONFINE_MARK = "es-ray-sandbox: cannot confine"
@@ -65,9 +72,14 @@ _CHILD = (Path(__file__).with_name("_sandbox_child.py")).read_text()
 # the landlock syscalls are 444-446 on both; capset's number differs
 CAPSET_SYSCALL = {"x86_64": 126, "aarch64": 91}
 _NAMESPACES = ("--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--net", "--ipc", "--uts")
-# fractions: a module the bootstrap has not imported, so importing it shows that nobody can read the stdlib
+# fractions: a module the bootstrap has not imported, so importing it shows that the jail holds the stdlib
 _PROBE = ("import os, sys\nassert 'fractions' not in sys.modules\nimport fractions\n"
-          "print(*os.getresuid(), *os.getresgid())\n")
+          "print(*os.getresuid(), *os.getresgid())\n"
+          "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('Seccomp:')][0])\n")
+# the grader's own bounds on a result record (before and while it parses one)
+MAX_RESULT_DEPTH = 64
+RESULT_READ_FACTOR = 8  # a record holds at most output_bytes of the program's pipe, JSON-escaped
+_FAST_TAGS = frozenset("nbsifctyYr")  # values the grader rebuilds itself: nothing of them is hashed
 
 
 class SandboxUnavailable(RuntimeError):
@@ -77,24 +89,27 @@ class SandboxUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class SandboxLimits:
     wall_s: float = 10.0
-    """Wall-clock limit; the whole process group is killed after it."""
+    """Wall-clock limit; the whole namespace is killed after it."""
     cpu_s: float = 5.0
     """CPU-time limit (RLIMIT_CPU, rounded up to whole seconds)."""
     memory_mb: int = 1024
-    """Address-space limit (RLIMIT_AS)."""
+    """Address-space limit (RLIMIT_AS; the program is one process, so this is the whole program's)."""
     output_bytes: int = 1 << 20
-    """Cap on stdout, stderr and any file the program writes (RLIMIT_FSIZE)."""
+    """Cap on stdout, stderr, any file the program writes (RLIMIT_FSIZE) and its result record."""
     max_open_files: int = 64
     max_processes: int = 64
-    """RLIMIT_NPROC for the unprivileged user (counts its threads and processes, all sandboxes together)."""
+    """RLIMIT_NPROC for the dedicated uid (its threads; a second process is refused by seccomp)."""
     disk_mb: int = 16
-    """Size of the tmpfs mounted on the working directory (the disk quota; needs a mount namespace)."""
+    """Size of the tmpfs mounted on the working directory (the disk quota)."""
+    check_s: float = 3.0
+    """Wall-clock limit of the separate test check, where one is needed: the grader's own time per program is at
+    most wall_s + check_s plus two process starts."""
 
 
 @dataclass(frozen=True)
 class SandboxResult:
     status: str
-    """passed | failed | timeout | memory | output_limit | blocked | error"""
+    """passed | failed | timeout | memory | output_limit | blocked | escape_attempt | unparseable_result | error"""
     returncode: int | None
     stdout: str
     stderr: str
@@ -113,7 +128,12 @@ class Plan:
     pid_ns: bool
     landlock: int
     drop_to: int | None
+    """The first dedicated uid (as root), or None (root of a user namespace: capabilities dropped)."""
     refused: str | None = None
+    seccomp: str = ""
+    """The filter (es_ray/grading/seccomp.py) as hex."""
+    jail: tuple = ()
+    """The minimal root's mounts (see _jail_ops)."""
 
 
 def landlock_abi() -> int:
@@ -146,30 +166,59 @@ network_isolation = namespaces  # the same namespaces carry the network one
 
 
 def _refusal(why: str) -> str:
-    return (f"the MBPP code sandbox cannot confine programs here ({why}). Grading needs Landlock (Linux >= 5.13 "
-            "with 'landlock' in the lsm= boot list; ABI >= 6 or permitted namespaces for signals), or a grader "
-            "running as root with a Python that user nobody can read (e.g. /usr/bin/python3 instead of one under "
-            "/root), plus util-linux unshare for the PID/mount/network namespaces")
+    return (f"the MBPP code sandbox cannot confine programs here ({why}). Grading needs Linux namespaces "
+            "(util-linux unshare, run as root or with unprivileged user namespaces: sysctl "
+            "kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0; in Docker a seccomp profile that "
+            "allows unshare, mount and pivot_root), seccomp on x86_64 or aarch64, and an interpreter whose files "
+            "are world-readable; Landlock (Linux >= 5.13, 'landlock' in the lsm= boot list) is used where present")
+
+
+def _jail_ops(python: str) -> tuple:
+    """The minimal root for ``python``: its prefix and the system libraries read-only, four device files, a fresh
+    /proc, small private /tmp and /dev/shm (the working directory is added per run)."""
+    info = subprocess.run([python, "-I", "-S", "-c", "import os, sys; print(sys.base_prefix); "
+                           "print(os.path.dirname(os.path.realpath(sys.executable)))"],
+                          capture_output=True, text=True, timeout=30).stdout.split("\n")
+    dirs = sorted({os.path.realpath(p) for p in ("/usr", *info[:2]) if p and os.path.isdir(p)})
+    ops: list = []
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            ops.append(("symlink", top, os.readlink(top)))
+        elif os.path.isdir(top):
+            dirs.append(top)
+    for d in sorted(set(dirs)):
+        if not any(d != o and d.startswith(o.rstrip("/") + "/") for o in dirs):
+            ops.append(("bind", d, 1))  # MS_RDONLY
+    ops += [("file", dev, 0) for dev in ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
+            if os.path.exists(dev)]
+    if os.path.islink("/etc/localtime"):
+        ops.append(("symlink", "/etc/localtime", os.readlink("/etc/localtime")))
+    ops += [("proc", "/proc"), ("tmpfs", "/tmp", "size=64k,mode=1777"), ("tmpfs", "/dev/shm", "size=64k,mode=1777")]
+    return tuple(ops)
 
 
 @functools.lru_cache(maxsize=8)
 def sandbox_plan(python: str = sys.executable) -> Plan:
+    from es_ray.grading.seccomp import build_filter
+
     ns = namespaces()
-    mount = pid = bool(ns)
     abi = landlock_abi()
-    if abi and (abi >= 6 or pid):
-        return Plan(ns, mount, pid, abi, None)
-    if os.geteuid() != 0:
-        return Plan(ns, mount, pid, abi, None, _refusal(
-            f"Landlock ABI {abi}" + ("" if abi else " (none)") + (", no PID namespace" if not pid else "")
-            + ", and not root, so no uid to drop to"))
-    probe = Plan(ns, mount, pid, abi, NOBODY)
+    try:
+        bpf = build_filter().hex()
+    except ValueError as exc:
+        return Plan(ns, bool(ns), bool(ns), abi, None, _refusal(str(exc)))
+    if not ns:
+        return Plan(ns, False, False, abi, None, _refusal("no namespaces: unshare is not permitted"))
+    drop = UID_BASE if os.geteuid() == 0 and "-r" not in ns else None
+    probe = Plan(ns, True, True, abi, drop, None, bpf, _jail_ops(python))
     res = _run_split(Split(_PROBE), SandboxLimits(wall_s=30.0, cpu_s=10.0), python, probe)
-    if res.passed and res.stdout.split() == [str(NOBODY)] * 6:
+    out = res.stdout.split()
+    ids_ok = len(out) == 7 and (drop is None or (int(out[0]) >= UID_BASE and len(set(out[:6])) == 1))
+    if res.passed and ids_ok and out[6] == "2":
         return probe
-    last = (res.stderr.strip().splitlines() or [res.status])[-1][:200]
-    return Plan(ns, mount, pid, abi, None, _refusal(
-        f"Landlock ABI {abi}; the drop to nobody failed here: {last}"))
+    last = (res.stderr.strip().splitlines() or [res.status])[-1][:300]
+    return Plan(ns, True, True, abi, drop, _refusal(f"a probe program did not run confined here: {last}"), bpf,
+                probe.jail)
 
 
 def require_sandbox(python: str = sys.executable) -> Plan:
@@ -180,28 +229,29 @@ def require_sandbox(python: str = sys.executable) -> Plan:
 
 
 def drop_to_uid(python: str = sys.executable) -> int | None:
-    """``nobody`` when the sandbox drops to it (only where Landlock is missing), else None."""
+    """The first dedicated uid programs run as (as root), else None."""
     return sandbox_plan(python).drop_to
 
 
 def isolation(python: str = sys.executable) -> dict:
     """What this machine's sandbox uses for ``python`` (reported in es-eval's results.json)."""
     plan = sandbox_plan(python)
-    ns = "PID, mount, network, IPC namespaces" if plan.prefix else "no namespaces (unshare not permitted)"
     ll = f"Landlock ABI {plan.landlock}" if plan.landlock else "no Landlock"
     return {
         "refused": plan.refused,
-        "network": (f"namespace ({ns})" if plan.prefix else "audit hook only (unshare unavailable)")
+        "syscalls": "seccomp-bpf: no second process, no exec, no socket of any family, no ptrace, mount, "
+                    "namespaces, bpf, io_uring, userfaultfd, perf_event_open, keyctl (killed: escape_attempt)",
+        "network": "network namespace (loopback down) + seccomp (no socket)"
                    + (" + Landlock TCP" if plan.landlock >= 4 else "") + " + audit hook",
-        "user": ("nobody (65534), checked by a probe run" if plan.drop_to is not None else
-                 "root without capabilities" if os.geteuid() == 0 else "unchanged (not root)"),
-        "limits": "rlimit cpu, address space, file size, open files, processes; wall clock; process-group kill"
-                  + ("; tmpfs disk quota" if plan.mount_ns else "; per-file size only (no mount namespace)"),
-        "filesystem": f"{ll}: " + ("writes only in its own directory, reads only the interpreter and system "
-                                    "libraries" if plan.landlock else "nobody's permissions") + "; audit hook",
-        "signals": ("PID namespace" if plan.pid_ns else "")
-                   + (" + Landlock signal scope" if plan.landlock >= 6 else ""),
-        "verdict": "checked outside the program's process over plain values",
+        "user": (f"a dedicated uid from {UID_BASE} (one per concurrent program), checked by a probe run"
+                 if plan.drop_to is not None else "root of a user namespace without capabilities"),
+        "limits": "one process (seccomp), so rlimit cpu, address space, file size, open files are the whole "
+                  "program's; wall clock kills the PID namespace; tmpfs disk quota",
+        "filesystem": "mount namespace with a minimal read-only root (interpreter, system libraries), private "
+                      f"/tmp and /dev/shm; {ll}" + (": writes only in its own directory" if plan.landlock else ""),
+        "signals": "PID namespace" + (" + Landlock signal scope" if plan.landlock >= 6 else ""),
+        "verdict": "checked outside the program's process over plain values; the record comes from the "
+                   "namespace's init with a per-run nonce, bounded before it is parsed",
     }
 
 
@@ -230,99 +280,158 @@ def _read_capped(f, cap: int) -> str:
     return f.read(cap).decode("utf-8", errors="replace")
 
 
+@contextmanager
+def _uid_slot(plan: Plan):
+    """A dedicated uid for one program, held (flock) while it runs, so that concurrent graders on this node, in
+    this process or others, never share one (RLIMIT_NPROC counts per uid)."""
+    if plan.drop_to is None:
+        yield None
+        return
+    lockdir = os.path.join(tempfile.gettempdir(), "es-ray-sandbox-uids")
+    os.makedirs(lockdir, mode=0o700, exist_ok=True)
+    for slot in range(UID_SLOTS):
+        f = open(os.path.join(lockdir, str(slot)), "a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            continue
+        try:
+            yield plan.drop_to + slot
+        finally:
+            f.close()
+        return
+    raise RuntimeError(f"all {UID_SLOTS} sandbox uids are in use")
+
+
 @dataclass
 class _Raw:
     returncode: int | None
+    """How the program's process ended: its exit status, or -signal."""
     timed_out: bool
     over: bool
     stdout: str
     stderr: str
     result: dict | None
     error: str | None = None
+    """The sandbox could not confine (from the nonce-carrying record) or could not start."""
+    unparseable: bool = False
+    mark: str = ""
 
 
 def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
-    """One confined process: ``cfg`` (mode, program or tests) on stdin, its result line read back from a file."""
+    """One confined run: ``cfg`` (mode, program or tests) on stdin; the namespace's init writes one record, with
+    this run's nonce, to a file only it holds."""
     outer = tempfile.mkdtemp(prefix="es-ray-sandbox-")
+    nonce, mark = secrets.token_hex(16), secrets.token_hex(8)
     try:
-        work = os.path.join(outer, "work")
+        work, root = os.path.join(outer, "work"), os.path.join(outer, "root")
         os.mkdir(work, 0o700)
-        os.chmod(outer, 0o711)  # the unprivileged program may pass through, not list or write
-        if plan.drop_to is not None:
-            os.chown(work, plan.drop_to, plan.drop_to)
-        env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
-        cmd = [*_pdeath_prefix(), *plan.prefix, python, "-I", "-S", "-B", "-c", _CHILD]
-        files = [open(os.path.join(outer, n), "w+b") for n in ("stdout", "stderr", "result")]
-        out, err, res = files
-        try:
-            payload = json.dumps({**cfg, "limits": asdict(limits), "work": work, "disk_kb": limits.disk_mb << 10,
-                                  "mount_ns": plan.mount_ns, "pid_ns": plan.pid_ns, "landlock": plan.landlock,
-                                  "drop_to": plan.drop_to, "result_fd": res.fileno(),
-                                  "capset": CAPSET_SYSCALL.get(os.uname().machine)}).encode()
+        os.mkdir(root, 0o700)
+        with _uid_slot(plan) as uid:
+            owner = "" if uid is None else f",uid={uid},gid={uid}"
+            ops = [*plan.jail, ("tmpfs", work, f"size={limits.disk_mb << 10}k,mode=0700{owner}")]
+            env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+            cmd = [*_pdeath_prefix(), *plan.prefix, python, "-I", "-S", "-B", "-c", _CHILD]
+            files = [open(os.path.join(outer, n), "w+b") for n in ("stdout", "stderr", "result")]
+            out, err, res = files
             try:
-                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=work, env=env,
-                                        start_new_session=True, pass_fds=(res.fileno(),))
-            except OSError as exc:
-                return _Raw(None, False, False, "", "", None, f"could not start the sandbox: {exc}")
-            timed_out = False
-            try:
+                machine = os.uname().machine
+                payload = json.dumps({
+                    **cfg, "limits": asdict(limits), "work": work, "nonce": nonce, "mark_nonce": mark,
+                    "pid_ns": plan.pid_ns, "landlock": plan.landlock, "drop_to": uid, "result_fd": res.fileno(),
+                    "capset": CAPSET_SYSCALL.get(machine), "seccomp": plan.seccomp,
+                    "jail": {"root": root, "ops": ops, "pivot_root": _pivot_root_nr(machine)},
+                }).encode()
                 try:
-                    proc.stdin.write(payload)
-                    proc.stdin.close()
-                except BrokenPipeError:
-                    pass
-                proc.wait(timeout=limits.wall_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+                    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=outer, env=env,
+                                            start_new_session=True, pass_fds=(res.fileno(),))
+                except OSError as exc:
+                    return _Raw(None, False, False, "", "", None, f"could not start the sandbox: {exc}")
+                timed_out = False
+                try:
+                    try:
+                        proc.stdin.write(payload)
+                        proc.stdin.close()
+                    except BrokenPipeError:
+                        pass
+                    proc.wait(timeout=limits.wall_s)
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                finally:
+                    _kill_group(proc)  # always: the namespace's init dies, and with it every process inside
+                    proc.wait()
+                # Python ignores SIGXFSZ: past the cap its writes fail with EFBIG, so the size tells
+                over = max(os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size) >= limits.output_bytes
+                record = _record(_read_capped(res, RESULT_READ_FACTOR * limits.output_bytes + 4096), nonce)
+                raw = _Raw(None, timed_out, over, _read_capped(out, limits.output_bytes),
+                           _read_capped(err, 64 << 10), None, mark=mark)
+                if record is None:
+                    raw.error = None if timed_out else f"the sandbox ended without its record (rc {proc.returncode})"
+                elif record.get("stage") == "confine":
+                    raw.error = f"{CONFINE_MARK}: {record.get('error')}"
+                else:
+                    sig, code = record.get("signal"), record.get("exit")
+                    raw.returncode = -sig if isinstance(sig, int) else code if isinstance(code, int) else None
+                    raw.over = raw.over or record.get("over") is True
+                    raw.result, raw.unparseable = _parse_result(record.get("result"))
+                return raw
             finally:
-                _kill_group(proc)  # always: nothing the program started outlives it
-                proc.wait()
-            # Python ignores SIGXFSZ: past the cap its writes fail with EFBIG, so the size tells
-            over = max(os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size) >= limits.output_bytes
-            lines = _read_capped(res, limits.output_bytes).splitlines()
-            try:
-                result = json.loads(lines[-1]) if lines else None
-            except ValueError:
-                result = None
-            rc = proc.returncode
-            if plan.pid_ns and rc is not None and rc > 128:  # killed inside: the namespace's init says 128 + signal
-                rc = -(rc - 128)
-            return _Raw(rc, timed_out, over, _read_capped(out, limits.output_bytes),
-                        _read_capped(err, 64 << 10), result if isinstance(result, dict) else None)
-        finally:
-            for f in files:
-                f.close()
+                for f in files:
+                    f.close()
     finally:
-        if plan.drop_to is not None and not plan.mount_ns:
-            _clean_shm(plan.drop_to)
         shutil.rmtree(outer, ignore_errors=True)
 
 
-def _clean_shm(uid: int) -> None:
-    """Without a private /dev/shm, remove what the sandbox user left there."""
-    for entry in Path("/dev/shm").glob("*"):
-        try:
-            if entry.lstat().st_uid == uid:
-                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-        except OSError:
-            pass
+def _pivot_root_nr(machine: str) -> int | None:
+    from es_ray.grading.seccomp import SYSCALLS
+
+    return SYSCALLS.get(machine, {}).get("pivot_root")
+
+
+def _record(text: str, nonce: str) -> dict | None:
+    """The init's record: the last line, and only if it carries this run's nonce."""
+    lines = text.splitlines()
+    try:
+        record = json.loads(lines[-1]) if lines else None
+    except (ValueError, RecursionError):
+        return None
+    return record if isinstance(record, dict) and record.get("nonce") == nonce else None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _parse_result(text) -> tuple[dict | None, bool]:
+    """The program's pipe (at most output_bytes): its last line as a dict, or (None, True) when it is there but
+    cannot be parsed within the bounds (depth through the decoder's recursion limit, no NaN/Infinity)."""
+    if not isinstance(text, str) or not text.strip():
+        return None, False
+    try:
+        value = json.loads(text.rstrip("\n").rsplit("\n", 1)[-1], parse_constant=_no_constant)
+    except (ValueError, RecursionError, MemoryError):
+        return None, True
+    return (value, False) if isinstance(value, dict) else (None, True)
 
 
 def _status(raw: _Raw) -> str:
     rc = raw.returncode
-    if raw.error:
-        return "error"
     if raw.timed_out or rc in (-signal.SIGXCPU, -signal.SIGKILL):
         return "timeout"
+    if raw.error:
+        return "error"
+    if rc == -signal.SIGSYS:  # the seccomp filter killed it: from waitpid, not from anything the program wrote
+        return "escape_attempt"
     if raw.over or rc == -signal.SIGXFSZ:
         return "output_limit"
-    if rc == CONFINE_RC and raw.stderr.startswith(("es-ray-sandbox: cannot",)):  # stopped before the program ran
-        return "error"
+    if raw.unparseable:
+        return "unparseable_result"
     if rc == 0:
         return "passed"
     if "MemoryError" in raw.stderr:
         return "memory"
-    if BLOCKED_MARK in raw.stderr:
+    if f"{BLOCKED_MARK} [{raw.mark}]" in raw.stderr:
         return "blocked"
     return "failed"
 
@@ -334,39 +443,63 @@ def _run_split(split: Split, limits: SandboxLimits, python: str, plan: Plan) -> 
     values = (raw.result or {}).get("values")
     if status == "passed" and not (isinstance(values, list) and len(values) == len(split.probes)):
         status = "failed"  # it exited 0 without running to its end (its tests never reported)
-    if status == "passed" and split.tests and all(t["expected"] is not None for t in split.tests):
-        verdicts = _compare_literals(split, values)
-        if not all(verdicts):
-            status = "failed"
-            stderr += "AssertionError: " + "; ".join(t["source"][:200] for t, v in zip(split.tests, verdicts)
-                                                     if not v)
-    elif status == "passed" and split.tests:
+    if status != "passed" or not split.tests:
+        return SandboxResult(status, raw.returncode, raw.stdout, stderr, time.monotonic() - t0)
+    verdicts = _compare_literals(split, values)
+    if None in verdicts:  # some tests need the check process: the value holds something hashed, or the test is
+        check_limits = replace(limits, wall_s=limits.check_s, cpu_s=min(limits.cpu_s, limits.check_s))
         check = _launch({"mode": "verify", "imports": split.imports, "tests": split.tests, "values": values},
-                        limits, python, plan)
-        verdicts = (check.result or {}).get("verdicts")
-        if _status(check) != "passed" or not isinstance(verdicts, list) or len(verdicts) != len(split.tests):
-            status = "timeout" if _status(check) == "timeout" else "error"
-            stderr += f"\nthe test check did not finish: {check.error or check.stderr[-2000:]}"
-        elif not all(v is True for v in verdicts):
-            status = "failed"
-            failed = [t["source"] for t, v in zip(split.tests, verdicts) if v is not True]
-            stderr += "AssertionError: " + "; ".join(f[:200] for f in failed[:3]) + "\n" + check.stderr[-2000:]
+                        check_limits, python, plan)
+        checked = (check.result or {}).get("verdicts")
+        if check.error and not check.timed_out:  # the sandbox itself broke (a grader failure, not the program's)
+            return SandboxResult("error", raw.returncode, raw.stdout, stderr + "\n" + check.error,
+                                 time.monotonic() - t0)
+        if (_status(check) != "passed" or not isinstance(checked, list) or len(checked) != len(split.tests)):
+            # its values could not be rebuilt or compared within the check's budget: the program's failure
+            stderr += f"\nits values could not be checked within {limits.check_s:g} s: {check.stderr[-2000:]}"
+            return SandboxResult("unparseable_result", raw.returncode, raw.stdout, stderr, time.monotonic() - t0)
+        verdicts = [v if v is not None else checked[i] is True for i, v in enumerate(verdicts)]
+        stderr += check.stderr[-2000:]
+    if not all(v is True for v in verdicts):
+        status = "failed"
+        stderr += "AssertionError: " + "; ".join(t["source"][:200] for t, v in zip(split.tests, verdicts)
+                                                 if v is not True)
     return SandboxResult(status, raw.returncode, raw.stdout, stderr, time.monotonic() - t0)
 
 
-def _compare_literals(split: Split, values: list) -> list[bool]:
-    """Tests of the form ``probe == literal``, compared here: the probe's value rebuilt from plain data (exact
-    builtin types), the literal by ast.literal_eval; no object of the program's is involved."""
+def _hash_free(x, budget: list[int]) -> bool:
+    """Whether an encoded value holds only scalars, lists and tuples (nothing the grader would hash), within
+    ``budget`` items."""
+    budget[0] -= 1
+    if budget[0] < 0 or type(x) is not list or not x or x[0] not in _FAST_TAGS and x[0] not in ("l", "t"):
+        return False
+    return x[0] not in ("l", "t") or (len(x) == 2 and type(x[1]) is list
+                                      and all(_hash_free(y, budget) for y in x[1]))
+
+
+def _compare_literals(split: Split, values: list) -> list[bool | None]:
+    """Tests of the form ``probe == literal`` whose value holds nothing hashed, compared here: the value rebuilt
+    from plain data (exact builtin types), the literal by ast.literal_eval. None: left to the check process
+    (sets and dicts, whose rebuilding could be made quadratic by colliding hashes, and every other test shape).
+    Total: a value that cannot be rebuilt is False, whatever it raises."""
     from es_ray.grading._sandbox_child import _decode
 
-    verdicts = []
+    verdicts: list[bool | None] = []
     for test in split.tests:
+        if test["expected"] is None:
+            verdicts.append(None)
+            continue
         (i,) = test["probes"]
+        value = values[i]
+        if type(value) is list and value and value[0] == "E":
+            verdicts.append(False)
+            continue
         try:
-            if not (isinstance(values[i], list) and values[i] and values[i][0] != "E"):
-                raise ValueError("no value")
-            verdicts.append(bool(_decode(values[i]) == ast.literal_eval(test["expected"])))
-        except (ValueError, TypeError, KeyError, IndexError, RecursionError, MemoryError):
+            if not _hash_free(value, [100_000]):
+                verdicts.append(None)
+                continue
+            verdicts.append(bool(_decode(value) == ast.literal_eval(test["expected"])))
+        except Exception:  # noqa: BLE001 - the program's value, whatever it is, fails
             verdicts.append(False)
     return verdicts
 
