@@ -196,11 +196,12 @@ def check_devices(cfg: GRPOTrainConfig) -> None:
 
 
 def last_checkpoint(run_dir: Path) -> Path | None:
-    """The newest published step_* checkpoint (what a killed save left is cleaned up first)."""
-    from es_ray.runtime.checkpoint import checkpoint_dirs
+    """The published checkpoint of the most steps, ``final`` included (a finished run extended continues from it;
+    what a killed save left is cleaned up first)."""
+    from es_ray.runtime.checkpoint import checkpoints_by_step
 
-    steps = [d for d in checkpoint_dirs(run_dir / "checkpoints") if d.name.startswith("step_")]
-    return steps[-1] if steps else None
+    found = checkpoints_by_step(run_dir / "checkpoints", "grpo", "step")
+    return found[-1][1] if found else None
 
 
 def run(cfg: GRPOTrainConfig) -> dict:
@@ -217,6 +218,11 @@ def run(cfg: GRPOTrainConfig) -> dict:
 
             verify_dir(ckpt)
             start = read_meta(ckpt, "grpo")["step"]
+            if start > cfg.grpo.steps:
+                from es_ray.core.config import ConfigError
+
+                raise ConfigError(f"run.resume=true: {ckpt} holds {start} steps, more than grpo.steps="
+                                  f"{cfg.grpo.steps}; raise grpo.steps to at least {start}")
         history = keep_metrics(run_dir / "metrics.jsonl", start, "step")  # also cuts a torn last line
     return GRPORun(cfg, run_dir, start, history, ckpt).run()
 

@@ -114,14 +114,9 @@ def replay_request(record: dict) -> UpdateRequest:
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path, dict]]:
     """(iteration, path, meta) of every published ES checkpoint under run_dir/checkpoints, oldest first (what a
     killed save left behind is cleaned up first; each meta's digest is checked)."""
-    from es_ray.runtime.checkpoint import checkpoint_dirs, meta_file, read_meta
+    from es_ray.runtime.checkpoint import checkpoints_by_step
 
-    out = []
-    for path in checkpoint_dirs(Path(run_dir, "checkpoints")):
-        if (path / meta_file("es")).is_file():
-            meta = read_meta(path, "es")
-            out.append((int(meta["iteration"]), path, meta))
-    return sorted(out, key=lambda x: (x[0], x[1].name))
+    return checkpoints_by_step(Path(run_dir, "checkpoints"), "es", "iteration")
 
 
 class FileTensors(Mapping):

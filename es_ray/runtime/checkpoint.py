@@ -112,6 +112,18 @@ def checkpoint_dirs(parent: str | Path) -> list[Path]:
     return sorted(d for d in parent.iterdir() if d.is_dir() and not d.name.startswith("."))
 
 
+def checkpoints_by_step(parent: str | Path, method: str, key: str) -> list[tuple[int, Path, dict]]:
+    """(meta[key], path, meta) of every published checkpoint of ``method`` under ``parent`` (periodic ones and
+    ``final`` alike: a finished run extended continues from its ``final``), oldest first; each meta's digest is
+    checked (``read_meta``: a changed file is refused, naming it)."""
+    out = []
+    for path in checkpoint_dirs(parent):
+        if (path / meta_file(method)).is_file() or (path / MANIFEST).is_file():
+            meta = read_meta(path, method)
+            out.append((int(meta[key]), path, meta))
+    return sorted(out, key=lambda x: (x[0], x[1].name))
+
+
 def read_meta(path: str | Path, method: str) -> dict:
     """The checkpoint's ``<method>_meta.json``, its digest checked."""
     return json.loads(verify_file(path, meta_file(method)).read_text())
