@@ -15,6 +15,7 @@ from es_ray.tasks.base import Problem, Task, TaskLoadError
 
 class ArithmeticTask(Task):
     name = "arithmetic"
+    dense_reward = True  # closeness earns up to 0.5: the held-out reward moves long before pass@1
     system_prompt = None  # the model's own default system prompt; the instruction is in the question
 
     def _problem(self, rng: random.Random) -> Problem:

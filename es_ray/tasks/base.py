@@ -53,6 +53,9 @@ class Task(ABC):
     """Whether completions have a canonical answer to vote on (``answer_key``), i.e. whether maj@k is defined."""
     grade_timeout_s: float | None = GRADE_TIMEOUT_S
     """Time limit per completion's reward or grade (es_ray.grading.limit); None where the grader holds its own."""
+    dense_reward: bool = False
+    """Whether the reward grades closeness (partial credit), so the held-out reward moves before pass@1 does: the
+    trainers' progress shows eval/reward for such a task, eval/pass_at_1 for a right-or-wrong one."""
 
     def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
