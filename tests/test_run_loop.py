@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 
 import pytest
 
+from es_ray.core.config import ConfigError
 from es_ray.es.config import ESTrainConfig
 from es_ray.runtime.loop import Training, due
 from es_ray.runtime.rundir import changed_settings
@@ -54,7 +56,8 @@ class StandIn(Training):
 
 def config(tmp_path, **run):
     cfg = ESTrainConfig()
-    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(tmp_path), progress=False, **run),
+    run = {"progress": False, **run}
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(tmp_path), **run),
                                eval=dataclasses.replace(cfg.eval, every=2))
 
 
@@ -68,16 +71,18 @@ def test_a_run_steps_scores_checkpoints_and_summarises(tmp_path):
     summary = job.run()
     saves = [c for c in job.calls if c[0] == "save"]
     assert saves == [("save", "step_000002", 2), ("save", "step_000004", 4), ("save", "final", 5)]
-    # the base point, then after steps 0 (the first), 1 and 3 (every 2nd)
-    assert [i for i, c in enumerate(job.calls) if c == ("held_out",)] == [1, 3, 5, 9]
+    # the base point, then after steps 0 (the first), 1 and 3 (every 2nd) and 4 (the last: the final evaluation)
+    assert [i for i, c in enumerate(job.calls) if c == ("held_out",)] == [1, 3, 5, 9, 12]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
-    assert [("eval/reward" in r) for r in rows] == [True, True, False, True, False]
-    assert summary["reward_mean"] == [0.0, 1.0, 2.0, 3.0, 4.0] and summary["eval_reward"] == [0.5, 0.5, 0.5]
+    assert [("eval/reward" in r) for r in rows] == [True, True, False, True, True]
+    assert summary["reward_mean"] == [0.0, 1.0, 2.0, 3.0, 4.0] and summary["eval_reward"] == [0.5] * 4
+    assert summary["held_out_final"] == {"after": 5, "reward": 0.5, "pass_at_1": 0.5, "entropy": 1.0, "tokens": 7,
+                                         "errors": 0}
     assert json.loads((tmp_path / "summary.json").read_text())["final_checkpoint"].endswith("final")
     ledger = json.loads((tmp_path / "ledger.json").read_text())
     assert ledger["finished"] is True and ledger["tokens_generated"] == 5 * TOKENS
-    assert ledger["tokens_generated_eval"] == 4 * 7  # held-out tokens counted apart, the base point's too
+    assert ledger["tokens_generated_eval"] == 5 * 7  # held-out tokens counted apart, the base point's too
     assert job.closed
 
 
@@ -116,3 +121,160 @@ def test_changed_settings_ignores_free_keys_and_faults_and_reads_missing_keys_as
     assert changed_settings(old, new, {"run.progress"}) == ["es.sigma"]
     assert changed_settings(old, new, {"run.progress"}, missing=True) == ["es.new_key", "es.rank", "es.sigma"]
     assert changed_settings(old, dict(old)) == []
+
+
+# -- an interrupt at each phase of an iteration, then a resume: the record equals an uninterrupted run's ----------
+
+PHASES = ("evaluate", "update", "held_out", "logged", "checkpoint", "crash_before_log")
+"""Where the stand-in ES iteration gets SIGINT (or, for crash_before_log, dies between its metrics row and its
+seed-log line, as a kill -9 there would leave it)."""
+
+
+class Crash(Exception):
+    pass
+
+
+class LoggedStandIn(Training):
+    """ES's shape without Ray: evaluate (interruptible), then in a critical stretch the update, the record (the
+    skeleton's held-out scoring, trackers and ledger) and the seed-log line that commits the iteration."""
+
+    method, unit, checkpoint_prefix = "es", "iteration", "iter"
+
+    def __init__(self, cfg, run_dir, total, point=None, phase=None, at=2):
+        from es_ray.es.recovery import ResumePoint
+
+        point = point or ResumePoint()
+        super().__init__(cfg, run_dir, total, point.start, point.history)
+        self.rebuilt, self.phase, self.at, self.committed = point.rebuilt, phase, at, point.start
+        self.log = open(run_dir / "seed_log.jsonl", "a")
+
+    def _maybe(self, phase, t, guard):
+        if (self.phase, self.at) == (phase, t):
+            os.kill(os.getpid(), signal.SIGINT)
+            guard.check()  # what an actor group's wait loop does while the actors work
+
+    def start_actors(self, guard):
+        pass
+
+    def step(self, t, guard):
+        self._maybe("evaluate", t, guard)
+        rewards = [0.1 * t, 0.2 * t + 0.05, 0.3]
+        row = {"reward/mean": sum(rewards) / 3, "perf/tokens": TOKENS + t, "timing_s/evaluate": 0.01}
+        with guard.critical():
+            self._maybe("update", t, guard)
+            self.committed_row = row
+            self.record(t, row)
+            if (self.phase, self.at) == ("crash_before_log", t):
+                raise Crash()
+            self.log.write(json.dumps({"iteration": t, "rewards": rewards, "fitness": [1.0, 0.0, -1.0],
+                                       "checksum": f"c{t}"}) + "\n")
+            self.log.flush()
+            self.committed = t + 1
+            self._maybe("logged", t, guard)
+        return row
+
+    def evaluate_held_out(self):
+        self._maybe("held_out", self.committed + 1, self.guard)  # scored after iteration 1 (eval.every=2)
+        return {"reward": 0.01 * self.committed, "pass_at_1": 0.0, "entropy": None, "tokens": 7, "errors": 0,
+                "seconds": 0.0}
+
+    def save(self, path, done):
+        if path.name != "final":
+            self._maybe("checkpoint", done - 1, self.guard)
+        return str(path)
+
+    def save_at_stop(self, stop, done):
+        return ""
+
+    @property
+    def done(self):
+        return self.committed
+
+    def close(self):
+        self.log.close()
+
+
+def _resume_point(cfg, run_dir):
+    """ES's resume point from the stand-in's seed log (the real reader and row rebuilding)."""
+    from es_ray.es.recovery import ResumePoint, rebuild_rows
+    from es_ray.es.state import SeedLog
+    from es_ray.runtime.rundir import keep_metrics, write_metrics
+
+    records = SeedLog.recover(run_dir / "seed_log.jsonl")
+    history, rebuilt = rebuild_rows(records, keep_metrics(run_dir / "metrics.jsonl", len(records), "iteration"),
+                                    run_dir)
+    if rebuilt:
+        write_metrics(run_dir / "metrics.jsonl", history)
+    return ResumePoint(start=len(records), history=history, rebuilt=rebuilt)
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _interrupted_then_resumed(tmp_path, phase, total=4):
+    run_dir = tmp_path / phase
+    run_dir.mkdir()
+    cfg = config(run_dir, checkpoint_every=1)
+    with pytest.raises((SystemExit, Crash)):
+        LoggedStandIn(cfg, run_dir, total, phase=phase).run()
+    stopped = {"rows": len(_rows(run_dir)), "logged": len((run_dir / "seed_log.jsonl").read_text().splitlines())}
+    resumed = config(run_dir, checkpoint_every=1, resume=True)
+    LoggedStandIn(resumed, run_dir, total, point=_resume_point(resumed, run_dir)).run()
+    return run_dir, stopped
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    LoggedStandIn(config(run_dir, checkpoint_every=1), run_dir, 4).run()
+    return _rows(run_dir), json.loads((run_dir / "ledger.json").read_text())
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_an_interrupt_at_any_phase_then_a_resume_records_what_an_uninterrupted_run_does(phase, tmp_path,
+                                                                                         uninterrupted):
+    ref_rows, ref_ledger = uninterrupted
+    run_dir, stopped = _interrupted_then_resumed(tmp_path, phase)
+    # at the stop: every logged iteration has its row (a row may lead its log line, never trail it)
+    assert stopped["rows"] >= stopped["logged"]
+    rows = _rows(run_dir)
+    keys = ("iteration", "reward/mean", "perf/tokens", "eval/reward")
+    assert [{k: r.get(k) for k in keys} for r in rows] == [{k: r.get(k) for k in keys} for r in ref_rows]
+    log = [json.loads(line) for line in (run_dir / "seed_log.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in log] == [r["iteration"] for r in rows] == [0, 1, 2, 3]
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert len(ledger["segments"]) == 2 and ledger["finished"]
+    first, second = ledger["segments"]
+    assert first["stop"] == ("error: Crash: " if phase == "crash_before_log" else "signal SIGINT")
+    assert second["stop"] == "finished" and second["start_step"] == first["end_step"]
+    # the run's tokens: the uninterrupted run's plus the work done twice, which the ledger names
+    assert ledger["tokens_generated"] == ref_ledger["tokens_generated"] + ledger["redone"]["tokens_generated"]
+    assert ledger["redone"]["steps"] == (1 if phase == "crash_before_log" else 0)
+    assert ledger["steps"] == 4 and ledger["steps_computed"] == 4 + ledger["redone"]["steps"]
+    assert json.loads((run_dir / "summary.json").read_text())["held_out_final"]["after"] == 4
+
+
+def test_a_resume_rebuilds_rows_the_metrics_lack_and_refuses_rows_that_contradict_the_seed_log(tmp_path):
+    cfg = config(tmp_path)
+    LoggedStandIn(cfg, tmp_path, 3).run()
+    rows = _rows(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["iteration"] != 1))
+    point = _resume_point(cfg, tmp_path)
+    assert [r["iteration"] for r in point.rebuilt] == [1] and point.rebuilt[0]["resume/rebuilt"] is True
+    assert point.rebuilt[0]["reward/mean"] == pytest.approx(rows[1]["reward/mean"], abs=1e-15)
+    assert [r["iteration"] for r in _rows(tmp_path)] == [0, 1, 2]  # written back in order
+    bad = [dict(r, **{"reward/mean": 9.0}) if r["iteration"] == 2 else r for r in _rows(tmp_path)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad + bad[:1]))
+    with pytest.raises(ConfigError, match=r"iterations 0 have two rows; iterations 2 give a reward/mean"):
+        _resume_point(cfg, tmp_path)
+
+
+def test_without_a_terminal_each_step_and_each_held_out_scoring_is_one_line(tmp_path, capsys):
+    LoggedStandIn(config(tmp_path, progress=True), tmp_path, 3).run()  # progress=true, but stderr is no terminal
+    out = capsys.readouterr().out.splitlines()
+    steps = [line for line in out if line.startswith("es iteration")]
+    assert [line.split()[2] for line in steps] == ["1/3", "2/3", "3/3"]
+    assert all(" reward " in line and "heldout_reward" in line for line in steps), steps
+    assert all("elapsed" in line and "eta" in line for line in steps)
+    assert sum(line.startswith("es held-out (") for line in out) == 4  # base, after 0, after 1 (every 2), last

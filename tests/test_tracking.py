@@ -315,15 +315,23 @@ def test_tiny_es_run_lands_in_every_tracker(ray_local, tiny_model_dir, tmp_path)
 # -- progress bars -----------------------------------------------------------------------------------------------
 
 
-def test_progress_names_what_it_shows_and_a_resumed_run_counts_from_its_start(tmp_path, capsys):
-    tracker = Tracker(tmp_path, 4, ESTrainConfig(), [], progress=True, start=2)
+@pytest.mark.parametrize("task, shown", [("arithmetic", "heldout_reward=0.750"), ("gsm8k", "heldout_pass@1=0.500")])
+def test_progress_names_what_it_shows_and_a_resumed_run_counts_from_its_start(tmp_path, capsys, monkeypatch, task,
+                                                                             shown):
+    """On a terminal: the bar shows the task's moving held-out metric (the reward where it is dense)."""
+    import dataclasses
+
+    monkeypatch.setattr("es_ray.runtime.tracking.on_terminal", lambda: True)
+    cfg = ESTrainConfig()
+    cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, name=task))
+    tracker = Tracker(tmp_path, 4, cfg, [], progress=True, start=2)
     tracker.log(2, {"reward/mean": 0.25, "eval/reward": 0.75, "eval/pass_at_1": 0.5})
     tracker.log(3, {"reward/mean": 0.3})  # no evaluation this step: the last held-out value stays shown
     tracker.close()
     err = capsys.readouterr().err.replace("\r", "\n").splitlines()
     assert not [line for line in err if "1/4" in line or "0/4" in line], err
     last = [line for line in err if "4/4" in line][-1]
-    assert "train_reward=0.300" in last and "heldout_pass@1=0.500" in last and "mean=" not in last, last
+    assert "train_reward=0.300" in last and shown in last and "mean=" not in last, last
 
 
 def test_es_eval_and_es_drift_show_progress(tiny_model_dir, tmp_path, capsys):

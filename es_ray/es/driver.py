@@ -17,10 +17,9 @@ import numpy as np
 
 from es_ray.es.config import ESTrainConfig, replica_spec
 from es_ray.es.protocol import EvalRequest, SeedRecord
-from es_ray.es.recovery import RESUME_FREE, ReplicaMismatchError
+from es_ray.es.recovery import RESUME_FREE, ReplicaMismatchError, seed_log_row
 from es_ray.es.worker import ESWorker
 from es_ray.runtime.loop import Training
-from es_ray.runtime.names import ES_ZERO_UPDATE, REWARD_MEAN, REWARD_STD
 from es_ray.runtime.signals import interrupt_soon
 from es_ray.runtime.tracking import Timer
 from es_ray.strategy import Member, ask, shape_fitness
@@ -121,6 +120,7 @@ class ESRun(Training):
 
     def __init__(self, cfg: ESTrainConfig, run_dir: Path, point):
         super().__init__(cfg, run_dir, cfg.es.iterations, point.start, point.history)
+        self.rebuilt = point.rebuilt
         self.point, self.keeper, self.seed_log, self.placement, self.pool = point, None, None, None, 0
 
     def start_actors(self, guard) -> None:
@@ -145,7 +145,7 @@ class ESRun(Training):
             self.keeper.rebuild_all()
 
     def step(self, t: int, guard) -> dict:
-        return iteration(self.cfg, self.keeper, t, self.pool, self.seed_log, guard)
+        return iteration(self.cfg, self.keeper, t, self.pool, self.seed_log, guard, self.record)
 
     def evaluate_held_out(self) -> dict:
         from es_ray.held_out import held_out_seed
@@ -235,7 +235,10 @@ def check_noise_devices(cfg: ESTrainConfig, infos: list[dict]) -> None:
                       + (" and es.perturbation=full (low rank's update depends on the device too)" if lowrank else ""))
 
 
-def iteration(cfg: ESTrainConfig, keeper, t: int, pool: int, seed_log, guard) -> dict:
+def iteration(cfg: ESTrainConfig, keeper, t: int, pool: int, seed_log, guard, record=None) -> dict:
+    """One ES iteration; ``record(t, row)`` (the run skeleton's: held-out scoring, trackers, ledger) is called with
+    its metrics row after the update and before the seed-log line that commits it, so every logged iteration has
+    its row (a crash between the two leaves a row the resume drops and computes again)."""
     timer = Timer()
     t_start = time.perf_counter()
     members = ask(cfg.es.population, cfg.es.estimator)
@@ -246,27 +249,35 @@ def iteration(cfg: ESTrainConfig, keeper, t: int, pool: int, seed_log, guard) ->
         results, actor_timing = evaluate(keeper.group, t, members, cfg, ids)
     rewards_n = np.array([r.reward for r in results], dtype=np.float64)
     fitness_n = shape_fitness(rewards_n, cfg.es.shaping)
-    record = SeedRecord(t, cfg.es.sigma, cfg.es.lr, tuple(members), tuple(rewards_n.tolist()),
-                        tuple(fitness_n.tolist()))
-    with guard.critical():  # a signal waits until the update is applied and logged (replay needs both or none)
+    record_ = SeedRecord(t, cfg.es.sigma, cfg.es.lr, tuple(members), tuple(rewards_n.tolist()),
+                         tuple(fitness_n.tolist()))
+    with guard.critical():  # a signal waits until the update is applied, recorded and logged
         with timer("update"):
-            updates, checksum = tell(keeper, record, cfg)
-        record = dataclasses.replace(record, checksum=checksum)
-        seed_log.append(record.to_json())
-        keeper.commit(record)
+            updates, checksum = tell(keeper, record_, cfg)
+        record_ = dataclasses.replace(record_, checksum=checksum)
+        row = iteration_row(results, rewards_n, fitness_n, updates, checksum, len(ids), timer, actor_timing,
+                            time.perf_counter() - t_start)
+        keeper.commit(record_)  # every replica holds it (a replacement during held-out scoring is rebuilt with it)
+        if record is not None:
+            record(t, row)
+        seed_log.append(record_.to_json())
+    return row
+
+
+def iteration_row(results, rewards_n: np.ndarray, fitness_n: np.ndarray, updates, checksum: str, prompts: int,
+                  timer: Timer, actor_timing: dict, wall: float) -> dict:
+    """An iteration's metrics row."""
     tokens = sum(r.tokens for r in results)
-    wall = time.perf_counter() - t_start
     row = {
-        REWARD_MEAN: float(rewards_n.mean()), REWARD_STD: float(rewards_n.std()),
-        "reward/max": float(rewards_n.max()), "reward/min": float(rewards_n.min()),
+        **seed_log_row(rewards_n, fitness_n, checksum),
         "reward/errors": int(sum(r.reward_errors for r in results)),
         "es/update_norm": updates[0].update_norm, "es/realised_cos": updates[0].realised_cos,
-        "es/realised_norm": updates[0].realised_norm, ES_ZERO_UPDATE: bool(not np.any(fitness_n)),
-        "es/checksums_verified": bool(checksum),
+        "es/realised_norm": updates[0].realised_norm,
         "perf/tokens": tokens, "perf/tokens_per_s": tokens / max(timer.seconds["evaluate"], 1e-9),
-        "completions/mean_length": tokens / max(1, len(results) * len(ids)),
+        "completions/mean_length": tokens / max(1, len(results) * prompts),
         "timing_s/iteration": wall, "timing_s/update_actor": max(u.seconds for u in updates),
     }
     row.update({f"timing_s/{k}": v for k, v in timer.seconds.items()})
     row.update({f"timing_s/{k}": v for k, v in actor_timing.items()})
     return row
+

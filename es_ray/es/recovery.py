@@ -13,11 +13,14 @@ checkpoint before t plus the logged updates since it, replayed in order. So
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from es_ray.es.protocol import SeedRecord
 from es_ray.es.state import SeedLog, list_checkpoints, replay_request
@@ -26,7 +29,8 @@ from es_ray.es.worker import ESWorker
 from es_ray.runtime.actors import ActorLostError, payload_bytes
 from es_ray.runtime.checkpoint import CheckpointError
 from es_ray.core.config import ConfigError
-from es_ray.runtime.rundir import keep_metrics
+from es_ray.runtime.names import ES_ZERO_UPDATE, REWARD_MEAN, REWARD_STD
+from es_ray.runtime.rundir import keep_metrics, write_metrics
 
 # Settings that may change between a run and its resume besides the runtime's (es_ray.runtime.rundir.RESUME_FREE):
 # none of them changes the weights.
@@ -51,6 +55,8 @@ class ResumePoint:
     checksum: str = ""
     """Master checksum after iteration start - 1 ('' when not logged)."""
     note: str = ""
+    rebuilt: list[dict] = field(default_factory=list)
+    """Rows of ``history`` that metrics.jsonl lacked, rebuilt from their seed-log lines (``rebuild_rows``)."""
 
 
 def resume_point(cfg: ESTrainConfig, run_dir: Path) -> ResumePoint:
@@ -60,6 +66,9 @@ def resume_point(cfg: ESTrainConfig, run_dir: Path) -> ResumePoint:
     if not cfg.run.resume:
         return ResumePoint()
     if not log_path.is_file():
+        if list_checkpoints(run_dir):  # never start again from the initial weights past a checkpoint
+            raise ConfigError(f"run.resume=true: {run_dir} holds checkpoints but no seed_log.jsonl, which names the "
+                              "iterations they hold; restore seed_log.jsonl, or start a new run.dir")
         return ResumePoint(note=f"run.resume=true: nothing to resume in {run_dir}; starting a new run")
     try:
         records = SeedLog.recover(log_path)
@@ -81,11 +90,60 @@ def resume_point(cfg: ESTrainConfig, run_dir: Path) -> ResumePoint:
         if it == start and not point.checksum:
             point.checksum = meta.get("checksum", "")
     point.records = records[point.checkpoint_iteration:]
-    point.history = keep_metrics(run_dir / "metrics.jsonl", start, "iteration")
+    point.history, point.rebuilt = rebuild_rows(records, keep_metrics(run_dir / "metrics.jsonl", start, "iteration"),
+                                                run_dir)
+    if point.rebuilt:
+        write_metrics(run_dir / "metrics.jsonl", point.history)
     src = point.checkpoint or "the initial weights"
     point.note = (f"es: resuming at iteration {start} of {cfg.es.iterations} from {src} (iteration "
                   f"{point.checkpoint_iteration}) plus {len(point.records)} logged update(s) replayed")
     return point
+
+
+def seed_log_row(rewards_n, fitness_n, checksum: str) -> dict:
+    """The entries of an iteration's metrics row its seed-log line determines (rewards, shaped fitness, checksum):
+    what a resume rebuilds a lost row from."""
+    import numpy as np
+
+    rewards_n, fitness_n = np.asarray(rewards_n, dtype=np.float64), np.asarray(fitness_n, dtype=np.float64)
+    return {REWARD_MEAN: float(rewards_n.mean()), REWARD_STD: float(rewards_n.std()),
+            "reward/max": float(rewards_n.max()), "reward/min": float(rewards_n.min()),
+            ES_ZERO_UPDATE: bool(not np.any(fitness_n)), "es/checksums_verified": bool(checksum)}
+
+
+def rebuild_rows(records: list[dict], rows: list[dict], run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """metrics.jsonl's rows of the logged iterations, checked against the seed log: a row the log has and the metrics
+    lack is rebuilt from its line (``seed_log_row``, marked resume/rebuilt, without tokens and timings, which only
+    the lost row held); a row whose reward/mean is not its line's, or two rows for one iteration, is refused with
+    the iterations named (the files are not of one run). Returns (every row in order, the rebuilt ones)."""
+    by_it: dict[int, list[dict]] = {}
+    for row in rows:
+        by_it.setdefault(row.get("iteration"), []).append(row)
+    twice = sorted(t for t, rs in by_it.items() if len(rs) > 1)
+    differ = [t for t, rs in sorted(by_it.items()) if t not in twice and REWARD_MEAN in rs[0]
+              and t < len(records) and not math.isclose(rs[0][REWARD_MEAN], float(np.mean(records[t]["rewards"])),
+                                                        rel_tol=1e-9, abs_tol=1e-12)]
+    if twice or differ:
+        why = "; ".join(x for x in (f"iterations {_shown(twice)} have two rows" if twice else "",
+                                    f"iterations {_shown(differ)} give a reward/mean their seed-log lines do not "
+                                    "(the mean of the logged rewards)" if differ else "") if x)
+        raise ConfigError(f"run.resume=true: {run_dir / 'metrics.jsonl'} disagrees with seed_log.jsonl: {why}; the "
+                          "files are not of one run. Restore the run's own metrics.jsonl, or move it aside (the "
+                          "resume then rebuilds every row the seed log holds)")
+    out, rebuilt = [], []
+    for t, rec in enumerate(records):
+        if t in by_it:
+            out.append(by_it[t][0])
+        else:
+            row = {"iteration": t, **seed_log_row(rec["rewards"], rec["fitness"], rec.get("checksum", "")),
+                   "resume/rebuilt": True}
+            out.append(row)
+            rebuilt.append(row)
+    return out, rebuilt
+
+
+def _shown(its: list[int]) -> str:
+    return ", ".join(map(str, its[:8])) + (f" (and {len(its) - 8} more)" if len(its) > 8 else "")
 
 
 # -- the keeper ----------------------------------------------------------------------------------------------

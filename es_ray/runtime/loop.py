@@ -43,6 +43,17 @@ def prepare(cfg: Any, method: str, resume_free: Iterable[str] = (),
     return open_run_dir(cfg, method, resume_free)  # refuses a resume with changed settings, naming them
 
 
+def _spans(steps: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out: list[str] = []
+    for t in sorted(steps):
+        if out and int(out[-1].split("-")[-1]) == t - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{t}"
+        else:
+            out.append(str(t))
+    return ", ".join(out)
+
+
 def due(every: int, t: int, last: int) -> bool:
     """Whether a cadence of ``every`` steps (0: never) falls after step t: t + 1 a multiple of it, before ``last``."""
     return bool(every) and (t + 1) % every == 0 and t + 1 < last
@@ -112,33 +123,46 @@ class Training:
         from es_ray.held_out import write_base_point
         from es_ray.runtime.actors import ActorLostError
         from es_ray.runtime.cluster import connect
-        from es_ray.runtime.ledger import Ledger
+        from es_ray.runtime.ledger import Ledger, earlier_segments
         from es_ray.runtime.signals import Interrupted, InterruptGuard
         from es_ray.runtime.tracking import Tracker
 
         cfg = self.cfg
         tokens_before = sum(h.get("perf/tokens", 0) for h in self.history)
-        ledger = Ledger(self.method, start_step=self.start)
+        # one ledger per run: a resume adds its segment to those of the starts before it
+        self.ledger = ledger = Ledger(self.method, self.start,
+                                      earlier_segments(self.run_dir) if cfg.run.resume else [])
         connect(cfg.cluster)
         self.tracker = Tracker(self.run_dir, self.total, cfg, cfg.run.trackers, cfg.run.progress, desc=self.method,
-                               start=self.start)
+                               start=self.start, unit=self.unit)
+        if self.rebuilt:  # rows metrics.jsonl lacked, rebuilt on resume: the other trackers get them too
+            self.tracker.backfill(self.rebuilt, step_key=self.unit)
+            self.tracker.message(f"{self.method}: {self.unit}(s) {_spans([r[self.unit] for r in self.rebuilt])} "
+                                 "had no metrics row; rebuilt from the seed log (resume/rebuilt=true)")
+        missing = sorted(set(range(self.start)) - {h.get(self.unit) for h in self.history})
+        if missing:  # never silently: a curve with holes says where and why
+            self.tracker.message(f"{self.method}: {self.unit}(s) {_spans(missing)} before the resume point have no "
+                                 f"metrics row and nothing to rebuild one from (metrics.jsonl lost them, and "
+                                 f"{self.method} keeps no per-step log); the curves skip them")
         summary: dict = {"run_dir": str(self.run_dir)}
         finished = False
         with InterruptGuard(cfg.faults.stop_timeout_s) as guard:
+            self.guard = guard
             try:
                 self.start_actors(guard)
                 ledger.started()
                 if cfg.eval.every and self.start == 0:  # the held-out curve's first point: the base weights
                     with ledger.apart("held_out"):
-                        write_base_point(self.run_dir, self.evaluate_held_out(), ledger)
+                        res = self.evaluate_held_out()
+                        write_base_point(self.run_dir, res, ledger)
+                    self.tracker.held_out(-1, held_out_row(res))
+                self.tracker.begin()
                 for t in range(self.start, self.total):
-                    row = self.step(t, guard)
-                    with ledger.apart("held_out"):  # not training: its device time and tokens are counted apart
-                        eval_tokens = self._held_out(t, row)
-                    row.update(self.events())
-                    self.tracker.log(t, row, step_key=self.unit)
-                    ledger.add_step(row, row["perf/tokens"], row.get("perf/tokens_backpropagated", 0), eval_tokens)
-                    self.history.append(row)
+                    with guard.step():  # a signal once the step is committed waits until it is recorded
+                        row = self.step(t, guard)
+                        if self._recorded < t:  # the method did not record it with its commit
+                            self.record(t, row)
+                    ledger.write(self.run_dir, False, end_step=self.done)  # what a kill without warning keeps
                     stop = ledger.stop_reason(cfg.run, self.groups, cfg.cluster,
                                               tokens_before + ledger.tokens_generated)
                     if stop:
@@ -147,38 +171,85 @@ class Training:
                     if due(cfg.run.checkpoint_every, t, self.total):
                         with ledger.apart("checkpoint"):
                             self.save(self._checkpoint_dir(self.done), self.done)
+                final_eval = self._final_held_out()
                 final = self.run_dir / "checkpoints" / "final"
                 with ledger.apart("checkpoint"):
                     final = self.save(final, self.done)
                 finished = True
+                ledger.stop = f"budget: {ledger.stopped}" if ledger.stopped else "finished"
                 summary.update(final_checkpoint=str(final), **self.summary(),
-                               reward_mean=[h[REWARD_MEAN] for h in self.history],
+                               reward_mean=[h[REWARD_MEAN] for h in self.history if REWARD_MEAN in h],
                                eval_reward=[h["eval/reward"] for h in self.history if "eval/reward" in h])
+                if final_eval is not None:
+                    summary["held_out_final"] = final_eval
                 (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
                 self.tracker.message(f"{self.method}: done; final checkpoint {final}")
                 return summary
             except (Interrupted, ActorLostError) as stop:
+                ledger.stop = f"signal {stop}" if isinstance(stop, Interrupted) else f"lost actor: {stop}"
                 self._stop_cleanly(stop)
+            except BaseException as exc:
+                ledger.stop = f"error: {type(exc).__name__}: {str(exc)[:200]}"
+                raise
             finally:
                 for group in self.groups:  # what the run cost, also when it stopped early
                     ledger.add_group(group, cfg.cluster)
                     group.kill()
-                ledger.write(self.run_dir, finished)
+                ledger.write(self.run_dir, finished, end_step=self.done)
                 self.close()
                 self.tracker.close()
+
+    ledger = None
+    guard = None
+    rebuilt: list = []
+    """Metrics rows a resume rebuilt (from the seed log) where metrics.jsonl lacked them: written to the trackers."""
+    _recorded = -1
+    """The last step whose row is recorded."""
+
+    def record(self, t: int, row: dict) -> None:
+        """Step t's record: held-out scoring (eval.every) into its row, the row to every tracker, its cost to the
+        ledger. A method whose commit is a log of its own (ES's seed log) calls this before writing it, so a step in
+        that log always has its row; otherwise the skeleton calls it once the step returns."""
+        ledger = self.ledger
+        with ledger.apart("held_out"):  # not training: its device time and tokens are counted apart
+            eval_tokens = self._held_out(t, row)
+        row.update(self.events())
+        self.tracker.log(t, row, step_key=self.unit)
+        ledger.add_step(row, row["perf/tokens"], row.get("perf/tokens_backpropagated", 0), eval_tokens,
+                        self.groups, self.cfg.cluster)
+        for group in self.groups:  # the time held so far, for the ledger written after every step
+            ledger.add_group(group, self.cfg.cluster, ask=False)
+        self.history.append(row)
+        self._recorded = t
 
     def _checkpoint_dir(self, done: int) -> Path:
         return self.run_dir / "checkpoints" / f"{self.checkpoint_prefix}_{done:06d}"
 
     def _held_out(self, t: int, row: dict) -> int:
-        """eval.every (and the first step): the current weights on the held-out set into the row (eval/reward,
-        eval/pass_at_1, ...); returns the tokens generated."""
+        """eval.every (and the first and the last step): the current weights on the held-out set into the row
+        (eval/reward, eval/pass_at_1, ...); returns the tokens generated."""
         every = self.cfg.eval.every
-        if not every or ((t + 1) % every and t != 0):
+        if not every or ((t + 1) % every and t != 0 and t + 1 != self.total):
             return 0
         res = self.evaluate_held_out()
         row.update(held_out_row(res))
+        self.tracker.held_out(t, row)
         return res["tokens"]
+
+    def _final_held_out(self) -> dict | None:
+        """The held-out scores of the weights a finished segment ends with (summary.json's held_out_final): the
+        last row's, or scored now where that row has none (a budget stop, a resume with nothing left to run)."""
+        if not self.cfg.eval.every:
+            return None
+        last = self.history[-1] if self.history else {}
+        if "eval/reward" not in last or self._recorded < 0:
+            with self.ledger.apart("held_out"):
+                res = self.evaluate_held_out()
+                self.ledger.tokens_generated_eval += int(res["tokens"])
+            last = held_out_row(res)
+            self.tracker.held_out(self.done - 1, last)
+        return {"after": self.done, **{k.removeprefix("eval/"): v for k, v in last.items()
+                                       if k.startswith("eval/")}}
 
     def _stop_cleanly(self, stop) -> None:
         """After SIGTERM / Ctrl-C, or an actor lost for good (its node gone and no room for a replacement): a

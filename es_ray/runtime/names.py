@@ -9,6 +9,7 @@ REWARD_STD = "reward/std"
 HELD_OUT_FIELDS = ("reward", "pass_at_1", "entropy", "tokens", "errors")
 """What a held-out scoring (eval.every) reports, each logged as eval/<field>."""
 HELD_OUT_PASS1 = "eval/pass_at_1"
+HELD_OUT_REWARD = "eval/reward"
 HELD_OUT_ENTROPY = "eval/entropy"
 ES_ZERO_UPDATE = "es/zero_update"
 """True where every shaped fitness was zero (no step): the drift null model counts these."""

@@ -142,8 +142,15 @@ def keep_metrics(path: Path, start: int, step_key: str) -> list[dict]:
             continue
         if isinstance(row, dict) and row.get(step_key, math.inf) < start:
             rows.append(row)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_metrics(path, rows)
     return rows
+
+
+def write_metrics(path: Path, rows: list[dict]) -> None:
+    """metrics.jsonl replaced whole by ``rows`` (written beside it first: a kill mid-write leaves the old file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
 
 
 def command_line_keys(dict_cfg: Any) -> set[str]:

@@ -2,7 +2,10 @@
 
 The handler only records the signal: an exception raised inside Ray's blocking wait comes out as a SystemError,
 so the actor group's wait loop polls ``InterruptGuard.check()`` instead. ``critical()`` marks a stretch that a
-signal must not split (ES: an update and its seed-log line; GRPO: an optimizer step and its weight sync).
+signal must not split (ES: an update and its seed-log line; GRPO: an optimizer step and its weight sync). Inside
+``step()`` (the run skeleton wraps each step in it) a signal that comes once a critical stretch has begun waits for
+the end of the step, so a step the method has committed is always recorded (its metrics row, its ledger entry)
+before the run stops; before that, it stops the step at the next wait, and the step is done again on resume.
 `ray job stop` sends SIGKILL RAY_JOB_STOP_WAIT_TIME_S after SIGTERM (3 s by default).
 
 The run always ends: the first signal also starts a watchdog that, ``stop_timeout_s`` (faults.stop_timeout_s)
@@ -38,6 +41,7 @@ class InterruptGuard:
 
     def __init__(self, stop_timeout_s: float = 120.0):
         self._depth, self._pending, self._previous = 0, 0, {}
+        self._in_step = self._committed = False
         self.stop_timeout_s = stop_timeout_s
         self._watchdog: threading.Timer | None = None
 
@@ -63,17 +67,34 @@ class InterruptGuard:
 
     def check(self) -> None:
         """Raise Interrupted if a signal came (and we are not inside ``critical()``)."""
-        if self._pending and not self._depth:
+        if self._pending and not self._depth and not self._committed:
             signum, self._pending = self._pending, 0
             raise Interrupted(signum)
+
+    @property
+    def pending(self) -> bool:
+        """A signal came and waits for a safe point."""
+        return bool(self._pending)
 
     @contextmanager
     def critical(self):
         self._depth += 1
+        self._committed = self._committed or self._in_step  # from here on the step is the method's commitment
         try:
             yield
         finally:
             self._depth -= 1
+        self.check()
+
+    @contextmanager
+    def step(self):
+        """One step of the run: a signal after its first ``critical()`` began waits until the block ends (the step
+        recorded), one before stops it at the next ``check()``."""
+        self._in_step, self._committed = True, False
+        try:
+            yield
+        finally:
+            self._in_step = self._committed = False
         self.check()
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from es_ray.core.config import flatten
 from es_ray.core.registry import Registry
-from es_ray.runtime.names import HELD_OUT_PASS1, REWARD_MEAN
+from es_ray.runtime.names import HELD_OUT_ENTROPY, HELD_OUT_PASS1, HELD_OUT_REWARD, REWARD_MEAN
 
 TRACKERS = Registry("run.trackers")
 """Metric backends by name; metrics.jsonl is always written besides them."""
@@ -151,22 +151,55 @@ class MlflowBackend:
         self._client.set_terminated(self.run_id)
 
 
+def held_out_key(config: Any) -> str:
+    """The held-out metric the progress shows: eval/reward for a task whose reward is dense (``Task.dense_reward``),
+    else eval/pass_at_1."""
+    try:
+        from es_ray.tasks import task_class
+
+        dense = getattr(task_class(config.task.name), "dense_reward", False)
+    except Exception:  # noqa: BLE001 - a user task that cannot be imported here: the binary default
+        dense = False
+    return HELD_OUT_REWARD if dense else HELD_OUT_PASS1
+
+
+SHOWN_AS = {HELD_OUT_REWARD: "heldout_reward", HELD_OUT_PASS1: "heldout_pass@1"}
+
+
+def on_terminal() -> bool:
+    """Whether stderr is a terminal (a bar there; plain lines for a log file)."""
+    import sys
+
+    return sys.stderr.isatty()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(0.0, seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}h{rest // 60:02d}m{rest % 60:02d}s" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
 class Tracker:
     """``log(step, metrics)`` writes one row to metrics.jsonl and to every backend in ``trackers``; ``config`` (a
-    dataclass) is logged once as the run's parameters."""
+    dataclass) is logged once as the run's parameters.
 
-    # progress-bar postfix: what each shown number is (the training reward of the step's samples, the held-out
-    # pass@1 of the last evaluation)
-    SHOWN = {REWARD_MEAN: "train_reward", HELD_OUT_PASS1: "heldout_pass@1"}
+    The console: with ``progress`` and a terminal on stderr, a bar (the training reward, the task's held-out
+    metric: ``held_out_key``); otherwise (Ray Jobs, Slurm, run.progress=false) one line per step (step, reward,
+    held-out score, tokens/s, elapsed, ETA) and one per held-out scoring, for log readers."""
 
     def __init__(self, run_dir: str | Path, total: int, config: Any, trackers: list[str], progress: bool = True,
-                 desc: str = "es", start: int = 0):
+                 desc: str = "es", start: int = 0, unit: str = "iteration", console: bool = True):
         self.run_dir = Path(run_dir)
         params = flatten(dataclasses.asdict(config))
         self._backends = [JsonlBackend(self.run_dir)]
         self._backends += [TRACKERS.get(name)(self.run_dir, params, desc) for name in dict.fromkeys(trackers)]
+        self.desc, self.unit, self.total, self.start = desc, unit, total, start
+        self.held_key = held_out_key(config) if hasattr(config, "task") else HELD_OUT_PASS1
+        self.shown = {REWARD_MEAN: "train_reward", self.held_key: SHOWN_AS[self.held_key]}
+        self._t0, self._steps, self.console = time.perf_counter(), 0, console
+        self._t_steps: float | None = None
         self._bar = None
-        if progress:
+        if progress and console and on_terminal():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True)  # a resumed run: from start
@@ -175,11 +208,53 @@ class Tracker:
     def log(self, step: int, metrics: dict, step_key: str = "iteration") -> None:
         for backend in self._backends:
             backend.log(step, metrics, step_key)
+        self._steps += 1
+        self._shown.update({name: f"{metrics[k]:.3f}" for k, name in self.shown.items()
+                            if isinstance(metrics.get(k), numbers.Real) and math.isfinite(metrics[k])})
         if self._bar is not None:
             self._bar.update(1)
-            self._shown.update({name: f"{metrics[k]:.3f}" for k, name in self.SHOWN.items()
-                                if isinstance(metrics.get(k), numbers.Real) and math.isfinite(metrics[k])})
             self._bar.set_postfix(self._shown)
+        elif self.console:
+            self.message(self.step_line(step, metrics))
+
+    def step_line(self, step: int, metrics: dict) -> str:
+        """'es iteration 4/10 reward 0.412 heldout_reward 0.437 tokens/s 523 elapsed 1m02s eta 2m10s' (after step
+        3; the ETA from this start's steps, start-up left out)."""
+        now = time.perf_counter()
+        elapsed, stepping = now - self._t0, now - (self._t_steps or self._t0)
+        eta = _duration(stepping / self._steps * (self.total - step - 1)) if self._steps else "?"
+        rate = metrics.get("perf/tokens_per_s")
+        parts = [f"{self.desc} {self.unit} {step + 1}/{self.total}",
+                 *(f"{name.removeprefix('train_')} {self._shown[name]}" for name in self.shown.values()
+                   if name in self._shown),
+                 f"tokens/s {rate:.0f}" if isinstance(rate, numbers.Real) else "",
+                 f"elapsed {_duration(elapsed)}", f"eta {eta}"]
+        return " ".join(p for p in parts if p)
+
+    def begin(self) -> None:
+        """The actors are up: the steps' time (what the ETA extrapolates) starts now."""
+        self._t_steps = time.perf_counter()
+
+    def held_out(self, step: int, row: dict) -> None:
+        """A held-out scoring's line (without a bar; with one, its postfix shows the metric): step -1 is the base
+        weights."""
+        self._shown.update({name: f"{row[k]:.3f}" for k, name in self.shown.items()
+                            if k != REWARD_MEAN and isinstance(row.get(k), numbers.Real) and math.isfinite(row[k])})
+        if self._bar is not None or not self.console:
+            if self._bar is not None:
+                self._bar.set_postfix(self._shown)
+            return
+        where = "base weights" if step < 0 else f"after {self.unit} {step}"
+        shown = " ".join(f"{k.removeprefix('eval/')} {row[k]:.3f}" for k in (HELD_OUT_REWARD, HELD_OUT_PASS1,
+                                                                               HELD_OUT_ENTROPY)
+                         if isinstance(row.get(k), numbers.Real))
+        self.message(f"{self.desc} held-out ({where}): {shown or 'no problems scored'}")
+
+    def backfill(self, rows: list[dict], step_key: str) -> None:
+        """Rows metrics.jsonl already holds (rebuilt on resume) to the other backends."""
+        for row in rows:
+            for backend in self._backends[1:]:
+                backend.log(row[step_key], {k: v for k, v in row.items() if k != step_key}, step_key)
 
     def message(self, text: str) -> None:
         if self._bar is not None:
@@ -198,7 +273,7 @@ def log_summary(run_dir: str | Path, config: Any, metrics: dict, desc: str) -> N
     """One-off jobs (es-eval, es-compare): their summary numbers as step 0 of every tracker in run.trackers."""
     if not config.run.trackers:
         return
-    tracker = Tracker(run_dir, 1, config, config.run.trackers, progress=False, desc=desc)
+    tracker = Tracker(run_dir, 1, config, config.run.trackers, progress=False, desc=desc, console=False)
     try:
         tracker.log(0, metrics, step_key="step")
     finally:
