@@ -175,7 +175,12 @@ class RunConfig:
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     """Metric backends besides metrics.jsonl: any of tensorboard, wandb, mlflow (offline by default; [] for none)."""
     progress: bool = True
-    """A progress bar on stderr (train_reward=, heldout_pass@1=); false for plain logs."""
+    """A progress bar when stderr is a terminal (the training reward and the task's held-out metric: the reward
+    where it is dense, else pass@1); false, or no terminal (Ray Jobs, Slurm), prints one line per step and per
+    held-out scoring instead."""
+    verbose: bool = False
+    """Let third-party output through: the actors' transformers weight-loading bars, vLLM's info lines (Triton's
+    included) and Ray's token-auth banner; false keeps them out of the run's log (errors always show)."""
     overwrite: bool = False
     """A new run into a run.dir that holds another run: refused unless true, which first moves the old run aside to
     <run.dir>.replaced-<timestamp> (never mixed with it)."""

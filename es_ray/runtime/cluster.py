@@ -69,24 +69,36 @@ def _stderr_kept_unless_failed():
                 os.write(2, tmp.read())
 
 
-def runtime_env() -> dict:
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}}
+QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "VLLM_LOGGING_LEVEL": "ERROR"}
+"""What keeps the actors' third-party output out of the log unless run.verbose=true: transformers' and the hub's
+progress bars ("Loading weights"), their info and warning lines, vLLM's info lines (Triton's among them)."""
+QUIET_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
+"""Driver-side loggers held to errors unless run.verbose=true (Ray's token-auth banner at every ray.init)."""
+
+
+def runtime_env(verbose: bool = True) -> dict:
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1", **({} if verbose else QUIET_ENV)}}
     if os.environ.get("ES_RAY_CACHE"):
         env["env_vars"]["ES_RAY_CACHE"] = os.environ["ES_RAY_CACHE"]
     return env
 
 
-def connect(cluster: ClusterConfig) -> None:
-    """Join the cluster at cluster.address, or start a local Ray (a no-op when Ray is already initialised)."""
+def connect(cluster: ClusterConfig, verbose: bool = False) -> None:
+    """Join the cluster at cluster.address, or start a local Ray (a no-op when Ray is already initialised);
+    ``verbose`` (run.verbose) lets third-party bars and banners through."""
+    import logging
+
     import ray
 
     if ray.is_initialized():
         return
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.ERROR)
     if cluster.address not in LOCAL_ADDRESSES:
         check_address(cluster.address)
         try:
             with _stderr_kept_unless_failed():  # Ray's core logs each failed GCS attempt to fd 2
-                ray.init(address=cluster.address, runtime_env=runtime_env(), log_to_driver=True)
+                ray.init(address=cluster.address, runtime_env=runtime_env(verbose), log_to_driver=True)
         except (ConnectionError, RuntimeError, TimeoutError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             raise ConfigError(f"cluster.address={cluster.address!r} answers but is not a Ray cluster this driver "
@@ -96,5 +108,6 @@ def connect(cluster: ClusterConfig) -> None:
     # A new local Ray, never a session someone else started on this machine (under Ray Jobs, RAY_ADDRESS names
     # the job's cluster and wins)
     local = None if os.environ.get("RAY_ADDRESS") else "local"
-    ray.init(address=local, num_cpus=cluster.num_cpus or None, include_dashboard=False, runtime_env=runtime_env(),
+    ray.init(address=local, num_cpus=cluster.num_cpus or None, include_dashboard=False,
+             runtime_env=runtime_env(verbose),
              configure_logging=False, log_to_driver=True)

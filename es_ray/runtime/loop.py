@@ -132,7 +132,7 @@ class Training:
         # one ledger per run: a resume adds its segment to those of the starts before it
         self.ledger = ledger = Ledger(self.method, self.start,
                                       earlier_segments(self.run_dir) if cfg.run.resume else [])
-        connect(cfg.cluster)
+        connect(cfg.cluster, cfg.run.verbose)
         self.tracker = Tracker(self.run_dir, self.total, cfg, cfg.run.trackers, cfg.run.progress, desc=self.method,
                                start=self.start, unit=self.unit)
         if self.rebuilt:  # rows metrics.jsonl lacked, rebuilt on resume: the other trackers get them too

@@ -17,7 +17,7 @@ from es_ray.core.config import ConfigError, flatten
 # Settings that never change what a run computes (display, logging, where the cluster is, the cadence of extra
 # checkpoints): es-compare ignores them when it checks a finished stage against the command.
 RESULT_NEUTRAL = frozenset({
-    "run.progress", "run.trackers", "run.resume", "run.overwrite", "run.checkpoint_every",
+    "run.progress", "run.verbose", "run.trackers", "run.resume", "run.overwrite", "run.checkpoint_every",
     "cluster.address", "cluster.placement", "cluster.wait_for_resources_s",
 })
 # Settings a resume may change: the neutral ones, and where the run lives, its budget and the held-out cadence
