@@ -150,3 +150,22 @@ def test_learner_and_rollouts_that_do_not_fit_fail_early_with_the_numbers(ray_lo
     with pytest.raises(ConfigError, match=r"needs 2 GPUs.*has 0") as err:
         run(cfg)
     assert not (tmp_path / "checkpoints").exists(), err.value
+
+
+def test_a_finished_run_extended_continues_from_final(ray_local, peaked_model_dir, tmp_path):
+    """run.resume=true with more grpo.steps after a finished run: from its `final` (verified), never from step 0;
+    metrics.jsonl keeps step 0, the ledger lists both segments, and each finished segment ends with a held-out
+    evaluation in summary.json."""
+    from grpo.driver import run
+
+    run(tiny_cfg(peaked_model_dir, tmp_path, steps=1, eval_every=1))
+    first = rewards(tmp_path)
+    summary = run(tiny_cfg(peaked_model_dir, tmp_path, steps=2, eval_every=1, run={"resume": True}))
+    assert summary["resumed_from"].endswith("final") and summary["held_out_final"]["after"] == 2
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and rewards(tmp_path)[:1] == first
+    ledger = json.loads((tmp_path / "ledger.json").read_text())
+    assert [(s["start_step"], s["end_step"], s["stop"]) for s in ledger["segments"]] == [(0, 1, "finished"),
+                                                                                          (1, 2, "finished")]
+    assert ledger["steps"] == 2 and ledger["redone"]["steps"] == 0
+    assert ledger["tokens_generated"] == sum(r["perf/tokens"] for r in rows)
