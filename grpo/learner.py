@@ -293,7 +293,9 @@ class GRPOLearner(Actor):
             import torch.distributed as dist
 
             keys = [k for k in totals if k != "grad_norm"]
-            summed = torch.tensor([totals[k] for k in keys] + [float(backprop_tokens)], dtype=torch.float64)
+            # on the rank's device: NCCL serves no host tensor (tests/test_grpo_strict_collectives.py)
+            summed = torch.tensor([totals[k] for k in keys] + [float(backprop_tokens)], dtype=torch.float64,
+                                  device=self.device)
             dist.all_reduce(summed)
             totals.update(zip(keys, summed.tolist()))
             backprop_tokens = int(summed[-1])
