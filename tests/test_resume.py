@@ -91,8 +91,21 @@ def test_sigterm_writes_a_checkpoint_exits_cleanly_and_resumes_exactly(reference
     assert (tmp_path / "checkpoints" / f"iter_{done:06d}" / "model.safetensors").is_file()
     assert not alive_es_actors()
 
+    # every logged iteration has its row (written before its seed-log line); without a terminal, one line a step
+    assert len(log_rows(tmp_path, "metrics.jsonl")) >= done
+    assert f"es iteration {done}/{ITERATIONS}" in out and " eta " in out, out[-3000:]
+    assert "Loading weights" not in out and "Token authentication" not in out  # run.verbose=false
     summary = run(resume_cfg(tiny_model_dir, tmp_path, run__resume=True))
     assert_same_weights(final_weights(summary), reference[1])
+    # the record: rows, values and ledger as the uninterrupted run's, plus the work it names as done twice
+    rows, ref_rows = log_rows(tmp_path, "metrics.jsonl"), log_rows(reference[0], "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == [r["iteration"] for r in log_rows(tmp_path, "seed_log.jsonl")]
+    keys = ("iteration", "reward/mean", "perf/tokens", "es/update_norm")
+    assert [{k: r[k] for k in keys} for r in rows] == [{k: r[k] for k in keys} for r in ref_rows]
+    ledger, ref_ledger = (json.loads((d / "ledger.json").read_text()) for d in (tmp_path, reference[0]))
+    assert [s["stop"] for s in ledger["segments"]] == ["signal SIGTERM", "finished"]
+    assert ledger["segments"][1]["start_step"] == done and ledger["steps"] == ITERATIONS
+    assert ledger["tokens_generated"] == ref_ledger["tokens_generated"] + ledger["redone"]["tokens_generated"]
 
 
 def test_resume_refuses_settings_that_change_the_run(tiny_model_dir, tmp_path):
