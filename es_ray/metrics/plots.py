@@ -1,4 +1,4 @@
-"""Plots (matplotlib, Agg backend: no display needed)."""
+"""Plots (matplotlib, Agg backend: no display needed), written as PNG with a PDF beside it (for a paper)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,27 @@ from pathlib import Path
 
 
 def plot_update_histograms(report: dict, path: str | Path, title: str = "") -> Path:
-    """One panel per module type: counts of log10 |delta| over the non-zero updates, thresholds marked."""
+    """``update_histogram_figure`` written to ``path`` (PNG) and the same name with .pdf."""
+    fig = update_histogram_figure(report, title)  # selects the Agg backend before pyplot is imported
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=150)
+    fig.savefig(path.with_suffix(".pdf"))
+    plt.close(fig)
+    return path
+
+
+def update_histogram_figure(report: dict, title: str = ""):
+    """One panel per module type: counts of log10 |delta| over the non-zero updates on a linear axis from 0 (counts
+    as 2.5M, no '1e7' offset), each threshold a labelled line in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import EngFormatter
 
     edges = np.asarray(report["histogram_edges"])
     types = [k for k, v in report["by_module_type"].items() if "histogram_log10" in v]
@@ -23,9 +38,9 @@ def plot_update_histograms(report: dict, path: str | Path, title: str = "") -> P
     for ax, kind in zip(axes.flat, types):
         rep = report["by_module_type"][kind]
         counts = np.asarray(rep["histogram_log10"])
-        ax.bar(centers, counts, width=edges[1] - edges[0], color="#4C72B0")
-        for t in report["thresholds"]:
-            ax.axvline(math.log10(t), color="#C44E52", lw=0.8, ls="--")
+        ax.bar(centers, counts, width=edges[1] - edges[0], color="#4C72B0", label="parameters")
+        for t, ls in zip(report["thresholds"], ("--", ":", "-.") * len(report["thresholds"])):
+            ax.axvline(math.log10(t), color="#C44E52", lw=0.9, ls=ls, label=f"|delta| = {t:g}")
         nonzero = counts.nonzero()[0]
         if nonzero.size:  # the populated range, widened to show the thresholds
             marks = [math.log10(t) for t in report["thresholds"]]
@@ -38,12 +53,11 @@ def plot_update_histograms(report: dict, path: str | Path, title: str = "") -> P
         ax.set_xlabel("log10 |delta|", fontsize=8)
         ax.set_ylabel("parameters", fontsize=8)
         ax.tick_params(labelsize=7)
+        ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_formatter(EngFormatter(sep=""))
+        ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(types):]:
         ax.axis("off")
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
