@@ -6,10 +6,12 @@ once here:
                      settings refused, naming them)
     Training.run     the ledger, the cluster, the tracker, the interrupt guard; the method's actors started (and
                      brought to the resume point); the held-out curve's base point; per step: the method's step,
-                     held-out scoring (eval.every), the tracker row, the ledger, the budget (run.stop_at_*),
-                     checkpoints (run.checkpoint_every); the final checkpoint and summary.json; after a signal or a
-                     lost actor a checkpoint of the completed steps and the resume command; what the run cost
-                     (ledger.json), also when it stopped early
+                     its record (``record``: held-out scoring (eval.every, and the last step), the tracker row,
+                     the ledger), written with the step's commit so no committed step lacks it, the budget
+                     (run.stop_at_*), checkpoints (run.checkpoint_every); the final held-out scores, checkpoint
+                     and summary.json; after a signal or a lost actor a checkpoint of the completed steps and the
+                     resume command; what the run cost (ledger.json, every segment of it), after every step and
+                     at the end
 
 A method is a subclass that implements the hooks (start its actors, one step, one held-out scoring, save a
 checkpoint) and keeps nothing else: ``es_ray.es.driver.ESRun``, ``grpo.driver.GRPORun``.
