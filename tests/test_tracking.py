@@ -202,6 +202,45 @@ def test_tensorboard_gets_the_config_as_hparams_of_the_same_run(tmp_path):
     assert [p.name for p in (tmp_path / "tensorboard").iterdir() if p.is_dir()] == []  # no second run for them
 
 
+def test_tensorboard_hparams_declare_the_metrics_runs_are_ranked_by(tmp_path):
+    """The HPARAMS tab ranks runs by the metrics the experiment declares; each is a scalar tag of the same run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    from es_ray.runtime.tracking import ranked_metrics
+
+    _log_three_steps(tmp_path, ["tensorboard"])
+    acc = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    content = acc.PluginTagToContent("hparams")["_hparams_/experiment"]
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content).experiment
+    declared = [m.name.tag for m in experiment.metric_infos]
+    assert declared == ["reward/mean", "eval/reward", "eval/pass_at_1"]
+    assert "reward/mean" in acc.Tags()["scalars"]  # the tab reads its value from the run's own scalars
+    assert len(experiment.hparam_infos) > 50 and "es.population" in {h.name for h in experiment.hparam_infos}
+    eval_params = {"eval.tasks": ["gsm8k", "csqa"], "eval.k": [1, 16]}
+    assert ranked_metrics(eval_params, "es-eval") == [
+        "eval/gsm8k/pass_at_1", "eval/gsm8k/pass_at_16", "eval/gsm8k/mean_reward",
+        "eval/csqa/pass_at_1", "eval/csqa/pass_at_16", "eval/csqa/mean_reward"]
+    assert ranked_metrics({**eval_params, "methods": ["es", "grpo"]}, "es-compare") == [
+        "compare/es/pass_at_1", "compare/es/pass_at_16", "compare/grpo/pass_at_1", "compare/grpo/pass_at_16"]
+
+
+def test_eval_summary_names_match_the_declared_metrics():
+    """es-eval's and es-compare's summary rows carry every metric their hparams declare (no rank by a missing tag)."""
+    from es_ray.evaluation.es_eval import tracker_metrics as eval_metrics
+    from es_ray.runtime.tracking import ranked_metrics
+    from launch.compare.run import tracker_metrics as compare_metrics
+
+    results = {"entropy": {"mean_per_token": 0.5}, "tokens_generated": 10, "timing_s": {"total": 1.0},
+               "tasks": {"gsm8k": {"pass@k": {"1": 0.1, "16": 0.5}, "maj@k": None, "mean_reward": 0.2,
+                                   "entropy": None}}}
+    assert set(ranked_metrics({"eval.tasks": ["gsm8k"], "eval.k": [1, 16]}, "es-eval")) <= set(eval_metrics(results))
+    report = {"methods": {m: {"average": {"1": 0.1, "16": 0.4}, "entropy": {"mean_per_token": 0.3}, "ledger": None}
+                          for m in ("es", "grpo")}}
+    declared = ranked_metrics({"methods": ["es", "grpo"], "eval.k": [1, 16]}, "es-compare")
+    assert set(declared) <= set(compare_metrics(report))
+
+
 def test_wandb_mode_follows_wandb(monkeypatch, tmp_path):
     """WANDB_MODE wins; unset, online (W&B's default) when an API key is configured, offline when none is."""
     from es_ray.runtime.tracking import WandbBackend

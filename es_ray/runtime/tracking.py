@@ -51,6 +51,19 @@ class JsonlBackend:
         self._f.close()
 
 
+def ranked_metrics(params: dict[str, Any], job: str) -> list[str]:
+    """The metrics a run is ranked by (TensorBoard's HPARAMS tab): a trainer's final training reward and held-out
+    reward and pass@1; es-eval's pass@k and mean reward per task; es-compare's average pass@k per method. Names as
+    the jobs log them (es_ray.runtime.names, es_eval.tracker_metrics, compare.run.tracker_metrics)."""
+    ks = params.get("eval.k") or []
+    if job == "es-eval":
+        return [f"eval/{t}/{what}" for t in params.get("eval.tasks") or []
+                for what in [*(f"pass_at_{k}" for k in ks), "mean_reward"]]
+    if job == "es-compare":
+        return [f"compare/{m}/pass_at_{k}" for m in params.get("methods") or [] for k in ks]
+    return [REWARD_MEAN, HELD_OUT_REWARD, HELD_OUT_PASS1]
+
+
 @TRACKERS.register("tensorboard")
 class TensorBoardBackend:
     module = "tensorboard"
@@ -61,9 +74,10 @@ class TensorBoardBackend:
         from torch.utils.tensorboard.summary import hparams
 
         self._w = SummaryWriter(str(run_dir / "tensorboard"))
-        # the config as hparams of this run (HPARAMS tab); lists and None as text, which TensorBoard takes
+        # the config as hparams of this run (HPARAMS tab); lists and None as text, which TensorBoard takes. The
+        # metrics declared are scalar tags of this same run: the tab shows their last value and ranks runs by them
         values = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in params.items()}
-        for summary in hparams(values, {}):
+        for summary in hparams(values, dict.fromkeys(ranked_metrics(params, job), 0.0)):
             self._w.file_writer.add_summary(summary)
 
     def log(self, step: int, metrics: dict, step_key: str) -> None:
