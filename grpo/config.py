@@ -135,6 +135,9 @@ def validate_grpo(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
     if g.group_size < 2:
         raise ConfigError(f"grpo.group_size={g.group_size}: a group needs at least 2 completions to have a mean to "
                           "compare with; set grpo.group_size>=2")
+    from es_ray.metrics.coverage import check_objective
+
+    check_objective(cfg.task.objective, cfg.task.objective_k, g.group_size, "grpo.group_size")
     if g.prompts_per_step < 1:
         raise ConfigError(f"grpo.prompts_per_step={g.prompts_per_step} must be >= 1; set grpo.prompts_per_step=1 "
                           "or more")

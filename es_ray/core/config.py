@@ -77,6 +77,12 @@ class TaskConfig:
     final box when there is one, else math-verify takes the last expression; a superset of boxed)."""
     seed: int = 1234
     """Seed for generated problems and the train/held-out split (independent of run.seed)."""
+    objective: str = "mean"
+    """What training maximises per prompt (es_ray.metrics.coverage.OBJECTIVES): mean (the mean reward over its
+    samples) or pass_at_k (the unbiased pass@k over them, k = task.objective_k; ES needs es.samples_per_prompt >= k,
+    GRPO grpo.group_size >= k)."""
+    objective_k: int = 4
+    """task.objective=pass_at_k: the k."""
 
 
 @dataclass

@@ -42,6 +42,14 @@ class ESConfig:
     """Number of ES iterations."""
     prompts_per_iteration: int = 16
     """Prompts scored per member; every member of an iteration sees the same prompts (common random numbers)."""
+    samples_per_prompt: int = 1
+    """Completions each member generates per prompt (one engine call holds them all); a prompt's value is their mean
+    reward (task.objective=mean) or their pass@k (pass_at_k), the member's fitness the mean over prompts. The ledger
+    counts every completion."""
+    fitness_baseline: str = "none"
+    """none, or per_prompt: each prompt's values are centred on their mean over the members and scaled by their
+    spread before the mean over prompts (es_ray.metrics.coverage), so a prompt's difficulty does not drown the
+    members' differences."""
     shaping: str = "zscore"
     """Fitness shaping (es_ray.strategy.SHAPERS): zscore (default) or centered_rank."""
     estimator: str = "one_point"
@@ -132,6 +140,7 @@ def replica_spec(cfg: ESTrainConfig) -> ReplicaSpec:
 def validate(cfg: ESTrainConfig) -> ESTrainConfig:
     from es_ray.perturbation import PERTURBATIONS
     from es_ray.noise import ES_NOISE, NOISE_SCOPES
+    from es_ray.metrics.coverage import FITNESS_BASELINES, check_objective
     from es_ray.strategy import OPTIMIZERS, SHAPERS
 
     es = cfg.es
@@ -145,6 +154,9 @@ def validate(cfg: ESTrainConfig) -> ESTrainConfig:
     check_positive("es.lr", es.lr, allow_zero=True)
     check_positive("es.iterations", es.iterations, allow_zero=True)
     check_positive("es.prompts_per_iteration", es.prompts_per_iteration)
+    check_positive("es.samples_per_prompt", es.samples_per_prompt)
+    FITNESS_BASELINES.check(es.fitness_baseline)
+    check_objective(cfg.task.objective, cfg.task.objective_k, es.samples_per_prompt, "es.samples_per_prompt")
     check_positive("es.weight_decay", es.weight_decay, allow_zero=True)
     check_positive("es.anchor_decay", es.anchor_decay, allow_zero=True)
     check_positive("es.noise_table_size", es.noise_table_size)

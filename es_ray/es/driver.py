@@ -248,15 +248,15 @@ def iteration(cfg: ESTrainConfig, keeper, t: int, pool: int, seed_log, guard, re
     with timer("evaluate"):
         results, actor_timing = evaluate(keeper.group, t, members, cfg, ids)
     rewards_n = np.array([r.reward for r in results], dtype=np.float64)
-    fitness_n = shape_fitness(rewards_n, cfg.es.shaping)
+    fitness_n = shape_fitness(raw_fitness(results, cfg.es.fitness_baseline), cfg.es.shaping)
     record_ = SeedRecord(t, cfg.es.sigma, cfg.es.lr, tuple(members), tuple(rewards_n.tolist()),
                          tuple(fitness_n.tolist()))
     with guard.critical():  # a signal waits until the update is applied, recorded and logged
         with timer("update"):
             updates, checksum = tell(keeper, record_, cfg)
         record_ = dataclasses.replace(record_, checksum=checksum)
-        row = iteration_row(results, rewards_n, fitness_n, updates, checksum, len(ids), timer, actor_timing,
-                            time.perf_counter() - t_start)
+        row = iteration_row(results, rewards_n, fitness_n, updates, checksum, len(ids) * cfg.es.samples_per_prompt,
+                            timer, actor_timing, time.perf_counter() - t_start)
         keeper.commit(record_)  # every replica holds it (a replacement during held-out scoring is rebuilt with it)
         if record is not None:
             record(t, row)
@@ -264,9 +264,19 @@ def iteration(cfg: ESTrainConfig, keeper, t: int, pool: int, seed_log, guard, re
     return row
 
 
+def raw_fitness(results, baseline: str) -> np.ndarray:
+    """[N] fitness before shaping: each member's objective over its prompts (``MemberResult.fitness``), or with a
+    per-prompt baseline the mean over prompts of its values after the baseline (es_ray.metrics.coverage)."""
+    from es_ray.metrics.coverage import member_fitness
+
+    if baseline == "none":
+        return np.array([r.reward if r.fitness is None else r.fitness for r in results], dtype=np.float64)
+    return member_fitness(np.array([r.prompt_values for r in results], dtype=np.float64), baseline)
+
+
 def iteration_row(results, rewards_n: np.ndarray, fitness_n: np.ndarray, updates, checksum: str, prompts: int,
                   timer: Timer, actor_timing: dict, wall: float) -> dict:
-    """An iteration's metrics row."""
+    """An iteration's metrics row; ``prompts``: the completions each member generated (prompts x samples)."""
     tokens = sum(r.tokens for r in results)
     row = {
         **seed_log_row(rewards_n, fitness_n, checksum),
@@ -275,6 +285,7 @@ def iteration_row(results, rewards_n: np.ndarray, fitness_n: np.ndarray, updates
         "es/realised_norm": updates[0].realised_norm,
         "perf/tokens": tokens, "perf/tokens_per_s": tokens / max(timer.seconds["evaluate"], 1e-9),
         "completions/mean_length": tokens / max(1, len(results) * prompts),
+        "perf/completions": len(results) * prompts,
         "timing_s/iteration": wall, "timing_s/update_actor": max(u.seconds for u in updates),
     }
     row.update({f"timing_s/{k}": v for k, v in timer.seconds.items()})

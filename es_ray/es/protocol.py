@@ -26,10 +26,15 @@ class EvalRequest:
 class MemberResult:
     index: int
     reward: float
-    """Mean reward over the iteration's prompts."""
+    """Mean reward over the iteration's completions (every prompt, every sample)."""
     tokens: int
     reward_errors: int
     """Completions whose reward function raised (scored 0)."""
+    fitness: float | None = None
+    """The member's raw fitness: the mean over prompts of each prompt's value under task.objective (None: reward)."""
+    prompt_values: tuple[float, ...] = ()
+    """Each prompt's value, in prompt_ids order, sent only where the driver needs them (es.fitness_baseline=
+    per_prompt): P scalars a member, never a completion."""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ import os
 import time
 from dataclasses import asdict
 
+import numpy as np
+
 from es_ray.es.config import ESTrainConfig, replica_spec
 from es_ray.es.protocol import EvalRequest, EvalResult, MemberResult, UpdateRequest, UpdateResult
 from es_ray.perturbation import PERTURBATIONS
@@ -61,11 +63,22 @@ class ESWorker(Actor):
                 "eval_size": len(self.task.eval), "skipped_rows": self.task.skipped_rows,
                 "device": name, "sm_count": sm_count, "noise": resolve_kind(self.cfg.es.noise, device.type)}
 
+    def _repeat(self, prompt_ids) -> list:
+        """Each prompt es.samples_per_prompt times in a row, so one engine call samples them all (rows with equal
+        prompts share their prefill)."""
+        return [i for i in prompt_ids for _ in range(self.cfg.es.samples_per_prompt)]
+
     def _member_result(self, index: int, completions, prompt_ids) -> MemberResult:
-        problems = self.task.train
-        rewards, errors = score(self.task, [c.text for c in completions], [problems[i] for i in prompt_ids])
-        return MemberResult(index, sum(rewards) / max(1, len(prompt_ids)), sum(c.num_tokens for c in completions),
-                            errors)
+        from es_ray.metrics.coverage import prompt_values
+
+        problems, es, task = self.task.train, self.cfg.es, self.cfg.task
+        rows = self._repeat(prompt_ids)
+        rewards, errors = score(self.task, [c.text for c in completions], [problems[i] for i in rows])
+        values_p = prompt_values(np.asarray(rewards, dtype=np.float64).reshape(len(prompt_ids), -1), task.objective,
+                                 task.objective_k)
+        per_prompt = tuple(float(v) for v in values_p) if es.fitness_baseline != "none" else ()
+        return MemberResult(index, sum(rewards) / max(1, len(rows)), sum(c.num_tokens for c in completions),
+                            errors, float(values_p.mean()), per_prompt)
 
     def evaluate(self, req: EvalRequest) -> EvalResult:
         self.faults.before_evaluate(req.iteration)
@@ -73,7 +86,7 @@ class ESWorker(Actor):
             return self._evaluate_population(req)
         timing = {"perturb": 0.0, "generate": 0.0, "reward": 0.0, "restore": 0.0}
         results = []
-        prompts = [self._prompts["train"][i] for i in req.prompt_ids]
+        prompts = [self._prompts["train"][i] for i in self._repeat(req.prompt_ids)]
         for m in req.members:
             if _cancelled():  # the driver was interrupted: stop between members, restore, answer early
                 break
@@ -95,7 +108,7 @@ class ESWorker(Actor):
     def _evaluate_population(self, req: EvalRequest) -> EvalResult:
         """es.perturbation=lowrank: all of this actor's members in one batched generation (the weights are not
         written: they hold cast(master) throughout)."""
-        prompts = [self._prompts["train"][i] for i in req.prompt_ids]
+        prompts = [self._prompts["train"][i] for i in self._repeat(req.prompt_ids)]
         t0 = time.perf_counter()
         per_member = self.replica.generate_members(req.iteration, list(req.members), req.sigma, prompts,
                                                    self.cfg.sampling, req.sample_seed)

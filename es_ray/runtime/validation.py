@@ -13,6 +13,7 @@ from es_ray.core.dtypes import DTYPES
 from es_ray.core.registry import Registry
 from es_ray.engines import ENGINES, TRAITS, engines_that, resolve
 from es_ray.grading.boxed import ANSWER_MODES
+from es_ray.metrics.coverage import OBJECTIVES
 from es_ray.runtime.cluster import check_address_syntax
 from es_ray.runtime.tracking import TRACKERS
 from es_ray.tasks import TASKS
@@ -82,6 +83,7 @@ def validate_task(task: TaskConfig) -> None:
         raise ConfigError("task.train_size and task.eval_size must be >= 0")
     SOURCES.check(task.countdown_source)
     ANSWER_MODES.check(task.answer, "task.answer")
+    OBJECTIVES.check(task.objective)
 
 
 def validate_trainer(cfg: Any) -> None:
