@@ -297,7 +297,7 @@ class GRPORun(Training):
 def step(cfg: GRPOTrainConfig, crew: Crew, t: int, pool: int, guard) -> dict:
     import torch
 
-    from grpo.loss import group_advantages
+    from grpo.loss import objective_advantages
 
     g, timer, t0 = cfg.grpo, Timer(), time.perf_counter()
     ids = prompt_indices(cfg, t, pool)
@@ -308,7 +308,8 @@ def step(cfg: GRPOTrainConfig, crew: Crew, t: int, pool: int, guard) -> dict:
     results = [out[r] for r in crew.rollouts.ranks]
     samples = [s for res in results for s in res["samples"]]  # prompt-major: P groups of G, in ids order
     rewards_pg = np.array([s["reward"] for s in samples], dtype=np.float64).reshape(len(ids), g.group_size)
-    adv_b = group_advantages(torch.from_numpy(rewards_pg), g.adv_scale, g.adv_eps).flatten().tolist()
+    adv_b = objective_advantages(torch.from_numpy(rewards_pg), cfg.task.objective, cfg.task.objective_k, g.adv_scale,
+                                 g.adv_eps).flatten().tolist()
     with guard.critical():  # an optimizer step and the sync that follows it are never split by a signal
         with timer("train"):
             stats = crew.learn(GRPOLearner.train_step, samples, adv_b)

@@ -29,6 +29,25 @@ def group_advantages(rewards_pg: torch.Tensor, scale: str = "group", eps: float 
     return ADV_SCALES.get(scale)(r, r - r.mean(dim=1, keepdim=True), eps)
 
 
+def pass_at_k_advantages(rewards_pg: torch.Tensor, k: int, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+    """[P, G] rewards -> [P, G] pass@k advantages: each completion's contribution to its group's pass@k
+    (es_ray.metrics.coverage.pass_at_k_advantages; docs/grpo.md "The pass@k objective"), divided as
+    ``group_advantages`` divides (grpo.adv_scale). With k = G this is verl's GRPO_PASSK: r_max - r_second for the
+    best completion of a group, 0 for the rest."""
+    from es_ray.metrics.coverage import pass_at_k_advantages as contributions
+
+    r = rewards_pg.to(torch.float64)
+    return ADV_SCALES.get(scale)(r, torch.from_numpy(contributions(r.numpy(), k)), eps)
+
+
+def objective_advantages(rewards_pg: torch.Tensor, objective: str, k: int, scale: str = "group",
+                         eps: float = 1e-6) -> torch.Tensor:
+    """The advantages of task.objective: group-relative for mean, pass@k contributions for pass_at_k."""
+    if objective == "pass_at_k":
+        return pass_at_k_advantages(rewards_pg, k, scale, eps)
+    return group_advantages(rewards_pg, scale, eps)
+
+
 @ADV_SCALES.register("group")
 def _group_std(r, centred, eps):
     return centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
