@@ -307,16 +307,64 @@ def _run(cfg, out):
     encode, dumps, write = _encode, json.dumps, out.write
     glb = {"__name__": "__main__", "__builtins__": builtins}
     exec(compile(cfg["program"], "program.py", "exec"), glb)
-    values = []
-    for src in cfg["probes"]:
+
+    def failure(exc):
+        if isinstance(exc, SystemExit):
+            raise exc
+        return ["E", "%s: %s" % (type(exc).__name__, str(exc)[:200])]
+
+    def safe_encode(value):
         try:
-            values.append(encode(eval(compile(src, "test", "eval"), glb)))
+            return encode(value)
+        except BaseException as exc:  # noqa: BLE001 - a value that cannot cross fails its test
+            return failure(exc)
+
+    values = []
+    for probe in cfg["probes"]:
+        if isinstance(probe, dict):  # a comprehension or lambda: each site's values in order
+            sites = [[] for _ in range(probe["sites"])]
+
+            def site(k, value, sites=sites):
+                if len(sites[k]) < 100000:
+                    sites[k].append(safe_encode(value))
+                return value
+
+            glb["__es_site"] = site
+            try:
+                eval(compile(probe["record"], "test", "eval"), glb)
+            except BaseException as exc:  # noqa: BLE001 - the outcome here is not the verdict; the sites are
+                if isinstance(exc, SystemExit):
+                    raise
+            values.append(["R", sites])
+            continue
+        try:
+            values.append(encode(eval(compile(probe, "test", "eval"), glb)))
         except BaseException as exc:  # noqa: BLE001 - the program's own failure, reported as a value
-            if isinstance(exc, SystemExit):
-                raise
-            values.append(["E", "%s: %s" % (type(exc).__name__, str(exc)[:200])])
+            values.append(failure(exc))
     write(dumps({"values": values}) + "\n")
     out.flush()
+
+
+def _replayer(values, test):
+    """``__es_replay(i, k)``: the next recorded value of site k of probe i, rebuilt; it raises when the program
+    recorded an error there or fewer values than the check asks for."""
+    queues = {}
+    for i in test["probes"]:
+        v = values[i]
+        if v[0] == "R":
+            if len(v) != 2 or type(v[1]) is not list or any(type(q) is not list for q in v[1]):
+                raise ValueError("malformed recording")
+            queues[i] = [iter(q) for q in v[1]]
+
+    def replay(i, k):
+        item = next(queues[i][k], None)
+        if item is None:
+            raise ValueError("the program's process recorded fewer values than the check needs")
+        if item[0] == "E":
+            raise ValueError(item[1])
+        return _decode(item)
+
+    return replay
 
 
 def _verify(cfg, out):
@@ -335,7 +383,9 @@ def _verify(cfg, out):
             for i in test["probes"]:
                 if values[i][0] == "E":
                     raise ValueError(values[i][1])
-                scope["__probe_%d" % i] = _decode(values[i])
+                if values[i][0] != "R":
+                    scope["__probe_%d" % i] = _decode(values[i])
+            scope["__es_replay"] = _replayer(values, test)
             verdicts.append(bool(eval(compile(test["expr"], "test", "eval"), scope)))
         except Exception as exc:  # noqa: BLE001
             sys.stderr.write("test %r: %s: %s\n" % (test["source"][:200], type(exc).__name__, str(exc)[:200]))

@@ -513,8 +513,8 @@ def run_python(program: str, limits: SandboxLimits = SandboxLimits(), python: st
     SandboxUnavailable where this machine gives no accepted boundary."""
     plan = require_sandbox(python)
     split = split_tests(program, setup)
-    if n_tests is not None and len(split.tests) < n_tests:
-        return SandboxResult("failed", None, "", f"the program ends with {len(split.tests)} of its {n_tests} tests "
+    if n_tests is not None and split.asserts < n_tests:
+        return SandboxResult("failed", None, "", f"the program ends with {split.asserts} of its {n_tests} tests "
                              "as separate asserts (its code swallowed the rest)", 0.0)
     return _run_split(split, limits, python, plan)
 

@@ -8,18 +8,28 @@ do is report wrong values, which is the same as computing them.
 
 Which parts of a test are probes: every maximal subexpression that uses a name the program defines. Builtins and
 the names the task's setup code imports, or the program's plain ``import x``, are the check's own: it re-imports
-them cleanly, so a program that rebinds ``math.isclose`` or a builtin changes its own process only (an aliasing
-import, ``from operator import truth as set``, binds a program name, not the check's), and so is a
-standard-library module a test reads an attribute of (``math.isclose``) whatever the program binds to its name.
-A probe inside a comprehension or lambda takes the whole comprehension (its loop variables are local to it); a
-comparison inside such a probe is then evaluated by the program's process, the one case where a returned object's
-``__eq__`` still matters. An attribute or item of a program's object is probed whole (``Point(1, 2).x``).
+them cleanly, so a program that rebinds ``math.isclose`` or ``builtins.sorted`` changes its own process only, and
+so is a standard-library module a test reads an attribute of (``math.isclose``) whatever the program binds to its
+name. No name is trusted over the program's own binding, though: where the program binds a builtin's name that a
+test uses (``def max(a, b)``, ``from operator import truth as set``), the test is checked twice, once with the
+program's object (probed like any function of the program) and once with the builtin, and must hold both ways.
+An attribute or item of a program's object is probed whole (``Point(1, 2).x``).
+
+A test with a comprehension, generator expression or lambda that uses the program's names
+(``all(f(x) == y for x, y in pairs)``, ``(lambda: f(1) == 5)()``) is recorded and replayed whole: each maximal
+subexpression that uses the program's names is a *site*; the program's process evaluates the test once with
+every site's values recorded in order (``__es_site(k, f(x))``), its outcome ignored, and the check evaluates it
+again over its own loop values with each site replaced by the next recorded value of that site
+(``__es_replay(i, k)``). So
+the comparison itself runs in the check: a value whose ``__eq__`` is always True cannot cross, and a check that
+needs more values than the program's process recorded fails.
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
+import copy
 import sys
 from dataclasses import dataclass, field
 
@@ -31,12 +41,15 @@ _SCOPED = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp
 class Split:
     code: str
     """The program without its trailing asserts (what the program's process runs)."""
-    probes: list[str] = field(default_factory=list)
-    """Expression sources evaluated after the code, in the program's process."""
+    probes: list = field(default_factory=list)
+    """Expression sources evaluated after the code, in the program's process; a comprehension or lambda is
+    ``{"record": source, "sites": n}`` (its sites' values are recorded in order)."""
     tests: list[dict] = field(default_factory=list)
     """{"source", "expr", "probes"} per test: the check over the probes' values, evaluated apart."""
     imports: list[str] = field(default_factory=list)
     """Every import statement of the program (setup included), replayed by the check."""
+    asserts: int = 0
+    """How many trailing asserts the program ends with (a test checked two ways is still one)."""
 
 
 def _imported_names(tree: ast.AST, any_form: bool) -> tuple[set[str], list[str]]:
@@ -65,27 +78,90 @@ def _free_names(node: ast.AST) -> set[str]:
     return loads - bound
 
 
+def _bound_names(node: ast.AST) -> set[str]:
+    """Names a comprehension or lambda binds for its body (loop targets, parameters)."""
+    return ({n.id for n in ast.walk(node) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+            | {a.arg for a in ast.walk(node) if isinstance(a, ast.arg)})
+
+
+def _program_bindings(body: list[ast.stmt]) -> set[str]:
+    """Every name the program binds anywhere (def, class, assignment, loop, import alias, global): an
+    over-approximation of the module names a test may see bound to the program's objects."""
+    tree = ast.Module(body=body, type_ignores=[])
+    names = _bound_names(tree) - {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names if a.name != "*")
+        elif isinstance(node, ast.Global):
+            names.update(node.names)
+    return names
+
+
+class _Sites(ast.NodeTransformer):
+    """Inside a comprehension or lambda: replace each maximal program subexpression by ``make(k, node)``."""
+
+    def __init__(self, trusted: set[str], make):
+        self.trusted, self.make, self.n = trusted, make, 0
+
+    def visit(self, node):
+        if not isinstance(node, ast.expr) or not (_free_names(node) - self.trusted):
+            return node if isinstance(node, ast.expr) else self.generic_visit(node)
+        if isinstance(node, _SCOPED):
+            outer, self.trusted = self.trusted, self.trusted | _bound_names(node)
+            try:
+                return self.generic_visit(node)
+            finally:
+                self.trusted = outer
+        if _whole(node, lambda sub: bool(_free_names(sub) - self.trusted)):
+            self.n += 1
+            return ast.copy_location(self.make(self.n - 1, node), node)
+        return self.generic_visit(node)
+
+
+def _whole(node: ast.expr, is_program) -> bool:
+    """Whether a program subexpression is taken whole (its value crosses) rather than looked into."""
+    return (isinstance(node, (ast.Name, ast.NamedExpr))
+            # the program's own function: its result (a lambda's call is looked into: its body has the sites)
+            or isinstance(node, ast.Call) and is_program(node.func) and not isinstance(node.func, _SCOPED)
+            or isinstance(node, (ast.Attribute, ast.Subscript)) and is_program(node.value))  # Point(1, 2).x
+
+
+def _call(name: str, *args: ast.expr) -> ast.expr:
+    return ast.Call(ast.Name(name, ast.Load()), list(args), [])
+
+
 class _Prober(ast.NodeTransformer):
-    def __init__(self, trusted: set[str], probes: list[str]):
+    def __init__(self, trusted: set[str], probes: list):
         self.trusted, self.probes, self.used = trusted, probes, []
 
     def _is_program(self, node: ast.AST) -> bool:
         return bool(_free_names(node) - self.trusted)
 
-    def _probe(self, node: ast.expr) -> ast.expr:
-        self.probes.append(ast.unparse(node))
+    def _probe(self, node: ast.expr, probe) -> ast.expr:
+        self.probes.append(probe)
         self.used.append(len(self.probes) - 1)
         return ast.copy_location(ast.Name(_PROBE % (len(self.probes) - 1), ast.Load()), node)
+
+    def _record(self, node: ast.expr) -> ast.expr:
+        """A test with a comprehension or lambda that uses the program: recorded there, replayed in the check."""
+        i = len(self.probes)
+        rec = _Sites(self.trusted, lambda k, sub: _call("__es_site", ast.Constant(k), sub))
+        recorded = rec.visit(copy.deepcopy(node))
+        rep = _Sites(self.trusted, lambda k, sub: _call("__es_replay", ast.Constant(i), ast.Constant(k)))
+        replayed = rep.visit(copy.deepcopy(node))
+        self.probes.append({"record": ast.unparse(recorded), "sites": rec.n})
+        self.used.append(i)
+        return replayed
 
     def visit(self, node):
         if not isinstance(node, ast.expr) or not self._is_program(node):
             return node if isinstance(node, ast.expr) else self.generic_visit(node)
-        if isinstance(node, ast.Name) or isinstance(node, _SCOPED) or isinstance(node, ast.NamedExpr):
-            return self._probe(node)
-        if isinstance(node, ast.Call) and self._is_program(node.func):
-            return self._probe(node)  # the program's own function: its result is the value
-        if isinstance(node, (ast.Attribute, ast.Subscript)) and self._is_program(node.value):
-            return self._probe(node)  # Point(1, 2).x: the attribute's value crosses, not the program's object
+        if any(isinstance(sub, _SCOPED) and self._is_program(sub) for sub in ast.walk(node)):
+            return self._record(node)  # the whole test: the trusted calls that drive the scope run in both
+        if _whole(node, self._is_program):
+            return self._probe(node, ast.unparse(node))
         return self.generic_visit(node)  # comparisons, boolean logic, arithmetic, a trusted call's arguments
 
 
@@ -112,18 +188,24 @@ def split_tests(program: str, setup: str = "") -> Split:
     first = tail[0]
     code = ("".join(program.splitlines(keepends=True)[:first.lineno - 1]) if first.col_offset == 0
             else ast.unparse(ast.Module(body=body, type_ignores=[])) + "\n")
-    split = Split(code, imports=imports)
+    split = Split(code, imports=imports, asserts=len(tail))
     # a standard-library module a test reads an attribute of (math.isclose) is the check's own even when the
     # program binds that name itself (math = <anything with an isclose>): the check imports the real module
     modules = {n.value.id for t in tail for n in ast.walk(t.test) if isinstance(n, ast.Attribute)
                and isinstance(n.value, ast.Name) and n.value.id in sys.stdlib_module_names} - names
     split.imports += [f"import {m}" for m in sorted(modules)]
-    prober = _Prober(names | modules | set(dir(builtins)), split.probes)
+    trusted = names | modules | set(dir(builtins))
+    shadowed = (_program_bindings(body) & set(dir(builtins))) - names
     for node in tail:
-        prober.used, source = [], ast.unparse(node)
-        expr = prober.visit(node.test)
-        split.tests.append({"source": source, "expr": ast.unparse(expr), "probes": prober.used,
-                            "expected": _literal_expected(expr)})
+        source = ast.unparse(node)
+        readings = [trusted]
+        if shadowed & _free_names(node.test):  # the program's binding and the builtin: both must hold
+            readings.append(trusted - shadowed)
+        for reading in readings:
+            prober = _Prober(reading, split.probes)
+            expr = prober.visit(copy.deepcopy(node.test))
+            split.tests.append({"source": source, "expr": ast.unparse(expr), "probes": prober.used,
+                                "expected": _literal_expected(expr)})
     return split
 
 
