@@ -12,6 +12,25 @@ TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
+# Tests send nothing off this machine, telemetry included. Set here, before any test imports these libraries (some
+# read them at import), and inherited by every subprocess, Ray node and actor the tests start. Forced, not
+# defaulted: a developer's own setting must not turn reporting back on inside the suite.
+NO_TELEMETRY = {
+    # A Ray head that `ray start` or ray.cluster_utils.Cluster starts (not ray.init) POSTs to usage-stats.ray.io:
+    # a full report after 60 s when enabled, and a one-off "disabled" report even with --disable-usage-stats. The
+    # flag stops the first; only the URL, a closed loopback port, stops the second.
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",
+    # vLLM's GPU worker reports each engine it builds to stats.vllm.ai
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_USAGE_STATS_SERVER": "http://127.0.0.1:9",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    # models and tokenizers come from local directories only; a hub id must fail here, not download
+    "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+}
+os.environ.update(NO_TELEMETRY)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
