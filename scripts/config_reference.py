@@ -7,15 +7,14 @@ listed with what each does. tests/test_config_reference.py keeps docs/config.md 
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import inspect
 import sys
-import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from es_ray.core.config_docs import field_docs  # noqa: E402
 from es_ray.core.registry import Registry  # noqa: E402
 
 COMMANDS = (("es-train", "es_ray.es.config:ESTrainConfig"), ("grpo-train", "grpo.config:GRPOTrainConfig"),
@@ -44,20 +43,6 @@ def registries() -> dict[str, Registry]:
             if isinstance(value, Registry) and value.key not in found:
                 found[value.key] = value
     return found
-
-
-def field_docs(cls) -> dict[str, str]:
-    """The docstring under each field of ``cls`` and its dataclass bases (a string statement after the field)."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
-        for node, after in zip(body, body[1:] + [None]):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr) \
-                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
-                docs[node.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
-    return docs
 
 
 def default_of(f: dataclasses.Field):

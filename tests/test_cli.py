@@ -36,6 +36,13 @@ def test_bad_input_is_refused_with_a_message(override, expected, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_pass_at_k_with_fewer_samples_than_k_is_refused_in_one_line(tmp_path):
+    res = es_train("task.objective=pass_at_k", "task.objective_k=4", "es.samples_per_prompt=2",
+                   f"run.dir={tmp_path / 'run'}", timeout=300)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-2000:]
+    assert "es.samples_per_prompt=2" in res.stderr and not (tmp_path / "run").exists()
+
+
 def test_odd_population_with_antithetic_is_refused(tmp_path):
     res = es_train("es.estimator=antithetic", "es.population=5", f"run.dir={tmp_path}", timeout=300)
     assert res.returncode == 2 and "even" in res.stderr
@@ -115,3 +122,44 @@ def test_hydra_errors_and_multirun_exit_2_with_one_line_before_any_work(args, ex
     res = es_train(*args, f"run.dir={tmp_path / 'run'}", timeout=300)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and expected in res.stderr, res.stderr[-2000:]
     assert res.stderr.startswith("es-train: ") and not (tmp_path / "run").exists()
+
+
+def _help(prog: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([prog, *args, "--help"], capture_output=True, text=True, timeout=300)
+
+
+def _keys(stdout: str) -> dict[str, str]:
+    """key -> value from --help's key lines (unindented key=value)."""
+    return dict(line.split("=", 1) for line in stdout.splitlines() if "=" in line and not line.startswith((" ", "=")))
+
+
+def test_help_prints_each_keys_docstring_also_after_an_override():
+    """--help shows every key with the docstring docs/config.md uses, and the values after the overrides given."""
+    from es_ray.core.config_docs import field_docs
+    from es_ray.es.config import ESConfig
+
+    plain, after = _help("es-train"), _help("es-train", "task.name=countdown", "es.population=4")
+    assert plain.returncode == 0 and after.returncode == 0, plain.stderr[-2000:] + after.stderr[-2000:]
+    doc = field_docs(ESConfig)["population"]
+    for res in (plain, after):
+        flat = " ".join(res.stdout.split())
+        assert doc in flat and "experiment: es_reference_gsm8k" in res.stdout
+    assert _keys(plain.stdout)["es.population"] == str(ESConfig().population)
+    assert _keys(after.stdout)["es.population"] == "4" and _keys(after.stdout)["task.name"] == "countdown"
+    assert "Keys after task.name=countdown es.population=4" in after.stdout
+
+
+def test_help_lists_only_the_keys_the_command_reads():
+    drift, evaluate = _help("es-drift"), _help("es-eval")
+    assert drift.returncode == 0 and evaluate.returncode == 0
+    drift_keys, eval_keys = _keys(drift.stdout), _keys(evaluate.stdout)
+    assert {"tuned", "thresholds", "run.dir", "run.overwrite"} <= set(drift_keys)
+    assert not {"run.resume", "run.checkpoint_every", "run.stop_at_tokens", "run.seed"} & set(drift_keys)
+    assert "run.seed" in eval_keys and "eval.k" in eval_keys and "run.resume" not in eval_keys
+    assert "run.resume" in _keys(_help("es-train").stdout)
+
+
+def test_help_after_a_misspelt_override_is_the_one_line_error():
+    res = _help("es-train", "es.populaton=4")
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
+    assert "did you mean es.population?" in res.stderr and not res.stdout

@@ -90,9 +90,11 @@ def _main(dict_cfg) -> None:
 
 def main() -> None:
     from es_ray.evaluation.config import register_configs
-    from es_ray.runtime.entry import hydra_main
+    from es_ray.runtime.entry import TRAINING_RUN_KEYS, hydra_main
 
-    hydra_main("es_drift", _main, "es-drift", register_configs)
+    # a comparison of two checkpoints: no seed, no trackers, nothing to resume or stop early
+    hydra_main("es_drift", _main, "es-drift", register_configs,
+               unread=(*TRAINING_RUN_KEYS, "run.seed", "run.trackers"))
 
 
 if __name__ == "__main__":

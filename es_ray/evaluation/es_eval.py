@@ -228,9 +228,9 @@ def _main(dict_cfg) -> None:
 
 def main() -> None:
     from es_ray.evaluation.config import register_configs
-    from es_ray.runtime.entry import hydra_main
+    from es_ray.runtime.entry import TRAINING_RUN_KEYS, hydra_main
 
-    hydra_main("es_eval", _main, "es-eval", register_configs)
+    hydra_main("es_eval", _main, "es-eval", register_configs, unread=TRAINING_RUN_KEYS)
 
 
 if __name__ == "__main__":

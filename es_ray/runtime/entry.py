@@ -38,10 +38,17 @@ def run_or_exit(prog: str, fn: Callable[[], Any]) -> Any:
         raise SystemExit(2) from None
 
 
-def hydra_main(config_name: str, fn: Callable[[Any], None], prog: str, register: Callable[[], None]) -> None:
+TRAINING_RUN_KEYS = ("run.checkpoint_every", "run.resume", "run.stop_at_tokens", "run.stop_at_device_seconds")
+"""The keys of the shared run section that only a trainer reads: es-eval's and es-drift's --help leave them out."""
+HELP_FLAGS = frozenset({"--help", "-h"})
+
+
+def hydra_main(config_name: str, fn: Callable[[Any], None], prog: str, register: Callable[[], None],
+               unread: tuple[str, ...] = ()) -> None:
     """Run ``fn(composed DictConfig)`` as a Hydra application over conf/<config_name>.yaml, after ``register()``
-    has stored the entry point's schema in Hydra's ConfigStore. ``--help`` lists only the presets that compose
-    with this entry point."""
+    has stored the entry point's schema in Hydra's ConfigStore. ``--help`` (after overrides too) lists the presets
+    that compose with this entry point and every key it reads (``unread``: keys of its schema it never reads) with
+    its value and what it does."""
     import hydra
 
     register()
@@ -49,8 +56,12 @@ def hydra_main(config_name: str, fn: Callable[[Any], None], prog: str, register:
         raise SystemExit(f"{prog}: Hydra presets not found at {CONF_DIR}; reinstall the project (`pip install .`, or "
                          "`pip install -e .` in a checkout)")
     args = sys.argv[1:]
-    if args == ["--help"]:
-        print(help_text(prog, config_name))
+    if HELP_FLAGS & set(args) and not any(a.startswith("-") for a in args if a not in HELP_FLAGS):
+        overrides = [a for a in args if a not in HELP_FLAGS]
+        problem = check_overrides(config_name, overrides) if overrides else None
+        if problem:
+            exit_with(prog, problem)
+        print(help_text(prog, config_name, overrides, unread))
         return
     if MULTIRUN_FLAGS & set(args):
         exit_with(prog, "-m/--multirun is not supported: the jobs would share one run.dir and run one after another. "
@@ -186,15 +197,65 @@ def composable_presets(config_name: str) -> dict[str, list[str]]:
     return out
 
 
-def help_text(prog: str, config_name: str) -> str:
+def help_text(prog: str, config_name: str, overrides: list[str] | tuple[str, ...] = (),
+              unread: tuple[str, ...] = ()) -> str:
+    """The presets that compose with this command, then every key it reads with its value after ``overrides`` and
+    the docstring under its field (the text docs/config.md shows)."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     groups = composable_presets(config_name)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name=config_name)
+        cfg = compose(config_name=config_name, overrides=list(overrides))
     lines = [f"{prog}: Hydra application; override any key as key=value, pick presets as group=option.", "",
              "== Configuration groups (the presets that compose with this command) ==", ""]
-    lines += [f"{group}: {', '.join(options)}" for group, options in groups.items()]
-    lines += ["", "== Config (defaults) ==", "", OmegaConf.to_yaml(cfg)]
-    return "\n".join(lines)
+    lines += [f"{group}: {', '.join(options)}" for group, options in groups.items()] or ["(none)"]
+    given = f" after {' '.join(overrides)}" if overrides else " (defaults)"
+    lines += ["", f"== Keys{given}: key=value, then what it does (docs/config.md) ==", ""]
+    lines += key_lines(cfg, unread)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def key_lines(cfg: Any, unread: tuple[str, ...] = (), prefix: str = "") -> list[str]:
+    """``key=value`` and the field's docstring, indented, for every leaf key of a composed structured config not
+    matched by the ``unread`` patterns (fnmatch); a blank line after each section."""
+    import fnmatch
+    import textwrap
+
+    from omegaconf import DictConfig, OmegaConf
+
+    from es_ray.core.config_docs import field_docs
+
+    schema = OmegaConf.get_type(cfg)
+    docs = field_docs(schema) if isinstance(schema, type) and schema is not dict else {}
+    leaves, sections = [], []
+    for key in cfg:
+        name = f"{prefix}{key}"
+        if any(fnmatch.fnmatchcase(name, p) for p in unread):
+            continue
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and isinstance(OmegaConf.get_type(node), type) \
+                and OmegaConf.get_type(node) is not dict:
+            sections += key_lines(node, unread, f"{name}.")
+            continue
+        value = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) or OmegaConf.is_list(
+            node) else node._value()
+        leaves.append(f"{name}={_override_text(value)}")
+        doc = docs.get(str(key), "")
+        if doc:
+            leaves += textwrap.wrap(doc, 100, initial_indent="    ", subsequent_indent="    ")
+    return ([*leaves, ""] if leaves else []) + sections
+
+
+def _override_text(value: Any) -> str:
+    """A value as it is written on the command line: true/false, null, [a,b], '' for the empty string."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return value if value else "''"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_override_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_override_text(v)}" for k, v in value.items()) + "}"
+    return str(value)
