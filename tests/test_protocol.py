@@ -114,3 +114,16 @@ def test_seed_record_is_the_update_request_and_its_log_line():
     assert SeedRecord.from_json(line) == record
     assert replay_request(line) == record.update_request() == UpdateRequest(7, 1e-3, members, fitness, False)
     assert "checksum" not in SeedRecord(0, 1e-3, 0.0, members, (), fitness).to_json()
+
+
+def test_per_prompt_values_are_scalars_sized_by_members_times_prompts():
+    """es.fitness_baseline=per_prompt: a member sends one float per prompt (never a completion or an array), so the
+    answer grows as members x prompts scalars, about 9 bytes each pickled."""
+    prompts = 16
+    rng = np.random.default_rng(1)
+    result = EvalResult(tuple(MemberResult(i, 0.5, 16 * 64, 0, 0.25, tuple(float(v) for v in rng.uniform(size=prompts)))
+                              for i in range(POPULATION)), {"generate": 30.5})
+    assert bad_leaves(result) == []
+    data = pickle.dumps(result)
+    assert len(data) < MAX_BYTES + 12 * POPULATION * prompts, len(data)
+    assert pickle.loads(data) == result

@@ -114,3 +114,26 @@ def test_lowrank_replicas_agree_across_actor_counts_and_resume_exactly(ray_local
     assert moved and all(one[k].dim() == 2 and "embed" not in k for k in moved)
     rows = _metrics(tmp_path / "two")
     assert all(r["es/checksums_verified"] for r in rows) and rows[-1]["timing_s/perturb"] == 0.0
+
+
+def test_samples_per_prompt_replicas_equal_and_every_sample_counted(ray_local, tiny_model_dir, tmp_path):
+    """es.samples_per_prompt=2 with the per-prompt baseline and a pass@2 objective: two actors equal one bit for bit,
+    and the ledger counts both samples of every prompt (the tiny random model rarely stops early, so more tokens
+    than one sample per prompt could hold prove the second was generated and counted)."""
+    over = dict(es__samples_per_prompt=2, es__fitness_baseline="per_prompt", task__objective="pass_at_k",
+                task__objective_k=2, sampling__temperature=1.0, es__iterations=2)
+    one = run(tiny_cfg(tiny_model_dir, tmp_path / "one", **over))
+    two = run(tiny_cfg(tiny_model_dir, tmp_path / "two", cluster__num_actors=2, **over))
+    w1 = load_file(Path(one["final_checkpoint"]) / "model.safetensors")
+    w2 = load_file(Path(two["final_checkpoint"]) / "model.safetensors")
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    base = load_file(Path(tiny_model_dir) / "model.safetensors")
+    assert any(not torch.equal(w1[k], base[k].float()) for k in w1), "training did not change the weights"
+    rows = _metrics(tmp_path / "two")
+    population, prompts, new_tokens = 4, 8, 8
+    assert [r["perf/completions"] for r in rows] == [population * prompts * 2] * 2
+    assert all(r["perf/tokens"] > population * prompts * new_tokens for r in rows)
+    ledger = json.loads((tmp_path / "two" / "ledger.json").read_text())
+    assert ledger["tokens_generated"] == sum(r["perf/tokens"] for r in rows)
+    log = [json.loads(x) for x in (tmp_path / "two" / "seed_log.jsonl").read_text().splitlines()]
+    assert all(any(f != 0 for f in rec["fitness"]) for rec in log)
