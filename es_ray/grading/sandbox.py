@@ -134,6 +134,9 @@ class Plan:
     """The filter (es_ray/grading/seccomp.py) as hex."""
     jail: tuple = ()
     """The minimal root's mounts (see _jail_ops)."""
+    hook: bool = True
+    """The audit hook (a fast, visible first refusal; no guarantee rests on it). Tests switch layers off
+    (seccomp="", jail=(), hook=False, landlock=0, drop_to=None) to show which one holds an attack."""
 
 
 def landlock_abi() -> int:
@@ -330,7 +333,8 @@ def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
         os.mkdir(root, 0o700)
         with _uid_slot(plan) as uid:
             owner = "" if uid is None else f",uid={uid},gid={uid}"
-            ops = [*plan.jail, ("tmpfs", work, f"size={limits.disk_mb << 10}k,mode=0700{owner}")]
+            ops = [*(plan.jail or [("tmpfs", "/dev/shm", "size=64k,mode=1777")]),
+                   ("tmpfs", work, f"size={limits.disk_mb << 10}k,mode=0700{owner}")]
             env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
             cmd = [*_pdeath_prefix(), *plan.prefix, python, "-I", "-S", "-B", "-c", _CHILD]
             files = [open(os.path.join(outer, n), "w+b") for n in ("stdout", "stderr", "result")]
@@ -338,10 +342,11 @@ def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
             try:
                 machine = os.uname().machine
                 payload = json.dumps({
-                    **cfg, "limits": asdict(limits), "work": work, "nonce": nonce, "mark_nonce": mark,
+                    **cfg, "limits": asdict(limits), "work": work, "nonce": nonce,
+                    "mark_nonce": mark if plan.hook else None,
                     "pid_ns": plan.pid_ns, "landlock": plan.landlock, "drop_to": uid, "result_fd": res.fileno(),
                     "capset": CAPSET_SYSCALL.get(machine), "seccomp": plan.seccomp,
-                    "jail": {"root": root, "ops": ops, "pivot_root": _pivot_root_nr(machine)},
+                    "jail": {"root": root if plan.jail else "", "ops": ops, "pivot_root": _pivot_root_nr(machine)},
                 }).encode()
                 try:
                     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=outer, env=env,

@@ -1,0 +1,211 @@
+"""Hostile programs, one per class of issue 33, through the real MBPP path (build_program, run_python,
+grade_programs), each with every layer and again with one layer switched off, to show which layer holds it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import es_ray.grading.sandbox as sandbox
+from es_ray.grading.code import build_program, grade_programs
+from es_ray.grading.sandbox import SandboxLimits, run_python
+
+HOSTILE = Path(__file__).parent / "fixtures" / "hostile"
+LIMITS = SandboxLimits(wall_s=5.0, cpu_s=2.0, memory_mb=512, output_bytes=64 << 10, check_s=2.0)
+GOOD = build_program("def add(a, b):\n    return a + b", ["assert add(1, 2) == 3"])
+MARGIN_S = 3.0  # process starts and teardown on a loaded 2-core machine
+# without the minimal root the dedicated uid cannot read a Python under /root (0700): root without capabilities
+OFF = {"seccomp": {"seccomp": ""}, "minimal root": {"jail": (), "drop_to": None}, "audit hook": {"hook": False},
+       "landlock": {"landlock": 0}, "dedicated uid": {"drop_to": None}}
+
+
+def hostile(name: str, defeat_hook: bool = False, **subst: str) -> str:
+    text = (HOSTILE / f"{name}.py").read_text()
+    if "_forge(" in text:
+        text = (HOSTILE / "_pipe.py").read_text() + text
+    for key, value in subst.items():
+        text = text.replace(key, value)
+    return ((HOSTILE / "defeat_hook.py").read_text() if defeat_hook else "") + text
+
+
+@pytest.fixture
+def layer_off(monkeypatch):
+    """``layer_off(name)``: this machine's plan with one layer switched off (see OFF)."""
+    real = sandbox.sandbox_plan
+
+    def switch(name: str):
+        plan = dataclasses.replace(real(), **OFF[name])
+        monkeypatch.setattr(sandbox, "sandbox_plan", lambda python=None: plan)
+
+    yield switch
+    monkeypatch.setattr(sandbox, "sandbox_plan", real)
+
+
+def test_the_audit_hook_is_defeated_from_pure_python_and_seccomp_still_kills_exec(layer_off):
+    res = run_python(hostile("exec_shell", defeat_hook=True), LIMITS)
+    assert "HOOK_OFF" in res.stdout and res.status == "escape_attempt" and "ESCAPED" not in res.stdout, res
+    layer_off("seccomp")  # the hook is off and seccomp too: the shell runs (as the dedicated uid, in the jail)
+    res = run_python(hostile("exec_shell", defeat_hook=True), LIMITS)
+    assert "ESCAPED" in res.stdout and "uid=0" not in res.stdout, res
+
+
+@pytest.fixture
+def unix_server(tmp_path):
+    path = tmp_path / "raylet"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(4)
+    srv.settimeout(0.2)
+    hits: list[bytes] = []
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(1)
+                hits.append(conn.recv(100) or b"<connected>")
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    os.chmod(tmp_path, 0o777)
+    os.chmod(path, 0o777)  # even a socket anyone may connect to
+    yield str(path), hits
+    stop.set()
+    th.join(2)
+    srv.close()
+
+
+@pytest.mark.parametrize("off", [None, "minimal root", "seccomp", "audit hook"])
+def test_host_unix_sockets_are_out_of_reach(unix_server, layer_off, off):
+    path, hits = unix_server
+    if off:
+        layer_off(off)
+    res = run_python(hostile("host_unix_socket", defeat_hook=True, SOCKET_PATH=path), LIMITS)
+    time.sleep(0.3)
+    assert hits == [] and "ESCAPED" not in res.stdout, res
+    # which layer holds it: seccomp kills socket(); without seccomp the path does not exist in the minimal root
+    assert res.status == ("passed" if off == "seccomp" else "escape_attempt"), res
+    if off == "seccomp":
+        assert "No such file" in res.stdout
+
+
+def test_with_seccomp_and_the_minimal_root_off_the_socket_is_reached(unix_server, monkeypatch):
+    """The attack is live: only those two layers stand between it and the host's socket."""
+    path, hits = unix_server
+    plan = dataclasses.replace(sandbox.sandbox_plan(), seccomp="", **OFF["minimal root"])
+    monkeypatch.setattr(sandbox, "sandbox_plan", lambda python=None: plan)
+    res = run_python(hostile("host_unix_socket", defeat_hook=True, SOCKET_PATH=path), LIMITS)
+    time.sleep(0.3)
+    assert hits == [b"ESCAPED"], res
+
+
+@pytest.fixture
+def ray_session():
+    """A Ray-like session directory anyone may look into (tmp_path's parents are private to root)."""
+    top = Path(tempfile.mkdtemp(prefix="es-ray-test-ray-", dir="/tmp"))
+    os.chmod(top, 0o755)
+    session = top / "session_latest" / "sockets"
+    session.mkdir(parents=True)
+    yield session
+    shutil.rmtree(top)
+
+
+@pytest.mark.parametrize("off", [None, "minimal root"])
+def test_host_directories_do_not_exist_for_the_program(ray_session, layer_off, off):
+    if off:
+        layer_off(off)
+    res = run_python(hostile("host_paths_visible", HOST_DIR=str(ray_session)), LIMITS)
+    assert res.passed, res
+    assert res.stdout.split()[0] == ("VISIBLE" if off else "hidden"), res  # the minimal root is what hides it
+
+
+@pytest.mark.parametrize("off", [None, "seccomp"])
+def test_a_second_process_is_killed(layer_off, off):
+    if off:
+        layer_off(off)
+    res = run_python(hostile("fork_over_limit", defeat_hook=True), LIMITS)
+    if off:  # per-process limits would then apply per child: seccomp is what makes one process the program
+        assert "FORKED" in res.stdout, res
+    else:
+        assert res.status == "escape_attempt" and "FORKED" not in res.stdout, res
+
+
+def test_memory_over_the_limit_in_threads_is_the_whole_programs():
+    code = ("import threading\nkeep = []\ndef grab():\n    keep.append(bytearray(200 << 20))\n"
+            "ts = [threading.Thread(target=grab) for _ in range(4)]\n[t.start() for t in ts]\n[t.join() for t in ts]\n"
+            "print(len(keep))\n")
+    res = run_python(code, LIMITS)  # 4 x 200 MB against 512 MB: the address space is shared
+    assert res.stdout.strip() in ("", "0", "1", "2"), res
+
+
+@pytest.mark.parametrize("off", [None, "dedicated uid"])
+def test_threads_are_counted_for_the_dedicated_uid(layer_off, off):
+    if os.geteuid() != 0 or "-r" in sandbox.namespaces():
+        pytest.skip("the dedicated uid needs real root")
+    if off:
+        layer_off(off)
+    res = run_python(hostile("thread_bomb"), LIMITS)
+    n = int(res.stdout.split()[1])
+    if off:  # root is exempt from RLIMIT_NPROC: the uid is what bounds it
+        assert n > LIMITS.max_processes, res
+    else:
+        assert n < LIMITS.max_processes, res
+
+
+CRASH = ["crash_snan", "crash_fake_fraction", "crash_fake_decimal", "crash_deep_brackets", "crash_infinity",
+         "hash_collision_set", "forged_marks", "forged_record", "builtin_name", "comprehension_eq"]
+
+
+def test_a_batch_of_crash_values_scores_zero_with_reasons_and_goes_on():
+    limits = dataclasses.replace(LIMITS, output_bytes=2 << 20)
+    programs = [hostile(name) for name in CRASH] + [GOOD]
+    t0 = time.monotonic()
+    grades = grade_programs(programs, limits, workers=2)
+    elapsed = time.monotonic() - t0
+    got = {name: (g.score, g.failure) for name, g in zip(CRASH, grades)}
+    assert grades[-1].correct, grades[-1]
+    assert all(g.score == 0.0 for g in grades[:-1]), got
+    assert got["crash_deep_brackets"][1] == got["crash_infinity"][1] == "unparseable_result", got
+    assert got["hash_collision_set"][1] == "unparseable_result", got
+    for name in ("crash_snan", "crash_fake_fraction", "crash_fake_decimal", "forged_marks", "forged_record",
+                 "builtin_name", "comprehension_eq"):
+        assert got[name] == (0.0, None), (name, got)  # a wrong program, not a grader failure
+    # the grader's own time per program stays within the wall limit, the check's and a margin
+    assert elapsed < len(programs) * (limits.wall_s + limits.check_s + MARGIN_S) / 2, elapsed
+
+
+def test_a_collision_set_costs_the_grader_at_most_the_check_budget():
+    limits = dataclasses.replace(LIMITS, output_bytes=2 << 20)
+    t0 = time.monotonic()
+    res = run_python(hostile("hash_collision_set"), limits)
+    assert res.status == "unparseable_result", res
+    assert time.monotonic() - t0 < limits.check_s + MARGIN_S
+
+
+def test_the_record_cannot_be_reached_or_forged():
+    res = run_python(hostile("forged_record"), LIMITS)
+    assert res.status == "failed", res
+    assert "WROTE" not in res.stdout and res.stdout.count("refused") == 3, res
+    res = run_python(hostile("forged_marks"), LIMITS)
+    assert res.status == "failed" and res.returncode == 97, res  # neither "error" nor "blocked"
+
+
+@pytest.mark.parametrize("off", ["audit hook", "landlock", "dedicated uid"])
+def test_each_other_layer_switched_off_leaves_the_syscall_layer_holding(layer_off, off):
+    layer_off(off)
+    for name in ("exec_shell", "fork_over_limit"):
+        res = run_python(hostile(name, defeat_hook=off != "audit hook"), LIMITS)
+        assert res.status == "escape_attempt", (off, name, res)
+    assert run_python(GOOD, LIMITS).passed
