@@ -8,29 +8,30 @@ values (a test of the form ``probe == literal``, most of MBPP, is compared by th
 exits early, reads the harness's frames or returns an object whose ``__eq__`` is always True reports nothing
 usable and fails.
 
-Confinement, per program (es_ray/grading/_sandbox_child.py does it before any program code runs):
+Confinement, per program (es_ray/grading/_sandbox_child.py; what holds which attack: docs/security.md). Nothing
+inside the program's process is trusted:
 
-* **Namespaces** (``unshare``, as root or with unprivileged user namespaces): its own PID namespace with a fresh
-  /proc (it sees no other process, so it cannot signal or read the grader's ``/proc/<pid>/environ``), mount
-  namespace (a size-limited tmpfs on its working directory: the disk quota; a private /dev/shm that vanishes with
-  it), network namespace (no interface but a loopback that is down) and IPC namespace.
-* **Landlock** (Linux >= 5.13 with Landlock enabled; ABI read with the syscall): reads only from the interpreter's
-  prefix and the system library directories, writes only in its working directory, whatever the call (``open``,
-  ``os.open(..., dir_fd=)``, ``rename``, ``link``); from ABI 4 no TCP bind or connect; from ABI 6 no signal and no
-  abstract unix socket outside its own domain (``pidfd_send_signal`` included).
-* **No privilege**: as root every capability is dropped (bounding set and effective set), so root-in-the-sandbox
-  can neither mount, override file permissions, kill nor trace. Where Landlock is missing, the only other
-  accepted boundary is the drop to ``nobody`` (checked by a probe run); where that fails too, or the grader is not
-  root, grading is refused (``SandboxUnavailable``) with what to install or configure.
-* **rlimits** (soft = hard): CPU seconds, address space, file size (also the output cap), open files, no core
-  dumps, processes (ignored by the kernel for root; the PID namespace and the audit hook hold there).
-* **Environment**: only PATH, HOME and TMPDIR (its own directory), LANG and PYTHONHASHSEED; the interpreter runs
-  with ``-I -S -B`` (no site-packages, no user paths, no bytecode writes).
-* **Wall clock**: the whole process group is killed after ``wall_s``; ``setpriv --pdeathsig`` kills the sandbox if
-  the grader's thread dies; the PID namespace ends every process the program started.
-* **Audit hook** (PEP 578): refuses sockets, process creation, ctypes, signals and writes outside its directory
-  early and visibly (status ``blocked``). It is no boundary against code that subverts the interpreter; the
-  kernel layers above are.
+* **Namespaces** (``unshare``, as root or with unprivileged user namespaces): PID (its own /proc), mount,
+  network (a loopback that is down), IPC and UTS. Where they are not permitted, grading refuses to start.
+* **A minimal root**: the namespace's init mounts a tmpfs holding the interpreter's prefix and ``/usr``
+  read-only, four device files, a fresh /proc, private /tmp and /dev/shm and the working directory (a
+  size-limited tmpfs), and pivots into it: no host socket, Ray session directory or other grader's work dir.
+* **Landlock** where the kernel has it: writes only in the working directory, no TCP, signal scope.
+* **A dedicated uid** (as root): ``UID_BASE`` + a slot held with a lock file for the run, never root; every
+  capability and the bounding set dropped. A grader that is not root: root of a user namespace, no capabilities.
+* **One process**: the init forks the program's process, which sets its rlimits (CPU, address space, file size,
+  open files, threads) and installs the seccomp-bpf filter (es_ray/grading/seccomp.py) before its first
+  instruction: no second process, exec, socket, ptrace, mount, namespaces, bpf, io_uring, ... (SIGSYS:
+  ``escape_attempt``). So the per-process limits are the whole program's.
+* **The record**: the init writes the one result record (exit status or signal, the program's pipe capped at
+  ``output_bytes``) with a per-run nonce to a descriptor the program's process closes before any program code
+  runs; the grader parses it with size and depth bounds and compares only hash-free values itself; the rest
+  goes to the check process under ``check_s``. Anything not parsed or compared within that:
+  ``unparseable_result``.
+* **Wall clock**: the whole namespace dies after ``wall_s``; ``setpriv --pdeathsig`` kills it if the grader's
+  thread dies.
+* **Audit hook** (PEP 578): refuses the common escapes early and visibly (status ``blocked``). The program can
+  switch it off; no guarantee rests on it.
 
 ``isolation()`` says which layers this machine gives (es-eval writes it into results.json).
 """
