@@ -11,20 +11,28 @@ before anything is sent. A cluster with Ray's token authentication gets its toke
 RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token (docs/security.md). A Ray Job's driver runs in a temporary copy of the
 working directory, so for the project's entry points es-submit sets `run.dir=<run root>/<job id>` (or keeps
 an absolute `run.dir=` given), on storage every node sees. `--sweep` submits one job per combination of values,
-each with its own run directory (Hydra's Ray launcher plugin is not used). `--wait` streams the job's logs and exits
-0 when it SUCCEEDED, 1 otherwise.
+each with its own run directory (Hydra's Ray launcher plugin is not used). `--wait` streams a single job's logs (a
+sweep: waits for every job), prints each job's end state and exits 0 when every job SUCCEEDED, 1 otherwise.
+
+    es-submit status|stop --address http://HEAD:8265 JOB
+    es-submit logs [--follow] --address http://HEAD:8265 JOB
+
+Ray's job commands with the same address and token as the submission (the hints printed after submitting). A job
+server's refusal is one line with the likely cause and the fix (``job_server_error``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import fnmatch
 import itertools
 import os
 import re
 import secrets
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -185,9 +193,14 @@ def check_overrides(command: list[str]) -> dict | None:
     composed config (None for a command that is not a project entry point)."""
     if command[0] not in hydra_entry_points():
         return None
-    res = subprocess.run([command[0], *command[1:], "--cfg", "job"], capture_output=True, text=True, timeout=300)
+    res = subprocess.run([local_program(command[0]), *command[1:], "--cfg", "job"], capture_output=True, text=True,
+                         timeout=300)
     if res.returncode != 0:
-        raise SubmitError(f"{shlex.join(command)} does not compose against the schema:\n{res.stderr.strip()}")
+        # the entry points print a user's mistake as one line (es_ray.runtime.entry); anything else: its last line
+        lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
+        first = next((ln for ln in lines if ln.startswith(f"{command[0]}: ")), lines[-1] if lines else "")
+        raise SubmitError(f"the local check refused it: {first.removeprefix(f'{command[0]}: ')} (or --no-check to "
+                          "skip the check)")
     composed = yaml.safe_load(res.stdout) or {}
     check = _validators().get(command[0])
     if check is not None:
@@ -198,6 +211,19 @@ def check_overrides(command: list[str]) -> dict | None:
         except ConfigError as exc:
             raise SubmitError(f"{shlex.join(command)}: {exc}") from None
     return composed
+
+
+def local_program(name: str) -> str:
+    """The project's entry point for the local check: on PATH, else beside this es-submit (its venv's bin dir, for
+    a venv that is not activated); a one-line SubmitError naming it when neither has it."""
+    found = shutil.which(name)
+    beside = Path(sys.executable).parent / name
+    if found:
+        return found
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    raise SubmitError(f"{name}: command not found on PATH nor in {beside.parent}; activate the environment that "
+                      "installed es-ray (e.g. . .venv/bin/activate), or pass --no-check to submit unchecked")
 
 
 # Never shipped, whatever --runtime-env says: credentials and run outputs (gitignore-style, as Ray's excludes).
@@ -285,21 +311,103 @@ def use_auth_token_if_present() -> None:
 
 
 def follow_hint(address: str, sid: str) -> str:
-    return (f"  follow: ray job logs --address {address} --follow {sid}\n"
-            f"  status: ray job status --address {address} {sid}\n"
-            f"  stop:   ray job stop --address {address} {sid}")
+    """Commands that work when pasted: es-submit's own, which send the same address and token as this one."""
+    return (f"  follow: es-submit logs --follow --address {address} {sid}\n"
+            f"  status: es-submit status --address {address} {sid}\n"
+            f"  stop:   es-submit stop --address {address} {sid}")
 
 
-def wait(client, sid: str, stream: bool) -> str:
+def job_server_error(exc: BaseException, address: str) -> str:
+    """One line for a job server's refusal: the likely cause and the fix (Ray's own message is a traceback around
+    an HTTP status)."""
+    text = " ".join(str(exc).split())
+    token = "set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, or copy the head's token to ~/.ray/auth_token)"
+    if "No available agent" in text:
+        return (f"the job server at {address} is up but its node's dashboard agent is not (HTTP 500 'No available "
+                "agent to submit job'), most often because a port the agent needs is taken by another Ray on that "
+                "host: stop it (`ray stop`) or start the head with free --dashboard-agent-listen-port, "
+                "--dashboard-agent-grpc-port and --runtime-env-agent-port; its session's logs/dashboard_agent.log "
+                "names the port")
+    if "Authentication failed" in text or "status code 403" in text:
+        return f"the cluster at {address} refused the auth token (wrong or from another cluster): {token} to its token"
+    if "Authentication required" in text or "authentication token" in text.lower() or "status code 401" in text:
+        return f"the cluster at {address} uses token authentication and no token was sent: {token}"
+    if isinstance(exc, ConnectionError) or "Failed to connect" in text:
+        return (f"nothing answers as a Ray job server at {address} (wrong address, or the head is down): give the "
+                "dashboard's address that `ray start --head` prints, e.g. --address http://HEAD:8265")
+    if "404" in text:
+        return (f"{address} answers but is not a Ray job server (HTTP 404; another service on that port?): give the "
+                "dashboard's address, e.g. --address http://HEAD:8265")
+    return f"the job server at {address} refused the request: {text[:300]}"
+
+
+@contextlib.contextmanager
+def job_server(address: str):
+    """A job-server failure inside the block is one line on stderr (job_server_error) and exit code 2."""
+    import requests
+    from ray.exceptions import AuthenticationError
+
+    try:
+        yield
+    except (ConnectionError, RuntimeError, ValueError, AuthenticationError, requests.RequestException) as exc:
+        print(f"es-submit: {job_server_error(exc, address)}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def wait_all(client, sids: list[str], stream: bool, poll_s: float = 1.0) -> dict[str, str]:
+    """Wait for every job (streaming the logs of a single one), printing each one's end state as it ends:
+    `<id>: SUCCEEDED`, or FAILED / STOPPED with the job server's message."""
     if stream:
         async def tail() -> None:
-            async for lines in client.tail_job_logs(sid):
+            async for lines in client.tail_job_logs(sids[0]):
                 print(lines, end="", flush=True)
 
         asyncio.run(tail())
-    while (status := getattr(client.get_job_status(sid), "value", "")) not in TERMINAL:
-        time.sleep(1.0)
-    return status
+    done: dict[str, str] = {}
+    while len(done) < len(sids):
+        for sid in sids:
+            if sid in done:
+                continue
+            info = client.get_job_info(sid)
+            status = getattr(info.status, "value", str(info.status))
+            if status in TERMINAL:
+                done[sid] = status
+                why = f"  ({' '.join(str(info.message).split())[:300]})" if status != "SUCCEEDED" and info.message \
+                    else ""
+                print(f"{sid}: {status}{why}", flush=True)
+        if len(done) < len(sids):
+            time.sleep(poll_s)
+    return {sid: done[sid] for sid in sids}
+
+
+JOB_COMMANDS = ("status", "logs", "stop")
+
+
+def job_command(argv: list[str]) -> None:
+    """`es-submit status|logs|stop JOB`: Ray's job commands with the same address and token as a submission."""
+    p = argparse.ArgumentParser(prog=f"es-submit {argv[0]}",
+                                description=f"{argv[0]} of a submitted job, with es-submit's address and token")
+    p.add_argument("job", help="the submission id es-submit printed")
+    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"),
+                   help="the cluster's dashboard/job server (default: $RAY_ADDRESS or http://127.0.0.1:8265)")
+    if argv[0] == "logs":
+        p.add_argument("--follow", action="store_true", help="stream the logs until the job ends")
+    args = p.parse_args(argv[1:])
+    client = connect_jobs(args.address)
+    with job_server(args.address):
+        if argv[0] == "status":
+            info = client.get_job_info(args.job)
+            status = getattr(info.status, "value", str(info.status))
+            print(f"{args.job}: {status}" + (f"  ({' '.join(str(info.message).split())})" if info.message else ""))
+            raise SystemExit(0 if status in ("SUCCEEDED", "RUNNING", "PENDING") else 1)
+        if argv[0] == "stop":
+            stopped = client.stop_job(args.job)
+            print(f"{args.job}: " + ("stop requested" if stopped else "already ended"))
+            return
+        if args.follow:
+            statuses = wait_all(client, [args.job], stream=True)
+            raise SystemExit(0 if statuses[args.job] == "SUCCEEDED" else 1)
+        print(client.get_job_logs(args.job), end="")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -309,7 +417,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     else:
         command = []
     p = argparse.ArgumentParser(prog="es-submit", description=__doc__.split("\n\n")[0],
-                                usage="es-submit [options] -- COMMAND [hydra overrides ...]")
+                                usage="es-submit [options] -- COMMAND [hydra overrides ...]\n"
+                                      "       es-submit status|logs|stop [--address URL] JOB")
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"),
                    help="the cluster's dashboard/job server (default: $RAY_ADDRESS or http://127.0.0.1:8265)")
     p.add_argument("--run-root", default=os.environ.get("ES_RUN_ROOT", ""),
@@ -340,18 +449,18 @@ def connect_jobs(address: str):
         use_auth_token_if_present()
         from ray.job_submission import JobSubmissionClient
 
-        return JobSubmissionClient(address)
+        with job_server(address):
+            return JobSubmissionClient(address)
     except ConfigError as exc:
         print(f"es-submit: {exc}", file=sys.stderr)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        print(f"es-submit: --address={address!r} answers but is not a Ray job server ({first}); give the "
-              "dashboard's address, e.g. http://HEAD:8265", file=sys.stderr)
     raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args, command = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in JOB_COMMANDS:
+        return job_command(argv)
+    args, command = parse_args(argv)
     try:
         subs = plan(command, args.sweep, args.run_root, args.name)
         if not args.no_check:
@@ -368,20 +477,23 @@ def main(argv: list[str] | None = None) -> None:
         return
     client = connect_jobs(args.address)  # an unreachable address is its one line, before the listing
     print_upload(env)  # what is about to be uploaded, before the first job sends it
-    for s in subs:
-        client.submit_job(entrypoint=s.entrypoint, submission_id=s.submission_id, runtime_env=env,
-                          metadata={"command": s.entrypoint, **s.metadata})
-        print(f"submitted {s.submission_id}" + (f"  run dir {s.run_dir}" if s.run_dir else ""))
-        print(follow_hint(args.address, s.submission_id), flush=True)
+    with job_server(args.address):
+        for s in subs:
+            client.submit_job(entrypoint=s.entrypoint, submission_id=s.submission_id, runtime_env=env,
+                              metadata={"command": s.entrypoint, **s.metadata})
+            print(f"submitted {s.submission_id}" + (f"  run dir {s.run_dir}" if s.run_dir else ""))
+            print(follow_hint(args.address, s.submission_id), flush=True)
     if not args.wait:
         return
     try:
-        statuses = {s.submission_id: wait(client, s.submission_id, stream=len(subs) == 1) for s in subs}
+        with job_server(args.address):
+            statuses = wait_all(client, [s.submission_id for s in subs], stream=len(subs) == 1)
     except KeyboardInterrupt:
-        print("\nes-submit: stopped waiting; the job(s) keep running (ray job stop ... to stop them)", file=sys.stderr)
+        print(f"\nes-submit: stopped waiting; the job(s) keep running (es-submit stop --address {args.address} "
+              "JOB stops one)", file=sys.stderr)
         raise SystemExit(130) from None
-    for sid, status in statuses.items():
-        print(f"{sid}: {status}")
+    if len(subs) > 1:
+        print(f"es-submit: {sum(v == 'SUCCEEDED' for v in statuses.values())} of {len(subs)} jobs SUCCEEDED")
     raise SystemExit(0 if all(v == "SUCCEEDED" for v in statuses.values()) else 1)
 
 

@@ -93,6 +93,7 @@ def test_dry_run_composes_each_job_and_refuses_a_bad_override(tmp_path):
     assert all(r[2].startswith("es-train model=qwen2.5-1.5b cluster=gpu8 es.sigma=") for r in rows)
     typo = es_submit("--dry-run", "--run-root", str(tmp_path), "--", "es-train", "es.populaton=4")
     assert typo.returncode == 2 and "es.populaton" in typo.stderr
+    assert "did you mean es.population?" in typo.stderr and typo.stderr.strip().count("\n") == 0, typo.stderr
     invalid = es_submit("--dry-run", "--run-root", str(tmp_path), "--", "es-train", "es.population=1")
     assert invalid.returncode == 2 and "es.population" in invalid.stderr
 
@@ -161,7 +162,7 @@ def test_es_train_job_succeeds_with_outputs_in_the_absolute_run_dir(ray_head, ti
     out = res.stdout
     assert res.returncode == 0, out[-3000:] + res.stderr[-3000:]
     job_id = next(line.split()[1] for line in out.splitlines() if line.startswith("submitted "))
-    assert f"{job_id}: SUCCEEDED" in out and f"ray job stop --address {address} {job_id}" in out
+    assert f"{job_id}: SUCCEEDED" in out and f"es-submit stop --address {address} {job_id}" in out
     run_dir = tmp_path / "runs" / job_id
     assert f"run dir {run_dir}" in out
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -218,3 +219,161 @@ def test_secrets_and_run_outputs_are_never_uploaded_whatever_the_runtime_env(tmp
     print_upload(env)
     err = capsys.readouterr().err
     assert "uploading" in err and "500 B in 5 files" in err and ".env" not in err.replace("SECRET_EXCLUDES", "")
+
+
+# -- the local check finds its command -------------------------------------------------------------------------
+
+def test_the_local_check_finds_the_entry_point_beside_es_submit_without_path(tmp_path):
+    """A venv that is not activated: es-submit run by its path finds es-train in its own bin dir."""
+    bindir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    res = subprocess.run([str(bindir / "es-submit"), "--dry-run", "--run-root", str(tmp_path), "--", "es-train",
+                          "es.population=1"], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert res.returncode == 2 and "es.population" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and res.stderr.strip().count("\n") == 0, res.stderr
+
+
+def test_a_command_found_nowhere_is_one_line_naming_it(monkeypatch, tmp_path):
+    from launch import submit
+
+    monkeypatch.setattr(submit.shutil, "which", lambda name: None)
+    monkeypatch.setattr(submit.sys, "executable", str(tmp_path / "python"))
+    with pytest.raises(SubmitError, match=r"es-eval: command not found on PATH nor in .*activate"):
+        submit.check_overrides(["es-eval", "eval.n=4"])
+
+
+# -- a job server's refusals, each one line with the fix (a canned HTTP server on loopback) -----------------------
+
+class _Canned:
+    """A tiny HTTP server on 127.0.0.1 answering /api/version like Ray's job server and every other request with
+    ``status``/``body``; ``token`` set: requests without `Authorization: Bearer <token>` get 401."""
+
+    def __init__(self, status: int = 200, body: str = "{}", version_status: int = 200, token: str = ""):
+        import http.server
+        import threading
+
+        canned = self
+        self.status, self.body, self.version_status, self.token, self.seen = status, body, version_status, token, []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self):
+                canned.seen.append((self.command, self.path, self.headers.get("Authorization")))
+                length = int(self.headers.get("Content-Length") or 0)
+                if length:
+                    self.rfile.read(length)
+                if canned.token and self.headers.get("Authorization") != f"Bearer {canned.token}":
+                    code, body = 401, "Unauthorized: missing or invalid token"
+                elif self.path.startswith("/api/version"):
+                    code = canned.version_status
+                    body = json.dumps({"version": "4", "ray_version": "2.60.0", "ray_commit": "x"})
+                else:
+                    code, body = canned.status, canned.body
+                data = body.encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def canned():
+    servers = []
+
+    def start(**kw) -> _Canned:
+        servers.append(_Canned(**kw))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def _submit_to(address: str, tmp_path: Path, monkeypatch, capsys, *extra: str) -> tuple[int, str]:
+    from launch.submit import main
+
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    (work / "main.py").write_text("print(1)\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main([*extra, "--address", address, "--working-dir", str(work), "--no-check", "--", "python", "main.py"])
+    err = capsys.readouterr().err
+    return exit_info.value.code, "\n".join(ln for ln in err.splitlines() if ln.startswith("es-submit: ")
+                                           and "uploading" not in ln)
+
+
+@pytest.mark.parametrize("kw, expected", [
+    ({"status": 500, "body": "No available agent to submit job"}, "dashboard agent is not"),
+    ({"status": 401, "body": "Unauthorized"}, "uses token authentication and no token was sent: set RAY_AUTH_TOKEN"),
+    ({"status": 403, "body": "Forbidden"}, "refused the auth token"),
+    ({"version_status": 404}, "is not a Ray job server"),
+])
+def test_job_server_refusals_are_one_line_with_the_fix(canned, kw, expected, tmp_path, monkeypatch, capsys):
+    server = canned(**kw)
+    code, line = _submit_to(server.address, tmp_path, monkeypatch, capsys)
+    assert code == 2 and expected in line and line.count("\n") == 0, line
+    if kw.get("status") == 500:
+        assert "port" in line and "ray stop" in line
+
+
+def test_wrong_address_is_one_line(tmp_path, monkeypatch, capsys):
+    code, line = _submit_to("http://127.0.0.1:9", tmp_path, monkeypatch, capsys)
+    assert code == 2 and "unreachable" in line and line.count("\n") == 0, line
+
+
+def test_job_commands_carry_the_token(canned, tmp_path):
+    """`es-submit status|logs|stop JOB` send the token es-submit finds (RAY_AUTH_TOKEN), as a submission does;
+    without one the refusal is one line naming the fix. Subprocesses: Ray reads its auth mode once per process."""
+    from launch.submit import follow_hint
+
+    info = {"type": "SUBMISSION", "job_id": None, "submission_id": "job-1", "status": "FAILED",
+            "entrypoint": "python main.py", "message": "Job entrypoint command failed with exit code 3"}
+    server = canned(body=json.dumps(info), token="s3cret")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["HOME"] = str(tmp_path)  # no ~/.ray/auth_token
+    no_token = es_submit("status", "--address", server.address, "job-1", timeout=120, env=env)
+    assert no_token.returncode == 2 and "no token was sent: set RAY_AUTH_TOKEN" in no_token.stderr, no_token.stderr
+    assert no_token.stderr.strip().count("\n") == 0, no_token.stderr
+    status = es_submit("status", "--address", server.address, "job-1", timeout=120,
+                       env={**env, "RAY_AUTH_TOKEN": "s3cret"})
+    assert status.returncode == 1 and status.stdout.startswith("job-1: FAILED"), status.stdout + status.stderr
+    assert "exit code 3" in status.stdout
+    assert server.seen[-1][:2] == ("GET", "/api/jobs/job-1") and server.seen[-1][2] == "Bearer s3cret"
+    hint = follow_hint(server.address, "job-1")
+    assert {line.split(":", 1)[1].split()[1] for line in hint.splitlines()} == {"logs", "status", "stop"}
+    assert all(line.split(":", 1)[1].strip().startswith("es-submit ") for line in hint.splitlines())
+
+
+@pytest.mark.ray
+def test_sweep_wait_prints_every_jobs_end_state_and_job_commands_work(ray_head):
+    address, env = ray_head
+    res = es_submit("--address", address, "--wait", "--sweep", "code=0,3", "--", "python", "-c",
+                    "import sys; print('CODE', sys.argv[-1]); sys.exit(int(sys.argv[-1].split('=')[1]))",
+                    timeout=300, env=env)
+    ids = [line.split()[1] for line in res.stdout.splitlines() if line.startswith("submitted ")]
+    assert res.returncode == 1 and len(ids) == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"{ids[0]}: SUCCEEDED" in res.stdout and f"{ids[1]}: FAILED" in res.stdout
+    assert "1 of 2 jobs SUCCEEDED" in res.stdout
+    assert f"es-submit status --address {address} {ids[0]}" in res.stdout
+    status = subprocess.run(["es-submit", "status", "--address", address, ids[0]], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert status.returncode == 0 and status.stdout.startswith(f"{ids[0]}: SUCCEEDED"), status.stderr[-2000:]
+    logs = subprocess.run(["es-submit", "logs", "--address", address, ids[1]], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert logs.returncode == 0 and "CODE code=3" in logs.stdout, logs.stdout[-2000:] + logs.stderr[-2000:]

@@ -67,14 +67,28 @@ def hydra_main(config_name: str, fn: Callable[[Any], None], prog: str, register:
         exit_with(prog, "-m/--multirun is not supported: the jobs would share one run.dir and run one after another. "
                         f"Sweep with `es-submit --sweep es.sigma=1e-3,2e-3 -- {prog} ...` (one job and run dir per "
                         "value; docs/running.md), or start one command per value")
-    if not any(a.startswith("-") for a in args):  # Hydra's own flags (--cfg, --info, ...) go to Hydra unchecked
-        problem = check_overrides(config_name, args)
+    plain = without_cfg_flags(args)  # `--cfg job` (es-submit's local check) gets the same one-line errors
+    if not any(a.startswith("-") for a in plain):  # Hydra's other flags (--info, ...) go to Hydra unchecked
+        problem = check_overrides(config_name, plain)
         if problem:
             exit_with(prog, problem)
     hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(fn)()
 
 
 MULTIRUN_FLAGS = frozenset({"-m", "--multirun"})
+
+
+def without_cfg_flags(args: list[str]) -> list[str]:
+    """``args`` without Hydra's config-printing flags: ``--cfg``/``-c`` and the part it names, ``--resolve``."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in ("--cfg", "-c"):
+            skip = True
+        elif a != "--resolve":
+            out.append(a)
+    return out
 
 
 def exit_with(prog: str, message: str) -> None:
