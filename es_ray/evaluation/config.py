@@ -63,6 +63,14 @@ class BenchmarkConfig:
     """MBPP: address-space limit per program."""
     grader_workers: int = 2
     """Grader processes per actor (math-verify workers; concurrent sandboxed programs)."""
+    kl_base: bool = False
+    """Off-task KL: per task, the per-token KL between eval.kl_reference (the base) and this model, both directions,
+    of the distributions sampled at eval.temperature and eval.top_p, over the reference's own samples on the task's
+    prompts (es_ray.metrics.kl; docs/evaluation.md "Off-task KL")."""
+    kl_reference: str = ""
+    """eval.kl_base: the reference model (HF directory, hub id, or empty for the embedded SmolLM2-135M-Instruct)."""
+    kl_samples: int = 4
+    """eval.kl_base: the reference model's samples per problem the KL is measured over."""
 
 
 @dataclass
@@ -109,6 +117,10 @@ def validate_eval(cfg: EvalJobConfig) -> EvalJobConfig:
     check_positive("eval.code_timeout_s", ev.code_timeout_s)
     check_positive("eval.code_memory_mb", ev.code_memory_mb)
     check_positive("eval.grader_workers", ev.grader_workers)
+    check_positive("eval.kl_samples", ev.kl_samples)
+    if ev.kl_base and ev.temperature == 0:
+        raise ConfigError("eval.kl_base=true compares sampled distributions, and eval.temperature=0 samples none; set "
+                          "eval.temperature > 0 (e.g. 0.6)")
     unknown = sorted(set(ev.paths) - set(ev.tasks))
     if unknown:
         raise ConfigError(f"eval.paths names tasks not in eval.tasks: {unknown}")

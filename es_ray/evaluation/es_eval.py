@@ -126,6 +126,10 @@ def run(cfg: EvalJobConfig) -> dict:
 
     t_start = time.perf_counter()
     model_dir = resolve_model(cfg.model.path)  # converts the embedded model once, before any actor starts
+    if cfg.eval.kl_base:  # refused in one line before any model loads when the vocabularies differ
+        from es_ray.evaluation.compat import check_same_vocabulary
+
+        check_same_vocabulary(resolve_model(cfg.eval.kl_reference), model_dir, "eval.kl_reference", "model.path")
     tasks, sizes = {}, {}
     for name in cfg.eval.tasks:  # fail fast on a missing file or an unreachable hub, before any generation
         task, problems = load_eval_task(cfg, name)
@@ -139,14 +143,24 @@ def run(cfg: EvalJobConfig) -> dict:
     samples: dict[str, list[dict]] = {name: [] for name in cfg.eval.tasks}
     hists = {name: np.zeros(len(HIST_EDGES) - 1, dtype=np.int64) for name in cfg.eval.tasks}
     seconds = Counter()
+    kl_parts: dict[str, list[dict]] = {name: [] for name in cfg.eval.tasks}
     for out in outputs:
         samples[out["task"]].extend(out["samples"])
+        if out.get("kl"):
+            kl_parts[out["task"]].append(out["kl"])
         hists[out["task"]] += np.asarray(out["entropy_hist"], dtype=np.int64)
         seconds.update(out["seconds"])
     ks = list(cfg.eval.k)
     per_task = {name: summarize_task(tasks[name], cfg.eval.n, ks, samples[name], hists[name],
                                      tasks[name].skipped_rows, task_config(cfg, name).path or "hub")
                 for name in cfg.eval.tasks}
+    if cfg.eval.kl_base:
+        from es_ray.metrics.kl import summarize_kl
+
+        for name in cfg.eval.tasks:
+            parts = kl_parts[name]
+            per_task[name]["kl"] = summarize_kl([s for p in parts for s in p["sums"]],
+                                                [i for p in parts for i in p["problems"]])
     everything = [s for name in cfg.eval.tasks for s in samples[name]]
     results = {
         "model": cfg.model.path or "embedded SmolLM2-135M-Instruct", "model_dir": str(model_dir),
@@ -154,7 +168,9 @@ def run(cfg: EvalJobConfig) -> dict:
                      "answer": cfg.eval.answer,
                      "entropy_temperatures": list(entropy_temperatures(cfg.eval.temperature)),
                      "top_p": cfg.eval.top_p, "max_new_tokens": cfg.eval.max_new_tokens, "limit": cfg.eval.limit,
-                     "seed": cfg.run.seed, "actors": cfg.cluster.num_actors},
+                     "seed": cfg.run.seed, "actors": cfg.cluster.num_actors,
+                     "kl_reference": (cfg.eval.kl_reference or "embedded SmolLM2-135M-Instruct")
+                     if cfg.eval.kl_base else None, "kl_samples": cfg.eval.kl_samples if cfg.eval.kl_base else None},
         "tasks": per_task,
         "entropy": (summarize_stats([s["entropy_sum"] for s in everything],
                                     [s["entropy_tokens"] for s in everything], sum(hists.values()))
@@ -214,6 +230,8 @@ def tracker_metrics(results: dict) -> dict[str, float]:
         out.update({f"eval/{name}/maj_at_{k}": v for k, v in (t["maj@k"] or {}).items()})
         out[f"eval/{name}/mean_reward"] = t["mean_reward"]
         out[f"eval/{name}/entropy"] = (t["entropy"] or {}).get("mean_per_token")
+        out.update({f"eval/{name}/kl_{key}": v for key, v in (t.get("kl") or {}).items()
+                    if key in ("base_tuned", "tuned_base", "nucleus_base_tuned", "nucleus_tuned_base")})
     return {k: v for k, v in out.items() if v is not None}
 
 

@@ -100,6 +100,7 @@ class EvalWorker(Actor):
         configure_default_pool(cfg.eval.grader_workers, cfg.eval.math_timeout_s)
         self._tasks: dict[str, tuple] = {}
         self._entropy_engine = None
+        self._reference_engine = None
 
     def _task(self, name: str):
         if name not in self._tasks:
@@ -173,5 +174,55 @@ class EvalWorker(Actor):
                     "checks": task.answer_checks(c.text, problems[i]), "text": c.text if ev.save_samples else None}
                    for j, (i, c, g, s, s1, full, k) in enumerate(zip(ids, completions, grades, ent_sum, ent_sum_t1,
                                                                       ent_sum_full, ent_cnt))]
-        return {"task": chunk.task, "chunk": chunk.index, "samples": samples, "entropy_hist": hist.tolist(),
-                "seconds": {"generate": t1 - t0, "grade": t2 - t1, "entropy": t3 - t2}}
+        kl = self._kl(chunk, prompts) if ev.kl_base else None
+        return {"task": chunk.task, "chunk": chunk.index, "samples": samples, "entropy_hist": hist.tolist(), "kl": kl,
+                "seconds": {"generate": t1 - t0, "grade": t2 - t1, "entropy": t3 - t2,
+                            **({"kl": time.perf_counter() - t3} if kl is not None else {})}}
+
+    def _reference(self):
+        """eval.kl_base: a transformers engine on the reference model (engine.dtype and device): it samples and both
+        models are scored by teacher forcing, whose full-vocabulary logits vLLM does not return."""
+        if self._reference_engine is None:
+            import dataclasses
+
+            from es_ray.engines.base import make_engine
+            from es_ray.models import resolve_model
+
+            self._reference_engine = make_engine(str(resolve_model(self.cfg.eval.kl_reference)),
+                                                 dataclasses.replace(self.cfg.engine, name=SCORING_ENGINE))
+        return self._reference_engine
+
+    def _kl(self, chunk: Chunk, prompts: list[str]) -> dict:
+        """Per-token KL both ways between the reference and this model over eval.kl_samples of the reference's own
+        samples per problem of the chunk (seeded from the chunk's seed); per sample its sums and token count."""
+        import torch
+
+        from es_ray.core.config import SamplingConfig
+        from es_ray.metrics.kl import completion_kl_sums
+
+        ev = self.cfg.eval
+        ref, tuned = self._reference(), self._scorer()
+        ids = [i for i in chunk.problem_ids for _ in range(ev.kl_samples)]
+        sampling = SamplingConfig(max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p)
+        seed = random.Random(f"{chunk.seed}/kl").getrandbits(62)
+        completions = ref.generate([prompts[i] for i in ids], sampling, seed)
+        tok = ref.tokenizer
+        sums = []
+        with torch.no_grad():
+            for i, c in zip(ids, completions):
+                p_ids = tok(prompts[i], add_special_tokens=False)["input_ids"]
+                c_ids = list(c.token_ids or tok(c.text, add_special_tokens=False)["input_ids"])
+                if not c_ids:
+                    sums.append({"tokens": 0})
+                    continue
+                sums.append(completion_kl_sums(completion_logits(ref.model, p_ids, c_ids),
+                                               completion_logits(tuned.model, p_ids, c_ids), ev.temperature, ev.top_p))
+        return {"problems": ids, "sums": sums}
+
+
+def completion_logits(model, prompt_ids: list[int], completion_ids: list[int]):
+    """[L, V] logits predicting the L completion tokens, by one forward pass over prompt + completion."""
+    import torch
+
+    ids = torch.tensor([list(prompt_ids) + list(completion_ids)], device=next(model.parameters()).device)
+    return model(input_ids=ids, logits_to_keep=len(completion_ids) + 1).logits[0, :-1]
