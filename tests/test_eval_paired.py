@@ -1,73 +1,84 @@
-"""The paired test and its power, and the test of the test: simulated per-problem data (per-problem logits
-N(-1.5, 2), n = 4 samples per problem, method B shifted in logit) keeps the no-effect rejection rate at the nominal
-level and finds a known effect with the stated power, each within binomial error of the replicate count."""
+"""The paired test and its power, and the test of the test on the calibration model (es_ray/metrics/calibration.py:
+per-problem logits N(-1, 1.8^2), method x problem sd 0.6, seed shift sd sv, seed x problem sd 0.4, n = 32 samples,
+exact pass@k): the no-effect rejection rate stays in [3%, 7.5%] at nominal 5% where seeds carry training variance,
+and the printed detectable size is found under Holm's first threshold. The whole grid:
+benchmarks/paired_calibration.py (docs/comparison.md, "Calibration")."""
 
 from __future__ import annotations
-
-import math
-from statistics import NormalDist
 
 import numpy as np
 import pytest
 
 from es_ray.metrics.bootstrap import interval, separated
-from es_ray.metrics.paired import holm, paired_difference, paired_difference_tasks, power
-
-REPLICATES, DRAWS, N = 300, 1000, 4
-Z80 = NormalDist().inv_cdf(0.975) + NormalDist().inv_cdf(0.8)
-
-
-def _simulate(rng, replicates: int, problems: int, shift: float, seeds: int = 1, seed_sd: float = 0.0):
-    """(replicates, seeds, problems) pass@1 estimates of methods A and B on the same problems."""
-    logit = rng.normal(-1.5, 2.0, size=(replicates, 1, problems))
-    run_a = rng.normal(0.0, seed_sd, size=(replicates, seeds, 1))  # training variance: one shift per seed's run
-    run_b = rng.normal(0.0, seed_sd, size=(replicates, seeds, 1))
-    shape = (replicates, seeds, problems)
-    a = rng.binomial(N, np.broadcast_to(1 / (1 + np.exp(-(logit + run_a))), shape)) / N
-    b = rng.binomial(N, np.broadcast_to(1 / (1 + np.exp(-(logit + shift + run_b))), shape)) / N
-    return a, b
+from es_ray.metrics.calibration import shift_for, simulate
+from es_ray.metrics.paired import (holm, paired_difference, paired_difference_tasks, power, t_quantile,
+                                   t_two_sided_p, t_test, welch)
 
 
-def _rejections(a, b, alpha: float = 0.05) -> float:
-    return float(np.mean([paired_difference(a[r], b[r], draws=DRAWS, seed=r).p < alpha for r in range(len(a))]))
+def test_t_distribution_against_known_values():
+    assert t_quantile(0.975, 1) == pytest.approx(12.7062047, rel=1e-7)
+    assert t_quantile(0.975, 10) == pytest.approx(2.2281389, rel=1e-7)
+    assert t_quantile(0.025, 10) == pytest.approx(-2.2281389, rel=1e-7)
+    assert float(t_two_sided_p(2.0, 30)) == pytest.approx(0.0546250, rel=1e-5)
+    assert float(t_two_sided_p(t_quantile(0.99, 4.3), 4.3)) == pytest.approx(0.02, rel=1e-9)  # real df too
 
 
-def _tolerance(rate: float, replicates: int = REPLICATES) -> float:
-    """Three binomial standard errors of a rejection rate estimated from ``replicates`` replicates."""
-    return 3 * math.sqrt(rate * (1 - rate) / replicates)
+@pytest.mark.parametrize("problems,seeds,sv", [(30, 2, 0.3), (100, 3, 0.15), (100, 2, 0.3), (500, 3, 0.3),
+                                               (500, 2, 0.15)])
+def test_no_effect_rejects_within_3_to_7_5_percent_with_training_variance(problems, seeds, sv):
+    """2-3 seeds with training variance: the bootstrap this replaced rejected 12.8-24.7% here (the issue's audit)."""
+    a, b = simulate(np.random.default_rng(problems * 10 + seeds), 1500, problems, seeds, sv)
+    for j in range(a.shape[-1]):  # pass@1, 16, 32
+        rate = float(np.mean(t_test([(a[..., j], b[..., j])])[3] < 0.05))
+        # 30 problems at pass@32 (n = 32: whether any sample is right) leave a handful of problems that are not
+        # all 0 or all 1: the test is conservative there (2.3-3.3% over the grid, docs/comparison.md), never above
+        low = 0.02 if (problems, j) == (30, 2) else 0.03
+        assert low <= rate <= 0.075, (j, rate)
 
 
-def test_no_effect_rejects_at_the_nominal_level():
-    a, b = _simulate(np.random.default_rng(1), REPLICATES, 40, shift=0.0)
-    assert abs(_rejections(a, b) - 0.05) <= _tolerance(0.05)
+def test_pooling_seeds_as_problems_over_rejects():
+    """Training variance is a second level: the same data with the seeds' runs treated as more problems."""
+    a, b = simulate(np.random.default_rng(3), 1000, 50, 5, 0.3, ks=(1,))
+    rate = float(np.mean(t_test([(a[..., 0], b[..., 0])])[3] < 0.05))
+    pooled = float(np.mean(t_test([(a.reshape(1000, 1, -1), b.reshape(1000, 1, -1))])[3] < 0.05))
+    assert rate <= 0.075 and pooled > 0.25
 
 
-def test_a_known_effect_is_found_with_the_stated_power_and_power_names_it():
-    rng = np.random.default_rng(2)
-    # The effect's true size and per-problem variance, from one large draw; the problems that give it 80% power.
-    big_a, big_b = _simulate(rng, 1, 200_000, shift=0.4)
-    d = (big_b - big_a).ravel()
-    problems = math.ceil(d.var() * Z80 ** 2 / d.mean() ** 2)
-    a, b = _simulate(rng, REPLICATES, problems, shift=0.4)
-    assert abs(_rejections(a, b) - 0.8) <= _tolerance(0.8)
-    # power() reads the same detectable size off each replicate's own data (on average within a few percent) ...
-    detectable = np.mean([power([(a[r], b[r])]).detectable for r in range(REPLICATES)])
-    assert detectable == pytest.approx(d.mean(), rel=0.05)
-    # ... and the problems that size needs, from a replicate of another size.
-    assert power([(a[0, :, :60], b[0, :, :60])]).problems_needed(d.mean()) == pytest.approx(problems, rel=0.25)
-    # The rule it replaces (two marginal 95% intervals must not overlap) almost never sees this effect.
-    marginal = np.mean([separated(interval(a[r, 0], draws=500), interval(b[r, 0], draws=500)) != 0
-                        for r in range(100)])
-    assert marginal < 0.3
+def test_the_printed_detectable_size_is_found_under_holm():
+    """Pilots print the detectable size at alpha / 40 (a 5-method family's first Holm step); a fresh experiment
+    with that true effect rejects at alpha / 40 at least 75% of the time (benchmarks/paired_calibration.py checks
+    more cases and the planning numbers)."""
+    rng = np.random.default_rng(7)
+    alpha = 0.05 / 40
+    a, b = simulate(rng, 60, 100, 3, 0.0, ks=(1,))
+    hits = []
+    for r in range(60):
+        det = power([(a[r, ..., 0], b[r, ..., 0])], alpha=alpha).detectable
+        x, y = simulate(rng, 1, 100, 3, 0.0, ks=(1,), shift=shift_for(det, 0.0, 1))
+        hits.append(float(t_test([(x[0, ..., 0], y[0, ..., 0])])[3]) < alpha)
+    assert np.mean(hits) >= 0.75
 
 
-def test_seeds_are_a_second_level_pooling_them_ignores():
-    a, b = _simulate(np.random.default_rng(3), REPLICATES, 50, shift=0.0, seeds=5, seed_sd=0.3)
-    assert _rejections(a, b) <= 0.05 + _tolerance(0.05)
-    pooled = _rejections(a.reshape(REPLICATES, 1, -1), b.reshape(REPLICATES, 1, -1))  # seeds treated as problems
-    assert pooled > 0.15
-    pw = power([(a[0], b[0])])
-    assert pw.seeds == 5 and pw.var_seeds > 0 and pw.seeds_needed(1.0) == 2
+def test_one_seed_compares_checkpoints_and_plans_nothing():
+    rng = np.random.default_rng(4)
+    a = rng.random((1, 100))
+    b = a + 0.05 + rng.normal(0, 0.1, size=a.shape)
+    r = paired_difference(a, b)
+    assert r.checkpoints_only and r.var_training == 0 and r.df == pytest.approx(99)
+    pw = power([(a, b)])
+    assert pw.var_seeds is None and pw.problems_needed(0.02) is None and pw.seeds_needed(0.02) is None
+    assert pw.detectable > 0  # the two checkpoints' own detectable size
+    few = power([(rng.random((3, 100)), rng.random((3, 100)))])
+    assert not few.can_plan and few.problems_needed(0.02) is None  # 3 seeds: too few to plan on
+
+
+def test_seeds_of_the_two_methods_are_independent_runs_and_may_differ():
+    rng = np.random.default_rng(5)
+    a, b = rng.random((3, 40)), rng.random((2, 40))
+    r = paired_difference(a, b)
+    assert (r.seeds_a, r.seeds_b, r.seeds) == (3, 2, 2) and r.diff == pytest.approx(b.mean() - a.mean())
+    # relabelling the seeds of one method changes nothing: they are not paired with the other's
+    assert paired_difference(a[::-1], b).p == pytest.approx(r.p)
 
 
 def test_fields_interval_and_p_agree():
@@ -77,13 +88,23 @@ def test_fields_interval_and_p_agree():
     r = paired_difference(a, b)
     assert r.diff == pytest.approx(float((b - a).mean())) and r.low < r.diff < r.high
     assert r.p < 0.05 and r.low > 0 and (r.seeds, r.problems) == (3, 100)
+    assert r.high - r.diff == pytest.approx(t_quantile(0.975, r.df) * r.se)
     same = paired_difference(a[0], a[0])
     assert same.diff == same.low == same.high == 0 and same.p == 1.0
-    assert paired_difference(a, b, seed=7) == paired_difference(a, b, seed=7)
     # Three problems cannot give a small p however large the difference (an exact sign-flip test's floor).
     few = paired_difference([0.1, 0.2, 0.3], [0.9, 0.8, 0.95])
-    assert few.low > 0 and few.p == 0.25
+    assert few.p >= 0.25
     assert power([(a[0], a[0])]).detectable is None and power([(a[0], a[0])]).problems_needed(0.02) is None
+    # the marginal-interval rule this replaced does not see what the paired test finds
+    assert separated(interval(a[0], draws=500), interval(b[0], draws=500)) == 0
+
+
+def test_welch_on_one_value_per_run():
+    r = welch([1.0, 1.2, 0.9], [2.0, 2.3, 2.1])
+    assert r.diff == pytest.approx(np.mean([2.0, 2.3, 2.1]) - np.mean([1.0, 1.2, 0.9]))
+    assert r.p < 0.01 and r.low > 0
+    with pytest.raises(ValueError, match="at least two runs"):
+        welch([1.0], [2.0, 3.0])
 
 
 def test_tasks_are_strata_weighted_as_the_report_weighs_them():
@@ -92,14 +113,14 @@ def test_tasks_are_strata_weighted_as_the_report_weighs_them():
     hard_a = rng.random(8)
     r = paired_difference_tasks([(easy_a, easy_a + 0.2), (hard_a, hard_a)])
     assert r.diff == pytest.approx(0.1)  # the mean over tasks, not over the 38 problems pooled
-    # constant differences within each task: nothing to resample
-    assert r.low == pytest.approx(0.1) and r.high == pytest.approx(0.1)
+    # constant differences within each task: no variance
+    assert r.low == pytest.approx(0.1) and r.high == pytest.approx(0.1) and r.se == pytest.approx(0, abs=1e-12)
     weighted = paired_difference_tasks([(easy_a, easy_a + 0.2), (hard_a, hard_a)], weights=[3, 1])
     assert weighted.diff == pytest.approx(0.15)
 
 
 def test_bad_input_is_refused():
-    with pytest.raises(ValueError, match="same shape"):
+    with pytest.raises(ValueError, match="same problems"):
         paired_difference(np.zeros(5), np.zeros(6))
     with pytest.raises(ValueError, match="at least two common problems"):
         paired_difference([0.5], [0.4])

@@ -1,38 +1,134 @@
-"""Paired differences between two methods scored on the same problems, with their power (pure numpy).
+"""Paired differences between two methods scored on the same problems, with seeds as a random effect (pure numpy).
 
-The methods of a comparison answer the same problems, so their per-problem scores are strongly correlated and
-problem difficulty dominates each method's own interval; two marginal intervals that overlap say little. Here
-the per-problem difference d[s, p] = b[s, p] - a[s, p] (seed s, problem p) is resampled instead:
+The methods answer the same problems, so the comparison is paired over problems; each method's seeds are its own
+independent training runs, so seed s of method A is NOT paired with seed s of method B. The model behind the test
+(method m, seed s, problem p; docs/comparison.md):
 
-    diff   = mean_{s,p} d[s, p]
-    draw   = mean over a resample of the problems (and, with more than one seed, of the seeds: the seeds' runs
-             are a second level of noise, training variance, that a bootstrap of problems alone ignores)
-    [low, high] = the (1 - level) / 2 and (1 + level) / 2 percentiles of the draws
-    p      = min(1, 2 min(share of draws <= 0, share of draws >= 0))   (two-sided; p < 1 - level iff 0 lies
-             outside the interval), floored at 2^(1 - P), the smallest p an exact sign-flip test on P problems
-             can give (a few problems resample into few distinct draws), and at 1 / draws
+    y[m, s, p] = mu_m + u[m, s] + b_p + (mb)[m, p] + e[m, s, p]
 
-Over tasks (``paired_difference_tasks``) each task is a stratum: its problems are resampled within it, the seeds
-once for all tasks (one seed's run answers every task), and the tasks' differences are averaged with the weights
-the report gives them (equal by default: the report's "average" is the mean over tasks).
+u: the seed's training shift (training variance sigma_u,m^2), b: the problem's difficulty (it cancels in the paired
+difference), mb: how the method does on that problem, e: the seed x problem interaction and the sampling noise of
+the n samples. The estimate diff = mean y[B] - mean y[A] has
 
-Power (``power``): with the observed variance of the per-problem differences (averaged over seeds) var_p and of
-the per-seed differences (averaged over problems) var_s, the standard error of diff is
-se = sqrt(sum_t w_t^2 var_p,t / P_t + var_s / S), and the smallest difference a two-sided test at alpha finds
-with the given power is (z_{1 - alpha/2} + z_power) se. The problems (or seeds) an effect delta needs solve the
-same equation for P (or S).
+    Var(diff) = sum_m sigma_u,m^2 / S_m + (2 sigma_mb^2 + sum_m sigma_e,m^2 / S_m) / P
+
+estimated without bias from three kinds of mean squares (crossed random-effects ANOVA, per task t, weights w_t):
+
+    A_m   = var over seeds of method m's per-seed (weighted) mean          df S_m - 1
+    R_m,t = method m's seed x problem residual mean square on task t       df (S_m - 1)(P_t - 1)
+    Q_t   = var over problems of mean_s y[B] - mean_s y[A] on task t       df P_t - 1
+    V     = sum_m A_m / S_m - sum_m,t w_t^2 R_m,t / (S_m P_t) + sum_t w_t^2 Q_t / P_t
+
+V is floored at its problem part sum_t w_t^2 Q_t / P_t (a negative estimated training variance is 0; the floor
+then takes the problem part's degrees of freedom). The reference is Student's t at the Satterthwaite degrees of
+freedom df = V^2 / sum_i (c_i MS_i)^2 / df_i over the terms above, never fewer than min(S_A, S_B) - 1 (the
+seeds' own): with 2-3 seeds and any training variance df is small and the t quantile wide, which is what carries
+the training variance into the verdict. p is two-sided, floored at 2^(1 - P), the smallest p an exact sign-flip test
+on P problems can give. With one seed per method there is no training variance to estimate: the test then compares
+two checkpoints (this run of A against this run of B), and no method-level claim follows from it.
+
+Power (``power``): the smallest difference found with the given power by this test at level alpha' is
+(t_{1 - alpha'/2, df} + t_{power, df}) se; the report takes alpha' = alpha / m, the first step of Holm's procedure
+over a family of m tests (what a single real effect among m must clear). ``problems_needed`` and ``seeds_needed`` plan
+from the variance components (sigma_u^2 pooled over the two methods at an upper confidence bound: with 2-3 seeds the
+point estimate is too unstable to plan on; with one seed they say it cannot be estimated).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from statistics import NormalDist
 from typing import Sequence
 
 import numpy as np
 
-DRAWS = 2000
+_lgamma = np.frompyfunc(math.lgamma, 1, 1)
+
+
+def _betacf(a, b, x, iters: int = 300):
+    """The continued fraction of the regularised incomplete beta function (modified Lentz), elementwise."""
+    tiny = 1e-300
+
+    def clamp(v):
+        return np.where(np.abs(v) < tiny, tiny, v)
+
+    c, d = np.ones_like(x), 1.0 / clamp(1.0 - (a + b) * x / (a + 1.0))
+    h = d.copy()
+    for m in range(1, iters + 1):
+        for aa in (m * (b - m) * x / ((a - 1.0 + 2 * m) * (a + 2 * m)),
+                   -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 1.0 + 2 * m))):
+            d, c = 1.0 / clamp(1.0 + aa * d), clamp(1.0 + aa / c)
+            h = h * d * c
+        if np.all(np.abs(d * c - 1.0) < 1e-14):
+            break
+    return h
+
+
+def _betainc(a, b, x):
+    """Regularised incomplete beta I_x(a, b), elementwise (Numerical Recipes' betai)."""
+    a, b, x = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64) for v in (a, b, x)))
+    x = np.clip(x, 0.0, 1.0)
+    inner = (x > 0) & (x < 1)
+    xi = np.where(inner, x, 0.5)
+    log_bt = np.asarray(_lgamma(a + b) - _lgamma(a) - _lgamma(b), dtype=np.float64) + a * np.log(xi) + b * np.log1p(-xi)
+    direct = xi < (a + 1.0) / (a + b + 2.0)
+    cf = _betacf(np.where(direct, a, b), np.where(direct, b, a), np.where(direct, xi, 1.0 - xi))
+    out = np.where(direct, np.exp(log_bt) * cf / a, 1.0 - np.exp(log_bt) * cf / b)
+    return np.where(inner, out, x)
+
+
+def t_two_sided_p(t, df):
+    """P(|T| >= |t|) for Student's T with ``df`` (any positive real) degrees of freedom, elementwise."""
+    t, df = np.broadcast_arrays(np.asarray(t, dtype=np.float64), np.asarray(df, dtype=np.float64))
+    return _betainc(df / 2.0, 0.5, df / (df + t * t))
+
+
+def _betainc_scalar(a: float, b: float, x: float) -> float:
+    """I_x(a, b) for one point in plain floats (the quantile's bisection calls it ~100 times)."""
+    if x <= 0.0 or x >= 1.0:
+        return min(max(x, 0.0), 1.0)
+    if x > (a + 1.0) / (a + b + 2.0):
+        return 1.0 - _betainc_scalar(b, a, 1.0 - x)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        for aa in (m * (b - m) * x / ((a - 1.0 + 2 * m) * (a + 2 * m)),
+                   -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 1.0 + 2 * m))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x)
+                    + b * math.log1p(-x)) * h / a
+
+
+@lru_cache(maxsize=65536)
+def t_quantile(q: float, df: float) -> float:
+    """The q-quantile (0 < q < 1) of Student's t with ``df`` degrees of freedom, by bisection on the tail."""
+    if q == 0.5:
+        return 0.0
+    if df > 1e7:
+        return NormalDist().inv_cdf(q)
+    tail = min(q, 1.0 - q)
+
+    def upper(t: float) -> float:
+        return _betainc_scalar(df / 2.0, 0.5, df / (df + t * t)) / 2
+
+    lo, hi = 0.0, 1.0
+    while upper(hi) > tail:
+        lo, hi = hi, hi * 2.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if upper(mid) > tail else (lo, mid)
+    return (lo + hi) / 2 if q > 0.5 else -(lo + hi) / 2
 
 
 @dataclass(frozen=True)
@@ -41,31 +137,47 @@ class Paired:
     """mean of b - a over seeds and problems (the report's weighting over tasks)."""
     low: float
     high: float
-    """the bootstrap interval of diff at ``level``."""
+    """the t interval of diff at ``level``."""
     p: float
-    """two-sided bootstrap p-value of diff = 0."""
+    """two-sided p-value of diff = 0."""
     level: float
     problems: int
     seeds: int
+    """seeds per method (the fewer of the two where they differ)."""
+    seeds_a: int
+    seeds_b: int
+    se: float
+    df: float
+    """Satterthwaite degrees of freedom of the t reference."""
+    var_training: float
+    """the estimated training (seed) share of se^2, sum_m sigma_u,m^2 / S_m (0 with one seed per method)."""
+
+    @property
+    def checkpoints_only(self) -> bool:
+        """One seed of a method: its training variance is unknown, the test compares these two runs only."""
+        return min(self.seeds_a, self.seeds_b) < 2
 
 
-def _as_pair(a, b, where: str = "") -> np.ndarray:
-    """b - a as a (seeds, problems) float array, refusing what cannot be paired."""
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    if a.shape != b.shape:
-        raise ValueError(f"paired scores need the same shape (the same seeds and problems){where}: got {a.shape} and "
-                         f"{b.shape}")
-    if a.ndim == 1:
-        a, b = a[None, :], b[None, :]
-    if a.ndim != 2:
-        raise ValueError(f"paired scores are (seeds, problems) or (problems,) arrays{where}, got shape {a.shape}")
+def _as_scores(x, where: str) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim == 1:
+        x = x[None, :]
+    if x.ndim != 2 or x.shape[0] < 1:
+        raise ValueError(f"paired scores are (seeds, problems) or (problems,) arrays{where}, got shape {x.shape}")
+    if not np.isfinite(x).all():
+        raise ValueError(f"paired scores contain NaN or infinite values{where}: score every problem of every seed")
+    return x
+
+
+def _as_pair(a, b, where: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """(a, b) as (seeds_a, problems) and (seeds_b, problems) float arrays, refusing what cannot be paired."""
+    a, b = _as_scores(a, where), _as_scores(b, where)
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"paired scores need the same problems{where}: got {a.shape[1]} and {b.shape[1]} problems "
+                         f"(shapes {a.shape} and {b.shape})")
     if a.shape[1] < 2:
         raise ValueError(f"a paired difference needs at least two common problems{where}, got {a.shape[1]}")
-    if a.shape[0] < 1:
-        raise ValueError(f"a paired difference needs at least one seed{where}")
-    if not (np.isfinite(a).all() and np.isfinite(b).all()):
-        raise ValueError(f"paired scores contain NaN or infinite values{where}: score every problem of every seed")
-    return b - a
+    return a, b
 
 
 def _weights(weights, n: int) -> np.ndarray:
@@ -75,43 +187,104 @@ def _weights(weights, n: int) -> np.ndarray:
     return w / w.sum()
 
 
-def paired_difference(a, b, *, level: float = 0.95, draws: int = DRAWS, seed: int = 0) -> Paired:
-    """Paired bootstrap of mean(b - a); ``a``, ``b``: (seeds, problems) per-problem scores (1-D: one seed)."""
-    return paired_difference_tasks([(a, b)], level=level, draws=draws, seed=seed)
+def _residual_ms(x: np.ndarray) -> np.ndarray:
+    """[..., S, P] -> [...] the seed x problem residual mean square (two-way ANOVA without replication)."""
+    s, p = x.shape[-2:]
+    res = x - x.mean(-1, keepdims=True) - x.mean(-2, keepdims=True) + x.mean((-2, -1), keepdims=True)
+    return (res ** 2).sum((-2, -1)) / ((s - 1) * (p - 1))
 
 
-def paired_difference_tasks(pairs: Sequence[tuple], weights=None, *, level: float = 0.95, draws: int = DRAWS,
-                            seed: int = 0) -> Paired:
-    """Stratified paired bootstrap over tasks: ``pairs`` [(a_t, b_t)] per task, each (seeds, problems_t) with the
-    same seeds; diff = sum_t w_t mean(b_t - a_t)."""
+def components(pairs: Sequence[tuple], w: np.ndarray) -> dict:
+    """The mean squares of the crossed model (module docstring) for [(a_t, b_t)] with [..., S, P_t] arrays (leading
+    batch axes broadcast: the calibration runs thousands of replicates at once). Returns diff, V (floored), df, and
+    the parts the power needs: seed terms A_m / S_m, residual mean squares R_m,t, problem terms Q_t."""
+    s_a, s_b = pairs[0][0].shape[-2], pairs[0][1].shape[-2]
+    diff = sum(wt * (b.mean((-2, -1)) - a.mean((-2, -1))) for wt, (a, b) in zip(w, pairs))
+    terms = []  # (c_i MS_i, df_i)
+    q = [(b.mean(-2) - a.mean(-2)).var(-1, ddof=1) for a, b in pairs]
+    problem_part = sum(wt ** 2 * qt / a.shape[-1] for wt, qt, (a, _) in zip(w, q, pairs))
+    terms += [(wt ** 2 * qt / a.shape[-1], a.shape[-1] - 1) for wt, qt, (a, _) in zip(w, q, pairs)]
+    seed_terms, resid = [], []
+    for side, s in ((0, s_a), (1, s_b)):
+        if s < 2:
+            resid.append(None)
+            continue
+        per_seed = sum(wt * x[side].mean(-1) for wt, x in zip(w, pairs))
+        a_m = per_seed.var(-1, ddof=1) / s
+        r_mt = [_residual_ms(x[side]) for x in pairs]
+        seed_terms.append(a_m - sum(wt ** 2 * r / (s * x[side].shape[-1]) for wt, r, x in zip(w, r_mt, pairs)))
+        resid.append(r_mt)
+        terms.append((a_m, s - 1))
+        terms += [(-wt ** 2 * r / (s * x[side].shape[-1]), (s - 1) * (x[side].shape[-1] - 1))
+                  for wt, r, x in zip(w, r_mt, pairs)]
+    v_raw = sum(c for c, _ in terms)
+    floored = v_raw < problem_part
+    v = np.maximum(v_raw, problem_part)
+    den = sum(c ** 2 / d for c, d in terms)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        df = np.where(den > 0, v_raw ** 2 / np.where(den > 0, den, 1.0), np.inf)
+        den_p = sum(c ** 2 / d for c, d in terms[:len(pairs)])
+        df_p = np.where(den_p > 0, problem_part ** 2 / np.where(den_p > 0, den_p, 1.0), np.inf)
+    df = np.maximum(np.where(floored, df_p, df), max(1, min(s_a, s_b) - 1))
+    training = sum(seed_terms) if seed_terms else 0.0 * v
+    return {"diff": diff, "v": v, "df": df, "training": np.maximum(training, 0.0), "q": q, "resid": resid,
+            "seeds": (s_a, s_b)}
+
+
+def t_test(pairs: Sequence[tuple], weights=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Vectorised test: [(a_t, b_t)] with [..., S, P_t] arrays -> (diff, se, df, p) with the leading batch shape."""
+    w = _weights(weights, len(pairs))
+    c = components(pairs, w)
+    se = np.sqrt(c["v"])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(se > 0, c["diff"] / np.where(se > 0, se, 1.0), 0.0)
+    p = np.where(se > 0, t_two_sided_p(t, np.minimum(c["df"], 1e12)), np.where(c["diff"] == 0, 1.0, 0.0))
+    floor = 2.0 ** (1 - min(a.shape[-1] for a, _ in pairs))
+    return c["diff"], se, c["df"], np.clip(p, floor, 1.0)
+
+
+def paired_difference(a, b, *, level: float = 0.95) -> Paired:
+    """The paired test of mean(b - a); ``a`` (seeds_a, problems), ``b`` (seeds_b, problems) (1-D: one seed)."""
+    return paired_difference_tasks([(a, b)], level=level)
+
+
+def paired_difference_tasks(pairs: Sequence[tuple], weights=None, *, level: float = 0.95) -> Paired:
+    """The test over tasks: ``pairs`` [(a_t, b_t)] per task, a_t (seeds_a, problems_t), b_t (seeds_b, problems_t),
+    each method's seeds the same runs on every task (one seed's run answers them all); diff = sum_t w_t
+    mean(b_t - a_t), tasks weighted equally unless ``weights``."""
     if not 0 < level < 1:
         raise ValueError(f"level must lie in (0, 1), got {level}")
     if not pairs:
         raise ValueError("a paired difference needs at least one task")
-    d = [_as_pair(a, b, f" (task {i})" if len(pairs) > 1 else "") for i, (a, b) in enumerate(pairs)]
-    seeds = d[0].shape[0]
-    if any(x.shape[0] != seeds for x in d):
-        raise ValueError(f"every task needs the same seeds, got {[x.shape[0] for x in d]} seeds per task")
-    w = _weights(weights, len(d))
-    rng = np.random.default_rng(seed)
-    # Draw j uses seed s c_s[j, s] times, so its per-problem differences are c_s[j] @ d / S; the problems are then
-    # resampled by index (the same seeds for every task: one seed's run answers them all).
-    c_s = (rng.multinomial(seeds, np.full(seeds, 1.0 / seeds), size=draws).astype(np.float64) if seeds > 1
-           else np.ones((draws, 1)))
-    boot = np.zeros(draws)
-    for wt, x in zip(w, d):
-        idx = rng.integers(0, x.shape[1], size=(draws, x.shape[1]))
-        boot += wt * np.take_along_axis(c_s @ x, idx, axis=1).mean(axis=1) / seeds
-    diff = float(sum(wt * x.mean() for wt, x in zip(w, d)))
-    tail = (1.0 - level) / 2.0
-    low, high = (float(v) for v in np.quantile(boot, [tail, 1.0 - tail]))
-    # Floored at the smallest two-sided p an exact sign-flip test on these problems can give (2^(1 - P)): a
-    # handful of problems resamples into few distinct draws, which would otherwise all fall on one side of 0;
-    # and at 1 / draws, the resolution of the draws themselves.
-    floor = max(2.0 ** (1 - min(x.shape[1] for x in d)), 1.0 / draws)
-    pval = min(1.0, max(floor, 2.0 * min(float(np.mean(boot <= 0)), float(np.mean(boot >= 0)))))
-    return Paired(diff=diff, low=low, high=high, p=pval, level=level, problems=sum(x.shape[1] for x in d),
-                  seeds=seeds)
+    arr = [_as_pair(a, b, f" (task {i})" if len(pairs) > 1 else "") for i, (a, b) in enumerate(pairs)]
+    for side, name in ((0, "first"), (1, "second")):
+        if len({x[side].shape[0] for x in arr}) > 1:
+            raise ValueError(f"every task needs the same seeds of the {name} method, got "
+                             f"{[x[side].shape[0] for x in arr]} seeds per task")
+    w = _weights(weights, len(arr))
+    diff, se, df, p = (float(v) for v in t_test(arr, w))
+    half = t_quantile(0.5 + level / 2, df) * se
+    c = components(arr, w)
+    s_a, s_b = arr[0][0].shape[0], arr[0][1].shape[0]
+    return Paired(diff=diff, low=diff - half, high=diff + half, p=p, level=level,
+                  problems=sum(x[0].shape[1] for x in arr), seeds=min(s_a, s_b), seeds_a=s_a, seeds_b=s_b, se=se,
+                  df=df, var_training=float(c["training"]))
+
+
+def welch(a, b, *, level: float = 0.95) -> Paired:
+    """mean(b) - mean(a) of two independent samples (one value per seed's run, e.g. drift L2), Welch's t."""
+    a, b = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
+    if min(a.size, b.size) < 2:
+        raise ValueError(f"Welch's test needs at least two runs of each method, got {a.size} and {b.size}")
+    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+    v = va + vb
+    diff = float(b.mean() - a.mean())
+    df = v ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1)) if v > 0 else math.inf
+    se = math.sqrt(v)
+    p = float(t_two_sided_p(diff / se, min(df, 1e12))) if se > 0 else (1.0 if diff == 0 else 0.0)
+    half = t_quantile(0.5 + level / 2, min(df, 1e12)) * se
+    return Paired(diff=diff, low=diff - half, high=diff + half, p=p, level=level, problems=0,
+                  seeds=min(a.size, b.size), seeds_a=a.size, seeds_b=b.size, se=se, df=float(df), var_training=v)
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:
@@ -129,58 +302,135 @@ def holm(pvalues: Sequence[float]) -> list[float]:
     return out.tolist()
 
 
+def _chi2_quantile(q: float, df: float) -> float:
+    """Wilson-Hilferty's chi-square quantile (within a few percent from 2 degrees of freedom up)."""
+    z = NormalDist().inv_cdf(q)
+    return max(1e-12, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3)
+
+
+SEED_BOUND = 0.95
+"""The upper confidence level at which the planning numbers take the training variance."""
+PLAN_SEEDS = 5
+"""The fewest seeds per method from which problems_needed / seeds_needed plan: below it the training variance cannot
+be estimated well enough to plan on (at 3 seeds and the 95% bound, problems_needed delivered 38% power in
+benchmarks/paired_calibration.py's check); the detectable size is still given, at the bound."""
+
+
 @dataclass(frozen=True)
 class Power:
     se: float
     """standard error of the paired difference (problems and seeds)."""
+    df: float
     detectable: float | None
-    """smallest |difference| found with ``power`` by a two-sided test at ``alpha`` with these problems and seeds
-    (None where every paired difference is equal: no variance to size it from)."""
+    """smallest |difference| found with ``power`` by the test at ``alpha`` with these problems and seeds (None where
+    every paired difference is equal: no variance to size it from)."""
     var_problems: float
-    """variance over problems of the per-problem difference (averaged over seeds; weighted over tasks)."""
-    var_seeds: float
-    """variance over seeds of the per-seed difference (averaged over problems); 0 with one seed."""
+    """2 sigma_mb^2 (weighted over tasks, per problem of a task of average size): the method x problem part."""
+    var_residual: tuple[float, float]
+    """sigma_e^2 of each method (seed x problem interaction and sampling noise; weighted like var_problems)."""
+    var_seeds: float | None
+    """sigma_u^2 pooled over the two methods at its SEED_BOUND upper confidence bound (None with one seed: it cannot
+    be estimated)."""
     problems: int
     seeds: int
     alpha: float
     power: float
 
     @property
-    def z(self) -> float:
-        nd = NormalDist()
-        return nd.inv_cdf(1 - self.alpha / 2) + nd.inv_cdf(self.power)
+    def can_plan(self) -> bool:
+        """Whether the training variance is estimated from enough seeds (PLAN_SEEDS) to plan problems or seeds."""
+        return self.var_seeds is not None and self.detectable is not None and self.seeds >= PLAN_SEEDS
 
-    def problems_needed(self, effect: float) -> int | None:
-        """Problems (scaled like this run's, per task) that find ``effect`` with this power at the run's seeds;
-        None where the seeds' variance alone keeps it out of reach (more seeds are needed)."""
-        room = (abs(effect) / self.z) ** 2 - self.var_seeds / self.seeds
-        if room <= 0 or self.detectable is None:
-            return None
-        return max(2, math.ceil(self.var_problems / room))
+    def _plan(self, problems: float, seeds: int) -> tuple[float, float]:
+        """(se, df) expected at ``problems`` per task and ``seeds`` per method, from the components."""
+        u = self.var_seeds or 0.0
+        p_term = (self.var_problems + sum(self.var_residual) / seeds) / problems
+        seed_terms = [(u + r / problems) / seeds for r in self.var_residual] if seeds > 1 else []
+        res_terms = [r / (seeds * problems) for r in self.var_residual] if seeds > 1 else []
+        v = p_term + sum(seed_terms) - sum(res_terms)
+        den = p_term ** 2 / (problems - 1) + sum(t ** 2 / (seeds - 1) for t in seed_terms) + sum(
+            t ** 2 / ((seeds - 1) * (problems - 1)) for t in res_terms)
+        return math.sqrt(max(v, p_term)), max(seeds - 1, v ** 2 / den if den > 0 else math.inf)
 
-    def seeds_needed(self, effect: float) -> int | None:
-        """Seeds that find ``effect`` at this run's problems; None where the problems' variance alone keeps it out
-        of reach, or with one seed (its seed variance is unknown)."""
-        if self.seeds < 2 or self.detectable is None:
+    def _detects(self, effect: float, problems: float, seeds: int) -> bool:
+        se, df = self._plan(problems, seeds)
+        return _multiplier(self.alpha, self.power, df) * se <= abs(effect)
+
+    def problems_needed(self, effect: float, limit: int = 10 ** 7) -> int | None:
+        """Problems per task (scaled like this run's) that find ``effect`` with this power at the run's seeds; None
+        where the training variance is unknown (one seed) or alone keeps it out of reach at these seeds."""
+        if not self.can_plan or not self._detects(effect, limit, self.seeds):
             return None
-        room = (abs(effect) / self.z) ** 2 - self.var_problems / self.problems
-        if room <= 0:
+        lo, hi = 2, limit
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self._detects(effect, mid, self.seeds) else (mid + 1, hi)
+        return lo
+
+    def seeds_needed(self, effect: float, limit: int = 1000) -> int | None:
+        """Seeds per method that find ``effect`` at this run's problems; None with one seed (the training variance
+        cannot be estimated from it) or where the problems' variance alone keeps it out of reach."""
+        if not self.can_plan:
             return None
-        return max(2, math.ceil(self.var_seeds / room)) if self.var_seeds > 0 else 2
+        return next((s for s in range(2, limit + 1) if self._detects(effect, self.problems, s)), None)
+
+
+@lru_cache(maxsize=4096)
+def _multiplier(alpha: float, power: float, df: float) -> float:
+    """The noncentrality lambda = |effect| / se at which the two-sided t-test at ``alpha`` with ``df`` degrees of
+    freedom rejects with probability ``power``: E_chi[Phi(lambda - t_crit sqrt(chi^2_df / df))] = power, over 400
+    quantiles of chi^2_df. With few degrees of freedom this is far above t_crit + t_power: the test's own se is
+    uncertain, and at Holm's small alpha that uncertainty costs most."""
+    df = min(float(f"{df:.3g}"), 1e12)  # 3 digits: the cache serves the planning searches
+    crit = t_quantile(1 - alpha / 2, df)
+    nd = NormalDist()
+    u = (np.arange(400) + 0.5) / 400
+    if df > 1e6:
+        scale = np.ones_like(u)
+    elif df < 2:  # chi^2_1 exactly (Wilson-Hilferty is poor below 2)
+        scale = np.array([nd.inv_cdf((1 + x) / 2) for x in u]) ** 2 / 1.0
+        scale = np.sqrt(scale)
+    else:
+        scale = np.sqrt(np.array([_chi2_quantile(x, df) for x in u]) / df)
+
+    def reach(lam: float) -> float:
+        return float(np.mean([nd.cdf(v) for v in lam - crit * scale]))
+
+    lo, hi = 0.0, crit + nd.inv_cdf(power) + 1.0
+    while reach(hi) < power:
+        hi *= 2.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if reach(mid) < power else (lo, mid)
+    return hi
 
 
 def power(pairs: Sequence[tuple], weights=None, *, alpha: float = 0.05, power: float = 0.8) -> Power:
-    """The smallest detectable paired difference from the observed variances (see the module docstring);
-    ``pairs`` as for ``paired_difference_tasks`` (one (a, b) pair for one task)."""
-    d = [_as_pair(a, b) for a, b in pairs]
-    w = _weights(weights, len(d))
-    seeds = d[0].shape[0]
-    # var_problems is kept per problem of a task of average size, so problems_needed scales every task alike.
-    var_mean_p = float(sum(wt ** 2 * x.mean(axis=0).var(ddof=1) / x.shape[1] for wt, x in zip(w, d)))
-    mean_problems = sum(x.shape[1] for x in d) / len(d)
-    per_seed = sum(wt * x.mean(axis=1) for wt, x in zip(w, d))
-    var_s = float(per_seed.var(ddof=1)) if seeds > 1 else 0.0
-    se = math.sqrt(var_mean_p + var_s / seeds)
-    out = Power(se=se, detectable=0.0, var_problems=var_mean_p * mean_problems, var_seeds=var_s,
-                problems=round(mean_problems), seeds=seeds, alpha=alpha, power=power)
-    return Power(**{**out.__dict__, "detectable": out.z * se if se > 0 else None})
+    """The smallest difference the test finds with ``power`` at level ``alpha`` (pass the threshold the verdict
+    uses: alpha / m under Holm), and the components ``problems_needed``/``seeds_needed`` plan from; ``pairs`` as for
+    ``paired_difference_tasks``."""
+    arr = [_as_pair(a, b) for a, b in pairs]
+    w = _weights(weights, len(arr))
+    c = components(arr, w)
+    se, df = float(np.sqrt(c["v"])), float(c["df"])
+    s_a, s_b = c["seeds"]
+    mean_p = sum(x[0].shape[1] for x in arr) / len(arr)
+    # Per problem of a task of average size, so the plan scales every task alike.
+    resid = [0.0 if r is None else float(sum(wt ** 2 * rt * mean_p / x[0].shape[1] for wt, rt, x in zip(w, r, arr)))
+             for r in c["resid"]]
+    q = float(sum(wt ** 2 * qt * mean_p / x[0].shape[1] for wt, qt, x in zip(w, c["q"], arr)))
+    mb = max(0.0, q - resid[0] / s_a - resid[1] / s_b)
+    if min(s_a, s_b) < 2:
+        var_seeds = None
+    else:  # pooled over both methods, at an upper confidence bound on its 2(S - 1) degrees of freedom
+        point = float(c["training"]) * 2 / (1 / s_a + 1 / s_b) / 2
+        dof = s_a + s_b - 2
+        var_seeds = point * dof / _chi2_quantile(1 - SEED_BOUND, dof)
+    out = Power(se=se, df=df, detectable=None, var_problems=mb, var_residual=(resid[0], resid[1]),
+                var_seeds=var_seeds, problems=round(mean_p), seeds=min(s_a, s_b), alpha=alpha, power=power)
+    if se <= 0:
+        return out
+    # With seeds: at the planning variance (training variance at its upper bound), so the printed size is one the
+    # test finds with this power however low the seeds happened to land; with one seed: this run's own se.
+    plan_se, plan_df = out._plan(mean_p, min(s_a, s_b)) if var_seeds is not None else (se, df)
+    return dataclasses.replace(out, detectable=_multiplier(alpha, power, plan_df) * plan_se)

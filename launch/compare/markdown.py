@@ -24,7 +24,7 @@ def markdown(rep: dict) -> str:
     ks, tasks, methods = rep["k"], rep["tasks"], rep["methods"]
     e = rep["eval"]
     kk = "/".join(f"Pass@{k}" for k in ks)
-    lines = ["# es-compare report", "",
+    lines = ["# es-compare report", "", design_line(rep), "",
              f"Training budget: {_budget(rep['budget'])} per method (unit {rep['budget']['unit']}; pool of "
              f"{rep['pool']} prompts; at most {rep['budget_epochs']:g} epochs; sequential methods: half each). "
              "Evaluation: "
@@ -169,6 +169,19 @@ def _pts(x, scale: float = 100.0, unit: str = " points") -> str:
     return "-" if x is None else f"{scale * x:+.1f}{unit}" if scale == 100.0 else f"{x:+.3f}{unit}"
 
 
+def seeds_caveat(t: dict) -> str | None:
+    """Why a test makes no method-level claim: one seed of a method (two checkpoints compared), or seeds that differ
+    between the methods; None where the claim is about the methods."""
+    first, second = LABELS[t["a"]], LABELS[t["b"]]
+    sa, sb = t.get("seeds_a", t["seeds"]), t.get("seeds_b", t["seeds"])
+    if min(sa, sb) < 2:
+        return (f"one seed ({first} {sa}, {second} {sb}): this compares this {first} run with this {second} run "
+                "(two checkpoints); no method-level claim follows, which needs at least 2 seeds per method")
+    if sa != sb:
+        return f"seeds differ between the methods ({first} {sa}, {second} {sb}): rerun the missing seeds"
+    return None
+
+
 def _test_cells(t: dict) -> tuple[str, str, str]:
     """(difference [interval], verdict, detectable size) of one paired test, in points (pass@k) or nats."""
     pct = t["metric"] != "entropy"
@@ -177,22 +190,28 @@ def _test_cells(t: dict) -> tuple[str, str, str]:
     first, second = LABELS[t["a"]], LABELS[t["b"]]
     diff = f"{f(t['diff'])} [{f(t['low'])}, {f(t['high'])}]"
     det = "-" if t["detectable"] is None else f"{f(t['detectable']).lstrip('+')}{unit}"
-    if t["separable"]:
-        verdict = f"{first if t['diff'] > 0 else second} higher"
-    elif not t.get("testable", True):
-        verdict = (f"too few problems to test ({t['problems']}: no p-value below 0.05 is possible; raise "
-                   "eval.limit)")
-    elif t["detectable"] is None:
-        verdict = "no difference on any problem (no variance to size a detectable one)"
+    caveat = seeds_caveat(t)
+    at = f"at 80% power and Holm's first threshold {t.get('alpha_power', 0.05):.2g}"
+    if not t.get("testable", True):
+        verdict = ("no difference on any problem (no variance to size a detectable one)" if t["detectable"] is None
+                   else f"too few problems or seeds to test ({t['problems']} problems, {t['seeds']} seed(s): the "
+                        f"smallest difference this test could find {at} is {det}; raise eval.limit or seeds)")
+    elif t["separable"]:
+        higher = first if t["diff"] > 0 else second
+        verdict = (f"this {higher} run higher ({caveat})" if caveat and min(t.get("seeds_a", t["seeds"]),
+                                                                             t.get("seeds_b", t["seeds"])) < 2
+                   else f"{higher} higher ({caveat})" if caveat else f"{higher} higher")
     else:
-        verdict = f"no separable difference (could detect {det} at 80% power)"
+        verdict = f"no separable difference (could detect {det} {at})" + (f"; {caveat}" if caveat else "")
     return diff, verdict, det
 
 
 def _needed(t: dict) -> str:
-    """The problems (or, failing that, seeds) the paper's gaps would need, for a pass@k test."""
-    if t["detectable"] is None:
+    """The problems (or, failing that, seeds) the paper's Pass@16 gaps would need, for the pass@16 test only."""
+    if not t["problems_needed"]:
         return "-"
+    if not t.get("can_plan", True):
+        return f"cannot be estimated from {t['seeds']} seed(s) (planning needs at least 5 per method)"
     out = []
     for g, n in t["problems_needed"].items():
         s = t["seeds_needed"][g]
@@ -200,6 +219,17 @@ def _needed(t: dict) -> str:
                    f"{100 * float(g):g} points: {s} seeds" if s is not None else
                    f"{100 * float(g):g} points: more problems and seeds")
     return "; ".join(out)
+
+
+def design_line(rep: dict) -> str:
+    """The report's first line: what the verdicts rest on."""
+    cmp = rep.get("comparisons") or {}
+    seeds = rep.get("seeds", [])
+    probs = ", ".join(f"{t} {n}" for t, n in (rep.get("problems") or {}).items()) or "none"
+    one = (" One seed per method: every difference below compares two checkpoints (this run of each method); no "
+           "method-level claim follows (es-compare seeds=[0,1,2] for one).") if len(seeds) < 2 else ""
+    return (f"**Design:** {len(seeds)} seed(s) per method ({seeds}); problems per task: {probs}; paired-test family: "
+            f"{len(cmp.get('tests', []))} tests, Holm-corrected at {cmp.get('alpha', 0.05):g}.{one}")
 
 
 def uncertainty_markdown(rep: dict) -> list[str]:
@@ -223,13 +253,17 @@ def uncertainty_markdown(rep: dict) -> list[str]:
         return lines + [f"No paired test: {cmp.get('why', 'fewer than two methods')}.", ""]
     probs = ", ".join(f"{t} {n}" for t, n in rep["problems"].items())
     lines += [f"Every pair of methods ({cmp['pairs']} pairs) at every k (average pass@k over the tasks, each task "
-              "weighted equally) and on the mean token entropy per problem: the per-problem difference resampled "
-              f"over problems (per task: {probs}) and over the seeds ({len(seeds)}), 2000 draws; p two-sided. "
+              "weighted equally) and on the mean token entropy per problem: the paired difference over problems "
+              f"(per task: {probs}) with each method's {len(seeds)} seed(s) as a random effect (its own training "
+              "runs: crossed random-effects variance, Student's t at Satterthwaite degrees of freedom, "
+              "es_ray/metrics/paired.py); p two-sided. "
               f"Family: all {len(cmp['tests'])} tests of this table ({', '.join(cmp['family'])}), Holm-corrected "
               f"at {cmp['alpha']:g}. Detectable: the smallest difference each test finds with 80% power at "
-              "alpha 0.05 with these problems and seeds (from the observed per-problem and per-seed variance); "
-              "needed: the problems (at these seeds) or seeds (at these problems) the paper's 2 and 6 point "
-              "Pass@16 gaps would need.", "",
+              f"{cmp.get('alpha_first', cmp['alpha']):.2g} = {cmp['alpha']:g} / {len(cmp['tests'])}, Holm's first "
+              "threshold (what a single real effect in this family must clear), at the test's degrees of freedom "
+              "and the training variance at its 95% upper bound; needed: the problems (at these seeds) or seeds (at "
+              "these problems) the paper's 2 and 6 point gaps would need, at Pass@16 only (where the paper measured "
+              "them).", "",
               "| compared | metric | difference [95% interval] | p | Holm p | verdict | needed for 2 / 6 points |",
               "|---|---|---|---|---|---|---|"]
     for t in cmp["tests"]:
@@ -286,7 +320,7 @@ def verdict_markdown(rep: dict) -> list[str]:
     lines += ["", "A difference is called only where the paired test over problems and seeds rejects after Holm's "
               "correction over the whole family; 'no separable difference' names the smallest difference that test "
               "could have found (80% power), so a reader can tell no effect from one too small for this run. L2: "
-              "paired over the seeds' runs (one value per seed).", ""]
+              "the seeds' runs of ES and GRPO (one value per run, independent: Welch's t).", ""]
     return lines
 
 
@@ -298,10 +332,8 @@ def _drift_verdict(rep: dict, ratio) -> str:
     if not t or "diff" not in t:
         return f"{moved} ({(t or {}).get('why', 'no test')})"
     sep = t["p"] < ALPHA_DRIFT and (t["low"] > 0 or t["high"] < 0)
-    few = 2.0 ** (1 - t["seeds"]) >= ALPHA_DRIFT  # no p below alpha is possible with this few seeds
-    return (f"{moved}: ES - GRPO L2 {t['diff']:+.3g} [{t['low']:+.3g}, {t['high']:+.3g}] over {t['seeds']} seeds, "
-            + ("too few seeds to test (at least 6 can give p < 0.05)" if few else
-               "separable" if sep else "not separable over these seeds"))
+    return (f"{moved}: ES - GRPO L2 {t['diff']:+.3g} [{t['low']:+.3g}, {t['high']:+.3g}] over {t['seeds']} seeds "
+            f"(Welch's t, {t.get('df', float('nan')):.1f} df), " + ("separable" if sep else "not separable over these seeds"))
 
 
 ALPHA_DRIFT = 0.05
@@ -356,5 +388,6 @@ def find_test(rep: dict, a: str, b: str, metric: str) -> dict | None:
         if t["metric"] == metric and (t["a"], t["b"]) in ((a, b), (b, a)):
             if t["a"] == a:
                 return t
-            return {**t, "a": a, "b": b, "diff": -t["diff"], "low": -t["high"], "high": -t["low"]}
+            return {**t, "a": a, "b": b, "diff": -t["diff"], "low": -t["high"], "high": -t["low"],
+                    "seeds_a": t.get("seeds_b", t["seeds"]), "seeds_b": t.get("seeds_a", t["seeds"])}
     return None
