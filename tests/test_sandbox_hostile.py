@@ -209,3 +209,21 @@ def test_each_other_layer_switched_off_leaves_the_syscall_layer_holding(layer_of
         res = run_python(hostile(name, defeat_hook=off != "audit hook"), LIMITS)
         assert res.status == "escape_attempt", (off, name, res)
     assert run_python(GOOD, LIMITS).passed
+
+
+@pytest.mark.parametrize("arch,header,prefixes", [
+    ("x86_64", "/usr/include/x86_64-linux-gnu/asm/unistd_64.h", ("__NR_",)),
+    ("aarch64", "/usr/include/asm-generic/unistd.h", ("__NR_", "__NR3264_"))])
+def test_the_seccomp_tables_match_the_kernel_headers(arch, header, prefixes):
+    import re
+
+    from es_ray.grading.seccomp import SYSCALLS, build_filter
+
+    if not os.path.exists(header):
+        pytest.skip(f"{header} is not installed")
+    text = Path(header).read_text()
+    ref = {m.group(2): int(m.group(3)) for m in re.finditer(r"#define\s+(%s)(\w+)\s+(\d+)" % "|".join(prefixes), text)}
+    assert {k: v for k, v in SYSCALLS[arch].items() if ref.get(k) != v} == {}
+    assert len(build_filter(arch)) % 8 == 0 and len(build_filter(arch)) // 8 < 4096
+    with pytest.raises(ValueError, match="supports"):
+        build_filter("riscv64")
