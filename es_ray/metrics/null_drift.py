@@ -59,3 +59,28 @@ def null_drift(*, lr: float, sigma: float, population: int, iterations: int, par
     share = {f"{t:g}": (math.erf(t / (math.sqrt(2.0) * total_std)) if total_std > 0 else None) for t in thresholds}
     return {"l2": total_std * math.sqrt(parameters), "step_std": s1, "total_std": total_std, "steps": steps,
             "share_below": share, "why": None}
+
+
+def null_drift_from_log(records: Sequence[dict], *, parameters: int, thresholds: Sequence[float],
+                        optimizer: str = "sgd", weight_decay: float = 0.0, anchor_decay: float = 0.0) -> dict:
+    """The null prediction from the seed log's rows (dicts with lr, sigma, members, fitness), as ``null_drift``."""
+    why = []
+    if optimizer != "sgd":
+        why.append(f"es.optimizer={optimizer}: the step is normalised per coordinate")
+    if weight_decay or anchor_decay:
+        why.append("es.weight_decay / es.anchor_decay pull the weights back")
+    if why:
+        return {"l2": None, "step_std": None, "share_below": {f"{t:g}": None for t in thresholds},
+                "why": "; ".join(why)}
+    var, steps = 0.0, 0
+    for row in records:
+        coeff: dict[int, float] = {}
+        for index, noise_id, sign in row["members"]:
+            coeff[noise_id] = coeff.get(noise_id, 0.0) + sign * float(row["fitness"][index])
+        sum_c2 = sum(c * c for c in coeff.values())
+        var += (float(row["lr"]) / (len(row["members"]) * float(row["sigma"]))) ** 2 * sum_c2
+        steps += sum_c2 > 0
+    total_std = math.sqrt(var)
+    share = {f"{t:g}": (math.erf(t / (math.sqrt(2.0) * total_std)) if total_std > 0 else None) for t in thresholds}
+    return {"l2": total_std * math.sqrt(parameters), "step_std": total_std / math.sqrt(steps) if steps else 0.0,
+            "total_std": total_std, "steps": steps, "share_below": share, "why": None, "source": "seed log"}

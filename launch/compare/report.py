@@ -273,12 +273,18 @@ def drift_comparison(per_seed: dict) -> dict | None:
 
 
 def es_null(root: Path, stage: str, total: dict, thresholds) -> dict:
-    """The null model's drift for an ES run (es_ray.metrics.null_drift) from the run's own config.json and metrics:
-    the drift its step sizes give whatever the rewards were."""
-    from es_ray.metrics.null_drift import null_drift
+    """The null model's drift for an ES run (es_ray.metrics.null_drift): from the shaped fitness its updates used
+    (the run's seed_log.jsonl), so it holds for every shaping, ties included; from config.json's settings where the
+    log is missing (a run written before it was kept)."""
+    from es_ray.metrics.null_drift import null_drift, null_drift_from_log
 
     run_cfg = _read_json(root / "stages" / stage / "config.json")
     es = run_cfg["es"]
+    log = _read_jsonl(root / "stages" / stage / "seed_log.jsonl")
+    if log:
+        return null_drift_from_log(log, parameters=total["nonzero"], thresholds=thresholds,
+                                   optimizer=es["optimizer"], weight_decay=es["weight_decay"],
+                                   anchor_decay=es["anchor_decay"])
     rows = _read_jsonl(root / "stages" / stage / "metrics.jsonl")
     zero = sum(1 for r in rows if r.get(ES_ZERO_UPDATE))
     return null_drift(lr=es["lr"], sigma=es["sigma"], population=es["population"], iterations=len(rows),
