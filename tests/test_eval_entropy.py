@@ -21,6 +21,14 @@ def test_entropy_closed_forms():
     assert entropy_from_logits(batch).shape == (2, 3)
 
 
+def test_masked_tokens_with_minus_inf_logits_add_nothing():
+    masked = torch.tensor([[1.0, 2.0, float("-inf"), 0.5], [float("-inf"), 0.0, float("-inf"), 0.0]])
+    got = entropy_from_logits(masked, 0.7)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[0], entropy_from_logits(torch.tensor([1.0, 2.0, 0.5]), 0.7))
+    assert got[1].item() == pytest.approx(math.log(2))
+
+
 def test_temperature_rescales_the_logits():
     logits = torch.tensor([2.0, 0.5, -1.0, 0.0])
     assert entropy_from_logits(logits, 0.5).item() == pytest.approx(entropy_from_logits(2 * logits).item())

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from es_ray.metrics.passk import (NotEnoughSamplesError, maj_at_k, majority_correct, mean_pass_at_k, pass_at_k)
+from es_ray.metrics.passk import (NotEnoughSamplesError, expected_majority, maj_at_k, majority_correct, mean_pass_at_k,
+                                 pass_at_k)
 
 
 @pytest.mark.parametrize("n,c,k,expected", [
@@ -56,9 +57,12 @@ def test_n_must_cover_the_largest_k():
 def test_majority_vote_hand_values():
     answers = [["5", "5", "3", "5"], ["3", "4", "4", None], [None, None, "7", "8"]]
     correct = [[True, True, False, True], [False, True, True, False], [False, False, False, True]]
-    assert maj_at_k(answers, correct, 1) == pytest.approx(1 / 3)  # only problem A's first sample is right
-    assert maj_at_k(answers, correct, 3) == pytest.approx(2 / 3)  # B: "4" wins 2-1; C: only "7" votes
-    assert maj_at_k(answers, correct, 4) == pytest.approx(2 / 3)  # C: 7 and 8 tie; 7 got there first
+    # the expectation over subsets: k = 1 is the share of correct samples (3/4, 2/4, 1/4)
+    assert maj_at_k(answers, correct, 1) == pytest.approx(0.5)
+    # k = 3: A always 5; B: "4" wins without "3" or without None, ties 3-4 otherwise (1/2): 3/4; C: 8 alone
+    # (1/4 of subsets) wins, 7-8 ties (2/4) count 1/2: 1/2
+    assert maj_at_k(answers, correct, 3) == pytest.approx((1 + 0.75 + 0.5) / 3)
+    assert maj_at_k(answers, correct, 4) == pytest.approx((1 + 1 + 0.5) / 3)  # C: 7 and 8 tie, either first
     with pytest.raises(NotEnoughSamplesError):
         maj_at_k(answers, correct, 5)
 
@@ -69,3 +73,20 @@ def test_majority_ties_and_empty_votes():
     assert majority_correct(["a", "b", "b", "a"], [True, False, False, True]) is False
     assert majority_correct([None, None], [False, False]) is False
     assert majority_correct([], []) is False
+
+
+def test_expected_majority_equals_brute_force_over_ordered_subsets():
+    """Every ordered k-sample without replacement of n = 7 samples, voted by majority_correct (ties to the answer
+    that reaches the count first): the mean equals the exact formula."""
+    import itertools
+    import random
+
+    rnd = random.Random(0)
+    for _ in range(12):
+        answers = [rnd.choice(["a", "b", "c", None]) for _ in range(7)]
+        right = rnd.choice(["a", "b", "c"])
+        correct = [x == right for x in answers]
+        for k in range(1, 8):
+            votes = [majority_correct([answers[i] for i in order], [correct[i] for i in order])
+                     for order in itertools.permutations(range(7), k)]
+            assert expected_majority(answers, correct, k) == pytest.approx(sum(votes) / len(votes), abs=1e-12)

@@ -21,10 +21,12 @@ HIST_EDGES = np.linspace(0.0, 12.0, 121)
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """[..., V] logits -> [...] entropy in nats of softmax(logits / temperature), computed in fp32."""
+    """[..., V] logits -> [...] entropy in nats of softmax(logits / temperature), computed in fp32. A -inf logit (a
+    masked token) has probability 0 and adds 0 (not 0 * -inf = NaN): the masked distribution's entropy."""
     z = logits.float() / temperature
     logp = torch.log_softmax(z, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+    p = logp.exp()
+    return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(dim=-1)
 
 
 def nucleus_entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
