@@ -80,7 +80,9 @@ class CompareConfig:
     """Which of base, es, grpo, es_grpo, grpo_es to run (the report covers those run)."""
     seeds: list[int] = field(default_factory=lambda: [0])
     """Run seeds: every method is trained and evaluated once per seed (stages named <stage>.s<seed> when there are
-    several); the report gives mean +- std over seeds and bootstrap intervals over problems (run.seed is unused)."""
+    several); the paired tests treat each method's seeds as its training variance (run.seed is unused). One seed (the
+    default, so the CPU demo stays short) compares two checkpoints and supports no method-level claim; the paper
+    presets use [0, 1, 2]."""
     eval: BenchmarkConfig = field(default_factory=BenchmarkConfig)
     """Evaluation of every method (es-eval's eval section)."""
     drift_thresholds: list[float] = field(default_factory=lambda: [1.0e-3, 1.5e-3, 2.0e-3])
