@@ -350,7 +350,9 @@ class MemoryPlan:
         if self.settings.colocate:  # rollouts with the learner's state resident; training beside a sleeping vLLM
             resident = sum(line.nbytes for line in self.lines if line.part == "learner" and line.item in
                            ("weights", "fp32 master", "AdamW moments", "reference model", "allocator slack"))
-            return {"colocated": max(self.part("learner") + VLLM_FIXED_BYTES, resident + self.part("vllm"))}
+            build = sum(line.nbytes for line in self.lines if line.item == "learner build (device)")
+            return {"colocated": max(self.part("learner") + VLLM_FIXED_BYTES, resident + self.part("vllm"),
+                                     build + self.part("vllm"))}
         return {"learner": self.part("learner"), "rollout": self.part("vllm")}
 
     @property
@@ -598,7 +600,30 @@ def plan_grpo(m: ModelShape, s: Settings = Settings()) -> MemoryPlan:
     lines.append(Line("learner", "allocator slack", ES_SLACK_BYTES + logits,
                       "caching-allocator rounding and fragmentation: 0.5 GiB + the logits chunk's blocks once more"))
     lines.append(Line("learner", "CUDA context", CUDA_CONTEXT_BYTES, "outside torch's allocator"))
-    return MemoryPlan(m, "grpo", s, tuple(lines + _vllm_lines(m, s)))
+    return MemoryPlan(m, "grpo", s, tuple(lines + _build_lines(m, s) + _vllm_lines(m, s)))
+
+
+def _build_lines(m: ModelShape, s: Settings) -> list[Line]:
+    """The learner's build (grpo.learner), before any gradient or optimizer state exists. Sharded (grpo.fsdp_size > 1
+    or grpo.offload=all): built on the meta device, then each rank reads its rows of one tensor at a time, so the
+    device holds its fp32 shard (none with grpo.offload=all) and the host one tensor's rows in the file's dtype (up to
+    4 B) and in fp32. One process: from_pretrained on the host (the whole fp32 model), then moved whole onto the
+    device. Part "build": not summed into the steady state; ``MemoryPlan.gpus`` adds the device line to an awake
+    colocated vLLM (the learner ranks build while it is awake)."""
+    f = max(1, s.fsdp_size)
+    total = m.parameters()
+    if f > 1 or s.offload == "all":
+        largest = max(math.prod(t) for t in m.tensors().values())
+        rows = -(-largest // f)
+        device = 0 if s.offload == "all" else total * 4 // f
+        return [Line("build", "learner build (device)", device,
+                     f"this rank's fp32 shard: {total:,} x 4 B / fsdp {f}" if device else
+                     "none: grpo.offload=all keeps the shards on the host"),
+                Line("build", "learner build (host)", rows * 8 + (total * 4 // f if not device else 0),
+                     f"one tensor's rows read at a time: the largest, {largest:,} / fsdp {f} x (4 B read + 4 B fp32)"
+                     + (" + the rank's fp32 shard" if not device else ""))]
+    return [Line("build", "learner build (device)", total * 4, f"the whole fp32 model: {total:,} x 4 B"),
+            Line("build", "learner build (host)", total * 4, "from_pretrained's whole fp32 model, before the move")]
 
 
 def plan_eval(m: ModelShape, s: Settings = Settings()) -> MemoryPlan:

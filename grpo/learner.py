@@ -102,7 +102,10 @@ class GRPOLearner(Actor):
 
             startup_check("grpo", self.cfg, gpu=True,
                           reported=torch.cuda.get_device_properties(torch.device(self.device)).total_memory)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
+        if self.sharded:  # no rank holds the whole fp32 model: built empty, sharded, then each rank reads its shard
+            self.model = _empty_model(self.model_dir)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
         if g.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False} if self.sharded else None)
@@ -118,6 +121,7 @@ class GRPOLearner(Actor):
             p.requires_grad_(pattern is None or bool(pattern.search(name)))
         if self.sharded:
             self._shard()
+            self._load_shards()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError(f"model.trainable={self.cfg.model.trainable!r} matches no parameter")
@@ -164,6 +168,30 @@ class GRPOLearner(Actor):
             fully_shard(block, **kw)
         self.scorer = _scorer(self)
         fully_shard(self.scorer, **kw)
+
+    def _load_shards(self) -> None:
+        """Storage for this rank's shards only (the model was built on the meta device), filled from the checkpoint's
+        files: each tensor's rows of this rank read alone (safetensors ``get_slice``), so the build's transient is one
+        tensor's shard, not the model (es_ray.memory_plan's "build transient")."""
+        import torch
+
+        from es_ray.models import read_tensor, safetensors_index
+
+        buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}  # real: built off the meta device
+        # grpo.offload=all keeps the shards on the host (CPUOffloadPolicy); else on the rank's device
+        self.model.to_empty(device="cpu" if self.g.offload == "all" else self.device)
+        index = safetensors_index(self.model_dir)
+        with torch.no_grad():
+            for name, b in self.model.named_buffers():
+                b.copy_(buffers[name])
+            for name, p in self.model.named_parameters():
+                file, _ = index.get(name) or index["model.embed_tokens.weight"]  # a tied head is the embedding
+                key = name if name in index else "model.embed_tokens.weight"
+                local = _local(p)
+                if local.numel() == 0:  # FSDP2's last ranks may hold no rows of a short tensor
+                    continue
+                start = _shard_start(p)
+                local.copy_(read_tensor(file, key, (slice(start, start + local.shape[0]),)).to(local.dtype))
 
     def ready(self) -> dict:
         if not self.built:  # a sharded rank before ``join``
@@ -470,6 +498,27 @@ def _local(t):
 def _full(t):
     """A DTensor gathered whole (a collective: every rank calls it), or the tensor itself."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _empty_model(model_dir: str):
+    """The fp32 model with its parameters on the meta device (no storage) and its buffers real (rotary frequencies
+    are computed at construction, and a meta buffer would have no values to keep)."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    model.tie_weights()  # from_config leaves a tied head its own meta tensor; from_pretrained ties it
+    return model
+
+
+def _shard_start(p) -> int:
+    """The first dim-0 row of this rank's FSDP2 shard of ``p``: dim 0 split in chunks of ceil(rows / world)
+    (torch.chunk's split, which FSDP2 uses), the chunk at this rank's place in the mesh."""
+    mesh = p.device_mesh
+    rows, world = p.shape[0], mesh.size()
+    return min(rows, -(-rows // world) * mesh.get_local_rank())
 
 
 def _scorer(learner: GRPOLearner):
