@@ -19,7 +19,9 @@ from es_ray.core.registry import Registry  # noqa: E402
 
 COMMANDS = (("es-train", "es_ray.es.config:ESTrainConfig"), ("grpo-train", "grpo.config:GRPOTrainConfig"),
             ("es-eval", "es_ray.evaluation.config:EvalJobConfig"),
-            ("es-drift", "es_ray.evaluation.config:DriftJobConfig"), ("es-compare", "launch.compare.run:CompareConfig"))
+            ("es-drift", "es_ray.evaluation.config:DriftJobConfig"),
+            ("es-interpolate", "es_ray.evaluation.config:InterpolateJobConfig"),
+            ("es-compare", "launch.compare.run:CompareConfig"))
 REGISTRY_MODULES = ("es_ray.strategy", "es_ray.noise", "es_ray.perturbation", "es_ray.engines", "es_ray.tasks",
                     "es_ray.tasks.countdown", "es_ray.grading.boxed", "es_ray.core.dtypes", "es_ray.runtime.validation",
                     "es_ray.runtime.tracking", "es_ray.es.config", "es_ray.evaluation.config", "grpo.config",

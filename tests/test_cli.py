@@ -97,7 +97,7 @@ def test_the_printed_continue_command_resumes_the_run_as_printed(ray_local, tiny
     (["eval.every=1.5"], r"^eval\.every=1\.5: .*Integer$"),
     (["run.trackers=wandb"], r"^run\.trackers=wandb: .*key=\[a,b\]"),
     (["es.population=[1"], r"^cannot read the override 'es\.population=\[1'"),
-    (["experiment=nope"], r"^experiment=nope: no such preset; choose one of cpu_demo, "),
+    (["experiment=nope"], r"^experiment=nope: no such preset; choose one of coverage, cpu_demo, "),
     (["experiment=cpu_demo"], r"^experiment=cpu_demo: Key 'budget' not in 'ESTrainConfig'; the preset is not for"),
 ])
 def test_hydra_errors_are_one_line_naming_the_key(args, expected):

