@@ -177,13 +177,14 @@ class GRPOLearner(Actor):
 
         from es_ray.models import read_tensor, safetensors_index
 
-        buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}  # real: built off the meta device
+        buffers = [(m, k, b.detach().clone()) for m in self.model.modules() for k, b in m._buffers.items()
+                   if b is not None]  # real: built off the meta device
         # grpo.offload=all keeps the shards on the host (CPUOffloadPolicy); else on the rank's device
         self.model.to_empty(device="cpu" if self.g.offload == "all" else self.device)
+        for module, key, b in buffers:  # on the rank's device, where the forward runs, offloaded or not
+            module._buffers[key] = b.to(self.device)
         index = safetensors_index(self.model_dir)
         with torch.no_grad():
-            for name, b in self.model.named_buffers():
-                b.copy_(buffers[name])
             for name, p in self.model.named_parameters():
                 file, _ = index.get(name) or index["model.embed_tokens.weight"]  # a tied head is the embedding
                 key = name if name in index else "model.embed_tokens.weight"

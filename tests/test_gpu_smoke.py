@@ -1,5 +1,6 @@
 """scripts/gpu_smoke.py, the GPU machine's one device check, run on CPU on its tiny model: the same code path (engine,
-ES full rank and low rank, counter noise, a bf16_mixed GRPO learner), so the script cannot rot between GPU runs."""
+ES full rank and low rank, counter noise, a bf16_mixed GRPO learner, the sharded learner in a
+world-size-1 gloo group), so the script cannot rot between GPU runs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ def test_gpu_smoke_runs_tiny_on_cpu():
                          text=True, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     figures = json.loads(res.stdout.strip().splitlines()[-1])
-    assert figures["ok"] and len(figures["checks"]) == 9 and all(figures["checks"].values())
+    assert figures["ok"] and len(figures["checks"]) == 11 and all(figures["checks"].values())
+    sharded = figures["models"]["tiny-qwen2"]["sharded_learner"]
+    assert sharded["backend"] == "gloo" and sharded["chunk_tensors"] > 0 and sharded["build_host_rise_bytes"] > 0
+    assert figures["unconfirmed_here"] and "only a multi-GPU machine with vLLM confirms" in res.stdout
     model = figures["models"]["tiny-qwen2"]
     assert model["restore_bit_mismatches"] == 0 and model["perturb_changed_elements"] > 0
     assert model["update"]["realised_cos"] > 0.9 and model["lowrank_members_differing_alone"] == []
@@ -43,7 +47,7 @@ def test_lowrank_check_catches_rows_given_the_wrong_member(tmp_path, monkeypatch
 
     smoke_mod.build_model_dir(smoke_mod.TINY["tiny-qwen2"], torch.device("cpu"), 0, tmp_path)
     engine = HFEngine(str(tmp_path), EngineConfig(name="hf", device="cpu", batch_size=32, threads=1))
-    args = argparse.Namespace(population=4, sigma=1e-2, rank=4)
+    args = argparse.Namespace(population=4, sigma=1e-2, rank=4, repeats=3)
     prompts, greedy = list(smoke_mod.PROMPTS[:4]), SamplingConfig(max_new_tokens=8, temperature=0.0)
     honest = smoke_mod.Smoke(torch.device("cpu"))
     smoke_mod.check_lowrank(honest, engine, prompts, greedy, args, "tiny", {})
