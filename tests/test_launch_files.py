@@ -37,10 +37,10 @@ def pyproject() -> dict:
 
 def pyproject_pins() -> dict[str, str]:
     """Every dependency pyproject pins with ==, extras included, and for its ranges the exact tested version
-    (scripts/constraints.txt, a local label such as +cpu dropped): name -> version."""
+    (scripts/constraints-cpu.txt, a local label such as +cpu dropped): name -> version."""
     project = pyproject()["project"]
     reqs = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
-    tested = [line.split("#")[0].strip() for line in (REPO / "scripts" / "constraints.txt").read_text().splitlines()]
+    tested = [line.split("#")[0].strip() for line in (REPO / "scripts" / "constraints-cpu.txt").read_text().splitlines()]
     pins = {m.group(1).lower(): m.group(3) for line in tested if (m := PINNED.fullmatch(line.split("+")[0]))}
     return {**pins, **{m.group(1).lower(): m.group(3) for r in reqs if (m := PINNED.fullmatch(r))}}
 
@@ -317,7 +317,7 @@ def setup_plan(script: Path, device: str) -> str:
 
 
 def install_targets(installs: list[list[str]]) -> list[str]:
-    """The requirements of pip install commands, without options and their values (-c constraints.txt)."""
+    """The requirements of pip install commands, without options and their values (-c constraints-gpu.txt)."""
     targets = []
     for words in installs:
         takes_value = False
