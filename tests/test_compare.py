@@ -339,3 +339,27 @@ def test_two_seeds_and_a_token_budget_give_paired_tests_budgets_as_reached_and_t
     assert "Budget as reached (tokens; matched when within +-10% of the budget" in md
     assert "| seed 0 | seed 1 |" in md and "Compute (this run): GRPO's largest peak" in md
     assert (root / "stages" / "eval.es.s1" / "results.json").is_file()
+
+
+def test_verdicts_name_one_seed_differing_seeds_and_untestable_comparisons():
+    """A verdict is never a bare "higher" where the seeds cannot carry a method-level claim."""
+    from launch.compare.markdown import _needed, _test_cells, design_line
+
+    t = {"a": "es", "b": "grpo", "metric": "pass@16", "k": 16, "diff": 0.1, "low": 0.05, "high": 0.15, "p": 1e-5,
+         "p_holm": 1e-4, "problems": 100, "seeds": 1, "seeds_a": 1, "seeds_b": 1, "detectable": 0.05,
+         "alpha_power": 0.05 / 40, "testable": True, "separable": True, "can_plan": False,
+         "problems_needed": {"0.02": None, "0.06": None}, "seeds_needed": {"0.02": None, "0.06": None}}
+    one = _test_cells(t)[1]
+    assert one.startswith("this ES run higher") and "no method-level claim follows" in one
+    differ = _test_cells({**t, "seeds": 2, "seeds_a": 3, "seeds_b": 2})[1]
+    assert "seeds differ between the methods (ES 3, GRPO 2)" in differ
+    assert _test_cells({**t, "seeds": 3, "seeds_a": 3, "seeds_b": 3})[1] == "ES higher"
+    none = _test_cells({**t, "seeds": 3, "seeds_a": 3, "seeds_b": 3, "separable": False})[1]
+    assert "could detect 5 points at 80% power and Holm's first threshold 0.0013" in none
+    few = _test_cells({**t, "testable": False, "detectable": 1.4})[1]
+    assert few.startswith("too few problems or seeds to test") and "higher" not in few
+    assert _needed({**t, "seeds": 3}).startswith("cannot be estimated from 3 seed(s)")
+    line = design_line({"seeds": [0], "problems": {"arithmetic": 16}, "comparisons": {"tests": [{}] * 12,
+                                                                                          "alpha": 0.05}})
+    assert "1 seed(s) per method" in line and "arithmetic 16" in line and "12 tests" in line
+    assert "no method-level claim follows" in line
