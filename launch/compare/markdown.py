@@ -211,7 +211,10 @@ def _needed(t: dict) -> str:
     if not t["problems_needed"]:
         return "-"
     if not t.get("can_plan", True):
-        return f"cannot be estimated from {t['seeds']} seed(s) (planning needs at least 5 per method)"
+        from es_ray.metrics.paired import PLAN_SEEDS
+
+        return (f"cannot be estimated from {t['seeds']} seed(s) (planning on the training variance needs at least "
+                f"{PLAN_SEEDS} per method)")
     out = []
     for g, n in t["problems_needed"].items():
         s = t["seeds_needed"][g]
