@@ -63,7 +63,7 @@ def config(tmp_path, **run):
 
 @pytest.fixture(autouse=True)
 def no_cluster(monkeypatch):
-    monkeypatch.setattr("es_ray.runtime.cluster.connect", lambda cluster: None)
+    monkeypatch.setattr("es_ray.runtime.cluster.connect", lambda cluster, verbose=False: None)
 
 
 def test_a_run_steps_scores_checkpoints_and_summarises(tmp_path):
