@@ -336,7 +336,7 @@ def _drift_verdict(rep: dict, ratio) -> str:
         return f"{moved} ({(t or {}).get('why', 'no test')})"
     sep = t["p"] < ALPHA_DRIFT and (t["low"] > 0 or t["high"] < 0)
     return (f"{moved}: ES - GRPO L2 {t['diff']:+.3g} [{t['low']:+.3g}, {t['high']:+.3g}] over {t['seeds']} seeds "
-            f"(Welch's t, {t.get('df', float('nan')):.1f} df), " + ("separable" if sep else "not separable over these seeds"))
+            f"(Welch's t, {_f(t.get('df'), '{:.1f}')} df), " + ("separable" if sep else "not separable over these seeds"))
 
 
 ALPHA_DRIFT = 0.05

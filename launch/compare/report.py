@@ -249,7 +249,8 @@ def _test(x: str, y: str, metric: str, k, pairs, r, pw) -> dict:
     within = pw.detectable is not None and (metric == "entropy" or pw.detectable < 1.0)
     gaps = PAPER_GAPS.get(k, ())
     return {"a": x, "b": y, "metric": metric, "k": k, "diff": r.diff, "low": r.low, "high": r.high, "p": r.p,
-            "problems": r.problems, "seeds": r.seeds, "seeds_a": r.seeds_b, "seeds_b": r.seeds_a, "df": r.df,
+            "problems": r.problems, "seeds": r.seeds, "seeds_a": r.seeds_b, "seeds_b": r.seeds_a,
+            "df": r.df if np.isfinite(r.df) else None,  # no variance at all: no finite df
             "se": r.se, "var_training": r.var_training, "detectable": pw.detectable, "alpha_power": pw.alpha,
             # the smallest p this many problems can give (paired.py's floor) must be below Holm's first threshold
             "testable": within and 2.0 ** (1 - fewest) < pw.alpha,
@@ -269,7 +270,8 @@ def drift_comparison(per_seed: dict) -> dict | None:
     if len(l2["es"]) < 2:
         return {"seeds": 1, "why": "one seed: the seeds' spread is unknown, no test"}
     r = welch(np.array(l2["grpo"]), np.array(l2["es"]))  # the runs of ES and GRPO are independent, not paired
-    return {"seeds": len(l2["es"]), "diff": r.diff, "low": r.low, "high": r.high, "p": r.p, "df": r.df}
+    return {"seeds": len(l2["es"]), "diff": r.diff, "low": r.low, "high": r.high, "p": r.p,
+            "df": r.df if np.isfinite(r.df) else None}
 
 
 def es_null(root: Path, stage: str, total: dict, thresholds) -> dict:
