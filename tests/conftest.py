@@ -65,3 +65,14 @@ def ray_local():
     ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_left_running(request):
+    """A module that leaves a Ray running (a real connect() where a stand-in was meant) fails here, at its own
+    teardown, and not in the next module whose ray_local fixture then cannot start its own."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+        pytest.fail(f"{request.module.__name__} left a Ray running; use the ray_local fixture or a stand-in")

@@ -341,7 +341,8 @@ def test_spec_from_config_carries_every_es_setting():
     """Every ReplicaSpec field is read from the config key it names: changing each key changes that field alone.
     The ES settings the replica does not use are listed here, so a new one has to be placed on one side."""
     driver_only = {"population", "sigma", "iterations", "prompts_per_iteration", "shaping", "estimator",
-                   "checksum_every", "on_mismatch"}
+                   "checksum_every", "on_mismatch",
+                   "samples_per_prompt", "fitness_baseline"}  # how the workers sample and score, not the update
     fields = dataclasses.fields(ReplicaSpec)
     keys = {f.name: f.metadata["config"] for f in fields}
     es_keys = {k.removeprefix("es.") for k in keys.values() if k.startswith("es.")}

@@ -61,9 +61,13 @@ def config(tmp_path, **run):
                                eval=dataclasses.replace(cfg.eval, every=2))
 
 
-@pytest.fixture(autouse=True)
-def no_cluster(monkeypatch):
-    monkeypatch.setattr("es_ray.runtime.cluster.connect", lambda cluster, verbose=False: None)
+@pytest.fixture(autouse=True, scope="module")
+def no_cluster():
+    """No Ray for the stand-ins, module fixtures included (a function-scoped patch would come after them, and a
+    module fixture's run would start a local Ray that the next module's own Ray then collides with)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("es_ray.runtime.cluster.connect", lambda cluster, verbose=False: None)
+        yield
 
 
 def test_a_run_steps_scores_checkpoints_and_summarises(tmp_path):
