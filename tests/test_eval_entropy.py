@@ -29,6 +29,31 @@ def test_masked_tokens_with_minus_inf_logits_add_nothing():
     assert got[1].item() == pytest.approx(math.log(2))
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_chunked_token_scores_entropy_with_masked_tokens_is_finite(grad):
+    """The learner's chunked LM head with a -inf logit (a masked vocabulary entry, here a -inf bias): its entropy is
+    the masked distribution's, not 0 * -inf = NaN, and the log-probs of the unmasked tokens and their gradients stay
+    finite, with and without the checkpointed backward."""
+    from es_ray.metrics.entropy import chunked_token_scores
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(5, 7)
+    with torch.no_grad():
+        head.bias[[2, 5]] = float("-inf")
+    hidden = torch.randn(6, 5, generator=g, requires_grad=grad)
+    tokens = torch.tensor([0, 1, 3, 4, 6, 0])
+    with torch.set_grad_enabled(grad):
+        lp, ent = chunked_token_scores(head, hidden, tokens, 0.8, chunk=4, entropy=True)
+    kept = [0, 1, 3, 4, 6]
+    z = (hidden @ head.weight.T + head.bias).detach()[:, kept]
+    torch.testing.assert_close(ent, entropy_from_logits(z, 0.8))
+    torch.testing.assert_close(lp.detach(), torch.log_softmax(z / 0.8, -1).gather(-1, torch.tensor(
+        [kept.index(int(t)) for t in tokens])[:, None])[:, 0])
+    if grad:
+        lp.sum().backward()
+        assert torch.isfinite(hidden.grad).all() and torch.isfinite(head.weight.grad).all()
+
+
 def test_temperature_rescales_the_logits():
     logits = torch.tensor([2.0, 0.5, -1.0, 0.0])
     assert entropy_from_logits(logits, 0.5).item() == pytest.approx(entropy_from_logits(2 * logits).item())

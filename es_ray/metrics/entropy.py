@@ -60,8 +60,9 @@ def chunked_token_scores(head, hidden_nh: torch.Tensor, tokens_n: torch.Tensor, 
         lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
         if not entropy:
             return lp, None
-        with torch.no_grad():
-            return lp, -(logp.exp() * logp).sum(dim=-1)
+        with torch.no_grad():  # a -inf logit (masked token) adds 0, not 0 * -inf = NaN, as entropy_from_logits
+            p = logp.exp()
+            return lp, -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(dim=-1)
 
     grad = torch.is_grad_enabled()
     parts = []
