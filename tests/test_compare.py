@@ -363,3 +363,130 @@ def test_verdicts_name_one_seed_differing_seeds_and_untestable_comparisons():
                                                                                           "alpha": 0.05}})
     assert "1 seed(s) per method" in line and "arithmetic 16" in line and "12 tests" in line
     assert "no method-level claim follows" in line
+
+
+def test_es_budget_counts_every_sample_per_prompt(tmp_path):
+    """Each ES member generates es.samples_per_prompt completions per prompt; the token budget's reach counts them."""
+    cfg = _cfg(Path("/m"), tmp_path, budget=BudgetConfig(unit="tokens", epochs=8.0, tokens=10_000))
+    cfg.es.samples_per_prompt = 4
+    with pytest.raises(ConfigError, match=r"es generates 32 completions per iteration at up to 16 tokens per "
+                                          r"completion: about 4,096 tokens"):
+        validate_compare(cfg)
+    cfg.budget.tokens = 4_000  # 2 members x 4 prompts x 4 samples x 16 tokens x 8 iterations = 4,096 reach it
+    cfg.methods = ["base", "es"]
+    assert stage_plan(validate_compare(cfg), "es", tmp_path, pool=4)[0].config().es.samples_per_prompt == 4
+
+
+def test_interpolation_stages_join_the_methods_final_weights_and_bad_pairs_are_refused(tmp_path):
+    from launch.compare.run import InterpolationConfig, interpolation_plan
+
+    cfg = _cfg(Path("/models/base"), tmp_path, seeds=[0, 3], methods=["base", "es", "grpo", "es_grpo"],
+               interpolate=InterpolationConfig(pairs=["base-es", "es-es_grpo"], grid=[0.0, 0.5, 1.0], draws=50))
+    cfg.eval.kl_base = True  # scored along the path without KL (es-interpolate's own refusal is not hit)
+    validate_compare(cfg)
+    stages = interpolation_plan(cfg, tmp_path, seed=3)
+    assert [(s.name, s.kind) for s in stages] == [("interpolate.base-es.s3", "interpolate"),
+                                                  ("interpolate.es-es_grpo.s3", "interpolate")]
+    base_es, es_seq = (s.config() for s in stages)
+    assert base_es.a == "" and base_es.b == str(tmp_path / "stages" / "train.es.s3" / "checkpoints" / "final")
+    assert es_seq.b == str(tmp_path / "stages" / "train.es_grpo.grpo.s3" / "checkpoints" / "final")
+    assert base_es.base == "/models/base" and base_es.grid == [0.0, 0.5, 1.0] and base_es.run.seed == 3
+    assert base_es.eval.kl_base is False and base_es.eval.n == cfg.eval.n
+    for pairs in (["es-ppo"], ["es"], ["es-es"], ["grpo_es-es"]):
+        with pytest.raises(ConfigError, match=r"interpolate.pairs: .* is not first-second of two different methods"):
+            validate_compare(_cfg(Path("/m"), tmp_path, methods=["base", "es", "grpo", "es_grpo"],
+                                  interpolate=InterpolationConfig(pairs=pairs)))
+    with pytest.raises(ConfigError, match=r"grid=\[0.5\] must hold distinct values in \[0, 1\], 0 and 1 among"):
+        validate_compare(_cfg(Path("/m"), tmp_path, interpolate=InterpolationConfig(pairs=["base-es"], grid=[0.5])))
+
+
+def _write(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj))
+
+
+def test_report_shows_objectives_kl_with_intervals_and_the_interpolation_curves(tmp_path):
+    """From stage files written here: each training run's objective, the KL table (means over the seeds, intervals
+    over problems and seeds, the paired ES - GRPO test) and every path's curves, barrier and cosine."""
+    import dataclasses
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from es_ray.metrics.paired import paired_difference, paired_difference_tasks
+    from launch.compare.analyses import (interpolation_figure, interpolation_markdown, interpolation_section,
+                                         kl_markdown, kl_section, objectives, objectives_markdown)
+    from launch.compare.plots import title
+    from launch.compare.run import InterpolationConfig, interpolation_plan
+
+    cfg = _cfg(Path("/m"), tmp_path, methods=["base", "es", "grpo"], seeds=[0, 1],
+               interpolate=InterpolationConfig(pairs=["es-grpo"], grid=[0.0, 0.5, 1.0]))
+    cfg.eval.kl_base, cfg.task.objective, cfg.task.objective_k = True, "pass_at_k", 2
+    cfg.es.samples_per_prompt = 2
+    plan = {m: {s: stage_plan(cfg, m, tmp_path, pool=4, seed=s) for s in cfg.seeds} for m in cfg.methods}
+    rng = np.random.default_rng(1)
+    kl = {}  # (method, seed) -> [P] KL(base || tuned)
+    for m in cfg.methods:
+        for s in cfg.seeds:
+            stages = plan[m][s]
+            for st in stages:
+                if st.kind.startswith("train"):
+                    _write(st.dir(tmp_path) / "config.json", dataclasses.asdict(st.config()))
+            scale = {"base": 0.0, "es": 0.02, "grpo": 0.005}[m]
+            kl[(m, s)] = scale * rng.gamma(2.0, size=5)
+            per_problem = {str(p): {"base_tuned": float(v), "tuned_base": float(1.5 * v)}
+                           for p, v in enumerate(kl[(m, s)])}
+            ev = next(st for st in stages if st.kind == "eval")
+            _write(ev.dir(tmp_path) / "results.json", {"tasks": {"arithmetic": {"kl": {"per_problem": per_problem}}}})
+    paths = {s: interpolation_plan(cfg, tmp_path, s) for s in cfg.seeds}
+    for s, stages in paths.items():
+        curve = [0.5, 0.2 + 0.1 * s, 0.4]
+        _write(stages[0].dir(tmp_path) / "interpolation.json", {
+            "grid": [0.0, 0.5, 1.0], "updates": {"cosine": 0.01 * s, "by_module_type": {"mlp": 0.02, "norm": None}},
+            "tasks": {"arithmetic": {f"pass@{k}": {"curve": curve, "barrier": 0.25 - 0.1 * s, "barrier_at": 0.5,
+                                                     "barrier_interval": [0.1, 0.4], "problems": 3}
+                                     for k in cfg.eval.k}}})
+
+    final = lambda st: next(x for x in st if x.kind == "eval")  # noqa: E731
+    rep = {"k": cfg.eval.k, "tasks": ["arithmetic"], "seeds": cfg.seeds, "model": "", "train_task": "arithmetic",
+           "budget": {"unit": "epochs", "epochs": 2.0, "tokens": 0, "device_seconds": 0}, "methods": {m: {"label": l} for m, l in
+                                                                      (("base", "Base"), ("es", "ES"), ("grpo", "GRPO"))},
+           "objectives": objectives(tmp_path, {m: plan[m][0] for m in plan}),
+           "kl": kl_section(tmp_path, cfg, plan, final), "interpolation": interpolation_section(tmp_path, paths)}
+    assert rep["objectives"]["es"] == [{"stage": "train.es.s0", "part": "es", "task": "es_test_tasks:VowelTask",
+                                        "objective": "pass_at_k", "k": 2, "samples_per_prompt": 2}]
+    assert rep["objectives"]["base"] == [] and rep["objectives"]["grpo"][0]["samples_per_prompt"] == 2  # group
+    md = "\n".join(objectives_markdown(rep))
+    assert "| ES | ES: pass@2 on es_test_tasks:VowelTask (samples per prompt 2) |" in md
+    assert "| GRPO | GRPO: pass@2 on es_test_tasks:VowelTask (group size 2) |" in md
+
+    for m in cfg.methods:  # the mean over seeds and problems, with the paired interval against zeros
+        x = np.array([kl[(m, s)] for s in cfg.seeds])
+        ref = paired_difference(np.zeros_like(x), x)
+        cell = rep["kl"]["methods"][m]["arithmetic"]["base_tuned"]
+        assert cell["mean"] == pytest.approx(x.mean()) and cell["low"] == pytest.approx(ref.low)
+        assert rep["kl"]["methods"][m]["arithmetic"]["tuned_base"]["mean"] == pytest.approx(1.5 * x.mean())
+    assert rep["kl"]["methods"]["base"]["arithmetic"]["base_tuned"]["mean"] == 0.0
+    test = next(t for t in rep["kl"]["tests"] if t["direction"] == "base_tuned")
+    ref = paired_difference_tasks([(np.array([kl[("grpo", s)] for s in cfg.seeds]),
+                                    np.array([kl[("es", s)] for s in cfg.seeds]))])
+    assert (test["a"], test["b"]) == ("es", "grpo") and test["diff"] == pytest.approx(ref.diff)
+    assert test["p"] == pytest.approx(ref.p) and test["p_holm"] >= test["p"] and len(rep["kl"]["tests"]) == 2
+    md = "\n".join(kl_markdown(rep))
+    assert "## Off-task KL to the base model" in md and "| ES - GRPO | base_tuned |" in md
+    es_mean = np.mean([kl[("es", s)] for s in cfg.seeds])
+    assert f"| ES | KL(base \\|\\| tuned) | {es_mean:.4g} [" in md
+
+    path = rep["interpolation"]["es-grpo"]
+    assert path["grid"] == [0.0, 0.5, 1.0] and set(path["seeds"]) == {"0", "1"}
+    assert path["mean_curve"]["arithmetic"]["pass@1"] == pytest.approx([0.5, 0.25, 0.4])
+    md = "\n".join(interpolation_markdown(rep))
+    assert "### ES -> GRPO" in md and "| 1 | arithmetic | pass@4 | 0.500 | 0.300 | 0.400 | 0.150 [0.100, 0.400]" in md
+    assert "| 0 | 0.0000 | 0.0200 | n/a (an update is zero) |" in md  # a zero update's cosine is None: n/a
+    fig = interpolation_figure(plt, rep, title)
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert labels == ["ES -> GRPO: pass@1", "ES -> GRPO: pass@4"]
+    plt.close(fig)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from launch.compare.analyses import forgetting_markdown, interpolation_markdown, kl_markdown, objectives_markdown
 from launch.compare.methods import LABELS
 
 
@@ -36,9 +37,11 @@ def markdown(rep: dict) -> str:
         cells = [" / ".join(_p(m["pass@k"][t][str(k)]) for k in ks) for t in tasks]
         cells.append(" / ".join(_p(m["average"][str(k)]) for k in ks))
         lines.append(f"| {m['label']} | " + " | ".join(cells) + " |")
+    lines += objectives_markdown(rep)
     lines += uncertainty_markdown(rep)
     lines += entropy_markdown(rep)
     lines += drift_markdown(rep)
+    lines += kl_markdown(rep) + interpolation_markdown(rep) + forgetting_markdown(rep)
     lines += compute_markdown(rep)
     lines += verdict_markdown(rep)
     return "\n".join(lines)

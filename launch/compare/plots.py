@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from launch.compare.analyses import interpolation_figure
+
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 """What an empty model.path (or es_ray.models.EMBEDDED_NAMES) trains: the embedded default model."""
 _EMBEDDED_REFS = ("", "smollm2-135m", "embedded", "embedded default model")
@@ -216,7 +218,8 @@ def figures(rep: dict) -> dict:
 
     out = {f"passk_{task}": passk_figure(plt, rep, task) for task in rep["tasks"]}
     out.update({"reward_curves": reward_figure(plt, rep), "training_curves": training_figure(plt, rep),
-                "entropy": entropy_figure(plt, rep), "update_histograms": update_figure(plt, rep)})
+                "entropy": entropy_figure(plt, rep), "update_histograms": update_figure(plt, rep),
+                "interpolation": interpolation_figure(plt, rep, title)})
     return {k: v for k, v in out.items() if v is not None}
 
 

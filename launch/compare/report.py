@@ -19,6 +19,7 @@ import numpy as np
 from es_ray.metrics.passk import pass_at_k
 from es_ray.held_out import BASE_POINT
 from es_ray.runtime.names import ES_ZERO_UPDATE, HELD_OUT_ENTROPY, HELD_OUT_PASS1, REWARD_MEAN
+from launch.compare.analyses import forgetting_section, interpolation_section, kl_section, objectives
 from launch.compare.markdown import markdown
 from launch.compare.methods import COMPARED, LABELS, grpo_placement_text, runs_grpo
 from launch.compare.plots import plots
@@ -102,15 +103,18 @@ def budget_reached(cfg, ledger: dict | None, parts: int) -> dict | None:
     return {"unit": b.unit, "tolerance": b.tolerance, "parts": rows, "matched": all(r["matched"] for r in rows)}
 
 
-def training_rows(root: Path, parts: list[tuple[str, str]], pool: int, cfg) -> list[tuple[float, dict, str]]:
+def training_rows(root: Path, parts: list[tuple[str, str]], pool: int | dict[str, int],
+                  cfg) -> list[tuple[float, dict, str]]:
     """(epochs seen, metrics row, es|grpo) per iteration/step of a method's training run(s), the parts of a
-    sequential method end to end: read once, for both curves."""
+    sequential method (and the tasks of a sequence) end to end: read once, for both curves. ``pool``: the training
+    pool, or per stage name (a sequence's tasks may differ in size)."""
     out, offset = [], 0.0
     for stage, kind in parts:
+        size = pool[stage] if isinstance(pool, dict) else pool
         per_unit = cfg.es.prompts_per_iteration if kind == "es" else cfg.grpo.prompts_per_step
         rows = [r for r in _read_jsonl(root / "stages" / stage / "metrics.jsonl") if r.get(REWARD_MEAN) is not None]
-        out += [(offset + (i + 1) * per_unit / pool, r, kind) for i, r in enumerate(rows)]
-        offset += len(rows) * per_unit / pool
+        out += [(offset + (i + 1) * per_unit / size, r, kind) for i, r in enumerate(rows)]
+        offset += len(rows) * per_unit / size
     return out
 
 
@@ -295,10 +299,11 @@ def es_null(root: Path, stage: str, total: dict, thresholds) -> dict:
                       anchor_decay=es["anchor_decay"], zero_steps=zero)
 
 
-def collect(root: Path, cfg, plan: dict, pool: int) -> dict:
+def collect(root: Path, cfg, plan: dict, pool: int, paths: dict | None = None) -> dict:
     """The report: point estimates averaged over the seeds (each seed's beside them), the first seed's details
-    (drift histograms, curves, ledger), and the paired tests of every pair of methods over problems and seeds.
-    ``plan``: {method: {seed: stages}}."""
+    (drift histograms, curves, ledger), the paired tests of every pair of methods over problems and seeds, and the
+    analyses beyond the paper's (launch.compare.analyses). ``plan``: {method: {seed: stages}}; ``paths``: {seed:
+    es-interpolate stages}."""
     seeds = list(cfg.seeds)
     per_seed = {s: collect_seed(root, cfg, {m: plan[m][s] for m in plan}, pool) for s in seeds}
     rep = per_seed[seeds[0]]
@@ -330,6 +335,12 @@ def collect(root: Path, cfg, plan: dict, pool: int) -> dict:
     rep["intervals"] = intervals(pp, rep["k"])
     rep["comparisons"] = comparisons(pp, rep["k"], rep["tasks"])
     rep["drift_test"] = drift_comparison(per_seed)
+    final_eval = lambda stages: _stage(stages, "eval")  # noqa: E731
+    rep["objectives"] = objectives(root, {m: plan[m][seeds[0]] for m in plan})
+    rep["sequence"] = list(cfg.sequence)
+    rep["kl"] = kl_section(root, cfg, plan, final_eval)
+    rep["interpolation"] = interpolation_section(root, paths or {})
+    rep["forgetting"] = forgetting_section(root, cfg, plan, final_eval)
     return rep
 
 
@@ -349,7 +360,7 @@ def collect_seed(root: Path, cfg, plan: dict, pool: int) -> dict:
     drift_l2 = {}
     for method, stages in plan.items():
         parts = [(s.name, "es" if s.kind == "train_es" else "grpo") for s in stages if s.kind.startswith("train")]
-        rows = training_rows(root, parts, pool, cfg)
+        rows = training_rows(root, parts, {s.name: s.pool or pool for s in stages}, cfg)
         ledger = method_ledger(cfg, root, parts)
         eval_dir = root / "stages" / _stage(stages, "eval").name
         ev = _read_json(eval_dir / "results.json")
@@ -407,8 +418,8 @@ def collect_seed(root: Path, cfg, plan: dict, pool: int) -> dict:
     }
 
 
-def write_report(root: Path, cfg, plan: dict, pool: int) -> dict:
-    rep = collect(root, cfg, plan, pool)
+def write_report(root: Path, cfg, plan: dict, pool: int, paths: dict | None = None) -> dict:
+    rep = collect(root, cfg, plan, pool, paths)
     rep["plots"] = plots(rep, root)
     (root / "report.json").write_text(json.dumps(rep, indent=2))
     (root / "report.md").write_text(markdown(rep))

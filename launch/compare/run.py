@@ -62,6 +62,19 @@ class BudgetConfig:
 
 
 @dataclass
+class InterpolationConfig:
+    """es-interpolate along the straight paths between the methods' final weights (docs/comparison.md)."""
+
+    pairs: list[str] = field(default_factory=list)
+    """Paths to score after the evaluations, each first-second of the methods run (base: the base weights), e.g.
+    [base-es, base-grpo, es-grpo]; every seed gets its own. Empty: none."""
+    grid: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    """The t of theta(t) = (1 - t) theta_first + t theta_second scored, 0 and 1 among them."""
+    draws: int = 2000
+    """Bootstrap resamples of the problems for each barrier's interval."""
+
+
+@dataclass
 class CompareConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The base model every method starts from."""
@@ -100,6 +113,14 @@ class CompareConfig:
     """run.dir: the comparison's directory (absolute; repeat the command with the same run.dir to resume)."""
     faults: FaultPolicy = field(default_factory=FaultPolicy)
     """Actor timeout and replacements, for every stage."""
+    sequence: list[str] = field(default_factory=list)
+    """A task sequence, e.g. [countdown, gsm8k]: every trained method trains on each task in order (the budget per
+    task; the next task starts from the last one's final weights), and after each task but the last its weights are
+    scored on the tasks trained so far, so the report shows the held-out score on every earlier task after each
+    stage (forgetting, with paired intervals; docs/comparison.md). Every task must be in eval.tasks (the final
+    evaluation scores them all after the last). Empty: one training task, task.name."""
+    interpolate: InterpolationConfig = field(default_factory=InterpolationConfig)
+    """es-interpolate between the methods' final weights (interpolate.pairs; none by default)."""
 
 
 def validate_compare(cfg: CompareConfig) -> CompareConfig:
@@ -124,10 +145,32 @@ def validate_compare(cfg: CompareConfig) -> CompareConfig:
     if cfg.run.seed:
         raise ConfigError(f"run.seed={cfg.run.seed}: es-compare takes its run seeds from seeds=[...]; set "
                           f"seeds=[{cfg.run.seed}] instead")
+    validate_sequence(cfg)
     for method in cfg.methods:  # each stage's own validation: build every stage's config once
         for spec in stage_plan(cfg, method, Path("/tmp"), seed=cfg.seeds[0]):
             spec.config()
+    for spec in interpolation_plan(cfg, Path("/tmp"), seed=cfg.seeds[0]):
+        spec.config()
     return cfg
+
+
+def validate_sequence(cfg: CompareConfig) -> None:
+    """A task sequence names two or more distinct tasks, each scored by the final evaluation; interpolation pairs
+    name two different methods that are run."""
+    seq = list(cfg.sequence)
+    if seq:
+        if len(seq) < 2 or len(set(seq)) != len(seq) or not all(isinstance(t, str) and t.strip() for t in seq):
+            raise ConfigError(f"sequence={seq}: give two or more distinct task names in training order, e.g. "
+                              "sequence=[countdown,gsm8k] (or sequence=[] for one training task, task.name)")
+        missing = [t for t in seq if t not in cfg.eval.tasks]
+        if missing:
+            raise ConfigError(f"sequence={seq}: {missing} not in eval.tasks={list(cfg.eval.tasks)}; the final "
+                              f"evaluation must score every task of the sequence: add them to eval.tasks")
+    for pair in cfg.interpolate.pairs:
+        ends = str(pair).split("-")
+        if len(ends) != 2 or ends[0] == ends[1] or not all(e in cfg.methods or e == "base" for e in ends):
+            raise ConfigError(f"interpolate.pairs: {pair!r} is not first-second of two different methods run "
+                              f"(methods={list(cfg.methods)}, or base), e.g. interpolate.pairs=[base-es,es-grpo]")
 
 
 def check_stage_memory(cfg: CompareConfig) -> None:
@@ -140,18 +183,25 @@ def check_stage_memory(cfg: CompareConfig) -> None:
         return
     for method in cfg.methods:
         for spec in stage_plan(cfg, method, Path("/tmp"), seed=cfg.seeds[0]):
-            kind = {"train_es": "es", "train_grpo": "grpo", "eval": "eval"}.get(spec.kind)
+            kind = {"train_es": "es", "train_grpo": "grpo", "eval": "eval", "seq_eval": "eval"}.get(spec.kind)
             if kind:
                 startup_check(kind, spec.config(), shape=shape)
 
 
-def pool_size(cfg: CompareConfig) -> int:
-    """The training pool's size; a held-out set that is empty while curves are asked for is refused here."""
+def training_tasks(cfg: CompareConfig) -> list[str]:
+    """The tasks trained on, in order: the sequence, or task.name alone."""
+    return list(cfg.sequence) or [cfg.task.name]
+
+
+def pool_size(cfg: CompareConfig, name: str = "") -> int:
+    """The training pool's size of task ``name`` (default task.name); a held-out set that is empty while curves are
+    asked for is refused here."""
     from es_ray.tasks import load_task
 
-    task = load_task(cfg.task)
+    task_cfg = dataclasses.replace(cfg.task, name=name or cfg.task.name)
+    task = load_task(task_cfg)
     if cfg.curve_every and not task.eval:
-        raise ConfigError(f"task.name={cfg.task.name} with task.eval_size={cfg.task.eval_size} leaves no held-out "
+        raise ConfigError(f"task.name={task_cfg.name} with task.eval_size={cfg.task.eval_size} leaves no held-out "
                           "problems, and curve_every asks for held-out curves: set task.eval_size > 0, or "
                           "curve_every=0 for no curves")
     return len(task.train)
@@ -168,9 +218,12 @@ def budget_units(epochs: float, pool: int, per_unit: int) -> int:
 @dataclass
 class Stage:
     name: str
-    kind: str  # train_es | train_grpo | eval | drift
+    kind: str  # train_es | train_grpo | eval | seq_eval | drift | interpolate
     config: Callable[[], Any]
     run: Callable[[Any], dict]
+    pool: int = 0
+    """Training stages: the pool of the task they train on (what an epoch is); task: that task's name."""
+    task: str = ""
 
     def dir(self, root: Path) -> Path:
         return root / "stages" / self.name
@@ -218,14 +271,15 @@ def _faults(cfg: CompareConfig, cls: type):
 
 
 def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int, seed: int,
-               measured: float | None = None):
+               measured: float | None = None, task: str = ""):
     from es_ray.es.config import ESFaultsConfig, ESTrainConfig, validate
 
     iterations = budget_units(epochs, pool, cfg.es.prompts_per_iteration)
     share = epochs / cfg.budget.epochs
-    samples = cfg.es.population * min(cfg.es.prompts_per_iteration, pool)
+    # every member generates es.samples_per_prompt completions of each prompt (the ledger counts them all)
+    samples = cfg.es.population * min(cfg.es.prompts_per_iteration, pool) * cfg.es.samples_per_prompt
     _check_reachable(cfg, "es", samples, cfg.es_sampling.max_new_tokens, iterations, share, measured)
-    return validate(ESTrainConfig(task=cfg.task, es=dataclasses.replace(cfg.es, iterations=iterations),
+    return validate(ESTrainConfig(task=_task(cfg, task), es=dataclasses.replace(cfg.es, iterations=iterations),
                                   sampling=cfg.es_sampling, cluster=cfg.cluster,
                                   eval=_held_out(cfg),
                                   faults=_faults(cfg, ESFaultsConfig),
@@ -233,7 +287,7 @@ def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float
 
 
 def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int, seed: int,
-                 measured: float | None = None):
+                 measured: float | None = None, task: str = ""):
     from grpo.config import GRPOClusterConfig, GRPOTrainConfig, validate_grpo
 
     steps = budget_units(epochs, pool, cfg.grpo.prompts_per_step)
@@ -242,11 +296,16 @@ def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: flo
     _check_reachable(cfg, "grpo", samples, cfg.grpo_sampling.max_new_tokens, steps, share, measured)
     colocate, rollouts = grpo_placement(cfg)
     cluster = GRPOClusterConfig(**{**dataclasses.asdict(cfg.cluster), "num_actors": rollouts})
-    return validate_grpo(GRPOTrainConfig(task=cfg.task, grpo=dataclasses.replace(cfg.grpo, steps=steps,
+    return validate_grpo(GRPOTrainConfig(task=_task(cfg, task), grpo=dataclasses.replace(cfg.grpo, steps=steps,
                                                                                   colocate=colocate),
                                          sampling=cfg.grpo_sampling, cluster=cluster,
                                          eval=_held_out(cfg),
                                          faults=cfg.faults, **_common(cfg, model_path, run_dir, seed, share)))
+
+
+def _task(cfg: CompareConfig, name: str):
+    """The training task section of one stage: task.name, or the sequence's task ``name``."""
+    return dataclasses.replace(cfg.task, name=name) if name else cfg.task
 
 
 def _run_es(train_cfg) -> dict:
@@ -261,10 +320,12 @@ def _run_grpo(train_cfg) -> dict:
     return run(train_cfg)
 
 
-def _eval_config(cfg: CompareConfig, model_path: str, run_dir: Path, seed: int):
+def _eval_config(cfg: CompareConfig, model_path: str, run_dir: Path, seed: int, tasks: list[str] | None = None):
     from es_ray.evaluation.config import EvalJobConfig, validate_eval
 
-    return validate_eval(EvalJobConfig(model=dataclasses.replace(cfg.model, path=model_path), eval=cfg.eval,
+    ev = cfg.eval if tasks is None else dataclasses.replace(
+        cfg.eval, tasks=list(tasks), paths={t: p for t, p in cfg.eval.paths.items() if t in tasks})
+    return validate_eval(EvalJobConfig(model=dataclasses.replace(cfg.model, path=model_path), eval=ev,
                                        engine=cfg.engine, cluster=cfg.cluster, faults=cfg.faults,
                                        run=dataclasses.replace(cfg.run, dir=str(run_dir), seed=seed)))
 
@@ -292,24 +353,34 @@ PART_STAGES = {"es": (_es_config, _run_es), "grpo": (_grpo_config, _run_grpo)}
 """How each training part (``methods.PARTS``) is built: (its config from the comparison's, its run)."""
 
 
-def stage_plan(cfg: CompareConfig, method: str, root: Path, pool: int | None = None,
+def stage_plan(cfg: CompareConfig, method: str, root: Path, pool: int | dict[str, int] | None = None,
                seed: int = 0) -> list[Stage]:
-    """The stages of one method and seed, in order: its training part(s), its evaluation, its drift from the base."""
-    pool = pool if pool is not None else max(1, cfg.task.train_size)
+    """The stages of one method and seed, in order: its training part(s) (per task of a sequence, each followed by
+    a scoring of the tasks trained so far, but the last), its evaluation, its drift from the base. ``pool``: the
+    training pool's size, or per task of the sequence."""
     suffix = f".s{seed}" if len(cfg.seeds) > 1 else ""
     stages: list[Stage] = []
     model_path = cfg.model.path
     parts = TRAINED.get(method, ())
     epochs = cfg.budget.epochs / max(1, len(parts))
-    for part in parts:
-        # A sequential method's first half is its own run (not a prefix of the one-method run), so its compute
-        # is measured, not apportioned.
-        name = f"train.{method}.{part}{suffix}" if len(parts) > 1 else f"train.{method}{suffix}"
-        run_dir, start = root / "stages" / name, model_path
-        make, run_part = PART_STAGES[part]
-        stages.append(Stage(name, f"train_{part}",
-                            (lambda s=start, d=run_dir, f=make: f(cfg, s, d, epochs, pool, seed)), run_part))
-        model_path = str(run_dir / "checkpoints" / "final")
+    tasks = list(cfg.sequence)
+    for i, task in enumerate(tasks or [""]):
+        size = (pool.get(task or cfg.task.name, 0) if isinstance(pool, dict) else pool) or max(1, cfg.task.train_size)
+        for part in parts:
+            # A sequential method's first half is its own run (not a prefix of the one-method run), so its compute
+            # is measured, not apportioned.
+            name = ".".join(["train", method] + [task] * bool(task) + [part] * (len(parts) > 1)) + suffix
+            run_dir, start = root / "stages" / name, model_path
+            make, run_part = PART_STAGES[part]
+            stages.append(Stage(name, f"train_{part}",
+                                (lambda s=start, d=run_dir, f=make, n=size, t=task: f(cfg, s, d, epochs, n, seed,
+                                                                                       task=t)),
+                                run_part, pool=size, task=task or cfg.task.name))
+            model_path = str(run_dir / "checkpoints" / "final")
+        if parts and task and i < len(tasks) - 1:  # the tasks so far, scored before the next one is trained
+            d = root / "stages" / f"eval.{method}.after.{task}{suffix}"
+            stages.append(Stage(d.name, "seq_eval", (lambda p=model_path, d=d, t=tasks[:i + 1]:
+                                                     _eval_config(cfg, p, d, seed, t)), _run_eval, task=task))
     eval_dir = root / "stages" / f"eval.{method}{suffix}"
     stages.append(Stage(eval_dir.name, "eval", (lambda p=model_path, d=eval_dir: _eval_config(cfg, p, d, seed)),
                         _run_eval))
@@ -318,6 +389,42 @@ def stage_plan(cfg: CompareConfig, method: str, root: Path, pool: int | None = N
         stages.append(Stage(drift_dir.name, "drift", (lambda p=model_path, d=drift_dir: _drift_config(cfg, p, d)),
                             _run_drift))
     return stages
+
+
+def final_weights(cfg: CompareConfig, method: str, root: Path, seed: int) -> str:
+    """A method's final weights: its last training stage's final checkpoint, or "" for the base model."""
+    trained = [s for s in stage_plan(cfg, method, root, seed=seed) if s.kind.startswith("train")]
+    return str(trained[-1].dir(root) / "checkpoints" / "final") if trained else ""
+
+
+def interpolation_plan(cfg: CompareConfig, root: Path, seed: int = 0) -> list[Stage]:
+    """One es-interpolate stage per interpolate.pairs entry (after the methods' own stages): reward and pass@k along
+    theta(t) between the two methods' final weights, scored as the evaluation scores (eval.*; no entropy, no KL)."""
+    suffix = f".s{seed}" if len(cfg.seeds) > 1 else ""
+    out = []
+    for pair in cfg.interpolate.pairs:
+        first, second = str(pair).split("-")
+        d = root / "stages" / f"interpolate.{first}-{second}{suffix}"
+        out.append(Stage(d.name, "interpolate",
+                         (lambda a=first, b=second, d=d: _interpolate_config(cfg, a, b, d, seed, root)),
+                         _run_interpolate, task=f"{first}-{second}"))
+    return out
+
+
+def _interpolate_config(cfg: CompareConfig, first: str, second: str, run_dir: Path, seed: int, root: Path):
+    from es_ray.evaluation.config import InterpolateJobConfig, validate_interpolate
+
+    return validate_interpolate(InterpolateJobConfig(
+        a=final_weights(cfg, first, root, seed), b=final_weights(cfg, second, root, seed), base=cfg.model.path,
+        grid=list(cfg.interpolate.grid), draws=cfg.interpolate.draws,
+        eval=dataclasses.replace(cfg.eval, kl_base=False), engine=cfg.engine,
+        run=dataclasses.replace(cfg.run, dir=str(run_dir), seed=seed, checkpoint_every=0)))
+
+
+def _run_interpolate(interp_cfg) -> dict:
+    from es_ray.evaluation.es_interpolate import run
+
+    return run(interp_cfg)
 
 
 def _json_safe(x):
@@ -421,33 +528,37 @@ def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
     claim_compare_dir(root, cfg, log)
     root.mkdir(parents=True, exist_ok=True)
     resolve_model(cfg.model.path)  # converts the embedded model once, before any stage starts
-    pool = pool_size(cfg)
-    plan = {m: {s: stage_plan(cfg, m, root, pool, s) for s in cfg.seeds} for m in cfg.methods}
-    for stage in (st for by_seed in plan.values() for stages in by_seed.values() for st in stages):
+    pools = {t: pool_size(cfg, t) for t in training_tasks(cfg)}
+    pool = pools[training_tasks(cfg)[0]]
+    plan = {m: {s: stage_plan(cfg, m, root, pools, s) for s in cfg.seeds} for m in cfg.methods}
+    paths = {s: interpolation_plan(cfg, root, s) for s in cfg.seeds}
+    every = [st for by_seed in plan.values() for stages in by_seed.values() for st in stages]
+    for stage in every + [st for stages in paths.values() for st in stages]:
         done_record(stage, root)  # a finished stage with other settings: refused before any work
     (root / "compare_config.json").write_text(json.dumps(_json_safe(dataclasses.asdict(cfg)), indent=2))
     connect(cfg.cluster)
-    order = [st for seed in cfg.seeds for m in cfg.methods for st in plan[m][seed]]  # seed by seed: an interrupted
-    if "base" in plan:  # comparison has whole seeds; the base evaluation first, to measure completion lengths
+    # seed by seed, so an interrupted comparison has whole seeds; a seed's paths after its methods' stages
+    order = [st for seed in cfg.seeds for st in [st for m in cfg.methods for st in plan[m][seed]] + paths[seed]]
+    if "base" in plan:  # the base evaluation first, to measure completion lengths
         first = plan["base"][cfg.seeds[0]]
         order = first + [st for st in order if st not in first]
     checked = "base" not in plan or cfg.budget.unit != "tokens"
     for i, stage in enumerate(order):
         if stage.kind.startswith("train") and not checked:
-            measured = check_reach_measured(cfg, root, plan, pool)
+            measured = check_reach_measured(cfg, root, plan, pools)
             log(f"es-compare: budget.tokens={cfg.budget.tokens} reachable by every method at the base model's "
                 f"measured {measured:.1f} tokens per completion")
             checked = True
         run_stage(stage, root, lambda line, i=i: log(f"es-compare: stage {i + 1}/{len(order)} {line}"))
-    report = write_report(root, cfg, plan, pool)
+    report = write_report(root, cfg, plan, pool, paths)
     log_summary(root, cfg, tracker_metrics(report), "es-compare")
     log(f"es-compare: done; report in {root / 'report.md'} (report.json and the plots beside it)")
     return report
 
 
-def check_reach_measured(cfg: CompareConfig, root: Path, plan: dict, pool: int) -> float:
+def check_reach_measured(cfg: CompareConfig, root: Path, plan: dict, pools: dict[str, int]) -> float:
     """The token budget's reachability at the base model's measured mean completion length (its evaluation's
-    results.json), before any training; returns that length."""
+    results.json), before any training; returns that length. ``pools``: each training task's pool."""
     res = json.loads((plan["base"][cfg.seeds[0]][-1].dir(root) / "results.json").read_text())
     lengths = [t["tokens"]["mean_per_completion"] for t in res["tasks"].values()]
     measured = sum(lengths) / len(lengths)
@@ -455,8 +566,9 @@ def check_reach_measured(cfg: CompareConfig, root: Path, plan: dict, pool: int) 
         parts = TRAINED.get(method, ())
         for part in parts:
             make = PART_STAGES[part][0]
-            make(cfg, cfg.model.path, root / "stages" / "check", cfg.budget.epochs / len(parts), pool, cfg.seeds[0],
-                 measured)
+            for task in cfg.sequence or [""]:
+                make(cfg, cfg.model.path, root / "stages" / "check", cfg.budget.epochs / len(parts),
+                     pools[task or cfg.task.name], cfg.seeds[0], measured, task=task)
     return measured
 
 
