@@ -245,7 +245,7 @@ def test_help_lists_only_presets_that_compose_and_each_one_converts():
             if primary in ("es_train", "grpo_train", "es_compare"):
                 _compose_for(primary, [f"experiment={option}"])  # composes and passes the entry point's checks
     assert listed["es_train"] == ["es_reference_gsm8k"]
-    assert listed["es_compare"] == ["coverage", "cpu_demo", "paper_easy", "paper_hard"]
+    assert listed["es_compare"] == ["coverage", "cpu_demo", "paper_easy", "paper_hard", "sequence"]
     every = {p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")}
     assert every == {o for options in listed.values() for o in options}
     register_configs()
