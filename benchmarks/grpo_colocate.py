@@ -17,8 +17,8 @@ from pathlib import Path
 
 
 def one_run(colocate: bool, steps: int, out: Path) -> dict:
-    from grpo.config import to_grpo_config
-    from grpo.driver import run
+    from es_ray.grpo.config import to_grpo_config
+    from es_ray.grpo.driver import run
 
     run_dir = out / ("colocated" if colocate else "separate")
     cfg = to_grpo_config({"grpo": {"steps": steps, "colocate": colocate}, "eval": {"every": 0},

@@ -36,8 +36,8 @@ def rank_main(rank: int, world: int, address: str, model: str, queue) -> None:
     import torch.distributed.fsdp  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
 
-    from grpo.config import to_grpo_config
-    from grpo.learner import GRPOLearner
+    from es_ray.grpo.config import to_grpo_config
+    from es_ray.grpo.learner import GRPOLearner
 
     cfg = to_grpo_config({"model": {"path": model}, "engine": {"threads": 1, "device": "cpu"},
                           "grpo": {"fsdp_size": world, "micro_batch_size": 2 * world, "prompts_per_step": world,

@@ -35,8 +35,8 @@ def main() -> None:
     from es_ray.es.config import to_train_config
     from es_ray.runtime.ledger import FIELDS
     from es_ray.es.driver import run as es_run
-    from grpo.config import to_grpo_config
-    from grpo.driver import run as grpo_run
+    from es_ray.grpo.config import to_grpo_config
+    from es_ray.grpo.driver import run as grpo_run
 
     out = Path(args.out or tempfile.mkdtemp(prefix="memory-bench-")).resolve()
     common = {"model": {"path": args.model}, "sampling": {"max_new_tokens": args.tokens, "temperature": 1.0},

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import time
 
-from grpo.config import GRPOTrainConfig
-from grpo.learner import GRPOLearner
-from grpo.rollout import RolloutWorker
+from es_ray.grpo.config import GRPOTrainConfig
+from es_ray.grpo.learner import GRPOLearner
+from es_ray.grpo.rollout import RolloutWorker
 
 
 class ColocatedWorker(RolloutWorker):

@@ -24,10 +24,10 @@ import numpy as np
 from es_ray.runtime.loop import Training
 from es_ray.runtime.names import REWARD_MEAN, REWARD_STD
 from es_ray.runtime.tracking import Timer, Tracker
-from grpo.colocated import ColocatedWorker
-from grpo.config import RESUME_FREE, GRPOTrainConfig
-from grpo.learner import GRPOLearner
-from grpo.rollout import RolloutWorker
+from es_ray.grpo.colocated import ColocatedWorker
+from es_ray.grpo.config import RESUME_FREE, GRPOTrainConfig
+from es_ray.grpo.learner import GRPOLearner
+from es_ray.grpo.rollout import RolloutWorker
 
 
 class WeightSyncError(RuntimeError):
@@ -297,7 +297,7 @@ class GRPORun(Training):
 def step(cfg: GRPOTrainConfig, crew: Crew, t: int, pool: int, guard) -> dict:
     import torch
 
-    from grpo.loss import objective_advantages
+    from es_ray.grpo.loss import objective_advantages
 
     g, timer, t0 = cfg.grpo, Timer(), time.perf_counter()
     ids = prompt_indices(cfg, t, pool)

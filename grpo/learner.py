@@ -19,7 +19,7 @@ import re
 import time
 from pathlib import Path
 
-from grpo.config import GRPOTrainConfig
+from es_ray.grpo.config import GRPOTrainConfig
 
 from es_ray.runtime.actors import Actor, actor_threads, once
 from es_ray.runtime.checkpoint import meta_file, state_file
@@ -277,7 +277,7 @@ class GRPOLearner(Actor):
     def train_step(self, samples: list[dict], advantages: list[float]) -> dict:
         import torch
 
-        from grpo.loss import grpo_loss
+        from es_ray.grpo.loss import grpo_loss
 
         g, t0 = self.g, time.perf_counter()
         mb = g.micro_batch_size

@@ -12,7 +12,7 @@ import time
 
 from es_ray.runtime.actors import Actor, actor_threads
 from es_ray.tasks.base import score
-from grpo.config import GRPOTrainConfig
+from es_ray.grpo.config import GRPOTrainConfig
 
 PROBE_TOKENS = 32
 """Longest sync probe completion (vLLM returns the whole vocabulary's log-probs per position at T != 1)."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 def _main(dict_cfg) -> None:
     from es_ray.runtime.entry import run_or_exit
     from es_ray.runtime.rundir import resumed_config
-    from grpo.config import RESUME_FREE, to_grpo_config
-    from grpo.driver import run
+    from es_ray.grpo.config import RESUME_FREE, to_grpo_config
+    from es_ray.grpo.driver import run
 
     # run.resume=true run.dir=X alone continues X with its saved config.json
     run_or_exit("grpo-train", lambda: run(to_grpo_config(resumed_config(dict_cfg, "grpo", RESUME_FREE))))
@@ -18,7 +18,7 @@ def _main(dict_cfg) -> None:
 
 def main() -> None:
     from es_ray.runtime.entry import hydra_main
-    from grpo.config import register_configs
+    from es_ray.grpo.config import register_configs
 
     hydra_main("grpo_train", _main, "grpo-train", register_configs)
 

@@ -180,8 +180,8 @@ def _validators() -> dict:
     """Entry points whose composed config es_ray can also validate (value checks beyond the schema's types)."""
     from es_ray.es.config import to_train_config
     from es_ray.evaluation.config import to_drift_config, to_eval_config
-    from grpo.config import to_grpo_config
-    from launch.compare.run import to_compare_config
+    from es_ray.grpo.config import to_grpo_config
+    from es_ray.launch.compare.run import to_compare_config
 
     return {"es-train": to_train_config, "es-eval": to_eval_config, "es-drift": to_drift_config,
             "grpo-train": to_grpo_config, "es-compare": to_compare_config}

@@ -17,15 +17,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from es_ray.core.config_docs import field_docs  # noqa: E402
 from es_ray.core.registry import Registry  # noqa: E402
 
-COMMANDS = (("es-train", "es_ray.es.config:ESTrainConfig"), ("grpo-train", "grpo.config:GRPOTrainConfig"),
+COMMANDS = (("es-train", "es_ray.es.config:ESTrainConfig"), ("grpo-train", "es_ray.grpo.config:GRPOTrainConfig"),
             ("es-eval", "es_ray.evaluation.config:EvalJobConfig"),
             ("es-drift", "es_ray.evaluation.config:DriftJobConfig"),
             ("es-interpolate", "es_ray.evaluation.config:InterpolateJobConfig"),
-            ("es-compare", "launch.compare.run:CompareConfig"))
+            ("es-compare", "es_ray.launch.compare.run:CompareConfig"))
 REGISTRY_MODULES = ("es_ray.strategy", "es_ray.noise", "es_ray.perturbation", "es_ray.engines", "es_ray.tasks",
                     "es_ray.tasks.countdown", "es_ray.grading.boxed", "es_ray.core.dtypes", "es_ray.runtime.validation",
-                    "es_ray.runtime.tracking", "es_ray.es.config", "es_ray.evaluation.config", "grpo.config",
-                    "grpo.loss", "launch.compare.run")
+                    "es_ray.runtime.tracking", "es_ray.es.config", "es_ray.evaluation.config", "es_ray.grpo.config",
+                    "es_ray.grpo.loss", "es_ray.launch.compare.run")
 
 
 def load(path: str):

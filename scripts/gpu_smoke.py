@@ -13,7 +13,7 @@ For each model, randomly initialised (seeded, std 0.02, norms 1) and saved with 
 * low rank: every member's greedy completions from one batched generation equal that member generated alone (on a
   GPU, whose bf16 kernels are not batch-invariant: its teacher-forced logits, within the base model's own batch noise);
 * counter noise: the device's equals the CPU's bit for bit at odd element offsets and odd row slices;
-* GRPO: a 2-step grpo.dtype=bf16_mixed learner (``grpo.learner.GRPOLearner``), its measured peak memory against the
+* GRPO: a 2-step grpo.dtype=bf16_mixed learner (``es_ray.grpo.learner.GRPOLearner``), its measured peak memory against the
   plan's learner part;
 * the sharded learner: a world-size-1 group over tcp://127.0.0.1 (NCCL on a GPU, gloo on CPU), FSDP2 with
   grpo.offload=all, built from the meta device (its build peak against the plan's build lines), a step, a weight-sync
@@ -376,8 +376,8 @@ def check_counter_noise(smoke: Smoke, shape: ModelShape, key: str, fig: dict) ->
 
 def check_grpo(smoke: Smoke, model_dir: Path, shape: ModelShape, args, key: str, fig: dict) -> None:
     """Two bf16_mixed GRPO steps on random token sequences: loss finite, weights moved, peak memory in the plan."""
-    from grpo.config import GRPOConfig, GRPOEngineConfig, GRPOSamplingConfig, GRPOTrainConfig
-    from grpo.learner import GRPOLearner
+    from es_ray.grpo.config import GRPOConfig, GRPOEngineConfig, GRPOSamplingConfig, GRPOTrainConfig
+    from es_ray.grpo.learner import GRPOLearner
 
     mb, prompt_len, completion_len = args.grpo_micro_batch, args.grpo_prompt_tokens, args.grpo_completion_tokens
     g = GRPOConfig(dtype="bf16_mixed", micro_batch_size=mb, gradient_checkpointing=True, lr=1e-4)
@@ -429,8 +429,8 @@ def check_sharded_learner(smoke: Smoke, model_dir: Path, shape: ModelShape, args
     machine with vLLM."""
     import torch.distributed as dist
 
-    from grpo.config import GRPOConfig, GRPOEngineConfig, GRPOSamplingConfig, GRPOTrainConfig
-    from grpo.learner import GRPOLearner
+    from es_ray.grpo.config import GRPOConfig, GRPOEngineConfig, GRPOSamplingConfig, GRPOTrainConfig
+    from es_ray.grpo.learner import GRPOLearner
 
     if dist.is_initialized():
         smoke.check(f"{key}/sharded_learner_world_1", False, "a default process group already exists")

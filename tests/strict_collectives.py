@@ -166,7 +166,7 @@ def run_rank(rank: int, world: int, address: str, cfg, out_dir: str, queue) -> N
     import es_ray.engines.base as base
 
     base.resolve_device = lambda engine_cfg: str(RANK_DEVICE)  # the rank is told its device, as on a GPU node
-    from grpo.learner import GRPOLearner
+    from es_ray.grpo.learner import GRPOLearner
 
     samples = [{"prompt_ids": [1, 2, 3, 4 + i % 2], "completion_ids": [10 + i, 20, 30 + i, 40]} for i in range(4)]
     error = None

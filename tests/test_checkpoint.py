@@ -179,8 +179,8 @@ def test_a_killed_save_leaves_the_previous_checkpoint_as_the_latest(es_checkpoin
 
 @pytest.fixture()
 def grpo_checkpoint(tiny_model_dir, tmp_path):
-    from grpo.config import to_grpo_config
-    from grpo.learner import GRPOLearner
+    from es_ray.grpo.config import to_grpo_config
+    from es_ray.grpo.learner import GRPOLearner
 
     def make():
         return GRPOLearner(to_grpo_config({"model": {"path": str(tiny_model_dir)}, "engine": {"threads": 1},
@@ -221,7 +221,7 @@ def test_grpo_state_with_a_planted_pickle_is_refused_and_never_runs(grpo_checkpo
 
 
 def test_grpo_driver_lists_only_published_checkpoints(grpo_checkpoint):
-    from grpo.driver import last_checkpoint
+    from es_ray.grpo.driver import last_checkpoint
 
     _, _, path = grpo_checkpoint
     stale = staging_dir(path.parent / "step_000002")

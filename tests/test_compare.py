@@ -13,12 +13,12 @@ from es_ray.es.config import ESConfig
 from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, ModelConfig, RunConfig, SamplingConfig,
                                 TaskConfig)
 from es_ray.evaluation.config import BenchmarkConfig
-from launch.compare.run import (METHODS, BudgetConfig, CompareConfig, budget_units, run, stage_plan,
+from es_ray.launch.compare.run import (METHODS, BudgetConfig, CompareConfig, budget_units, run, stage_plan,
                             validate_compare)
 
 
 def _cfg(model_dir: Path, run_dir: Path, **over) -> CompareConfig:
-    from grpo.config import GRPOConfig, GRPOSamplingConfig
+    from es_ray.grpo.config import GRPOConfig, GRPOSamplingConfig
 
     cfg = CompareConfig(
         model=ModelConfig(path=str(model_dir)),
@@ -51,7 +51,7 @@ def test_an_epoch_is_a_pass_over_the_pool_for_both_methods(tmp_path):
 
     from es_ray.es.driver import prompt_ids
     from es_ray.tasks.base import epoch_prompts
-    from grpo.driver import prompt_indices
+    from es_ray.grpo.driver import prompt_indices
 
     pool = 10
     for per_step in (3, 5, 10, 25):  # slices crossing epochs' ends; a step larger than the pool
@@ -164,7 +164,7 @@ def test_a_budget_stops_at_the_step_that_lands_closest_and_device_seconds_keep_s
 
 
 def test_held_out_curves_sample_as_the_evaluation_and_an_empty_held_out_set_is_refused(tmp_path):
-    import launch.compare.run as compare
+    import es_ray.launch.compare.run as compare
 
     cfg = _cfg(Path("/models/base"), tmp_path)
     for s in (stage_plan(cfg, "es", tmp_path, pool=4)[0], stage_plan(cfg, "grpo", tmp_path, pool=4)[0]):
@@ -217,7 +217,7 @@ class _Interrupt(Exception):
 
 
 def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_path, monkeypatch):
-    import launch.compare.run as compare
+    import es_ray.launch.compare.run as compare
 
     root = tmp_path / "cmp"
     cfg = validate_compare(_cfg(tiny_model_dir, root))
@@ -343,7 +343,7 @@ def test_two_seeds_and_a_token_budget_give_paired_tests_budgets_as_reached_and_t
 
 def test_verdicts_name_one_seed_differing_seeds_and_untestable_comparisons():
     """A verdict is never a bare "higher" where the seeds cannot carry a method-level claim."""
-    from launch.compare.markdown import _needed, _test_cells, design_line
+    from es_ray.launch.compare.markdown import _needed, _test_cells, design_line
 
     t = {"a": "es", "b": "grpo", "metric": "pass@16", "k": 16, "diff": 0.1, "low": 0.05, "high": 0.15, "p": 1e-5,
          "p_holm": 1e-4, "problems": 100, "seeds": 1, "seeds_a": 1, "seeds_b": 1, "detectable": 0.05,
@@ -378,7 +378,7 @@ def test_es_budget_counts_every_sample_per_prompt(tmp_path):
 
 
 def test_interpolation_stages_join_the_methods_final_weights_and_bad_pairs_are_refused(tmp_path):
-    from launch.compare.run import InterpolationConfig, interpolation_plan
+    from es_ray.launch.compare.run import InterpolationConfig, interpolation_plan
 
     cfg = _cfg(Path("/models/base"), tmp_path, seeds=[0, 3], methods=["base", "es", "grpo", "es_grpo"],
                interpolate=InterpolationConfig(pairs=["base-es", "es-es_grpo"], grid=[0.0, 0.5, 1.0], draws=50))
@@ -417,10 +417,10 @@ def test_report_shows_objectives_kl_with_intervals_and_the_interpolation_curves(
     import numpy as np
 
     from es_ray.metrics.paired import paired_difference, paired_difference_tasks
-    from launch.compare.analyses import (interpolation_figure, interpolation_markdown, interpolation_section,
+    from es_ray.launch.compare.analyses import (interpolation_figure, interpolation_markdown, interpolation_section,
                                          kl_markdown, kl_section, objectives, objectives_markdown)
-    from launch.compare.plots import title
-    from launch.compare.run import InterpolationConfig, interpolation_plan
+    from es_ray.launch.compare.plots import title
+    from es_ray.launch.compare.run import InterpolationConfig, interpolation_plan
 
     cfg = _cfg(Path("/m"), tmp_path, methods=["base", "es", "grpo"], seeds=[0, 1],
                interpolate=InterpolationConfig(pairs=["es-grpo"], grid=[0.0, 0.5, 1.0]))

@@ -195,9 +195,9 @@ def _compose_for(primary: str, overrides: list[str]):
     if primary == "es_train":
         return to_train_config(_compose(overrides))
     if primary == "es_compare":
-        from launch.compare.run import register_configs as register, to_compare_config as convert
+        from es_ray.launch.compare.run import register_configs as register, to_compare_config as convert
     else:
-        from grpo.config import register_configs as register, to_grpo_config as convert
+        from es_ray.grpo.config import register_configs as register, to_grpo_config as convert
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return convert(compose(config_name=primary, overrides=overrides + ["run.dir=/tmp/compose-check"]))

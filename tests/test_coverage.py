@@ -13,7 +13,7 @@ import torch
 from es_ray.core.config import ConfigError
 from es_ray.metrics.coverage import (check_objective, member_fitness, pass_at_k_advantages, prompt_values)
 from es_ray.metrics.passk import pass_at_k
-from grpo.loss import group_advantages, objective_advantages
+from es_ray.grpo.loss import group_advantages, objective_advantages
 
 
 def brute_pass_at_k(r, k: int) -> float:
@@ -108,7 +108,7 @@ def test_pass_at_k_with_fewer_samples_than_k_is_refused():
 
 def test_es_and_grpo_configs_refuse_too_few_samples_for_k():
     from es_ray.es.config import to_train_config
-    from grpo.config import to_grpo_config
+    from es_ray.grpo.config import to_grpo_config
 
     with pytest.raises(ConfigError, match="es.samples_per_prompt=1"):
         to_train_config({"task": {"objective": "pass_at_k", "objective_k": 2}})

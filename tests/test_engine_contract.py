@@ -424,7 +424,7 @@ def test_tensor_parallel_engine_matches_the_unsplit_replica(tiny_model_dir):
     of the master; the combined checksum is the TP=1 one; perturb -> generate -> restore reads back exactly on
     every rank; the perturbed and updated weights and the gathered state equal the transformers engine's; a GRPO
     weight sync (write, then the probe check) passes."""
-    from grpo.driver import FIRST_SYNC_CEILING, check_sync
+    from es_ray.grpo.driver import FIRST_SYNC_CEILING, check_sync
 
     env, threads = dict(os.environ), torch.get_num_threads()
     torch.set_num_threads(1)  # one thread per TP worker on this 2-core machine

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from es_ray.core.config import ConfigError
-from grpo.config import to_grpo_config
+from es_ray.grpo.config import to_grpo_config
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ def test_presets_compose_into_the_schema():
     from hydra import compose, initialize_config_dir
 
     from es_ray.runtime.entry import CONF_DIR
-    from grpo.config import register_configs
+    from es_ray.grpo.config import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.config import to_grpo_config
-from grpo.learner import GRPOLearner
+from es_ray.grpo.config import to_grpo_config
+from es_ray.grpo.learner import GRPOLearner
 
 TOL = 2e-5
 """fp32: the ranks sum the same per-token terms in another order (each rank its share, then the reduce-scatter)."""
@@ -106,7 +106,7 @@ def test_grpo_run_with_two_learner_ranks_ends_where_one_rank_does(tiny_model_dir
     """The whole loop (rollouts, sharded learner, sync layer by layer from the shards, the probe, the final
     checkpoint): two steps with grpo.fsdp_size=2 against grpo.fsdp_size=1, the same seeds."""
     from es_ray.models import load_hf_weights
-    from grpo.driver import run
+    from es_ray.grpo.driver import run
 
     def cfg(fsdp, name):
         return to_grpo_config({
@@ -129,7 +129,7 @@ def test_colocated_run_ends_where_the_separate_one_does(tiny_model_dir, ray_loca
     """grpo.colocate=true: one actor holds the learner and the rollout engine; the same steps give the same weights
     (fp32), and the ledger counts one actor's devices instead of two."""
     from es_ray.models import load_hf_weights
-    from grpo.driver import run
+    from es_ray.grpo.driver import run
 
     def cfg(colocate, name):
         return to_grpo_config({
@@ -157,8 +157,8 @@ def test_colocation_needs_one_engine_per_learner_rank():
 
 
 def test_es_compare_colocates_grpo_when_the_cluster_has_no_spare_device():
-    from launch.compare.methods import grpo_placement, grpo_placement_text
-    from launch.compare.run import CompareConfig, stage_plan
+    from es_ray.launch.compare.methods import grpo_placement, grpo_placement_text
+    from es_ray.launch.compare.run import CompareConfig, stage_plan
     from pathlib import Path
 
     cfg = CompareConfig()  # 2 devices: 1 learner rank + 1 rollout actor fit apart
@@ -193,7 +193,7 @@ def test_offloaded_learners_take_the_same_steps(tiny_model_dir, ray_local):
 
 def test_more_learner_ranks_than_devices_are_refused_naming_the_key(tiny_model_dir, ray_local, tmp_path):
     from es_ray.core.config import ConfigError
-    from grpo.driver import run
+    from es_ray.grpo.driver import run
 
     cfg = to_grpo_config({"model": {"path": str(tiny_model_dir)}, "grpo": {"fsdp_size": 2},
                           "cluster": {"num_actors": 1, "gpus_per_actor": 1},

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.config import to_grpo_config
-from grpo.learner import GRPOLearner
+from es_ray.grpo.config import to_grpo_config
+from es_ray.grpo.learner import GRPOLearner
 
 
 def batch(n=4, prompt=(1, 2, 3, 4, 5), length=5):
@@ -84,7 +84,7 @@ def test_bf16_mixed_keeps_a_small_step_that_bf16_weights_lose(tiny_model_dir):
 def scored(lrn, samples, adv, shared=False):
     """Log-probs [B, L-1], mask, and the gradient (flat) of the GRPO loss with old = current log-probs; ``shared``:
     through the learner's shared-prompt path (each distinct prompt run once), else the padded forward."""
-    from grpo.loss import grpo_loss
+    from es_ray.grpo.loss import grpo_loss
 
     ids, attn, mask = lrn._pad(samples)
     logp, _ = lrn._log_probs(lrn.model, ids, attn, mask, samples=samples if shared else None)
@@ -101,7 +101,7 @@ def test_a_group_runs_its_prompt_once_with_the_same_log_probs_and_gradient(tiny_
     paths) float32 apart; the norm is kept in the model's dtype here, so the comparison is a float64 one."""
     from transformers.models.llama import modeling_llama
 
-    from grpo.learner import forwarded_tokens
+    from es_ray.grpo.learner import forwarded_tokens
 
     def rms_norm(self, x):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
@@ -166,7 +166,7 @@ def test_learner_log_probs_are_the_engines_at_the_sampling_temperature(tiny_mode
     """Rollouts sampled at T = 0.7 (transformers engine, fp32): the learner's log-probs of the sampled tokens, in a
     padded training batch, equal the engine's token_logprobs(..., temperature=0.7) within 1e-4; taken at T = 1
     instead they are off by far more, so the temperature is applied, not ignored."""
-    from grpo.rollout import RolloutWorker
+    from es_ray.grpo.rollout import RolloutWorker
 
     cfg = {"model": {"path": str(tiny_model_dir)}, "engine": {"threads": 1},
            "sampling": {"max_new_tokens": 6, "temperature": 0.7}}

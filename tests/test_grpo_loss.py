@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpo.loss import aggregate, group_advantages, grpo_loss, k3_kl
+from es_ray.grpo.loss import aggregate, group_advantages, grpo_loss, k3_kl
 
 # 3 sequences, up to 4 completion tokens; sequence 1 has 2 tokens, sequence 2 has 3 (padding masked out).
 MASK = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], dtype=np.float64)

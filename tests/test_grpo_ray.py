@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from es_test_tasks import VowelTask
-from grpo.config import to_grpo_config
+from es_ray.grpo.config import to_grpo_config
 
 pytestmark = pytest.mark.ray
 
@@ -60,7 +60,7 @@ def rewards(run_dir):
 
 
 def test_mean_reward_rises(ray_local, peaked_model_dir, tmp_path):
-    from grpo.driver import run
+    from es_ray.grpo.driver import run
 
     run(tiny_cfg(peaked_model_dir, tmp_path, steps=10, lr=3e-3, eval_every=5))
     r = rewards(tmp_path)
@@ -86,7 +86,7 @@ def test_dead_rollout_is_replaced_and_a_stopped_run_resumes_bit_identical(ray_lo
     import ray
     from safetensors.torch import load_file
 
-    import grpo.driver as driver
+    import es_ray.grpo.driver as driver
 
     full, cut = tmp_path / "full", tmp_path / "cut"
     driver.run(tiny_cfg(peaked_model_dir, full, steps=3, run={"checkpoint_every": 2}))
@@ -123,7 +123,7 @@ def torch_equal(x, y) -> bool:
 def test_dead_learner_stops_the_run_with_resume_advice(ray_local, peaked_model_dir, tmp_path, monkeypatch):
     import ray
 
-    import grpo.driver as driver
+    import es_ray.grpo.driver as driver
     from es_ray.runtime.actors import ActorLostError
 
     real_step = driver.step
@@ -143,7 +143,7 @@ def test_learner_and_rollouts_that_do_not_fit_fail_early_with_the_numbers(ray_lo
     """The learner plus the rollout actors go in one placement group; asking for more GPUs than the cluster has
     stops before any actor starts, saying how many it needs (learner included) and how many there are."""
     from es_ray.core.config import ConfigError
-    from grpo.driver import run
+    from es_ray.grpo.driver import run
 
     cfg = tiny_cfg(tiny_model_dir, tmp_path)
     cfg.cluster.gpus_per_actor = 1.0
@@ -156,7 +156,7 @@ def test_a_finished_run_extended_continues_from_final(ray_local, peaked_model_di
     """run.resume=true with more grpo.steps after a finished run: from its `final` (verified), never from step 0;
     metrics.jsonl keeps step 0, the ledger lists both segments, and each finished segment ends with a held-out
     evaluation in summary.json."""
-    from grpo.driver import run
+    from es_ray.grpo.driver import run
 
     run(tiny_cfg(peaked_model_dir, tmp_path, steps=1, eval_every=1))
     first = rewards(tmp_path)

@@ -10,7 +10,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from grpo.config import to_grpo_config
+from es_ray.grpo.config import to_grpo_config
 from strict_collectives import RANK_DEVICE, StrictCollectiveError, StrictDevice, run_rank
 
 ROOTS = (__file__,)

@@ -9,14 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo.config import to_grpo_config
-from grpo.driver import SYNC_FLOOR, SYNC_MARGIN, WeightSyncError, check_sync, sync_tolerance
+from es_ray.grpo.config import to_grpo_config
+from es_ray.grpo.driver import SYNC_FLOOR, SYNC_MARGIN, WeightSyncError, check_sync, sync_tolerance
 
 
 @pytest.fixture(scope="module")
 def pair(tiny_model_dir):
-    from grpo.learner import GRPOLearner
-    from grpo.rollout import RolloutWorker
+    from es_ray.grpo.learner import GRPOLearner
+    from es_ray.grpo.rollout import RolloutWorker
 
     cfg = to_grpo_config({"model": {"path": str(tiny_model_dir)}, "engine": {"threads": 1},
                           "grpo": {"lr": 1e-2, "micro_batch_size": 3}, "sampling": {"max_new_tokens": 6}})
@@ -64,7 +64,7 @@ def test_probe_length_mismatch_is_a_failed_sync():
 
 def test_vllm_engine_takes_the_learner_weights_and_verifies(pair, tiny_model_dir):
     pytest.importorskip("vllm")
-    from grpo.rollout import RolloutWorker
+    from es_ray.grpo.rollout import RolloutWorker
 
     cfg, learner, _ = pair
     vcfg = to_grpo_config({"model": {"path": str(tiny_model_dir)}, "sampling": {"max_new_tokens": 6},
@@ -142,9 +142,9 @@ def test_first_sync_to_a_bf16_engine_sets_the_tolerance_and_sends_bf16_layer_by_
     """An fp32 learner and a bf16 engine: the first sync measures their difference on a completion the engine
     samples, sets the tolerance to max(floor, 4x) it, sends half the fp32 bytes; a later sync verifies within it,
     and a wrong tensor is still caught."""
-    from grpo.driver import Crew
-    from grpo.learner import GRPOLearner
-    from grpo.rollout import RolloutWorker
+    from es_ray.grpo.driver import Crew
+    from es_ray.grpo.learner import GRPOLearner
+    from es_ray.grpo.rollout import RolloutWorker
 
     cfg, learner, _ = pair
     bf16 = RolloutWorker(to_grpo_config({"model": {"path": str(tiny_model_dir)}, "sampling": {"max_new_tokens": 6},

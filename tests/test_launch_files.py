@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.submit import check_overrides, expand_sweep
+from es_ray.launch.submit import check_overrides, expand_sweep
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "launch"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.submit import SubmitError, expand_sweep, parse_args, plan, split_values
+from es_ray.launch.submit import SubmitError, expand_sweep, parse_args, plan, split_values
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -199,7 +199,7 @@ def _tree(root: Path) -> None:
 
 
 def test_secrets_and_run_outputs_are_never_uploaded_whatever_the_runtime_env(tmp_path, capsys):
-    from launch.submit import SECRET_EXCLUDES, print_upload, runtime_env, upload_listing
+    from es_ray.launch.submit import SECRET_EXCLUDES, print_upload, runtime_env, upload_listing
 
     work = tmp_path / "work"
     _tree(work)
@@ -234,7 +234,7 @@ def test_the_local_check_finds_the_entry_point_beside_es_submit_without_path(tmp
 
 
 def test_a_command_found_nowhere_is_one_line_naming_it(monkeypatch, tmp_path):
-    from launch import submit
+    from es_ray.launch import submit
 
     monkeypatch.setattr(submit.shutil, "which", lambda name: None)
     monkeypatch.setattr(submit.sys, "executable", str(tmp_path / "python"))
@@ -303,7 +303,7 @@ def canned():
 
 
 def _submit_to(address: str, tmp_path: Path, monkeypatch, capsys, *extra: str) -> tuple[int, str]:
-    from launch.submit import main
+    from es_ray.launch.submit import main
 
     for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         monkeypatch.delenv(var, raising=False)
@@ -340,7 +340,7 @@ def test_wrong_address_is_one_line(tmp_path, monkeypatch, capsys):
 def test_job_commands_carry_the_token(canned, tmp_path):
     """`es-submit status|logs|stop JOB` send the token es-submit finds (RAY_AUTH_TOKEN), as a submission does;
     without one the refusal is one line naming the fix. Subprocesses: Ray reads its auth mode once per process."""
-    from launch.submit import follow_hint
+    from es_ray.launch.submit import follow_hint
 
     info = {"type": "SUBMISSION", "job_id": None, "submission_id": "job-1", "status": "FAILED",
             "entrypoint": "python main.py", "message": "Job entrypoint command failed with exit code 3"}

@@ -10,18 +10,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("es_ray", "grpo", "launch")
+"""The repository folders of the one installed package: es_ray, and grpo/ and launch/ as es_ray.grpo and
+es_ray.launch (setup.py's package_dir)."""
+MAPPED = {"grpo": "es_ray.grpo", "launch": "es_ray.launch"}
 LAYERS = {
-    "launch": 7,  # the comparison and es-submit: above every method
-    "es_ray.es": 6, "grpo": 6, "es_ray.evaluation": 6,  # the methods (and the evaluation jobs)
+    "es_ray.launch": 7,  # the comparison and es-submit: above every method
+    "es_ray.es": 6, "es_ray.grpo": 6, "es_ray.evaluation": 6,  # the methods (and the evaluation jobs)
     "es_ray.runtime": 5, "es_ray.held_out": 5,  # one runtime under every method
     "es_ray.engines": 4, "es_ray.replica": 4, "es_ray.memory_plan": 4,
     "es_ray.tasks": 3, "es_ray.grading": 3, "es_ray.models": 3,
     # pure math
     "es_ray.noise": 2, "es_ray.strategy": 2, "es_ray.perturbation": 2, "es_ray.lowrank": 2, "es_ray.metrics": 2,
-    "grpo.loss": 2,
+    "es_ray.grpo.loss": 2,
     "es_ray.core": 1,  # imports nothing of the project but itself
 }
-METHODS = ("es_ray.es", "grpo", "es_ray.evaluation")
+METHODS = ("es_ray.es", "es_ray.grpo", "es_ray.evaluation")
 
 
 def group_of(module: str) -> str | None:
@@ -31,11 +34,17 @@ def group_of(module: str) -> str | None:
 
 
 def module_name(path: Path) -> str:
-    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    parts[0] = MAPPED.get(parts[0], parts[0])
+    return ".".join(parts).removesuffix(".__init__")
 
 
 def project_modules() -> dict[str, Path]:
-    return {module_name(p): p for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py"))}
+    """Every module by its installed name; es_ray/__init__.py (the checkout finder, importing nothing of ours)
+    is no layer's."""
+    mods = {module_name(p): p for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py"))}
+    mods.pop("es_ray", None)
+    return mods
 
 
 def _type_checking_lines(tree: ast.AST) -> set[int]:
@@ -59,7 +68,7 @@ def imports(path: Path, known: set[str]) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] in PACKAGES]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                and node.module.split(".")[0] in PACKAGES:
+                and node.module.split(".")[0] in PACKAGES:  # grpo/launch here: the old names, refused below
             subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known]
             out += [(node.lineno, m) for m in subs] or [(node.lineno, node.module)]
     return out
@@ -68,6 +77,16 @@ def imports(path: Path, known: set[str]) -> list[tuple[int, str]]:
 def import_graph() -> dict[str, list[tuple[int, str]]]:
     mods = project_modules()
     return {m: imports(p, set(mods)) for m, p in mods.items()}
+
+
+def test_grpo_and_launch_are_imported_by_their_installed_names():
+    """`import grpo...` / `import launch...` would load a second copy of a module in a checkout and fail in a
+    wheel, which installs them only as es_ray.grpo and es_ray.launch."""
+    files = [p for d in (*PACKAGES, "tests", "scripts", "benchmarks", "docker")
+             for p in sorted((REPO / d).rglob("*.py"))]
+    old = [f"{p.relative_to(REPO)}:{line} imports {name}" for p in files
+           for line, name in imports(p, set()) if name.split(".")[0] in MAPPED]
+    assert old == []
 
 
 def test_every_project_module_has_a_layer():
@@ -140,5 +159,5 @@ def test_no_import_circle_between_modules():
 def test_the_rules_can_fail():
     """The circle finder and the layer rule see what they are meant to see."""
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert group_of("es_ray.engines.vllm") == "es_ray.engines" and group_of("grpo.loss") == "grpo.loss"
+    assert group_of("es_ray.engines.vllm") == "es_ray.engines" and group_of("es_ray.grpo.loss") == "es_ray.grpo.loss"
     assert LAYERS[group_of("es_ray.runtime.actors")] > LAYERS[group_of("es_ray.models")]

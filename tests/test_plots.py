@@ -15,7 +15,7 @@ import pytest
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 
-from launch.compare.plots import figures, model_name, plots  # noqa: E402
+from es_ray.launch.compare.plots import figures, model_name, plots  # noqa: E402
 
 REPORT = Path(__file__).parent / "fixtures" / "compare_report.json"
 

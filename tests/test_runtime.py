@@ -131,7 +131,7 @@ def test_map_unordered_spreads_the_work_and_an_interrupt_is_polled_while_waiting
 
 
 def test_resume_refuses_changed_settings_naming_them_and_keeps_config_json(tmp_path):
-    from grpo.config import RESUME_FREE, to_grpo_config
+    from es_ray.grpo.config import RESUME_FREE, to_grpo_config
 
     def cfg(**grpo):
         return to_grpo_config({"grpo": {"steps": 4, **grpo}, "run": {"dir": str(tmp_path), "resume": True}})
@@ -176,7 +176,7 @@ def _check_ledger(led: dict, method: str, cpus_per_actor: float, actors: set[str
 @pytest.mark.ray
 def test_es_and_grpo_fill_the_same_ledger(ray_local, tiny_model_dir, tmp_path):
     from es_ray.es.driver import run as es_run
-    from grpo.driver import run as grpo_run
+    from es_ray.grpo.driver import run as grpo_run
     from test_grpo_ray import tiny_cfg as grpo_cfg
     from test_ray_es import tiny_cfg as es_cfg
 
@@ -271,7 +271,7 @@ def test_resume_takes_the_saved_config_and_refuses_given_settings_that_change_it
 
 def test_es_compare_continues_its_own_comparison_moves_it_aside_or_refuses_another_run(tmp_path):
     from es_ray.core.config import to_config
-    from launch.compare.run import CompareConfig, claim_compare_dir
+    from es_ray.launch.compare.run import CompareConfig, claim_compare_dir
 
     def cfg(**run):
         return to_config({"run": {"dir": str(tmp_path / "cmp"), **run}}, CompareConfig)

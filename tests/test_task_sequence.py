@@ -15,14 +15,14 @@ from es_ray.es.config import ESConfig
 from es_ray.evaluation.config import BenchmarkConfig
 from es_ray.metrics.passk import pass_at_k
 from es_ray.metrics.paired import paired_difference
-from launch.compare.analyses import forgetting_markdown, forgetting_section
-from launch.compare.run import BudgetConfig, CompareConfig, stage_plan, validate_compare
+from es_ray.launch.compare.analyses import forgetting_markdown, forgetting_section
+from es_ray.launch.compare.run import BudgetConfig, CompareConfig, stage_plan, validate_compare
 
 SEQ = ["arithmetic", "countdown"]
 
 
 def _cfg(root: Path, **over) -> CompareConfig:
-    from grpo.config import GRPOConfig
+    from es_ray.grpo.config import GRPOConfig
 
     cfg = CompareConfig(model=ModelConfig(path="/models/base"), task=TaskConfig(name="arithmetic", train_size=4),
                         es=ESConfig(population=2, prompts_per_iteration=4), grpo=GRPOConfig(prompts_per_step=2,

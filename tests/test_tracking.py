@@ -229,7 +229,7 @@ def test_eval_summary_names_match_the_declared_metrics():
     """es-eval's and es-compare's summary rows carry every metric their hparams declare (no rank by a missing tag)."""
     from es_ray.evaluation.es_eval import tracker_metrics as eval_metrics
     from es_ray.runtime.tracking import ranked_metrics
-    from launch.compare.run import tracker_metrics as compare_metrics
+    from es_ray.launch.compare.run import tracker_metrics as compare_metrics
 
     results = {"entropy": {"mean_per_token": 0.5}, "tokens_generated": 10, "timing_s": {"total": 1.0},
                "tasks": {"gsm8k": {"pass@k": {"1": 0.1, "16": 0.5}, "maj@k": None, "mean_reward": 0.2,
@@ -265,11 +265,11 @@ def _convert(primary: str, overrides: list[str]):
     if primary == "es_train":
         from es_ray.es.config import register_configs as register, to_train_config as convert
     elif primary == "grpo_train":
-        from grpo.config import register_configs as register, to_grpo_config as convert
+        from es_ray.grpo.config import register_configs as register, to_grpo_config as convert
     elif primary == "es_eval":
         from es_ray.evaluation.config import register_configs as register, to_eval_config as convert
     else:
-        from launch.compare.run import register_configs as register, to_compare_config as convert
+        from es_ray.launch.compare.run import register_configs as register, to_compare_config as convert
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return convert(compose(config_name=primary, overrides=overrides + ["run.dir=/tmp/tracking-check"]))
@@ -295,7 +295,7 @@ def test_every_entry_point_takes_and_checks_run_trackers(primary, monkeypatch):
 
 def test_eval_and_compare_summaries_use_names_every_backend_takes():
     from es_ray.evaluation.es_eval import tracker_metrics as eval_metrics
-    from launch.compare.run import tracker_metrics as compare_metrics
+    from es_ray.launch.compare.run import tracker_metrics as compare_metrics
 
     task = {"pass@k": {"1": 0.25, "4": 0.5}, "maj@k": None, "mean_reward": 0.3, "entropy": {"mean_per_token": 0.7}}
     out = eval_metrics({"tasks": {"math500": task}, "entropy": {"mean_per_token": 0.7}, "tokens_generated": 9,

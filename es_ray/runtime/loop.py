@@ -14,7 +14,7 @@ once here:
                      at the end
 
 A method is a subclass that implements the hooks (start its actors, one step, one held-out scoring, save a
-checkpoint) and keeps nothing else: ``es_ray.es.driver.ESRun``, ``grpo.driver.GRPORun``.
+checkpoint) and keeps nothing else: ``es_ray.es.driver.ESRun``, ``es_ray.grpo.driver.GRPORun``.
 """
 
 from __future__ import annotations

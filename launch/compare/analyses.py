@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from launch.compare.methods import LABELS
+from es_ray.launch.compare.methods import LABELS
 
 KL_DIRECTIONS = ("base_tuned", "tuned_base")
 """KL(base || tuned) and KL(tuned || base), per token (es_ray.metrics.kl)."""

@@ -1,12 +1,12 @@
 """es-compare's report.md: the tables (means over seeds), each seed, the paired tests with their power, the budgets
-as reached and the verdict, from report.json's data (``launch.compare.report.collect``)."""
+as reached and the verdict, from report.json's data (``es_ray.launch.compare.report.collect``)."""
 
 from __future__ import annotations
 
 import math
 
-from launch.compare.analyses import forgetting_markdown, interpolation_markdown, kl_markdown, objectives_markdown
-from launch.compare.methods import LABELS
+from es_ray.launch.compare.analyses import forgetting_markdown, interpolation_markdown, kl_markdown, objectives_markdown
+from es_ray.launch.compare.methods import LABELS
 
 
 def _p(x) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from launch.compare.analyses import interpolation_figure
+from es_ray.launch.compare.analyses import interpolation_figure
 
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 """What an empty model.path (or es_ray.models.EMBEDDED_NAMES) trains: the embedded default model."""

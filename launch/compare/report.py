@@ -19,10 +19,10 @@ import numpy as np
 from es_ray.metrics.passk import pass_at_k
 from es_ray.held_out import BASE_POINT
 from es_ray.runtime.names import ES_ZERO_UPDATE, HELD_OUT_ENTROPY, HELD_OUT_PASS1, REWARD_MEAN
-from launch.compare.analyses import forgetting_section, interpolation_section, kl_section, objectives
-from launch.compare.markdown import markdown
-from launch.compare.methods import COMPARED, LABELS, grpo_placement_text, runs_grpo
-from launch.compare.plots import plots
+from es_ray.launch.compare.analyses import forgetting_section, interpolation_section, kl_section, objectives
+from es_ray.launch.compare.markdown import markdown
+from es_ray.launch.compare.methods import COMPARED, LABELS, grpo_placement_text, runs_grpo
+from es_ray.launch.compare.plots import plots
 
 
 

@@ -36,8 +36,8 @@ from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultP
                                 SamplingConfig, TaskConfig, check_positive)
 from es_ray.core.registry import Registry
 from es_ray.runtime.rundir import RESULT_NEUTRAL, changed_settings
-from grpo.config import GRPOConfig, GRPOSamplingConfig
-from launch.compare.methods import METHODS, TRAINED, grpo_placement
+from es_ray.grpo.config import GRPOConfig, GRPOSamplingConfig
+from es_ray.launch.compare.methods import METHODS, TRAINED, grpo_placement
 
 BUDGET_UNITS = Registry("budget.unit", {
     "epochs": "prompts seen: passes over the training pool", "tokens": "tokens generated in training",
@@ -288,7 +288,7 @@ def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float
 
 def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int, seed: int,
                  measured: float | None = None, task: str = ""):
-    from grpo.config import GRPOClusterConfig, GRPOTrainConfig, validate_grpo
+    from es_ray.grpo.config import GRPOClusterConfig, GRPOTrainConfig, validate_grpo
 
     steps = budget_units(epochs, pool, cfg.grpo.prompts_per_step)
     share = epochs / cfg.budget.epochs
@@ -315,7 +315,7 @@ def _run_es(train_cfg) -> dict:
 
 
 def _run_grpo(train_cfg) -> dict:
-    from grpo.driver import run
+    from es_ray.grpo.driver import run
 
     return run(train_cfg)
 
@@ -517,7 +517,7 @@ def _stage_result(stage: Stage, out: dict) -> dict:
 def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
     from es_ray.runtime.cluster import connect
     from es_ray.runtime.tracking import log_summary
-    from launch.compare.report import write_report
+    from es_ray.launch.compare.report import write_report
     from es_ray.models import resolve_model
 
     if not cfg.run.dir:
