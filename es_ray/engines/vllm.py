@@ -132,6 +132,9 @@ class VLLMEngine(Engine):
             check_lowrank_rank(lowrank.rank)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # INFO logs every prefix-cache reset
+        # vLLM reports usage to its vendor from every engine unless told not to; scripts and benchmarks build engines
+        # outside the test suite's environment, so the engine itself says no (an exported 0 still wins).
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         # CPU: compute with the threads the actor chose (Ray's CPUs for it), without vLLM pinning them to cores
         # that another actor on the same machine also uses; vLLM keeps an external OMP_NUM_THREADS instead of
         # dropping to one thread.

@@ -283,6 +283,21 @@ def tensor_parallel_parts(module: torch.nn.Module, param: torch.nn.Parameter, sh
     return [(r, Shard(tuple(s), owner=rank == 0)) for r, s in zip(rows, shapes)]
 
 
+def check_written_in_place(storage: dict[str, int], model: torch.nn.Module, loaded: Iterable[str]) -> None:
+    """RuntimeError unless every parameter a write loaded still has the storage it had before (``storage``: vLLM
+    parameter name -> ``data_ptr()`` taken before the write). vLLM 0.32's weight loaders copy into the parameter and
+    its GPU post-load step does nothing for unquantized layers, so this holds; a loader or post-load step that
+    replaced a tensor (a quantized layer's repacking, a later vLLM) would leave the captured CUDA graphs computing
+    with the old one, and the write would silently not reach generation."""
+    params = {_plain(name): p for name, p in model.named_parameters(remove_duplicate=False)}
+    moved = sorted(name for name in loaded if name in storage and name in params
+                   and params[name].data_ptr() != storage[name])
+    if moved:
+        raise RuntimeError(f"vLLM replaced {moved[:3]} ({len(moved)} parameters) while es_ray wrote weights, and the "
+                           "CUDA graphs it captured at start still read the old tensors: set engine.enforce_eager=true "
+                           "(no captured graphs), or use an unquantized checkpoint")
+
+
 class ESExtension:
     """Mixed into vLLM's Worker; ``self.model_runner`` and ``self.device`` are the Worker's."""
 
@@ -340,8 +355,9 @@ class ESExtension:
         # write: wait for the device before and after, so no forward pass sees half-written weights.
         self._es_sync()
         with torch.no_grad():
-            loaded = model.load_weights(named)  # copies each tensor before taking the next
             params = {_plain(name): p for name, p in model.named_parameters(remove_duplicate=False)}
+            storage = {name: p.data_ptr() for name, p in params.items()} if self._es_graphs_captured() else None
+            loaded = model.load_weights(named)  # copies each tensor before taking the next
             if loaded is None:  # a model whose loader does not say what it loaded: redo every layer
                 loaded = params
             touched = {id(layer): layer for name in loaded if name in params
@@ -349,6 +365,13 @@ class ESExtension:
             for layer in touched.values():
                 layer.quant_method.process_weights_after_loading(layer)
         self._es_sync()
+        if storage is not None:
+            check_written_in_place(storage, model, loaded)
+
+    def _es_graphs_captured(self) -> bool:
+        """vLLM on a GPU replays CUDA graphs (and torch.compile'd code) captured at start-up over the parameters'
+        addresses unless engine.enforce_eager=true: a write must land in those same tensors."""
+        return self.device.type == "cuda" and not getattr(self.model_config, "enforce_eager", False)
 
     def _es_sync(self) -> None:
         if self.device.type == "cuda":
