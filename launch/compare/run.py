@@ -578,13 +578,18 @@ _LEDGER_METRICS = ("tokens_generated", "tokens_backpropagated", "wall_s", "start
 
 def tracker_metrics(report: dict) -> dict[str, float]:
     """The report's numbers per method under the names every tracker gets: compare/<method>/pass_at_<k> (mean over
-    the tasks), entropy, drift_l2 and the measured ledger."""
+    the tasks), entropy, drift_l2, the measured ledger and (eval.kl_base) kl_base_tuned / kl_tuned_base (mean over
+    the tasks)."""
     out = {}
     for method, m in report["methods"].items():
         out.update({f"compare/{method}/pass_at_{k}": v for k, v in m["average"].items()})
         out[f"compare/{method}/entropy"] = m["entropy"]["mean_per_token"]
         out[f"compare/{method}/drift_l2"] = (m.get("drift") or {}).get("l2")
         out.update({f"compare/{method}/{k}": (m["ledger"] or {}).get(k) for k in _LEDGER_METRICS})
+    for method, by_task in ((report.get("kl") or {}).get("methods") or {}).items():  # eval.kl_base: over the tasks
+        for d in ("base_tuned", "tuned_base"):
+            v = [c[d]["mean"] for c in by_task.values() if c[d]["mean"] is not None]
+            out[f"compare/{method}/kl_{d}"] = sum(v) / len(v) if v else None
     return {k: v for k, v in out.items() if v is not None}
 
 
