@@ -479,7 +479,7 @@ def test_report_shows_objectives_kl_with_intervals_and_the_interpolation_curves(
     assert "## Off-task KL to the base model" in md and "| ES - GRPO | base_tuned |" in md
     es_mean = np.mean([kl[("es", s)] for s in cfg.seeds])
     assert f"| ES | KL(base \\|\\| tuned) | {es_mean:.4g} [" in md
-    from launch.compare.run import tracker_metrics
+    from es_ray.launch.compare.run import tracker_metrics
 
     tracked = tracker_metrics({"methods": {m: {"average": {}, "entropy": {"mean_per_token": None}, "ledger": None}
                                            for m in cfg.methods}, "kl": rep["kl"]})
