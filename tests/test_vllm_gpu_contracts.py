@@ -284,3 +284,43 @@ def test_colocation_calls_match_vllms_sleep_and_wake_up():
     assert "sleep(level=1)" in colocated and ".wake_up()" in colocated
     core = _vllm_source("v1/engine/core.py")
     assert "clear_prefix_cache = level >= 1" in core
+
+
+class _SleepyLLM:
+    """vllm.LLM as sleep mode leaves it: ``llm_engine.is_sleeping()`` until ``wake_up()``; calls are recorded."""
+
+    def __init__(self):
+        self.asleep, self.calls = True, []
+        self.llm_engine = SimpleNamespace(is_sleeping=lambda: self.asleep,
+                                          model_config=SimpleNamespace(max_model_len=64))
+
+    def wake_up(self):
+        self.asleep = False
+
+    def generate(self, inputs, params, **kwargs):
+        self.calls.append("generate")
+        return [SimpleNamespace(outputs=[SimpleNamespace(text="x", token_ids=[7])]) for _ in inputs]
+
+    def collective_rpc(self, name, args=()):
+        self.calls.append(name)
+        return [None]
+
+
+def test_a_sleeping_engine_refuses_to_generate_or_write():
+    """After ``llm.sleep(level=1)`` vLLM's scheduler is paused (``pause_scheduler``: waiting requests are not
+    scheduled, so an in-process generate would loop forever) and the weights' GPU memory is unmapped (a write would
+    fault): the engine refuses both with an error that says to wake it; awake, the same calls go through."""
+    from es_ray.core.config import SamplingConfig
+
+    engine = object.__new__(engine_mod.VLLMEngine)
+    engine.llm, engine.tokenizer, engine._weights_version = _SleepyLLM(), lambda p, **kw: {"input_ids": [1, 2]}, 0
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    for call in (lambda: engine.generate(["p"], sampling, seed=0), lambda: engine.token_logprobs([1], [2]),
+                 lambda: engine.write_weights([("w", torch.zeros(1))])):
+        with pytest.raises(RuntimeError, match=r"asleep.*llm\.wake_up\(\) before"):
+            call()
+    assert engine.llm.calls == []
+    engine.llm.wake_up()
+    assert [c.num_tokens for c in engine.generate(["p"], sampling, seed=0)] == [1]
+    engine.write_weights([("w", torch.zeros(1))])
+    assert engine.llm.calls == ["generate", "es_write_weights"]

@@ -225,8 +225,9 @@ class VLLMEngine(Engine):
         """Refuse (ConfigError, naming the keys) before the replica is built or anything generated when the GPU's
         free memory beside vLLM cannot hold the plan's ES part: otherwise Adam's moments fail at the first update,
         after a whole iteration of generation. Measured inside every vLLM worker, on its own device, after its cache
-        is sized (``es_device_memory``); the tightest rank decides. Not in this process: it holds no CUDA context
-        (one would cost ~0.5 GiB on GPU 0) and would see GPU 0 only under tensor parallelism."""
+        is sized (``es_device_memory``); the tightest rank decides. At tensor_parallel_size=1 that worker is this
+        process; above it the workers are processes of their own, and this one would see GPU 0 only (a CUDA context
+        here would also cost ~0.5 GiB there)."""
         from es_ray.core.config import ConfigError
         from es_ray.memory_plan import plan_es, vllm_batch_defaults
 
@@ -258,7 +259,16 @@ class VLLMEngine(Engine):
             for i in range(n)
         ]
 
+    def _check_awake(self) -> None:
+        """Refuse to use an engine that sleeps (vLLM's sleep mode, grpo.colocate on a GPU): its scheduler is paused,
+        so a generate would wait forever, and its weights are unmapped from the GPU, so a write would fault."""
+        if self.llm.llm_engine.is_sleeping():
+            raise RuntimeError("the vLLM engine is asleep (sleep mode: weights off the GPU, scheduler paused); call "
+                               "its llm.wake_up() before generating or writing weights (grpo/colocated.py wakes it "
+                               "for the sync after each optimizer step)")
+
     def _inputs(self, prompts: list[str], max_new_tokens: int = 0) -> list:
+        self._check_awake()
         # Tokenised here as the transformers engine does (no special tokens added: the template has them).
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         check_context(map(len, ids), max_new_tokens, self.llm.llm_engine.model_config.max_model_len)
@@ -271,6 +281,7 @@ class VLLMEngine(Engine):
         from vllm import SamplingParams
 
         t = check_temperature(temperature)
+        self._check_awake()
         ids = list(prompt_ids) + list(completion_ids)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         previous = self._rpc(ESExtension.es_logit_scale, 1.0 / t)[0] if t != 1.0 else None
@@ -320,6 +331,7 @@ class VLLMEngine(Engine):
         if getattr(ESExtension, str(name), None) is not method:
             raise TypeError(f"{method!r}: the vLLM workers are called with a method of ESExtension "
                             "(es_ray.engines.vllm_extension), e.g. ESExtension.es_setup")
+        self._check_awake()
         return self.llm.collective_rpc(name, args=args)
 
     def _weights_changed(self) -> None:
