@@ -227,3 +227,81 @@ def test_the_seccomp_tables_match_the_kernel_headers(arch, header, prefixes):
     assert len(build_filter(arch)) % 8 == 0 and len(build_filter(arch)) // 8 < 4096
     with pytest.raises(ValueError, match="supports"):
         build_filter("riscv64")
+
+
+# -- second round: attacks on the init, the check and the grader itself ------------------------------------------
+
+def test_the_init_cannot_be_ended_by_a_signal():
+    """SIGINT to pid 1 through a pidfd (no audit event, so with the hook on) or kill -1 ended the init before its
+    record: status error, the program's failure counted as the grader's. The init keeps no handler, and a PID
+    namespace's init gets no signal from inside it that it has no handler for."""
+    for defeat in (False, True):
+        res = run_python(hostile("signal_init", defeat_hook=defeat), LIMITS)
+        assert res.status == "failed" and "sent" in res.stdout, res
+
+
+@pytest.mark.parametrize("off", [None, "seccomp"])
+def test_the_inits_limits_are_out_of_reach(layer_off, off):
+    """prlimit on pid 1 (the same uid) lowered the init's file-size limit so its record was never written."""
+    if off:
+        layer_off(off)
+    res = run_python(hostile("prlimit_init", defeat_hook=True), LIMITS)
+    if off:  # the attack is live: the filter is what holds it
+        assert "LOWERED" in res.stdout and res.status == "error", res
+    else:
+        assert res.status == "escape_attempt" and "LOWERED" not in res.stdout, res
+
+
+@pytest.mark.parametrize("name,n_tests", [("own_assert_rebinds", 2), ("own_assert_forges", 1)])
+def test_the_candidates_own_asserts_never_run_in_the_check(name, n_tests):
+    """The candidate's code may end with asserts of its own, just before the task's tests. Taken as tests, the
+    ones with only trusted names ran in the check process, where they rebound sorted and math.isclose or wrote
+    the verdicts: the wrong program passed. Only the task's n_tests asserts are tests now."""
+    program = hostile(name)
+    res = run_python(program, LIMITS, n_tests=n_tests, setup="import math")
+    assert res.status == "failed", res
+    # with every trailing assert a test (no n_tests: the caller vouches for them all) the attack is live
+    assert run_python(program, LIMITS, setup="import math").passed
+
+
+def test_tests_too_deep_or_too_large_fail_the_program_and_the_batch_goes_on():
+    """An assert 400 additions deep raised RecursionError out of grade_programs (the whole batch lost); a test
+    of 25,000 syntax nodes cost the grader seconds outside every limit."""
+    deep = hostile("deep_own_assert", DEEP="1 + " * 400 + "1")
+    wide = "def f(x):\n    return x\n\n\nassert f([" + "1, " * 25_000 + "]) == 1\n"
+    t0 = time.monotonic()
+    grades = grade_programs([deep, GOOD, deep, wide], LIMITS, workers=2, n_tests=[None, None, 1, None])
+    assert time.monotonic() - t0 < LIMITS.wall_s + MARGIN_S
+    assert [(g.score, g.failure) for g in grades] == [(0.0, None), (1.0, None), (0.0, None), (0.0, None)], grades
+    assert "too deep" in run_python(deep, LIMITS).stderr
+    assert "syntax nodes" in run_python(wide, LIMITS).stderr
+
+
+def test_the_program_holds_nothing_of_the_graders():
+    """Its descriptors: /dev/null, its output files, its pipe (fd 0 was the grader's drained stdin pipe); and
+    the record's nonce, which was in the init's frames above the program (four places)."""
+    res = run_python(hostile("inherited_fds"), LIMITS)
+    fds = [line.split()[1:] for line in res.stdout.splitlines() if line.startswith("FD ")]
+    assert res.passed and [kind for _, kind in fds] == ["chr", "reg", "reg", "fifo"], res
+    assert "NONCES 0" in res.stdout, res
+
+
+# attacks that held before this round too; each scores 0 for the reason given
+HELD = {"exec_memfd": "escape_attempt", "io_uring": "escape_attempt", "confusable_builtin": None,
+        "exc_str_raises": None, "recursive_result": None, "close_std": None}
+
+
+def test_a_batch_of_the_second_rounds_attacks_scores_zero_and_stays_bounded():
+    names = [*HELD, "signal_init", "prlimit_init", "own_assert_rebinds", "own_assert_forges", "deep_own_assert"]
+    programs = [hostile(n, defeat_hook=n in ("exec_memfd", "io_uring", "prlimit_init"), DEEP="1 + " * 400 + "1")
+                for n in names] + [GOOD]
+    n_tests = [None] * len(HELD) + [None, None, 2, 1, 1, None]
+    t0 = time.monotonic()
+    grades = grade_programs(programs, LIMITS, workers=2, n_tests=n_tests, setups=["import math"] * len(programs))
+    elapsed = time.monotonic() - t0
+    got = {n: (g.score, g.failure) for n, g in zip(names, grades)}
+    want = {**{n: (0.0, why) for n, why in HELD.items()}, "signal_init": (0.0, None),
+            "prlimit_init": (0.0, "escape_attempt"), "own_assert_rebinds": (0.0, None),
+            "own_assert_forges": (0.0, None), "deep_own_assert": (0.0, None)}
+    assert got == want and grades[-1].correct, (got, grades[-1])
+    assert elapsed < len(programs) * (LIMITS.wall_s + LIMITS.check_s + MARGIN_S) / 2, elapsed

@@ -28,6 +28,7 @@ import builtins
 import json
 import os
 import resource
+import signal
 import sys
 
 MARK = "es-ray-sandbox: blocked"
@@ -448,9 +449,17 @@ def _collect(read_fd, child, cap):
 
 def main():
     cfg = json.loads(sys.stdin.read())
-    sys.stdin.close()
+    # nothing of the grader's reaches the program: the drained stdin pipe becomes /dev/null, the nonce is not in
+    # cfg and the forked process clears its copy of the record (what keeps the program from the record is the
+    # descriptor it closes; the nonce tells a stale or foreign line)
+    null = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     result_fd = cfg["result_fd"]
-    record = {"nonce": cfg["nonce"]}
+    record = {"nonce": cfg.pop("nonce")}
+    # as the PID namespace's init this process gets only the signals it has a handler for from inside: Python's
+    # SIGINT handler would let the program end it (kill or pidfd_send_signal on pid 1) before it writes the record
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     def report(**fields):
         os.write(result_fd, (json.dumps(dict(record, **fields)) + "\n").encode())
@@ -468,6 +477,7 @@ def main():
         report(stage="confine", error="%s: %s" % (type(exc).__name__, str(exc)[:500]))
     if child == 0:
         os.close(read_fd)
+        record.clear()  # the program can walk up to this frame
         try:
             _untrusted(cfg, root, result_fd, write_fd)
         except SystemExit:

@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from es_ray.grading.verdict import Split, split_tests
+from es_ray.grading.verdict import Split, TestsTooLarge, split_tests
 
 NOBODY = 65534
 UID_BASE = 2_000_000_000
@@ -514,11 +514,15 @@ def run_python(program: str, limits: SandboxLimits = SandboxLimits(), python: st
                n_tests: int | None = None, setup: str = "") -> SandboxResult:
     """Run ``program`` (Python source) confined; ``passed`` only if it ran to its end, exited 0 and every
     trailing top-level assert holds when checked outside its process. ``n_tests``: how many trailing asserts the
-    program must end with (the task's tests; fewer means the code swallowed some, which fails); ``setup``: the
-    task's setup code the program starts with (its imports are trusted by the check). Raises
-    SandboxUnavailable where this machine gives no accepted boundary."""
+    program must end with (the task's tests; fewer means the code swallowed some, which fails); only those are
+    checked, the candidate's own asserts before them run in its process (None: every trailing assert is a test,
+    the caller vouches for all of them). ``setup``: the task's setup code the program starts with (its imports
+    are trusted by the check). Raises SandboxUnavailable where this machine gives no accepted boundary."""
     plan = require_sandbox(python)
-    split = split_tests(program, setup)
+    try:
+        split = split_tests(program, setup, n_tests)
+    except TestsTooLarge as exc:
+        return SandboxResult("failed", None, "", str(exc), 0.0)
     if n_tests is not None and split.asserts < n_tests:
         return SandboxResult("failed", None, "", f"the program ends with {split.asserts} of its {n_tests} tests "
                              "as separate asserts (its code swallowed the rest)", 0.0)
@@ -533,7 +537,12 @@ def run_many(programs: Sequence[str], limits: SandboxLimits = SandboxLimits(), w
     jobs = list(zip(programs, n_tests or [None] * len(programs), setups or [""] * len(programs)))
 
     def one(job):
-        return run_python(job[0], limits, n_tests=job[1], setup=job[2])
+        t0 = time.monotonic()
+        try:
+            return run_python(job[0], limits, n_tests=job[1], setup=job[2])
+        except Exception as exc:  # noqa: BLE001 - one program never takes its batch down: a grader failure, counted
+            return SandboxResult("error", None, "", f"the grader failed on this program: {type(exc).__name__}: "
+                                 f"{str(exc)[:300]}", time.monotonic() - t0)
 
     if workers <= 1 or len(jobs) <= 1:
         return [one(job) for job in jobs]

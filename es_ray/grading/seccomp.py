@@ -13,8 +13,9 @@ What it refuses, and why a code task never needs it:
 * sockets of any family (``socket``, ``socketpair``, ``connect``, ``bind``, ``listen``, ``accept``): CPython's
   start-up opens none, and a pathname unix socket is the one kind neither the network namespace nor Landlock
   separates.
-* reading or changing other processes (``ptrace``, ``process_vm_*``, ``pidfd_getfd``, ``kcmp``), kernel
-  attack surface with no use here (``bpf``, ``io_uring_*``, ``userfaultfd``, ``perf_event_open``, ``keyctl``),
+* reading or changing other processes (``ptrace``, ``process_vm_*``, ``pidfd_getfd``, ``kcmp``; ``prlimit64``
+  with a pid: the namespace's init runs as the same uid, and a lowered limit would stop it writing the record),
+  kernel attack surface with no use here (``bpf``, ``io_uring_*``, ``userfaultfd``, ``perf_event_open``, ``keyctl``),
   the filesystem view and namespaces (``mount`` and the new mount API, ``umount2``, ``pivot_root``, ``chroot``,
   ``setns``, ``unshare``) and administration (modules, kexec, reboot, swap, clocks, quotas, handles).
 
@@ -40,7 +41,7 @@ PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 # BPF opcodes: load word at absolute offset, jump if equal / greater-or-equal / any bit set, return constant
 _LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
 # struct seccomp_data: int nr; u32 arch; u64 instruction_pointer; u64 args[6] (the low word first: little endian)
-_NR, _ARCH, _ARG0_LOW = 0, 4, 16
+_NR, _ARCH, _ARG0_LOW, _ARG0_HIGH = 0, 4, 16, 20
 
 DENIED = ("socket", "socketpair", "connect", "bind", "listen", "accept", "accept4", "fork", "vfork", "execve",
           "execveat", "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp", "bpf",
@@ -65,7 +66,7 @@ SYSCALLS = {
         process_vm_readv=310, process_vm_writev=311, kcmp=312, finit_module=313, kexec_file_load=320, bpf=321,
         execveat=322, userfaultfd=323, io_uring_setup=425, io_uring_enter=426, io_uring_register=427,
         open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, clone3=435,
-        pidfd_getfd=438, process_madvise=440, mount_setattr=442),
+        pidfd_getfd=438, process_madvise=440, mount_setattr=442, prlimit64=302),
     # the generic table: no fork, vfork, modify_ldt, iopl or ioperm
     "aarch64": dict(
         lookup_dcookie=18, umount2=39, mount=40, pivot_root=41, chroot=51, vhangup=58, quotactl=60, acct=89,
@@ -77,7 +78,7 @@ SYSCALLS = {
         clock_adjtime=266, setns=268, process_vm_readv=270, process_vm_writev=271, kcmp=272, finit_module=273,
         bpf=280, execveat=281, userfaultfd=282, kexec_file_load=294, io_uring_setup=425, io_uring_enter=426,
         io_uring_register=427, open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432,
-        fspick=433, clone3=435, pidfd_getfd=438, process_madvise=440, mount_setattr=442),
+        fspick=433, clone3=435, pidfd_getfd=438, process_madvise=440, mount_setattr=442, prlimit64=261),
 }
 
 
@@ -100,6 +101,10 @@ def build_filter(machine: str | None = None) -> bytes:
     prog += [_ins(_JEQ, nr["clone"], jf=4), _ins(_LD_ABS, _ARG0_LOW), _ins(_JSET, CLONE_THREAD, jf=1),
              _ins(_RET, RET_ALLOW), _ins(_RET, RET_KILL_PROCESS)]
     prog += [_ins(_JEQ, nr["clone3"], jf=1), _ins(_RET, RET_ENOSYS)]
+    # prlimit64 on this process only (pid 0, what glibc's getrlimit/setrlimit pass): on the namespace's init, the
+    # same uid, a lowered RLIMIT_FSIZE or RLIMIT_CPU would stop it writing the record
+    prog += [_ins(_JEQ, nr["prlimit64"], jf=6), _ins(_LD_ABS, _ARG0_LOW), _ins(_JEQ, 0, jf=2),
+             _ins(_LD_ABS, _ARG0_HIGH), _ins(_JEQ, 0, jt=1), _ins(_RET, RET_KILL_PROCESS), _ins(_RET, RET_ALLOW)]
     for name in DENIED:
         if name in nr:
             prog += [_ins(_JEQ, nr[name], jf=1), _ins(_RET, RET_KILL_PROCESS)]

@@ -165,20 +165,47 @@ class _Prober(ast.NodeTransformer):
         return self.generic_visit(node)  # comparisons, boolean logic, arithmetic, a trusted call's arguments
 
 
-def split_tests(program: str, setup: str = "") -> Split:
+class TestsTooLarge(ValueError):
+    """The tests cannot be taken apart within the grader's bounds (depth or size): the program fails."""
+
+
+MAX_TEST_NODES = 10_000
+"""Syntax nodes in the tests taken apart, over all of them: MBPP's test lists have tens to a few hundred, and
+taking 10,000 apart costs the grader 1-3 s on a loaded 2-core machine. It matters where the caller passes no
+``n_tests`` (every trailing assert, the candidate's too, is then a test); with it, the tests are the task's."""
+
+
+def split_tests(program: str, setup: str = "", n_tests: int | None = None) -> Split:
     """Take the program's trailing top-level asserts apart (see the module docstring). ``setup``: the task's own
-    setup code (its imports are the check's in any form). A program that does not parse is returned whole, with no
-    tests (it fails on its own)."""
+    setup code (its imports are the check's in any form). ``n_tests``: only the last ``n_tests`` asserts are the
+    task's tests; the asserts before them are the candidate's own and stay in its code, run in its process (in the
+    check they could rebind what the task's tests use, or write the verdicts). None: every trailing assert is a
+    test (the caller vouches for all of them). A program that does not parse is returned whole, with no tests (it
+    fails on its own); TestsTooLarge where the tests are too deep or too large to take apart."""
     try:
         tree = ast.parse(program)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return Split(program)
     body = list(tree.body)
-    tail: list[ast.Assert] = []
+    trailing: list[ast.Assert] = []
     while body and isinstance(body[-1], ast.Assert):
-        tail.insert(0, body.pop())
-    if not tail:
+        trailing.insert(0, body.pop())
+    if not trailing:
         return Split(program)
+    keep = len(trailing) if n_tests is None else max(0, min(n_tests, len(trailing)))
+    body += trailing[:len(trailing) - keep]
+    tail = trailing[len(trailing) - keep:]
+    if not tail:
+        return Split(program, asserts=len(trailing))
+    if sum(1 for t in tail for _ in ast.walk(t)) > MAX_TEST_NODES:
+        raise TestsTooLarge(f"the tests hold more than {MAX_TEST_NODES} syntax nodes")
+    try:
+        return _split(program, setup, body, tail, len(trailing))
+    except (RecursionError, MemoryError) as exc:  # a test nested deeper than the grader's visitors go
+        raise TestsTooLarge(f"the tests are nested too deep to take apart ({type(exc).__name__})") from None
+
+
+def _split(program: str, setup: str, body: list[ast.stmt], tail: list[ast.Assert], asserts: int) -> Split:
     try:
         names, imports = _imported_names(ast.parse(setup), True)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -188,7 +215,7 @@ def split_tests(program: str, setup: str = "") -> Split:
     first = tail[0]
     code = ("".join(program.splitlines(keepends=True)[:first.lineno - 1]) if first.col_offset == 0
             else ast.unparse(ast.Module(body=body, type_ignores=[])) + "\n")
-    split = Split(code, imports=imports, asserts=len(tail))
+    split = Split(code, imports=imports, asserts=asserts)
     # a standard-library module a test reads an attribute of (math.isclose) is the check's own even when the
     # program binds that name itself (math = <anything with an isclose>): the check imports the real module
     modules = {n.value.id for t in tail for n in ast.walk(t.test) if isinstance(n, ast.Attribute)
