@@ -127,14 +127,23 @@ def check_overrides(config_name: str, args: list[str]) -> str | None:
         bad = next((a for a in ours if _unparsable(a)), " ".join(ours))
         return f"cannot read the override {bad!r}: {_first_line(exc)} (write key=value, lists as key=[a,b])"
     groups = {p.name: sorted(f.stem for f in p.glob("*.yaml")) for p in CONF_DIR.iterdir() if p.is_dir()}
+    for o in overrides:  # an optional group (experiment) composes without a preset that does not exist
+        if o.key_or_group in groups and not o.is_add() and not isinstance(o.value(), (list, dict)) \
+                and o.value() is not None and str(o.value()) not in groups[o.key_or_group]:
+            return f"{o.key_or_group}={o.value()}: no such preset; choose one of {', '.join(groups[o.key_or_group])}"
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        # the common case first: overrides that compose need no diagnosis (one compose, not two, per command;
+        # the schema is structured, so an unknown key fails this compose too)
+        try:
+            compose(config_name=config_name, overrides=ours)
+            return None
+        except (HydraException, OmegaConfBaseException):
+            pass
         known = known_keys(compose(config_name=config_name))
         for text, o in zip(ours, overrides):
             key = o.key_or_group
-            if key in groups and not o.is_add() and "." not in key and not isinstance(o.value(), (list, dict)):
-                if str(o.value()) not in groups[key] and o.value() is not None:
-                    return f"{key}={o.value()}: no such preset; choose one of {', '.join(groups[key])}"
-                continue
+            if key in groups and not o.is_add() and not isinstance(o.value(), (list, dict)):
+                continue  # a preset, checked above
             if o.is_add() or o.is_delete() or key in known:
                 continue
             close = difflib.get_close_matches(key, sorted(known | set(groups)), n=1, cutoff=0.6)
