@@ -20,6 +20,11 @@ import time
 from pathlib import Path
 
 from es_ray.grpo.config import GRPOTrainConfig
+from es_ray.grpo.shards import full as _full
+from es_ray.grpo.shards import load_moments, save_moments
+from es_ray.grpo.shards import local as _local
+from es_ray.grpo.shards import shard_start as _shard_start
+from es_ray.grpo.shards import slice_like as _slice_like
 
 from es_ray.runtime.actors import Actor, actor_threads, once
 from es_ray.runtime.checkpoint import meta_file, state_file
@@ -81,16 +86,20 @@ class GRPOLearner(Actor):
             return f"tcp://{host}:{sock.getsockname()[1]}"
 
     def join(self, address: str) -> dict:
-        """Join the learner's process group at ``address`` (rank 0's) and build the sharded model."""
-        import datetime
+        """Join the learner's process group at ``address`` (rank 0's) and build the sharded model. The group is the
+        learner's own (es_ray.runtime.process_group), never torch's default one, which a colocated vLLM owns."""
+        from es_ray.runtime.process_group import own_group
 
-        import torch.distributed as dist
-
-        backend = "nccl" if str(self.device).startswith("cuda") else "gloo"
-        dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world,
-                                timeout=datetime.timedelta(seconds=max(60.0, self.cfg.faults.actor_timeout_s)))
+        self.group = own_group(address, self.rank, self.world, self.device,
+                               max(60.0, self.cfg.faults.actor_timeout_s), name=f"grpo-learner-{address}")
         self._build()
         return self.ready()
+
+    def close(self) -> None:
+        """Leave the learner's process group (a sharded learner; nothing to do for one process)."""
+        group = self.__dict__.pop("group", None)
+        if group is not None:
+            group.close()
 
     def _build(self) -> None:
         import torch
@@ -164,6 +173,7 @@ class GRPOLearner(Actor):
 
             raise ConfigError(f"grpo.fsdp_size={self.g.fsdp_size}: {type(self.model).__name__} has no decoder layers "
                               "at model.layers to shard; set grpo.fsdp_size=1 and grpo.offload=none")
+        kw["mesh"] = self.group.mesh  # the learner's own group (``join``), not one over the default group
         for block in layers:
             fully_shard(block, **kw)
         self.scorer = _scorer(self)
@@ -325,7 +335,7 @@ class GRPOLearner(Actor):
             # on the rank's device: NCCL serves no host tensor (tests/test_grpo_strict_collectives.py)
             summed = torch.tensor([totals[k] for k in keys] + [float(backprop_tokens)], dtype=torch.float64,
                                   device=self.device)
-            dist.all_reduce(summed)
+            dist.all_reduce(summed, group=self.group.pg)
             totals.update(zip(keys, summed.tolist()))
             backprop_tokens = int(summed[-1])
         e, tok = g.epochs_per_batch, max(totals["tokens"], 1.0)
@@ -392,9 +402,8 @@ class GRPOLearner(Actor):
 
     def save(self, path: str, meta: dict) -> str:
         """An HF-format checkpoint (what es-eval and es-drift read) with the optimizer, scheduler and RNG state. A
-        sharded learner writes no whole copy anywhere: each rank saves its shards of AdamW's moments with
-        torch.distributed.checkpoint into the checkpoint's ``shards/`` (resharded on load, so any grpo.fsdp_size
-        resumes), and the HF weights are written tensor by tensor, each gathered (full_tensor) only while rank 0
+        sharded learner writes no whole copy anywhere: each rank saves its rows of AdamW's moments into the
+        checkpoint's ``shards/`` (grpo.shards: resharded on load, so any grpo.fsdp_size resumes), and the HF weights are written tensor by tensor, each gathered (full_tensor) only while rank 0
         writes it. Published atomically with a manifest of every file (es_ray.runtime.checkpoint)."""
         import torch
 
@@ -413,29 +422,27 @@ class GRPOLearner(Actor):
                               "run.checkpoint_every=0 or grpo.offload=none")
         import shutil
 
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-
         from es_ray.runtime.checkpoint import staging_dir
 
-        where = [str(staging_dir(Path(path).parent / f"{Path(path).name}-shards")) if self.rank == 0 else None]
-        dist.broadcast_object_list(where)
-        dcp.save({"optimizer": self._sharded_optimizer_state()}, checkpoint_id=where[0])
-        dist.barrier()
-        state = {"optimizer": {"dcp": "shards", "lr": [group["lr"] for group in self.optimizer.param_groups]}, **rng}
+        where = self.group.broadcast(str(staging_dir(Path(path).parent / f"{Path(path).name}-shards"))
+                                     if self.rank == 0 else None)
+        save_moments(where, self._sharded_optimizer_state(), self.rank, self.world)
+        self.group.barrier()  # every rank's moments are written before rank 0 publishes them
+        state = {"optimizer": {"moments": "shards", "lr": [group["lr"] for group in self.optimizer.param_groups]},
+                 **rng}
         if self.rank == 0:
-            move = lambda tmp: shutil.move(where[0], tmp / "shards")  # noqa: E731
+            move = lambda tmp: shutil.move(where, tmp / "shards")  # noqa: E731
             save_checkpoint(path, {n: _Gathered(p) for n, p in self.named.items()}, self.model_dir, state, meta,
                             "grpo", extra=move)
         else:  # the same gathers, in the order rank 0 writes them (sorted names)
             for name in sorted(self.named):
                 _full(self.named[name].detach())
-        dist.barrier()  # no rank returns before the checkpoint is published
+        self.group.barrier()  # no rank returns before the checkpoint is published
         return path
 
     def _sharded_optimizer_state(self, fresh: bool = False) -> dict:
-        """AdamW's state by HF parameter name, each moment as this rank's DTensor shard (torch.distributed.checkpoint
-        saves and reshards them); ``fresh``: zeros of the right layout to load into."""
+        """AdamW's state by HF parameter name, each moment as this rank's DTensor shard (grpo.shards saves and
+        reshards them); ``fresh``: zeros of the right layout to load into."""
         import torch
 
         out = {}
@@ -474,14 +481,11 @@ class GRPOLearner(Actor):
                     src = weights["model.embed_tokens.weight"]
                 _local(p).copy_(_slice_like(src.to(p.dtype), p))
         state = load_state(path, "grpo")  # weights_only=True: a planted pickle is refused
-        if sharded:
-            import torch.distributed.checkpoint as dcp
-
-            moments = {"optimizer": self._sharded_optimizer_state(fresh=True)}
-            dcp.load(moments, checkpoint_id=str(Path(path) / "shards"))  # into this rank's layout
+        if sharded:  # this rank's rows of every moment, from whichever saved ranks hold them
+            moments = load_moments(Path(path) / "shards", self._sharded_optimizer_state(fresh=True))
             for name, p in self.named.items():
-                if name in moments["optimizer"]:
-                    self.optimizer.state[p] = moments["optimizer"][name]
+                if name in moments:
+                    self.optimizer.state[p] = moments[name]
             for group, lr in zip(self.optimizer.param_groups, state["optimizer"]["lr"]):
                 group["lr"] = lr
         else:
@@ -489,16 +493,6 @@ class GRPOLearner(Actor):
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         return read_meta(path, "grpo")
-
-
-def _local(t):
-    """A DTensor's local shard (FSDP2), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _full(t):
-    """A DTensor gathered whole (a collective: every rank calls it), or the tensor itself."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _empty_model(model_dir: str):
@@ -512,14 +506,6 @@ def _empty_model(model_dir: str):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
     model.tie_weights()  # from_config leaves a tied head its own meta tensor; from_pretrained ties it
     return model
-
-
-def _shard_start(p) -> int:
-    """The first dim-0 row of this rank's FSDP2 shard of ``p``: dim 0 split in chunks of ceil(rows / world)
-    (torch.chunk's split, which FSDP2 uses), the chunk at this rank's place in the mesh."""
-    mesh = p.device_mesh
-    rows, world = p.shape[0], mesh.size()
-    return min(rows, -(-rows // world) * mesh.get_local_rank())
 
 
 def _scorer(learner: GRPOLearner):
@@ -546,13 +532,3 @@ class _Gathered:
 
     def detach(self):
         return _full(self.p.detach())
-
-
-def _slice_like(full, p):
-    """This rank's shard of the whole tensor ``full`` for the (possibly DTensor) parameter ``p``: FSDP2 shards dim 0
-    in world-size chunks, the last ones possibly short or empty (torch.chunk's split)."""
-    if not hasattr(p, "to_local"):
-        return full
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(full.to(_local(p).device), p.device_mesh, p.placements).to_local()

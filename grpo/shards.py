@@ -1,0 +1,96 @@
+"""The sharded learner's parameters and AdamW moments as FSDP2 lays them out: dim 0 of every tensor split in chunks of
+ceil(rows / world) rows (torch.chunk's split), rank r holding chunk r (the last ranks' possibly short or empty).
+
+The moments are checkpointed here rather than by torch.distributed.checkpoint: DCP's coordination maps ranks through
+the default process group (``dist.get_rank(group)``, ``dist.get_global_rank``), which a colocated vLLM owns and in
+which every learner rank is rank 0 (es_ray/runtime/process_group.py). Each rank writes its own rows of each moment
+to ``moments-<rank>-of-<world>.safetensors``; a rank of any later grpo.fsdp_size reads the rows it holds from the
+files whose rows overlap them, so the checkpoint reshards on load as DCP's did.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+MOMENTS = re.compile(r"moments-(\d+)-of-(\d+)\.safetensors")
+
+
+def local(t):
+    """A DTensor's local shard (FSDP2), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def full(t):
+    """A DTensor gathered whole (a collective: every rank calls it), or the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def rows_start(rows: int, world: int, rank: int) -> int:
+    """The first dim-0 row of rank ``rank``'s chunk of a ``rows``-row tensor split over ``world`` ranks."""
+    return min(rows, -(-rows // world) * rank)
+
+
+def shard_start(p) -> int:
+    """The first dim-0 row of this rank's FSDP2 shard of ``p``: its place in the mesh is the mesh's coordinate (given
+    by the learner's own group, not read from the default group as ``get_local_rank`` would)."""
+    mesh = p.device_mesh
+    return rows_start(p.shape[0], mesh.size(), mesh.get_coordinate()[0])
+
+
+def slice_like(whole, p):
+    """This rank's rows of the whole tensor ``whole`` for the (possibly DTensor) parameter ``p``, on its device."""
+    if not hasattr(p, "to_local"):
+        return whole
+    mine = local(p)
+    start = shard_start(p)
+    return whole[start : start + mine.shape[0]].to(mine.device)
+
+
+def save_moments(directory: str | Path, moments: dict, rank: int, world: int) -> Path:
+    """This rank's rows of AdamW's state (``{name: {"step", "exp_avg", "exp_avg_sq"}}``, moments as DTensors or
+    local tensors) into ``directory``; the step is the same on every rank and every file carries it."""
+    from safetensors.torch import save_file
+
+    out = {}
+    for name, state in moments.items():
+        for key, value in state.items():
+            out[f"{name}/{key}"] = local(value).detach().to("cpu").contiguous()
+    path = Path(directory) / f"moments-{rank}-of-{world}.safetensors"
+    save_file(out, str(path))
+    return path
+
+
+def load_moments(directory: str | Path, fresh: dict) -> dict:
+    """``fresh`` (zeros in this rank's layout, as ``save_moments`` takes them) filled with the rows this rank holds,
+    read from every saved rank's file that has some of them: any world size wrote them."""
+    import torch
+
+    from es_ray.models import read_tensor
+
+    files = {}
+    for path in Path(directory).iterdir():
+        if m := MOMENTS.fullmatch(path.name):
+            files[int(m.group(1))] = (str(path), int(m.group(2)))
+    worlds = {w for _, w in files.values()}
+    if len(worlds) != 1 or sorted(files) != list(range(next(iter(worlds)))):
+        raise ValueError(f"{directory}: expected moments-<rank>-of-<world>.safetensors for every rank of one world "
+                         f"size, found ranks {sorted(files)} of {sorted(worlds)}")
+    saved = next(iter(worlds))
+    with torch.no_grad():
+        for name, state in fresh.items():
+            for key, value in state.items():
+                mine = local(value)
+                if mine.dim() == 0:  # the step: one scalar, the same on every rank
+                    mine.copy_(read_tensor(files[0][0], f"{name}/{key}"))
+                    continue
+                rows = value.shape[0]
+                start = shard_start(value) if hasattr(value, "device_mesh") else 0
+                end = start + mine.shape[0]
+                for r, (file, _) in files.items():
+                    lo, hi = max(start, rows_start(rows, saved, r)), min(end, rows_start(rows, saved, r + 1))
+                    if lo < hi:
+                        part = read_tensor(file, f"{name}/{key}", (slice(lo - rows_start(rows, saved, r),
+                                                                         hi - rows_start(rows, saved, r)),))
+                        mine[lo - start : hi - start].copy_(part)
+    return fresh
