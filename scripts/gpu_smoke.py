@@ -17,7 +17,7 @@ For each model, randomly initialised (seeded, std 0.02, norms 1) and saved with 
   plan's learner part;
 * the sharded learner: a world-size-1 group over tcp://127.0.0.1 (NCCL on a GPU, gloo on CPU), FSDP2 with
   grpo.offload=all, built from the meta device (its build peak against the plan's build lines), a step, a weight-sync
-  chunk through full_tensor() and a DCP save and load;
+  chunk through full_tensor() and a sharded save and load;
 * timings: an ES iteration (full rank: perturb, generate, restore per member, then the update; low rank: one batched
   generation, then the update) against bare batched generation of the same rows, each the median of --repeats runs
   after a warm-up. The batch is --population x --prompts rows; whether it reaches the GPU's throughput plateau is
@@ -424,7 +424,7 @@ def check_sharded_learner(smoke: Smoke, model_dir: Path, shape: ModelShape, args
     """The sharded learner in a world-size-1 group over tcp://127.0.0.1 (NCCL on a GPU, gloo on CPU), FSDP2 with
     grpo.offload=all (a world of one shards only with the offload): its build from the meta device (the host's
     high-water mark and the device's peak against the plan's build lines), a step, a weight-sync chunk through
-    full_tensor() and a DCP save and load that gives the same weights back. A world of one runs every collective
+    full_tensor() and a sharded save and load that gives the same weights back. A world of one runs every collective
     call but exchanges nothing: NCCL across GPUs, and vLLM beside the learner (grpo.colocate), are for a multi-GPU
     machine with vLLM."""
     import torch.distributed as dist
@@ -462,7 +462,7 @@ def check_sharded_learner(smoke: Smoke, model_dir: Path, shape: ModelShape, args
         learner.load(str(workdir / f"{key}-sharded"))
         after = learner.weights()
     finally:
-        dist.destroy_process_group()
+        learner.close()  # the learner's own group (es_ray/runtime/process_group.py): the default group is never made
     same = all(torch.equal(before[n], after[n]) for n in before)
     fig["sharded_learner"] = {"backend": "nccl" if smoke.device.type == "cuda" else "gloo", "build_s": round(build_s, 3),
                               "build_host_rise_bytes": host_rise, "build_device_peak_bytes": device_peak,
@@ -471,7 +471,7 @@ def check_sharded_learner(smoke: Smoke, model_dir: Path, shape: ModelShape, args
     smoke.check(f"{key}/sharded_learner_world_1", step["grpo/loss"] == step["grpo/loss"] and chunk and all(
         t.dtype == torch.bfloat16 for t in chunk.values()) and same,
         f"{fig['sharded_learner']['backend']}: a step (loss {step['grpo/loss']:.4g}), a sync chunk of {len(chunk)} "
-        f"bf16 tensors through full_tensor, a DCP save and load giving the saved weights back: {same}")
+        f"bf16 tensors through full_tensor, a sharded save and load giving the saved weights back: {same}")
     # the build's host rise holds the host line and, on a CPU rank, the device line too; the whole fp32 model
     # (what a rank held before the meta build) would exceed it
     budget = planned_host + (planned_device if smoke.device.type == "cpu" else 0) + SMOKE_HOST_SLACK
