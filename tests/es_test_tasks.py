@@ -28,3 +28,13 @@ class FlakyRewardTask(VowelTask):
         if int(problem.question.split()[-1].rstrip(".")) % 2:
             raise ValueError("malformed completion")
         return 1.0
+
+
+class WhitespaceTask(VowelTask):
+    """Reward: share of the completion's characters that are whitespace. Newline and space-prefixed tokens are a
+    few token ids shared by every context, so the tiny model can raise it in a few steps."""
+
+    name = "whitespace"
+
+    def reward(self, completion: str, problem) -> float:
+        return sum(c.isspace() for c in completion) / len(completion) if completion else 0.0

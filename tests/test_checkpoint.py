@@ -14,20 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import flip_byte
 
 from es_ray.es.state import SeedLog, list_checkpoints, load_es_state, save_es_checkpoint
 from es_ray.runtime.checkpoint import (MANIFEST, CheckpointError, checkpoint_dirs, publish_dir, staging_dir,
                                        verify_dir)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def flip_byte(file: Path, offset: int | None = None) -> None:
-    """XOR one byte (by default in the middle of the file: inside the tensors of a safetensors file)."""
-    data = bytearray(file.read_bytes())
-    at = len(data) // 2 if offset is None else offset
-    data[at] ^= 0x10
-    file.write_bytes(bytes(data))
 
 
 class Planted:

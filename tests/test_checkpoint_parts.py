@@ -10,8 +10,7 @@ import pickle
 
 import pytest
 import torch
-from test_engine_contract import FITNESS, RUN_SEED, SKIP_VLLM
-from test_replica import replica_spec
+from helpers import FITNESS, RUN_SEED, SKIP_VLLM, replica_spec
 
 from es_ray.engines.vllm_extension import ESExtension, write_state_part
 from es_ray.es.state import (STATE_TENSORS, LazyTensors, load_es_state, save_es_checkpoint,

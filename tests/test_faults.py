@@ -3,19 +3,16 @@ bit for bit where the same run without the fault ends."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
+from helpers import alive_es_actors, assert_same_weights, final_weights, log_rows, tiny_cfg
 
 from es_ray.es.config import validate
 
 from es_ray.core.config import ConfigError
 from es_ray.es.driver import run
 from es_ray.runtime.actors import once
-from test_ray_es import tiny_cfg
 
 pytestmark = pytest.mark.ray
 
@@ -26,36 +23,6 @@ def faulty_cfg(model_dir, run_dir, **over):
     """Two actors, population 4, a checkpoint every 2 iterations; `over` as in tiny_cfg (section__field)."""
     base = dict(cluster__num_actors=2, es__iterations=ITERATIONS, run__checkpoint_every=2, eval__every=0)
     return tiny_cfg(model_dir, run_dir, **{**base, **over})
-
-
-def final_weights(summary: dict) -> dict[str, torch.Tensor]:
-    return load_file(Path(summary["final_checkpoint"]) / "model.safetensors")
-
-
-def log_rows(run_dir: Path, name: str) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / name).read_text().splitlines()]
-
-
-def assert_same_weights(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not different, f"tensors differ from the run without the fault: {different[:5]}"
-
-
-def alive_es_actors() -> list:
-    """What the run left holding CPUs on the local cluster (every ES actor holds one): empty when all are gone.
-
-    (Ray's state API needs the dashboard, which the test cluster does not start.)"""
-    import time
-
-    import ray
-
-    for _ in range(40):  # a killed actor's CPU returns to the pool within a moment
-        held = ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0)
-        if held <= 0:
-            return []
-        time.sleep(0.25)
-    return [f"{held:g} CPU still held"]
 
 
 @pytest.fixture(scope="module")

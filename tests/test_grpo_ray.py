@@ -9,8 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from es_test_tasks import VowelTask
-from es_ray.grpo.config import to_grpo_config
+from helpers import grpo_tiny_cfg as tiny_cfg
 
 pytestmark = pytest.mark.ray
 
@@ -33,26 +32,6 @@ def peaked_model_dir(tiny_model_dir, tmp_path_factory):
 
 
 EMBED_SCALE = 10.0
-
-
-class WhitespaceTask(VowelTask):
-    """Reward: share of the completion's characters that are whitespace. Newline and space-prefixed tokens are a
-    few token ids shared by every context, so the tiny model can raise it in a few steps."""
-
-    name = "whitespace"
-
-    def reward(self, completion: str, problem) -> float:
-        return sum(c.isspace() for c in completion) / len(completion) if completion else 0.0
-
-
-def tiny_cfg(model_dir, run_dir, run=None, eval_every=0, **grpo):
-    return to_grpo_config({
-        "model": {"path": str(model_dir)}, "task": {"name": "test_grpo_ray:WhitespaceTask", "train_size": 8},
-        "grpo": {"steps": 4, "lr": 1e-3, "group_size": 4, "prompts_per_step": 4, "micro_batch_size": 16, **grpo},
-        "sampling": {"max_new_tokens": 8, "temperature": 1.0}, "engine": {"threads": 1},
-        "eval": {"every": eval_every},
-        "run": {"dir": str(run_dir), "progress": False, "trackers": [], **(run or {})},
-    })
 
 
 def rewards(run_dir):

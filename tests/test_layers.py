@@ -161,3 +161,26 @@ def test_the_rules_can_fail():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert group_of("es_ray.engines.vllm") == "es_ray.engines" and group_of("es_ray.grpo.loss") == "es_ray.grpo.loss"
     assert LAYERS[group_of("es_ray.runtime.actors")] > LAYERS[group_of("es_ray.models")]
+
+
+def imports_of(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, module) for every import in ``source`` (function-local ones included) of a module in ``names``."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] in names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] in names:
+            out.append((node.lineno, node.module))
+    return sorted(out)
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/helpers.py (and es_test_tasks.py, strict_collectives.py, conftest.py): a
+    test module importing another breaks when that one is moved or renamed, and runs its module-level code."""
+    tests = {p.stem: p for p in sorted((REPO / "tests").glob("test_*.py"))}
+    sample = "import os\ndef f():\n    from test_a import x\nimport test_b.c\n"  # the check can fail
+    assert imports_of(sample, {"test_a", "test_b"}) == [(3, "test_a"), (4, "test_b.c")]
+    bad = [f"tests/{p.name}:{line} imports {name}" for p in tests.values()
+           for line, name in imports_of(p.read_text(), set(tests))]
+    assert bad == [], "move what they share into tests/helpers.py"

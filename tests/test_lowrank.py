@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_replica import Engine, initial_params, replica_spec
+from helpers import Engine, initial_params, replica_spec
 
 from es_ray import lowrank
 from es_ray.es.config import ESTrainConfig, validate

@@ -12,8 +12,8 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import replica_spec
 from torch import nn
-from test_replica import replica_spec
 
 from es_ray.core.config import EngineConfig, SamplingConfig
 from es_ray.engines.base import make_engine

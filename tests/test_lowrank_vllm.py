@@ -17,8 +17,7 @@ import os
 
 import pytest
 import torch
-from test_engine_contract import PROMPTS, SKIP_VLLM
-from test_replica import replica_spec
+from helpers import PROMPTS, SKIP_VLLM, replica_spec
 
 from es_ray.core.config import ConfigError, EngineConfig, SamplingConfig
 from es_ray.engines.base import make_engine

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_cfg
 from safetensors.torch import load_file
 
 from es_ray.core.config import ClusterConfig
-from test_ray_es import tiny_cfg
 
 pytestmark = pytest.mark.ray
 TESTS_DIR = Path(__file__).resolve().parent

@@ -7,31 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_cfg
 from safetensors.torch import load_file
 
-from es_ray.es.config import ESConfig, ESTrainConfig, validate
-from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, ModelConfig, RunConfig, SamplingConfig,
-                                TaskConfig)
+from es_ray.core.config import ConfigError
 from es_ray.es.driver import run
 from es_ray.runtime.cluster import check_address
 
 pytestmark = pytest.mark.ray
-
-
-def tiny_cfg(model_dir, run_dir, **over) -> ESTrainConfig:
-    cfg = ESTrainConfig(
-        model=ModelConfig(path=str(model_dir)),
-        task=TaskConfig(name="es_test_tasks:VowelTask", train_size=8),
-        es=ESConfig(population=4, sigma=0.02, lr=0.02 * 0.02, iterations=3, prompts_per_iteration=8),
-        sampling=SamplingConfig(max_new_tokens=8, temperature=0.0),
-        engine=EngineConfig(name="hf", dtype="float32", device="cpu"),
-        cluster=ClusterConfig(num_actors=1, cpus_per_actor=1),
-        run=RunConfig(dir=str(run_dir), seed=3, trackers=[], progress=False),
-    )
-    for key, value in over.items():
-        section, field = key.split("__")
-        setattr(getattr(cfg, section), field, value)
-    return validate(cfg)
 
 
 def _metrics(run_dir: Path) -> list[dict]:

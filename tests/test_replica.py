@@ -9,6 +9,7 @@ import io
 import numpy as np
 import pytest
 import torch
+from helpers import REPLICA_SEED, Engine, initial_params, replica_spec
 
 from es_ray.es.config import ESConfig, ESTrainConfig
 from es_ray.es.config import replica_spec as spec_from_config
@@ -17,42 +18,9 @@ from es_ray.replica import (Replica, ReplicaSpec, Shard, checksum, combine_check
                             mismatches, tensor_checksum, update_health, update_sums)
 from es_ray.strategy import ask, zscore
 
-SEED = 7
+SEED = REPLICA_SEED
 SIGMA = 0.05
 DTYPES = [torch.bfloat16, torch.float32]
-
-
-def initial_params() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(99)
-    return {
-        "model.layers.0.self_attn.q_proj.weight": torch.randn(16, 8, generator=g),
-        "model.layers.0.self_attn.v_proj.weight": torch.randn(16, 8, generator=g),  # same shape as q_proj
-        "model.layers.0.mlp.up_proj.weight": 0.02 * torch.randn(24, 8, generator=g),
-        # norm weights at exactly 1.0: the drift case of docs/design.md "ES, precisely" 2
-        "model.norm.weight": torch.ones(8),
-    }
-
-
-class Engine:
-    def __init__(self, params: dict[str, torch.Tensor], dtype: torch.dtype):
-        self.dtype = dtype
-        self.weights = {k: v.to(dtype).clone() for k, v in params.items()}
-        self.writes: list[str] = []
-
-    def write(self, named) -> None:
-        for name, t in named:
-            assert t.dtype == torch.float32
-            self.writes.append(name)
-            self.weights[name].copy_(t)
-
-    def read(self, name: str) -> torch.Tensor:
-        return self.weights[name]
-
-
-def replica_spec(run_seed: int = SEED, **kw) -> ReplicaSpec:
-    """The default config's spec (per-tensor noise unless given), with test overrides."""
-    kw.setdefault("noise", "per_tensor")
-    return dataclasses.replace(spec_from_config(ESTrainConfig()), run_seed=run_seed, **kw)
 
 
 def make_replica(dtype=torch.bfloat16, params=None, **spec_kw):

@@ -12,6 +12,7 @@ import subprocess
 import time
 
 import pytest
+from helpers import alive_es_actors, assert_same_weights, final_weights, flip_byte, log_rows, tiny_cfg
 
 from es_ray.es.state import SeedLog
 from es_ray.es.config import ESTrainConfig
@@ -20,9 +21,6 @@ from es_ray.es.driver import run
 from es_ray.es.recovery import RESUME_FREE, ReplicaMismatchError
 from es_ray.runtime.checkpoint import CheckpointError
 from es_ray.runtime.rundir import check_same_run
-from test_checkpoint import flip_byte
-from test_faults import alive_es_actors, assert_same_weights, final_weights, log_rows
-from test_ray_es import tiny_cfg
 
 pytestmark = pytest.mark.ray
 

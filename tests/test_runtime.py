@@ -177,8 +177,8 @@ def _check_ledger(led: dict, method: str, cpus_per_actor: float, actors: set[str
 def test_es_and_grpo_fill_the_same_ledger(ray_local, tiny_model_dir, tmp_path):
     from es_ray.es.driver import run as es_run
     from es_ray.grpo.driver import run as grpo_run
-    from test_grpo_ray import tiny_cfg as grpo_cfg
-    from test_ray_es import tiny_cfg as es_cfg
+    from helpers import grpo_tiny_cfg as grpo_cfg
+    from helpers import tiny_cfg as es_cfg
 
     es_run(es_cfg(tiny_model_dir, tmp_path / "es", es__iterations=2, cluster__num_actors=2))
     grpo_run(grpo_cfg(tiny_model_dir, tmp_path / "grpo", steps=2))

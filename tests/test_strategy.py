@@ -14,8 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from test_replica import Engine, replica_spec
+from helpers import Engine, replica_spec
 
 from es_ray.noise import NoiseSource
 from es_ray.replica import Replica

@@ -332,8 +332,9 @@ def test_es_eval_logs_its_summary_once_with_the_config(tiny_model_dir, tmp_path)
 
 @pytest.mark.ray
 def test_tiny_es_run_lands_in_every_tracker(ray_local, tiny_model_dir, tmp_path):
+    from helpers import tiny_cfg
+
     from es_ray.es.driver import run
-    from test_ray_es import tiny_cfg
 
     run_dir = tmp_path / "es"
     run(tiny_cfg(tiny_model_dir, run_dir, es__iterations=2, run__trackers=["tensorboard", "wandb", "mlflow"]))

@@ -70,7 +70,7 @@ def test_batch_invariance_refused_once_vllm_read_it_as_off(monkeypatch):
 def test_memory_check_measures_every_worker_and_the_tightest_rank_decides(tiny_model_dir, monkeypatch):
     """check_es_memory asks each vLLM worker for its own device's free memory (``es_device_memory``, measured after
     its cache is sized); the actor process never touches CUDA. One rank short of memory refuses the run."""
-    from test_replica import replica_spec
+    from helpers import replica_spec
 
     from es_ray.core.config import EngineConfig
     from es_ray.engines.vllm import VLLMEngine
