@@ -127,3 +127,36 @@ def test_forgetting_is_the_change_since_each_task_was_trained_paired_over_proble
     md = "\n".join(forgetting_markdown({"forgetting": f}))
     assert "## Task sequence: arithmetic -> countdown (forgetting)" in md
     assert "| ES | arithmetic |" in md and "| ES | countdown | " in md and "| after countdown |" in md
+
+
+def test_each_task_of_a_sequence_is_held_to_the_whole_budget(tmp_path):
+    """A sequence's training runs each stop at the whole token budget (half per part of a sequential method), and the
+    report holds each to that, not to the budget divided over the tasks."""
+    from es_ray.launch.compare.report import collect_seed
+
+    cfg = _cfg(tmp_path, methods=["es", "es_grpo"], seeds=[0], budget=BudgetConfig(unit="tokens", epochs=8.0,
+                                                                                  tokens=200))
+    plan = {m: stage_plan(cfg, m, tmp_path, pool=4) for m in cfg.methods}
+    assert [s.config().run.stop_at_tokens for s in plan["es"] if s.kind.startswith("train")] == [200, 200]
+    assert [s.config().run.stop_at_tokens for s in plan["es_grpo"] if s.kind.startswith("train")] == [100] * 4
+    for m, stages in plan.items():
+        for s in stages:
+            if s.kind.startswith("train"):
+                _ledger(s.dir(tmp_path), 200 if m == "es" else 100)
+            elif s.kind == "eval":
+                (s.dir(tmp_path)).mkdir(parents=True)
+                (s.dir(tmp_path) / "results.json").write_text(json.dumps(
+                    {"model_dir": "/m", "tasks": {t: {"pass@k": {"1": 0.0, "4": 0.0}, "mean_reward": 0.0}
+                                                  for t in SEQ}}))
+    rep = collect_seed(tmp_path, cfg, plan, 4)  # no drift.json: drift is left out
+    for m, budget in (("es", 200), ("es_grpo", 100)):
+        parts = rep["methods"][m]["budget_reached"]["parts"]
+        assert [p["budget"] for p in parts] == [budget] * len(parts) and all(p["matched"] for p in parts), parts
+
+
+def _ledger(run_dir: Path, tokens: int) -> None:
+    run_dir.mkdir(parents=True)
+    (run_dir / "ledger.json").write_text(json.dumps({
+        "tokens_generated": tokens, "tokens_backpropagated": 0, "wall_s": 1.0, "startup_s": 0.0, "device_seconds": 1.0,
+        "device_kind": "cpu", "peak_rss_bytes_max": 1, "phase_seconds": {}, "steps": 1, "stop_reason": "budget",
+        "finished": True}))

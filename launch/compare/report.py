@@ -379,7 +379,8 @@ def collect_seed(root: Path, cfg, plan: dict, pool: int) -> dict:
                         "t1": (ev.get("entropy_t1") or {}).get("mean_per_token")},
             "mean_reward": {t: ev["tasks"][t]["mean_reward"] for t in tasks},
             "ledger": ledger,
-            "budget_reached": budget_reached(cfg, ledger, len(parts) or 1),
+            # each task of a sequence gets the whole budget, split over the method's parts
+            "budget_reached": budget_reached(cfg, ledger, max(1, len(parts) // max(1, len(cfg.sequence)))),
             "reward_curve": reward_curve(rows),
             "held_out_curve": held_out_curve(rows, _read_json(root / "stages" / parts[0][0] / BASE_POINT)
                                              if parts else None),
