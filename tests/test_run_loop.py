@@ -282,3 +282,97 @@ def test_without_a_terminal_each_step_and_each_held_out_scoring_is_one_line(tmp_
     assert all(" reward " in line and "heldout_reward" in line for line in steps), steps
     assert all("elapsed" in line and "eta" in line for line in steps)
     assert sum(line.startswith("es held-out (") for line in out) == 4  # base, after 0, after 1 (every 2), last
+
+
+# -- kill -9 at each phase (no handler runs, nothing in `finally`), then a resume: the same record -----------------
+
+class KilledStandIn(LoggedStandIn):
+    """The stand-in killed without warning at its phase (os._exit in a forked child: what SIGKILL leaves)."""
+
+    def _maybe(self, phase, t, guard):
+        if (self.phase, self.at) == (phase, t):
+            os._exit(137)
+
+
+def _killed_then_resumed(run_dir, phase, total=4):
+    cfg = config(run_dir, checkpoint_every=1)
+    pid = os.fork()
+    if pid == 0:  # the child: the driver that gets killed
+        try:
+            KilledStandIn(cfg, run_dir, total, phase=phase).run()
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] >> 8 == 137, "the stand-in was not killed at its phase"
+    resumed = config(run_dir, checkpoint_every=1, resume=True)
+    LoggedStandIn(resumed, run_dir, total, point=_resume_point(resumed, run_dir)).run()
+
+
+@pytest.mark.parametrize("phase", ("evaluate", "update", "held_out", "logged", "checkpoint"))
+def test_a_kill_at_any_phase_then_a_resume_records_what_an_uninterrupted_run_does(phase, tmp_path, uninterrupted,
+                                                                                  capsys):
+    ref_rows, ref_ledger = uninterrupted
+    _killed_then_resumed(tmp_path, phase)
+    keys = ("iteration", "reward/mean", "perf/tokens", "eval/reward")
+    assert [{k: r.get(k) for k in keys} for r in _rows(tmp_path)] == [{k: r.get(k) for k in keys} for r in ref_rows]
+    ledger = json.loads((tmp_path / "ledger.json").read_text())
+    # "logged": killed after iteration 2's seed-log line, before its ledger write; the ledger takes it from its row
+    assert ledger["tokens_generated"] == ref_ledger["tokens_generated"] + ledger["redone"]["tokens_generated"]
+    assert ledger["tokens_generated_eval"] == ref_ledger["tokens_generated_eval"]
+    assert ledger["steps"] == 4 and ledger["segments"][0]["stop"].startswith("killed")
+    assert ledger["segments"][-1]["stop"] == "finished"
+    assert ("killed before its ledger write" in capsys.readouterr().out) == (phase == "logged")
+
+
+# -- a full or read-only disk: one line naming the fix, the error not hidden by the ledger's own failed write -------
+
+class ActorTaskError(Exception):
+    """What Ray raises for an actor's error: its text a coloured traceback, the actor's exception its ``cause``."""
+
+    def __init__(self, cause):
+        super().__init__("\x1b[36mray::ESWorker.save_checkpoint()\x1b[39m (pid=1)\n  File ...\nOSError: ...")
+        self.cause = cause
+
+
+@pytest.mark.parametrize("where", ("seed_log", "checkpoint", "stop_checkpoint"))
+def test_a_full_disk_stops_the_run_in_one_line_naming_the_fix(where, tmp_path, monkeypatch, capsys):
+    import errno
+
+    from es_ray.runtime.ledger import Ledger
+    from es_ray.runtime.rundir import RunDirError
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    class FullDisk(LoggedStandIn):
+        def step(self, t, guard):
+            if where == "seed_log" and t == 2:
+                raise full
+            if where == "stop_checkpoint" and t == 2:
+                raise Interrupted(signal.SIGTERM)
+            return super().step(t, guard)
+
+        def save(self, path, done):
+            if where == "checkpoint" and done == 2:
+                raise ActorTaskError(full)
+            return super().save(path, done)
+
+        def save_at_stop(self, stop, done):
+            raise ActorTaskError(full)
+
+    writes = []
+    real_write = Ledger.write
+
+    def ledger_write(self, *args, **kw):  # the disk is full for the ledger too once the run has failed
+        writes.append(self.stop)
+        if self.stop != "running":
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / ".ledger.json.tmp"))
+        return real_write(self, *args, **kw)
+
+    monkeypatch.setattr(Ledger, "write", ledger_write)
+    with pytest.raises(RunDirError) as err:
+        FullDisk(config(tmp_path, checkpoint_every=1), tmp_path, 4).run()
+    msg = str(err.value)
+    assert "\n" not in msg and f"writing into run.dir={tmp_path} failed: No space left on device" in msg
+    assert "2 iteration(s) are committed" in msg and f"es-train run.resume=true run.dir={tmp_path}" in msg
+    stop = writes[-1]
+    assert stop == ("signal SIGTERM" if where == "stop_checkpoint" else "error: OSError: [Errno 28] No space left "
+                                                                         "on device")

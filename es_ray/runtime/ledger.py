@@ -32,7 +32,10 @@ field, for ES and GRPO alike:
     segments                              per start of the driver: start_step, end_step, started_at / ended_at
                                           (UTC), stop (finished, the budget, the signal, the lost actor, or
                                           "killed" where it ended without a word), its own figures as above, and
-                                          per recorded step its tokens and training device-seconds
+                                          per recorded step its tokens and training device-seconds; steps no
+                                          ledger recorded (ledger.json lost or torn, a kill between a step's
+                                          commit and its ledger write) form a segment marked ``rebuilt``, from
+                                          their metrics rows (tokens, no device-seconds), and the resume says so
     redone                                the work done twice: the steps a segment recorded past the point the
                                           next one resumed from (GRPO: past its last checkpoint), with their
                                           tokens and training device-seconds; an uninterrupted run costs the
@@ -89,26 +92,58 @@ def _utc() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def earlier_segments(run_dir: str | Path) -> list[dict]:
+def earlier_segments(run_dir: str | Path, start: int = 0, rows: list[dict] = (),
+                     step_key: str = "step") -> tuple[list[dict], str]:
     """The segments of the run in run_dir before this start (a ledger written before segments were kept is one
-    segment); a segment that never recorded its stop ended without a word (SIGKILL, a lost head node)."""
+    segment); a segment that never recorded its stop ended without a word (SIGKILL, a lost head node). Steps
+    before ``start`` (the resume point) that no segment holds (ledger.json lost or torn, or a kill between a step's
+    commit and its ledger write) are taken from their metrics ``rows`` (tokens and phase times; their
+    device-seconds are unknown) as a segment marked ``rebuilt``. Returns (segments, a note saying what was
+    rebuilt and why; '' when nothing was)."""
     path = Path(run_dir) / "ledger.json"
+    old, why = None, ""
     try:
         old = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
-    if not isinstance(old, dict):
-        return []
-    segments = old.get("segments") or [{k: old.get(k) for k in (*SUMMED, "start_step", "steps", "stop_reason",
-                                                                 "finished", "phase_seconds", "peak_rss_bytes_max",
-                                                                 "peak_gpu_bytes_max", "device_seconds_apart")}
-                                       | {"end_step": (old.get("start_step") or 0) + (old.get("steps") or 0),
-                                          "stop": "finished" if old.get("finished") else
-                                          (old.get("stop_reason") or "stopped")}]
+    except FileNotFoundError:
+        why = f"{path} is missing"
+    except (OSError, ValueError) as exc:  # torn or garbled: never read as "no earlier cost" without a word
+        why = f"{path} is unreadable ({type(exc).__name__}: {str(exc)[:80]})"
+    if old is not None and not isinstance(old, dict):
+        old, why = None, f"{path} holds no ledger"
+    segments = [] if old is None else old.get("segments") or [
+        {k: old.get(k) for k in (*SUMMED, "start_step", "steps", "stop_reason", "finished", "phase_seconds",
+                                 "peak_rss_bytes_max", "peak_gpu_bytes_max", "device_seconds_apart")}
+        | {"end_step": (old.get("start_step") or 0) + (old.get("steps") or 0),
+           "stop": "finished" if old.get("finished") else (old.get("stop_reason") or "stopped")}]
     for seg in segments:
         if seg.get("stop") == "running":
             seg["stop"] = "killed (the driver ended without recording its stop)"
-    return segments
+    end = segments[-1].get("end_step") or 0 if segments else 0
+    if start <= end:
+        return segments, ""
+    why = why or f"its last segment ends at step {end}, the run resumes at {start} (killed before its ledger write)"
+    seg = rebuilt_segment(end, start, [r for r in rows if end <= r.get(step_key, -1) < start], why)
+    blind = f", {seg['steps_without_tokens']} step(s) without a token count" if seg["steps_without_tokens"] else ""
+    return [*segments, seg], (f"{why}: steps {end}-{start - 1} are in the ledger from their metrics rows "
+                              f"({seg['tokens_generated']} tokens{blind}; device-seconds unknown)")
+
+
+def rebuilt_segment(first: int, end: int, rows: list[dict], why: str) -> dict:
+    """A segment for steps first..end-1 that no ledger recorded, from their metrics rows: tokens and phase times
+    only (a row a resume rebuilt from the seed log has no tokens; a missing row counts nothing)."""
+    tokens = [int(r.get("perf/tokens") or 0) for r in rows]
+    phases: dict[str, float] = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("timing_s/") and isinstance(v, (int, float)):
+                phases[k.removeprefix("timing_s/")] = phases.get(k.removeprefix("timing_s/"), 0.0) + float(v)
+    return {"start_step": first, "end_step": end, "steps": len(rows), "stop": "unknown",
+            "rebuilt": f"from metrics.jsonl: {why}",
+            "steps_without_tokens": (end - first) - sum(1 for r in rows if r.get("perf/tokens") is not None),
+            "tokens_generated": sum(tokens),
+            "tokens_generated_eval": sum(int(r.get("eval/tokens") or 0) for r in rows),
+            "tokens_backpropagated": sum(int(r.get("perf/tokens_backpropagated") or 0) for r in rows),
+            "phase_seconds": dict(sorted(phases.items())), "step_tokens": tokens}
 
 
 class Ledger:

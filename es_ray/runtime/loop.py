@@ -56,6 +56,16 @@ def _spans(steps: list[int]) -> str:
     return ", ".join(out)
 
 
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` of an error on one line, for the ledger's stop: an actor's error (Ray's RayTaskError, whose
+    text is its traceback, colour codes included) is given by its cause."""
+    import re
+
+    err = getattr(exc, "cause", None) or exc
+    lines = [x.strip() for x in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if x.strip()]
+    return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
+
+
 def due(every: int, t: int, last: int) -> bool:
     """Whether a cadence of ``every`` steps (0: never) falls after step t: t + 1 a multiple of it, before ``last``."""
     return bool(every) and (t + 1) % every == 0 and t + 1 < last
@@ -126,17 +136,21 @@ class Training:
         from es_ray.runtime.actors import ActorLostError
         from es_ray.runtime.cluster import connect
         from es_ray.runtime.ledger import Ledger, earlier_segments
+        from es_ray.runtime.rundir import unlock_run_dir, write_error
         from es_ray.runtime.signals import Interrupted, InterruptGuard
         from es_ray.runtime.tracking import Tracker
 
         cfg = self.cfg
         tokens_before = sum(h.get("perf/tokens", 0) for h in self.history)
         # one ledger per run: a resume adds its segment to those of the starts before it
-        self.ledger = ledger = Ledger(self.method, self.start,
-                                      earlier_segments(self.run_dir) if cfg.run.resume else [])
+        earlier, ledger_note = (earlier_segments(self.run_dir, self.start, self.history[:self._history_before],
+                                                 self.unit) if cfg.run.resume else ([], ""))
+        self.ledger = ledger = Ledger(self.method, self.start, earlier)
         connect(cfg.cluster, cfg.run.verbose)
         self.tracker = Tracker(self.run_dir, self.total, cfg, cfg.run.trackers, cfg.run.progress, desc=self.method,
                                start=self.start, unit=self.unit)
+        if ledger_note:  # never silently: the run's cost lacks what the lost ledger held
+            self.tracker.message(f"{self.method}: ledger: {ledger_note}")
         if self.rebuilt:  # rows metrics.jsonl lacked, rebuilt on resume: the other trackers get them too
             self.tracker.backfill(self.rebuilt, step_key=self.unit)
             self.tracker.message(f"{self.method}: {self.unit}(s) {_spans([r[self.unit] for r in self.rebuilt])} "
@@ -147,12 +161,15 @@ class Training:
                                  f"metrics row and nothing to rebuild one from (metrics.jsonl lost them, and "
                                  f"{self.method} keeps no per-step log); the curves skip them")
         summary: dict = {"run_dir": str(self.run_dir)}
-        finished = False
+        finished, failed = False, None
         with InterruptGuard(cfg.faults.stop_timeout_s) as guard:
             self.guard = guard
             try:
                 self.start_actors(guard)
                 ledger.started()
+                for group in self.groups:  # a kill in the first step keeps the start-up's cost
+                    ledger.add_group(group, cfg.cluster, ask=False)
+                ledger.write(self.run_dir, False, end_step=self.done)
                 if cfg.eval.every and self.start == 0:  # the held-out curve's first point: the base weights
                     with ledger.apart("held_out"):
                         res = self.evaluate_held_out()
@@ -189,17 +206,33 @@ class Training:
                 return summary
             except (Interrupted, ActorLostError) as stop:
                 ledger.stop = f"signal {stop}" if isinstance(stop, Interrupted) else f"lost actor: {stop}"
-                self._stop_cleanly(stop)
+                failed = stop
+                try:
+                    self._stop_cleanly(stop)
+                except Exception as exc:  # the stop-time checkpoint could not be written (SystemExit passes)
+                    if write_error(exc) is None:
+                        raise
+                    raise self._write_failed(write_error(exc)) from None
             except BaseException as exc:
-                ledger.stop = f"error: {type(exc).__name__}: {str(exc)[:200]}"
+                ledger.stop, failed = f"error: {one_line(exc)}", exc
+                if write_error(exc) is not None:  # a full or read-only disk: one line naming the fix
+                    raise self._write_failed(write_error(exc)) from None
                 raise
             finally:
                 for group in self.groups:  # what the run cost, also when it stopped early
                     ledger.add_group(group, cfg.cluster)
                     group.kill()
-                ledger.write(self.run_dir, finished, end_step=self.done)
-                self.close()
-                self.tracker.close()
+                try:
+                    ledger.write(self.run_dir, finished, end_step=self.done)
+                except OSError as exc:  # never hides the error that stopped the run
+                    if failed is None and write_error(exc) is not None:
+                        raise self._write_failed(exc) from None
+                    if failed is None:
+                        raise
+                finally:
+                    self.close()
+                    self.tracker.close()
+                    unlock_run_dir(self.run_dir)  # the next driver (a resume) may take the run dir
 
     ledger = None
     guard = None
@@ -252,6 +285,17 @@ class Training:
             self.tracker.held_out(self.done - 1, last)
         return {"after": self.done, **{k.removeprefix("eval/"): v for k, v in last.items()
                                        if k.startswith("eval/")}}
+
+    def _write_failed(self, err: OSError):
+        """A write into the run dir failed (no space, a quota, read-only): the error to raise, one line naming the
+        fix and the resume command (what is committed stays: every file is replaced whole or cut back on resume)."""
+        from es_ray.runtime.rundir import RunDirError, resume_command
+
+        where = err.filename or "a file of the run (a checkpoint, or a log)"
+        return RunDirError(f"{self.method}: writing into run.dir={self.run_dir} failed: {err.strerror} ({where}); "
+                           f"{self.done} {self.unit}(s) are committed{self.stop_note()}. Free space on that file "
+                           f"system or make it writable, then continue with: "
+                           f"{resume_command(self.method, self.run_dir)}")
 
     def _stop_cleanly(self, stop) -> None:
         """After SIGTERM / Ctrl-C, or an actor lost for good (its node gone and no room for a replacement): a

@@ -5,6 +5,7 @@ into a directory that holds another run: it is refused, or with run.overwrite=tr
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import shlex
@@ -106,6 +107,59 @@ def changed_settings(old: dict, new: dict, free: Iterable[str] = (), missing: bo
                   and (k not in old or k not in new or old[k] != new[k]))
 
 
+_held_locks: dict[Path, Any] = {}  # run dir -> its config.json, open, that this process holds an flock on
+
+
+def lock_run_dir(run_dir: Path, method: str) -> None:
+    """Hold the run in run_dir for this process until it ends (or ``unlock_run_dir``): an flock on its config.json
+    (opened for writing, so NFS, which emulates flock with byte-range locks, holds it across hosts too). A second
+    driver there (two resumes of one run, run.overwrite=true over a live one) is refused in one line; two drivers
+    would append the same iterations to one seed log and race on its checkpoints. The kernel drops the lock when
+    its process dies (SIGKILL included), so a stopped run never leaves it held. A file system without flock (some
+    FUSE mounts) runs unlocked, as before."""
+    import fcntl
+
+    path = run_dir / "config.json"
+    if run_dir in _held_locks or not path.is_file():  # held already (a test, es-compare's stages); no run yet
+        return
+    f = open(path, "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise ConfigError(f"run.dir={run_dir} is in use: another driver is running there (its process holds "
+                          f"{path.name}'s lock) and one run dir takes one driver at a time; wait for it to end (or "
+                          f"stop it), then `{resume_command(method, run_dir)}`") from None
+    except OSError:  # no flock on this file system
+        f.close()
+        return
+    _held_locks[run_dir] = f
+
+
+def unlock_run_dir(run_dir: Path) -> None:
+    """Release ``lock_run_dir``'s hold (the run ended)."""
+    f = _held_locks.pop(Path(run_dir), None)
+    if f is not None:
+        f.close()
+
+
+class RunDirError(ConfigError):
+    """The run dir cannot be written (no space left, a quota, a read-only file system): one line, exit 2."""
+
+
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
+"""Errors of a write that the user fixes on the file system, not in the code."""
+
+
+def write_error(exc: BaseException) -> OSError | None:
+    """The OSError of a failed write that ``exc`` is or carries (an actor's, inside Ray's RayTaskError, is its
+    ``cause``), if its errno is one the user fixes on the file system (``WRITE_ERRNOS``)."""
+    for err in (getattr(exc, "cause", None), exc):
+        if isinstance(err, OSError) and err.errno in WRITE_ERRNOS:
+            return err
+    return None
+
+
 def open_run_dir(cfg: Any, method: str, resume_free: Iterable[str] = (),
                  note: Callable[[str], None] | None = None) -> Path:
     """Create run.dir (or <run.root>/<method>-<timestamp>) and write config.json with the method's name in it.
@@ -117,15 +171,18 @@ def open_run_dir(cfg: Any, method: str, resume_free: Iterable[str] = (),
     run_dir = run_dir_of(cfg, method)
     path = run_dir / "config.json"
     record = {"method": method, **dataclasses.asdict(cfg)}
+    lock_run_dir(run_dir, method)  # a live driver there is refused before its config or its files are touched
     if getattr(cfg.run, "resume", False) and path.is_file():
         check_same_run(json.loads(path.read_text()), record, resume_free)
     else:
         moved = claim_run_dir(run_dir, getattr(cfg.run, "overwrite", False), method)
         if moved is not None:
+            unlock_run_dir(run_dir)  # the lock went with the old run's config.json
             (note or print)(f"{PROGRAMS.get(method, method)}: run.overwrite=true: the run that was in {run_dir} "
                             f"is now in {moved}")
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2))
+    lock_run_dir(run_dir, method)
     return run_dir
 
 
