@@ -67,7 +67,7 @@ def _rank_beside_a_default_group(rank: int, world: int, address: str, cfg, out_d
     over a file store of the rank's own. Puts (rank, step loss, error)."""
     import torch.distributed as dist
 
-    from grpo.learner import GRPOLearner
+    from es_ray.grpo.learner import GRPOLearner
 
     samples = [{"prompt_ids": [1, 2, 3, 4 + i % 2], "completion_ids": [10 + i, 20, 30 + i, 40]} for i in range(4)]
     try:
