@@ -207,24 +207,25 @@ def last_checkpoint(run_dir: Path) -> Path | None:
 def run(cfg: GRPOTrainConfig) -> dict:
     """grpo-train: the runtime's run skeleton (``es_ray.runtime.loop``) around the GRPO step."""
     from es_ray.runtime.loop import prepare
-    from es_ray.runtime.rundir import keep_metrics
+    from es_ray.runtime.rundir import held, keep_metrics
 
     run_dir = prepare(cfg, "grpo", RESUME_FREE)
-    start, ckpt, history = 0, None, []
-    if cfg.run.resume:
-        ckpt = last_checkpoint(run_dir)  # none yet: a new run, as es-train does
-        if ckpt is not None:  # every file checked against its digest here, refused with one line naming it
-            from es_ray.runtime.checkpoint import read_meta, verify_dir
+    with held(run_dir):  # released however the run ends, a failure before its first step included
+        start, ckpt, history = 0, None, []
+        if cfg.run.resume:
+            ckpt = last_checkpoint(run_dir)  # none yet: a new run, as es-train does
+            if ckpt is not None:  # every file checked against its digest here, refused with one line naming it
+                from es_ray.runtime.checkpoint import read_meta, verify_dir
 
-            verify_dir(ckpt)
-            start = read_meta(ckpt, "grpo")["step"]
-            if start > cfg.grpo.steps:
-                from es_ray.core.config import ConfigError
+                verify_dir(ckpt)
+                start = read_meta(ckpt, "grpo")["step"]
+                if start > cfg.grpo.steps:
+                    from es_ray.core.config import ConfigError
 
-                raise ConfigError(f"run.resume=true: {ckpt} holds {start} steps, more than grpo.steps="
-                                  f"{cfg.grpo.steps}; raise grpo.steps to at least {start}")
-        history = keep_metrics(run_dir / "metrics.jsonl", start, "step")  # also cuts a torn last line
-    return GRPORun(cfg, run_dir, start, history, ckpt).run()
+                    raise ConfigError(f"run.resume=true: {ckpt} holds {start} steps, more than grpo.steps="
+                                      f"{cfg.grpo.steps}; raise grpo.steps to at least {start}")
+            history = keep_metrics(run_dir / "metrics.jsonl", start, "step")  # also cuts a torn last line
+        return GRPORun(cfg, run_dir, start, history, ckpt).run()
 
 
 class GRPORun(Training):

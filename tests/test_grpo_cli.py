@@ -80,3 +80,46 @@ def test_grpo_train_on_default_model_writes_loadable_checkpoint(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(final)
     assert sum(p.numel() for p in model.parameters()) == 134515008
     assert json.loads((final / "grpo_meta.json").read_text())["step"] == 2
+
+
+TAKE_LOCK = """
+import sys
+from pathlib import Path
+from es_ray.core.config import ConfigError
+from es_ray.runtime.rundir import lock_run_dir
+try:
+    lock_run_dir(Path(sys.argv[1]), "grpo")
+except ConfigError as exc:
+    print(exc)
+else:
+    print("free")
+"""
+
+
+def _lock_is_free(run_dir) -> str:
+    """What a driver in another process finds: 'free', or the refusal's line."""
+    import sys
+
+    return subprocess.run([sys.executable, "-c", TAKE_LOCK, str(run_dir)], capture_output=True, text=True,
+                          timeout=120).stdout.strip()
+
+
+@pytest.mark.parametrize("where", ["cluster", "resume"])
+def test_a_run_that_fails_before_its_first_step_leaves_its_run_dir_free(tmp_path, tiny_model_dir, monkeypatch, where):
+    """A failure between opening the run dir and training (the cluster or engine not starting; a resume's
+    checkpoint refused) releases the run dir's lock in this process, which lives on (es-compare, a notebook): a
+    second driver is not told another one runs there."""
+    import es_ray.grpo.driver as driver
+    import es_ray.runtime.cluster as cluster
+    from helpers import grpo_tiny_cfg
+
+    def fails(*args, **kw):
+        raise RuntimeError("engine build failed")
+
+    monkeypatch.setattr(cluster if where == "cluster" else driver, "connect" if where == "cluster" else
+                        "last_checkpoint", fails)
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="engine build failed"):
+        driver.run(grpo_tiny_cfg(tiny_model_dir, run_dir, run={"resume": where == "resume"}))
+    assert (run_dir / "config.json").is_file()
+    assert _lock_is_free(run_dir) == "free"

@@ -54,6 +54,25 @@ def test_a_second_driver_on_a_live_run_dir_is_refused_and_a_killed_drivers_hold_
     unlock_run_dir(run_dir)
 
 
+def test_a_refused_resume_leaves_no_hold_on_the_run_dir(tmp_path):
+    """open_run_dir takes the lock before it compares settings; a resume it refuses releases it again, so this
+    process (which lives on: es-compare, a notebook) does not keep another driver out."""
+    run_dir = tmp_path / "run"
+    open_run_dir(_cfg(run_dir), "es")
+    unlock_run_dir(run_dir)
+    cfg = _cfg(run_dir, resume=True)
+    changed = dataclasses.replace(cfg, es=dataclasses.replace(cfg.es, sigma=cfg.es.sigma * 2))
+    with pytest.raises(ConfigError, match="es.sigma"):
+        open_run_dir(changed, "es")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held", holder.stderr.read() if holder.poll() is not None else ""
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+
+
 def _rows(n, tokens=100):
     return [{"iteration": t, "perf/tokens": tokens + t, "eval/tokens": 7, "timing_s/evaluate": 0.5} for t in range(n)]
 

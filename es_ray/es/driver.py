@@ -107,9 +107,11 @@ def run(cfg: ESTrainConfig) -> dict:
     """es-train: the runtime's run skeleton (``es_ray.runtime.loop``) around the ES iteration."""
     from es_ray.es.recovery import resume_point
     from es_ray.runtime.loop import prepare
+    from es_ray.runtime.rundir import held
 
     run_dir = prepare(cfg, "es", RESUME_FREE, lambda model_dir: preflight_perturbation(cfg, model_dir))
-    return ESRun(cfg, run_dir, resume_point(cfg, run_dir)).run()
+    with held(run_dir):  # released however the run ends, a failure before its first iteration included
+        return ESRun(cfg, run_dir, resume_point(cfg, run_dir)).run()
 
 
 class ESRun(Training):

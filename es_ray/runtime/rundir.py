@@ -10,6 +10,7 @@ import json
 import math
 import shlex
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -143,6 +144,18 @@ def unlock_run_dir(run_dir: Path) -> None:
         f.close()
 
 
+@contextmanager
+def held(run_dir: Path):
+    """The run dir's lock released however the block ends: a run that fails between opening its run dir and its
+    first step (a resume refused, a checkpoint that fails its digest, a cluster or engine that does not start)
+    leaves no hold behind, so a later driver in another process (es-compare's next attempt, a notebook's retry)
+    is not refused as if this one still ran."""
+    try:
+        yield run_dir
+    finally:
+        unlock_run_dir(run_dir)
+
+
 class RunDirError(ConfigError):
     """The run dir cannot be written (no space left, a quota, a read-only file system): one line, exit 2."""
 
@@ -171,18 +184,24 @@ def open_run_dir(cfg: Any, method: str, resume_free: Iterable[str] = (),
     run_dir = run_dir_of(cfg, method)
     path = run_dir / "config.json"
     record = {"method": method, **dataclasses.asdict(cfg)}
+    held_before = run_dir in _held_locks
     lock_run_dir(run_dir, method)  # a live driver there is refused before its config or its files are touched
-    if getattr(cfg.run, "resume", False) and path.is_file():
-        check_same_run(json.loads(path.read_text()), record, resume_free)
-    else:
-        moved = claim_run_dir(run_dir, getattr(cfg.run, "overwrite", False), method)
-        if moved is not None:
-            unlock_run_dir(run_dir)  # the lock went with the old run's config.json
-            (note or print)(f"{PROGRAMS.get(method, method)}: run.overwrite=true: the run that was in {run_dir} "
-                            f"is now in {moved}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2))
-    lock_run_dir(run_dir, method)
+    try:
+        if getattr(cfg.run, "resume", False) and path.is_file():
+            check_same_run(json.loads(path.read_text()), record, resume_free)
+        else:
+            moved = claim_run_dir(run_dir, getattr(cfg.run, "overwrite", False), method)
+            if moved is not None:
+                unlock_run_dir(run_dir)  # the lock went with the old run's config.json
+                (note or print)(f"{PROGRAMS.get(method, method)}: run.overwrite=true: the run that was in {run_dir} "
+                                f"is now in {moved}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2))
+        lock_run_dir(run_dir, method)
+    except BaseException:  # refused (changed settings, a full disk): no hold left by a run that never ran
+        if not held_before:
+            unlock_run_dir(run_dir)
+        raise
     return run_dir
 
 
