@@ -32,7 +32,7 @@ class ColocatedWorker(RolloutWorker):
             os.environ[SLEEP_MODE_ENV] = "1"  # the engine is built with sleep mode on
         super().__init__(cfg, rank)
         self.learner = GRPOLearner(cfg, rank, world)
-        self.asleep = False
+        self.sleeping: list[str] = []  # vLLM sleep tags still asleep, in the order they wake
 
     def ready(self) -> dict:
         return {**self.learner.ready(), **super().ready(), "colocated": True}
@@ -63,23 +63,62 @@ class ColocatedWorker(RolloutWorker):
     # -- the sync ----------------------------------------------------------------------------------------------
     def sync_local(self, dtype: str) -> dict:
         """The learner's weights into this actor's engine, one chunk (a layer) at a time in the engine's dtype;
-        every rank gathers every chunk (the collectives run in the same order on all ranks)."""
-        self._wake()
+        every rank gathers every chunk (the collectives run in the same order on all ranks). A sleeping engine wakes
+        its weights before and its KV cache after (module docstring)."""
+        self._wake("weights")
         t0, nbytes = time.perf_counter(), 0
         for k in range(len(self.learner.chunks)):
             nbytes += self.write_weights(self.learner.weight_chunk(k, dtype, everywhere=True))["bytes"]
-        return {"bytes": nbytes, "seconds": time.perf_counter() - t0}
+        seconds = time.perf_counter() - t0
+        self._wake("kv_cache")
+        return {"bytes": nbytes, "seconds": seconds}
+
+    # -- the engine's own calls wake it whole ------------------------------------------------------------------
+    def generate(self, prompt_indices: list[int], group_size: int, seed: int) -> dict:
+        self._wake_all()
+        return super().generate(prompt_indices, group_size, seed)
+
+    def evaluate(self, split: str, seed: int) -> dict:
+        self._wake_all()
+        return super().evaluate(split, seed)
+
+    def probe_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+        self._wake_all()
+        return super().probe_logprobs(prompt_ids, completion_ids)
+
+    def probe(self) -> tuple[list[int], list[int]]:
+        self._wake_all()
+        return super().probe()
+
+    def write_weights(self, weights: dict) -> dict:
+        self._wake("weights")
+        return super().write_weights(weights)
 
     def _sleep(self) -> None:
-        sleep = getattr(getattr(self.engine, "llm", None), "sleep", None)
-        if sleep is not None and not self.asleep and _on_gpu(self.cfg):
-            sleep(level=1)  # weights to the host, KV cache dropped: both come back at wake_up
-            self.asleep = True
+        if not self.sleeping and _on_gpu(self.cfg) and hasattr(self.engine, "sleep"):
+            self.engine.sleep()  # level 1: weights to the host, KV cache dropped; both come back in _wake
+            self.sleeping = ["weights", "kv_cache"]
 
-    def _wake(self) -> None:
-        if self.asleep:
-            self.engine.llm.wake_up()
-            self.asleep = False
+    def _wake_all(self) -> None:
+        for tag in list(self.sleeping):
+            self._wake(tag)
+
+    def _wake(self, tag: str) -> None:
+        if tag not in self.sleeping:
+            return
+        if tag == "weights":
+            _release_cached_device_memory()
+        self.engine.wake_up([tag])
+        self.sleeping.remove(tag)
+
+
+def _release_cached_device_memory() -> None:
+    """The learner's step leaves blocks in torch's caching allocator; vLLM allocates its sleeping memory through
+    its own pool, which cannot use them until they are returned to the device."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _on_gpu(cfg: GRPOTrainConfig) -> bool:

@@ -273,17 +273,21 @@ def test_a_write_that_moves_a_parameter_is_refused_where_graphs_were_captured(mo
 
 # -- sleep mode: what grpo.colocate calls ----------------------------------------------------------------------------
 def test_colocation_calls_match_vllms_sleep_and_wake_up():
-    """grpo.colocate on a GPU calls ``llm.sleep(level=1)`` and ``llm.wake_up()`` (grpo/colocated.py); level 1 keeps the
-    weights (offloaded to the host and mapped back at the same addresses, so captured graphs stay valid) and drops
-    the KV cache, clearing the prefix cache (``v1/engine/core.py``: ``clear_prefix_cache = level >= 1``)."""
+    """grpo.colocate on a GPU calls ``llm.sleep(level=1)`` and ``llm.wake_up(tags=[...])`` with vLLM's own tags
+    (es_ray/engines/vllm.py); level 1 keeps the weights (offloaded to the host and mapped back at the same addresses,
+    so captured graphs stay valid) and drops the KV cache, clearing the prefix cache; a partial wake leaves the
+    scheduler paused until every tag is awake."""
     from vllm import LLM
+    from vllm.v1.executor.abstract import SLEEP_TAGS
 
     inspect.signature(LLM.sleep).bind(None, level=1)
-    inspect.signature(LLM.wake_up).bind(None)
-    colocated = (REPO / "grpo" / "colocated.py").read_text()
-    assert "sleep(level=1)" in colocated and ".wake_up()" in colocated
+    inspect.signature(LLM.wake_up).bind(None, tags=["weights"])
+    assert set(engine_mod.SLEEP_TAGS) == set(SLEEP_TAGS)
+    source = (REPO / "es_ray" / "engines" / "vllm.py").read_text()
+    assert "self.llm.sleep(level=1)" in source and "self.llm.wake_up(tags=tags)" in source
     core = _vllm_source("v1/engine/core.py")
     assert "clear_prefix_cache = level >= 1" in core
+    assert "fully_awake = not self.model_executor.is_sleeping" in core  # the scheduler resumes at the last tag
 
 
 class _SleepyLLM:
@@ -294,7 +298,8 @@ class _SleepyLLM:
         self.llm_engine = SimpleNamespace(is_sleeping=lambda: self.asleep,
                                           model_config=SimpleNamespace(max_model_len=64))
 
-    def wake_up(self):
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
         self.asleep = False
 
     def generate(self, inputs, params, **kwargs):
@@ -314,6 +319,7 @@ def test_a_sleeping_engine_refuses_to_generate_or_write():
 
     engine = object.__new__(engine_mod.VLLMEngine)
     engine.llm, engine.tokenizer, engine._weights_version = _SleepyLLM(), lambda p, **kw: {"input_ids": [1, 2]}, 0
+    engine._asleep = set()  # put to sleep by another hand than engine.sleep: refused all the same
     sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
     for call in (lambda: engine.generate(["p"], sampling, seed=0), lambda: engine.token_logprobs([1], [2]),
                  lambda: engine.write_weights([("w", torch.zeros(1))])):
@@ -323,4 +329,71 @@ def test_a_sleeping_engine_refuses_to_generate_or_write():
     engine.llm.wake_up()
     assert [c.num_tokens for c in engine.generate(["p"], sampling, seed=0)] == [1]
     engine.write_weights([("w", torch.zeros(1))])
-    assert engine.llm.calls == ["generate", "es_write_weights"]
+    assert engine.llm.calls == [("wake_up", None), "generate", "es_write_weights"]
+
+
+class _TaggedLLM(_SleepyLLM):
+    """vLLM's sleep level 1 and partial wake: ``is_sleeping()`` while any tag sleeps (the scheduler resumes at the
+    last one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.asleep, self.tags = False, set()
+        self.llm_engine.is_sleeping = lambda: bool(self.tags)
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+        self.tags = {"weights", "kv_cache"}
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+        self.tags -= set(tags or self.tags)
+
+
+def test_weights_wake_before_the_kv_cache_and_a_write_needs_only_the_weights():
+    """A colocated engine wakes its weights, takes the sync's writes, then wakes its KV cache: a write is allowed
+    with the KV cache still asleep, a generate is not; a tag vLLM does not know is refused before vLLM sees it."""
+    from es_ray.core.config import SamplingConfig
+
+    engine = object.__new__(engine_mod.VLLMEngine)
+    engine.llm, engine.tokenizer, engine._weights_version = _TaggedLLM(), lambda p, **kw: {"input_ids": [1, 2]}, 0
+    engine._asleep = set()
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    engine.sleep()
+    for call in (lambda: engine.write_weights([("w", torch.zeros(1))]), lambda: engine.generate(["p"], sampling, 0)):
+        with pytest.raises(RuntimeError, match="its weights off the GPU"):
+            call()
+    with pytest.raises(ValueError, match="sleep tags are"):
+        engine.wake_up(["scheduling"])
+    engine.wake_up(["weights"])
+    engine.write_weights([("w", torch.zeros(1))])
+    with pytest.raises(RuntimeError, match="its KV cache off the GPU"):
+        engine.generate(["p"], sampling, seed=0)
+    engine.wake_up(["kv_cache"])
+    engine.generate(["p"], sampling, seed=0)
+    assert engine.llm.calls == [("sleep", 1), ("wake_up", ["weights"]), "es_write_weights", ("wake_up", ["kv_cache"]),
+                                "generate"]
+
+
+def test_a_colocated_actor_frees_the_learners_cache_then_wakes_weights_syncs_and_wakes_the_kv_cache(monkeypatch):
+    """grpo/colocated.py's order on a GPU: train (engine asleep), then the sync: the learner's cached blocks back to
+    the device, weights awake, every chunk written, the KV cache awake; a generate finds it whole."""
+    from es_ray.grpo import colocated
+
+    calls = []
+    engine = SimpleNamespace(sleep=lambda: calls.append("sleep"), wake_up=lambda tags: calls.append(("wake", *tags)),
+                             write_weights=lambda items: calls.append(("write", [n for n, _ in items])),
+                             generate=lambda *a: calls.append("generate") or [])
+    learner = SimpleNamespace(chunks=[0, 1], train_step=lambda s, a: calls.append("train") or {},
+                              weight_chunk=lambda k, dtype, everywhere: {f"w{k}": torch.zeros(1)})
+    worker = object.__new__(colocated.ColocatedWorker)
+    worker.cfg, worker.engine, worker.learner, worker.sleeping = None, engine, learner, []
+    monkeypatch.setattr(colocated, "_on_gpu", lambda cfg: True)
+    monkeypatch.setattr(colocated, "_release_cached_device_memory", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(colocated.RolloutWorker, "generate", lambda self, *a: self.engine.generate(*a))
+    worker.train_step([], [])
+    worker.train_step([], [])  # asleep already: not put to sleep twice
+    worker.sync_local("bfloat16")
+    worker.generate([0], 2, 0)
+    assert calls == ["sleep", "train", "train", "empty_cache", ("wake", "weights"), ("write", ["w0"]),
+                     ("write", ["w1"]), ("wake", "kv_cache"), "generate"]

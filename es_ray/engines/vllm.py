@@ -115,6 +115,8 @@ def _request_seed(seed: int, index: int) -> int:
 SLEEP_MODE_ENV = "ES_RAY_VLLM_SLEEP_MODE"
 """Set to 1 by a colocated GRPO actor before its engine is built: vLLM's sleep mode, so the engine's weights and KV
 cache leave the GPU while the learner beside it trains."""
+SLEEP_TAGS = ("weights", "kv_cache")
+"""What vLLM's sleep level 1 puts to sleep (its ``v1/executor/abstract.py`` SLEEP_TAGS), woken in this order."""
 
 
 class VLLMEngine(Engine):
@@ -184,6 +186,7 @@ class VLLMEngine(Engine):
         self.tokenizer = self.llm.get_tokenizer()
         self._host: VLLMReplicaHost | None = None
         self._weights_version = 0
+        self._asleep: set[str] = set()
 
     def _lora_kwargs(self, lowrank: LowRankSlots, platform) -> dict[str, Any]:
         """es.perturbation=lowrank: one LoRA slot per member (``lowrank.members`` of rank ``lowrank.rank``), all
@@ -259,11 +262,35 @@ class VLLMEngine(Engine):
             for i in range(n)
         ]
 
-    def _check_awake(self) -> None:
+    # -- sleep mode (grpo.colocate on a GPU) -----------------------------------------------------------------
+    def sleep(self) -> None:
+        """vLLM sleep mode, level 1: the weights offloaded to the host (mapped back at the same addresses, so
+        captured CUDA graphs stay valid), the KV cache dropped, the scheduler paused."""
+        self.llm.sleep(level=1)
+        self._asleep = set(SLEEP_TAGS)
+
+    def wake_up(self, tags: Iterable[str]) -> None:
+        """Wake part of a sleeping engine: ``["weights"]`` first (the sync writes into them while the KV cache is
+        still unallocated, so the learner's freed memory and the weights' never meet the KV cache's), then
+        ``["kv_cache"]``; vLLM resumes its scheduler once every tag is awake (``v1/engine/core.py`` wake_up)."""
+        tags = list(tags)
+        unknown = set(tags) - set(SLEEP_TAGS)
+        if unknown:
+            raise ValueError(f"vLLM sleep tags are {sorted(SLEEP_TAGS)}, got {sorted(unknown)}")
+        self.llm.wake_up(tags=tags)
+        self._asleep -= set(tags)
+
+    def _check_awake(self, need: str = "all") -> None:
         """Refuse to use an engine that sleeps (vLLM's sleep mode, grpo.colocate on a GPU): its scheduler is paused,
-        so a generate would wait forever, and its weights are unmapped from the GPU, so a write would fault."""
-        if self.llm.llm_engine.is_sleeping():
-            raise RuntimeError("the vLLM engine is asleep (sleep mode: weights off the GPU, scheduler paused); call "
+        so a generate would wait forever, and its weights are unmapped from the GPU, so a write would fault.
+        ``need="weights"``: a worker call on the weights only (a write, a read, a perturbation), allowed once the
+        weights are awake while the KV cache still sleeps; ``"all"``: a generate. An engine put to sleep other than
+        through ``sleep`` is refused for both."""
+        asleep = self._asleep
+        if ("weights" in asleep or (need == "all" and asleep)
+                or (not asleep and self.llm.llm_engine.is_sleeping())):
+            what = "its weights" if "weights" in asleep or not asleep else "its KV cache"
+            raise RuntimeError(f"the vLLM engine is asleep (sleep mode: {what} off the GPU, scheduler paused); call "
                                "its llm.wake_up() before generating or writing weights (grpo/colocated.py wakes it "
                                "for the sync after each optimizer step)")
 
@@ -331,7 +358,7 @@ class VLLMEngine(Engine):
         if getattr(ESExtension, str(name), None) is not method:
             raise TypeError(f"{method!r}: the vLLM workers are called with a method of ESExtension "
                             "(es_ray.engines.vllm_extension), e.g. ESExtension.es_setup")
-        self._check_awake()
+        self._check_awake(need="weights")
         return self.llm.collective_rpc(name, args=args)
 
     def _weights_changed(self) -> None:
