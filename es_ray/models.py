@@ -59,6 +59,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from es_ray.core.manifest import open_to_umask
+
     src_dir, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
     quantised = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype="float32")
@@ -81,6 +83,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "es_ray_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
+        open_to_umask(tmp)  # mkdtemp's 0700 would keep other users of a shared cache out
         try:
             tmp.rename(out_dir)
         except OSError:

@@ -83,6 +83,35 @@ def test_publishing_again_replaces_the_old_directory_and_hidden_ones_are_never_l
     assert not stale.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["final"]
 
 
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o077])
+def test_a_published_directory_has_the_mode_the_umask_gives(tmp_path, mask):
+    """mkdtemp stages at 0700; the published checkpoint is what mkdir would make (0777 less the umask), so other
+    users and nodes' processes on shared storage read it as they read its files."""
+    old = os.umask(mask)
+    try:
+        tmp = staging_dir(tmp_path / "final")
+        (tmp / "f").write_bytes(b"x")
+        (tmp / "part").mkdir()
+        final = publish_dir(tmp, tmp_path / "final")
+    finally:
+        os.umask(old)
+    assert final.stat().st_mode & 0o777 == 0o777 & ~mask
+    assert (final / "f").stat().st_mode & 0o777 == 0o666 & ~mask
+    assert (final / "part").stat().st_mode & 0o777 == 0o777 & ~mask
+
+
+@pytest.mark.slow
+def test_the_converted_default_model_has_the_mode_the_umask_gives(tmp_path):
+    from es_ray.models import convert_gguf, embedded_gguf_path
+
+    old = os.umask(0o027)
+    try:
+        out = convert_gguf(embedded_gguf_path(), tmp_path / "converted")
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o750
+
+
 # -- ES ----------------------------------------------------------------------------------------------------------
 
 

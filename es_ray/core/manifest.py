@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from es_ray.core.config import ConfigError
@@ -15,6 +16,27 @@ MANIFEST = "manifest.json"
 
 class CheckpointError(ConfigError):
     """A checkpoint file that does not match its manifest, or a directory that is not a finished checkpoint."""
+
+
+def umask() -> int:
+    """This process's umask, read without changing it where Linux tells it (/proc/self/status), else by setting and
+    restoring it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def open_to_umask(path: str | Path) -> None:
+    """Give a directory made by ``tempfile.mkdtemp`` (always 0700) the mode ``mkdir`` would have given it (0777
+    less the umask), before it is renamed into place: a checkpoint or converted model on shared storage is then
+    readable by the cluster's other users and nodes' processes, as the files in it already are."""
+    os.chmod(path, 0o777 & ~umask())
 
 
 def sha256_file(file: Path) -> str:

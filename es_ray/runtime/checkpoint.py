@@ -30,7 +30,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from es_ray.core.manifest import MANIFEST, CheckpointError, sha256_file, verify_dir, verify_file  # noqa: F401
+from es_ray.core.manifest import (MANIFEST, CheckpointError, open_to_umask, sha256_file, verify_dir,  # noqa: F401
+                                  verify_file)
 
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
@@ -80,6 +81,7 @@ def publish_dir(tmp: str | Path, final: str | Path) -> Path:
         os.fsync(f.fileno())
     for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
         _fsync(d)
+    open_to_umask(tmp)  # mkdtemp's 0700 would keep other users and nodes' processes out of shared storage
     _fsync(tmp)
     old = None
     if final.exists():
