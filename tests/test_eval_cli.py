@@ -157,6 +157,73 @@ def test_es_eval_on_the_tiny_model_runs_every_eval_task_from_fixtures(tiny_model
     assert _samples(ray_dir) == _samples(local_dir)
 
 
+def test_one_actor_on_this_machine_is_replaced_by_this_process(monkeypatch):
+    """in_process_reason: one chunk (or cluster.num_actors=1) for a local, not yet started Ray on CPU with the
+    transformers engine runs in this process; more chunks than one actor, a cluster address, GPUs or vLLM keep
+    the actors."""
+    import sys
+
+    from es_ray.evaluation.es_eval import in_process_reason
+    from es_ray.evaluation.worker import Chunk
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    one, two = [Chunk("gsm8k", 0, (0, 1), 1)], [Chunk("gsm8k", 0, (0,), 1), Chunk("gsm8k", 1, (1,), 2)]
+
+    def reason(chunks, engine="hf", **cluster):
+        cfg = EvalJobConfig()
+        cfg.engine.name = engine
+        for key, value in cluster.items():
+            setattr(cfg.cluster, key, value)
+        return in_process_reason(cfg, chunks)
+
+    assert "one chunk" in reason(one, num_actors=2) and "no local Ray" in reason(one, num_actors=2)
+    assert "cluster.num_actors=1" in reason(two, num_actors=1)
+    assert reason(two, num_actors=0) == "cluster.num_actors=0"
+    assert reason(two, num_actors=2) == ""  # two actors each take a chunk
+    assert reason(one, num_actors=2, address="auto")  # a local Ray too (runtime.cluster.LOCAL_ADDRESSES)
+    assert reason(one, num_actors=2, address="10.0.0.1:6379") == ""
+    assert reason(one, num_actors=2, gpus_per_actor=1.0) == ""
+    assert reason(one, engine="vllm", num_actors=2) == ""
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert reason(one, num_actors=2) == ""
+    monkeypatch.delenv("RAY_ADDRESS")
+
+    class Running:  # a Ray already started in this process (es-compare's driver): its actors cost no new Ray
+        @staticmethod
+        def is_initialized():
+            return True
+
+    monkeypatch.setitem(sys.modules, "ray", Running)
+    assert reason(one, num_actors=2) == ""
+
+
+def test_es_eval_with_one_chunk_runs_in_this_process_and_says_so(tiny_model_dir, tmp_path, ray_local):
+    """The CLI with cluster.num_actors=2 and one chunk of work: no Ray started, the log line says why, and the
+    samples are those an actor gives the same chunk (a Ray already running in the test keeps the actor path)."""
+    from es_ray.evaluation.config import to_eval_config
+    from es_ray.evaluation.es_eval import run
+
+    args = {"eval": {"tasks": ["gsm8k"], "paths": {"gsm8k": str(FIXTURES / "gsm8k.jsonl")}, "n": 2, "k": [1, 2],
+                     "limit": 2, "max_new_tokens": 8, "entropy": True},
+            "engine": {"dtype": "float32", "device": "cpu", "batch_size": 8}, "cluster": {"num_actors": 2}}
+    local_dir, ray_dir = tmp_path / "local", tmp_path / "ray"
+    res = cli("es-eval", f"model.path={tiny_model_dir}", "eval.tasks=[gsm8k]", f"eval.data_dir={FIXTURES}",
+              "eval.n=2", "eval.k=[1,2]", "eval.limit=2", "eval.max_new_tokens=8", "engine.dtype=float32",
+              "engine.device=cpu", "engine.batch_size=8", "cluster.num_actors=2", "run.progress=false",
+              f"run.dir={local_dir}")
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "es-eval: evaluating in this process (one chunk of work" in res.stdout, res.stdout[-2000:]
+    assert "Started a local Ray instance" not in res.stdout + res.stderr
+    local = json.loads((local_dir / "results.json").read_text())
+    assert local["settings"]["actors"] == 0
+    on_ray = run(to_eval_config({"model": {"path": str(tiny_model_dir)}, **args,
+                                 "run": {"dir": str(ray_dir), "progress": False, "trackers": []}}))
+    assert on_ray["settings"]["actors"] == 2  # Ray was running here: the actor path
+    assert _samples(local_dir) == _samples(ray_dir)
+    assert local["tasks"]["gsm8k"]["pass@k"] == on_ray["tasks"]["gsm8k"]["pass@k"]
+    assert local["tasks"]["gsm8k"]["entropy"] == on_ray["tasks"]["gsm8k"]["entropy"]
+
+
 def test_es_drift_between_a_checkpoint_and_a_perturbed_copy(tiny_model_dir, tmp_path):
     import shutil
 

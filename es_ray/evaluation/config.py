@@ -81,7 +81,8 @@ class EvalJobConfig:
     eval: BenchmarkConfig = field(default_factory=BenchmarkConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    """cluster.num_actors: generation actors (0: in this process, without Ray)."""
+    """cluster.num_actors: generation actors (0: in this process, without Ray; also chosen where one actor on a
+    local Ray would do all the work, ``es_eval.in_process_reason``)."""
     run: RunConfig = field(default_factory=RunConfig)
     """run.dir for results (absolute); run.seed fixes the sampling."""
     faults: FaultPolicy = field(default_factory=FaultPolicy)

@@ -4,8 +4,11 @@
     es-eval eval.data_dir=/data/benchmarks eval.limit=50 cluster.num_actors=4 cluster.gpus_per_actor=1
 
 Every problem gets eval.n samples. The work is cut into seeded chunks (``es_ray.evaluation.worker``) that go to
-``cluster.num_actors`` Ray actors as each becomes free (0: run in this process). The driver computes pass@k, maj@k
-and the entropy summary and writes results.json, results.md and samples.jsonl to run.dir.
+``cluster.num_actors`` Ray actors as each becomes free (0: run in this process). Where one actor on this machine
+would do all the work (``in_process_reason``: one chunk, or cluster.num_actors=1, on a local Ray not yet started,
+CPU-only, the transformers engine) the chunks run in this process without starting Ray, which the log says; the
+results are the same (each chunk has its own seed, and the process takes the actor's torch threads). The driver
+computes pass@k, maj@k and the entropy summary and writes results.json, results.md and samples.jsonl to run.dir.
 """
 
 from __future__ import annotations
@@ -24,10 +27,39 @@ from es_ray.evaluation.worker import (Chunk, EvalWorker, entropy_temperatures, l
                                 task_config)
 
 
-def _run_chunks(cfg: EvalJobConfig, chunks: list[Chunk], progress) -> list[dict]:
-    """Every chunk, in this process (cluster.num_actors=0) or on the runtime's actor group (placement group with
-    the fit check, each actor taking the next chunk when free, dead or silent actors replaced)."""
-    if cfg.cluster.num_actors == 0:
+IN_PROCESS_ENGINES = ("hf",)
+"""Engines an automatic in-process run may build in the driver (vLLM starts processes and device state of its own:
+it keeps its actor unless cluster.num_actors=0 asks otherwise)."""
+
+
+def in_process_reason(cfg: EvalJobConfig, chunks: list[Chunk]) -> str:
+    """Why the chunks run in this process, or "" when they go to Ray actors: cluster.num_actors=0, or a local Ray
+    that is not running yet (no cluster.address, no RAY_ADDRESS, no Ray started in this process), CPU-only actors
+    and the transformers engine, where one actor would take every chunk (one chunk, or cluster.num_actors=1):
+    starting Ray, an actor process and its imports would then only add to the same work done by one worker."""
+    import os
+
+    from es_ray.runtime.cluster import LOCAL_ADDRESSES
+
+    c = cfg.cluster
+    if c.num_actors == 0:
+        return "cluster.num_actors=0"
+    busy = min(c.num_actors, len(chunks))
+    ray = sys.modules.get("ray")
+    if (busy != 1 or c.address not in LOCAL_ADDRESSES or os.environ.get("RAY_ADDRESS") or c.gpus_per_actor > 0
+            or cfg.engine.name not in IN_PROCESS_ENGINES or (ray is not None and ray.is_initialized())):
+        return ""
+    what = "one chunk of work" if len(chunks) == 1 else "cluster.num_actors=1"
+    return f"{what} for one actor on this machine, so no local Ray is started"
+
+
+def _run_chunks(cfg: EvalJobConfig, chunks: list[Chunk], progress, in_process: bool | None = None) -> list[dict]:
+    """Every chunk, in this process (``in_process``; None: ``in_process_reason``) or on the runtime's actor group
+    (placement group with the fit check, each actor taking the next chunk when free, dead or silent actors
+    replaced)."""
+    if in_process is None:
+        in_process = bool(in_process_reason(cfg, chunks))
+    if in_process:
         worker = EvalWorker(cfg)
         out = []
         for c in chunks:
@@ -134,12 +166,17 @@ def run(cfg: EvalJobConfig) -> dict:
     for name in cfg.eval.tasks:  # fail fast on a missing file or an unreachable hub, before any generation
         task, problems = load_eval_task(cfg, name)
         tasks[name], sizes[name] = task, len(problems)
-    if cfg.cluster.num_actors:  # a bad cluster.address fails here, before any output
+    chunks = plan_chunks(cfg, sizes)
+    local = in_process_reason(cfg, chunks)
+    if not local:  # a bad cluster.address fails here, before any output
         from es_ray.runtime.cluster import connect
 
         connect(cfg.cluster)
+    elif cfg.cluster.num_actors:  # chosen here, not asked for: said, with how to keep the actors
+        print(f"es-eval: evaluating in this process ({local}); set cluster.address= to a running cluster to use "
+              "its actors", flush=True)
     run_dir = open_run_dir(cfg, "eval")
-    outputs = _run_with_progress(cfg, plan_chunks(cfg, sizes))
+    outputs = _run_with_progress(cfg, chunks, bool(local))
     samples: dict[str, list[dict]] = {name: [] for name in cfg.eval.tasks}
     hists = {name: np.zeros(len(HIST_EDGES) - 1, dtype=np.int64) for name in cfg.eval.tasks}
     seconds = Counter()
@@ -168,7 +205,7 @@ def run(cfg: EvalJobConfig) -> dict:
                      "answer": cfg.eval.answer,
                      "entropy_temperatures": list(entropy_temperatures(cfg.eval.temperature)),
                      "top_p": cfg.eval.top_p, "max_new_tokens": cfg.eval.max_new_tokens, "limit": cfg.eval.limit,
-                     "seed": cfg.run.seed, "actors": cfg.cluster.num_actors,
+                     "seed": cfg.run.seed, "actors": 0 if local else cfg.cluster.num_actors,
                      "kl_reference": (cfg.eval.kl_reference or "embedded SmolLM2-135M-Instruct")
                      if cfg.eval.kl_base else None, "kl_samples": cfg.eval.kl_samples if cfg.eval.kl_base else None},
         "tasks": per_task,
@@ -187,10 +224,10 @@ def run(cfg: EvalJobConfig) -> dict:
     return results
 
 
-def _run_with_progress(cfg: EvalJobConfig, chunks: list[Chunk]) -> list[dict]:
+def _run_with_progress(cfg: EvalJobConfig, chunks: list[Chunk], in_process: bool) -> list[dict]:
     """The chunks, with a bar counting problems done (each problem's eval.n samples) and the task last finished."""
     if not cfg.run.progress:
-        return _run_chunks(cfg, chunks, lambda chunk: None)
+        return _run_chunks(cfg, chunks, lambda chunk: None, in_process)
     from tqdm import tqdm
 
     bar = tqdm(total=sum(len(c.problem_ids) for c in chunks), desc="es-eval", unit="problem", dynamic_ncols=True,
@@ -201,7 +238,7 @@ def _run_with_progress(cfg: EvalJobConfig, chunks: list[Chunk]) -> list[dict]:
         bar.set_postfix_str(f"task={chunk.task}")
 
     try:
-        return _run_chunks(cfg, chunks, done)
+        return _run_chunks(cfg, chunks, done, in_process)
     finally:
         bar.close()
 
