@@ -146,6 +146,8 @@ class VLLMEngine(Engine):
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        from es_ray.runtime.cluster import QUIET_FLAG
+
         self.device = "cpu" if current_platform.is_cpu() else "cuda"
         if cfg.device not in ("auto", self.device):
             raise RuntimeError(f"engine.device={cfg.device} but the installed vLLM runs on {self.device}: "
@@ -162,6 +164,8 @@ class VLLMEngine(Engine):
             tensor_parallel_size=cfg.tensor_parallel_size, worker_extension_cls=EXTENSION,
             enable_prefix_caching=True, disable_log_stats=True,
         )
+        if os.environ.get(QUIET_FLAG) == "1":  # run.verbose=false: no "Loading safetensors checkpoint shards" bar
+            kwargs["use_tqdm_on_load"] = False
         if cfg.max_model_len:
             kwargs["max_model_len"] = cfg.max_model_len
         if cfg.gpu_memory_utilization:

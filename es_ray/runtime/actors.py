@@ -71,6 +71,9 @@ class Actor:
 
         import torch
 
+        from es_ray.runtime.cluster import quiet_third_party
+
+        quiet_third_party()  # run.verbose=false: before the role imports vLLM, whose import prints otherwise
         torch.set_num_threads(threads)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.rank = rank

