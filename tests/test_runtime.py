@@ -331,3 +331,50 @@ def test_an_actor_of_a_quiet_run_keeps_vllms_import_banner_out(verbose):
     else:
         assert res.stderr + res.stdout == ""
 
+
+class Members:
+    """An ES actor's stand-in: scores its members one by one (a pause each), reporting each as ESWorker does."""
+
+    def __init__(self, rank: int, generation: int):
+        self.rank = rank
+
+    def ready(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid()}
+
+    def evaluate(self, req):
+        from es_ray.es.protocol import EvalResult, MemberResult
+        from es_ray.runtime.actors import report_progress
+
+        out = []
+        for m in req.members:
+            time.sleep(0.6)
+            out.append(MemberResult(m.index, 0.5, 1, 0))
+            report_progress(self.rank, req.iteration, len(out))
+        return EvalResult(tuple(out), {"generate": 0.6 * len(out)})
+
+
+@pytest.mark.ray
+def test_the_bar_learns_the_members_done_while_the_actors_score_them(ray_local):
+    """A within-iteration position: the driver reads each actor's count of members scored (a few bytes in Ray's
+    key-value store; no weights, no results) while it waits, and counts an actor's share whole once it answers."""
+    from es_ray.es.config import ESTrainConfig
+    from es_ray.es.driver import evaluate
+    from es_ray.runtime.actors import ActorGroup, read_progress
+    from es_ray.strategy import ask
+
+    cfg = ESTrainConfig()
+    group = ActorGroup("es", Members, 2, lambda rank: (rank, 0), _NoPlacement(), FaultPolicy(),
+                       log=lambda m: None)
+    seen: list[tuple[int, int]] = []
+    try:
+        group.each(Members.ready, slow=True)
+        members = ask(8, cfg.es.estimator)
+        results, timing = evaluate(group, 3, members, cfg, (0, 1), show=lambda done, total: seen.append((done, total)))
+        assert [r.index for r in results] == [m.index for m in members] and timing == {"generate": 2.4}
+        assert {total for _, total in seen} == {8} and seen[0][0] == 0 and seen[-1][0] == 8
+        dones = [done for done, _ in seen]
+        assert dones == sorted(set(dones)) and any(0 < d < 8 for d in dones), seen  # it moved within the iteration
+        assert read_progress([0, 1], 4) == {}  # another iteration's count is not this one's
+    finally:
+        group.kill()
+    assert read_progress([0, 1], 3) == {}  # the group's keys are gone with it

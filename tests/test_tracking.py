@@ -374,6 +374,34 @@ def test_progress_names_what_it_shows_and_a_resumed_run_counts_from_its_start(tm
     assert "train_reward=0.300" in last and shown in last and "mean=" not in last, last
 
 
+def test_the_bar_shows_the_members_done_within_an_iteration_and_plain_lines_do_not(tmp_path, capsys,
+                                                                                    monkeypatch):
+    """On a terminal the bar moves within an iteration (members scored, beside the metrics) and drops the position
+    once the iteration is logged; without one, a position prints nothing (one line a step stays one line)."""
+    monkeypatch.setattr("es_ray.runtime.tracking.on_terminal", lambda: True)
+    tracker = Tracker(tmp_path, 2, ESTrainConfig(), [], progress=True)
+    assert tracker.bar
+    tracker.held_out(-1, {"eval/reward": 0.5, "eval/pass_at_1": 0.25})
+    tracker.position(3, 8, "members")
+    mid = capsys.readouterr().err.replace("\r", "\n").splitlines()[-1]
+    assert "members=3/8" in mid and "heldout_reward=0.500" in mid and "0/2" in mid, mid
+    tracker.log(0, {"reward/mean": 0.25})
+    tracker.close()
+    last = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    last = [line for line in last if "1/2" in line][-1]
+    assert "members" not in last and "train_reward=0.250" in last, last
+
+    monkeypatch.setattr("es_ray.runtime.tracking.on_terminal", lambda: False)
+    (tmp_path / "plain").mkdir()
+    plain = Tracker(tmp_path / "plain", 2, ESTrainConfig(), [], progress=True)
+    assert not plain.bar
+    plain.position(3, 8, "members")
+    plain.log(0, {"reward/mean": 0.25})
+    plain.close()
+    out = capsys.readouterr()
+    assert "members" not in out.out + out.err and len(out.out.splitlines()) == 1, out
+
+
 def test_es_eval_and_es_drift_show_progress(tiny_model_dir, tmp_path, capsys):
     from es_ray.evaluation.es_drift import run_drift
     from es_ray.evaluation.config import to_drift_config

@@ -12,6 +12,7 @@ import dataclasses
 import random
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from es_ray.es.config import ESTrainConfig, replica_spec
 from es_ray.es.protocol import EvalRequest, SeedRecord
 from es_ray.es.recovery import RESUME_FREE, ReplicaMismatchError, seed_log_row
 from es_ray.es.worker import ESWorker
+from es_ray.runtime.actors import read_progress
 from es_ray.runtime.loop import Training
 from es_ray.runtime.signals import interrupt_soon
 from es_ray.runtime.tracking import Timer
@@ -67,13 +69,28 @@ def start_workers(cfg: ESTrainConfig, keeper, log=print, placement=None):
     return group, infos
 
 
-def evaluate(group, iteration: int, members: list[Member], cfg: ESTrainConfig, ids: tuple[int, ...]):
+def evaluate(group, iteration: int, members: list[Member], cfg: ESTrainConfig, ids: tuple[int, ...],
+             show: Callable[[int, int], None] | None = None):
     """Score the members on the actors (member i on actor i % num_actors); a lost actor's members are scored
-    again by its replacement."""
+    again by its replacement. ``show(done, total)`` (a progress bar's) is told the members scored so far, as the
+    actors report them (``report_progress``) and as their answers come."""
     seed = sample_seed(cfg, iteration)
     parts = assign(members, len(group))
     calls = {r: (EvalRequest(iteration, cfg.es.sigma, tuple(part), ids, seed),) for r, part in enumerate(parts)}
-    results = group.gather(ESWorker.evaluate, calls).values()
+    waiting = None
+    if show is not None:
+        shown = [-1]
+
+        def waiting(answered: dict) -> None:
+            left = [r for r in calls if r not in answered]
+            told = read_progress(left, iteration) if left else {}
+            done = sum(len(parts[r]) if r in answered else min(told.get(r, 0), len(parts[r])) for r in calls)
+            if done != shown[0]:
+                shown[0] = done
+                show(done, len(members))
+
+        waiting({})
+    results = group.gather(ESWorker.evaluate, calls, waiting=waiting).values()
     by_index = {mr.index: mr for res in results for mr in res.members}
     timing: dict[str, float] = {}
     for res in results:  # actors run in parallel: report the slowest actor's time per phase
@@ -147,7 +164,8 @@ class ESRun(Training):
             self.keeper.rebuild_all()
 
     def step(self, t: int, guard) -> dict:
-        return iteration(self.cfg, self.keeper, t, self.pool, self.seed_log, guard, self.record)
+        show = (lambda done, total: self.tracker.position(done, total, "members")) if self.tracker.bar else None
+        return iteration(self.cfg, self.keeper, t, self.pool, self.seed_log, guard, self.record, show)
 
     def evaluate_held_out(self) -> dict:
         from es_ray.held_out import held_out_seed
@@ -237,10 +255,11 @@ def check_noise_devices(cfg: ESTrainConfig, infos: list[dict]) -> None:
                       + (" and es.perturbation=full (low rank's update depends on the device too)" if lowrank else ""))
 
 
-def iteration(cfg: ESTrainConfig, keeper, t: int, pool: int, seed_log, guard, record=None) -> dict:
+def iteration(cfg: ESTrainConfig, keeper, t: int, pool: int, seed_log, guard, record=None, show=None) -> dict:
     """One ES iteration; ``record(t, row)`` (the run skeleton's: held-out scoring, trackers, ledger) is called with
     its metrics row after the update and before the seed-log line that commits it, so every logged iteration has
-    its row (a crash between the two leaves a row the resume drops and computes again)."""
+    its row (a crash between the two leaves a row the resume drops and computes again); ``show(done, total)``: the
+    members scored so far (``evaluate``)."""
     timer = Timer()
     t_start = time.perf_counter()
     members = ask(cfg.es.population, cfg.es.estimator)
@@ -248,7 +267,7 @@ def iteration(cfg: ESTrainConfig, keeper, t: int, pool: int, seed_log, guard, re
     if cfg.faults.interrupt_at_iteration == t:
         interrupt_soon()
     with timer("evaluate"):
-        results, actor_timing = evaluate(keeper.group, t, members, cfg, ids)
+        results, actor_timing = evaluate(keeper.group, t, members, cfg, ids, show)
     rewards_n = np.array([r.reward for r in results], dtype=np.float64)
     fitness_n = shape_fitness(raw_fitness(results, cfg.es.fitness_baseline), cfg.es.shaping)
     record_ = SeedRecord(t, cfg.es.sigma, cfg.es.lr, tuple(members), tuple(rewards_n.tolist()),

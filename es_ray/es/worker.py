@@ -16,7 +16,7 @@ import numpy as np
 from es_ray.es.config import ESTrainConfig, replica_spec
 from es_ray.es.protocol import EvalRequest, EvalResult, MemberResult, UpdateRequest, UpdateResult
 from es_ray.perturbation import PERTURBATIONS
-from es_ray.runtime.actors import Actor, actor_threads
+from es_ray.runtime.actors import Actor, actor_threads, report_progress
 from es_ray.tasks.base import score, templated_prompts
 
 
@@ -99,6 +99,7 @@ class ESWorker(Actor):
             timing["perturb"] += t1 - t0
             timing["generate"] += t2 - t1
             timing["reward"] += time.perf_counter() - t2
+            report_progress(self.rank, req.iteration, len(results))  # the driver's bar: members done
             self.faults.member_done(req.iteration, len(results), len(req.members))
         t0 = time.perf_counter()
         self.replica.restore()
@@ -116,6 +117,7 @@ class ESWorker(Actor):
         results = []
         for m, completions in zip(req.members, per_member):
             results.append(self._member_result(m.index, completions, req.prompt_ids))
+            report_progress(self.rank, req.iteration, len(results))
             self.faults.member_done(req.iteration, len(results), len(req.members))
         timing = {"perturb": 0.0, "generate": t1 - t0, "reward": time.perf_counter() - t1, "restore": 0.0}
         return EvalResult(tuple(results), timing)

@@ -61,6 +61,60 @@ def actor_threads(engine, cluster) -> int:
     return engine.threads or max(1, int(cluster.cpus_per_actor or 1))
 
 
+PROGRESS_NAMESPACE = "es_ray_progress"
+"""Ray's GCS key-value namespace of ``report_progress``: one key per actor of a driver's job, a few bytes each."""
+
+
+def _progress_key(rank: int) -> str:
+    import ray
+
+    return f"{ray.get_runtime_context().get_job_id()}/{rank}"
+
+
+def report_progress(rank: int, step: int, done: int) -> None:
+    """Inside an actor: ``done`` parts of its call for step ``step`` are finished (ES: members scored), for the
+    driver's progress bar (``read_progress``). A few bytes in Ray's GCS key-value store, overwritten in place; never
+    a result or a weight. Outside Ray, or where the store cannot be reached, nothing happens (it is only a display)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put(_progress_key(rank), f"{step} {done}", overwrite=True, namespace=PROGRESS_NAMESPACE)
+    except Exception:  # noqa: BLE001 - a display: never the reason a call fails
+        pass
+
+
+def read_progress(ranks: list[int], step: int) -> dict[int, int]:
+    """On the driver: what each of these actors last reported for step ``step`` (absent: nothing yet)."""
+    out: dict[int, int] = {}
+    try:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        for rank in ranks:
+            raw = _internal_kv_get(_progress_key(rank), namespace=PROGRESS_NAMESPACE)
+            if raw:
+                at, done = (int(x) for x in raw.decode().split())
+                if at == step:
+                    out[rank] = done
+    except Exception:  # noqa: BLE001 - a display: never the reason a run fails
+        pass
+    return out
+
+
+def clear_progress(ranks: list[int]) -> None:
+    """Drop the actors' progress keys (their group is ending: a long-lived cluster keeps none)."""
+    try:
+        from ray.experimental.internal_kv import _internal_kv_del
+
+        for rank in ranks:
+            _internal_kv_del(_progress_key(rank), namespace=PROGRESS_NAMESPACE)
+    except Exception:  # noqa: BLE001
+        pass
+
+
 class Actor:
     """What every actor class shares: the process set-up (its torch threads; no tokenizers thread pool beside
     them) and the calls the runtime makes on any actor, ``ready`` (the group waits for it after start) and
@@ -157,11 +211,20 @@ class ActorGroup:
                             f"{self.cls.__name__} has no method {name}")
         return name
 
-    def gather(self, method: Callable, calls: dict[int, tuple], slow: bool = False) -> dict[int, Any]:
+    def gather(self, method: Callable, calls: dict[int, tuple], slow: bool = False,
+               waiting: Callable[[dict[int, Any]], None] | None = None) -> dict[int, Any]:
         """Call ``method`` on the actors named by ``calls`` (rank -> args); results by rank. A dead or silent
-        actor is replaced, restored and called again (for a slow call the timeout is at least SLOW_CALL_FLOOR_S)."""
+        actor is replaced, restored and called again (for a slow call the timeout is at least SLOW_CALL_FLOOR_S).
+        ``waiting(results so far)`` is called as each result comes and while the driver waits (every POLL_S): a
+        progress display's hook."""
         todo, name = dict(calls), self.method_name(method)
-        return {rank: res for rank, _, res in self._drive(name, lambda rank: todo.pop(rank, None), list(calls), slow)}
+        out: dict[int, Any] = {}
+        for rank, _, res in self._drive(name, lambda rank: todo.pop(rank, None), list(calls), slow,
+                                        (lambda: waiting(out)) if waiting is not None else None):
+            out[rank] = res
+            if waiting is not None:
+                waiting(out)
+        return out
 
     def map_unordered(self, method: Callable, args_list: list[tuple], slow: bool = False):
         """Spread calls over the actors, each actor taking the next as soon as it is free; yields (args, result)
@@ -170,8 +233,10 @@ class ActorGroup:
         for _, args, res in self._drive(name, lambda rank: queue.pop() if queue else None, self.ranks, slow):
             yield args, res
 
-    def _drive(self, method: str, take: Callable[[int], tuple | None], ranks: list[int], slow: bool):
-        """The one wait loop: ``take(rank)`` gives a free actor its next arguments (None: nothing more for it)."""
+    def _drive(self, method: str, take: Callable[[int], tuple | None], ranks: list[int], slow: bool,
+               tick: Callable[[], None] | None = None):
+        """The one wait loop: ``take(rank)`` gives a free actor its next arguments (None: nothing more for it);
+        ``tick()`` once a poll while waiting."""
         import ray
 
         timeout = self.policy.actor_timeout_s or math.inf
@@ -193,6 +258,8 @@ class ActorGroup:
             self.check_interrupt()
             wait = min(min(d for _, _, d in pending.values()) - time.monotonic(), POLL_S)
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, wait))
+            if not ready and tick is not None:
+                tick()
             if not ready:
                 for ref, (rank, args, deadline) in list(pending.items()):
                     if deadline <= time.monotonic():
@@ -346,6 +413,7 @@ class ActorGroup:
     def kill(self) -> None:
         for rank in self.ranks:
             self._kill_one(rank)
+        clear_progress(self.ranks)
 
 
 def start_group(role: str, cls: type, size: int, make_args: Callable[[int], tuple], placement, policy: FaultPolicy,

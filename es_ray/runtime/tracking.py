@@ -198,8 +198,9 @@ class Tracker:
     dataclass) is logged once as the run's parameters.
 
     The console: with ``progress`` and a terminal on stderr, a bar (the training reward, the task's held-out
-    metric: ``held_out_key``); otherwise (Ray Jobs, Slurm, run.progress=false) one line per step (step, reward,
-    held-out score, tokens/s, elapsed, ETA) and one per held-out scoring, for log readers."""
+    metric: ``held_out_key``, and the running step's ``position``: ES's members scored); otherwise (Ray Jobs, Slurm,
+    run.progress=false) one line per step (step, reward, held-out score, tokens/s, elapsed, ETA) and one per
+    held-out scoring, for log readers."""
 
     def __init__(self, run_dir: str | Path, total: int, config: Any, trackers: list[str], progress: bool = True,
                  desc: str = "es", start: int = 0, unit: str = "iteration", console: bool = True):
@@ -218,6 +219,21 @@ class Tracker:
 
             self._bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True)  # a resumed run: from start
         self._shown: dict[str, str] = {}
+        self._position: dict[str, str] = {}  # within the step: e.g. {"members": "3/8"}
+
+    @property
+    def bar(self) -> bool:
+        """Whether the console shows a bar (a terminal, run.progress=true): only then is a within-step position
+        worth asking the actors for."""
+        return self._bar is not None
+
+    def position(self, done: int, total: int, what: str) -> None:
+        """Where the running step is (``done`` of its ``total`` ``what``: ES's members scored), on the bar beside the
+        metrics until the step is logged; without a bar, nothing (the step's line says it when it ends)."""
+        if self._bar is None:
+            return
+        self._position = {what: f"{done}/{total}"}
+        self._bar.set_postfix({**self._shown, **self._position})
 
     def log(self, step: int, metrics: dict, step_key: str = "iteration") -> None:
         for backend in self._backends:
@@ -225,6 +241,7 @@ class Tracker:
         self._steps += 1
         self._shown.update({name: f"{metrics[k]:.3f}" for k, name in self.shown.items()
                             if isinstance(metrics.get(k), numbers.Real) and math.isfinite(metrics[k])})
+        self._position = {}
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(self._shown)
@@ -256,7 +273,7 @@ class Tracker:
                             if k != REWARD_MEAN and isinstance(row.get(k), numbers.Real) and math.isfinite(row[k])})
         if self._bar is not None or not self.console:
             if self._bar is not None:
-                self._bar.set_postfix(self._shown)
+                self._bar.set_postfix({**self._shown, **self._position})
             return
         where = "base weights" if step < 0 else f"after {self.unit} {step}"
         shown = " ".join(f"{k.removeprefix('eval/')} {row[k]:.3f}" for k in (HELD_OUT_REWARD, HELD_OUT_PASS1,
