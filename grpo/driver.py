@@ -90,7 +90,7 @@ class Crew:
     each holds a learner rank and a rollout engine (grpo.colocated.ColocatedWorker)."""
 
     def __init__(self, cfg: GRPOTrainConfig, tracker: Tracker, run_dir: Path, check_interrupt):
-        from es_ray.runtime.actors import start_group
+        from es_ray.runtime.actors import Actor, ActorGroup
         from es_ray.runtime.placement import place
 
         self.cfg, self.tracker, self.tol = cfg, tracker, sync_tolerance(cfg)
@@ -106,22 +106,37 @@ class Crew:
             role, cls = "learner+rollout", ColocatedWorker
         else:
             role, cls = "learner", GRPOLearner
-        self.learner, infos = start_group(role, cls, f, lambda rank: (cfg, rank, f), self.placement,
-                                          cfg.faults, replaceable=False, lost_advice=advice, **common)
-        if not infos[0]["built"]:  # sharded: rank 0 picks the rendezvous, every rank joins and builds its shard
-            address = self.learner.call(0, GRPOLearner.address)
-            joined = self.learner.gather(GRPOLearner.join, {r: (address,) for r in self.learner.ranks}, slow=True)
-            infos = [joined[r] for r in self.learner.ranks]
+        # Every actor is asked for before any is waited on: the rollout engines start (their processes, imports and
+        # models) while the learner ranks start, not after them. Ranks and bundles are those of one group after
+        # the other: learner rank r in bundle r, rollout rank r in bundle f + r.
+        self.learner = ActorGroup(role, cls, f, lambda rank: (cfg, rank, f), self.placement, cfg.faults,
+                                  replaceable=False, lost_advice=advice, **common)
+        self.rollouts = None
+        try:
+            if not self.colocated:
+                self.rollouts = ActorGroup("rollout", RolloutWorker, cfg.cluster.num_actors, lambda rank: (cfg, rank),
+                                           self.placement, cfg.faults, first_bundle=f, restore=self._resync,
+                                           lost_advice=f"Resume with run.resume=true run.dir={run_dir}", **common)
+            infos = self.learner.each(Actor.ready, slow=True)
+            rollout_infos = self.rollouts.each(Actor.ready, slow=True) if self.rollouts is not None else None
+            if not infos[0]["built"]:  # sharded: rank 0 picks the rendezvous, every rank joins and builds its shard
+                address = self.learner.call(0, GRPOLearner.address)
+                joined = self.learner.gather(GRPOLearner.join, {r: (address,) for r in self.learner.ranks},
+                                             slow=True)
+                infos = [joined[r] for r in self.learner.ranks]
+        except BaseException:  # the run's clean-up sees no crew yet: its actors and placement are ended here
+            for group in (self.learner, self.rollouts):
+                if group is not None:
+                    group.kill()
+            self.placement.release()
+            raise
         self.learner_info = infos[0]
         self.learner_probe = (ColocatedWorker.learner_probe_logprobs if self.colocated
                               else GRPOLearner.probe_logprobs)
         if self.colocated:
             self.rollouts, self.infos = self.learner, infos
-            return
-        self.rollouts, self.infos = start_group(
-            "rollout", RolloutWorker, cfg.cluster.num_actors, lambda rank: (cfg, rank), self.placement, cfg.faults,
-            first_bundle=f, restore=self._resync, lost_advice=f"Resume with run.resume=true run.dir={run_dir}",
-            **common)
+        else:
+            self.infos = rollout_infos
 
     @property
     def groups(self) -> list:
