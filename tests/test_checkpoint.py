@@ -47,6 +47,29 @@ def plant(ckpt: Path, state_name: str, marker: Path) -> None:
 # -- the shared API ------------------------------------------------------------------------------------------------
 
 
+def test_the_weights_file_is_hashed_as_it_is_written(tmp_path):
+    """write_fp32_safetensors returns the sha256 of the file it wrote (taken from the bytes as they were written,
+    tensor by tensor in a helper thread); publish_dir takes it instead of reading the file again, and the file loads
+    with safetensors as written."""
+    from safetensors.torch import load_file
+
+    from es_ray.core.manifest import sha256_file
+    from es_ray.runtime.checkpoint import write_fp32_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"b": torch.randn(3, 5, generator=g), "a": torch.randn(7, generator=g, dtype=torch.float64),
+               "empty": torch.zeros(0, 4), "big": torch.randn(512, 257, generator=g)}
+    tmp = staging_dir(tmp_path / "ck")
+    digest = write_fp32_safetensors(tmp / "model.safetensors",
+                                    {k: (tuple(t.shape), lambda t=t: t) for k, t in tensors.items()}, {"format": "pt"})
+    assert digest == sha256_file(tmp / "model.safetensors")
+    loaded = load_file(tmp / "model.safetensors")
+    assert all(torch.equal(loaded[k], t.float()) for k, t in tensors.items())
+    (tmp / "meta.json").write_text("{}")
+    final = publish_dir(tmp, tmp_path / "ck", {"model.safetensors": digest})
+    assert verify_dir(final)["model.safetensors"]["sha256"] == digest
+
+
 def test_publish_writes_digests_and_verify_names_the_bad_file(tmp_path):
     tmp = staging_dir(tmp_path / "ck")
     assert tmp.name.startswith(".")
@@ -173,7 +196,7 @@ def dying_rename(a, b):
     if where == "between" and len(calls) == 2:  # the old one is aside, the new one not yet in
         os._exit(9)
     rename(a, b)
-def dying_publish(tmp, final):
+def dying_publish(tmp, final, digests=None):
     os._exit(9)  # killed after writing, before publishing
 ck.os.rename = dying_rename
 if where == "writing":
@@ -324,3 +347,40 @@ def test_a_checkpoint_given_as_model_path_is_verified(es_checkpoint):
     flip_byte(es_checkpoint / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"model\.safetensors: sha256"):
         resolve_model(str(es_checkpoint))
+
+
+def test_a_staged_directory_moved_into_a_checkpoint_is_published_at_the_umasks_mode(tmp_path):
+    """A sharded GRPO learner stages its moments in a directory of their own (``staging_dir``, mkdtemp's 0700) and
+    moves it into the checkpoint as ``shards/``: it is published at what mkdir gives too, or another user's process
+    could list the checkpoint but not open the optimizer state it resumes from."""
+    import shutil
+
+    old = os.umask(0o022)
+    try:
+        shards = staging_dir(tmp_path / "final-shards")  # as GRPOLearner.save stages them, beside the checkpoint
+        (shards / "moments-0-of-1.safetensors").write_bytes(b"x")
+        tmp = staging_dir(tmp_path / "final")
+        shutil.move(shards, tmp / "shards")  # save_checkpoint's ``extra``
+        final = publish_dir(tmp, tmp_path / "final")
+    finally:
+        os.umask(old)
+    assert (final / "shards").stat().st_mode & 0o777 == 0o755
+
+
+def test_the_umask_is_read_without_changing_it_where_proc_does_not_say_it(monkeypatch):
+    """Without /proc/self/status's Umask line (not Linux, an old kernel, no /proc) the umask is still read without
+    setting it: os.umask is process-wide, and a thread creating a file meanwhile would get the wrong mode."""
+    from es_ray.core import manifest
+
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(OSError("no /proc"))
+                        if str(self) == "/proc/self/status" else real(self, *a, **k))
+    set_to = []
+    umask = os.umask
+    monkeypatch.setattr(os, "umask", lambda mask: set_to.append(mask) or umask(mask))
+    old = umask(0o027)
+    try:
+        assert manifest.umask() == 0o027
+    finally:
+        umask(old)
+    assert set_to == []

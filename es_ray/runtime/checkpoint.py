@@ -64,17 +64,27 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def publish_dir(tmp: str | Path, final: str | Path) -> Path:
+def _file_entry(f: Path, digest: str | None) -> dict:
+    _fsync(f)
+    return {"bytes": f.stat().st_size, "sha256": digest or sha256_file(f)}
+
+
+def publish_dir(tmp: str | Path, final: str | Path, digests: Mapping[str, str] | None = None) -> Path:
     """Publish the finished directory ``tmp`` (from ``staging_dir``) as ``final``: a manifest of every file under it
     (relative path -> bytes and sha256), everything fsynced, then swapped in atomically (the previous ``final`` is
-    renamed aside and deleted only once the new one is in place)."""
+    renamed aside and deleted only once the new one is in place). ``digests``: the sha256 of files taken as they
+    were written (``write_fp32_safetensors``), so they are not read again; the other files are hashed here, each
+    fsynced and hashed in a thread of its own (both release the GIL: a large file's disk flush overlaps the hashing
+    of the next)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     tmp, final = Path(tmp), Path(final)
-    files: dict[str, dict] = {}
-    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        rel = f.relative_to(tmp).as_posix()
-        if rel != MANIFEST:
-            _fsync(f)
-            files[rel] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+    paths = {f.relative_to(tmp).as_posix(): f for f in sorted(p for p in tmp.rglob("*") if p.is_file())}
+    paths.pop(MANIFEST, None)
+    digests = digests or {}
+    with ThreadPoolExecutor(max_workers=max(1, min(4, len(paths)))) as pool:
+        entries = {rel: pool.submit(_file_entry, f, digests.get(rel)) for rel, f in paths.items()}
+        files: dict[str, dict] = {rel: entry.result() for rel, entry in entries.items()}
     with open(tmp / MANIFEST, "w") as f:
         json.dump({"format": 1, "files": files}, f, indent=1)
         f.flush()
@@ -164,7 +174,7 @@ def save_checkpoint(path: str | Path, weights: Mapping[str, torch.Tensor], model
     cfg["torch_dtype"] = cfg["dtype"] = "float32"
     tmp = staging_dir(path)
     try:
-        write_fp32_safetensors(tmp / "model.safetensors", entries, {"format": "pt"})
+        digests = {"model.safetensors": write_fp32_safetensors(tmp / "model.safetensors", entries, {"format": "pt"})}
         for name in MODEL_FILES:
             if (Path(model_dir) / name).is_file() and name != "config.json":
                 shutil.copy2(Path(model_dir) / name, tmp / name)
@@ -173,17 +183,23 @@ def save_checkpoint(path: str | Path, weights: Mapping[str, torch.Tensor], model
         (tmp / meta_file(method)).write_text(json.dumps({**meta, "method": method}, indent=2, default=str))
         if extra is not None:  # more files into the staging dir (a sharded learner's shards), published with it
             extra(tmp)
-        publish_dir(tmp, path)
+        publish_dir(tmp, path, digests)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
 def write_fp32_safetensors(file: Path, entries: Mapping[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]],
-                           metadata: dict[str, str]) -> None:
+                           metadata: dict[str, str]) -> str:
     """A safetensors file of fp32 tensors (name -> (shape, reader)), streamed: the format's header holds only names,
     shapes and byte offsets, all known from the shapes, so it is written first and each tensor is then read, cast
-    and appended on its own (safetensors' own ``save_file`` takes every tensor at once, in a dict)."""
+    and appended on its own (safetensors' own ``save_file`` takes every tensor at once, in a dict). Returns the
+    file's sha256, taken from the bytes as they are written: one helper thread hashes each tensor while it is
+    written (hashing and writing both release the GIL), and the tensor is kept until its hash is done, so
+    ``publish_dir`` need not read the file again."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
     header: dict = {"__metadata__": metadata}
     offset = 0
     for name in sorted(entries):
@@ -192,13 +208,23 @@ def write_fp32_safetensors(file: Path, entries: Mapping[str, tuple[tuple[int, ..
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+    digest = hashlib.sha256()
+    head = struct.pack("<Q", len(raw)) + raw
+    digest.update(head)
+    with open(file, "wb") as f, ThreadPoolExecutor(max_workers=1) as hasher:
+        f.write(head)
+        hashing = None  # (the tensor being hashed, its hash's future): the tensor lives until its hash is done
         for name in sorted(entries):
             shape, read = entries[name]
             t = read().detach().to("cpu", torch.float32).contiguous()
             if tuple(t.shape) != shape:
                 raise ValueError(f"{name}: tensor of shape {tuple(t.shape)}, declared {shape}")
-            f.write(t.view(-1).numpy().data)
-            del t
+            data = t.view(-1).numpy().data
+            if hashing is not None:
+                hashing[1].result()  # in order: the previous tensor's bytes are in the digest
+            hashing = (t, hasher.submit(digest.update, data))
+            f.write(data)
+            del t, data
+        if hashing is not None:
+            hashing[1].result()
+    return digest.hexdigest()
