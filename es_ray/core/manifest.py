@@ -19,24 +19,36 @@ class CheckpointError(ConfigError):
 
 
 def umask() -> int:
-    """This process's umask, read without changing it where Linux tells it (/proc/self/status), else by setting and
-    restoring it."""
+    """This process's umask, read without changing it: where Linux tells it (/proc/self/status), else from the mode
+    ``mkdir`` gives a probe directory. Never by setting and restoring it: os.umask is process-wide, and a thread
+    creating a file in between (a checkpoint's hashing threads, Ray's, vLLM's) would get the wrong mode."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
                 return int(line.split()[1], 8)
     except (OSError, ValueError):
         pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    import shutil
+    import tempfile
+
+    probe = tempfile.mkdtemp(prefix="es_ray_umask_")
+    try:
+        os.mkdir(os.path.join(probe, "d"), 0o777)
+        return 0o777 & ~os.stat(os.path.join(probe, "d")).st_mode
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
 
 
 def open_to_umask(path: str | Path) -> None:
-    """Give a directory made by ``tempfile.mkdtemp`` (always 0700) the mode ``mkdir`` would have given it (0777
-    less the umask), before it is renamed into place: a checkpoint or converted model on shared storage is then
-    readable by the cluster's other users and nodes' processes, as the files in it already are."""
-    os.chmod(path, 0o777 & ~umask())
+    """Give a directory made by ``tempfile.mkdtemp`` (always 0700), and every directory under it, the mode ``mkdir``
+    would have given it (0777 less the umask; setgid and sticky bits kept), before it is renamed into place: a
+    checkpoint or converted model on shared storage is then readable by the cluster's other users and nodes'
+    processes, as the files in it already are. Every one, since a staged directory moved inside (a sharded
+    learner's ``shards/``, from ``staging_dir``) is mkdtemp's too."""
+    mode = 0o777 & ~umask()
+    for d in [Path(path), *(Path(top) / name for top, dirs, _ in os.walk(path) for name in dirs)]:
+        if not d.is_symlink():  # a link's target is not the checkpoint's to change
+            os.chmod(d, (d.stat().st_mode & 0o7000) | mode)
 
 
 def sha256_file(file: Path) -> str:
