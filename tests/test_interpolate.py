@@ -124,3 +124,41 @@ def test_different_architectures_are_refused_in_one_line(tiny_model_dir, tmp_pat
                           f"run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-2000:]
     assert "num_hidden_layers" in res.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("program", ["eval", "drift", "interpolate", "drift-finishes"])
+def test_an_evaluation_leaves_no_hold_on_its_run_dir(tiny_model_dir, tmp_path, monkeypatch, program):
+    """es-eval, es-drift and es-interpolate take their run dir's lock (``open_run_dir``) and give it back however
+    they end: es-compare runs them in its own process, which lives on, and so does a notebook; a second driver in
+    another process is not told one runs there."""
+    from es_ray.evaluation import es_drift, es_eval, es_interpolate
+    from es_ray.evaluation.config import to_drift_config, to_eval_config, to_interpolate_config
+    from es_ray.runtime import rundir
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("failed after the run dir was opened")
+
+    run_dir = tmp_path / "run"
+    run = {"dir": str(run_dir), "progress": False, "trackers": []}
+    if program == "eval":
+        monkeypatch.setattr(es_eval, "_run_with_progress", fails)
+        call = lambda: es_eval.run(to_eval_config({"model": {"path": str(tiny_model_dir)}, "eval": EVAL,  # noqa
+                                                   "engine": ENGINE, "cluster": {"num_actors": 0}, "run": run}))
+    elif program == "interpolate":
+        monkeypatch.setattr(es_interpolate, "update_cosines", fails)
+        a = shutil.copytree(tiny_model_dir, tmp_path / "a")
+        call = lambda: es_interpolate.run(to_interpolate_config({"a": str(a), "base": str(tiny_model_dir),  # noqa
+                                                                 "grid": [0, 1], "eval": EVAL, "engine": ENGINE,
+                                                                 "run": run}))
+    else:
+        if program == "drift":
+            monkeypatch.setattr(es_drift, "_tensor_index", fails)
+        run.pop("trackers")
+        call = lambda: es_drift.run_drift(to_drift_config({"base": str(tiny_model_dir),  # noqa: E731
+                                                            "tuned": str(tiny_model_dir), "run": run}))
+    if program == "drift-finishes":
+        call()
+    else:
+        with pytest.raises(RuntimeError, match="failed after the run dir was opened"):
+            call()
+    assert (run_dir / "config.json").is_file() and run_dir not in rundir._held_locks

@@ -11,6 +11,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from es_ray.evaluation.config import DriftJobConfig
+from es_ray.runtime.rundir import releases_run_dir
 
 
 def _tensor_index(model_dir: Path) -> dict[str, Path]:
@@ -19,6 +20,7 @@ def _tensor_index(model_dir: Path) -> dict[str, Path]:
     return {name: Path(file) for name, (file, _) in safetensors_index(model_dir).items()}
 
 
+@releases_run_dir
 def run_drift(cfg: DriftJobConfig) -> dict:
     """drift.json and drift_hist.png for base -> tuned, streaming one tensor pair at a time."""
     from safetensors import safe_open

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from es_ray.evaluation.config import EvalJobConfig
+from es_ray.runtime.rundir import releases_run_dir
 from es_ray.evaluation.worker import (Chunk, EvalWorker, entropy_temperatures, load_eval_task, plan_chunks,
                                 task_config)
 
@@ -150,6 +151,7 @@ def answer_checks(problems: list[list[dict]], n: int, ks: list[int]) -> dict:
             "pass@k_without_them": {str(k): v for k, v in mean_pass_at_k(strict_p, n, ks).items()}}
 
 
+@releases_run_dir
 def run(cfg: EvalJobConfig) -> dict:
     from es_ray.metrics.entropy import HIST_EDGES, summarize_stats
     from es_ray.grading.sandbox import isolation

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from es_ray.evaluation.config import EvalJobConfig, InterpolateJobConfig
+from es_ray.runtime.rundir import releases_run_dir
 
 
 def _weights(index_a: dict, index_b: dict, t: float):
@@ -57,6 +58,7 @@ def per_problem_scores(samples: list[dict], n: int, ks: list[int]) -> dict[str, 
     return out
 
 
+@releases_run_dir
 def run(cfg: InterpolateJobConfig) -> dict:
     from es_ray.evaluation.compat import check_same_architecture
     from es_ray.evaluation.worker import EvalWorker, load_eval_task, plan_chunks

@@ -156,6 +156,24 @@ def held(run_dir: Path):
         unlock_run_dir(run_dir)
 
 
+def releases_run_dir(fn: Callable) -> Callable:
+    """``fn`` (a program's run: es-eval, es-drift, es-interpolate) gives back every run dir lock it took
+    (``open_run_dir``) however it ends, as ``held`` does for the training drivers: es-compare runs them in its own
+    process, which lives on, as a notebook does. A hold this process had before the call is kept."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        before = set(_held_locks)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for run_dir in [d for d in _held_locks if d not in before]:
+                unlock_run_dir(run_dir)
+
+    return wrapper
+
+
 class RunDirError(ConfigError):
     """The run dir cannot be written (no space left, a quota, a read-only file system): one line, exit 2."""
 
