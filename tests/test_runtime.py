@@ -378,3 +378,34 @@ def test_the_bar_learns_the_members_done_while_the_actors_score_them(ray_local):
     finally:
         group.kill()
     assert read_progress([0, 1], 3) == {}  # the group's keys are gone with it
+
+
+def test_the_bar_reads_the_actors_counts_at_most_once_a_poll(monkeypatch):
+    """The driver reads the actors' counts (one GCS call per actor still scoring) while it waits, not again at each
+    answer: N actors answering together would cost N^2 / 2 calls at the end of every iteration (a Ray Client's
+    calls cross the network), and the answers themselves already count their actors' members whole."""
+    import es_ray.es.driver as driver
+    from es_ray.es.config import ESTrainConfig
+    from es_ray.es.protocol import EvalResult, MemberResult
+    from es_ray.strategy import ask
+
+    reads: list[list[int]] = []
+    monkeypatch.setattr(driver, "read_progress", lambda ranks, step: reads.append(list(ranks)) or {})
+
+    class Answering:
+        """Sixteen actors whose answers all come at once."""
+
+        def __len__(self):
+            return 16
+
+        def gather(self, method, calls, waiting=None):
+            out = {}
+            for rank, (req,) in calls.items():
+                out[rank] = EvalResult(tuple(MemberResult(m.index, 0.5, 1, 0) for m in req.members), {})
+                waiting(out)
+            return out
+
+    seen = []
+    members = ask(32, ESTrainConfig().es.estimator)
+    driver.evaluate(Answering(), 0, members, ESTrainConfig(), (0,), show=lambda done, total: seen.append(done))
+    assert len(reads) == 1 and seen[0] == 0 and seen[-1] == 32, (reads, seen)

@@ -9,6 +9,7 @@ Connecting, the run directory, signals, the actor group and the ledger are the r
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from es_ray.es.config import ESTrainConfig, replica_spec
 from es_ray.es.protocol import EvalRequest, SeedRecord
 from es_ray.es.recovery import RESUME_FREE, ReplicaMismatchError, seed_log_row
 from es_ray.es.worker import ESWorker
-from es_ray.runtime.actors import read_progress
+from es_ray.runtime.actors import POLL_S, read_progress
 from es_ray.runtime.loop import Training
 from es_ray.runtime.signals import interrupt_soon
 from es_ray.runtime.tracking import Timer
@@ -79,11 +80,16 @@ def evaluate(group, iteration: int, members: list[Member], cfg: ESTrainConfig, i
     calls = {r: (EvalRequest(iteration, cfg.es.sigma, tuple(part), ids, seed),) for r, part in enumerate(parts)}
     waiting = None
     if show is not None:
-        shown = [-1]
+        shown, told, read_at = [-1], {}, [-math.inf]
 
         def waiting(answered: dict) -> None:
+            # the counts are read at most once a poll (one GCS call per actor still scoring), not again at each
+            # answer: actors answering together would cost N^2 / 2 calls; an answer counts its members whole
             left = [r for r in calls if r not in answered]
-            told = read_progress(left, iteration) if left else {}
+            if left and time.monotonic() - read_at[0] >= POLL_S:
+                told.clear()
+                told.update(read_progress(left, iteration))
+                read_at[0] = time.monotonic()
             done = sum(len(parts[r]) if r in answered else min(told.get(r, 0), len(parts[r])) for r in calls)
             if done != shown[0]:
                 shown[0] = done
