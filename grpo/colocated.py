@@ -3,8 +3,12 @@
 the other works; here each device runs both phases in turn.
 
 On CPU the two share the actor's cores. On GPU the engine sleeps while the learner trains (vLLM sleep mode, level 1:
-its weights offloaded to the host, its KV cache dropped) and wakes for the sync that follows the optimizer step,
-then generates; a vLLM without sleep mode is refused before any model loads. The weight sync is local: each actor
+its weights offloaded to the host, its KV cache dropped) and wakes in two steps around the sync that follows the
+optimizer step: the learner's cached blocks are returned to the device first (``torch.cuda.empty_cache``; at TP=1
+vLLM's allocator does the same in this process when it wakes, at TP>1 its workers are other processes and cannot free
+this one's cache), then the engine's weights wake and the sync writes them, and only then its KV cache is allocated,
+so the sync's transient gathers and the KV cache never hold the device at once. Every engine call wakes what it
+needs first; a vLLM without sleep mode is refused before any model loads. The weight sync is local: each actor
 gathers every tensor from the learner's shards (full_tensor, all ranks together, one layer at a time), casts it to
 the engine's dtype and writes it into its own engine.
 """
