@@ -1,10 +1,14 @@
 """Calibration of es-compare's paired test (es_ray/metrics/paired.py) on the simulation model of
-es_ray/metrics/calibration.py: the no-effect rejection rate at nominal 5% over the grid P x S x sv x k, before (the
-two-level percentile bootstrap it replaced) and after (crossed random effects, Satterthwaite t), and the power the
-printed planning numbers deliver under Holm.
+es_ray/metrics/calibration.py: the no-effect rejection rate at nominal 5% and at 5% / 40 (Holm's first threshold in
+a 5-method report, where a verdict is called) over the grid P x S x sv x k, and for training variance in one method
+only (``--hetero``: A sv 0, seed x problem sd 0.2, a base model's seeds; B sv 0.5, sd 0.6; B's logits shifted per k
+so that E[pass@k] is equal), before (``previous_test``: the Satterthwaite df that jumped to the problem terms' df
+when V sat at its floor; ``--bootstrap-replicates``: the two-level percentile bootstrap before that) and after
+(the seed terms at their upper bound in the df), and the power the printed planning numbers deliver under Holm.
 
-    python benchmarks/paired_calibration.py                      # the whole grid and the power check (~10 min)
+    python benchmarks/paired_calibration.py --replicates 20000 --hetero --no-power   # docs' level table (~15 min)
     python benchmarks/paired_calibration.py --replicates 400 --no-power
+    python benchmarks/paired_calibration.py --no-levels --pilots 200                    # the power check
 
 Prints markdown tables (docs/comparison.md, "Calibration") and writes --json.
 """
@@ -15,16 +19,68 @@ import argparse
 import itertools
 import json
 import time
+from functools import lru_cache
 
 import numpy as np
 
-from es_ray.metrics.calibration import shift_for, simulate
-from es_ray.metrics.paired import power, t_test
+from es_ray.metrics.calibration import (SD_METHOD_PROBLEM, THETA, expected_passk, passk_table, shift_for,
+                                        simulate)
+from es_ray.metrics.paired import power, t_test, t_two_sided_p
 
 KS = (1, 16, 32)
 GRID = {"P": (30, 100, 500), "S": (2, 3, 5), "sv": (0.0, 0.15, 0.3)}
 FAMILY = 40
 """A 5-method report's family: 10 pairs x (3 k + entropy)."""
+ALPHAS = (0.05, 0.05 / FAMILY)
+HETERO = {"sv": (0.0, 0.5), "sb": (0.2, 0.6)}
+"""Training variance in one method only (verdict_breaker.py's hetero_seeds): A's seeds vary by sampling alone."""
+
+
+def _null_shift(k: int, sd_a: float, sd_b: float, nodes: int = 120) -> float:
+    """B's logit shift making E[pass@k] equal when the two methods' logits have sd ``sd_a`` and ``sd_b``."""
+    x, wts = np.polynomial.hermite_e.hermegauss(nodes)
+
+    def expected(mu, sd):
+        return float(np.sum(wts * (1 - (1 - 1 / (1 + np.exp(-(mu + sd * x)))) ** k)) / np.sum(wts))
+
+    target, lo, hi = expected(THETA[0], sd_a), -10.0, 10.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected(THETA[0] + mid, sd_b) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def simulate_hetero(rng, replicates: int, problems: int, seeds: int, *, n: int = 32, ks=KS, sv=HETERO["sv"],
+                    sb=HETERO["sb"]) -> tuple[np.ndarray, list]:
+    """(a [R, S, P, len(ks)], [b_k [R, S, P] per k]): the calibration model with each method's own seed shift sd
+    and seed x problem sd, under no effect on the pass@k scale (B's logits shifted per k)."""
+    table = passk_table(n, ks)
+    theta = rng.normal(*THETA, size=(replicates, 1, problems))
+    sds = [np.sqrt(THETA[1] ** 2 + SD_METHOD_PROBLEM ** 2 + sv[m] ** 2 + sb[m] ** 2) for m in (0, 1)]
+    logits = [theta + rng.normal(0, SD_METHOD_PROBLEM, size=(replicates, 1, problems))
+              + rng.normal(0, sv[m], size=(replicates, seeds, 1))
+              + rng.normal(0, sb[m], size=(replicates, seeds, problems)) for m in (0, 1)]
+    a = table[rng.binomial(n, 1 / (1 + np.exp(-logits[0])))]
+    b = [table[rng.binomial(n, 1 / (1 + np.exp(-(logits[1] + _null_shift(k, *sds)))))][..., j]
+         for j, k in enumerate(ks)]
+    return a, b
+
+
+def previous_test(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[..., S, P] -> p of the test before this calibration (one task): the same V, floored at the problem part,
+    with the Satterthwaite df of the unbounded terms, switched to the problem part's df where V sat at the floor."""
+    s, p = a.shape[-2:]
+    q = (b.mean(-2) - a.mean(-2)).var(-1, ddof=1) / p
+    terms = [(q, p - 1)]
+    for x in (a, b):
+        res = x - x.mean(-1, keepdims=True) - x.mean(-2, keepdims=True) + x.mean((-2, -1), keepdims=True)
+        r = (res ** 2).sum((-2, -1)) / ((s - 1) * (p - 1))
+        terms += [(x.mean(-1).var(-1, ddof=1) / s, s - 1), (-r / (s * p), (s - 1) * (p - 1))]
+    v_raw = sum(c for c, _ in terms)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        df = np.where(v_raw < q, p - 1, v_raw ** 2 / sum(c ** 2 / d for c, d in terms))
+        t = (b.mean((-2, -1)) - a.mean((-2, -1))) / np.sqrt(np.maximum(v_raw, q))
+    return np.clip(t_two_sided_p(np.nan_to_num(t), np.maximum(df, max(1, s - 1))), 2.0 ** (1 - p), 1.0)
 
 
 def bootstrap_before(d: np.ndarray, rng: np.random.Generator, draws: int) -> np.ndarray:
@@ -42,23 +98,57 @@ def bootstrap_before(d: np.ndarray, rng: np.random.Generator, draws: int) -> np.
     return out
 
 
-def level_grid(replicates: int, before_replicates: int, draws: int, seed: int) -> list[dict]:
+def _levels(p_values) -> dict:
+    return {f"{alpha:g}": float(np.mean(p_values < alpha)) for alpha in ALPHAS}
+
+
+def level_grid(replicates: int, bootstrap_replicates: int, draws: int, seed: int, hetero: bool,
+               chunk: int = 4_000_000) -> list[dict]:
+    """Per cell and k, the no-effect rejection rate at each of ALPHAS: now, previous, bootstrap (optional)."""
     rows = []
-    rng = np.random.default_rng(seed)
-    for p, s, sv in itertools.product(GRID["P"], GRID["S"], GRID["sv"]):
+    cells = [(p, s, sv, False) for p, s, sv in itertools.product(GRID["P"], GRID["S"], GRID["sv"])]
+    cells += [(p, s, None, True) for p, s in itertools.product(GRID["P"], GRID["S"])] if hetero else []
+    for p, s, sv, het in cells:
         t0 = time.perf_counter()
-        a, b = simulate(rng, replicates, p, s, sv, ks=KS)
-        after = [float(np.mean(t_test([(a[..., j], b[..., j])])[3] < 0.05)) for j in range(len(KS))]
-        before = [float(np.mean(bootstrap_before(b[:before_replicates, ..., j] - a[:before_replicates, ..., j], rng,
-                                                 draws) < 0.05)) for j in range(len(KS))] if before_replicates else None
-        rows.append({"P": p, "S": s, "sv": sv, "after": dict(zip(map(str, KS), after)),
-                     "before": dict(zip(map(str, KS), before)) if before else None})
-        print(f"P={p} S={s} sv={sv}: after {after} before {before} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        rng = np.random.default_rng([seed, p, s, int(100 * (sv or 0)), het])
+        now, prev = ([[] for _ in KS] for _ in range(2))
+        boot = None
+        for start in range(0, replicates, max(1, chunk // (s * p))):
+            r = min(max(1, chunk // (s * p)), replicates - start)
+            if het:
+                a, bs = simulate_hetero(rng, r, p, s)
+            else:
+                a, b = simulate(rng, r, p, s, sv, ks=KS)
+                bs = [b[..., j] for j in range(len(KS))]
+            for j in range(len(KS)):
+                now[j].append(t_test([(a[..., j], bs[j])])[3])
+                prev[j].append(previous_test(a[..., j], bs[j]))
+            if bootstrap_replicates and start == 0 and not het:
+                boot = [float(np.mean(bootstrap_before(bs[j][:bootstrap_replicates] - a[:bootstrap_replicates, ..., j],
+                                                       rng, draws) < 0.05)) for j in range(len(KS))]
+        row = {"P": p, "S": s, "sv": "hetero" if het else sv, "replicates": replicates,
+               "now": {str(k): _levels(np.concatenate(now[j])) for j, k in enumerate(KS)},
+               "previous": {str(k): _levels(np.concatenate(prev[j])) for j, k in enumerate(KS)},
+               "bootstrap": dict(zip(map(str, KS), boot)) if boot else None}
+        rows.append(row)
+        print(json.dumps(row), f"({time.perf_counter() - t0:.1f} s)", flush=True)
     return rows
 
 
+@lru_cache(maxsize=None)
+def _effect_curve(sv: float, k: int) -> tuple[np.ndarray, np.ndarray]:
+    grid = np.linspace(0, 8, 321)
+    return grid, np.array([expected_passk(g, sv, k) for g in grid]) - expected_passk(0.0, sv, k)
+
+
+def _shift(effect: float, sv: float, k: int) -> float:
+    """shift_for by interpolation on one curve per (sv, k) (shift_for bisects 100 times per call)."""
+    grid, curve = _effect_curve(sv, k)
+    return float(np.interp(effect, curve, grid)) if effect < curve[-1] else shift_for(effect, sv, k)
+
+
 def _rejects(rng, problems: int, seeds: int, sv: float, k: int, effect: float, alpha: float) -> bool:
-    a, b = simulate(rng, 1, problems, seeds, sv, ks=(k,), shift=shift_for(effect, sv, k))
+    a, b = simulate(rng, 1, problems, seeds, sv, ks=(k,), shift=_shift(effect, sv, k))
     return bool(t_test([(a[0, ..., 0], b[0, ..., 0])])[3] < alpha)
 
 
@@ -96,17 +186,19 @@ def power_check(pilots: int, seed: int, cases, gaps=(0.06,)) -> list[dict]:
 
 
 def _base(sv: float, k: int) -> float:
-    from es_ray.metrics.calibration import expected_passk
-
     return expected_passk(0.0, sv, k)
 
 
 def markdown(rows: list[dict], power_rows: list[dict]) -> str:
-    lines = ["| P | S | sv | before pass@1 / 16 / 32 (%) | after pass@1 / 16 / 32 (%) |", "|---|---|---|---|---|"]
+    a, b = (f"{x:g}" for x in ALPHAS)
+    lines = ["| P | S | sv | previous, 5%: pass@1 / 16 / 32 | now, 5% | previous, 5%/40 (nominal 0.125%) | "
+             "now, 5%/40 |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        before = " / ".join(f"{100 * r['before'][str(k)]:.1f}" for k in KS) if r["before"] else "-"
-        after = " / ".join(f"{100 * r['after'][str(k)]:.1f}" for k in KS)
-        lines.append(f"| {r['P']} | {r['S']} | {r['sv']:g} | {before} | {after} |")
+        def cells(which, alpha, digits):
+            return " / ".join(f"{100 * r[which][str(k)][alpha]:.{digits}f}" for k in KS)
+        sv = r["sv"] if isinstance(r["sv"], str) else f"{r['sv']:g}"
+        lines.append(f"| {r['P']} | {r['S']} | {sv} | {cells('previous', a, 1)} | {cells('now', a, 1)} | "
+                     f"{cells('previous', b, 2)} | {cells('now', b, 2)} |")
     if power_rows:
         lines += ["", "| P | S | sv | k | power at printed detectable (answered) | at problems_needed, 6 points | "
                   "at seeds_needed, 6 points |", "|---|---|---|---|---|---|---|"]
@@ -120,16 +212,21 @@ def markdown(rows: list[dict], power_rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--replicates", type=int, default=4000, help="no-effect replicates per cell (after)")
-    ap.add_argument("--before-replicates", type=int, default=500, help="replicates per cell for the old bootstrap")
+    ap.add_argument("--replicates", type=int, default=4000, help="no-effect replicates per cell")
+    ap.add_argument("--hetero", action="store_true", help="add the cells with training variance in one method only")
+    ap.add_argument("--bootstrap-replicates", type=int, default=0, help="replicates per cell for the old bootstrap")
     ap.add_argument("--draws", type=int, default=1000, help="bootstrap draws of the old test")
     ap.add_argument("--pilots", type=int, default=200, help="pilots per power case")
+    ap.add_argument("--cases", default="100,3,0.15,16;100,5,0.3,16;198,3,0.15,32;500,3,0,1;100,2,0.15,16;100,5,0,1;"
+                    "500,5,0.15,1;100,10,0.15,16", help="power cases P,S,sv,k separated by ';'")
     ap.add_argument("--no-power", action="store_true")
+    ap.add_argument("--no-levels", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args()
-    rows = level_grid(args.replicates, args.before_replicates, args.draws, args.seed)
-    cases = [(100, 3, 0.15, 16), (100, 5, 0.3, 16), (198, 3, 0.15, 32), (500, 3, 0.0, 1), (100, 2, 0.15, 16)]
+    rows = [] if args.no_levels else level_grid(args.replicates, args.bootstrap_replicates, args.draws, args.seed,
+                                                args.hetero)
+    cases = [(int(p), int(s), float(sv), int(k)) for p, s, sv, k in (c.split(",") for c in args.cases.split(";"))]
     power_rows = [] if args.no_power else power_check(args.pilots, args.seed + 1, cases)
     print(markdown(rows, power_rows))
     if args.json:

@@ -1,16 +1,20 @@
 """The paired test and its power, and the test of the test on the calibration model (es_ray/metrics/calibration.py:
 per-problem logits N(-1, 1.8^2), method x problem sd 0.6, seed shift sd sv, seed x problem sd 0.4, n = 32 samples,
-exact pass@k): the no-effect rejection rate stays in [3%, 7.5%] at nominal 5% where seeds carry training variance,
+exact pass@k): the no-effect rejection rate stays at or below 7.5% at nominal 5% and at or below twice nominal at
+5% / 40 (Holm's first threshold, where a verdict is called), with training variance in both methods or in one only,
 and the printed detectable size is found under Holm's first threshold. The whole grid:
 benchmarks/paired_calibration.py (docs/comparison.md, "Calibration")."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 import pytest
 
 from es_ray.metrics.bootstrap import interval, separated
-from es_ray.metrics.calibration import shift_for, simulate
+from es_ray.metrics.calibration import (SD_METHOD_PROBLEM, SD_SEED_PROBLEM, THETA, expected_passk, passk_table,
+                                        simulate)
 from es_ray.metrics.paired import (holm, paired_difference, paired_difference_tasks, power, t_quantile,
                                    t_two_sided_p, t_test, welch)
 
@@ -23,17 +27,87 @@ def test_t_distribution_against_known_values():
     assert float(t_two_sided_p(t_quantile(0.99, 4.3), 4.3)) == pytest.approx(0.02, rel=1e-9)  # real df too
 
 
-@pytest.mark.parametrize("problems,seeds,sv", [(30, 2, 0.3), (100, 3, 0.15), (100, 2, 0.3), (500, 3, 0.3),
-                                               (500, 2, 0.15)])
-def test_no_effect_rejects_within_3_to_7_5_percent_with_training_variance(problems, seeds, sv):
-    """2-3 seeds with training variance: the bootstrap this replaced rejected 12.8-24.7% here (the issue's audit)."""
-    a, b = simulate(np.random.default_rng(problems * 10 + seeds), 1500, problems, seeds, sv)
-    for j in range(a.shape[-1]):  # pass@1, 16, 32
-        rate = float(np.mean(t_test([(a[..., j], b[..., j])])[3] < 0.05))
-        # 30 problems at pass@32 (n = 32: whether any sample is right) leave a handful of problems that are not
-        # all 0 or all 1: the test is conservative there (2.3-3.3% over the grid, docs/comparison.md), never above
-        low = 0.02 if (problems, j) == (30, 2) else 0.03
-        assert low <= rate <= 0.075, (j, rate)
+HOLM_FIRST = 0.05 / 40
+"""Holm's first threshold in a 5-method report (10 pairs x (3 k + entropy)): where a verdict is called."""
+
+
+def _levels(a, b):
+    """[R, S, P] no-effect draws -> (rejection rate at 5%, at HOLM_FIRST)."""
+    p = t_test([(a, b)])[3]
+    return float(np.mean(p < 0.05)), float(np.mean(p < HOLM_FIRST))
+
+
+@pytest.mark.parametrize("problems,seeds,sv", [(100, 2, 0.3), (500, 2, 0.15), (500, 3, 0.3)])
+def test_no_effect_level_at_5_percent_and_at_holms_threshold(problems, seeds, sv):
+    """The grid's worst cells (benchmarks/paired_calibration.py): with the df switched to the problem terms' where V
+    sat at its floor, these rejected 1.1-1.5% (2 seeds) and 0.3-0.7% (3 seeds) at 5% / 40 against a nominal 0.125%;
+    at most twice nominal now (15 of 6000), and within 7.5% at 5%."""
+    rng = np.random.default_rng([problems, seeds, int(100 * sv)])
+    rates = []
+    for _ in range(2):  # 2 x 3000 replicates, in halves to bound memory
+        a, b = simulate(rng, 3000, problems, seeds, sv)
+        rates.append([_levels(a[..., j], b[..., j]) for j in range(a.shape[-1])])
+    for j, ((five_1, first_1), (five_2, first_2)) in enumerate(zip(*rates)):  # pass@1, 16, 32
+        assert (five_1 + five_2) / 2 <= 0.075, (j, five_1, five_2)
+        assert (first_1 + first_2) / 2 <= 2 * HOLM_FIRST, (j, first_1, first_2)
+
+
+def test_floored_variance_keeps_the_seeds_degrees_of_freedom():
+    """Two seeds whose means agree say nothing about the training variance: V sits at its floor (the problem part)
+    and the df stays what the seeds allow (it was the problem terms' 499, whence 0.6-2.1% at 5% / 40)."""
+    rng = np.random.default_rng(11)
+    base = rng.random(500)
+    a = np.clip(base + rng.normal(0, 0.1, size=(2, 500)), 0, 1)
+    b = np.clip(base + 0.01 + rng.normal(0, 0.1, size=(2, 500)), 0, 1)
+    a, b = a - a.mean(1, keepdims=True) + a.mean(), b - b.mean(1, keepdims=True) + b.mean()  # seeds agree exactly
+    r = paired_difference(a, b)
+    assert r.var_training == 0 and r.se ** 2 == pytest.approx(float((b.mean(0) - a.mean(0)).var(ddof=1)) / 500)
+    assert 1 <= r.df <= 3, r.df
+
+
+def _hetero(rng, replicates, problems, seeds, k):
+    """Training variance in one method only (benchmarks/verdict_breaker.py's hetero_seeds): A sv 0 and seed x
+    problem sd 0.2 (a base model's seeds: sampling only), B sv 0.5 and sd 0.6, B shifted so E[pass@k] is equal."""
+    n, sv, sb = 32, (0.0, 0.5), (0.2, 0.6)
+    sds = [np.sqrt(THETA[1] ** 2 + SD_METHOD_PROBLEM ** 2 + sv[m] ** 2 + sb[m] ** 2) for m in (0, 1)]
+    x, wts = np.polynomial.hermite_e.hermegauss(120)
+    grid = np.linspace(-3, 3, 601)
+    curve = [float(np.sum(wts * (1 - (1 - 1 / (1 + np.exp(-(THETA[0] + g + sds[1] * x)))) ** k))) / wts.sum()
+             for g in grid]
+    target = float(np.sum(wts * (1 - (1 - 1 / (1 + np.exp(-(THETA[0] + sds[0] * x)))) ** k))) / wts.sum()
+    shift = float(np.interp(target, curve, grid))
+    theta = rng.normal(*THETA, size=(replicates, 1, problems))
+    table = passk_table(n, (k,))[:, 0]
+    out = []
+    for m in (0, 1):
+        logit = (theta + rng.normal(0, SD_METHOD_PROBLEM, size=(replicates, 1, problems)) + (shift if m else 0.0)
+                 + rng.normal(0, sv[m], size=(replicates, seeds, 1)) + rng.normal(0, sb[m], size=(replicates, seeds,
+                                                                                               problems)))
+        out.append(table[rng.binomial(n, 1 / (1 + np.exp(-logit)))])
+    return out
+
+
+@pytest.mark.parametrize("problems,seeds", [(500, 2), (100, 2), (500, 3)])
+def test_training_variance_in_one_method_only(problems, seeds):
+    """The base model against a trained method: one method's seed term carries all the training variance on S - 1
+    df. With the df estimated from the seed terms as they fell, 2 seeds rejected 10-12% at 5% and 4-5% at 5% / 40,
+    3 seeds 7.3-8.4% at 5%: the replicates whose seeds happened to agree. Now within 7.5% at 5% and (2 seeds) at most
+    twice nominal at 5% / 40 (benchmarks/paired_calibration.py --hetero: 3 seeds 0.15-0.26% there)."""
+    rng = np.random.default_rng([problems, seeds])
+    for k in (1, 16, 32):
+        five, first = _levels(*_hetero(rng, 4000, problems, seeds, k))
+        assert five <= 0.075, (k, five)
+        if seeds == 2:
+            assert first <= 2 * HOLM_FIRST, (k, first)
+
+
+def test_five_seeds_stay_near_nominal():
+    """The price of the bound is paid at 2-3 seeds (docs/comparison.md): 5 seeds with training variance keep the
+    level within 3-7.5% at 5%."""
+    a, b = simulate(np.random.default_rng(5), 3000, 500, 5, 0.3, ks=(1, 16))
+    for j in range(2):
+        five, first = _levels(a[..., j], b[..., j])
+        assert 0.03 <= five <= 0.075 and first <= 2 * HOLM_FIRST, (j, five, first)
 
 
 def test_pooling_seeds_as_problems_over_rejects():
@@ -44,19 +118,33 @@ def test_pooling_seeds_as_problems_over_rejects():
     assert rate <= 0.075 and pooled > 0.25
 
 
-def test_the_printed_detectable_size_is_found_under_holm():
+@lru_cache(maxsize=None)
+def _effect_curve(sv, k):
+    grid = np.linspace(0, 6, 121)
+    return grid, np.array([expected_passk(g, sv, k) for g in grid]) - expected_passk(0.0, sv, k)
+
+
+def _shift_for(effect, sv, k):
+    """calibration.shift_for by interpolation on one curve (it bisects 100 times per call)."""
+    grid, curve = _effect_curve(sv, k)
+    return float(np.interp(effect, curve, grid))
+
+
+@pytest.mark.parametrize("problems,seeds,sv,k", [(100, 3, 0.0, 1), (500, 5, 0.15, 1)])
+def test_the_printed_detectable_size_is_found_under_holm(problems, seeds, sv, k):
     """Pilots print the detectable size at alpha / 40 (a 5-method family's first Holm step); a fresh experiment
     with that true effect rejects at alpha / 40 at least 75% of the time (benchmarks/paired_calibration.py checks
     more cases and the planning numbers)."""
     rng = np.random.default_rng(7)
-    alpha = 0.05 / 40
-    a, b = simulate(rng, 60, 100, 3, 0.0, ks=(1,))
+    a, b = simulate(rng, 60, problems, seeds, sv, ks=(k,))
+    dets = [power([(a[r, ..., 0], b[r, ..., 0])], alpha=HOLM_FIRST).detectable for r in range(60)]
+    reach = [d for d in dets if d < 1 - expected_passk(0.0, sv, k) - 0.01]
+    assert len(reach) >= 30, dets
     hits = []
-    for r in range(60):
-        det = power([(a[r, ..., 0], b[r, ..., 0])], alpha=alpha).detectable
-        x, y = simulate(rng, 1, 100, 3, 0.0, ks=(1,), shift=shift_for(det, 0.0, 1))
-        hits.append(float(t_test([(x[0, ..., 0], y[0, ..., 0])])[3]) < alpha)
-    assert np.mean(hits) >= 0.75
+    for det in reach:
+        x, y = simulate(rng, 1, problems, seeds, sv, ks=(k,), shift=_shift_for(det, sv, k))
+        hits.append(float(t_test([(x[0, ..., 0], y[0, ..., 0])])[3]) < HOLM_FIRST)
+    assert np.mean(hits) >= 0.75, (len(reach), np.mean(hits))
 
 
 def test_one_seed_compares_checkpoints_and_plans_nothing():

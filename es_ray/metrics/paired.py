@@ -19,19 +19,33 @@ estimated without bias from three kinds of mean squares (crossed random-effects 
     Q_t   = var over problems of mean_s y[B] - mean_s y[A] on task t       df P_t - 1
     V     = sum_m A_m / S_m - sum_m,t w_t^2 R_m,t / (S_m P_t) + sum_t w_t^2 Q_t / P_t
 
-V is floored at its problem part sum_t w_t^2 Q_t / P_t (a negative estimated training variance is 0; the floor
-then takes the problem part's degrees of freedom). The reference is Student's t at the Satterthwaite degrees of
-freedom df = V^2 / sum_i (c_i MS_i)^2 / df_i over the terms above, never fewer than min(S_A, S_B) - 1 (the
-seeds' own): with 2-3 seeds and any training variance df is small and the t quantile wide, which is what carries
-the training variance into the verdict. p is two-sided, floored at 2^(1 - P), the smallest p an exact sign-flip test
-on P problems can give. With one seed per method there is no training variance to estimate: the test then compares
-two checkpoints (this run of A against this run of B), and no method-level claim follows from it.
+V is floored at its problem part sum_t w_t^2 Q_t / P_t (a negative estimated training variance is 0). The reference
+is Student's t at the Satterthwaite degrees of freedom of V with each method's seed term at its upper confidence
+bound (SEED_BOUND = 95%, the bound the planning numbers use):
 
-Power (``power``): the smallest difference found with the given power by this test at level alpha' is
-(t_{1 - alpha'/2, df} + t_{power, df}) se; the report takes alpha' = alpha / m, the first step of Holm's procedure
-over a family of m tests (what a single real effect among m must clear). ``problems_needed`` and ``seeds_needed`` plan
-from the variance components (sigma_u^2 pooled over the two methods at an upper confidence bound: with 2-3 seeds the
-point estimate is too unstable to plan on; with one seed they say it cannot be estimated).
+    A*_m  = max(A_m / S_m, sum_t w_t^2 R_m,t / (S_m P_t)) (S_m - 1) / chi^2_{S_m - 1}(0.05)
+    df    = V*^2 / sum_i (c_i MS_i)^2 / df_i   over the terms of V with A*_m for A_m / S_m (V* their sum)
+
+never fewer than min(S_A, S_B) - 1, and whether or not V sits at its floor (254 A_m for one degree of freedom,
+19.5 for two, 5.6 for four). Why: seeds that happen to agree say nothing about the training variance, and a df
+estimated from the seed terms as they fell grows exactly when they fell low, so the t tail was thinnest where the
+variance was most underestimated: 10-12% at 5% with training variance in one method only (2 seeds), 0.6-2.1% at
+5% / 40 (Holm's first threshold) against a nominal 0.125% (benchmarks/paired_calibration.py, docs/comparison.md).
+With the bound the level is at most nominal at 5% / 40 and 7.5% at 5% on the calibration grid and with training
+variance in one method; the price is paid at 2-3 seeds, where the test is conservative (0-3% at 5%): two seeds of a
+method that agree are explained as well by a method effect as by a large training variance whose two draws landed
+together, and only more seeds tell them apart. p is two-sided, floored at 2^(1 - P), the smallest p an exact
+sign-flip test on P problems can give. With one seed per method there is no training variance to estimate: the test
+then compares two checkpoints (this run of A against this run of B), and no method-level claim follows from it.
+
+Power (``power``): the smallest difference this test finds with the given power at level alpha', the test itself
+simulated (``_test_power``: its mean squares drawn from their chi-square distributions at the planning variance,
+its V, df and threshold computed from each draw); the report takes alpha' = alpha / m, the first step of Holm's
+procedure over a family of m tests (what a single real effect among m must clear). The planning variance takes
+sigma_u^2 pooled over the two methods from the seed mean squares at their 95% upper confidence bound (each at least
+its residual part, as in the df): with 2-5 seeds the point estimate is too unstable to plan on. ``problems_needed``
+and ``seeds_needed`` plan from the same components, from PLAN_SEEDS seeds up; with one seed they say it cannot be
+estimated.
 """
 
 from __future__ import annotations
@@ -148,7 +162,7 @@ class Paired:
     seeds_b: int
     se: float
     df: float
-    """Satterthwaite degrees of freedom of the t reference."""
+    """Satterthwaite degrees of freedom of the t reference (the seed terms at their upper bound)."""
     var_training: float
     """the estimated training (seed) share of se^2, sum_m sigma_u,m^2 / S_m (0 with one seed per method)."""
 
@@ -196,15 +210,16 @@ def _residual_ms(x: np.ndarray) -> np.ndarray:
 
 def components(pairs: Sequence[tuple], w: np.ndarray) -> dict:
     """The mean squares of the crossed model (module docstring) for [(a_t, b_t)] with [..., S, P_t] arrays (leading
-    batch axes broadcast: the calibration runs thousands of replicates at once). Returns diff, V (floored), df, and
-    the parts the power needs: seed terms A_m / S_m, residual mean squares R_m,t, problem terms Q_t."""
+    batch axes broadcast: the calibration runs thousands of replicates at once). Returns diff, V (floored), df (each
+    seed term at its upper bound, ``_seed_bound``), and the parts the power needs: seed terms A_m / S_m, residual
+    mean squares R_m,t, problem terms Q_t."""
     s_a, s_b = pairs[0][0].shape[-2], pairs[0][1].shape[-2]
     diff = sum(wt * (b.mean((-2, -1)) - a.mean((-2, -1))) for wt, (a, b) in zip(w, pairs))
-    terms = []  # (c_i MS_i, df_i)
     q = [(b.mean(-2) - a.mean(-2)).var(-1, ddof=1) for a, b in pairs]
     problem_part = sum(wt ** 2 * qt / a.shape[-1] for wt, qt, (a, _) in zip(w, q, pairs))
-    terms += [(wt ** 2 * qt / a.shape[-1], a.shape[-1] - 1) for wt, qt, (a, _) in zip(w, q, pairs)]
-    seed_terms, resid = [], []
+    terms = [(wt ** 2 * qt / a.shape[-1], a.shape[-1] - 1) for wt, qt, (a, _) in zip(w, q, pairs)]  # (c_i MS_i, df_i)
+    df_terms = list(terms)  # the same with each seed term at its upper bound
+    seed_terms, seed_ms, resid = [], [], []
     for side, s in ((0, s_a), (1, s_b)):
         if s < 2:
             resid.append(None)
@@ -212,23 +227,24 @@ def components(pairs: Sequence[tuple], w: np.ndarray) -> dict:
         per_seed = sum(wt * x[side].mean(-1) for wt, x in zip(w, pairs))
         a_m = per_seed.var(-1, ddof=1) / s
         r_mt = [_residual_ms(x[side]) for x in pairs]
-        seed_terms.append(a_m - sum(wt ** 2 * r / (s * x[side].shape[-1]) for wt, r, x in zip(w, r_mt, pairs)))
+        r_terms = [(-wt ** 2 * r / (s * x[side].shape[-1]), (s - 1) * (x[side].shape[-1] - 1))
+                   for wt, r, x in zip(w, r_mt, pairs)]
+        seed_terms.append(a_m + sum(c for c, _ in r_terms))
+        seed_ms.append((a_m, -sum(c for c, _ in r_terms)))
         resid.append(r_mt)
-        terms.append((a_m, s - 1))
-        terms += [(-wt ** 2 * r / (s * x[side].shape[-1]), (s - 1) * (x[side].shape[-1] - 1))
-                  for wt, r, x in zip(w, r_mt, pairs)]
+        terms += [(a_m, s - 1)] + r_terms
+        # E[A_m / S_m] >= its residual part (estimated on (S - 1)(P - 1) df): the bound starts from the larger
+        df_terms += [(np.maximum(a_m, -sum(c for c, _ in r_terms)) * _seed_bound(s - 1), s - 1)] + r_terms
     v_raw = sum(c for c, _ in terms)
-    floored = v_raw < problem_part
     v = np.maximum(v_raw, problem_part)
-    den = sum(c ** 2 / d for c, d in terms)
+    v_bound = sum(c for c, _ in df_terms)
+    den = sum(c ** 2 / d for c, d in df_terms)
     with np.errstate(divide="ignore", invalid="ignore"):
-        df = np.where(den > 0, v_raw ** 2 / np.where(den > 0, den, 1.0), np.inf)
-        den_p = sum(c ** 2 / d for c, d in terms[:len(pairs)])
-        df_p = np.where(den_p > 0, problem_part ** 2 / np.where(den_p > 0, den_p, 1.0), np.inf)
-    df = np.maximum(np.where(floored, df_p, df), max(1, min(s_a, s_b) - 1))
+        df = np.where(den > 0, v_bound ** 2 / np.where(den > 0, den, 1.0), np.inf)
+    df = np.maximum(np.where(v_bound > 0, df, 1.0), max(1, min(s_a, s_b) - 1))
     training = sum(seed_terms) if seed_terms else 0.0 * v
     return {"diff": diff, "v": v, "df": df, "training": np.maximum(training, 0.0), "q": q, "resid": resid,
-            "seeds": (s_a, s_b)}
+            "seed_ms": seed_ms, "seeds": (s_a, s_b)}
 
 
 def t_test(pairs: Sequence[tuple], weights=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -302,10 +318,58 @@ def holm(pvalues: Sequence[float]) -> list[float]:
     return out.tolist()
 
 
+def _gamma_p(a: float, x: float) -> float:
+    """The regularised lower incomplete gamma P(a, x) (series below a + 1, Lentz's continued fraction above)."""
+    if x <= 0:
+        return 0.0
+    log_front = a * math.log(x) - x - math.lgamma(a)
+    if x < a + 1:
+        term = total = 1.0 / a
+        for n in range(1, 100000):
+            term *= x / (a + n)
+            total += term
+            if abs(term) < abs(total) * 1e-15:
+                break
+        return min(1.0, math.exp(log_front) * total)
+    tiny = 1e-300
+    b, c, d = x + 1 - a, 1.0 / tiny, 1.0 / (x + 1 - a)
+    h = d
+    for i in range(1, 100000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = b + an / c
+        c = c if abs(c) > tiny else tiny
+        h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return max(0.0, 1.0 - math.exp(log_front) * h)
+
+
+@lru_cache(maxsize=1024)
 def _chi2_quantile(q: float, df: float) -> float:
-    """Wilson-Hilferty's chi-square quantile (within a few percent from 2 degrees of freedom up)."""
+    """The q-quantile of chi-square with ``df`` degrees of freedom (bisection on the regularised gamma)."""
+    lo, hi = 0.0, max(1.0, df)
+    while _gamma_p(df / 2, hi / 2) < q:
+        lo, hi = hi, hi * 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _gamma_p(df / 2, mid / 2) < q else (lo, mid)
+    return max(1e-300, (lo + hi) / 2)
+
+
+def _chi2_wh(q: float, df: float) -> float:
+    """Wilson-Hilferty's chi-square quantile: fast, within a few percent in the body from 2 degrees of freedom up
+    (``_reach_t``'s grid of 400 quantiles; the bounds use the exact ``_chi2_quantile``)."""
     z = NormalDist().inv_cdf(q)
     return max(1e-12, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3)
+
+
+def _seed_bound(dof: float) -> float:
+    """The factor that takes a mean square on ``dof`` degrees of freedom to its SEED_BOUND upper confidence bound,
+    dof / chi^2_{dof}(1 - SEED_BOUND): 254 for one degree of freedom, 19.5 for two, 5.6 for four."""
+    return dof / _chi2_quantile(1 - SEED_BOUND, dof)
 
 
 SEED_BOUND = 0.95
@@ -314,7 +378,8 @@ PLAN_SEEDS = 10
 """The fewest seeds per method from which problems_needed / seeds_needed plan: below it the training variance cannot
 be estimated well enough to plan on: in benchmarks/paired_calibration.py's check (the power a fresh experiment has at
 the printed figure) problems_needed delivered 38% at 3 seeds and 36-74% at 5, seeds_needed 61% and 71-73%, short of
-75%; at 10 seeds 87% and 89%. The detectable size is still given, at the bound (75-92% at 3-5 seeds)."""
+75% (with the previous power multiplier); at 10 seeds, with the test simulated, 89% and 83% (100 problems, sv 0.15,
+pass@16). The detectable size is still given, at the bound (99-100% where printed, 3-5 seeds)."""
 
 
 @dataclass(frozen=True)
@@ -349,13 +414,30 @@ class Power:
         seed_terms = [(u + r / problems) / seeds for r in self.var_residual] if seeds > 1 else []
         res_terms = [r / (seeds * problems) for r in self.var_residual] if seeds > 1 else []
         v = p_term + sum(seed_terms) - sum(res_terms)
-        den = p_term ** 2 / (problems - 1) + sum(t ** 2 / (seeds - 1) for t in seed_terms) + sum(
+        # the df the test will use: its seed terms at their upper bound (``components``)
+        bound = [t * _seed_bound(seeds - 1) for t in seed_terms] if seeds > 1 else []
+        v_bound = p_term + sum(bound) - sum(res_terms)
+        den = p_term ** 2 / (problems - 1) + sum(t ** 2 / (seeds - 1) for t in bound) + sum(
             t ** 2 / ((seeds - 1) * (problems - 1)) for t in res_terms)
-        return math.sqrt(max(v, p_term)), max(seeds - 1, v ** 2 / den if den > 0 else math.inf)
+        return math.sqrt(max(v, p_term)), max(seeds - 1, v_bound ** 2 / den if den > 0 else math.inf)
+
+    def _reach(self, problems: float, seeds: int):
+        """effect -> the probability that the test (its own V, df and threshold) rejects at ``alpha`` with
+        ``problems`` and ``seeds``, from the components (``_test_power``; one seed: this run's se and df)."""
+        if seeds < 2 or self.var_seeds is None:
+            se, df = self._plan(problems, seeds) if self.var_seeds is not None else (self.se, self.df)
+            crit = t_quantile(1 - self.alpha / 2, min(df, 1e12))
+            return lambda effect: _reach_t(effect / se, crit, df) if se > 0 else float(effect != 0)
+        r_a, r_b = self.var_residual
+        # which method carries the training variance is not known (a base model's seeds vary by sampling alone):
+        # the split of the same total that the test finds least often
+        reach = [_test_power(float(self.var_problems), float(r_a), float(r_b), float(self.var_seeds * w_a),
+                             float(self.var_seeds * (2 - w_a)), float(problems), int(seeds), float(self.alpha))
+                 for w_a in (1.0, 0.0, 2.0)]
+        return lambda effect: min(f(effect) for f in reach)
 
     def _detects(self, effect: float, problems: float, seeds: int) -> bool:
-        se, df = self._plan(problems, seeds)
-        return _multiplier(self.alpha, self.power, df) * se <= abs(effect)
+        return self._reach(problems, seeds)(abs(effect)) >= self.power
 
     def problems_needed(self, effect: float, limit: int = 10 ** 7) -> int | None:
         """Problems per task (scaled like this run's) that find ``effect`` with this power at the run's seeds; None
@@ -376,30 +458,82 @@ class Power:
         return next((s for s in range(2, limit + 1) if self._detects(effect, self.problems, s)), None)
 
 
-@lru_cache(maxsize=4096)
-def _multiplier(alpha: float, power: float, df: float) -> float:
-    """The noncentrality lambda = |effect| / se at which the two-sided t-test at ``alpha`` with ``df`` degrees of
-    freedom rejects with probability ``power``: E_chi[Phi(lambda - t_crit sqrt(chi^2_df / df))] = power, over 400
-    quantiles of chi^2_df. With few degrees of freedom this is far above t_crit + t_power: the test's own se is
-    uncertain, and at Holm's small alpha that uncertainty costs most."""
-    df = min(float(f"{df:.3g}"), 1e12)  # 3 digits: the cache serves the planning searches
-    crit = t_quantile(1 - alpha / 2, df)
-    nd = NormalDist()
+POWER_DRAWS = 4000
+"""Draws of the test's mean squares behind each power figure (``_test_power``; fixed, so figures repeat)."""
+
+
+def _norm_cdf(x):
+    """Phi, elementwise (Abramowitz and Stegun 7.1.26 for erfc: |error| < 1.5e-7)."""
+    x = np.asarray(x, dtype=np.float64)
+    z = np.abs(x) / math.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.3275911 * z)
+    erfc = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    erfc = erfc * np.exp(-z * z)
+    return np.where(x >= 0, 1.0 - 0.5 * erfc, 0.5 * erfc)
+
+
+@lru_cache(maxsize=64)
+def _crit_grid(alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    dfs = np.geomspace(1.0, 1e6, 181)
+    return np.log(dfs), np.log([t_quantile(1 - alpha / 2, float(d)) for d in dfs])
+
+
+def _t_crit(alpha: float, df) -> np.ndarray:
+    """t_{1 - alpha/2, df} elementwise (log-log interpolation on 181 degrees of freedom from 1 to 10^6)."""
+    log_df, log_crit = _crit_grid(alpha)
+    df = np.asarray(df, dtype=np.float64)
+    return np.where(df > 1e6, NormalDist().inv_cdf(1 - alpha / 2),
+                    np.exp(np.interp(np.log(np.clip(df, 1.0, 1e6)), log_df, log_crit)))
+
+
+def _reach_t(lam: float, crit: float, df: float) -> float:
+    """P(|T| > crit) for T = (Z + lam) / sqrt(chi^2_df / df), over 400 quantiles of chi^2_df."""
     u = (np.arange(400) + 0.5) / 400
     if df > 1e6:
         scale = np.ones_like(u)
-    elif df < 2:  # chi^2_1 exactly (Wilson-Hilferty is poor below 2)
-        scale = np.array([nd.inv_cdf((1 + x) / 2) for x in u]) ** 2 / 1.0
-        scale = np.sqrt(scale)
+    elif df < 2:  # chi^2_1 (Wilson-Hilferty is poor below 2)
+        scale = np.abs(np.array([NormalDist().inv_cdf((1 + x) / 2) for x in u]))
     else:
-        scale = np.sqrt(np.array([_chi2_quantile(x, df) for x in u]) / df)
+        scale = np.sqrt(np.array([_chi2_wh(x, df) for x in u]) / df)
+    return float(np.mean(_norm_cdf(lam - crit * scale) + _norm_cdf(-lam - crit * scale)))
 
-    def reach(lam: float) -> float:
-        return float(np.mean([nd.cdf(v) for v in lam - crit * scale]))
 
-    lo, hi = 0.0, crit + nd.inv_cdf(power) + 1.0
-    while reach(hi) < power:
-        hi *= 2.0
+@lru_cache(maxsize=256)
+def _test_power(mb: float, r_a: float, r_b: float, u_a: float, u_b: float, problems: float, seeds: int,
+                alpha: float):
+    """effect -> the probability that the paired test rejects at ``alpha`` (two-sided) in a fresh experiment with
+    ``problems`` per task and ``seeds`` per method, where 2 sigma_mb^2 = ``mb``, sigma_e,m^2 = ``r_a``, ``r_b`` and
+    sigma_u,m^2 = ``u_a``, ``u_b``: the test's own mean squares drawn POWER_DRAWS times from their scaled chi-square
+    distributions (independent under the normal model), V, df and threshold computed from each draw exactly as
+    ``components`` does, the difference normal around ``effect`` with the true variance."""
+    rng = np.random.default_rng(20261205)
+    d_q, d_s, d_r = problems - 1, seeds - 1, (seeds - 1) * (problems - 1)
+    q = (mb + (r_a + r_b) / seeds) / problems * rng.chisquare(d_q, POWER_DRAWS) / d_q
+    true_v = (mb + (r_a + r_b) / seeds) / problems + (u_a + u_b) / seeds
+    v_raw, v_bound, den = q.copy(), q.copy(), q ** 2 / d_q
+    for r, u in ((r_a, u_a), (r_b, u_b)):
+        a_m = (u + r / problems) / seeds * rng.chisquare(d_s, POWER_DRAWS) / d_s
+        r_m = r / (seeds * problems) * rng.chisquare(d_r, POWER_DRAWS) / d_r
+        b_m = np.maximum(a_m, r_m) * _seed_bound(d_s)
+        v_raw, v_bound = v_raw + a_m - r_m, v_bound + b_m - r_m
+        den = den + b_m ** 2 / d_s + r_m ** 2 / d_r
+    with np.errstate(divide="ignore", invalid="ignore"):
+        df = np.where((den > 0) & (v_bound > 0), v_bound ** 2 / np.where(den > 0, den, 1.0), 1.0)
+    df = np.maximum(df, max(1, d_s))
+    threshold = _t_crit(alpha, df) * np.sqrt(np.maximum(v_raw, q))
+    sd = math.sqrt(true_v)
+    if not sd > 0:
+        return lambda effect: float(effect != 0)
+    return lambda effect: float(np.mean(_norm_cdf((effect - threshold) / sd) + _norm_cdf((-effect - threshold) / sd)))
+
+
+def _detectable(reach, power: float, scale: float) -> float:
+    """The smallest effect with reach(effect) >= power (bisection; ``scale`` a first guess at its size)."""
+    lo, hi = 0.0, max(scale, 1e-12)
+    for _ in range(200):  # doubling: every threshold is finite, so reach -> 1
+        if reach(hi) >= power:
+            break
+        lo, hi = hi, hi * 2.0
     for _ in range(50):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if reach(mid) < power else (lo, mid)
@@ -423,15 +557,19 @@ def power(pairs: Sequence[tuple], weights=None, *, alpha: float = 0.05, power: f
     mb = max(0.0, q - resid[0] / s_a - resid[1] / s_b)
     if min(s_a, s_b) < 2:
         var_seeds = None
-    else:  # pooled over both methods, at an upper confidence bound on its 2(S - 1) degrees of freedom
-        point = float(c["training"]) * 2 / (1 / s_a + 1 / s_b) / 2
-        dof = s_a + s_b - 2
-        var_seeds = point * dof / _chi2_quantile(1 - SEED_BOUND, dof)
+    else:  # pooled over both methods: the sum of the seed mean squares (each at least its residual part, as in
+        # the test's df) at its upper confidence bound on Satterthwaite's df (S_A + S_B - 2 when the two are alike,
+        # S - 1 when one method carries it all), less the residual parts
+        ms = [max(float(a_m), float(r_m)) for a_m, r_m in c["seed_ms"]]
+        dof = max(min(s_a, s_b) - 1, sum(ms) ** 2 / (ms[0] ** 2 / (s_a - 1) + ms[1] ** 2 / (s_b - 1))
+                  if sum(ms) > 0 else s_a + s_b - 2)
+        seed_ms = sum(ms) * _seed_bound(dof)
+        var_seeds = max(0.0, seed_ms - sum(float(r_m) for _, r_m in c["seed_ms"])) / (1 / s_a + 1 / s_b)
     out = Power(se=se, df=df, detectable=None, var_problems=mb, var_residual=(resid[0], resid[1]),
                 var_seeds=var_seeds, problems=round(mean_p), seeds=min(s_a, s_b), alpha=alpha, power=power)
     if se <= 0:
         return out
     # With seeds: at the planning variance (training variance at its upper bound), so the printed size is one the
     # test finds with this power however low the seeds happened to land; with one seed: this run's own se.
-    plan_se, plan_df = out._plan(mean_p, min(s_a, s_b)) if var_seeds is not None else (se, df)
-    return dataclasses.replace(out, detectable=_multiplier(alpha, power, plan_df) * plan_se)
+    plan_se = out._plan(mean_p, min(s_a, s_b))[0] if var_seeds is not None else se
+    return dataclasses.replace(out, detectable=_detectable(out._reach(mean_p, min(s_a, s_b)), power, 4 * plan_se))
