@@ -552,6 +552,20 @@ class _Pairs:
         return self.pairs
 
 
+def state_tensors(state: dict) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(key, HF name, tensor) of every tensor of a ``Replica.state_dict`` (or of whole tensors): the keys of an ES
+    checkpoint's parts and files (``es_ray.es.state``): ``master/<name>``, ``optimizer/<moment>/<name>``,
+    ``theta0/<name>``. Here, not beside vLLM's writer of the parts (``engines.vllm_extension.write_state_part``),
+    so that a transformers actor saving a checkpoint does not import vLLM."""
+    for name, t in state["master"].items():
+        yield f"master/{name}", name, t
+    for name, moments in ((state.get("optimizer") or {}).get("state") or {}).items():
+        for k, t in moments.items():
+            yield f"optimizer/{k}/{name}", name, t
+    for name, t in (state.get("theta0") or {}).items():
+        yield f"theta0/{name}", name, t
+
+
 def gather_states(states: Iterable[dict]) -> dict:
     """One replica state of whole tensors from the tensor-parallel ranks' ``Replica.state_dict``s (each part sent
     once, by its owner): what a checkpoint holds, the same at every TP degree."""

@@ -70,6 +70,23 @@ def test_the_weights_file_is_hashed_as_it_is_written(tmp_path):
     assert verify_dir(final)["model.safetensors"]["sha256"] == digest
 
 
+def test_an_es_checkpoint_of_a_transformers_replica_does_not_import_vllm(tiny_model_dir, tmp_path):
+    """Saving (and verifying) an ES checkpoint needs no engine library: a transformers actor's final checkpoint
+    paid vLLM's import (seconds) when the state's keys were listed beside vLLM's part writer."""
+    code = f"""
+import sys
+from es_ray.es.state import load_es_state, save_es_checkpoint
+from es_ray.models import load_hf_weights
+save_es_checkpoint({str(tmp_path / "ck")!r}, {{"master": load_hf_weights({str(tiny_model_dir)!r})}},
+                   {str(tiny_model_dir)!r}, {{"iteration": 1}})
+load_es_state({str(tmp_path / "ck")!r})
+assert "vllm" not in sys.modules, "vllm imported"
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    verify_dir(tmp_path / "ck")
+
+
 def test_publish_writes_digests_and_verify_names_the_bad_file(tmp_path):
     tmp = staging_dir(tmp_path / "ck")
     assert tmp.name.startswith(".")

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, NamedTuple
 
 import torch
 
-from es_ray.replica import Shard
+from es_ray.replica import Shard, state_tensors  # noqa: F401 - state_tensors: write_state_part's
 
 if TYPE_CHECKING:
     from es_ray.replica import ReplicaSpec
@@ -576,19 +576,6 @@ class ESExtension:
         locations = self._es_locations(self.model_runner.get_model())
         owned = {name: loc.shard for name, loc in locations.items() if loc.shard.owner}
         return owned, {name: self._es_read(name).to("cpu", torch.float32, copy=True) for name in owned}
-
-
-def state_tensors(state: dict) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(key, HF name, tensor) of every tensor of a ``Replica.state_dict`` (or of whole tensors): the keys of an ES
-    checkpoint's parts and files (``es_ray.es.state``): ``master/<name>``, ``optimizer/<moment>/<name>``,
-    ``theta0/<name>``."""
-    for name, t in state["master"].items():
-        yield f"master/{name}", name, t
-    for name, moments in ((state.get("optimizer") or {}).get("state") or {}).items():
-        for k, t in moments.items():
-            yield f"optimizer/{k}/{name}", name, t
-    for name, t in (state.get("theta0") or {}).items():
-        yield f"theta0/{name}", name, t
 
 
 def write_state_part(state: dict, directory: str) -> dict:

@@ -243,8 +243,7 @@ def state_parts(state: dict) -> dict:
     """A replica state in this process (``Replica.state_dict``: its parts with their shards; or whole tensors, e.g.
     ``gather_states``) as one part of ``save_es_checkpoint_parts``: {"t", "tensors": key -> (shard, reader)}, keys
     as ``state_tensors``. Nothing is copied."""
-    from es_ray.engines.vllm_extension import state_tensors
-    from es_ray.replica import Shard
+    from es_ray.replica import Shard, state_tensors
 
     shards = state.get("shards") or {}
     tensors = {key: (shards.get(name) or Shard(tuple(t.shape)), lambda t=t: t) for key, name, t in state_tensors(state)}
