@@ -411,9 +411,10 @@ class GRPOLearner(Actor):
 
         rng = {"scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(), "step": meta.get("step")}
         meta = {**meta, "fsdp_size": self.world}
-        if not self.sharded:
-            save_checkpoint(path, self.weights(), self.model_dir, {"optimizer": self.optimizer.state_dict(), **rng},
-                            meta, "grpo")
+        if not self.sharded:  # each parameter read as written (cast to fp32 there if it is not), never all copied
+            weights = {n: p.detach() for n, p in self.named.items()}
+            save_checkpoint(path, weights, self.model_dir, {"optimizer": self.optimizer.state_dict(), **rng}, meta,
+                            "grpo")
             return path
         if self.host_params is not None:
             from es_ray.core.config import ConfigError
