@@ -181,10 +181,10 @@ def test_one_actor_on_this_machine_is_replaced_by_this_process(monkeypatch):
     assert reason(two, num_actors=0) == "cluster.num_actors=0"
     assert reason(two, num_actors=2) == ""  # two actors each take a chunk
     assert reason(one, num_actors=2, address="auto")  # a local Ray too (runtime.cluster.LOCAL_ADDRESSES)
-    assert reason(one, num_actors=2, address="10.0.0.1:6379") == ""
+    assert reason(one, num_actors=2, address="127.0.0.1:9") == ""  # an existing cluster (a closed loopback port)
     assert reason(one, num_actors=2, gpus_per_actor=1.0) == ""
     assert reason(one, engine="vllm", num_actors=2) == ""
-    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")
     assert reason(one, num_actors=2) == ""
     monkeypatch.delenv("RAY_ADDRESS")
 
