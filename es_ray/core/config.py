@@ -159,6 +159,11 @@ class HeldOutConfig:
     """Completion length of the held-out scoring (0: the training sampling's max_new_tokens)."""
 
 
+QUIET_FLAG = "ES_RAY_QUIET"
+"""Set to 1 in an actor's environment when run.verbose=false (``es_ray.runtime.cluster.QUIET_ENV``): the actor's
+first act (``quiet_third_party``) and the engines read it before any third-party import."""
+
+
 @dataclass
 class RunConfig:
     dir: str = ""

@@ -37,7 +37,7 @@ from es_ray.engines.vllm_extension import LORA_PATH, ESExtension, member_lora_na
 from es_ray.engines.base import Completion, Engine, ReplicaHost, check_context, check_temperature
 from es_ray.lowrank import LowRankSlots, is_target
 from es_ray.replica import ReplicaSpec, combine_checksums, gather_shards, gather_states, update_health
-from es_ray.core.config import ConfigError, EngineConfig, SamplingConfig
+from es_ray.core.config import QUIET_FLAG, ConfigError, EngineConfig, SamplingConfig
 from es_ray.core.dtypes import dtype_name, resolve_dtype
 from es_ray.strategy import Member
 
@@ -145,8 +145,6 @@ class VLLMEngine(Engine):
         self._set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op; close() restores
         from vllm import LLM
         from vllm.platforms import current_platform
-
-        from es_ray.runtime.cluster import QUIET_FLAG
 
         self.device = "cpu" if current_platform.is_cpu() else "cuda"
         if cfg.device not in ("auto", self.device):

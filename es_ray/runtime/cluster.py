@@ -10,7 +10,7 @@ import tempfile
 from contextlib import contextmanager
 from urllib.parse import urlparse
 
-from es_ray.core.config import ClusterConfig, ConfigError
+from es_ray.core.config import QUIET_FLAG, ClusterConfig, ConfigError
 
 LOCAL_ADDRESSES = ("", "auto", "local")
 CONNECT_TIMEOUT_S = 5.0
@@ -69,8 +69,6 @@ def _stderr_kept_unless_failed():
                 os.write(2, tmp.read())
 
 
-QUIET_FLAG = "ES_RAY_QUIET"
-"""Set in an actor's environment when run.verbose=false: ``quiet_third_party`` (the actor's first act) reads it."""
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "VLLM_LOGGING_LEVEL": "ERROR",
              QUIET_FLAG: "1"}
 """What keeps the actors' third-party output out of the log unless run.verbose=true: transformers' and the hub's
