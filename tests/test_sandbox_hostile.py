@@ -277,6 +277,27 @@ def test_tests_too_deep_or_too_large_fail_the_program_and_the_batch_goes_on():
     assert "syntax nodes" in run_python(wide, LIMITS).stderr
 
 
+def test_too_deep_is_the_graders_bound_not_the_interpreters_recursion_limit():
+    """The depth refusal held only while the grading process kept Python's default recursion limit; a host that
+    raised it (a library in the same process) let a 400-deep test through to the visitors. The bound is now the
+    grader's own (MAX_TEST_DEPTH), whatever the limit."""
+    import sys
+
+    from es_ray.grading.verdict import MAX_TEST_DEPTH, TestsTooLarge, split_tests
+
+    deep = hostile("deep_own_assert", DEEP="1 + " * 400 + "1")
+    limit = sys.getrecursionlimit()
+    try:
+        for raised in (limit, 100_000):
+            sys.setrecursionlimit(raised)
+            with pytest.raises(TestsTooLarge, match=f"more than {MAX_TEST_DEPTH} levels"):
+                split_tests(deep)
+    finally:
+        sys.setrecursionlimit(limit)
+    shallow = hostile("deep_own_assert", DEEP="1 + " * (MAX_TEST_DEPTH // 2) + "1")
+    assert split_tests(shallow).asserts == 2
+
+
 def test_the_program_holds_nothing_of_the_graders():
     """Its descriptors: /dev/null, its output files, its pipe (fd 0 was the grader's drained stdin pipe); and
     the record's nonce, which was in the init's frames above the program (four places)."""

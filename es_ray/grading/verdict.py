@@ -169,10 +169,24 @@ class TestsTooLarge(ValueError):
     """The tests cannot be taken apart within the grader's bounds (depth or size): the program fails."""
 
 
+MAX_TEST_DEPTH = 100
+"""Nesting of a test's syntax tree (an addition chain of 100 terms is 100 deep): MBPP's tests stay under 20. The
+grader's visitors recurse along it, so a bound set here, not the interpreter's recursion limit (which the host
+process may have raised), decides what is too deep to take apart."""
 MAX_TEST_NODES = 10_000
 """Syntax nodes in the tests taken apart, over all of them: MBPP's test lists have tens to a few hundred, and
 taking 10,000 apart costs the grader 1-3 s on a loaded 2-core machine. It matters where the caller passes no
 ``n_tests`` (every trailing assert, the candidate's too, is then a test); with it, the tests are the task's."""
+
+
+def _depth(node: ast.AST) -> int:
+    """The depth of a syntax tree, walked without recursion."""
+    deepest, stack = 0, [(node, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
 
 
 def split_tests(program: str, setup: str = "", n_tests: int | None = None) -> Split:
@@ -199,6 +213,8 @@ def split_tests(program: str, setup: str = "", n_tests: int | None = None) -> Sp
         return Split(program, asserts=len(trailing))
     if sum(1 for t in tail for _ in ast.walk(t)) > MAX_TEST_NODES:
         raise TestsTooLarge(f"the tests hold more than {MAX_TEST_NODES} syntax nodes")
+    if max(_depth(t) for t in tail) > MAX_TEST_DEPTH:
+        raise TestsTooLarge(f"the tests are nested too deep to take apart (more than {MAX_TEST_DEPTH} levels)")
     try:
         return _split(program, setup, body, tail, len(trailing))
     except (RecursionError, MemoryError) as exc:  # a test nested deeper than the grader's visitors go
