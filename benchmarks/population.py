@@ -126,20 +126,9 @@ def each_row_generation(engine):
     """The limit's rows, each prefilled: the population's work on the base weights. The limit's rows repeat each
     prompt once per member; the engines prefill a repeated prompt once (hf: ``shared_prefill``; vLLM: its prefix
     cache, for requests scheduled after the prompt's first blocks were computed, and across calls on the same
-    weights), which members under different weights cannot share. hf: ``generate(share_prompts=False)``; vLLM: each
-    row its own prefix-cache salt."""
-    if engine.name == "hf":
-        return lambda rows, sampling, seed: engine.generate(rows, sampling, seed, share_prompts=False)
-    from es_ray.engines.vllm import _completion
-
-    def generate(rows, sampling, seed):
-        inputs = engine._inputs(rows)
-        for i, p in enumerate(inputs):
-            p["cache_salt"] = f"{p['cache_salt']}-row-{i}-{time.perf_counter_ns()}"
-        outputs = engine.llm.generate(inputs, engine._sampling_params(sampling, seed, len(rows)), use_tqdm=False)
-        return [_completion(o) for o in outputs]
-
-    return generate
+    weights), which members under different weights cannot share: ``Engine.generate(share_prompts=False)`` (hf: no
+    shared prefill; vLLM: each row its own prefix-cache salt)."""
+    return lambda rows, sampling, seed: engine.generate(rows, sampling, seed, share_prompts=False)
 
 
 @contextlib.contextmanager

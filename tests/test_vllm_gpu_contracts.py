@@ -397,3 +397,28 @@ def test_a_colocated_actor_frees_the_learners_cache_then_wakes_weights_syncs_and
     worker.generate([0], 2, 0)
     assert calls == ["sleep", "train", "train", "empty_cache", ("wake", "weights"), ("write", ["w0"]),
                      ("write", ["w1"]), ("wake", "kv_cache"), "generate"]
+
+
+def test_unshared_rows_each_get_a_salt_no_other_row_or_call_shares():
+    """``generate(share_prompts=False)`` (the population benchmark's reference): equal prompts, each prefilled on
+    its own, so every row's prefix-cache salt differs from every other row's, in this call and the next."""
+    from es_ray.core.config import SamplingConfig
+
+    seen = []
+
+    class _Recording(_SleepyLLM):
+        def generate(self, inputs, params, **kwargs):
+            seen.append([p["cache_salt"] for p in inputs])
+            return super().generate(inputs, params, **kwargs)
+
+    engine = object.__new__(engine_mod.VLLMEngine)
+    engine.llm, engine.tokenizer, engine._weights_version = _Recording(), lambda p, **kw: {"input_ids": [1, 2]}, 0
+    engine._asleep, engine._unshared_calls = set(), 0
+    engine.llm.asleep = False
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    engine.generate(["p", "p"], sampling, seed=0)
+    engine.generate(["p", "p"], sampling, seed=0, share_prompts=False)
+    engine.generate(["p", "p"], sampling, seed=0, share_prompts=False)
+    shared, first, second = seen
+    assert shared[0] == shared[1] == "es-ray-weights-0"
+    assert len(set(first + second)) == 4 and all(s.startswith("es-ray-weights-0-") for s in first + second)

@@ -162,8 +162,11 @@ class Engine(ABC):
         return "\n".join(m["content"] for m in messages) + "\n"
 
     @abstractmethod
-    def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int) -> list[Completion]:
-        """One completion per prompt; ``seed`` fixes the sampling so equal calls give equal outputs."""
+    def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int,
+                 share_prompts: bool = True) -> list[Completion]:
+        """One completion per prompt; ``seed`` fixes the sampling so equal calls give equal outputs.
+        ``share_prompts=False``: every row prefilled on its own, also rows with equal prompts (what a low-rank
+        population's members, under different weights, cannot share; benchmarks/population.py's reference)."""
 
     @abstractmethod
     def token_logprobs(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:

@@ -189,6 +189,7 @@ class VLLMEngine(Engine):
         self._host: VLLMReplicaHost | None = None
         self._weights_version = 0
         self._asleep: set[str] = set()
+        self._unshared_calls = 0
 
     def _lora_kwargs(self, lowrank: LowRankSlots, platform) -> dict[str, Any]:
         """es.perturbation=lowrank: one LoRA slot per member (``lowrank.members`` of rank ``lowrank.rank``), all
@@ -248,9 +249,14 @@ class VLLMEngine(Engine):
             raise ConfigError(message)
 
     # -- generation ----------------------------------------------------------------------------------------
-    def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int) -> list[Completion]:
-        outputs = self.llm.generate(self._inputs(prompts, sampling.max_new_tokens), self._sampling_params(sampling, seed, len(prompts)),
-                                    use_tqdm=False)
+    def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int,
+                 share_prompts: bool = True) -> list[Completion]:
+        inputs = self._inputs(prompts, sampling.max_new_tokens)
+        if not share_prompts:  # a salt no other row and no other call shares: the prefix cache never serves a row
+            self._unshared_calls += 1
+            for i, p in enumerate(inputs):
+                p["cache_salt"] = f"{p['cache_salt']}-row-{i}-call-{self._unshared_calls}"
+        outputs = self.llm.generate(inputs, self._sampling_params(sampling, seed, len(prompts)), use_tqdm=False)
         return [_completion(o) for o in outputs]
 
     def _sampling_params(self, sampling: SamplingConfig, seed: int, n: int) -> list:
