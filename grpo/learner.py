@@ -20,11 +20,8 @@ import time
 from pathlib import Path
 
 from es_ray.grpo.config import GRPOTrainConfig
-from es_ray.grpo.shards import full as _full
+from es_ray.grpo import shards
 from es_ray.grpo.shards import load_moments, save_moments
-from es_ray.grpo.shards import local as _local
-from es_ray.grpo.shards import shard_start as _shard_start
-from es_ray.grpo.shards import slice_like as _slice_like
 
 from es_ray.runtime.actors import Actor, actor_threads, once
 from es_ray.runtime.checkpoint import meta_file, state_file
@@ -138,7 +135,7 @@ class GRPOLearner(Actor):
         cuda = str(self.device).startswith("cuda") and not self.sharded
         self.host_params = None
         if g.offload == "optimizer":  # AdamW's moments and its step on the host, over fp32 host copies
-            self.host_params = [_local(p).detach().to("cpu", torch.float32, copy=True).requires_grad_(True)
+            self.host_params = [shards.local(p).detach().to("cpu", torch.float32, copy=True).requires_grad_(True)
                                 for p in self.params]
             cuda = False
         self.optimizer = torch.optim.AdamW(self.host_params or self.params, lr=g.lr, betas=(g.adam_beta1, g.adam_beta2),
@@ -198,10 +195,10 @@ class GRPOLearner(Actor):
             for name, p in self.model.named_parameters():
                 file, _ = index.get(name) or index["model.embed_tokens.weight"]  # a tied head is the embedding
                 key = name if name in index else "model.embed_tokens.weight"
-                local = _local(p)
+                local = shards.local(p)
                 if local.numel() == 0:  # FSDP2's last ranks may hold no rows of a short tensor
                     continue
-                start = _shard_start(p)
+                start = shards.shard_start(p)
                 local.copy_(read_tensor(file, key, (slice(start, start + local.shape[0]),)).to(local.dtype))
 
     def ready(self) -> dict:
@@ -322,7 +319,7 @@ class GRPOLearner(Actor):
                 for key, value in stats.items():
                     totals[key] += float(value)
             max_norm = g.max_grad_norm if g.max_grad_norm > 0 else float("inf")
-            totals["grad_norm"] += float(_full(torch.nn.utils.clip_grad_norm_(self.params, max_norm)))
+            totals["grad_norm"] += float(shards.full(torch.nn.utils.clip_grad_norm_(self.params, max_norm)))
             self._optimizer_step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -362,11 +359,11 @@ class GRPOLearner(Actor):
             self.optimizer.step()
             return
         for hp, p in zip(self.host_params, self.params):
-            hp.grad = None if p.grad is None else _local(p.grad).detach().to("cpu", torch.float32)
+            hp.grad = None if p.grad is None else shards.local(p.grad).detach().to("cpu", torch.float32)
         self.optimizer.step()
         with torch.no_grad():
             for hp, p in zip(self.host_params, self.params):
-                _local(p).copy_(hp)
+                shards.local(p).copy_(hp)
                 hp.grad = None
 
     # -- weights, probe, checkpoints ---------------------------------------------------------------------------
@@ -374,7 +371,7 @@ class GRPOLearner(Actor):
         """The policy by HF parameter name, as fp32 CPU tensors (checkpoints)."""
         import torch
 
-        return {n: _full(p.detach()).to("cpu", torch.float32, copy=True) for n, p in self.named.items()}
+        return {n: shards.full(p.detach()).to("cpu", torch.float32, copy=True) for n, p in self.named.items()}
 
     def weight_chunk(self, k: int, dtype: str, everywhere: bool = False) -> dict:
         """Chunk ``k`` of the weights (a transformer layer, or one other tensor) by HF name, cast to ``dtype`` (the
@@ -383,7 +380,7 @@ class GRPOLearner(Actor):
 
         dt = resolve_dtype(dtype, self.device)
         # sharded: every rank takes part in each gather (full_tensor, once per tensor); rank 0's copy is sent
-        out = {n: _full(self.named[n].detach()).to(dtype=dt).to("cpu", copy=True) for n in self.chunks[k]}
+        out = {n: shards.full(self.named[n].detach()).to(dtype=dt).to("cpu", copy=True) for n in self.chunks[k]}
         return out if self.rank == 0 or everywhere else {}
 
     def probe_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
@@ -437,7 +434,7 @@ class GRPOLearner(Actor):
                             "grpo", extra=move)
         else:  # the same gathers, in the order rank 0 writes them (sorted names)
             for name in sorted(self.named):
-                _full(self.named[name].detach())
+                shards.full(self.named[name].detach())
         self.group.barrier()  # no rank returns before the checkpoint is published
         return path
 
@@ -480,7 +477,7 @@ class GRPOLearner(Actor):
                 src = weights.get(name)
                 if src is None and name == "lm_head.weight":  # tied: saved once, as the embedding
                     src = weights["model.embed_tokens.weight"]
-                _local(p).copy_(_slice_like(src.to(p.dtype), p))
+                shards.local(p).copy_(shards.slice_like(src.to(p.dtype), p))
         state = load_state(path, "grpo")  # weights_only=True: a planted pickle is refused
         if sharded:  # this rank's rows of every moment, from whichever saved ranks hold them
             moments = load_moments(Path(path) / "shards", self._sharded_optimizer_state(fresh=True))
@@ -532,4 +529,4 @@ class _Gathered:
         self.p, self.shape = p, p.shape
 
     def detach(self):
-        return _full(self.p.detach())
+        return shards.full(self.p.detach())
