@@ -349,7 +349,8 @@ class Members:
         for m in req.members:
             time.sleep(0.6)
             out.append(MemberResult(m.index, 0.5, 1, 0))
-            report_progress(self.rank, req.iteration, len(out))
+            if req.report_progress:
+                report_progress(self.rank, req.iteration, len(out))
         return EvalResult(tuple(out), {"generate": 0.6 * len(out)})
 
 
@@ -409,3 +410,28 @@ def test_the_bar_reads_the_actors_counts_at_most_once_a_poll(monkeypatch):
     members = ask(32, ESTrainConfig().es.estimator)
     driver.evaluate(Answering(), 0, members, ESTrainConfig(), (0,), show=lambda done, total: seen.append(done))
     assert len(reads) == 1 and seen[0] == 0 and seen[-1] == 32, (reads, seen)
+
+
+def test_actors_report_their_members_only_while_a_bar_reads_them():
+    """Without a bar (run.progress=false, no terminal) the requests ask for no report: an actor makes no store
+    write per member that nothing reads."""
+    import es_ray.es.driver as driver
+    from es_ray.es.config import ESTrainConfig
+    from es_ray.es.protocol import EvalResult, MemberResult
+    from es_ray.strategy import ask
+
+    asked = []
+
+    class Group:
+        def __len__(self):
+            return 2
+
+        def gather(self, method, calls, waiting=None):
+            asked.extend(req.report_progress for (req,) in calls.values())
+            return {r: EvalResult(tuple(MemberResult(m.index, 0.5, 1, 0) for m in req.members), {})
+                    for r, (req,) in calls.items()}
+
+    members = ask(4, ESTrainConfig().es.estimator)
+    driver.evaluate(Group(), 0, members, ESTrainConfig(), (0,))
+    driver.evaluate(Group(), 0, members, ESTrainConfig(), (0,), show=lambda done, total: None)
+    assert asked == [False, False, True, True]

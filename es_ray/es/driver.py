@@ -77,7 +77,8 @@ def evaluate(group, iteration: int, members: list[Member], cfg: ESTrainConfig, i
     actors report them (``report_progress``) and as their answers come."""
     seed = sample_seed(cfg, iteration)
     parts = assign(members, len(group))
-    calls = {r: (EvalRequest(iteration, cfg.es.sigma, tuple(part), ids, seed),) for r, part in enumerate(parts)}
+    calls = {r: (EvalRequest(iteration, cfg.es.sigma, tuple(part), ids, seed, show is not None),)
+             for r, part in enumerate(parts)}
     waiting = None
     if show is not None:
         shown, told, read_at = [-1], {}, [-math.inf]

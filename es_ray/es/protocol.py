@@ -20,6 +20,9 @@ class EvalRequest:
     prompt_ids: tuple[int, ...]
     sample_seed: int
     """Sampling seed shared by every member of the iteration (common random numbers)."""
+    report_progress: bool = False
+    """Report the members scored as they are (``runtime.actors.report_progress``): only while a progress bar
+    reads them, so a run without one pays no store write per member."""
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,8 @@ class ESWorker(Actor):
             timing["perturb"] += t1 - t0
             timing["generate"] += t2 - t1
             timing["reward"] += time.perf_counter() - t2
-            report_progress(self.rank, req.iteration, len(results))  # the driver's bar: members done
+            if req.report_progress:  # the driver's bar: members done
+                report_progress(self.rank, req.iteration, len(results))
             self.faults.member_done(req.iteration, len(results), len(req.members))
         t0 = time.perf_counter()
         self.replica.restore()
