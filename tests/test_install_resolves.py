@@ -2,7 +2,8 @@
 --report`: metadata only, nothing installed), on what scripts/setup.sh installs on a CPU machine and on a GPU node
 and on what docker/Dockerfile installs, each under the constraints file it passes. A conflict fails in one line
 naming the pin and the requirement that refuses it (scripts/lock.py explain). Needs the package index; skipped,
-saying why, where it cannot be reached. Each resolve takes 50-80 s here (2 cores, shared)."""
+saying why, where it cannot be reached. Each resolve takes 25-80 s here (2 cores, shared), mostly waiting on the
+index, so the three run at once and the file takes about as long as the slowest."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,9 +34,22 @@ def index_reachable():
         pytest.skip("pip cannot reach the package index: " + (res.stderr.strip().splitlines() or ["?"])[-1])
 
 
-@pytest.mark.parametrize("target", ["cpu", "gpu", "docker"])
-def test_the_install_resolves_under_its_constraints(target, index_reachable, tmp_path):
-    problem = lock.check(target, tmp_path)
+TARGETS = ("cpu", "gpu", "docker")
+
+
+@pytest.fixture(scope="module")
+def resolves(index_reachable, request, tmp_path_factory) -> Iterator[dict[str, Future]]:
+    """lock.check of each target the session runs, all started at once (each is pip in a subprocess, in its own
+    work dir): {target: its future}, so a resolve that raises fails its own test only."""
+    wanted = {item.callspec.params["target"] for item in request.session.items  # a -k run starts only its own
+              if item.module is request.module and hasattr(item, "callspec")}
+    with ThreadPoolExecutor(len(TARGETS)) as pool:
+        yield {t: pool.submit(lock.check, t, tmp_path_factory.mktemp(f"resolve-{t}")) for t in TARGETS if t in wanted}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_install_resolves_under_its_constraints(target, resolves):
+    problem = resolves[target].result()
     if problem and target == "cpu" and "+cpu" in problem and "finds no" in problem:
         pytest.skip(f"no index here serves torch's CPU wheel, which the CPU install needs: {problem}")
     if problem and problem.startswith("no Python"):
