@@ -146,10 +146,17 @@ def alive_es_actors(wait_s: float = 10) -> list:
 
 # -- a Ray head of the tests' own ------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports: every socket stays bound until all are chosen, so the kernel cannot hand out
+    one port twice (a head given the same port for two of its servers would fail to start, and every module with it)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def start_ray_head(temp_dir: str, env: dict[str, str], dashboard: bool = False) -> tuple[str, int]:
@@ -159,10 +166,10 @@ def start_ray_head(temp_dir: str, env: dict[str, str], dashboard: bool = False) 
     kill_processes_of(temp_dir)."""
     # every port: a second Ray here (another test run's, a benchmark's) holds the defaults; the dashboard's too, as a
     # minimal dashboard process runs even with --include-dashboard=false
-    ports = {"--port": free_port(), "--ray-client-server-port": free_port(), "--node-manager-port": free_port(),
-             "--object-manager-port": free_port(), "--dashboard-agent-listen-port": free_port(),
-             "--dashboard-agent-grpc-port": free_port(), "--runtime-env-agent-port": free_port(),
-             "--metrics-export-port": free_port(), "--dashboard-port": free_port()}
+    names = ["--port", "--ray-client-server-port", "--node-manager-port", "--object-manager-port",
+             "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
+             "--metrics-export-port", "--dashboard-port"]
+    ports = dict(zip(names, free_ports(len(names))))
     cmd = ["start", "--head", "--node-ip-address=127.0.0.1",
            f"--include-dashboard={str(dashboard).lower()}", "--dashboard-host=127.0.0.1", "--num-cpus=2",
            "--min-worker-port=0", "--max-worker-port=0", f"--temp-dir={temp_dir}", "--disable-usage-stats",
