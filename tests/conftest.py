@@ -1,5 +1,4 @@
-"""Shared fixtures: a tiny randomly initialised Llama (real tokenizer) and one local Ray head per session, which each
-module that asks for Ray joins and leaves."""
+"""Shared fixtures: a tiny randomly initialised Llama (real tokenizer) and one local Ray cluster per module."""
 
 from __future__ import annotations
 
@@ -55,58 +54,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return out
 
 
-def _tests_importable() -> None:
-    """tests/ on PYTHONPATH: Ray workers and the CLIs tests start import test helpers (es_test_tasks) by name."""
-    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if str(TESTS_DIR) not in parts:
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), *parts])
-
-
-def _token_auth() -> None:
-    """RAY_AUTH_MODE=token in this process and what it starts, as a new local ray.init sets it: the head then asks
-    for the token and this process's drivers send it. Ray reads the mode once per process, so it reads it again."""
-    from ray._raylet import Config
-
-    os.environ["RAY_AUTH_MODE"] = "token"
-    Config.initialize("")
-
-
-@pytest.fixture(scope="session")
-def ray_head():
-    """The session's Ray head, started the first time a module asks for ray_local and stopped at the end: a start and
-    a shutdown cost seconds each, once per module before. `ray start` in its own temp dir (helpers.start_ray_head),
-    not ray.cluster_utils.Cluster, which writes its address to /tmp/ray, where any bare ray.init() on this machine
-    (a CLI under test, another engineer's run) would then join it. Its workers inherit its environment, set here."""
-    import shutil
-    import tempfile
-
-    from helpers import kill_processes_of, start_ray_head
-
-    _tests_importable()
-    if "RAY_AUTH_MODE" not in os.environ:  # token authentication, as the first local ray.init turned it on before
-        _token_auth()
-    temp_dir = tempfile.mkdtemp(prefix="esray", dir="/tmp")
-    try:
-        yield start_ray_head(temp_dir, dict(os.environ))[0]
-    finally:
-        kill_processes_of(temp_dir)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
-def ray_local(ray_head, request):
-    """The session's Ray head (2 CPUs, as a local Ray of the module's own had), joined by this module's driver and left
-    at its end, so a module without Ray sees none initialised. Its own namespace keeps named actors and placement
-    groups apart; an earlier module's actors and groups end with its driver, and their CPUs are free before any test
-    here runs. (Ray's key-value store outlives a driver: es_ray's progress keys carry the job id, new per driver.)"""
+def ray_local():
+    """One local Ray per test module (Ray's testing advice); test helpers importable by its workers."""
     import ray
-    from helpers import alive_es_actors
 
-    _tests_importable()
-    ray.init(address=ray_head, namespace=request.module.__name__, configure_logging=False, log_to_driver=False)
-    if held := alive_es_actors(wait_s=60):
-        ray.shutdown()
-        pytest.fail(f"the session's Ray head: {held[0]} by an earlier module 60 s after it ended")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    # address="local": always a new Ray of the test's own, never one that `ray start` left running on this machine
+    # (ray.init() without an address joins that one, and another test run's cluster would then serve this one)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

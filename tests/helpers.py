@@ -10,9 +10,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -128,7 +125,7 @@ def assert_same_weights(a: dict, b: dict) -> None:
     assert not different, f"tensors differ from the run without the fault: {different[:5]}"
 
 
-def alive_es_actors(wait_s: float = 10) -> list:
+def alive_es_actors() -> list:
     """What the run left holding CPUs on the local cluster (every ES actor holds one): empty when all are gone.
 
     (Ray's state API needs the dashboard, which the test cluster does not start.)"""
@@ -136,75 +133,12 @@ def alive_es_actors(wait_s: float = 10) -> list:
 
     import ray
 
-    for _ in range(int(wait_s / 0.25)):  # a killed actor's CPU returns to the pool within a moment
+    for _ in range(40):  # a killed actor's CPU returns to the pool within a moment
         held = ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0)
         if held <= 0:
             return []
         time.sleep(0.25)
     return [f"{held:g} CPU still held"]
-
-
-# -- a Ray head of the tests' own ------------------------------------------------------------------------------------
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports: every socket stays bound until all are chosen, so the kernel cannot hand out
-    one port twice (a head given the same port for two of its servers would fail to start, and every module with it)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def start_ray_head(temp_dir: str, env: dict[str, str], dashboard: bool = False) -> tuple[str, int]:
-    """`ray start --head` on 127.0.0.1 with 2 CPUs, free ports only and its own ``temp_dir`` (short: Ray's socket paths
-    must stay under 108 bytes), so it meets no other Ray on this machine: its address file lies in temp_dir, where a
-    bare ray.init() does not look. Its workers get ``env``. Returns (GCS address, dashboard port or 0); stop it with
-    kill_processes_of(temp_dir)."""
-    # every port: a second Ray here (another test run's, a benchmark's) holds the defaults; the dashboard's too, as a
-    # minimal dashboard process runs even with --include-dashboard=false
-    names = ["--port", "--ray-client-server-port", "--node-manager-port", "--object-manager-port",
-             "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
-             "--metrics-export-port", "--dashboard-port"]
-    ports = dict(zip(names, free_ports(len(names))))
-    cmd = ["start", "--head", "--node-ip-address=127.0.0.1",
-           f"--include-dashboard={str(dashboard).lower()}", "--dashboard-host=127.0.0.1", "--num-cpus=2",
-           "--min-worker-port=0", "--max-worker-port=0", f"--temp-dir={temp_dir}", "--disable-usage-stats",
-           *[f"{k}={v}" for k, v in ports.items()]]
-    ray = str(Path(sys.executable).parent / "ray")
-    token = Path(env.get("HOME") or Path.home()) / ".ray" / "auth_token"
-    if env.get("RAY_AUTH_MODE") == "token" and not token.exists():  # made where there is none, as a local ray.init does
-        subprocess.run([ray, "get-auth-token", "--generate"], capture_output=True, timeout=60, env=env, check=True)
-    res = subprocess.run([ray, *cmd], capture_output=True, text=True, timeout=180, env=env)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    return f"127.0.0.1:{ports['--port']}", ports["--dashboard-port"] if dashboard else 0
-
-
-def kill_processes_of(temp_dir: str) -> None:
-    """Stop only this head: every process whose command line names its temp dir, with their children."""
-    import psutil
-
-    roots = [p for p in psutil.process_iter(["cmdline"]) if any(temp_dir in a for a in (p.info["cmdline"] or []))]
-    procs = {}
-    for root in roots:
-        try:
-            procs.update({p.pid: p for p in [root, *root.children(recursive=True)]})
-        except psutil.NoSuchProcess:
-            pass
-    for p in procs.values():
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=5)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 # -- files -------------------------------------------------------------------------------------------------------

@@ -8,13 +8,13 @@ import ast
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import kill_processes_of, start_ray_head
 
 from es_ray.launch.submit import SubmitError, expand_sweep, parse_args, plan, split_values
 
@@ -100,15 +100,54 @@ def test_dry_run_composes_each_job_and_refuses_a_bad_override(tmp_path):
 
 # -- a real Ray head with its dashboard and job server -------------------------------------------------------
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_processes_of(temp_dir: str) -> None:
+    """Stop only this head: every process whose command line names its temp dir, with their children."""
+    import psutil
+
+    roots = [p for p in psutil.process_iter(["cmdline"]) if any(temp_dir in a for a in (p.info["cmdline"] or []))]
+    procs = {}
+    for root in roots:
+        try:
+            procs.update({p.pid: p for p in [root, *root.children(recursive=True)]})
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs.values():
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=5)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 @pytest.fixture(scope="module")
 def ray_head():
-    temp_dir = tempfile.mkdtemp(prefix="esray", dir="/tmp")
+    temp_dir = tempfile.mkdtemp(prefix="esray", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
+    dash = _free_port()
+    ports = {"--port": _free_port(), "--dashboard-port": dash, "--ray-client-server-port": _free_port(),
+             "--node-manager-port": _free_port(), "--object-manager-port": _free_port(),
+             "--dashboard-agent-listen-port": _free_port(), "--dashboard-agent-grpc-port": _free_port(),
+             "--runtime-env-agent-port": _free_port(), "--metrics-export-port": _free_port()}
     env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    cmd = ["ray", "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+           "--include-dashboard=true", "--num-cpus=2", "--min-worker-port=0", "--max-worker-port=0",
+           f"--temp-dir={temp_dir}", "--disable-usage-stats", *[f"{k}={v}" for k, v in ports.items()]]
     try:
-        _, dash = start_ray_head(temp_dir, env, dashboard=True)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
         yield f"http://127.0.0.1:{dash}", env
     finally:
-        kill_processes_of(temp_dir)
+        _kill_processes_of(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
