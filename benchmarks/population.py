@@ -19,7 +19,7 @@ driver's checksum request, so the figures are the actor's own code path:
     score) + update;
 (d) the low-rank reference, in the low-rank phase: the same ``generate_members`` call (the same rows, each
     prefilled, the members' factors drawn and laid out, the same kernels) on the base weights with the low-rank
-    term switched off (``term_off``: hf, each layer's term an output of zeros into which the base GEMM
+    term switched off (``Engine.lowrank_term_off``: hf, each layer's term an output of zeros into which the base GEMM
     accumulates as it does into the term; vLLM, its LoRA kernel a no-op), so the share of it is the term's own cost.
 
 Repeats are interleaved within each phase: a warm-up limit call and iteration, then ``--repeats`` times a limit call
@@ -72,7 +72,6 @@ as measured (its target holds on a GPU only).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import statistics
@@ -131,41 +130,6 @@ def each_row_generation(engine):
     return lambda rows, sampling, seed: engine.generate(rows, sampling, seed, share_prompts=False)
 
 
-@contextlib.contextmanager
-def term_off(engine):
-    """The low-rank term switched off, everything else of the population's generation loop left as it is: the
-    reference of a low-rank population is this loop on the base weights (the same rows, each prefilled, the same
-    kernels), so the share of it is the term's own cost. hf: each perturbed layer's term an output of zeros (plus
-    the bias), into which the base GEMM accumulates as into the term (``hf_lowrank.base_gemm``); vLLM: the LoRA
-    kernel of its linear layers a no-op (the slots are still loaded and vLLM's LoRA path still runs)."""
-    import torch
-
-    if engine.name == "hf":
-        from es_ray.engines import hf_lowrank
-
-        cls, name = hf_lowrank.LowRankTerms, "term"
-
-        def off(self, layer, x, bias=None):
-            k = self.members.stop - self.members.start
-            shape = (k, x.numel() // (k * x.shape[-1]), self.bt[layer].shape[-1])
-            return torch.zeros(shape, dtype=x.dtype, device=x.device) if bias is None else \
-                bias.expand(shape).clone()
-    else:
-        from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
-
-        cls, name = PunicaWrapperCPU, "add_lora_linear"
-
-        def off(self, *a, **kw):
-            return None
-
-    saved = cls.__dict__[name]
-    setattr(cls, name, off)
-    try:
-        yield
-    finally:
-        setattr(cls, name, saved)
-
-
 def measure(args, engine_name: str, perturbation: str) -> dict:
     """Runs in the child process: one ESWorker, the limit calls and the ES iterations, interleaved."""
     from es_ray.es.protocol import EvalRequest, UpdateRequest
@@ -190,7 +154,7 @@ def measure(args, engine_name: str, perturbation: str) -> dict:
         """(d): the iteration's own generation call, its members and seed, with the low-rank term off."""
         members = list(ask(cfg.es.population, cfg.es.estimator))
         prompts = [train[i] for i in prompt_ids]
-        with term_off(worker.engine):
+        with worker.engine.lowrank_term_off():
             t0, c0 = time.perf_counter(), time.thread_time()
             done = worker.replica.generate_members(t, members, cfg.es.sigma, prompts, cfg.sampling, t)
             wall, cpu = time.perf_counter() - t0, time.thread_time() - c0

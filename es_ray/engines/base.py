@@ -14,6 +14,7 @@ engine it holds.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
@@ -204,6 +205,22 @@ class Engine(ABC):
 
     def close(self) -> None:
         """Release what the engine holds beyond its Python objects (vLLM: its engine core and process groups)."""
+
+    def lowrank_term_off(self):
+        """A context in which the low-rank members' term adds nothing and the rest of the population's generation loop
+        runs as it is: the reference a benchmark measures the term's own cost against (benchmarks/population.py)."""
+        raise NotImplementedError(f"the {self.name} engine cannot switch its low-rank term off")
+
+
+@contextlib.contextmanager
+def patched_attribute(cls, name: str, value):
+    """``cls.name`` replaced by ``value`` for the context, restored however it ends."""
+    saved = cls.__dict__[name]
+    setattr(cls, name, value)
+    try:
+        yield
+    finally:
+        setattr(cls, name, saved)
 
 
 def check_context(prompt_lengths: Iterable[int], max_new_tokens: int, context: int | None) -> None:

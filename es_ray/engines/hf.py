@@ -4,12 +4,13 @@ members generated together in one batch (``hf_lowrank``)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterable
 
 import torch
 
-from es_ray.engines.base import (Completion, Engine, InProcessReplicaHost, ReplicaHost, check_context,
-                                 check_temperature, resolve_device)
+from es_ray.engines.base import (Completion, Engine, InProcessReplicaHost, ReplicaHost, patched_attribute,
+                                 check_context, check_temperature, resolve_device)
 from es_ray.engines.hf_lowrank import Factors, LowRankTerms, population_calls
 from es_ray.metrics.prefix import prompt_groups, shared_prefill
 from es_ray.core.config import EngineConfig, SamplingConfig
@@ -53,6 +54,19 @@ class HFEngine(Engine):
         return {i for i in ids if i is not None}
 
     @torch.inference_mode()
+    @contextlib.contextmanager
+    def lowrank_term_off(self):
+        """Each perturbed layer's term an output of zeros (plus the bias), into which the base GEMM accumulates as into
+        the term (``hf_lowrank.base_gemm``)."""
+
+        def off(terms, layer, x, bias=None):
+            k = terms.members.stop - terms.members.start
+            shape = (k, x.numel() // (k * x.shape[-1]), terms.bt[layer].shape[-1])
+            return torch.zeros(shape, dtype=x.dtype, device=x.device) if bias is None else bias.expand(shape).clone()
+
+        with patched_attribute(LowRankTerms, "term", off):
+            yield
+
     def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int,
                  share_prompts: bool = True) -> list[Completion]:
         """``share_prompts=False`` prefills every row, also rows with equal prompts: the work of a low-rank

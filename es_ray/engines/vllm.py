@@ -27,6 +27,7 @@ on in vLLM's LoRA internals is listed in ``vllm_extension``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from typing import Any, Callable, Iterable
@@ -34,7 +35,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from es_ray.engines.vllm_extension import LORA_PATH, ESExtension, member_lora_name
-from es_ray.engines.base import Completion, Engine, ReplicaHost, check_context, check_temperature
+from es_ray.engines.base import (Completion, Engine, ReplicaHost, check_context, check_temperature,
+                                 patched_attribute)
 from es_ray.lowrank import LowRankSlots, is_target
 from es_ray.replica import ReplicaSpec, combine_checksums, gather_shards, gather_states, update_health
 from es_ray.core.config import QUIET_FLAG, ConfigError, EngineConfig, SamplingConfig
@@ -249,6 +251,15 @@ class VLLMEngine(Engine):
             raise ConfigError(message)
 
     # -- generation ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lowrank_term_off(self):
+        """The LoRA kernel of the linear layers a no-op (the slots are still loaded and vLLM's LoRA path still runs).
+        The CPU build's kernel wrapper: the engine core runs in this process there."""
+        from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+        with patched_attribute(PunicaWrapperCPU, "add_lora_linear", lambda *a, **kw: None):
+            yield
+
     def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int,
                  share_prompts: bool = True) -> list[Completion]:
         inputs = self._inputs(prompts, sampling.max_new_tokens)
