@@ -56,7 +56,11 @@ def test_batch_invariance_refused_once_vllm_read_it_as_off(monkeypatch):
 
     envs.disable_envs_cache()  # an engine built earlier in this process cached vLLM's environment
 
-    monkeypatch.delenv(BATCH_INVARIANT_ENV, raising=False)
+    # setenv first, so the teardown restores the variable as it was: enable_batch_invariance sets it to 1 in this
+    # process, and a local Ray started later by another module would pass it to vLLM's CPU workers (whose Triton-only
+    # batch-invariant softmax then fails)
+    monkeypatch.setenv(BATCH_INVARIANT_ENV, "0")
+    monkeypatch.delenv(BATCH_INVARIANT_ENV)
     monkeypatch.setitem(sys.modules, "vllm.lora.ops.triton_ops.utils",
                         types.SimpleNamespace(is_batch_invariant=False))
     with pytest.raises(RuntimeError, match="start the engine in a fresh process"):
