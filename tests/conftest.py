@@ -79,8 +79,11 @@ def no_ray_left_running(request):
 
 
 
-ENV_SET_BY_FIXTURES = {"PYTHONPATH", "PYTEST_CURRENT_TEST"}
-"""Variables set for the whole session on purpose: ray_local's (test helpers for Ray workers) and pytest's own."""
+ENV_SET_BY_FIXTURES = {"PYTHONPATH", "PYTEST_CURRENT_TEST", "RAY_AUTH_MODE"}
+"""Variables left as a module set them: ray_local's PYTHONPATH (test helpers for Ray workers), pytest's own, and
+RAY_AUTH_MODE, which the first local ``ray.init`` sets to "token" and caches in this process's Ray config: put back,
+a later module's ``ray.cluster_utils.Cluster`` would start its nodes without auth while this driver still sends
+tokens, and every actor would die (ray/_private/authentication/authentication_token_setup.py)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
