@@ -150,6 +150,8 @@ def test_the_converted_default_model_has_the_mode_the_umask_gives(tmp_path):
     finally:
         os.umask(old)
     assert out.stat().st_mode & 0o777 == 0o750
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert modes and all(m == 0o640 for m in modes.values()), modes  # model.safetensors was written 0600
 
 
 # -- ES ----------------------------------------------------------------------------------------------------------

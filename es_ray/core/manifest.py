@@ -41,14 +41,20 @@ def umask() -> int:
 
 def open_to_umask(path: str | Path) -> None:
     """Give a directory made by ``tempfile.mkdtemp`` (always 0700), and every directory under it, the mode ``mkdir``
-    would have given it (0777 less the umask; setgid and sticky bits kept), before it is renamed into place: a
-    checkpoint or converted model on shared storage is then readable by the cluster's other users and nodes'
-    processes, as the files in it already are. Every one, since a staged directory moved inside (a sharded
-    learner's ``shards/``, from ``staging_dir``) is mkdtemp's too."""
-    mode = 0o777 & ~umask()
+    would have given it (0777 less the umask; setgid and sticky bits kept), and every file in them the mode ``open``
+    would have (0666 less the umask, execute bits kept), before it is renamed into place: a checkpoint or converted
+    model on shared storage is then readable by the cluster's other users and nodes' processes. Every directory,
+    since a staged directory moved inside (a sharded learner's ``shards/``, from ``staging_dir``) is mkdtemp's
+    too."""
+    mask = umask()
     for d in [Path(path), *(Path(top) / name for top, dirs, _ in os.walk(path) for name in dirs)]:
         if not d.is_symlink():  # a link's target is not the checkpoint's to change
-            os.chmod(d, (d.stat().st_mode & 0o7000) | mode)
+            os.chmod(d, (d.stat().st_mode & 0o7000) | (0o777 & ~mask))
+    # Files too: a library that writes through a temporary file (transformers' save_pretrained writes
+    # model.safetensors 0600) would otherwise keep the weights of a converted model from the cache's other users.
+    for f in (Path(top) / name for top, _, files in os.walk(path) for name in files):
+        if not f.is_symlink():
+            os.chmod(f, (0o666 | (f.stat().st_mode & 0o111)) & ~mask)
 
 
 def sha256_file(file: Path) -> str:
