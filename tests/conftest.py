@@ -76,29 +76,3 @@ def no_ray_left_running(request):
     if ray is not None and ray.is_initialized():
         ray.shutdown()
         pytest.fail(f"{request.module.__name__} left a Ray running; use the ray_local fixture or a stand-in")
-
-
-
-ENV_SET_BY_FIXTURES = {"PYTHONPATH", "PYTEST_CURRENT_TEST", "RAY_AUTH_MODE"}
-"""Variables left as a module set them: ray_local's PYTHONPATH (test helpers for Ray workers), pytest's own, and
-RAY_AUTH_MODE, which the first local ``ray.init`` sets to "token" and caches in this process's Ray config: put back,
-a later module's ``ray.cluster_utils.Cluster`` would start its nodes without auth while this driver still sends
-tokens, and every actor would die (ray/_private/authentication/authentication_token_setup.py)."""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def environment_restored(request):
-    """Each module starts from the environment the one before it found: whatever a module's code set in this process
-    is put back at its teardown. What the project and its libraries set for a command's own process (vLLM's
-    LD_PRELOAD, OMP_NUM_THREADS and VLLM_* for an in-process engine, Ray's RAY_AUTH_MODE and PYTHONBREAKPOINT at
-    ``ray.init``, TOKENIZERS_PARALLELISM, VLLM_BATCH_INVARIANT) would otherwise reach every later module and every
-    local Ray and subprocess it starts, so the suite's order would decide what a test runs under."""
-    before = dict(os.environ)
-    yield
-    for key in set(before) | set(os.environ):
-        if key in ENV_SET_BY_FIXTURES or before.get(key) == os.environ.get(key):
-            continue
-        if key in before:
-            os.environ[key] = before[key]
-        else:
-            del os.environ[key]
