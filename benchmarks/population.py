@@ -136,8 +136,10 @@ def measure(args, engine_name: str, perturbation: str) -> dict:
     from es_ray.strategy import ask, shape_fitness
     from es_ray.tasks.base import templated_prompts
     from es_ray.es.worker import ESWorker
+    from es_ray.perturbation import PERTURBATIONS as MODES
 
     cfg = build_config(args, engine_name, perturbation)
+    factored = MODES.get(perturbation).factored  # a low-rank term to switch off for the reference loop
     worker = ESWorker(cfg)
     suppress_eos(worker.engine, args)
     prompt_ids = tuple(range(cfg.es.prompts_per_iteration))
@@ -176,12 +178,12 @@ def measure(args, engine_name: str, perturbation: str) -> dict:
                 "tokens": sum(m.tokens for m in res.members), "checksum": time.perf_counter() - c0}
 
     limit(), iteration(0)  # warm-up
-    if perturbation == "lowrank":
+    if factored:
         base_loop(0)
     limits, bases, iters = [], [], []
     for r in range(args.repeats):
         limits.append(limit())
-        if perturbation == "lowrank":
+        if factored:
             bases.append(base_loop(r + 1))
         iters.append(iteration(r + 1))
     worker.engine.close()

@@ -320,6 +320,13 @@ def _perturbation(name: str):
     return PERTURBATIONS.get(name)
 
 
+def _noise(name: str):
+    """What the es.noise value holds (``es_ray.noise.NOISE_MEMORY``), imported as ``_perturbation`` is."""
+    from es_ray.noise import NOISE_MEMORY
+
+    return NOISE_MEMORY.get(name)
+
+
 @dataclass(frozen=True)
 class Line:
     part: str
@@ -408,7 +415,7 @@ class MemoryPlan:
                      f"for ES; vLLM needs at least {floor:.2f})"]
         tp = self.tp_needed(card_bytes) or max(t for t in TP_DEGREES if self.model.num_attention_heads % t == 0)
         changes = [("es.optimizer=sgd", {"optimizer": "sgd"}, ""), ("es.anchor_decay=0", {"anchor_decay": 0.0}, ""),
-                   ("es.noise=per_tensor", {"noise": "per_tensor" if self.settings.noise == "table" else
+                   ("es.noise=per_tensor", {"noise": "per_tensor" if _noise(self.settings.noise).table else
                                             self.settings.noise}, ""),
                    (f"engine.tensor_parallel_size={tp}", {"tensor_parallel_size": tp},
                     "; it splits vLLM's part" + (" and the master" if self.settings.master_sharded else
@@ -515,7 +522,7 @@ def plan_es(m: ModelShape, s: Settings = Settings()) -> MemoryPlan:
     parts = {k: m.tp_part(k, v, tp) for k, v in tensors.items()}
     n, big = sum(p for p, _ in parts.values()), max(p for p, _ in parts.values())
     whole = max(math.prod(v) for v in tensors.values())
-    kind = s.noise
+    kind, noise = s.noise, _noise(s.noise)
     adam = s.optimizer == "adam"
     es = [Line("es", "fp32 master", 4 * n, f"{n:,} trainable parameters x 4 B"
                + (f" (this rank's shards at TP {tp})" if tp > 1 else ""))]
@@ -524,14 +531,14 @@ def plan_es(m: ModelShape, s: Settings = Settings()) -> MemoryPlan:
     if s.anchor_decay:
         es.append(Line("es", "theta_0 anchor", 4 * n, "es.anchor_decay: the initial weights, fp32"))
     es.append(Line("es", "_buf", 4 * whole, f"fp32, the largest whole HF tensor ({whole:,} elements)"))
-    if kind == "table":
+    if noise.table:
         es.append(Line("es", "noise table", 4 * s.noise_table_size, f"es.noise_table_size={s.noise_table_size} x 4 B"))
     else:  # the noise of a rank's part: those rows alone for counter, the whole tensor for per_tensor or columns
-        drawn = max(math.prod(tensors[k]) if kind in ("per_tensor", "auto") or dim == 1 else p
+        drawn = max(math.prod(tensors[k]) if noise.whole_tensor or dim == 1 else p
                     for k, (p, dim) in parts.items())
         es.append(Line("es", "_nbuf", 4 * drawn, f"fp32, the largest noise drawn ({drawn:,} elements, "
                                                  f"es.noise={kind})"))
-    if kind in ("counter", "auto"):
+    if noise.counter_chunks:
         es.append(Line("es", "counter noise chunks", COUNTER_NOISE_BYTES, "es.noise=counter's Philox temporaries"))
     if adam or s.anchor_decay:
         es.append(Line("es", "step temporary", 4 * big, "Adam's sqrt(v) or the anchor's theta - theta_0"))

@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,6 +48,28 @@ ES_NOISE = Registry("es.noise", {"auto": "table on a CPU, per_tensor on a GPU (`
 """es.noise's values: a source, or auto."""
 PORTABLE_KINDS = frozenset({"counter"})
 """Kinds whose numbers do not depend on the device: the others need every replica on the same device model."""
+
+
+@dataclass(frozen=True)
+class NoiseMemory:
+    """What an es.noise value holds beside the replica on a GPU (es_ray/memory_plan.py's lines)."""
+
+    table: bool
+    """one es.noise_table_size table per actor (and no noise buffer)."""
+    whole_tensor: bool
+    """a tensor's noise is drawn whole and a tensor-parallel rank's rows cut from it (else those rows alone)."""
+    counter_chunks: bool
+    """counter noise's Philox temporaries."""
+
+
+NOISE_MEMORY = Registry("es.noise", {
+    "per_tensor": NoiseMemory(table=False, whole_tensor=True, counter_chunks=False),
+    "table": NoiseMemory(table=True, whole_tensor=False, counter_chunks=False),
+    "counter": NoiseMemory(table=False, whole_tensor=False, counter_chunks=True),
+    # auto on a GPU is one of per_tensor and counter (the memory plan's docstring): planned for both
+    "auto": NoiseMemory(table=False, whole_tensor=True, counter_chunks=True),
+})
+"""es.noise's values -> the memory each takes (``NoiseMemory``)."""
 _MASK63 = (1 << 63) - 1
 
 
