@@ -208,3 +208,15 @@ def test_cpu_lora_kernel_batches_equal_runs(counts, monkeypatch):
     vllm_extension._add_lora_linear(wrapper, y, x, a, b, 0.5, sizes)
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
     assert len(batched) == (len(set(counts.values())) == 1)
+
+
+def test_lowrank_term_off_is_refused_off_the_cpu_build():
+    """The switch patches the CPU build's Punica wrapper; on a GPU the kernels are another class (and run in vLLM's
+    engine-core process), so the patch would leave the term on silently: refused instead."""
+    from es_ray.engines.vllm import VLLMEngine
+
+    eng = object.__new__(VLLMEngine)  # no engine is built: the refusal comes before anything vLLM holds
+    eng.device = "cuda"
+    with pytest.raises(NotImplementedError, match="CPU build only"):
+        with eng.lowrank_term_off():
+            pass

@@ -254,7 +254,12 @@ class VLLMEngine(Engine):
     @contextlib.contextmanager
     def lowrank_term_off(self):
         """The LoRA kernel of the linear layers a no-op (the slots are still loaded and vLLM's LoRA path still runs).
-        The CPU build's kernel wrapper: the engine core runs in this process there."""
+        The CPU build's kernel wrapper: the engine core runs in this process there. On a GPU the Punica wrapper is
+        another class (Triton kernels), in vLLM's engine-core process unless multiprocessing is off: patching the
+        CPU one would leave the term on without a word, so it is refused."""
+        if self.device != "cpu":
+            raise NotImplementedError(f"switching the low-rank term off is built for vLLM's CPU build only (this "
+                                      f"engine runs on {self.device}); measure the reference on a CPU")
         from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
         with patched_attribute(PunicaWrapperCPU, "add_lora_linear", lambda *a, **kw: None):
