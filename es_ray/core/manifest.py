@@ -47,14 +47,16 @@ def open_to_umask(path: str | Path) -> None:
     since a staged directory moved inside (a sharded learner's ``shards/``, from ``staging_dir``) is mkdtemp's
     too."""
     mask = umask()
-    for d in [Path(path), *(Path(top) / name for top, dirs, _ in os.walk(path) for name in dirs)]:
-        if not d.is_symlink():  # a link's target is not the checkpoint's to change
-            os.chmod(d, (d.stat().st_mode & 0o7000) | (0o777 & ~mask))
     # Files too: a library that writes through a temporary file (transformers' save_pretrained writes
     # model.safetensors 0600) would otherwise keep the weights of a converted model from the cache's other users.
-    for f in (Path(top) / name for top, _, files in os.walk(path) for name in files):
-        if not f.is_symlink():
-            os.chmod(f, (0o666 | (f.stat().st_mode & 0o111)) & ~mask)
+    entries = [(Path(path), True)]
+    for top, dirs, files in os.walk(path):
+        entries += [(Path(top) / name, True) for name in dirs] + [(Path(top) / name, False) for name in files]
+    for entry, is_dir in entries:
+        if entry.is_symlink():  # a link's target is not the checkpoint's to change
+            continue
+        mode = entry.stat().st_mode
+        os.chmod(entry, (mode & 0o7000) | (0o777 & ~mask) if is_dir else (0o666 | (mode & 0o111)) & ~mask)
 
 
 def sha256_file(file: Path) -> str:
