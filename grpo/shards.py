@@ -61,6 +61,37 @@ def save_moments(directory: str | Path, moments: dict, rank: int, world: int) ->
     return path
 
 
+def unreadable_moments(directory: Path, names: list[str]) -> Exception:
+    """Why a checkpoint's ``shards/`` (``directory``, holding ``names``) gives no moments to load, as one line naming
+    what to do (a CheckpointError: the CLI shows it without a traceback). Either the learner wrote it before it saved
+    the moments itself, in torch.distributed.checkpoint's layout (DCP's ``.metadata`` and ``__<rank>_<n>.distcp``),
+    which is not read any more; or its moments files lack a rank or mix world sizes."""
+    from es_ray.core.manifest import CheckpointError
+
+    checkpoint = directory.parent
+    dcp = [n for n in names if n == ".metadata" or n.endswith(".distcp")]
+    if dcp:
+        return CheckpointError(f"{directory}: AdamW's moments in the older torch.distributed.checkpoint (DCP) layout "
+                               f"({', '.join(dcp[:3])}{', ...' if len(dcp) > 3 else ''}), which this version no "
+                               f"longer reads: resume {checkpoint} with the es-ray version that wrote it, or start "
+                               "the run again in a new run.dir")
+    ranks: dict[int, list[int]] = {}
+    for m in filter(None, map(MOMENTS.fullmatch, names)):
+        ranks.setdefault(int(m.group(2)), []).append(int(m.group(1)))
+    found = "; ".join(f"{len(r)} rank{'s' * (len(r) != 1)} of world size {w}" for w, r in sorted(ranks.items())) or "no rank"
+    missing = ""
+    if len(ranks) == 1:
+        (world, have), = ranks.items()
+        absent = [r for r in range(world) if r not in have]
+        extra = [r for r in have if r >= world]
+        gaps = [f"{len(absent)} missing, first {absent[:3]}"] if absent else []
+        gaps += [f"beyond the world size: {extra[:3]}"] if extra else []
+        missing = f" ({'; '.join(gaps)})" if gaps else ""
+    return CheckpointError(f"{directory}: moments-<rank>-of-<world>.safetensors found for {found}, where a sharded "
+                           f"learner's checkpoint has every rank of one world size{missing}; move {checkpoint} aside "
+                           "to resume from an earlier checkpoint")
+
+
 def load_moments(directory: str | Path, fresh: dict) -> dict:
     """``fresh`` (zeros in this rank's layout, as ``save_moments`` takes them) filled with the rows this rank holds,
     read from every saved rank's file that has some of them: any world size wrote them."""
@@ -68,14 +99,17 @@ def load_moments(directory: str | Path, fresh: dict) -> dict:
 
     from es_ray.models import read_tensor
 
+    directory = Path(directory)
+    names = sorted(path.name for path in directory.iterdir())
+    # keyed by rank and world size both: a later complete set beside an earlier partial one is refused too
     files = {}
-    for path in Path(directory).iterdir():
-        if m := MOMENTS.fullmatch(path.name):
-            files[int(m.group(1))] = (str(path), int(m.group(2)))
-    worlds = {w for _, w in files.values()}
-    if len(worlds) != 1 or sorted(files) != list(range(next(iter(worlds)))):
-        raise ValueError(f"{directory}: expected moments-<rank>-of-<world>.safetensors for every rank of one world "
-                         f"size, found ranks {sorted(files)} of {sorted(worlds)}")
+    for name in names:
+        if m := MOMENTS.fullmatch(name):
+            files[int(m.group(2)), int(m.group(1))] = str(directory / name)
+    worlds = {w for w, _ in files}
+    if len(worlds) != 1 or sorted(r for _, r in files) != list(range(next(iter(worlds)))):
+        raise unreadable_moments(directory, names)
+    files = {r: (path, w) for (w, r), path in files.items()}
     saved = next(iter(worlds))
     with torch.no_grad():
         for name, state in fresh.items():
