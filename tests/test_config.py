@@ -88,6 +88,29 @@ def test_every_entry_point_turns_a_config_error_into_one_line_and_exit_code_2(sc
     assert "run.nonsense_key" in out.err
 
 
+def test_a_config_error_raised_in_an_actor_is_one_line_too(capsys):
+    """An actor's ConfigError (the GRPO learner refusing the checkpoint it resumes from) reaches the driver as Ray's
+    RayTaskError, an instance of ConfigError too, whose text is the actor's traceback: the line shown is its cause's."""
+    import traceback
+
+    from ray.exceptions import RayTaskError
+
+    try:
+        raise ConfigError("step_000004/shards: an old layout; start the run again in a new run.dir")
+    except ConfigError as exc:
+        in_actor = RayTaskError("GRPOLearner.load", traceback.format_exc(), exc).as_instanceof_cause()
+
+    def resume():
+        raise in_actor
+
+    assert isinstance(in_actor, ConfigError)
+    with pytest.raises(SystemExit) as info:
+        run_or_exit("grpo-train", resume)
+    assert info.value.code == 2
+    assert capsys.readouterr().err == ("grpo-train: ConfigError: step_000004/shards: an old layout; start the run "
+                                       "again in a new run.dir\n")
+
+
 def test_a_bug_is_not_passed_off_as_a_user_error():
     def bug():
         raise RuntimeError("a bug keeps its traceback")

@@ -30,11 +30,14 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def run_or_exit(prog: str, fn: Callable[[], Any]) -> Any:
-    """``fn()``; a user error becomes one line on stderr and exit code 2."""
+    """``fn()``; a user error becomes one line on stderr and exit code 2. One raised in an actor (a resumed
+    checkpoint the learner refuses) comes as Ray's RayTaskError, an instance of its class too, whose text is the
+    actor's traceback: its ``cause`` is the error as raised, and its line is the one shown."""
     try:
         return fn()
     except user_errors() as exc:
-        print(f"{prog}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        err = getattr(exc, "cause", None) or exc
+        print(f"{prog}: {type(err).__name__}: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
