@@ -381,6 +381,47 @@ def test_the_bar_learns_the_members_done_while_the_actors_score_them(ray_local):
     assert read_progress([0, 1], 3) == {}  # the group's keys are gone with it
 
 
+KILLED_DRIVER = """
+import os, sys
+import ray
+from es_ray.runtime.actors import report_progress
+ray.init(address=sys.argv[1], configure_logging=False, log_to_driver=False)
+for rank in (0, 1):
+    report_progress(rank, 3, 1)
+print(ray.get_runtime_context().get_job_id(), flush=True)
+os.kill(os.getpid(), 9)
+"""
+"""A driver of the test's Ray that leaves two progress keys under its job and is killed before it can clear them."""
+
+
+@pytest.mark.ray
+def test_a_new_group_drops_the_progress_keys_of_dead_jobs_and_keeps_a_live_jobs(ray_local):
+    """A driver killed by SIGKILL never clears its actors' progress keys: the next group started on the cluster
+    drops them (Ray's job table says that job is dead), and keeps those of a job still running (this one's)."""
+    from ray._private.state import state
+    from ray.experimental.internal_kv import _internal_kv_list
+
+    from es_ray.runtime.actors import PROGRESS_NAMESPACE, ActorGroup, clear_progress, report_progress
+
+    killed = subprocess.run([sys.executable, "-c", KILLED_DRIVER, ray_local.get_runtime_context().gcs_address],
+                            capture_output=True, text=True, timeout=120)
+    dead, live = killed.stdout.strip(), ray_local.get_runtime_context().get_job_id()
+    assert killed.returncode == -9 and dead and dead != live, killed.stderr
+    deadline = time.monotonic() + 60
+    while not any(j["JobID"] == dead and j["IsDead"] for j in state.job_table()):  # the GCS sees the driver gone
+        assert time.monotonic() < deadline, state.job_table()
+        time.sleep(0.2)
+    report_progress(0, 3, 1)
+
+    def keys() -> set[str]:
+        return {k.decode() for k in _internal_kv_list("", namespace=PROGRESS_NAMESPACE)}
+
+    assert {f"{dead}/0", f"{dead}/1", f"{live}/0"} <= keys()
+    ActorGroup("none", Echo, 0, lambda rank: (rank, 0), _NoPlacement(), FaultPolicy(), log=lambda m: None)  # sweeps
+    assert f"{live}/0" in keys() and not any(k.startswith(f"{dead}/") for k in keys())
+    clear_progress([0])
+
+
 def test_the_bar_reads_the_actors_counts_at_most_once_a_poll(monkeypatch):
     """The driver reads the actors' counts (one GCS call per actor still scoring) while it waits, not again at each
     answer: N actors answering together would cost N^2 / 2 calls at the end of every iteration (a Ray Client's

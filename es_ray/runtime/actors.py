@@ -115,6 +115,28 @@ def clear_progress(ranks: list[int]) -> None:
         pass
 
 
+def sweep_progress() -> None:
+    """On the driver, as a group starts: drop the progress keys of jobs that are over. A driver killed by SIGKILL
+    never calls ``clear_progress``, and a long-lived cluster would keep its actors' keys for good.
+
+    Over means marked dead ("IsDead") in the GCS job table (``ray._private.state``'s ``job_table``: no dashboard
+    needed), whose "JobID" is the hex ``get_job_id()`` gives; the GCS marks a driver's job dead once the driver is
+    gone, however it ended. Another driver's job running on the same cluster is not, and a job the table does not
+    list keeps its keys too: only a job Ray says is over loses them. Best-effort, as the other progress helpers: where
+    the table cannot be read (a Ray Client driver) the keys stay, and no run fails here."""
+    try:
+        from ray._private.state import state
+        from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_list
+
+        jobs = {key.decode().split("/")[0] for key in _internal_kv_list("", namespace=PROGRESS_NAMESPACE)}
+        if not jobs:
+            return
+        for job in jobs & {j["JobID"] for j in state.job_table() if j["IsDead"]}:
+            _internal_kv_del(f"{job}/", del_by_prefix=True, namespace=PROGRESS_NAMESPACE)
+    except Exception:  # noqa: BLE001
+        pass
+
+
 class Actor:
     """What every actor class shares: the process set-up (its torch threads; no tokenizers thread pool beside
     them) and the calls the runtime makes on any actor, ``ready`` (the group waits for it after start) and
@@ -157,6 +179,7 @@ class ActorGroup:
                  lost_advice: str = "", check_interrupt: Callable[[], None] = lambda: None):
         import ray
 
+        sweep_progress()  # the keys of drivers that were killed before they could clear theirs
         self.role, self.placement, self.policy, self.log = role, placement, policy, log
         self.first_bundle, self.make_args, self.restore = first_bundle, make_args, restore
         self.replaceable, self.lost_advice = replaceable, lost_advice
