@@ -3,8 +3,10 @@ failure of `es-train` on a cluster too small for it, and the config keys."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -56,11 +58,33 @@ def test_fitting_requests_pass():
     assert fit_problem(needs(cluster(num_actors=2, gpus_per_actor=0.5)), [GPU_NODE]) == ""
 
 
-@pytest.mark.parametrize("key, value", [("placement", "strict"), ("wait_for_resources_s", -1.0)])
+@pytest.mark.parametrize("key, value", [("placement", "strict"), ("wait_for_resources_s", -1.0),
+                                        ("worker_niceness", -1), ("worker_niceness", 20)])
 def test_bad_cluster_keys_are_refused(key, value):
     cfg = ESTrainConfig(cluster=ClusterConfig(**{key: value}))
     with pytest.raises(ConfigError, match=f"cluster.{key}"):
         validate(cfg)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("ray_address", [None, "local"])
+def test_a_local_ray_runs_its_actors_at_the_niceness_asked(ray_address):
+    """cluster.worker_niceness reaches the raylet connect() starts (Ray's own default would be 15), with RAY_ADDRESS
+    unset or "local" (both start a new Ray). A process of its own: connect() joins nothing and this module's
+    ray_local may be running. Niceness adds to the driver's, which the kernel caps at 19."""
+    code = ("import os, ray\n"
+            "from es_ray.core.config import ClusterConfig\n"
+            "from es_ray.runtime.cluster import connect\n"
+            "connect(ClusterConfig(num_cpus=1, worker_niceness=3))\n"
+            "nice = ray.get(ray.remote(num_cpus=0)(lambda: os.nice(0)).remote())\n"
+            "ray.shutdown()\n"
+            "print(os.nice(0), nice)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_worker_niceness")}
+    env.update({"RAY_ADDRESS": ray_address} if ray_address else {})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    driver, actor = map(int, out.stdout.split()[-2:])
+    assert actor == min(19, driver + 3)
 
 
 def test_run_root_must_be_absolute():

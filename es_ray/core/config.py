@@ -142,6 +142,10 @@ class ClusterConfig:
     wait_for_resources_s: float = 0.0
     """Seconds to wait for the actors' resources to be reserved, e.g. while an autoscaling cluster adds GPU nodes.
     0: the cluster must already hold them; the run fails at once saying how many GPUs/CPUs it needs and has."""
+    worker_niceness: int = 0
+    """How much nicer than the driver the actors of a local Ray run (0-19; Ray's own default is 15, under which any
+    other busy process on the machine starves the run: an es-compare took 631 s beside three busy loops, 68 s
+    alone). A cluster at cluster.address keeps what its nodes were started with (RAY_worker_niceness)."""
 
 
 @dataclass

@@ -132,6 +132,11 @@ def connect(cluster: ClusterConfig, verbose: bool = False) -> None:
     # A new local Ray, never a session someone else started on this machine (under Ray Jobs, RAY_ADDRESS names
     # the job's cluster and wins)
     local = None if os.environ.get("RAY_ADDRESS") else "local"
+    # the actors' niceness is the raylet's, read when it starts: a Ray this starts only (Ray refuses system settings
+    # for a cluster it joins)
+    # (RAY_ADDRESS=local starts one too)
+    starts = os.environ.get("RAY_ADDRESS", "") in ("", "local")
+    started = {"_system_config": {"worker_niceness": cluster.worker_niceness}} if starts else {}
     ray.init(address=local, num_cpus=cluster.num_cpus or None, include_dashboard=False,
-             runtime_env=runtime_env(verbose),
+             runtime_env=runtime_env(verbose), **started,
              configure_logging=False, log_to_driver=True)

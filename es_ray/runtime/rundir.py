@@ -20,7 +20,7 @@ from es_ray.core.config import ConfigError, flatten
 # checkpoints): es-compare ignores them when it checks a finished stage against the command.
 RESULT_NEUTRAL = frozenset({
     "run.progress", "run.verbose", "run.trackers", "run.resume", "run.overwrite", "run.checkpoint_every",
-    "cluster.address", "cluster.placement", "cluster.wait_for_resources_s",
+    "cluster.address", "cluster.placement", "cluster.wait_for_resources_s", "cluster.worker_niceness",
 })
 # Settings a resume may change: the neutral ones, and where the run lives, its budget and the held-out cadence
 # (continuing a run under a new budget is what a resume is for; the steps it computes stay the same).

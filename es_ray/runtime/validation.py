@@ -53,6 +53,9 @@ def validate_cluster(cluster: ClusterConfig, engine: EngineConfig | None = None,
     check_positive("cluster.cpus_per_actor", cluster.cpus_per_actor, allow_zero=True)
     PLACEMENTS.check(cluster.placement)
     check_positive("cluster.wait_for_resources_s", cluster.wait_for_resources_s, allow_zero=True)
+    if not 0 <= cluster.worker_niceness <= 19:
+        raise ConfigError(f"cluster.worker_niceness={cluster.worker_niceness} is not a niceness increment; set "
+                          "cluster.worker_niceness= to 0 (the driver's priority) up to 19 (the lowest)")
     check_address_syntax(cluster.address)
     traits = TRAITS.get(engine.name) if engine is not None else None
     if traits is not None and not cluster.address and find_spec(traits.package) is None:
