@@ -30,6 +30,10 @@ NO_TELEMETRY = {
     "HF_HUB_DISABLE_TELEMETRY": "1",
 }
 os.environ.update(NO_TELEMETRY)
+# Every Ray node the tests start (ray_local, ray.cluster_utils.Cluster, a submitted job's) runs its workers at the
+# tests' own priority, as cluster.worker_niceness does for the CLI's local Ray: at Ray's default of 15, the other
+# pytest-xdist process's in-process torch work would starve this one's actors.
+os.environ["RAY_worker_niceness"] = "0"
 
 
 @pytest.fixture(scope="session")
