@@ -6,7 +6,7 @@
 Each repeat of each command runs the real entry point (``es_ray.es.train:main``, ``es_ray.grpo.train:main``,
 ``es_ray.evaluation.es_eval:main``) in a fresh process on the CPU demo model (the embedded SmolLM2-135M) with a tiny
 budget (``COMMANDS``: one iteration or step, no held-out scoring; es-eval 8 arithmetic problems). Timers are
-wrapped around named functions (``TRACED``) in the driver and, through Ray's ``worker_process_setup_hook``, in
+wrapped around named functions (``TRACED``) in the driver and, through Ray's worker setup hook (``SETUP_HOOK_ENV``), in
 every actor process; each writes (pid, event, time) to a trace file, and the phases are read off the trace:
 
   python         spawn until this harness runs (the interpreter)
@@ -52,6 +52,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TRACE_ENV = "ES_RAY_STARTUP_TRACE"
+SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"  # ray._private.ray_constants, read by Ray's default_worker
 
 COMMANDS = {
     "es-train": ("es_ray.es.train", ["es.iterations=1", "eval.every=0"]),
@@ -113,10 +114,7 @@ def _patch(module, path: str, event: str) -> None:
     raw = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
     if raw is None or getattr(getattr(raw, "__func__", raw), "startup_traced", False):
         return
-    if event is None:  # the driver's runtime_env: the actors trace themselves too
-        setattr(owner, name, _with_setup_hook(raw))
-        getattr(owner, name).startup_traced = True
-    elif isinstance(raw, classmethod):
+    if isinstance(raw, classmethod):
         setattr(owner, name, classmethod(_timed(raw.__func__, event)))
     else:
         setattr(owner, name, _timed(raw, event))
@@ -156,19 +154,10 @@ def install() -> None:
     _record("process", "up")
 
 
-def _with_setup_hook(runtime_env):
-    """The driver's ``runtime_env`` plus the actors' setup hook (this file, on the PYTHONPATH the parent set)."""
-    def with_hook(*a, **kw):
-        return {**runtime_env(*a, **kw), "worker_process_setup_hook": "startup.install"}
-
-    return with_hook
-
-
 def child(command: str, overrides: list[str]) -> None:
     """One traced run of ``command``'s entry point in this process (``--child``)."""
     import importlib
 
-    TRACED["es_ray.runtime.cluster"].append(("runtime_env", None))
     install()
     sys.argv = [command, *overrides]
     main = importlib.import_module(COMMANDS[command][0]).main
@@ -221,7 +210,10 @@ def baseline(name: str) -> None:
 def run_once(name: str, workdir: Path, repeat: int) -> dict:
     """Run ``name`` (a command or a baseline) once in a fresh process; its phases in seconds."""
     trace = workdir / f"{name}-{repeat}.trace"
-    env = {**os.environ, TRACE_ENV: str(trace), "PYTHONPATH": os.pathsep.join(
+    # Every actor traces itself: Ray's worker_process_setup_hook, set where a job's runtime_env would set it (Ray's
+    # WORKER_PROCESS_SETUP_HOOK_ENV_VAR) but in the environment the local raylet inherits, as connect() passes the
+    # actors' variables: a runtime_env would keep the raylet from reusing its prestarted workers
+    env = {**os.environ, TRACE_ENV: str(trace), SETUP_HOOK_ENV: "startup.install", "PYTHONPATH": os.pathsep.join(
         filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")]))}
     if name in COMMANDS:
         args = ["--child", name, f"run.dir={workdir / f'{name}-{repeat}'}", "run.progress=false",

@@ -3,6 +3,8 @@ failure of `es-train` on a cluster too small for it, and the config keys."""
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import os
 import re
 import subprocess
@@ -68,23 +70,28 @@ def test_bad_cluster_keys_are_refused(key, value):
 
 @pytest.mark.ray
 @pytest.mark.parametrize("ray_address", [None, "local"])
-def test_a_local_ray_runs_its_actors_at_the_niceness_asked(ray_address):
+def test_a_local_ray_gives_its_actors_the_niceness_and_variables_asked(ray_address):
     """cluster.worker_niceness reaches the raylet connect() starts (Ray's own default would be 15), with RAY_ADDRESS
-    unset or "local" (both start a new Ray). A process of its own: connect() joins nothing and this module's
-    ray_local may be running. Niceness adds to the driver's, which the kernel caps at 19."""
+    unset or "local" (both start a new Ray), and so do the actors' variables (runtime_env's, passed through the
+    raylet's environment: a job runtime_env would keep the raylet from handing actors its prestarted workers),
+    while the driver's own environment is as it was. A process of its own: connect() joins nothing and this
+    module's ray_local may be running. Niceness adds to the driver's, which the kernel caps at 19."""
     code = ("import os, ray\n"
             "from es_ray.core.config import ClusterConfig\n"
             "from es_ray.runtime.cluster import connect\n"
             "connect(ClusterConfig(num_cpus=1, worker_niceness=3))\n"
-            "nice = ray.get(ray.remote(num_cpus=0)(lambda: os.nice(0)).remote())\n"
+            "seen = lambda: (os.nice(0), os.environ.get('TOKENIZERS_PARALLELISM'), os.environ.get('ES_RAY_QUIET'))\n"
+            "actor = ray.get(ray.remote(num_cpus=0)(seen).remote())\n"
             "ray.shutdown()\n"
-            "print(os.nice(0), nice)\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_worker_niceness")}
+            "print(repr((seen(), actor)))\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_worker_niceness", "TOKENIZERS_PARALLELISM", "ES_RAY_QUIET")}
     env.update({"RAY_ADDRESS": ray_address} if ray_address else {})
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    driver, actor = map(int, out.stdout.split()[-2:])
-    assert actor == min(19, driver + 3)
+    driver, actor = ast.literal_eval(out.stdout.splitlines()[-1])
+    assert actor[0] == min(19, driver[0] + 3)
+    assert actor[1:] == ("false", "1") and driver[1:] == (None, None)
 
 
 def test_run_root_must_be_absolute():
@@ -141,3 +148,56 @@ def test_waiting_for_an_autoscaler_gives_up_with_the_numbers(ray_local):
 
     with pytest.raises(ConfigError, match=r"not reserved within 1 s: .*needs 3 CPUs; the cluster has 2"):
         place(cluster(num_actors=3, cpus_per_actor=1, wait_for_resources_s=1.0))
+
+
+def _connect_seeing(monkeypatch, fail: bool = False) -> list[dict]:
+    """connect() with ray.init replaced: each call's keyword arguments and the variables os.environ held then."""
+    import ray
+
+    from es_ray.core.config import ClusterConfig
+    from es_ray.runtime.cluster import connect
+
+    calls = []
+
+    def init(**kwargs):
+        calls.append({**kwargs, "environ": {k: os.environ.get(k) for k in ("TOKENIZERS_PARALLELISM", "ES_RAY_QUIET")}})
+        if fail:
+            raise RuntimeError("no Ray today")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(RuntimeError) if fail else contextlib.nullcontext():
+        connect(ClusterConfig(num_cpus=1), verbose=False)
+    return calls
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_new_local_ray_gets_the_actors_variables_through_the_environment_put_back_after(monkeypatch, fail):
+    """No job runtime_env for a Ray connect() starts (it would keep the raylet from handing actors its prestarted
+    workers): the variables are in os.environ while ray.init starts the raylet, and the driver's own environment is
+    as it was afterwards, a shell's value included, whether ray.init returned or raised."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    monkeypatch.delenv("ES_RAY_QUIET", raising=False)
+    (call,) = _connect_seeing(monkeypatch, fail)
+    assert call.get("runtime_env") is None and call["_system_config"] == {"worker_niceness": 0}
+    assert call["environ"] == {"TOKENIZERS_PARALLELISM": "false", "ES_RAY_QUIET": "1"}
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true" and "ES_RAY_QUIET" not in os.environ
+
+
+def test_a_joined_cluster_gets_the_actors_variables_as_the_jobs_runtime_env(monkeypatch):
+    """RAY_ADDRESS naming a cluster (Ray Jobs' supervisor sets it): its raylets are not this driver's children, so the
+    variables go as the job's runtime_env, no system settings, and the driver's environment is left alone."""
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    (call,) = _connect_seeing(monkeypatch)
+    assert call["runtime_env"]["env_vars"]["TOKENIZERS_PARALLELISM"] == "false"
+    assert call["runtime_env"]["env_vars"]["ES_RAY_QUIET"] == "1" and "_system_config" not in call
+    assert call["environ"]["TOKENIZERS_PARALLELISM"] is None
+
+
+def test_a_verbose_run_clears_a_shells_quiet_flag_for_its_actors():
+    from es_ray.runtime.cluster import runtime_env
+
+    assert runtime_env(verbose=True)["env_vars"]["ES_RAY_QUIET"] == "0"
+    assert runtime_env(verbose=False)["env_vars"]["ES_RAY_QUIET"] == "1"

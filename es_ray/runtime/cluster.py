@@ -100,8 +100,25 @@ QUIET_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
 """Driver-side loggers held to errors unless run.verbose=true (Ray's token-auth banner at every ray.init)."""
 
 
+@contextmanager
+def _environ(variables: dict[str, str]):
+    """``variables`` in os.environ for the block (the processes it starts inherit them), then put back as found."""
+    saved = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def runtime_env(verbose: bool = True) -> dict:
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1", **({} if verbose else QUIET_ENV)}}
+    """What every actor's environment holds beside the driver's: a joined cluster's job runtime_env, or (a local
+    Ray) the variables its raylet inherits. run.verbose=true sets QUIET_FLAG to 0, over a shell's 1."""
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", **({QUIET_FLAG: "0"} if verbose else QUIET_ENV)}}
     if os.environ.get("ES_RAY_CACHE"):
         env["env_vars"]["ES_RAY_CACHE"] = os.environ["ES_RAY_CACHE"]
     return env
@@ -130,13 +147,19 @@ def connect(cluster: ClusterConfig, verbose: bool = False) -> None:
                               "client server (ray://host:10001)") from None
         return
     # A new local Ray, never a session someone else started on this machine (under Ray Jobs, RAY_ADDRESS names
-    # the job's cluster and wins)
+    # the job's cluster and wins; RAY_ADDRESS=local starts one too)
     local = None if os.environ.get("RAY_ADDRESS") else "local"
-    # the actors' niceness is the raylet's, read when it starts: a Ray this starts only (Ray refuses system settings
-    # for a cluster it joins)
-    # (RAY_ADDRESS=local starts one too)
-    starts = os.environ.get("RAY_ADDRESS", "") in ("", "local")
-    started = {"_system_config": {"worker_niceness": cluster.worker_niceness}} if starts else {}
-    ray.init(address=local, num_cpus=cluster.num_cpus or None, include_dashboard=False,
-             runtime_env=runtime_env(verbose), **started,
-             configure_logging=False, log_to_driver=True)
+    if os.environ.get("RAY_ADDRESS", "") not in ("", "local"):
+        ray.init(address=local, num_cpus=cluster.num_cpus or None, include_dashboard=False,
+                 runtime_env=runtime_env(verbose), configure_logging=False, log_to_driver=True)
+        return
+    # A Ray this starts takes the actors' niceness as a system setting (read when the raylet starts), and their
+    # variables from the environment its raylet inherits and passes to every worker, not as the job's runtime_env:
+    # under a job runtime_env the raylet starts each actor a new worker through its runtime-env agent instead of
+    # handing it one of the workers it prestarted as the driver connected (an actor's first call in 0.25-0.7 s,
+    # against 1.2-1.9 s, more under load; docs/running.md "Start-up and shutdown"). The driver's own environment is put back once Ray has started (nothing else
+    # of the driver's runs then: a subprocess started meanwhile would inherit them too).
+    with _environ(runtime_env(verbose)["env_vars"]):
+        ray.init(address=local, num_cpus=cluster.num_cpus or None, include_dashboard=False,
+                 _system_config={"worker_niceness": cluster.worker_niceness},
+                 configure_logging=False, log_to_driver=True)
