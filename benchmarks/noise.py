@@ -74,7 +74,7 @@ def measure(kind: str, shapes: dict[str, tuple[int, ...]], repeats: int, seed: i
         t0 = time.perf_counter()
         for name, shape in shapes.items():
             n = math.prod(shape)
-            eps = src.noise(r, 0, name, torch.Size(shape), out=None if kind == "table" else buf[:n].view(shape))
+            eps = src.noise(r, 0, name, torch.Size(shape), out=None if src.views else buf[:n].view(shape))
             if add:
                 torch.add(master[:n].view(shape), eps, alpha=1e-3, out=written[:n].view(shape))
         return time.perf_counter() - t0

@@ -266,6 +266,65 @@ def _numel(shape) -> int:
     return math.prod(int(s) for s in shape)
 
 
+class _GeneratorDraw:
+    """per_tensor: torch's generator seeded per tensor. It cannot skip ahead, so a part is cut from the whole draw."""
+
+    views = False
+    whole_tensor = True
+
+    def __init__(self, src: "NoiseSource", table_size: int):
+        self.device = src.device
+        self.gen = torch.Generator(device=src.device)
+
+    def span(self, seed: int, name: str, whole: torch.Size, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        self.gen.manual_seed(seed)
+        if out.shape == whole:  # the whole tensor: straight into out
+            return torch.randn(whole, generator=self.gen, dtype=torch.float32, device=self.device, out=out)
+        drawn = torch.randn(whole, generator=self.gen, dtype=torch.float32, device=self.device)
+        return out.copy_(drawn.view(-1)[lo:hi].view(out.shape))
+
+
+class _CounterDraw:
+    """counter: Philox of (tensor seed, element index), so any span is drawn alone."""
+
+    views = False
+    whole_tensor = False
+
+    def __init__(self, src: "NoiseSource", table_size: int):
+        self.chunk = src.chunk
+
+    def span(self, seed: int, name: str, whole: torch.Size, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        return counter_noise(seed, lo, out, self.chunk)
+
+
+class _TableDraw:
+    """table: a seeded slice of one table per process, handed out as a view (no buffer of its own)."""
+
+    views = True
+    whole_tensor = False
+
+    def __init__(self, src: "NoiseSource", table_size: int):
+        g = torch.Generator(device=src.device).manual_seed(table_seed(src.run_seed))
+        self.table = torch.randn(int(table_size), generator=g, dtype=torch.float32, device=src.device)
+
+    def span(self, seed: int, name: str, whole: torch.Size, lo: int, hi: int, out: None) -> torch.Tensor:
+        """Elements [lo, hi) of the table slice of tensor ``name``."""
+        numel = _numel(whole)
+        span = self.table.numel() - numel + 1
+        if span <= 0:
+            raise ValueError(
+                f"noise table of {self.table.numel()} values is smaller than tensor {name} ({numel} values); "
+                "raise es.noise_table_size or use es.noise=counter"
+            )
+        start = seed % span
+        return self.table[start + lo : start + hi]
+
+
+NOISE_DRAWS = Registry("es.noise", {"per_tensor": _GeneratorDraw, "table": _TableDraw, "counter": _CounterDraw})
+"""es.noise's sources -> how each draws a span of a tensor's noise (``views``: a view of its own storage, no
+buffer; ``whole_tensor``: a part is cut from the whole tensor's draw). NOISE_MEMORY's lines follow these."""
+
+
 class NoiseSource:
     """Produces fp32 noise for (iteration, noise_id, name, shape): a per-tensor generator, a table or a counter."""
 
@@ -278,24 +337,24 @@ class NoiseSource:
         self.kind = kind
         self.device = torch.device(device)
         self.chunk = chunk
-        self._gen = torch.Generator(device=self.device)
-        self.table: torch.Tensor | None = None
-        if kind == "table":
-            g = torch.Generator(device=self.device).manual_seed(table_seed(run_seed))
-            self.table = torch.randn(int(table_size), generator=g, dtype=torch.float32, device=self.device)
+        self._draw = NOISE_DRAWS.get(kind)(self, table_size)
+        self.table: torch.Tensor | None = getattr(self._draw, "table", None)
+
+    @property
+    def views(self) -> bool:
+        """Noise comes as views of the source's own storage (table): callers need no buffer for it."""
+        return self._draw.views
+
+    @property
+    def whole_tensor(self) -> bool:
+        """A part of a tensor's noise is cut from the whole tensor's draw (per_tensor); else drawn alone."""
+        return self._draw.whole_tensor
 
     def noise(self, iteration: int, noise_id: int, name: str, shape: torch.Size, out: torch.Tensor | None = None):
         """Standard-normal fp32 noise of ``shape``; written into ``out`` when given (per_tensor, counter) or a table
         view."""
-        seed = self._seed(iteration, noise_id, name)
-        if self.table is not None:
-            return self._table_span(seed, name, _numel(shape), 0, _numel(shape)).view(shape)
-        if out is None:
-            out = torch.empty(shape, dtype=torch.float32, device=self.device)
-        if self.kind == "counter":
-            return counter_noise(seed, 0, out, self.chunk)
-        self._gen.manual_seed(seed)
-        return torch.randn(shape, generator=self._gen, dtype=torch.float32, device=self.device, out=out)
+        shape = torch.Size(shape)
+        return self._span(self._seed(iteration, noise_id, name), name, shape, 0, _numel(shape), shape, out)
 
     def _seed(self, iteration: int, noise_id: int, name: str) -> int:
         """per_tensor scope: every tensor its own stream; reference scope: one seed for all tensors of a member (the
@@ -314,22 +373,14 @@ class NoiseSource:
         b = max(a, b)
         row = _numel(shape[1:])
         sub = torch.Size([b - a, *shape[1:]])
-        seed = self._seed(iteration, noise_id, name)
-        if self.table is not None:
-            return self._table_span(seed, name, _numel(shape), a * row, b * row).view(sub)
-        if out is None:
-            out = torch.empty(sub, dtype=torch.float32, device=self.device)
-        if self.kind == "counter":
-            return counter_noise(seed, a * row, out, self.chunk)
-        return out.copy_(self.noise(iteration, noise_id, name, shape)[a:b])
+        return self._span(self._seed(iteration, noise_id, name), name, shape, a * row, b * row, sub, out)
 
-    def _table_span(self, seed: int, name: str, numel: int, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of the table slice of a tensor of ``numel`` elements."""
-        span = self.table.numel() - numel + 1
-        if span <= 0:
-            raise ValueError(
-                f"noise table of {self.table.numel()} values is smaller than tensor {name} ({numel} values); "
-                "raise es.noise_table_size or use es.noise=counter"
-            )
-        start = seed % span
-        return self.table[start + lo : start + hi]
+    def _span(self, seed: int, name: str, whole: torch.Size, lo: int, hi: int, shape: torch.Size,
+              out: torch.Tensor | None) -> torch.Tensor:
+        """Elements [lo, hi) of tensor ``name``'s noise (``whole`` its shape), as ``shape``: into ``out`` (a new
+        tensor when None), or a view where the source hands out views."""
+        if self._draw.views:
+            return self._draw.span(seed, name, whole, lo, hi, None).view(shape)
+        if out is None:
+            out = torch.empty(shape, dtype=torch.float32, device=self.device)
+        return self._draw.span(seed, name, whole, lo, hi, out)

@@ -291,7 +291,7 @@ class Replica:
         # part alone where noise_slice draws just its rows (counter, table), else the whole tensor it is cut from
         self._buf = torch.empty(max(math.prod(s.shape) for s in self.shards.values()), dtype=torch.float32,
                                 device=self.device)
-        self._nbuf = None if kind == "table" and not spec.kind.factored else torch.empty(
+        self._nbuf = None if self.noise.views and not spec.kind.factored else torch.empty(
             max(math.prod(self._noise_shape(s)) for s in self.shards.values()), dtype=torch.float32,
             device=self.device)
 
@@ -318,7 +318,7 @@ class Replica:
         return flat[: math.prod(shape)].view(shape)
 
     def _noise_shape(self, shard: Shard) -> tuple[int, ...]:
-        return shard.local_shape if shard.dim in (None, 0) and self.noise.kind != "per_tensor" else shard.shape
+        return shard.local_shape if shard.dim in (None, 0) and not self.noise.whole_tensor else shard.shape
 
     def factors(self, iteration: int, noise_id: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """es.perturbation=lowrank: (B, A) of the whole HF tensor ``name`` (``lowrank.split_factors``), drawn from
@@ -365,7 +365,7 @@ class Replica:
         out = self._view(self._nbuf, self._noise_shape(shard)) if self._nbuf is not None else None
         if shard.dim is None:
             return self.noise.noise(iteration, noise_id, name, shard.shape, out=out)
-        if shard.dim == 0 and self.noise.kind != "per_tensor":  # only these rows are drawn
+        if shard.dim == 0 and not self.noise.whole_tensor:  # only these rows are drawn
             return self.noise.noise_slice(iteration, noise_id, name, shard.shape, slice(shard.start, shard.stop),
                                           out=out)
         return shard.take(self.noise.noise(iteration, noise_id, name, shard.shape, out=out))

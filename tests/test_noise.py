@@ -428,3 +428,16 @@ def test_counter_noise_falls_back_to_eager_when_compiling_fails(monkeypatch, cap
     assert "counter noise on cpu runs eager: torch.compile failed (RuntimeError: no C++ compiler found)" in caplog.text
     monkeypatch.setenv(noise.COMPILE_ENV, "auto")
     assert noise.compiled_block(torch.device("cpu"), 9) is None  # auto: CUDA only
+
+
+def test_the_memory_plan_reads_the_same_behaviour_the_sources_have():
+    """NOISE_MEMORY's lines (the memory plan) and NOISE_DRAWS's sources (the replica's buffers and row draws) agree
+    for every es.noise source: a table needs no noise buffer, only per_tensor draws a tensor whole for a part."""
+    from es_ray.noise import NOISE_DRAWS, NOISE_KINDS, NOISE_MEMORY
+
+    for kind in NOISE_KINDS:
+        draw, memory = NOISE_DRAWS.get(kind), NOISE_MEMORY.get(kind)
+        assert (draw.views, draw.whole_tensor) == (memory.table, memory.whole_tensor), kind
+        src = NoiseSource(0, kind, table_size=64)
+        assert (src.views, src.whole_tensor) == (draw.views, draw.whole_tensor)
+        assert (src.table is not None) == draw.views
