@@ -61,6 +61,14 @@ def save_moments(directory: str | Path, moments: dict, rank: int, world: int) ->
     return path
 
 
+def moment_sets(directory: Path, names: list[str]) -> dict[int, dict[int, str]]:
+    """The moments files among ``names`` (in ``directory``), by world size, then rank: their paths."""
+    sets: dict[int, dict[int, str]] = {}
+    for m in filter(None, map(MOMENTS.fullmatch, names)):
+        sets.setdefault(int(m.group(2)), {})[int(m.group(1))] = str(directory / m.group(0))
+    return sets
+
+
 def unreadable_moments(directory: Path, names: list[str]) -> Exception:
     """Why a checkpoint's ``shards/`` (``directory``, holding ``names``) gives no moments to load, as one line naming
     what to do (a CheckpointError: the CLI shows it without a traceback). Either the learner wrote it before it saved
@@ -75,15 +83,14 @@ def unreadable_moments(directory: Path, names: list[str]) -> Exception:
                                f"({', '.join(dcp[:3])}{', ...' if len(dcp) > 3 else ''}), which this version no "
                                f"longer reads: resume {checkpoint} with the es-ray version that wrote it, or start "
                                "the run again in a new run.dir")
-    ranks: dict[int, list[int]] = {}
-    for m in filter(None, map(MOMENTS.fullmatch, names)):
-        ranks.setdefault(int(m.group(2)), []).append(int(m.group(1)))
-    found = "; ".join(f"{len(r)} rank{'s' * (len(r) != 1)} of world size {w}" for w, r in sorted(ranks.items())) or "no rank"
+    ranks = moment_sets(directory, names)
+    found = "; ".join(f"{len(r)} rank{'s' * (len(r) != 1)} of world size {w}"
+                      for w, r in sorted(ranks.items())) or "no rank"
     missing = ""
     if len(ranks) == 1:
         (world, have), = ranks.items()
         absent = [r for r in range(world) if r not in have]
-        extra = [r for r in have if r >= world]
+        extra = [r for r in sorted(have) if r >= world]
         gaps = [f"{len(absent)} missing, first {absent[:3]}"] if absent else []
         gaps += [f"beyond the world size: {extra[:3]}"] if extra else []
         missing = f" ({'; '.join(gaps)})" if gaps else ""
@@ -101,27 +108,22 @@ def load_moments(directory: str | Path, fresh: dict) -> dict:
 
     directory = Path(directory)
     names = sorted(path.name for path in directory.iterdir())
-    # keyed by rank and world size both: a later complete set beside an earlier partial one is refused too
-    files = {}
-    for name in names:
-        if m := MOMENTS.fullmatch(name):
-            files[int(m.group(2)), int(m.group(1))] = str(directory / name)
-    worlds = {w for w, _ in files}
-    if len(worlds) != 1 or sorted(r for _, r in files) != list(range(next(iter(worlds)))):
+    # by world size, then rank: a later complete set beside an earlier partial one is refused too
+    sets = moment_sets(directory, names)
+    if len(sets) != 1 or sorted(next(iter(sets.values()))) != list(range(next(iter(sets)))):
         raise unreadable_moments(directory, names)
-    files = {r: (path, w) for (w, r), path in files.items()}
-    saved = next(iter(worlds))
+    (saved, files), = sets.items()
     with torch.no_grad():
         for name, state in fresh.items():
             for key, value in state.items():
                 mine = local(value)
                 if mine.dim() == 0:  # the step: one scalar, the same on every rank
-                    mine.copy_(read_tensor(files[0][0], f"{name}/{key}"))
+                    mine.copy_(read_tensor(files[0], f"{name}/{key}"))
                     continue
                 rows = value.shape[0]
                 start = shard_start(value) if hasattr(value, "device_mesh") else 0
                 end = start + mine.shape[0]
-                for r, (file, _) in files.items():
+                for r, file in files.items():
                     lo, hi = max(start, rows_start(rows, saved, r)), min(end, rows_start(rows, saved, r + 1))
                     if lo < hi:
                         part = read_tensor(file, f"{name}/{key}", (slice(lo - rows_start(rows, saved, r),

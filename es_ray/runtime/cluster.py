@@ -146,20 +146,20 @@ def connect(cluster: ClusterConfig, verbose: bool = False) -> None:
                               f"can join ({first}); point cluster.address at the head's GCS port (6379) or its "
                               "client server (ray://host:10001)") from None
         return
-    # A new local Ray, never a session someone else started on this machine (under Ray Jobs, RAY_ADDRESS names
-    # the job's cluster and wins; RAY_ADDRESS=local starts one too)
-    local = None if os.environ.get("RAY_ADDRESS") else "local"
-    if os.environ.get("RAY_ADDRESS", "") not in ("", "local"):
-        ray.init(address=local, num_cpus=cluster.num_cpus or None, include_dashboard=False,
-                 runtime_env=runtime_env(verbose), configure_logging=False, log_to_driver=True)
+    # A new local Ray, never a session someone else started on this machine (RAY_ADDRESS=local starts one too);
+    # under Ray Jobs, RAY_ADDRESS names the job's cluster and wins, and its job runtime_env carries the variables
+    starts = os.environ.get("RAY_ADDRESS", "") in ("", "local")
+    options = dict(address="local" if starts else None, num_cpus=cluster.num_cpus or None, include_dashboard=False,
+                   configure_logging=False, log_to_driver=True)
+    if not starts:
+        ray.init(**options, runtime_env=runtime_env(verbose))
         return
     # A Ray this starts takes the actors' niceness as a system setting (read when the raylet starts), and their
     # variables from the environment its raylet inherits and passes to every worker, not as the job's runtime_env:
     # under a job runtime_env the raylet starts each actor a new worker through its runtime-env agent instead of
     # handing it one of the workers it prestarted as the driver connected (an actor's first call in 0.25-0.7 s,
-    # against 1.2-1.9 s, more under load; docs/running.md "Start-up and shutdown"). The driver's own environment is put back once Ray has started (nothing else
-    # of the driver's runs then: a subprocess started meanwhile would inherit them too).
+    # against 1.2-1.9 s, more under load; docs/running.md "Start-up and shutdown"). The driver's own environment
+    # is put back once Ray has started (nothing else of the driver's runs then: a subprocess started meanwhile
+    # would inherit the variables too).
     with _environ(runtime_env(verbose)["env_vars"]):
-        ray.init(address=local, num_cpus=cluster.num_cpus or None, include_dashboard=False,
-                 _system_config={"worker_niceness": cluster.worker_niceness},
-                 configure_logging=False, log_to_driver=True)
+        ray.init(**options, _system_config={"worker_niceness": cluster.worker_niceness})
