@@ -496,3 +496,11 @@ def test_report_shows_objectives_kl_with_intervals_and_the_interpolation_curves(
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert labels == ["ES -> GRPO: pass@1", "ES -> GRPO: pass@4"]
     plt.close(fig)
+
+
+def test_one_method_has_no_pair_to_test_and_says_so():
+    """methods=[base] (or any one method) reaches the report: no paired test, and why (it divided by zero)."""
+    from es_ray.launch.compare.report import comparisons
+
+    out = comparisons({"methods": {"base": {}}, "problems": {"arithmetic": [0, 1, 2]}}, [1, 4], ["arithmetic"])
+    assert out["tests"] == [] and out["family"] == [] and "one method (base)" in out["why"]
