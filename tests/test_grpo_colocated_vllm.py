@@ -28,7 +28,9 @@ def config(model_dir, run_dir, colocate: bool, offload: str = "none"):
         "grpo": {"steps": 2, "lr": 1e-3, "group_size": 2, "prompts_per_step": 2, "micro_batch_size": 2,
                  "fsdp_size": 2, "colocate": colocate, "offload": offload},
         "sampling": {"max_new_tokens": 4, "temperature": 1.0},
-        "engine": {"name": "vllm", "threads": 1, "dtype": "float32", "device": "cpu"},
+        # eager: what is tested is the process groups, not vLLM's compiled graph (on CPU its compile took 40-50 s
+        # of each run); tests/test_engine_contract.py's es-train runs the compiled default
+        "engine": {"name": "vllm", "threads": 1, "dtype": "float32", "device": "cpu", "enforce_eager": True},
         "cluster": {"num_actors": 2, "cpus_per_actor": 0.25}, "eval": {"every": 0},
         "run": {"dir": str(run_dir), "progress": False, "trackers": []}})
 
