@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import types
 from pathlib import Path
 
 import pytest
@@ -188,18 +189,33 @@ def test_one_actor_on_this_machine_is_replaced_by_this_process(monkeypatch):
     assert reason(one, num_actors=2) == ""
     monkeypatch.delenv("RAY_ADDRESS")
 
-    class Running:  # a Ray already started in this process (es-compare's driver): its actors cost no new Ray
+    class Running:  # a Ray already running in this process (es-compare's driver between its training stages)
+        here = "10.1.2.3"
+        alive = [here]
+        util = types.SimpleNamespace(get_node_ip_address=lambda: Running.here)
+
         @staticmethod
         def is_initialized():
             return True
 
+        @staticmethod
+        def nodes():
+            return [{"NodeManagerAddress": a, "Alive": True} for a in Running.alive] + [
+                {"NodeManagerAddress": "10.1.2.4", "Alive": False}]  # a node that died does not count
+
     monkeypatch.setitem(sys.modules, "ray", Running)
+    assert "one-node Ray this process runs" in reason(one, num_actors=2)  # no actor process and its imports
+    assert "cluster.num_actors=1" in reason(two, num_actors=1)
+    assert reason(two, num_actors=2) == ""
+    Running.alive = [Running.here, "10.1.2.4"]  # a cluster of two nodes: the actors may go to the other one
+    assert reason(one, num_actors=2) == ""
+    Running.alive = ["10.1.2.4"]  # connected to a one-node cluster on another machine
     assert reason(one, num_actors=2) == ""
 
 
 def test_es_eval_with_one_chunk_runs_in_this_process_and_says_so(tiny_model_dir, tmp_path, ray_local):
     """The CLI with cluster.num_actors=2 and one chunk of work: no Ray started, the log line says why, and the
-    samples are those an actor gives the same chunk (a Ray already running in the test keeps the actor path)."""
+    samples are those an actor gives the same chunk (the test's Ray named by its address keeps the actor path)."""
     from es_ray.evaluation.config import to_eval_config
     from es_ray.evaluation.es_eval import run
 
@@ -216,9 +232,11 @@ def test_es_eval_with_one_chunk_runs_in_this_process_and_says_so(tiny_model_dir,
     assert "Started a local Ray instance" not in res.stdout + res.stderr
     local = json.loads((local_dir / "results.json").read_text())
     assert local["settings"]["actors"] == 0
+    address = ray_local.get_runtime_context().gcs_address  # a cluster named by its address: the actor path
     on_ray = run(to_eval_config({"model": {"path": str(tiny_model_dir)}, **args,
+                                 "cluster": {**args["cluster"], "address": address},
                                  "run": {"dir": str(ray_dir), "progress": False, "trackers": []}}))
-    assert on_ray["settings"]["actors"] == 2  # Ray was running here: the actor path
+    assert on_ray["settings"]["actors"] == 2
     assert _samples(local_dir) == _samples(ray_dir)
     assert local["tasks"]["gsm8k"]["pass@k"] == on_ray["tasks"]["gsm8k"]["pass@k"]
     assert local["tasks"]["gsm8k"]["entropy"] == on_ray["tasks"]["gsm8k"]["entropy"]

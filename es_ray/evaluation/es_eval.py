@@ -5,10 +5,11 @@
 
 Every problem gets eval.n samples. The work is cut into seeded chunks (``es_ray.evaluation.worker``) that go to
 ``cluster.num_actors`` Ray actors as each becomes free (0: run in this process). Where one actor on this machine
-would do all the work (``in_process_reason``: one chunk, or cluster.num_actors=1, on a local Ray not yet started,
-CPU-only, the transformers engine) the chunks run in this process without starting Ray, which the log says; the
-results are the same (each chunk has its own seed, and the process takes the actor's torch threads). The driver
-computes pass@k, maj@k and the entropy summary and writes results.json, results.md and samples.jsonl to run.dir.
+would do all the work (``in_process_reason``: one chunk, or cluster.num_actors=1, on a local Ray not yet started
+or running here as one node, CPU-only, the transformers engine) the chunks run in this process without an actor,
+which the log says; the results are the same (each chunk has its own seed, and the process takes the actor's torch
+threads). The driver computes pass@k, maj@k and the entropy summary and writes results.json, results.md and
+samples.jsonl to run.dir.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ it keeps its actor unless cluster.num_actors=0 asks otherwise)."""
 
 
 def in_process_reason(cfg: EvalJobConfig, chunks: list[Chunk]) -> str:
-    """Why the chunks run in this process, or "" when they go to Ray actors: cluster.num_actors=0, or a local Ray
-    that is not running yet (no cluster.address, no RAY_ADDRESS, no Ray started in this process), CPU-only actors
-    and the transformers engine, where one actor would take every chunk (one chunk, or cluster.num_actors=1):
-    starting Ray, an actor process and its imports would then only add to the same work done by one worker."""
+    """Why the chunks run in this process, or "" when they go to Ray actors: cluster.num_actors=0, or one actor on
+    this machine would take every chunk (one chunk, or cluster.num_actors=1) on CPU with the transformers engine,
+    the Ray being local (no cluster.address, no RAY_ADDRESS) and either not running yet or running in this process
+    as one node, this machine (es-compare's own Ray between its training stages): starting Ray, or an actor process
+    and its imports (about 5 s on 2 cores), would then only add to the same work done by one worker."""
     import os
 
     from es_ray.runtime.cluster import LOCAL_ADDRESSES
@@ -46,12 +48,22 @@ def in_process_reason(cfg: EvalJobConfig, chunks: list[Chunk]) -> str:
     if c.num_actors == 0:
         return "cluster.num_actors=0"
     busy = min(c.num_actors, len(chunks))
-    ray = sys.modules.get("ray")
     if (busy != 1 or c.address not in LOCAL_ADDRESSES or os.environ.get("RAY_ADDRESS") or c.gpus_per_actor > 0
-            or cfg.engine.name not in IN_PROCESS_ENGINES or (ray is not None and ray.is_initialized())):
+            or cfg.engine.name not in IN_PROCESS_ENGINES):
         return ""
     what = "one chunk of work" if len(chunks) == 1 else "cluster.num_actors=1"
-    return f"{what} for one actor on this machine, so no local Ray is started"
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return f"{what} for one actor on this machine, so no local Ray is started"
+    if not _one_node_here(ray):
+        return ""
+    return f"{what} for one actor, on the one-node Ray this process runs on this machine, so no actor is started"
+
+
+def _one_node_here(ray) -> bool:
+    """The Ray this process is connected to has one live node, and it is this machine."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    return len(nodes) == 1 and nodes[0].get("NodeManagerAddress") == ray.util.get_node_ip_address()
 
 
 def _run_chunks(cfg: EvalJobConfig, chunks: list[Chunk], progress, in_process: bool | None = None) -> list[dict]:
