@@ -34,11 +34,11 @@ def update_histogram_figure(report: dict, title: str = ""):
     cols = min(3, max(1, len(types)))
     rows = max(1, math.ceil(len(types) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-    centers = (edges[:-1] + edges[1:]) / 2
     for ax, kind in zip(axes.flat, types):
         rep = report["by_module_type"][kind]
         counts = np.asarray(rep["histogram_log10"])
-        ax.bar(centers, counts, width=edges[1] - edges[0], color="#4C72B0", label="parameters")
+        # one filled step outline, not a bar per bin: the same picture, one artist instead of ~100 per panel
+        ax.stairs(counts, edges, fill=True, color="#4C72B0", label="parameters")
         for t, ls in zip(report["thresholds"], ("--", ":", "-.") * len(report["thresholds"])):
             ax.axvline(math.log10(t), color="#C44E52", lw=0.9, ls=ls, label=f"|delta| = {t:g}")
         nonzero = counts.nonzero()[0]
