@@ -190,7 +190,7 @@ def test_one_actor_on_this_machine_is_replaced_by_this_process(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS")
 
     class Running:  # a Ray already running in this process (es-compare's driver between its training stages)
-        here = "10.1.2.3"
+        here = "127.0.0.2"
         alive = [here]
         util = types.SimpleNamespace(get_node_ip_address=lambda: Running.here)
 
@@ -201,15 +201,15 @@ def test_one_actor_on_this_machine_is_replaced_by_this_process(monkeypatch):
         @staticmethod
         def nodes():
             return [{"NodeManagerAddress": a, "Alive": True} for a in Running.alive] + [
-                {"NodeManagerAddress": "10.1.2.4", "Alive": False}]  # a node that died does not count
+                {"NodeManagerAddress": "127.0.0.3", "Alive": False}]  # a node that died does not count
 
     monkeypatch.setitem(sys.modules, "ray", Running)
     assert "one-node Ray this process runs" in reason(one, num_actors=2)  # no actor process and its imports
     assert "cluster.num_actors=1" in reason(two, num_actors=1)
     assert reason(two, num_actors=2) == ""
-    Running.alive = [Running.here, "10.1.2.4"]  # a cluster of two nodes: the actors may go to the other one
+    Running.alive = [Running.here, "127.0.0.3"]  # a cluster of two nodes: the actors may go to the other one
     assert reason(one, num_actors=2) == ""
-    Running.alive = ["10.1.2.4"]  # connected to a one-node cluster on another machine
+    Running.alive = ["127.0.0.3"]  # connected to a one-node cluster on another machine
     assert reason(one, num_actors=2) == ""
 
 
