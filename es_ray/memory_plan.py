@@ -322,7 +322,7 @@ def _perturbation(name: str):
 
 def _noise(name: str):
     """What the es.noise value holds (``es_ray.noise.NOISE_MEMORY``), imported as ``_perturbation`` is."""
-    from es_ray.noise import NOISE_MEMORY
+    from es_ray.noise_kinds import NOISE_MEMORY
 
     return NOISE_MEMORY.get(name)
 

@@ -28,15 +28,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
 from es_ray import lowrank
 from es_ray.noise import NoiseSource, resolve_kind
-from es_ray.perturbation import PERTURBATIONS, Perturbation
+from es_ray.replica_spec import ReplicaSpec  # noqa: F401 - the replica's settings, re-exported
 from es_ray.strategy import Member, Optimizer, noise_coefficients
 
 Writer = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
@@ -45,46 +44,6 @@ Reader = Callable[[str], "torch.Tensor | None"]
 CHUNK = 1 << 20
 """Elements per chunk when the update is measured against the engine: the temporaries are a few fp32/fp64 tensors
 of this size, never a copy of a whole tensor (a 7B model's embedding alone is 545M elements)."""
-
-
-def _from(key: str):
-    """A ReplicaSpec field set from the config key ``key`` (a dotted path into ESTrainConfig)."""
-    return field(metadata={"config": key})
-
-
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """Every setting the replica needs, as plain scalars: this object itself crosses into vLLM's worker through
-    collective_rpc. Each field names its config key, and ``es_ray.es.config.replica_spec`` is the one place a spec
-    is built (the replica knows no ES config), so a new field cannot be forgotten on the way (there are no defaults
-    to fall back on)."""
-
-    run_seed: int = _from("run.seed")
-    noise: str = _from("es.noise")
-    noise_table_size: int = _from("es.noise_table_size")
-    noise_scope: str = _from("es.noise_scope")
-    trainable: str = _from("model.trainable")
-    optimizer: str = _from("es.optimizer")
-    lr: float = _from("es.lr")
-    adam_beta1: float = _from("es.adam_beta1")
-    adam_beta2: float = _from("es.adam_beta2")
-    adam_eps: float = _from("es.adam_eps")
-    weight_decay: float = _from("es.weight_decay")
-    anchor_decay: float = _from("es.anchor_decay")
-    perturbation: str = _from("es.perturbation")
-    rank: int = _from("es.rank")
-
-    def selects(self, name: str, shape: Iterable[int] | None = None) -> bool:
-        """Whether the tensor ``name`` is trainable: model.trainable is a regex (empty selects all), and with
-        es.perturbation=lowrank only linear-layer weights are (``lowrank.is_target``; needs ``shape``)."""
-        if self.trainable and re.search(self.trainable, name) is None:
-            return False
-        return self.kind.selects(name, shape)
-
-    @property
-    def kind(self) -> Perturbation:
-        """The es.perturbation mode (``es_ray.perturbation``)."""
-        return PERTURBATIONS.get(self.perturbation)
 
 
 @dataclass(frozen=True)

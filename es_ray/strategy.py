@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from es_ray.core.registry import Registry
+
+if TYPE_CHECKING:  # the optimizers' torch is imported where they run (the actors): the driver needs only numpy
+    import torch
 
 SHAPERS = Registry("es.shaping")
 """Fitness shaping functions rewards_n -> fitness_n, by es.shaping name."""
@@ -119,6 +122,8 @@ class Optimizer:
 
     def load_state_dict(self, sd: dict, device: str | torch.device | None = None) -> None:
         """State from ``state_dict`` (a checkpoint is read onto the CPU): every tensor lands on ``device`` in fp32."""
+        import torch
+
         self.t = int(sd["t"])
         self.state = {}  # the old moments go before the new ones are made: a replica reloaded in place holds one set
         self.state = {name: {k: v.detach().to(device=device, dtype=torch.float32, copy=True) for k, v in st.items()}
@@ -134,6 +139,8 @@ def sgd(opt: Optimizer, name: str, theta: torch.Tensor, g: torch.Tensor) -> None
 @OPTIMIZERS.register("adam")
 def adam(opt: Optimizer, name: str, theta: torch.Tensor, g: torch.Tensor) -> None:
     """step = lr * m_hat / (sqrt(v_hat) + eps), Adam's moments of g kept per tensor in fp32."""
+    import torch
+
     b1, b2 = opt.betas
     st = opt.state.get(name)
     if st is None:

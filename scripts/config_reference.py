@@ -36,13 +36,15 @@ def load(path: str):
 
 
 def registries() -> dict[str, Registry]:
-    """Every Registry of the modules that hold option lists, by the config key it checks."""
+    """Every Registry of the modules that hold option lists, by the config key it checks; of several for one key
+    (es.noise: its values, the sources, their memory and draws) the one with the most values (es.noise's, auto
+    included), the first of those found on a tie, whatever order a module binds them in."""
     import importlib
 
     found: dict[str, Registry] = {}
     for name in REGISTRY_MODULES:
         for value in vars(importlib.import_module(name)).values():
-            if isinstance(value, Registry) and value.key not in found:
+            if isinstance(value, Registry) and len(list(value)) > len(list(found.get(value.key, ()))):
                 found[value.key] = value
     return found
 

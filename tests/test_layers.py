@@ -17,10 +17,11 @@ LAYERS = {
     "es_ray.launch": 7,  # the comparison and es-submit: above every method
     "es_ray.es": 6, "es_ray.grpo": 6, "es_ray.evaluation": 6,  # the methods (and the evaluation jobs)
     "es_ray.runtime": 5, "es_ray.held_out": 5,  # one runtime under every method
-    "es_ray.engines": 4, "es_ray.replica": 4, "es_ray.memory_plan": 4,
+    "es_ray.engines": 4, "es_ray.replica": 4, "es_ray.replica_spec": 4, "es_ray.memory_plan": 4,
     "es_ray.tasks": 3, "es_ray.grading": 3, "es_ray.models": 3,
     # pure math
-    "es_ray.noise": 2, "es_ray.strategy": 2, "es_ray.perturbation": 2, "es_ray.lowrank": 2, "es_ray.metrics": 2,
+    "es_ray.noise": 2, "es_ray.noise_kinds": 2, "es_ray.strategy": 2, "es_ray.perturbation": 2, "es_ray.lowrank": 2,
+    "es_ray.metrics": 2,
     "es_ray.grpo.loss": 2,
     "es_ray.core": 1,  # imports nothing of the project but itself
 }
@@ -184,3 +185,25 @@ def test_no_test_module_imports_another():
     bad = [f"tests/{p.name}:{line} imports {name}" for p in tests.values()
            for line, name in imports_of(p.read_text(), set(tests))]
     assert bad == [], "move what they share into tests/helpers.py"
+
+
+def test_the_es_driver_prepares_a_run_without_torch(tiny_model_dir, tmp_path):
+    """es-train's driver sends seeds and reads rewards: its modules, the config's checks and everything ``prepare``
+    does before an actor starts (memory plan, model and task resolved, the perturbation's preflight, the run dir)
+    import no torch, which took 1.2-1.3 s of every command's start (docs/running.md "Start-up and shutdown")."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from es_ray.es.config import replica_spec, to_train_config
+from es_ray.es.driver import preflight_perturbation, run  # noqa: F401
+from es_ray.runtime.loop import prepare
+cfg = to_train_config({{"model": {{"path": {str(tiny_model_dir)!r}}}, "run": {{"dir": {str(tmp_path / "run")!r}}}}})
+prepare(cfg, "es", (), lambda model_dir: preflight_perturbation(cfg, model_dir))
+replica_spec(cfg)
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout[-500:]

@@ -17,7 +17,7 @@ from es_ray.core.registry import Registry
 from es_ray.runtime.validation import validate_trainer
 
 if TYPE_CHECKING:
-    from es_ray.replica import ReplicaSpec
+    from es_ray.replica_spec import ReplicaSpec
 
 ESTIMATORS = Registry("es.estimator", {
     "one_point": "each member's own noise, the update sum_i f_i eps_i / (N sigma) (the paper's)",
@@ -131,7 +131,7 @@ class ESTrainConfig:
 def replica_spec(cfg: ESTrainConfig) -> ReplicaSpec:
     """The replica's settings from the ES config, the one place a ``ReplicaSpec`` is built: each field reads the key
     its metadata names (``es.sigma``, ``run.seed``, ...)."""
-    from es_ray.replica import ReplicaSpec
+    from es_ray.replica_spec import ReplicaSpec
 
     return ReplicaSpec(**{f.name: functools.reduce(getattr, f.metadata["config"].split("."), cfg)
                           for f in fields(ReplicaSpec)})
@@ -139,7 +139,7 @@ def replica_spec(cfg: ESTrainConfig) -> ReplicaSpec:
 
 def validate(cfg: ESTrainConfig) -> ESTrainConfig:
     from es_ray.perturbation import PERTURBATIONS
-    from es_ray.noise import ES_NOISE, NOISE_SCOPES
+    from es_ray.noise_kinds import ES_NOISE, NOISE_SCOPES
     from es_ray.metrics.coverage import FITNESS_BASELINES, check_objective
     from es_ray.strategy import OPTIMIZERS, SHAPERS
 

@@ -241,7 +241,7 @@ def check_noise_devices(cfg: ESTrainConfig, infos: list[dict]) -> None:
     a mixed set whatever the noise: its update is one matmul of the factors (``lowrank.gradient``), whose rounding
     depends on the device's GEMM kernels, so the replicas would differ after the first update."""
     from es_ray.core.config import ConfigError
-    from es_ray.noise import PORTABLE_KINDS
+    from es_ray.noise_kinds import PORTABLE_KINDS
 
     kinds = sorted({i.get("noise", cfg.es.noise) for i in infos})
     devices = sorted({(i.get("device", "cpu"), i.get("sm_count", 0)) for i in infos})

@@ -21,10 +21,12 @@ import os
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from es_ray.es.protocol import SeedRecord, UpdateRequest
+
+if TYPE_CHECKING:  # torch is imported where tensors are read: the driver's seed log and checkpoint list need none
+    import torch
 
 DIGEST_KEY = "sha256"
 STATE_TENSORS = "es_state.tensors"
@@ -133,6 +135,8 @@ class FileTensors(Mapping):
         self.parts: dict[str, tuple[slice, ...]] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        import torch
+
         from es_ray.models import read_tensor
 
         file, key, _ = self.index[name]

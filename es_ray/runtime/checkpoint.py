@@ -26,12 +26,13 @@ import struct
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Callable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from es_ray.core.manifest import (MANIFEST, CheckpointError, open_to_umask, sha256_file, verify_dir,  # noqa: F401
                                   verify_file)
+
+if TYPE_CHECKING:  # imported where tensors are read or written: a driver that lists checkpoints needs none
+    import torch
 
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
@@ -144,6 +145,8 @@ def read_meta(path: str | Path, method: str) -> dict:
 def load_state(path: str | Path, method: str) -> dict:
     """The checkpoint's ``<method>_state.pt``: tensors and plain values only (``weights_only=True``: a pickle that
     would run code is refused), memory-mapped so its tensors are read when used."""
+    import torch
+
     file = Path(path) / state_file(method)
     try:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
@@ -162,6 +165,8 @@ def save_checkpoint(path: str | Path, weights: Mapping[str, torch.Tensor], model
     as <method>_state.pt) and ``meta`` (<method>_meta.json) into the directory ``path``. The weights file is
     written one tensor at a time (``write_fp32_safetensors``): the model directory's other tensors are read one by
     one, never all at once, and no tensor of ``weights`` is copied beyond the one being written."""
+    import torch
+
     path = Path(path)
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     from es_ray.models import read_tensor, safetensors_index
@@ -199,6 +204,8 @@ def write_fp32_safetensors(file: Path, entries: Mapping[str, tuple[tuple[int, ..
     ``publish_dir`` need not read the file again."""
     import hashlib
     from concurrent.futures import ThreadPoolExecutor
+
+    import torch
 
     header: dict = {"__metadata__": metadata}
     offset = 0
