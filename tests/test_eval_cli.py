@@ -190,9 +190,9 @@ def test_one_actor_on_this_machine_is_replaced_by_this_process(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS")
 
     class Running:  # a Ray already running in this process (es-compare's driver between its training stages)
-        here = "127.0.0.2"
-        alive = [here]
-        util = types.SimpleNamespace(get_node_ip_address=lambda: Running.here)
+        node = types.SimpleNamespace(head=True)  # ray._private.worker._global_node: init started it here
+        _private = types.SimpleNamespace(worker=types.SimpleNamespace(_global_node=node))
+        alive = 1
 
         @staticmethod
         def is_initialized():
@@ -200,17 +200,45 @@ def test_one_actor_on_this_machine_is_replaced_by_this_process(monkeypatch):
 
         @staticmethod
         def nodes():
-            return [{"NodeManagerAddress": a, "Alive": True} for a in Running.alive] + [
-                {"NodeManagerAddress": "127.0.0.3", "Alive": False}]  # a node that died does not count
+            return [{"Alive": True}] * Running.alive + [{"Alive": False}]  # a node that died does not count
 
     monkeypatch.setitem(sys.modules, "ray", Running)
-    assert "one-node Ray this process runs" in reason(one, num_actors=2)  # no actor process and its imports
+    assert "one-node Ray this process started" in reason(one, num_actors=2)  # no actor process and its imports
     assert "cluster.num_actors=1" in reason(two, num_actors=1)
     assert reason(two, num_actors=2) == ""
-    Running.alive = [Running.here, "127.0.0.3"]  # a cluster of two nodes: the actors may go to the other one
+    Running.alive = 2  # another node joined: the actors may go there
     assert reason(one, num_actors=2) == ""
-    Running.alive = ["127.0.0.3"]  # connected to a one-node cluster on another machine
+    Running.alive, Running.node.head = 1, False  # a Ray joined by address (`ray start` here): its CPUs are shared
     assert reason(one, num_actors=2) == ""
+
+
+def test_chunks_run_here_put_back_what_the_worker_changed(monkeypatch):
+    """es-compare's driver lives on after an evaluation it ran itself: torch's thread count and the grader's pool
+    are put back, also when a chunk fails."""
+    import torch
+
+    import es_ray.evaluation.es_eval as es_eval
+    import es_ray.grading.mathverify as mathverify
+
+    before = torch.get_num_threads()
+
+    class Worker:  # changes what an EvalWorker changes (Actor's threads, configure_default_pool)
+        def __init__(self, cfg):
+            torch.set_num_threads(before + 1)
+            mathverify.configure_default_pool(1, 5.0)
+
+        def run_chunk(self, chunk):
+            if chunk == "bad":
+                raise RuntimeError("a chunk failed")
+            return {"chunk": chunk}
+
+    monkeypatch.setattr(es_eval, "EvalWorker", Worker)
+    seen: list = []
+    assert es_eval._run_here(EvalJobConfig(), ["a", "b"], seen.append) == [{"chunk": "a"}, {"chunk": "b"}]
+    assert seen == ["a", "b"] and torch.get_num_threads() == before and mathverify._default is None
+    with pytest.raises(RuntimeError, match="a chunk failed"):
+        es_eval._run_here(EvalJobConfig(), ["a", "bad"], seen.append)
+    assert torch.get_num_threads() == before and mathverify._default is None
 
 
 def test_es_eval_with_one_chunk_runs_in_this_process_and_says_so(tiny_model_dir, tmp_path, ray_local):

@@ -6,7 +6,7 @@
 Every problem gets eval.n samples. The work is cut into seeded chunks (``es_ray.evaluation.worker``) that go to
 ``cluster.num_actors`` Ray actors as each becomes free (0: run in this process). Where one actor on this machine
 would do all the work (``in_process_reason``: one chunk, or cluster.num_actors=1, on a local Ray not yet started
-or running here as one node, CPU-only, the transformers engine) the chunks run in this process without an actor,
+or started here with one node, CPU-only, the transformers engine) the chunks run in this process without an actor,
 which the log says; the results are the same (each chunk has its own seed, and the process takes the actor's torch
 threads). The driver computes pass@k, maj@k and the entropy summary and writes results.json, results.md and
 samples.jsonl to run.dir.
@@ -37,9 +37,9 @@ it keeps its actor unless cluster.num_actors=0 asks otherwise)."""
 def in_process_reason(cfg: EvalJobConfig, chunks: list[Chunk]) -> str:
     """Why the chunks run in this process, or "" when they go to Ray actors: cluster.num_actors=0, or one actor on
     this machine would take every chunk (one chunk, or cluster.num_actors=1) on CPU with the transformers engine,
-    the Ray being local (no cluster.address, no RAY_ADDRESS) and either not running yet or running in this process
-    as one node, this machine (es-compare's own Ray between its training stages): starting Ray, or an actor process
-    and its imports (about 5 s on 2 cores), would then only add to the same work done by one worker."""
+    the Ray being local (no cluster.address, no RAY_ADDRESS) and either not running yet or started by this process
+    with no other node (es-compare's own Ray between its training stages): starting Ray, or an actor process and
+    its imports (about 5 s on 2 cores), would then only add to the same work done by one worker."""
     import os
 
     from es_ray.runtime.cluster import LOCAL_ADDRESSES
@@ -55,15 +55,47 @@ def in_process_reason(cfg: EvalJobConfig, chunks: list[Chunk]) -> str:
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return f"{what} for one actor on this machine, so no local Ray is started"
-    if not _one_node_here(ray):
+    if not _started_here_as_one_node(ray):
         return ""
-    return f"{what} for one actor, on the one-node Ray this process runs on this machine, so no actor is started"
+    return f"{what} for one actor, on the one-node Ray this process started, so no actor is started"
 
 
-def _one_node_here(ray) -> bool:
-    """The Ray this process is connected to has one live node, and it is this machine."""
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    return len(nodes) == 1 and nodes[0].get("NodeManagerAddress") == ray.util.get_node_ip_address()
+def _started_here_as_one_node(ray) -> bool:
+    """This process started the Ray it is connected to (``ray.init`` with no address to join: es-compare's own, a
+    test's), and no other node has joined it. A Ray joined by address (``ray start`` on this machine, a cluster)
+    keeps the actors: its CPUs are shared by whoever else uses it."""
+    node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
+    if node is None or not getattr(node, "head", False):  # ray._private.worker: head=True only where init started it
+        return False
+    return sum(1 for n in ray.nodes() if n.get("Alive")) == 1
+
+
+def _run_here(cfg: EvalJobConfig, chunks: list[Chunk], progress) -> list[dict]:
+    """The chunks in this process, as one actor would run them. The process may live on (es-compare's driver goes
+    on to its next stage), so what the worker changed is put back after: torch's thread count (the worker takes
+    the actor's), the model and engine released, the grader's processes ended."""
+    import gc
+
+    import torch
+
+    from es_ray.grading.mathverify import close_default_pool
+
+    threads = torch.get_num_threads()
+    worker = None
+    try:
+        worker = EvalWorker(cfg)
+        out = []
+        for c in chunks:
+            out.append(worker.run_chunk(c))
+            progress(c)
+        return out
+    finally:
+        del worker
+        close_default_pool()
+        torch.set_num_threads(threads)
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
 
 def _run_chunks(cfg: EvalJobConfig, chunks: list[Chunk], progress, in_process: bool | None = None) -> list[dict]:
@@ -73,12 +105,7 @@ def _run_chunks(cfg: EvalJobConfig, chunks: list[Chunk], progress, in_process: b
     if in_process is None:
         in_process = bool(in_process_reason(cfg, chunks))
     if in_process:
-        worker = EvalWorker(cfg)
-        out = []
-        for c in chunks:
-            out.append(worker.run_chunk(c))
-            progress(c)
-        return out
+        return _run_here(cfg, chunks, progress)
     from es_ray.runtime.actors import start_group
     from es_ray.runtime.cluster import connect
     from es_ray.runtime.placement import place

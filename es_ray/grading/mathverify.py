@@ -223,6 +223,16 @@ def configure_default_pool(workers: int, timeout_s: float) -> MathVerifyPool:
         return _default
 
 
+def close_default_pool() -> None:
+    """Close the process's pool (its worker processes end); the next check starts a new one. For a process that
+    lives on after an evaluation it ran itself (es-compare's driver)."""
+    global _default
+    with _default_lock:
+        if _default is not None:
+            _default.close()
+        _default = None
+
+
 def check_one(gold: str, completion: str) -> Grade:
     """A single check; raises GraderFailure on a timeout or crash (the ES worker counts it as a reward error)."""
     grade = default_pool().check([(gold, completion)])[0]
