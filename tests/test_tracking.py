@@ -120,6 +120,22 @@ EXPECTED = {"reward/mean": [(t, 0.5 + t) for t in STEPS], "es/checksums_verified
             "perf/tokens": [(t, 10.0 * t) for t in STEPS]}
 
 
+def test_a_tensorboard_writer_that_cannot_open_fails_the_first_row_not_the_close(tmp_path, monkeypatch):
+    """The writer opens in a thread (its import of torch overlaps the actors' start): an error there is raised by
+    the first row, and a run that stops before any row closes without it."""
+    import torch.utils.tensorboard as tb
+
+    def refuse(*a, **kw):
+        raise PermissionError("tensorboard dir not writable")
+
+    monkeypatch.setattr(tb, "SummaryWriter", refuse)
+    cfg = ESTrainConfig(run=RunConfig(dir=str(tmp_path), trackers=["tensorboard"]))
+    tracker = Tracker(tmp_path, 2, cfg, ["tensorboard"], progress=False)
+    with pytest.raises(PermissionError, match="not writable"):
+        tracker.log(0, {"reward/mean": 0.5})
+    Tracker(tmp_path, 2, cfg, ["tensorboard"], progress=False).close()  # no row: nothing to raise
+
+
 def test_registry_is_the_one_list_of_names():
     assert TRACKERS.names() == ("tensorboard", "wandb", "mlflow")
 

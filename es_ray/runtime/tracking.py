@@ -22,6 +22,7 @@ import math
 import numbers
 import os
 import re
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,23 +71,46 @@ class TensorBoardBackend:
     install = "pip install es-ray (tensorboard is one of its dependencies)"
 
     def __init__(self, run_dir: Path, params: dict[str, Any], job: str):
-        from torch.utils.tensorboard import SummaryWriter
-        from torch.utils.tensorboard.summary import hparams
+        # torch.utils.tensorboard imports torch (1.3 s on 2 cores), which an ES driver needs for nothing else: the
+        # writer is opened in a thread while the run starts its actors, and waited for by the first row. Not a
+        # daemon: an interpreter exiting mid-import could otherwise block on the import lock it holds.
+        self._w = None
+        self._error: BaseException | None = None
+        self._opening = threading.Thread(target=self._open, args=(run_dir, params, job), name="tensorboard-open")
+        self._opening.start()
 
-        self._w = SummaryWriter(str(run_dir / "tensorboard"))
-        # the config as hparams of this run (HPARAMS tab); lists and None as text, which TensorBoard takes. The
-        # metrics declared are scalar tags of this same run: the tab shows their last value and ranks runs by them
-        values = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in params.items()}
-        for summary in hparams(values, dict.fromkeys(ranked_metrics(params, job), 0.0)):
-            self._w.file_writer.add_summary(summary)
+    def _open(self, run_dir: Path, params: dict[str, Any], job: str) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.summary import hparams
+
+            w = SummaryWriter(str(run_dir / "tensorboard"))
+            # the config as hparams of this run (HPARAMS tab); lists and None as text, which TensorBoard takes. The
+            # metrics declared are scalar tags of this same run: the tab shows their last value and ranks runs by
+            # them
+            values = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in params.items()}
+            for summary in hparams(values, dict.fromkeys(ranked_metrics(params, job), 0.0)):
+                w.file_writer.add_summary(summary)
+            self._w = w
+        except BaseException as exc:  # raised where the writer is first needed
+            self._error = exc
+
+    def _writer(self):
+        self._opening.join()
+        if self._error is not None:
+            raise self._error
+        return self._w
 
     def log(self, step: int, metrics: dict, step_key: str) -> None:
+        w = self._writer()
         for k, v in _scalars(metrics).items():
-            self._w.add_scalar(k, v, step)
-        self._w.flush()
+            w.add_scalar(k, v, step)
+        w.flush()
 
-    def close(self) -> None:
-        self._w.close()
+    def close(self) -> None:  # a writer that failed to open said so at the first row; closing never raises it
+        self._opening.join()
+        if self._w is not None:
+            self._w.close()
 
 
 @TRACKERS.register("wandb")
