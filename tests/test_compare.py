@@ -503,4 +503,4 @@ def test_one_method_has_no_pair_to_test_and_says_so():
     from es_ray.launch.compare.report import comparisons
 
     out = comparisons({"methods": {"base": {}}, "problems": {"arithmetic": [0, 1, 2]}}, [1, 4], ["arithmetic"])
-    assert out["tests"] == [] and out["family"] == [] and "one method (base)" in out["why"]
+    assert out["tests"] == [] and out["family"] == [] and "one method with samples of every task (base;" in out["why"]

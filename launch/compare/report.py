@@ -236,8 +236,9 @@ def comparisons(pp: dict, ks: list[int], tasks: list[str]) -> dict:
             pairs.append((my["entropy"][t][:, ok], mx["entropy"][t][:, ok]))
         if all(a.shape[1] >= 2 for a, _ in pairs):
             planned.append((x, y, "entropy", None, pairs))
-    if not planned:  # one method (methods=[es], say): there is no pair to test
-        return {"family": [], "tests": [], "why": f"one method ({', '.join(methods)}): no pair to compare"}
+    if not planned:  # one method (methods=[es], say, or one left with samples.jsonl): there is no pair to test
+        return {"family": [], "tests": [], "why": f"one method with samples of every task ({', '.join(methods)}; "
+                "eval.save_samples=false leaves a method out): no pair to compare"}
     alpha_first = ALPHA / len(planned)
     tests = [_test(x, y, metric, k, pairs, paired_difference_tasks(pairs), power(pairs, alpha=alpha_first))
              for x, y, metric, k, pairs in planned]
