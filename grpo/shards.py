@@ -110,9 +110,9 @@ def load_moments(directory: str | Path, fresh: dict) -> dict:
     names = sorted(path.name for path in directory.iterdir())
     # by world size, then rank: a later complete set beside an earlier partial one is refused too
     sets = moment_sets(directory, names)
-    if len(sets) != 1 or sorted(next(iter(sets.values()))) != list(range(next(iter(sets)))):
+    saved, files = next(iter(sets.items())) if len(sets) == 1 else (0, {})
+    if not files or sorted(files) != list(range(saved)):
         raise unreadable_moments(directory, names)
-    (saved, files), = sets.items()
     with torch.no_grad():
         for name, state in fresh.items():
             for key, value in state.items():

@@ -64,8 +64,11 @@ def _started_here_as_one_node(ray) -> bool:
     """This process started the Ray it is connected to (``ray.init`` with no address to join: es-compare's own, a
     test's), and no other node has joined it. A Ray joined by address (``ray start`` on this machine, a cluster)
     keeps the actors: its CPUs are shared by whoever else uses it."""
-    node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
-    if node is None or not getattr(node, "head", False):  # ray._private.worker: head=True only where init started it
+    try:  # ray._private.worker (Ray 2.60, pinned): the node is a head only where this process's ray.init started it
+        started = ray._private.worker._global_node.head
+    except AttributeError:  # not connected, or a Ray without it: keep the actors
+        return False
+    if not started:
         return False
     return sum(1 for n in ray.nodes() if n.get("Alive")) == 1
 
