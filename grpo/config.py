@@ -143,7 +143,7 @@ def validate_grpo(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
                           "or more")
     if g.beta < 0:
         raise ConfigError(f"grpo.beta={g.beta} must be >= 0 (0 disables the KL term and the reference model)")
-    from es_ray.grpo.loss import ADV_SCALES, LOSS_AGGREGATIONS
+    from es_ray.grpo.loss_kinds import ADV_SCALES, LOSS_AGGREGATIONS
 
     LOSS_AGGREGATIONS.check(g.loss_type)
     ADV_SCALES.check(g.adv_scale)

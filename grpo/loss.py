@@ -10,13 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from es_ray.core.registry import Registry
+from es_ray.grpo.loss_kinds import ADV_SCALES, LOSS_AGGREGATIONS
 
-LOSS_AGGREGATIONS = Registry("grpo.loss_type")
-"""How the per-token loss becomes a scalar (grpo, dr_grpo, dapo); each entry is fn(summed_b, mask, N, max_tokens,
-M) with summed_b the per-sequence token sums."""
-ADV_SCALES = Registry("grpo.adv_scale")
-"""What the centred rewards are divided by: fn(r_pg, centred_pg, eps)."""
 
 def group_advantages(rewards_pg: torch.Tensor, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
     """[P, G] rewards -> [P, G] advantages A = (r - mean_group(r)) / (s + eps).
@@ -48,17 +43,14 @@ def objective_advantages(rewards_pg: torch.Tensor, objective: str, k: int, scale
     return group_advantages(rewards_pg, scale, eps)
 
 
-@ADV_SCALES.register("group")
 def _group_std(r, centred, eps):
     return centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
 
 
-@ADV_SCALES.register("batch")
 def _batch_std(r, centred, eps):
     return centred / (r.std(unbiased=False) + eps)
 
 
-@ADV_SCALES.register("none")
 def _unscaled(r, centred, eps):
     return centred
 
@@ -86,17 +78,14 @@ def aggregate(per_token_bt: torch.Tensor, mask_bt: torch.Tensor, loss_type: str,
     return LOSS_AGGREGATIONS.get(loss_type)(summed_b, mask, n, max_tokens, num_tokens)
 
 
-@LOSS_AGGREGATIONS.register("grpo")
 def _per_sequence_mean(summed_b, mask, n, max_tokens, num_tokens):
     return (summed_b / mask.sum(dim=1).clamp(min=1.0)).sum() / n
 
 
-@LOSS_AGGREGATIONS.register("dr_grpo")
 def _constant_normaliser(summed_b, mask, n, max_tokens, num_tokens):
     return summed_b.sum() / (n * max_tokens)
 
 
-@LOSS_AGGREGATIONS.register("dapo")
 def _token_mean(summed_b, mask, n, max_tokens, num_tokens):
     m = mask.sum() if num_tokens is None else torch.tensor(float(num_tokens), dtype=summed_b.dtype)
     return summed_b.sum() / m.clamp(min=1.0)

@@ -25,7 +25,7 @@ COMMANDS = (("es-train", "es_ray.es.config:ESTrainConfig"), ("grpo-train", "es_r
 REGISTRY_MODULES = ("es_ray.strategy", "es_ray.noise", "es_ray.perturbation", "es_ray.engines", "es_ray.tasks",
                     "es_ray.tasks.countdown", "es_ray.grading.boxed", "es_ray.core.dtypes", "es_ray.runtime.validation",
                     "es_ray.runtime.tracking", "es_ray.es.config", "es_ray.evaluation.config", "es_ray.grpo.config",
-                    "es_ray.grpo.loss", "es_ray.launch.compare.run")
+                    "es_ray.grpo.loss_kinds", "es_ray.launch.compare.run")
 
 
 def load(path: str):

@@ -22,7 +22,7 @@ LAYERS = {
     # pure math
     "es_ray.noise": 2, "es_ray.noise_kinds": 2, "es_ray.strategy": 2, "es_ray.perturbation": 2, "es_ray.lowrank": 2,
     "es_ray.metrics": 2,
-    "es_ray.grpo.loss": 2,
+    "es_ray.grpo.loss": 2, "es_ray.grpo.loss_kinds": 2,
     "es_ray.core": 1,  # imports nothing of the project but itself
 }
 METHODS = ("es_ray.es", "es_ray.grpo", "es_ray.evaluation")
@@ -202,6 +202,28 @@ from es_ray.runtime.loop import prepare
 cfg = to_train_config({{"model": {{"path": {str(tiny_model_dir)!r}}}, "run": {{"dir": {str(tmp_path / "run")!r}}}}})
 prepare(cfg, "es", (), lambda model_dir: preflight_perturbation(cfg, model_dir))
 replica_spec(cfg)
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout[-500:]
+
+
+def test_the_grpo_driver_checks_and_prepares_a_run_without_torch(tiny_model_dir, tmp_path):
+    """grpo-train's driver imports torch only for its first step's advantages: the config's checks (grpo.loss_type
+    and grpo.adv_scale's names are grpo/loss_kinds.py's, not grpo/loss.py's) and ``prepare`` import none; the
+    import took 1.1-1.2 s of every grpo-train's start (docs/running.md "Start-up and shutdown")."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from es_ray.grpo.config import RESUME_FREE, to_grpo_config
+from es_ray.grpo.driver import run  # noqa: F401
+from es_ray.runtime.loop import prepare
+cfg = to_grpo_config({{"model": {{"path": {str(tiny_model_dir)!r}}}, "run": {{"dir": {str(tmp_path / "run")!r}}},
+                      "grpo": {{"loss_type": "dapo", "adv_scale": "batch"}}}})
+prepare(cfg, "grpo", RESUME_FREE)
 print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
