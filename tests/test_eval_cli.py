@@ -168,6 +168,7 @@ def test_one_actor_on_this_machine_is_replaced_by_this_process(monkeypatch):
     from es_ray.evaluation.worker import Chunk
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setitem(sys.modules, "ray", None)  # no Ray imported, so none running (whatever ran before this test)
     one, two = [Chunk("gsm8k", 0, (0, 1), 1)], [Chunk("gsm8k", 0, (0,), 1), Chunk("gsm8k", 1, (1,), 2)]
 
     def reason(chunks, engine="hf", **cluster):
