@@ -187,45 +187,42 @@ def test_no_test_module_imports_another():
     assert bad == [], "move what they share into tests/helpers.py"
 
 
+def torch_modules_after(code: str) -> str:
+    """Runs ``code`` in a fresh interpreter and returns the torch modules it left imported, as a printed list."""
+    import subprocess
+    import sys
+
+    code += '\nimport sys\nprint(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))\n'
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
 def test_the_es_driver_prepares_a_run_without_torch(tiny_model_dir, tmp_path):
     """es-train's driver sends seeds and reads rewards: its modules, the config's checks and everything ``prepare``
     does before an actor starts (memory plan, model and task resolved, the perturbation's preflight, the run dir)
     import no torch, which took 1.2-1.3 s of every command's start (docs/running.md "Start-up and shutdown")."""
-    import subprocess
-    import sys
-
     code = f"""
-import sys
 from es_ray.es.config import replica_spec, to_train_config
 from es_ray.es.driver import preflight_perturbation, run  # noqa: F401
 from es_ray.runtime.loop import prepare
 cfg = to_train_config({{"model": {{"path": {str(tiny_model_dir)!r}}}, "run": {{"dir": {str(tmp_path / "run")!r}}}}})
 prepare(cfg, "es", (), lambda model_dir: preflight_perturbation(cfg, model_dir))
 replica_spec(cfg)
-print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]", out.stdout[-500:]
+    assert torch_modules_after(code) == "[]"
 
 
 def test_the_grpo_driver_checks_and_prepares_a_run_without_torch(tiny_model_dir, tmp_path):
     """grpo-train's driver imports torch only for its first step's advantages: the config's checks (grpo.loss_type
     and grpo.adv_scale's names are grpo/loss_kinds.py's, not grpo/loss.py's) and ``prepare`` import none; the
-    import took 1.1-1.2 s of every grpo-train's start (docs/running.md "Start-up and shutdown")."""
-    import subprocess
-    import sys
-
+    import took 1.3-2.0 s of every grpo-train's start (docs/running.md "Start-up and shutdown")."""
     code = f"""
-import sys
 from es_ray.grpo.config import RESUME_FREE, to_grpo_config
 from es_ray.grpo.driver import run  # noqa: F401
 from es_ray.runtime.loop import prepare
 cfg = to_grpo_config({{"model": {{"path": {str(tiny_model_dir)!r}}}, "run": {{"dir": {str(tmp_path / "run")!r}}},
                       "grpo": {{"loss_type": "dapo", "adv_scale": "batch"}}}})
 prepare(cfg, "grpo", RESUME_FREE)
-print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]", out.stdout[-500:]
+    assert torch_modules_after(code) == "[]"
