@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import flip_byte
@@ -140,18 +141,91 @@ def test_a_published_directory_has_the_mode_the_umask_gives(tmp_path, mask):
     assert (final / "part").stat().st_mode & 0o777 == 0o777 & ~mask
 
 
-@pytest.mark.slow
-def test_the_converted_default_model_has_the_mode_the_umask_gives(tmp_path):
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    """The embedded GGUF converted afresh (not the cache's copy, which an older conversion may have written), under
+    umask 027."""
     from es_ray.models import convert_gguf, embedded_gguf_path
 
     old = os.umask(0o027)
     try:
-        out = convert_gguf(embedded_gguf_path(), tmp_path / "converted")
+        return convert_gguf(embedded_gguf_path(), tmp_path_factory.mktemp("gguf") / "converted")
     finally:
         os.umask(old)
-    assert out.stat().st_mode & 0o777 == 0o750
-    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+
+
+@pytest.mark.slow
+def test_the_converted_default_model_has_the_mode_the_umask_gives(converted):
+    assert converted.stat().st_mode & 0o777 == 0o750
+    modes = {f.name: f.stat().st_mode & 0o777 for f in converted.iterdir()}
     assert modes and all(m == 0o640 for m in modes.values()), modes  # model.safetensors was written 0600
+
+
+@pytest.mark.slow
+def test_the_converted_default_model_holds_the_gguf_tensors_dequantised(converted):
+    """Against the file read by gguf alone: a Q8_0, a Q4_1 and an F32 tensor as they are, and the attention
+    projections through llama.cpp's rotary permutation (convert_hf_to_gguf's ``permute``), every layer's."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from safetensors.torch import load_file
+
+    from es_ray.models import embedded_gguf_path
+
+    tensors = {t.name: t for t in GGUFReader(embedded_gguf_path()).tensors}
+    hf = load_file(converted / "model.safetensors")
+    config = json.loads((converted / "config.json").read_text())
+
+    def gguf_tensor(name: str) -> torch.Tensor:
+        t = tensors[name]
+        data = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        return torch.from_numpy(data).reshape([int(n) for n in reversed(t.shape)])
+
+    def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    assert {tensors[n].tensor_type.name for n in ("token_embd.weight", "blk.0.ffn_down.weight",
+                                                  "blk.0.attn_norm.weight")} == {"Q8_0", "Q4_1", "F32"}
+    assert torch.equal(hf["model.embed_tokens.weight"], gguf_tensor("token_embd.weight"))
+    assert torch.equal(hf["model.layers.0.mlp.down_proj.weight"], gguf_tensor("blk.0.ffn_down.weight"))
+    assert torch.equal(hf["model.layers.0.input_layernorm.weight"], gguf_tensor("blk.0.attn_norm.weight"))
+    for i in range(config["num_hidden_layers"]):
+        q, k = (hf[f"model.layers.{i}.self_attn.{n}_proj.weight"] for n in "qk")
+        assert torch.equal(permute(q, config["num_attention_heads"]), gguf_tensor(f"blk.{i}.attn_q.weight"))
+        assert torch.equal(permute(k, config["num_key_value_heads"]), gguf_tensor(f"blk.{i}.attn_k.weight"))
+        assert torch.equal(hf[f"model.layers.{i}.self_attn.v_proj.weight"], gguf_tensor(f"blk.{i}.attn_v.weight"))
+
+
+def test_a_conversion_reads_the_gguf_once_and_puts_gguf_back(tmp_path):
+    """Within ``_gguf_parsed_once`` the reader of a path and the tensor-name map of an architecture are built once
+    and shared (transformers reads the file for the tokenizer, the config and the weights); gguf's own are back after
+    the block, an error in it included."""
+    import gguf
+
+    from es_ray.models import _gguf_parsed_once
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(tmp_path / "." / "tiny.gguf")) is first
+        assert gguf.GGUFReader(path, "c") is not first  # another mode is another reader
+        assert [t.name for t in first.tensors] == ["token_embd.weight"]
+        name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is name_map
+        assert name_map.get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"  # HF name -> GGUF name
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (real_reader, real_map)
+    assert gguf.GGUFReader(path) is not first
+    with pytest.raises(RuntimeError, match="inside"):
+        with _gguf_parsed_once():
+            raise RuntimeError("inside")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (real_reader, real_map)
 
 
 # -- ES ----------------------------------------------------------------------------------------------------------
