@@ -4,6 +4,8 @@ per-sequence and a token-mean loss (normalised over the whole batch, not per ran
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -102,22 +104,33 @@ def test_sharded_checkpoint_resumes_exactly(tiny_model_dir, ray_local, tmp_path)
         GRPOLearner(config(tiny_model_dir)).load(str(tmp_path / "step_1"))
 
 
-def test_grpo_run_with_two_learner_ranks_ends_where_one_rank_does(tiny_model_dir, ray_local, tmp_path):
+def run_cfg(model_dir, run_dir, **grpo):
+    """A two-step GRPO run on the tiny model (one rollout actor, fp32 engine); ``grpo`` overrides its section."""
+    return to_grpo_config({
+        "model": {"path": str(model_dir)}, "task": {"name": "arithmetic", "train_size": 4},
+        "grpo": {"steps": 2, "lr": 1e-3, "group_size": 2, "prompts_per_step": 2, "micro_batch_size": 4, **grpo},
+        "sampling": {"max_new_tokens": 4, "temperature": 1.0}, "engine": {"threads": 1, "dtype": "float32"},
+        "cluster": {"num_actors": 1, "cpus_per_actor": 0.5}, "eval": {"every": 0},
+        "run": {"dir": str(run_dir), "progress": False, "trackers": []}})
+
+
+@pytest.fixture(scope="module")
+def separate_run(tiny_model_dir, ray_local, tmp_path_factory) -> dict:
+    """The reference both variants below are held against: one learner rank and one rollout actor, each its own
+    actor (grpo.fsdp_size=1, grpo.colocate=false, the defaults). Run once for the module; the tests only read it."""
+    from es_ray.grpo.driver import run
+
+    return run(run_cfg(tiny_model_dir, tmp_path_factory.mktemp("grpo-fsdp") / "separate"))
+
+
+def test_grpo_run_with_two_learner_ranks_ends_where_one_rank_does(tiny_model_dir, ray_local, tmp_path,
+                                                                    separate_run):
     """The whole loop (rollouts, sharded learner, sync layer by layer from the shards, the probe, the final
     checkpoint): two steps with grpo.fsdp_size=2 against grpo.fsdp_size=1, the same seeds."""
     from es_ray.models import load_hf_weights
     from es_ray.grpo.driver import run
 
-    def cfg(fsdp, name):
-        return to_grpo_config({
-            "model": {"path": str(tiny_model_dir)}, "task": {"name": "arithmetic", "train_size": 4},
-            "grpo": {"steps": 2, "lr": 1e-3, "group_size": 2, "prompts_per_step": 2, "micro_batch_size": 4,
-                     "fsdp_size": fsdp},
-            "sampling": {"max_new_tokens": 4, "temperature": 1.0}, "engine": {"threads": 1, "dtype": "float32"},
-            "cluster": {"num_actors": 1, "cpus_per_actor": 0.5}, "eval": {"every": 0},
-            "run": {"dir": str(tmp_path / name), "progress": False, "trackers": []}})
-
-    one, two = run(cfg(1, "one")), run(cfg(2, "two"))
+    one, two = separate_run, run(run_cfg(tiny_model_dir, tmp_path / "two", fsdp_size=2))
     assert one["reward_mean"] == two["reward_mean"]  # the same samples: the weights agreed at every sync
     w1, w2 = load_hf_weights(one["final_checkpoint"]), load_hf_weights(two["final_checkpoint"])
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < TOL
@@ -125,26 +138,18 @@ def test_grpo_run_with_two_learner_ranks_ends_where_one_rank_does(tiny_model_dir
     assert all(m["sync/max_logprob_diff"] < 1e-4 and m["sync/bytes"] > 0 for m in metrics)
 
 
-def test_colocated_run_ends_where_the_separate_one_does(tiny_model_dir, ray_local, tmp_path):
+def test_colocated_run_ends_where_the_separate_one_does(tiny_model_dir, ray_local, tmp_path, separate_run):
     """grpo.colocate=true: one actor holds the learner and the rollout engine; the same steps give the same weights
     (fp32), and the ledger counts one actor's devices instead of two."""
     from es_ray.models import load_hf_weights
     from es_ray.grpo.driver import run
 
-    def cfg(colocate, name):
-        return to_grpo_config({
-            "model": {"path": str(tiny_model_dir)}, "task": {"name": "arithmetic", "train_size": 4},
-            "grpo": {"steps": 2, "lr": 1e-3, "group_size": 2, "prompts_per_step": 2, "micro_batch_size": 4,
-                     "colocate": colocate},
-            "sampling": {"max_new_tokens": 4, "temperature": 1.0}, "engine": {"threads": 1, "dtype": "float32"},
-            "cluster": {"num_actors": 1, "cpus_per_actor": 0.5}, "eval": {"every": 0},
-            "run": {"dir": str(tmp_path / name), "progress": False, "trackers": []}})
-
-    apart, together = run(cfg(False, "apart")), run(cfg(True, "together"))
+    apart, together = separate_run, run(run_cfg(tiny_model_dir, tmp_path / "together", colocate=True))
     assert apart["reward_mean"] == together["reward_mean"]
     w1, w2 = load_hf_weights(apart["final_checkpoint"]), load_hf_weights(together["final_checkpoint"])
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < TOL
-    ledgers = [__import__("json").loads((tmp_path / n / "ledger.json").read_text()) for n in ("apart", "together")]
+    ledgers = [__import__("json").loads((Path(d) / "ledger.json").read_text())
+               for d in (apart["run_dir"], tmp_path / "together")]
     roles = [sorted(a["role"] for a in led["actors"].values()) for led in ledgers]
     assert roles == [["learner", "rollout"], ["learner+rollout"]]
 

@@ -21,33 +21,44 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_actors_equal_one_actor_bit_for_bit(ray_local, tiny_model_dir, tmp_path):
-    one = run(tiny_cfg(tiny_model_dir, tmp_path / "one"))
-    two = run(tiny_cfg(tiny_model_dir, tmp_path / "two", cluster__num_actors=2))
+@pytest.fixture(scope="module")
+def default_runs(ray_local, tiny_model_dir, tmp_path_factory) -> dict:
+    """tiny_cfg's run with one actor (a checkpoint every iteration) and with two (none between): the same seed, so
+    the same run. Run once for the module; the tests below only read them."""
+    root = tmp_path_factory.mktemp("ray-es")
+    return {"one": run(tiny_cfg(tiny_model_dir, root / "one", run__checkpoint_every=1)),
+            "two": run(tiny_cfg(tiny_model_dir, root / "two", cluster__num_actors=2))}
+
+
+def test_two_actors_equal_one_actor_bit_for_bit(default_runs, tiny_model_dir):
+    one, two = default_runs["one"], default_runs["two"]
     w1 = load_file(Path(one["final_checkpoint"]) / "model.safetensors")
     w2 = load_file(Path(two["final_checkpoint"]) / "model.safetensors")
     base = load_file(Path(tiny_model_dir) / "model.safetensors")
     assert w1.keys() == w2.keys()
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
     assert any(not torch.equal(w1[k], base[k].float()) for k in w1), "training did not change the weights"
-    logs = [[json.loads(x) for x in (tmp_path / d / "seed_log.jsonl").read_text().splitlines()] for d in ("one", "two")]
+    logs = [[json.loads(x) for x in (Path(r["run_dir"]) / "seed_log.jsonl").read_text().splitlines()]
+            for r in (one, two)]
     assert [r["checksum"] for r in logs[0]] == [r["checksum"] for r in logs[1]]
     assert [r["rewards"] for r in logs[0]] == [r["rewards"] for r in logs[1]]
-    rows = _metrics(tmp_path / "two")
+    rows = _metrics(Path(two["run_dir"]))
     assert all(r["es/checksums_verified"] for r in rows) and len(rows) == 3
     for key in ("reward/mean", "reward/std", "es/update_norm", "perf/tokens_per_s", "timing_s/generate"):
         assert key in rows[0]
 
 
-def test_same_seed_same_run_and_checkpoint_loads(ray_local, tiny_model_dir, tmp_path):
+def test_same_seed_same_run_and_checkpoint_loads(default_runs):
+    """The same seed gives the same weights whatever else differs (the actor count, a checkpoint written every
+    iteration or none); the intermediate and final checkpoints are there, and the final one loads as an HF model."""
     from transformers import AutoModelForCausalLM
 
-    a = run(tiny_cfg(tiny_model_dir, tmp_path / "a", es__iterations=2, run__checkpoint_every=1))
-    b = run(tiny_cfg(tiny_model_dir, tmp_path / "b", es__iterations=2))
+    a, b = default_runs["one"], default_runs["two"]
     wa = load_file(Path(a["final_checkpoint"]) / "model.safetensors")
     wb = load_file(Path(b["final_checkpoint"]) / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert (tmp_path / "a" / "checkpoints" / "iter_000001" / "model.safetensors").is_file()
+    assert (Path(a["run_dir"]) / "checkpoints" / "iter_000001" / "model.safetensors").is_file()
+    assert not (Path(b["run_dir"]) / "checkpoints" / "iter_000001").exists()
     model = AutoModelForCausalLM.from_pretrained(a["final_checkpoint"])
     sd = model.state_dict()
     assert torch.equal(sd["model.layers.0.mlp.up_proj.weight"], wa["model.layers.0.mlp.up_proj.weight"])
