@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Mapping
@@ -51,31 +52,38 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+_GGUF_PATCHED = threading.RLock()
+"""Held while ``_gguf_parsed_once`` has gguf's attributes replaced: conversions in two threads take turns."""
+
+
 @contextmanager
 def _gguf_parsed_once() -> Iterator[None]:
-    """transformers reads a GGUF file's metadata anew for the tokenizer, for the config and for the weights (each a
-    ``gguf.GGUFReader``: 4 s for the embedded model's 49k-token vocabulary on a 2-core CPU), and builds llama.cpp's
-    tensor-name map once per module of the model (``gguf.get_tensor_name_map``, about 400 times, 4 s). Both are
-    only read, so within the block each is built once per path (or architecture and depth) and shared: the same
-    files come out, byte for byte, in half the time. transformers imports both from ``gguf`` where it uses them
-    (transformers.modeling_gguf_pytorch_utils), so the module's attributes are what it finds; they are put back
-    after."""
+    """transformers (5.19, pinned) opens a GGUF file three times with ``gguf.GGUFReader`` for one conversion (the
+    tokenizer's config, the model's config, the weights), each parse 4 s for the embedded model on a 2-core CPU,
+    and builds llama.cpp's tensor-name map once per module of the model (``gguf.get_tensor_name_map``, about 400
+    times, 4 s). Both are only read, so within the block each is built once per path (or architecture and depth)
+    and shared: the same files come out, byte for byte, in half the time (the tokenizer's vocabulary is read by
+    transformers' own reader, not shared). transformers imports both from ``gguf`` inside the functions that use
+    them (transformers.modeling_gguf_pytorch_utils), so the module's attributes are what it finds; gguf's own,
+    from the submodules that define them, are put back after."""
     import gguf
+    from gguf.gguf_reader import GGUFReader
+    from gguf.tensor_mapping import get_tensor_name_map
 
-    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict = {}
 
     def reader(path, mode="r"):
         key = (os.path.realpath(path), mode)
         if key not in readers:
-            readers[key] = real_reader(path, mode)
+            readers[key] = GGUFReader(path, mode)
         return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(real_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+    with _GGUF_PATCHED:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(get_tensor_name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = GGUFReader, get_tensor_name_map
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:

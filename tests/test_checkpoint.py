@@ -163,10 +163,10 @@ def test_the_converted_default_model_has_the_mode_the_umask_gives(converted):
 
 @pytest.mark.slow
 def test_the_converted_default_model_holds_the_gguf_tensors_dequantised(converted):
-    """Against the file read by gguf alone: a Q8_0, a Q4_1 and an F32 tensor as they are, and the attention
-    projections through llama.cpp's rotary permutation (convert_hf_to_gguf's ``permute``), every layer's."""
-    import numpy as np
-    from gguf import GGUFReader, dequantize
+    """Every tensor against the file read by gguf alone, through llama.cpp's name map: as it is (the embedding a
+    Q8_0, the projections Q4_1, the norms F32), q and k through llama.cpp's rotary permutation (convert_hf_to_gguf's
+    ``permute``); the LM head tied to the embedding."""
+    from gguf import MODEL_ARCH, GGUFReader, get_tensor_name_map
     from safetensors.torch import load_file
 
     from es_ray.models import embedded_gguf_path
@@ -174,58 +174,136 @@ def test_the_converted_default_model_holds_the_gguf_tensors_dequantised(converte
     tensors = {t.name: t for t in GGUFReader(embedded_gguf_path()).tensors}
     hf = load_file(converted / "model.safetensors")
     config = json.loads((converted / "config.json").read_text())
+    names = get_tensor_name_map(MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
 
-    def gguf_tensor(name: str) -> torch.Tensor:
-        t = tensors[name]
-        data = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        return torch.from_numpy(data).reshape([int(n) for n in reversed(t.shape)])
+    def permute(w: torch.Tensor, n: int) -> torch.Tensor:
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-    def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
-        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
+    assert config["tie_word_embeddings"] and "lm_head.weight" not in hf
+    seen = set()
+    for key, weight in hf.items():
+        gguf_name = names.get_name(key.removesuffix(".weight")) + ".weight"
+        t = tensors[gguf_name]
+        from_gguf = torch.from_numpy(np.array(gguf_dequantize(t), dtype=np.float32)).reshape(
+            [int(n) for n in reversed(t.shape)])
+        proj = key.split(".")[-2]
+        assert torch.equal(permute(weight, heads[proj]) if proj in heads else weight, from_gguf), key
+        seen.add(gguf_name)
+    assert seen == set(tensors)  # every tensor of the file, each once
     assert {tensors[n].tensor_type.name for n in ("token_embd.weight", "blk.0.ffn_down.weight",
                                                   "blk.0.attn_norm.weight")} == {"Q8_0", "Q4_1", "F32"}
-    assert torch.equal(hf["model.embed_tokens.weight"], gguf_tensor("token_embd.weight"))
-    assert torch.equal(hf["model.layers.0.mlp.down_proj.weight"], gguf_tensor("blk.0.ffn_down.weight"))
-    assert torch.equal(hf["model.layers.0.input_layernorm.weight"], gguf_tensor("blk.0.attn_norm.weight"))
-    for i in range(config["num_hidden_layers"]):
-        q, k = (hf[f"model.layers.{i}.self_attn.{n}_proj.weight"] for n in "qk")
-        assert torch.equal(permute(q, config["num_attention_heads"]), gguf_tensor(f"blk.{i}.attn_q.weight"))
-        assert torch.equal(permute(k, config["num_key_value_heads"]), gguf_tensor(f"blk.{i}.attn_k.weight"))
-        assert torch.equal(hf[f"model.layers.{i}.self_attn.v_proj.weight"], gguf_tensor(f"blk.{i}.attn_v.weight"))
 
 
-def test_a_conversion_reads_the_gguf_once_and_puts_gguf_back(tmp_path):
-    """Within ``_gguf_parsed_once`` the reader of a path and the tensor-name map of an architecture are built once
-    and shared (transformers reads the file for the tokenizer, the config and the weights); gguf's own are back after
-    the block, an error in it included."""
+def gguf_dequantize(t):
+    from gguf import dequantize
+
+    return dequantize(t.data, t.tensor_type)
+
+
+def _tiny_llama_gguf(path: Path) -> Path:
+    """A 2-layer Llama GGUF with a 40-token BPE vocabulary: Q8_0 projections and embedding, F32 norms."""
     import gguf
 
-    from es_ray.models import _gguf_parsed_once
+    hidden, ffn, layers, vocab, heads, kv_heads = 64, 128, 2, 40, 4, 2
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny")
+    w.add_block_count(layers)
+    w.add_context_length(128)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_rope_freq_base(10000.0)
+    tokens = [chr(ord("a") + i) for i in range(26)] + ["ab", "bc", "cd", "<s>", "</s>", "<unk>", "de", "ef", "fg",
+                                                       "gh", "hi", "ij", "jk", "kl"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * vocab)
+    w.add_token_merges(["a b", "b c", "c d", "d e", "e f"])
+    w.add_bos_token_id(29)
+    w.add_eos_token_id(30)
+    rng = np.random.default_rng(0)
+    q8 = gguf.GGMLQuantizationType.Q8_0
 
-    path = tmp_path / "tiny.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(2)
-    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    with _gguf_parsed_once():
-        first = gguf.GGUFReader(path)
-        assert gguf.GGUFReader(str(tmp_path / "." / "tiny.gguf")) is first
-        assert gguf.GGUFReader(path, "c") is not first  # another mode is another reader
-        assert [t.name for t in first.tensors] == ["token_embd.weight"]
-        name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
-        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is name_map
-        assert name_map.get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"  # HF name -> GGUF name
-    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (real_reader, real_map)
-    assert gguf.GGUFReader(path) is not first
+    def add(name, shape, quantised=True):
+        a = rng.standard_normal(shape).astype(np.float32)
+        if quantised:
+            w.add_tensor(name, gguf.quants.quantize(a, q8), raw_dtype=q8)
+        else:
+            w.add_tensor(name, a)
+
+    add("token_embd.weight", (vocab, hidden))
+    add("output_norm.weight", (hidden,), quantised=False)
+    for i in range(layers):
+        add(f"blk.{i}.attn_norm.weight", (hidden,), quantised=False)
+        add(f"blk.{i}.ffn_norm.weight", (hidden,), quantised=False)
+        kv = hidden // heads * kv_heads
+        for name, shape in [("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)),
+                            ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
+                            ("ffn_down", (hidden, ffn))]:
+            add(f"blk.{i}.{name}.weight", shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_conversion_reads_the_gguf_once_and_writes_the_same_files(tmp_path, monkeypatch):
+    """convert_gguf on a tiny Llama GGUF: gguf's reader opens the file once and llama.cpp's name map is built
+    once (without the sharing: three readers, a map per module), and the files are byte for byte those of a
+    conversion without it. gguf's own reader and map are back after, and after an error in the block."""
+    import contextlib
+    import hashlib
+
+    import gguf
+    from gguf.gguf_reader import GGUFReader
+    from gguf.tensor_mapping import get_tensor_name_map
+
+    from es_ray import models
+
+    src = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    calls = {"reader": 0, "map": 0}
+
+    def counted_reader(*args, **kwargs):
+        calls["reader"] += 1
+        return GGUFReader(*args, **kwargs)
+
+    def counted_map(*args, **kwargs):
+        calls["map"] += 1
+        return get_tensor_name_map(*args, **kwargs)
+
+    def convert(name: str) -> dict:
+        calls.update(reader=0, map=0)
+        with monkeypatch.context() as m:  # the counters stand in for gguf's own, where they are defined and exported
+            for where in ("gguf.gguf_reader", "gguf"):
+                m.setattr(f"{where}.GGUFReader", counted_reader)
+            for where in ("gguf.tensor_mapping", "gguf"):
+                m.setattr(f"{where}.get_tensor_name_map", counted_map)
+            out = models.convert_gguf(src, tmp_path / name)
+            assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (counted_reader, counted_map)  # put back
+        return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in out.iterdir()
+                if f.name != "es_ray_source.json"} | {"counts": dict(calls)}
+
+    shared = convert("shared")
+    with monkeypatch.context() as m:
+        m.setattr(models, "_gguf_parsed_once", contextlib.nullcontext)
+        plain = convert("plain")
+    assert shared.pop("counts") == {"reader": 1, "map": 1}
+    counts = plain.pop("counts")
+    assert counts["reader"] == 3 and counts["map"] > 10, counts
+    assert shared == plain and "model.safetensors" in shared
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (GGUFReader, get_tensor_name_map)
     with pytest.raises(RuntimeError, match="inside"):
-        with _gguf_parsed_once():
+        with models._gguf_parsed_once():
+            assert gguf.GGUFReader is not GGUFReader
             raise RuntimeError("inside")
-    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (real_reader, real_map)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (GGUFReader, get_tensor_name_map)
 
 
 # -- ES ----------------------------------------------------------------------------------------------------------
