@@ -23,7 +23,7 @@ from es_ray.grpo.config import GRPOTrainConfig
 from es_ray.grpo import shards
 from es_ray.grpo.shards import load_moments, save_moments
 
-from es_ray.runtime.actors import Actor, actor_threads, once
+from es_ray.runtime.actors import Actor, Tensors, actor_threads, once
 from es_ray.runtime.checkpoint import meta_file, state_file
 
 STATE_FILE = state_file("grpo")
@@ -375,13 +375,14 @@ class GRPOLearner(Actor):
 
     def weight_chunk(self, k: int, dtype: str, everywhere: bool = False) -> dict:
         """Chunk ``k`` of the weights (a transformer layer, or one other tensor) by HF name, cast to ``dtype`` (the
-        rollout engine's) on the learner's device, then copied to the CPU: the sync sends the engine's bytes."""
+        rollout engine's) on the learner's device, then copied to the CPU: the sync sends the engine's bytes (as
+        ``Tensors``, which Ray moves without pickling each tensor's storage)."""
         from es_ray.core.dtypes import resolve_dtype
 
         dt = resolve_dtype(dtype, self.device)
         # sharded: every rank takes part in each gather (full_tensor, once per tensor); rank 0's copy is sent
         out = {n: shards.full(self.named[n].detach()).to(dtype=dt).to("cpu", copy=True) for n in self.chunks[k]}
-        return out if self.rank == 0 or everywhere else {}
+        return Tensors(out if self.rank == 0 or everywhere else {})
 
     def probe_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
         """log p of each probe completion token as the learner scores its batches (same precision, temperature and
