@@ -68,18 +68,24 @@ class Tensors(dict):
         import torch
 
         names = list(self)
-        tensors = [self[n].detach().to("cpu").contiguous() for n in names]
+        tensors = [self[n].detach().to("cpu").resolve_conj().resolve_neg().contiguous() for n in names]
         return _tensors_from_bytes, (names, [str(t.dtype).removeprefix("torch.") for t in tensors],
                                      [tuple(t.shape) for t in tensors],
                                      [t.reshape(-1).view(torch.uint8).numpy() for t in tensors])
 
 
 def _tensors_from_bytes(names: list, dtypes: list, shapes: list, arrays: list) -> Tensors:
+    """Each tensor allocated here and its bytes copied in (an empty one has none: NumPy gives it stride 0, which
+    a dtype view refuses)."""
     import numpy as np
     import torch
 
-    return Tensors({n: torch.from_numpy(np.array(a, copy=True)).view(getattr(torch, d)).reshape(s)
-                    for n, d, s, a in zip(names, dtypes, shapes, arrays)})
+    out = Tensors()
+    for name, dtype, shape, array in zip(names, dtypes, shapes, arrays):
+        t = out[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+        if t.numel():
+            np.copyto(t.view(-1).view(torch.uint8).numpy(), array)
+    return out
 
 
 def actor_threads(engine, cluster) -> int:
