@@ -20,6 +20,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -81,6 +82,8 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=0, help="nice-0 busy loops beside every run")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--iterations", type=int, default=4, help="timed iterations per run (one more is the warm-up)")
+    ap.add_argument("--keep", action="store_true", help="keep the runs' directories (each holds a checkpoint of "
+                    "the model; removed at the end otherwise)")
     ap.add_argument("overrides", nargs="*", help="es-train overrides both runs take, after --")
     args = ap.parse_args()
     sides = {"A": (args.overrides + args.a, parse_env(args.a_env)),
@@ -90,19 +93,23 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="es-run-ab-"))
     keys = ("iteration_s", "tokens_per_s", "wall_s")
     ratios: dict[str, list[float]] = {k: [] for k in keys}
-    for pair in range(args.pairs):
-        got = {}
-        for name in ("A", "B") if pair % 2 == 0 else ("B", "A"):
-            overrides, env = sides[name]
-            got[name] = run(overrides, env, args.busy, args.iterations + 1, root / f"{pair}-{name}")
-            print(f"pair {pair} {name}: iteration {got[name]['iteration_s']:.2f} s, {got[name]['tokens_per_s']:.1f} "
-                  f"tok/s, command {got[name]['wall_s']:.1f} s", flush=True)
-        for k in keys:
-            ratios[k].append(got["B"][k] / got["A"][k])
+    try:
+        for pair in range(args.pairs):
+            got = {}
+            for name in ("A", "B") if pair % 2 == 0 else ("B", "A"):
+                overrides, env = sides[name]
+                got[name] = run(overrides, env, args.busy, args.iterations + 1, root / f"{pair}-{name}")
+                print(f"pair {pair} {name}: iteration {got[name]['iteration_s']:.2f} s, "
+                      f"{got[name]['tokens_per_s']:.1f} tok/s, command {got[name]['wall_s']:.1f} s", flush=True)
+            for k in keys:
+                ratios[k].append(got["B"][k] / got["A"][k])
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
     for k in keys:
         print(f"B / A {k}: median {statistics.median(ratios[k]):.3f} "
               f"(pairs {', '.join(f'{r:.3f}' for r in ratios[k])})")
-    print(f"runs under {root}")
+    print(f"runs under {root}" if args.keep else "runs removed (--keep keeps them)")
 
 
 if __name__ == "__main__":
