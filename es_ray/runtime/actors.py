@@ -67,9 +67,11 @@ class Tensors(dict):
     def __reduce__(self):
         import torch
 
+        from es_ray.core.dtypes import dtype_name
+
         names = list(self)
         tensors = [self[n].detach().to("cpu").resolve_conj().resolve_neg().contiguous() for n in names]
-        return _tensors_from_bytes, (names, [str(t.dtype).removeprefix("torch.") for t in tensors],
+        return _tensors_from_bytes, (names, [dtype_name(t.dtype) for t in tensors],
                                      [tuple(t.shape) for t in tensors],
                                      [t.reshape(-1).view(torch.uint8).numpy() for t in tensors])
 
