@@ -248,6 +248,7 @@ class GRPORun(Training):
     ``step`` (generate, advantages, optimizer step, weight sync), checkpoints come from the learner."""
 
     method, unit, checkpoint_prefix = "grpo", "step", "step"
+    checkpoint_copies = 3  # the fp32 weights and AdamW's two moments
 
     def __init__(self, cfg: GRPOTrainConfig, run_dir: Path, start: int, history: list[dict], ckpt: Path | None):
         super().__init__(cfg, run_dir, cfg.grpo.steps, start, history)

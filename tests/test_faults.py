@@ -64,11 +64,27 @@ def test_actor_killed_in_the_update_and_a_hung_actor_are_replaced(clean_run, tin
     assert not alive_es_actors()
 
 
+def test_memory_killed_actor_is_replaced_and_the_run_is_unchanged(clean_run, tiny_model_dir, tmp_path, capsys):
+    """Actor 1's evaluation of iteration 1 fails with Ray's OutOfMemoryError (its memory monitor's message): the
+    actor is replaced as a dead one is, the log line says what used the memory and which key lowers it, and the
+    run ends bit for bit where the undisturbed one does."""
+    cfg = faulty_cfg(tiny_model_dir, tmp_path, faults__kill_actor_at_iteration=1, faults__kill_actor_by="oom",
+                     faults__actor_rank=1)
+    assert_same_weights(final_weights(run(cfg)), clean_run[1])
+    rows = log_rows(tmp_path, "metrics.jsonl")
+    assert rows[1]["recovery/replacements"] == 1 and rows[1]["recovery/replayed"] == 1
+    out = capsys.readouterr().out
+    assert "killed by Ray's memory monitor during evaluate" in out and "cluster.num_actors=" in out
+    assert "the killed worker pid" in out and "threshold 0.95" in out
+    assert not alive_es_actors()
+
+
 @pytest.mark.parametrize("over, key", [
     ({"faults__kill_actor_at_iteration": 9}, "faults.kill_actor_at_iteration"),
     ({"faults__corrupt_replica_at_iteration": -2}, "faults.corrupt_replica_at_iteration"),
     ({"faults__actor_rank": 2}, "faults.actor_rank"),
     ({"faults__kill_actor_phase": "generate"}, "faults.kill_actor_phase"),
+    ({"faults__kill_actor_by": "sigkill"}, "faults.kill_actor_by"),
     ({"faults__hang_actor_at_iteration": 1, "faults__actor_timeout_s": 0.0}, "faults.actor_timeout_s"),
     ({"es__on_mismatch": "ignore"}, "es.on_mismatch"),
     ({"run__resume": True, "run__dir": ""}, "run.resume"),

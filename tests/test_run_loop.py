@@ -376,3 +376,146 @@ def test_a_full_disk_stops_the_run_in_one_line_naming_the_fix(where, tmp_path, m
     stop = writes[-1]
     assert stop == ("signal SIGTERM" if where == "stop_checkpoint" else "error: OSError: [Errno 28] No space left "
                                                                          "on device")
+
+
+# -- checkpoints in bounds (run.keep_checkpoints, the disk check, an extended run's earlier final) ---------------
+
+
+class Writing(StandIn):
+    """A stand-in whose checkpoints are real published directories (a 1000-byte file and the meta)."""
+
+    def save(self, path, done):
+        from es_ray.runtime.checkpoint import meta_file, publish_dir, staging_dir
+
+        tmp = staging_dir(path)
+        (tmp / "model.safetensors").write_bytes(bytes(1000))
+        (tmp / meta_file("grpo")).write_text(json.dumps({"step": done}))
+        self.calls.append(("save", path.name, done))
+        return str(publish_dir(tmp, path))
+
+
+def _names(run_dir):
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith("."))
+
+
+def test_keep_checkpoints_keeps_the_newest_and_final(tmp_path, capsys):
+    Writing(config(tmp_path, checkpoint_every=1, keep_checkpoints=2), tmp_path, total=5).run()
+    assert _names(tmp_path) == ["final", "step_000003", "step_000004"]
+    assert "removed step_000001 (run.keep_checkpoints=2 keeps the newest and final)" in capsys.readouterr().out
+    every = tmp_path / "all"
+    every.mkdir()
+    Writing(config(every, checkpoint_every=1, keep_checkpoints=0), every, total=5).run()
+    assert _names(every) == ["final", *(f"step_{n:06d}" for n in range(1, 5))]
+
+
+def test_a_stop_time_checkpoint_counts_against_the_bound(tmp_path):
+    job = Writing(config(tmp_path, checkpoint_every=1, keep_checkpoints=1), tmp_path, total=5, interrupt_at=3)
+    with pytest.raises(SystemExit):
+        job.run()
+    assert _names(tmp_path) == ["step_000003"]
+
+
+def test_extending_a_finished_run_keeps_its_earlier_final(tmp_path, capsys):
+    from es_ray.runtime.checkpoint import read_meta, verify_dir
+
+    Writing(config(tmp_path), tmp_path, total=3).run()
+    inode = (tmp_path / "checkpoints" / "final" / "model.safetensors").stat().st_ino
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    Writing(config(tmp_path, resume=True), tmp_path, total=5, start=3, history=rows).run()
+    assert _names(tmp_path) == ["final", "step_000003"]
+    kept = tmp_path / "checkpoints" / "step_000003"
+    verify_dir(kept)  # its manifest went along: it loads as any checkpoint
+    assert read_meta(kept, "grpo")["step"] == 3 and read_meta(tmp_path / "checkpoints" / "final", "grpo")["step"] == 5
+    assert (kept / "model.safetensors").stat().st_ino == inode  # a hard link: no second copy on disk
+    assert "the earlier final (3 steps) is kept as step_000003" in capsys.readouterr().out
+
+
+class Estimated(StandIn):
+    checkpoint_copies = 3
+
+    def estimate_bytes(self):
+        return 10**9
+
+
+def test_the_disk_a_checkpoint_needs_is_printed_and_checked(tmp_path, capsys, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    Estimated(config(tmp_path, checkpoint_every=1, keep_checkpoints=2), tmp_path, total=5).run()
+    out = capsys.readouterr().out
+    assert "a checkpoint takes 1.00 GB (3 fp32 copies of the weights); 2 numbered (run.keep_checkpoints=2) + final + " \
+           "one being written need 4.00 GB more" in out
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**10, 10**10 - 3 * 10**9, 3 * 10**9))
+    (tmp_path / "small").mkdir()
+    (tmp_path / "one").mkdir()
+    job = Estimated(config(tmp_path / "small", checkpoint_every=1, keep_checkpoints=2), tmp_path / "small", total=5)
+    with pytest.raises(ConfigError, match=r"need 4\.00 GB more, 3\.00 GB free .*cannot fit.*run\.keep_checkpoints=1"):
+        job.run()
+    assert not job.calls  # refused before anything started
+    Estimated(config(tmp_path / "one", checkpoint_every=1, keep_checkpoints=1), tmp_path / "one", total=5).run()
+
+
+def test_a_negative_keep_checkpoints_is_refused_naming_the_key(tmp_path):
+    from es_ray.runtime.validation import validate_run
+
+    with pytest.raises(ConfigError, match=r"run\.keep_checkpoints=-1 must be >= 0"):
+        validate_run(config(tmp_path, keep_checkpoints=-1).run)
+
+
+# -- a stop during a long step keeps it (faults.stop_timeout_s covers the step, then the checkpoint apart) --------
+
+_LONG_STEP = """
+import dataclasses, json, os, signal, sys, time
+from pathlib import Path
+import ray  # imported now: the watchdog's own import of it would otherwise add its seconds to the grace
+import es_ray.runtime.cluster as cluster
+cluster.connect = lambda c, verbose=False: None
+from es_ray.es.config import ESTrainConfig
+from es_ray.runtime.loop import Training
+
+run_dir = Path(sys.argv[1])
+
+class Long(Training):
+    method, unit, checkpoint_prefix = "grpo", "step", "step"
+    def start_actors(self, guard): pass
+    def step(self, t, guard):
+        if t == 1:  # the signal comes while the learner's step runs; it returns 4 s later, within the 6 s grace
+            os.kill(os.getpid(), signal.SIGTERM)
+            with guard.critical():
+                time.sleep(4.0)
+        return {"reward/mean": 0.0, "perf/tokens": 1}
+    def evaluate_held_out(self): raise AssertionError
+    def save(self, path, done):
+        time.sleep(4.0)  # the checkpoint takes longer than what is left of the grace after the step
+        path.mkdir(parents=True)
+        (path / "done").write_text(str(done))
+        return str(path)
+    def save_at_stop(self, stop, done):
+        return self.save(self._checkpoint_dir(done), done)
+
+cfg = ESTrainConfig()
+cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir), progress=False, trackers=[]),
+                          eval=dataclasses.replace(cfg.eval, every=0),
+                          faults=dataclasses.replace(cfg.faults, stop_timeout_s=6.0))
+Long(cfg, run_dir, total=4).run()
+"""
+
+
+def test_a_stop_during_a_long_step_saves_the_step_once_it_returns(tmp_path):
+    """SIGTERM while a step's commit runs (the learner's step): the step returns within faults.stop_timeout_s and is
+    recorded, and the stop-time checkpoint gets a grace of its own, so the finished step is saved (before, the one
+    grace ran out during the checkpoint and nothing was saved)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-c", _LONG_STEP, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert (tmp_path / "checkpoints" / "step_000002" / "done").read_text() == "2", out[-3000:]
+    assert "stopped by SIGTERM after 2 step(s)" in out and "Continue with: grpo-train run.resume=true" in out
+    ledger = json.loads((tmp_path / "ledger.json").read_text())
+    assert ledger["state"] == "stopped" and ledger["segments"][-1]["stop"] == "signal SIGTERM"
+    assert ledger["segments"][-1]["end_step"] == 2

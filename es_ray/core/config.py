@@ -178,6 +178,9 @@ class RunConfig:
     """Run seed: the noise of member i of iteration t on tensor `name` is a function of (seed, t, i, name)."""
     checkpoint_every: int = 0
     """Write a checkpoint every k iterations / steps (0: only the final one)."""
+    keep_checkpoints: int = 2
+    """Keep the newest k numbered checkpoints (periodic, stop-time, an extended run's earlier final) besides
+    checkpoints/final; older ones are deleted once a newer one is written (0: keep all)."""
     resume: bool = False
     """Continue the run in run.dir from its last checkpoint (ES: plus a replay of the seed log since it); the
     result equals an uninterrupted run. A run.dir with nothing to resume starts a new run."""

@@ -27,6 +27,10 @@ ON_MISMATCH = Registry("es.on_mismatch", {
     "rebuild": "it is rebuilt from the last checkpoint and the seed log, and the run goes on"})
 KILL_PHASES = Registry("faults.kill_actor_phase", {"evaluate": "during a member evaluation",
                                                    "update": "during the update"})
+KILL_WAYS = Registry("faults.kill_actor_by", {
+    "exit": "the actor's process exits",
+    "oom": "the call fails with Ray's OutOfMemoryError (what the caller gets when Ray's memory monitor kills the "
+           "worker), with the monitor's message"})
 
 
 @dataclass
@@ -104,6 +108,8 @@ class ESFaultsConfig(FaultPolicy):
     """That actor's process exits in the middle of this iteration (see kill_actor_phase)."""
     kill_actor_phase: str = "evaluate"
     """evaluate: after scoring its first member; update: before applying the update."""
+    kill_actor_by: str = "exit"
+    """How the kill lands: exit (the process exits) or oom (Ray's OutOfMemoryError, as its memory monitor's)."""
     hang_actor_at_iteration: int = -1
     """That actor stops answering during this iteration's evaluation (needs actor_timeout_s > 0)."""
     corrupt_replica_at_iteration: int = -1
@@ -208,6 +214,7 @@ def validate_injection(cfg: ESTrainConfig) -> None:
     f = cfg.faults
     check_positive("faults.actor_delay_s", f.actor_delay_s, allow_zero=True)
     KILL_PHASES.check(f.kill_actor_phase)
+    KILL_WAYS.check(f.kill_actor_by)
     if not 0 <= f.actor_rank < cfg.cluster.num_actors:
         raise ConfigError(f"faults.actor_rank={f.actor_rank} is not an actor: set it in "
                           f"[0, cluster.num_actors={cfg.cluster.num_actors})")

@@ -147,6 +147,8 @@ class ESRun(Training):
     def __init__(self, cfg: ESTrainConfig, run_dir: Path, point):
         super().__init__(cfg, run_dir, cfg.es.iterations, point.start, point.history)
         self.rebuilt = point.rebuilt
+        # a checkpoint: the fp32 master, Adam's two moments, theta_0 for anchored decay
+        self.checkpoint_copies = 1 + 2 * (cfg.es.optimizer == "adam") + (cfg.es.anchor_decay > 0)
         self.point, self.keeper, self.seed_log, self.placement, self.pool = point, None, None, None, 0
 
     def start_actors(self, guard) -> None:

@@ -37,15 +37,41 @@ class FaultInjector:
         """Called after each evaluated member: the kill lands after the first one, mid-iteration."""
         if self.cfg.kill_actor_phase == "evaluate" and self._fires("kill_actor_at_iteration", iteration) \
                 and done == 1:
-            _die(f"evaluating iteration {iteration} ({done}/{total} members done)")
+            self._kill(f"evaluating iteration {iteration} ({done}/{total} members done)")
 
     def before_update(self, iteration: int) -> None:
         if self.cfg.kill_actor_phase == "update" and self._fires("kill_actor_at_iteration", iteration):
-            _die(f"before applying the update of iteration {iteration}")
+            self._kill(f"before applying the update of iteration {iteration}")
 
     def after_update(self, iteration: int, replica: ReplicaHost) -> None:
         if self._fires("corrupt_replica_at_iteration", iteration):
             corrupt_one_bit(replica)
+
+
+    def _kill(self, where: str) -> None:
+        if self.cfg.kill_actor_by == "oom":
+            raise_memory_kill(where)
+        _die(where)
+
+
+# Ray's memory monitor's message as the caller reads it (Ray 2.60's OutOfMemoryError), numbers of this process.
+MEMORY_KILL = ("Task was killed due to the node running out of memory.\nMemory on the node (IP: 127.0.0.1, ID: "
+               "faults) where the task (actor ID: faults, name=ESWorker.__init__, pid={pid}, memory used={rss:.2f}GB) "
+               "was running was 23.10GB / 24.00GB (0.9625), which exceeds the memory usage threshold of 0.95. Ray "
+               "killed this worker (ID: faults) because it was the most recently scheduled task.\nTop 10 memory "
+               "users:\nPID\tMEM(GB)\tCOMMAND\n{pid}\t{rss:.2f}\tray::ESWorker.evaluate\n")
+
+
+def raise_memory_kill(where: str) -> None:
+    """Fail the call as Ray's memory monitor does (faults.kill_actor_by=oom): its exception type and message."""
+    import ray
+
+    from es_ray.runtime.ledger import process_peak_memory
+
+    rss = (process_peak_memory().get("peak_rss_bytes") or 0) / 2**30
+    print(f"faults: actor process {os.getpid()} fails with Ray's OutOfMemoryError {where} "
+          "(faults.kill_actor_at_iteration, faults.kill_actor_by=oom)", flush=True)
+    raise ray.exceptions.OutOfMemoryError(MEMORY_KILL.format(pid=os.getpid(), rss=rss))
 
 
 def _die(where: str) -> None:

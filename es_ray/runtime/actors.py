@@ -44,6 +44,62 @@ class PlacementTimeoutError(ActorLostError):
     """A replacement actor could not be placed within faults.placement_timeout_s."""
 
 
+def is_lost_actor(exc: BaseException) -> bool:
+    """Whether a call's error means its actor's process (or its node) is gone, not that the actor's code raised:
+    the actor died (RayActorError), Ray's memory monitor killed its worker (OutOfMemoryError), its node died
+    (NodeDiedError), its worker crashed (WorkerCrashedError), or the result was lost with its node
+    (ObjectLostError). Each is answered the same way: the actor is replaced and the call sent again."""
+    import ray
+
+    e = ray.exceptions
+    return isinstance(exc, (e.RayActorError, e.OutOfMemoryError, e.NodeDiedError, e.WorkerCrashedError,
+                            e.ObjectLostError))
+
+
+MEMORY_ADVICE = ("lower it with cluster.num_actors= (each actor holds its own model copy) or a shorter "
+                 "sampling.max_new_tokens=, or free memory on that node (Ray kills a worker above "
+                 "RAY_memory_usage_threshold, 0.95 of the node's memory by default)")
+
+
+def memory_kill_note(text: str) -> str:
+    """What Ray's memory monitor says about a kill, on one line: the node's memory against its threshold, the
+    killed worker's pid and use, and the largest users (its "Top 10 memory users" table, first three). Missing
+    parts are left out. ``text``: the OutOfMemoryError's message as Ray writes it."""
+    import re
+
+    flat = " ".join(text.split())
+    parts = []
+    node = re.search(r"was ([\d.]+\s*[KMGT]?B) / ([\d.]+\s*[KMGT]?B) \(([\d.]+)\)", flat)
+    if node:
+        parts.append(f"node memory {node[1]} of {node[2]} ({float(node[3]):.0%})")
+    limit = re.search(r"threshold of ([\d.]*\d)", flat)
+    if limit:
+        parts.append(f"threshold {limit[1]}")
+    killed = re.search(r"pid=(\d+), memory used=([\d.]+\s*[KMGT]?B)", flat)
+    if killed:
+        parts.append(f"the killed worker pid {killed[1]} used {killed[2]}")
+    table = text.split("Top 10 memory users:", 1)
+    if len(table) == 2:
+        rows = [r.split("\t") if "\t" in r else r.split(None, 2) for r in table[1].strip().splitlines()[1:4]]
+        top = [f"pid {r[0].strip()} {r[1].strip()} GB {r[2].strip()[:40]}" for r in rows
+               if len(r) >= 3 and r[0].strip().isdigit()]
+        if top:
+            parts.append("largest: " + "; ".join(top))
+    return "; ".join(parts)
+
+
+def lost_reason(exc: BaseException, method: str) -> str:
+    """Why an actor counts as lost (``is_lost_actor``), for the replacement's log line and the ledger; a memory kill
+    says which process used what and which key lowers it."""
+    import ray
+
+    name = type(exc).__name__.replace("RayTaskError(", "").rstrip(")")
+    if isinstance(exc, ray.exceptions.OutOfMemoryError):
+        note = memory_kill_note(str(getattr(exc, "cause", None) or exc))
+        return f"killed by Ray's memory monitor during {method} ({note or 'OutOfMemoryError'}); {MEMORY_ADVICE}"
+    return f"{name} during {method}"
+
+
 def once(method: Callable) -> Callable:
     """Mark an actor method that must not run twice for one request (it is never re-sent after a transient
     ActorUnavailableError, which leaves unknown whether it ran)."""
@@ -339,8 +395,10 @@ class ActorGroup:
                         self._sleep(2.0 ** (tries - 1))
                     send(rank, args)
                     continue
-                except ray.exceptions.RayActorError as exc:
-                    self.replace(rank, f"{type(exc).__name__} during {method}")
+                except ray.exceptions.RayError as exc:  # the actor's own error (a RayTaskError) is raised as it is
+                    if not is_lost_actor(exc):
+                        raise
+                    self.replace(rank, lost_reason(exc, method))
                     send(rank, args)
                     continue
                 yield rank, args, result
@@ -452,8 +510,10 @@ class ActorGroup:
                                      f"{self.lost_advice}")
         try:
             ray.get(ref)
-        except ray.exceptions.RayActorError as exc:
-            self.replace(rank, f"{type(exc).__name__} while starting")
+        except ray.exceptions.RayError as exc:
+            if not is_lost_actor(exc):
+                raise
+            self.replace(rank, lost_reason(exc, "start"))
 
     def _kill_one(self, rank: int) -> None:
         import ray

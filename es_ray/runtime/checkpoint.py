@@ -235,3 +235,58 @@ def write_fp32_safetensors(file: Path, entries: Mapping[str, tuple[tuple[int, ..
         if hashing is not None:
             hashing[1].result()
     return digest.hexdigest()
+
+
+# -- bounds: how many checkpoints a run keeps, and what each costs on disk --------------------------------------
+
+
+def numbered(parent: str | Path, prefix: str) -> list[tuple[int, Path]]:
+    """(n, path) of the published ``<prefix>_<n>`` checkpoints under ``parent`` (periodic and stop-time ones; never
+    ``final``), oldest first."""
+    out = []
+    for d in checkpoint_dirs(parent):
+        head, _, n = d.name.rpartition("_")
+        if head == prefix and n.isdigit():
+            out.append((int(n), d))
+    return sorted(out)
+
+
+def remove_dir(path: Path) -> None:
+    """Delete a checkpoint directory: first renamed to a hidden staging name (a kill mid-delete leaves what
+    ``checkpoint_dirs`` removes, never a half-deleted checkpoint under its own name)."""
+    gone = path.parent / f".{path.name}{_STAGING}removed-{uuid.uuid4().hex[:8]}"
+    os.rename(path, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def prune_checkpoints(parent: str | Path, prefix: str, keep: int) -> list[Path]:
+    """run.keep_checkpoints: delete all but the newest ``keep`` numbered checkpoints (0: keep all); ``final`` is
+    never touched. Returns the deleted ones."""
+    if keep <= 0:
+        return []
+    gone = [d for _, d in numbered(parent, prefix)[:-keep]]
+    for d in gone:
+        remove_dir(d)
+    return gone
+
+
+def keep_as(src: Path, dst: Path) -> Path:
+    """Publish a copy of the checkpoint ``src`` as ``dst`` (its manifest goes along: the files are the same), made of
+    hard links where the file system allows (no second copy on disk; the links outlive ``src`` being replaced)."""
+    tmp = staging_dir(dst)
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        out = tmp / f.relative_to(src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(f, out)
+        except OSError:  # no hard links here (another file system, some network mounts): a copy
+            shutil.copy2(f, out)
+    open_to_umask(tmp)
+    os.rename(tmp, dst)
+    _fsync(dst.parent)
+    return dst
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of the files under ``path``."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())

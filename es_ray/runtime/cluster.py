@@ -7,7 +7,9 @@ import os
 import socket
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
+from typing import Callable
 from urllib.parse import urlparse
 
 from es_ray.core.config import QUIET_FLAG, ClusterConfig, ConfigError
@@ -162,4 +164,102 @@ def connect(cluster: ClusterConfig, verbose: bool = False) -> None:
     # is put back once Ray has started (nothing else of the driver's runs then: a subprocess started meanwhile
     # would inherit the variables too).
     with _environ(runtime_env(verbose)["env_vars"]):
-        ray.init(**options, _system_config={"worker_niceness": cluster.worker_niceness})
+        start_local(lambda: ray.init(**options, _system_config={"worker_niceness": cluster.worker_niceness}))
+
+
+STARTUP_WAIT_S = 30.0
+"""How long Ray 2.60 waits for a new local node to register (fixed inside ``ray._private.node``)."""
+LOADED_WAIT_S = 180.0
+"""How long a start on a loaded machine (load average above its CPUs), or the retry after a timeout, waits."""
+
+
+class ClusterStartError(ConfigError):
+    """A local Ray did not start: one line naming the cause and what to do."""
+
+
+def machine_state() -> tuple[float, int, float]:
+    """(1-minute load average, CPUs, GiB of memory available) of this machine (0 where unknown)."""
+    free = 0.0
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 2**20
+    except (OSError, StopIteration, ValueError):
+        pass
+    return (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0), os.cpu_count() or 1, free
+
+
+@contextmanager
+def _own_session():
+    """Ray's processes started in the block (GCS, raylet, and through the raylet every worker) run in a session of
+    their own: a signal to the driver's process group (``timeout``, Slurm's time limit, systemd's stop, a terminal's
+    Ctrl-C) reaches only the driver, which stops cleanly (its step committed, a checkpoint written) and then shuts
+    this Ray down itself. They still end with the driver if it is killed outright: Ray starts them with the kernel's
+    parent-death signal, which does not depend on the process group."""
+    from ray._private import services
+
+    plain = services.ConsolePopen
+
+    class SessionPopen(plain):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = SessionPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = plain
+
+
+@contextmanager
+def _startup_wait(seconds: float):
+    """Ray's wait for the new node to register, lengthened to about ``seconds`` (its own loop gives up after
+    ``STARTUP_WAIT_S``: each of its queries waits here instead while the node is not registered yet)."""
+    from ray._private import services
+
+    plain = services.get_node
+    deadline = time.monotonic() + max(0.0, seconds - STARTUP_WAIT_S)
+
+    def patient(*args, **kwargs):
+        while True:
+            try:
+                return plain(*args, **kwargs)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    services.get_node = patient
+    try:
+        yield
+    finally:
+        services.get_node = plain
+
+
+def start_local(init: Callable[[], None], log: Callable[[str], None] = print) -> None:
+    """``init()`` (ray.init of a new local Ray) in its own session; on a loaded machine with a longer wait for the
+    node, and after a start that timed out once more with it. A start that fails is one line naming the cause and
+    what to do (ClusterStartError), never Ray's traceback."""
+    import ray
+
+    load, cpus, free = machine_state()
+    wait = LOADED_WAIT_S if load > cpus else STARTUP_WAIT_S
+    for attempt in (1, 2):
+        try:
+            with _own_session(), _startup_wait(wait):
+                init()
+            return
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for a start that timed out
+            ray.shutdown()  # what the failed start left running
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            load, cpus, free = machine_state()
+            timed_out = "timed out" in first
+            if attempt == 1 and timed_out:
+                waited, wait = wait, max(wait * 2, LOADED_WAIT_S)
+                log(f"the local Ray did not start within {waited:g} s (load average {load:.1f} on {cpus} CPUs); "
+                    f"trying once more, waiting up to {wait:g} s")
+                continue
+            raise ClusterStartError(
+                f"the local Ray did not start ({first}); this machine: load average {load:.1f} on {cpus} CPUs, "
+                f"{free:.1f} GiB memory available. Retry when it is less busy, set cluster.num_cpus= lower (fewer "
+                f"Ray workers), or free memory; or point cluster.address= at a running Ray") from None

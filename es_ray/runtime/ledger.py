@@ -207,18 +207,24 @@ class Ledger:
                 phase = key.removeprefix("timing_s/")
                 self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + float(value)
 
-    def add_group(self, group, cluster, ask: bool = True) -> None:
-        """Every actor of an ActorGroup: its devices, the seconds it was held, and its peak memory (an actor that
-        cannot answer, in a run that failed, is recorded with null memory; ``ask=False``: not asked, the time held
-        only, as the ledger written after each step records it)."""
+    def add_group(self, group, cluster, ask: bool = True, timeout_s: float = 60.0) -> None:
+        """Every actor of an ActorGroup: its devices, the seconds it was held, and its peak memory (``ask=False``:
+        not asked, the time held only, as the record of each step keeps it). A peak is the largest read so far: an
+        actor that cannot answer now (busy in a step a signal stopped, gone in a run that failed) keeps the one read
+        earlier (the skeleton reads them after every step), marked ``unanswered``; null only if none was read."""
         kind, devices = actor_devices(cluster)
         held = self._held(group.created_at, time.perf_counter())
         blank = {"peak_rss_bytes": None, "peak_gpu_bytes": None}
-        reports = ([r or {**blank, "unanswered": True} for r in group.ask_all(group.cls.peak_memory)] if ask
-                   else [blank] * len(group.ranks))  # every actor class has it (runtime.actors.Actor)
+        reports = ([r or {**blank, "unanswered": True} for r in group.ask_all(group.cls.peak_memory, timeout_s)]
+                   if ask else [blank] * len(group.ranks))  # every actor class has it (runtime.actors.Actor)
         for rank, report in zip(group.ranks, reports):
-            self.actors[f"{group.role}_{rank}"] = {"role": group.role, "device_kind": kind, "devices": devices,
-                                                   "seconds_held": held["total"], "seconds_split": held, **report}
+            key = f"{group.role}_{rank}"
+            report = dict(report)
+            for field in blank:  # the largest read so far (a rank's replacement keeps the larger)
+                seen = [v for v in (report.get(field), (self.actors.get(key) or {}).get(field)) if v is not None]
+                report[field] = max(seen) if seen else None
+            self.actors[key] = {"role": group.role, "device_kind": kind, "devices": devices,
+                                "seconds_held": held["total"], "seconds_split": held, **report}
         self.replaced[group.role] = group.replacements
 
     def stop_reason(self, run, groups: list, cluster, tokens_so_far: int) -> str:
@@ -272,6 +278,7 @@ class Ledger:
         out["steps"] = segments[-1]["end_step"] - out["start_step"]
         out["steps_computed"] = sum(s.get("steps") or 0 for s in segments)
         out["segments"], out["redone"] = segments, redone(segments)
+        out["state"] = run_state(finished, self.stop)
         out.update(extra or {})
         return out
 
@@ -306,6 +313,16 @@ class Ledger:
         tmp.write_text(json.dumps(self.to_dict(finished, extra, end_step), indent=2))
         tmp.replace(path)
         return path
+
+
+def run_state(finished: bool, stop: str) -> str:
+    """The ledger's one-word state: finished, running (a step may still come: a live driver, or one killed without
+    warning), stopped (a signal or a lost actor; resumable) or failed (an error)."""
+    if finished:
+        return "finished"
+    if stop == "running":
+        return "running"
+    return "failed" if stop.startswith("error") else "stopped"
 
 
 def redone(segments: list[dict]) -> dict:

@@ -66,6 +66,10 @@ def one_line(exc: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
 
 
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
 def due(every: int, t: int, last: int) -> bool:
     """Whether a cadence of ``every`` steps (0: never) falls after step t: t + 1 a multiple of it, before ``last``."""
     return bool(every) and (t + 1) % every == 0 and t + 1 < last
@@ -109,6 +113,10 @@ class Training:
         written); raise ``stop`` to give up (nothing left to save from)."""
         raise NotImplementedError
 
+    checkpoint_copies = 0
+    """fp32 copies of the model's weights a checkpoint holds (the weights, plus optimizer moments and the like): the
+    disk estimate printed at the start (0: not estimated)."""
+
     def events(self) -> dict:
         """What happened beside the step (actor replacements): merged into its row."""
         return {}
@@ -146,9 +154,12 @@ class Training:
         earlier, ledger_note = (earlier_segments(self.run_dir, self.start, self.history[:self._history_before],
                                                  self.unit) if cfg.run.resume else ([], ""))
         self.ledger = ledger = Ledger(self.method, self.start, earlier)
+        disk_note = self.check_disk()  # refused here, before the cluster starts, when the checkpoints cannot fit
         connect(cfg.cluster, cfg.run.verbose)
         self.tracker = Tracker(self.run_dir, self.total, cfg, cfg.run.trackers, cfg.run.progress, desc=self.method,
                                start=self.start, unit=self.unit)
+        if disk_note:
+            self.tracker.message(f"{self.method}: {disk_note}")
         if ledger_note:  # never silently: the run's cost lacks what the lost ledger held
             self.tracker.message(f"{self.method}: ledger: {ledger_note}")
         if self.rebuilt:  # rows metrics.jsonl lacked, rebuilt on resume: the other trackers get them too
@@ -181,6 +192,8 @@ class Training:
                         row = self.step(t, guard)
                         if self._recorded < t:  # the method did not record it with its commit
                             self.record(t, row)
+                    for group in self.groups:  # peak memory read between steps, while every actor is idle: a
+                        ledger.add_group(group, cfg.cluster, timeout_s=5.0)  # stop mid-step keeps the peak so far
                     ledger.write(self.run_dir, False, end_step=self.done)  # what a kill without warning keeps
                     stop = ledger.stop_reason(cfg.run, self.groups, cfg.cluster,
                                               tokens_before + ledger.tokens_generated)
@@ -190,10 +203,13 @@ class Training:
                     if due(cfg.run.checkpoint_every, t, self.total):
                         with ledger.apart("checkpoint"):
                             self.save(self._checkpoint_dir(self.done), self.done)
+                        self.prune()
                 final_eval = self._final_held_out()
                 final = self.run_dir / "checkpoints" / "final"
                 with ledger.apart("checkpoint"):
+                    self.keep_earlier_final(final)
                     final = self.save(final, self.done)
+                self.prune()
                 finished = True
                 ledger.stop = f"budget: {ledger.stopped}" if ledger.stopped else "finished"
                 summary.update(final_checkpoint=str(final), **self.summary(),
@@ -260,6 +276,77 @@ class Training:
     def _checkpoint_dir(self, done: int) -> Path:
         return self.run_dir / "checkpoints" / f"{self.checkpoint_prefix}_{done:06d}"
 
+    # -- checkpoints in bounds (run.keep_checkpoints) ------------------------------------------------------------
+    def prune(self) -> None:
+        """run.keep_checkpoints: the numbered checkpoints beyond the newest k are deleted (final never)."""
+        from es_ray.runtime.checkpoint import prune_checkpoints
+
+        gone = prune_checkpoints(self.run_dir / "checkpoints", self.checkpoint_prefix, self.cfg.run.keep_checkpoints)
+        if gone:
+            self.tracker.message(f"{self.method}: removed {', '.join(d.name for d in gone)} (run.keep_checkpoints="
+                                 f"{self.cfg.run.keep_checkpoints} keeps the newest and final)")
+
+    def keep_earlier_final(self, final: Path) -> None:
+        """A finished run extended: its earlier final is kept as <prefix>_<its steps> (hard links: no second copy
+        on disk) before the new final replaces it."""
+        from es_ray.runtime.checkpoint import keep_as, read_meta
+
+        if not final.is_dir():
+            return
+        try:
+            n = int(read_meta(final, self.method)[self.unit])
+        except (OSError, ValueError, KeyError, TypeError):  # not a checkpoint this run can read: left as it is
+            return
+        dst = self._checkpoint_dir(n)
+        if n != self.done and not dst.exists():
+            keep_as(final, dst)
+            self.tracker.message(f"{self.method}: the earlier final ({n} {self.unit}s) is kept as {dst.name}")
+
+    def check_disk(self) -> str:
+        """The disk a checkpoint takes (the newest of this run's, else ``checkpoint_copies`` fp32 copies of the
+        model's weights) against the free space of run.dir for those this run keeps at once; a run whose
+        checkpoints cannot fit is refused (ConfigError naming the keys). Returns the line to print ('' when no
+        estimate: a model this machine does not hold)."""
+        import shutil
+
+        from es_ray.core.config import ConfigError
+        from es_ray.runtime.checkpoint import checkpoint_dirs, dir_bytes
+
+        run = self.cfg.run
+        present = checkpoint_dirs(self.run_dir / "checkpoints")
+        per, how = (dir_bytes(present[-1]), f"as {present[-1].name}") if present else (self.estimate_bytes(), "")
+        if not per:
+            return ""
+        how = how or f"{self.checkpoint_copies} fp32 cop{'y' if self.checkpoint_copies == 1 else 'ies'} of the weights"
+        periodic = sum(due(run.checkpoint_every, t, self.total) for t in range(self.start, self.total))
+        kept = min(periodic, run.keep_checkpoints) if run.keep_checkpoints else periodic
+        at_once = kept + 2  # the numbered ones kept, final, and the one being written before the old one goes
+        need = per * max(1, at_once - len(present))
+        free = shutil.disk_usage(self.run_dir).free
+        line = (f"a checkpoint takes {_gb(per)} ({how}); {kept} numbered (run.keep_checkpoints="
+                f"{run.keep_checkpoints}) + final + one being written need {_gb(need)} more, {_gb(free)} free in "
+                f"{self.run_dir}")
+        if need > free:
+            raise ConfigError(f"{self.method}: {line}: the checkpoints cannot fit; free space there, keep fewer "
+                              "(run.keep_checkpoints=1), write fewer (run.checkpoint_every=0), or choose another "
+                              "run.dir")
+        return line
+
+    def estimate_bytes(self) -> int:
+        """``checkpoint_copies`` x 4 bytes x the model's parameters (read from its safetensors headers), where this
+        machine holds the model (0 otherwise, or with no copies declared)."""
+        import math
+
+        if not self.checkpoint_copies or self.cfg.cluster.address:
+            return 0
+        from es_ray.models import resolve_model, safetensors_index
+
+        try:
+            index = safetensors_index(resolve_model(self.cfg.model.path))
+        except Exception:  # noqa: BLE001 - only an estimate: the actors check the model themselves
+            return 0
+        return self.checkpoint_copies * 4 * sum(math.prod(shape) for _, shape in index.values())
+
     def _held_out(self, t: int, row: dict) -> int:
         """eval.every (and the first and the last step): the current weights on the held-out set into the row
         (eval/reward, eval/pass_at_1, ...); returns the tokens generated."""
@@ -305,7 +392,11 @@ class Training:
         from es_ray.runtime.rundir import resume_command
 
         done = self.done
+        if self.guard is not None:  # the step that ran at the signal is recorded: the checkpoint's own grace
+            self.guard.rearm()
         saved = self.save_at_stop(stop, done)
+        if saved:
+            self.prune()
         cause = stop if not isinstance(stop, ActorLostError) else f"a lost actor ({stop})"
         self.tracker.message(f"{self.method}: stopped by {cause} after {done} {self.unit}(s); "
                              f"{'checkpoint ' + saved if saved else 'no new checkpoint'}{self.stop_note()}. "

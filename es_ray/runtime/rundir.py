@@ -20,6 +20,7 @@ from es_ray.core.config import ConfigError, flatten
 # checkpoints): es-compare ignores them when it checks a finished stage against the command.
 RESULT_NEUTRAL = frozenset({
     "run.progress", "run.verbose", "run.trackers", "run.resume", "run.overwrite", "run.checkpoint_every",
+    "run.keep_checkpoints",
     "cluster.address", "cluster.placement", "cluster.wait_for_resources_s", "cluster.worker_niceness",
 })
 # Settings a resume may change: the neutral ones, and where the run lives, its budget and the held-out cadence
@@ -70,11 +71,14 @@ def resume_command(method: str, run_dir: Path | str) -> str:
     return f"{PROGRAMS.get(method, method)} run.resume=true run.dir={shlex.quote(str(run_dir))}"
 
 
-def claim_run_dir(run_dir: Path, overwrite: bool, method: str) -> Path | None:
+def claim_run_dir(run_dir: Path, overwrite: bool, method: str, record: dict | None = None) -> Path | None:
     """Before a new run writes anything: a run_dir holding another run is refused (one line: resume it, choose
-    another run.dir, or run.overwrite=true), or with ``overwrite`` moved aside; returns where it went, if moved."""
+    another run.dir, or run.overwrite=true), or with ``overwrite`` moved aside; returns where it went, if moved.
+    A run of the same settings (``record``, the config.json to be written) that never committed a step
+    (``not_started``: a start that failed before its first iteration) is no other run: the same command reuses
+    its directory."""
     found = holds_run(run_dir)
-    if not found:
+    if not found or not_started(run_dir, found, record):
         return None
     if not overwrite:
         try:  # the command that continues the run there is its own method's
@@ -85,6 +89,26 @@ def claim_run_dir(run_dir: Path, overwrite: bool, method: str) -> Path | None:
         raise ConfigError(f"run.dir={run_dir} holds another run ({', '.join(found)}); a new run never writes into "
                           f"it: {resume}choose another run.dir, or set run.overwrite=true to move the old run aside")
     return move_aside(run_dir)
+
+
+STEP_LOGS = ("metrics.jsonl", "seed_log.jsonl")
+"""Files that hold a line per committed step: empty or absent, the run committed none."""
+
+
+def not_started(run_dir: Path, found: list[str], record: dict | None) -> bool:
+    """Whether run_dir holds a run with ``record``'s settings (the resume-free ones aside) that committed no step:
+    its config.json, and at most a ledger of its start and empty step logs; no checkpoint, no summary."""
+    if record is None or not set(found) <= {"config.json", "ledger.json", *STEP_LOGS}:
+        return False
+    if any((run_dir / name).is_file() and (run_dir / name).read_text().strip() for name in STEP_LOGS):
+        return False
+    try:
+        old = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(old, dict) or old.get("method") != record.get("method"):
+        return False
+    return not changed_settings(flatten(old), flatten(record), RESUME_FREE, missing=True)
 
 
 def check_same_run(old: dict, new: Any, free: Iterable[str] = ()) -> None:
@@ -208,7 +232,7 @@ def open_run_dir(cfg: Any, method: str, resume_free: Iterable[str] = (),
         if getattr(cfg.run, "resume", False) and path.is_file():
             check_same_run(json.loads(path.read_text()), record, resume_free)
         else:
-            moved = claim_run_dir(run_dir, getattr(cfg.run, "overwrite", False), method)
+            moved = claim_run_dir(run_dir, getattr(cfg.run, "overwrite", False), method, record)
             if moved is not None:
                 unlock_run_dir(run_dir)  # the lock went with the old run's config.json
                 (note or print)(f"{PROGRAMS.get(method, method)}: run.overwrite=true: the run that was in {run_dir} "

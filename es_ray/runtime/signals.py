@@ -9,8 +9,9 @@ before the run stops; before that, it stops the step at the next wait, and the s
 `ray job stop` sends SIGKILL RAY_JOB_STOP_WAIT_TIME_S after SIGTERM (3 s by default).
 
 The run always ends: the first signal also starts a watchdog that, ``stop_timeout_s`` (faults.stop_timeout_s)
-later, ends the process whatever it is doing (a stop-time checkpoint stuck on a lost node included); a second
-signal ends it at once. Both shut down the Ray this driver started (bounded) before ``os._exit``, so no Ray process
+later, ends the process whatever it is doing; once the step running at the signal has returned and the stop path
+begins (``rearm``), the stop-time checkpoint gets ``stop_timeout_s`` of its own (one stuck on a lost node included),
+so a long step that returns within the grace is saved; a second signal ends it at once. Both shut down the Ray this driver started (bounded) before ``os._exit``, so no Ray process
 outlives the driver.
 """
 
@@ -42,6 +43,7 @@ class InterruptGuard:
     def __init__(self, stop_timeout_s: float = 120.0):
         self._depth, self._pending, self._previous = 0, 0, {}
         self._in_step = self._committed = False
+        self._signum = 0
         self.stop_timeout_s = stop_timeout_s
         self._watchdog: threading.Timer | None = None
 
@@ -59,9 +61,23 @@ class InterruptGuard:
     def _handle(self, signum, frame) -> None:
         if self._watchdog is not None:  # the second signal: end now
             force_exit(signum, "a second signal")
-        self._pending = signum
+        self._pending = self._signum = signum
         self._watchdog = threading.Timer(self.stop_timeout_s, force_exit,
                                          (signum, f"faults.stop_timeout_s={self.stop_timeout_s:g} s passed"))
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def rearm(self) -> None:
+        """The stop path has begun (the step running at the signal returned and is recorded): the stop-time
+        checkpoint gets a fresh ``stop_timeout_s``, so a long step that returned within the grace is saved, not cut
+        off by what it used of it (a second signal still ends the process at once)."""
+        if self._watchdog is None:
+            return
+        self._watchdog.cancel()
+        signum = self._pending or self._signum
+        self._watchdog = threading.Timer(self.stop_timeout_s, force_exit,
+                                         (signum, f"faults.stop_timeout_s={self.stop_timeout_s:g} s passed while the "
+                                                  "stop-time checkpoint was written"))
         self._watchdog.daemon = True
         self._watchdog.start()
 

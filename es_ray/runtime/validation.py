@@ -70,6 +70,9 @@ def validate_cluster(cluster: ClusterConfig, engine: EngineConfig | None = None,
 def validate_run(run: RunConfig) -> None:
     check_absolute("run.dir", run.dir)
     check_absolute("run.root", run.root)
+    if run.keep_checkpoints < 0:
+        raise ConfigError(f"run.keep_checkpoints={run.keep_checkpoints} must be >= 0 (the newest k numbered "
+                          "checkpoints are kept besides final; 0: all)")
     if run.resume and not run.dir:
         raise ConfigError("run.resume=true needs run.dir= the absolute directory of the run to continue")
     for name in run.trackers:
