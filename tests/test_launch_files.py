@@ -268,6 +268,11 @@ def test_runtime_env_ships_no_history_or_outputs_and_lets_the_driver_add_its_env
     assert {".git", "runs/", "outputs/"} <= set(env["excludes"])
     assert "working_dir" not in env  # es-submit sets it
     assert env["env_vars"]["RAY_OVERRIDE_JOB_RUNTIME_ENV"] == "1"
+    # `ray job stop` waits long enough for the driver's stop: the running step and then its checkpoint, each
+    # within faults.stop_timeout_s
+    from es_ray.core.config import FaultPolicy
+
+    assert int(env["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"]) > 2 * FaultPolicy().stop_timeout_s
 
 
 def test_hadolint_passes_on_both_dockerfiles():
