@@ -213,12 +213,13 @@ def _own_session():
 
 @contextmanager
 def _startup_wait(seconds: float):
-    """Ray's wait for the new node to register, lengthened to about ``seconds`` (its own loop gives up after
-    ``STARTUP_WAIT_S``: each of its queries waits here instead while the node is not registered yet)."""
+    """Ray's wait for the new node to register, lengthened to ``seconds`` from the start of the block (its own loop
+    gives up ``STARTUP_WAIT_S`` after its first query: that query waits here instead, asking again every 0.5 s,
+    while the node is not registered yet)."""
     from ray._private import services
 
     plain = services.get_node
-    deadline = time.monotonic() + max(0.0, seconds - STARTUP_WAIT_S)
+    deadline = time.monotonic() + seconds
 
     def patient(*args, **kwargs):
         while True:
