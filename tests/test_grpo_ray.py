@@ -148,3 +148,10 @@ def test_a_finished_run_extended_continues_from_final(ray_local, peaked_model_di
                                                                                           (1, 2, "finished")]
     assert ledger["steps"] == 2 and ledger["redone"]["steps"] == 0
     assert ledger["tokens_generated"] == sum(r["perf/tokens"] for r in rows)
+    # the earlier final is kept (run.keep_checkpoints), as a checkpoint of its own step; the new final is step 2
+    from es_ray.runtime.checkpoint import read_meta, verify_dir
+
+    kept = tmp_path / "checkpoints" / "step_000001"
+    verify_dir(kept)
+    assert read_meta(kept, "grpo")["step"] == 1 and read_meta(tmp_path / "checkpoints" / "final", "grpo")["step"] == 2
+    assert ledger["state"] == "finished" and ledger["actors"]["learner_0"]["peak_rss_bytes"] > 0

@@ -427,7 +427,7 @@ def test_extending_a_finished_run_keeps_its_earlier_final(tmp_path, capsys):
     verify_dir(kept)  # its manifest went along: it loads as any checkpoint
     assert read_meta(kept, "grpo")["step"] == 3 and read_meta(tmp_path / "checkpoints" / "final", "grpo")["step"] == 5
     assert (kept / "model.safetensors").stat().st_ino == inode  # a hard link: no second copy on disk
-    assert "the earlier final (3 steps) is kept as step_000003" in capsys.readouterr().out
+    assert "the earlier final (3 step(s)) is kept as step_000003" in capsys.readouterr().out
 
 
 class Estimated(StandIn):

@@ -300,7 +300,7 @@ class Training:
         dst = self._checkpoint_dir(n)
         if n != self.done and not dst.exists():
             keep_as(final, dst)
-            self.tracker.message(f"{self.method}: the earlier final ({n} {self.unit}s) is kept as {dst.name}")
+            self.tracker.message(f"{self.method}: the earlier final ({n} {self.unit}(s)) is kept as {dst.name}")
 
     def check_disk(self) -> str:
         """The disk a checkpoint takes (the newest of this run's, else ``checkpoint_copies`` fp32 copies of the
