@@ -5,7 +5,8 @@ Roles differ in what they compute, not in how they are placed, called, timed out
 * placement: actor i of a group sits in bundle ``first_bundle + i`` of the run's placement group
   (``es_ray.runtime.placement``: the fit is checked before any actor starts);
 * ``gather(method, {rank: args})``: calls run in parallel; while waiting, the driver's interrupt check is polled;
-  an actor whose process dies (Ray says so at once) or that stays silent past ``faults.actor_timeout_s`` is
+  an actor whose process dies (Ray says so at once: ``is_lost_actor``, its memory monitor's kill and a lost node
+  included) or that stays silent past ``faults.actor_timeout_s`` is
   killed, replaced in the same bundle, brought back to the group's state by the role's ``restore`` hook, and
   called again (its request is a pure function of the step, so its answer is the one it would have given);
 * a call that fails with Ray's ActorUnavailableError (transient) is sent again up to

@@ -8,10 +8,12 @@ once here:
                      brought to the resume point); the held-out curve's base point; per step: the method's step,
                      its record (``record``: held-out scoring (eval.every, and the last step), the tracker row,
                      the ledger), written with the step's commit so no committed step lacks it, the budget
-                     (run.stop_at_*), checkpoints (run.checkpoint_every); the final held-out scores, checkpoint
-                     and summary.json; after a signal or a lost actor a checkpoint of the completed steps and the
-                     resume command; what the run cost (ledger.json, every segment of it), after every step and
-                     at the end
+                     (run.stop_at_*), checkpoints (run.checkpoint_every) kept in bounds (run.keep_checkpoints;
+                     the disk they need checked at the start; an extended run's earlier final kept); the final
+                     held-out scores, checkpoint and summary.json; after a signal or a lost actor a checkpoint of
+                     the completed steps (with a grace of its own once the running step returned) and the resume
+                     command; what the run cost (ledger.json, every segment of it, the actors' peak memory read
+                     after every step), after every step and at the end
 
 A method is a subclass that implements the hooks (start its actors, one step, one held-out scoring, save a
 checkpoint) and keeps nothing else: ``es_ray.es.driver.ESRun``, ``es_ray.grpo.driver.GRPORun``.
