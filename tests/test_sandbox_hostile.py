@@ -31,6 +31,8 @@ def hostile(name: str, defeat_hook: bool = False, **subst: str) -> str:
     text = (HOSTILE / f"{name}.py").read_text()
     if "_forge(" in text:
         text = (HOSTILE / "_pipe.py").read_text() + text
+    if "_report(" in text:
+        text = (HOSTILE / "_meminfo.py").read_text() + text
     for key, value in subst.items():
         text = text.replace(key, value)
     return ((HOSTILE / "defeat_hook.py").read_text() if defeat_hook else "") + text
@@ -325,4 +327,152 @@ def test_a_batch_of_the_second_rounds_attacks_scores_zero_and_stays_bounded():
             "prlimit_init": (0.0, "escape_attempt"), "own_assert_rebinds": (0.0, None),
             "own_assert_forges": (0.0, None), "deep_own_assert": (0.0, None)}
     assert got == want and grades[-1].correct, (got, grades[-1])
+    assert elapsed < len(programs) * (LIMITS.wall_s + LIMITS.check_s + MARGIN_S) / 2, elapsed
+
+
+# -- third round: failure kinds the program cannot choose, kernel memory, correct programs, the grader's own time --
+
+@pytest.mark.parametrize("signame", ["SIGSYS", "SIGKILL", "SIGXFSZ", "SIGXCPU"])
+@pytest.mark.parametrize("defeat", [False, True])
+def test_a_signal_the_program_raises_on_itself_is_its_own_failure(signame, defeat):
+    """raise_signal(SIGSYS) was escape_attempt, SIGKILL and SIGXCPU timeout, SIGXFSZ output_limit: the kind came
+    from the exit signal alone. Now from the jail's observations only (no listener notification, no CPU or file
+    at its limit): failed, reason self_signal."""
+    res = run_python(hostile("self_signal", defeat_hook=defeat, SIGNUM=signame), LIMITS)
+    assert (res.status, res.reason) == ("failed", "self_signal"), res
+    assert res.returncode == -getattr(__import__("signal"), signame), res
+
+
+def test_printed_marks_are_the_programs_words():
+    """MemoryError on stderr was memory; the hook's mark (with its nonce, which the program can read) was blocked."""
+    res = run_python(hostile("forged_memory"), LIMITS)
+    assert (res.status, res.reason) == ("failed", "exit 1") and "MemoryError" in res.stderr, res
+    res = run_python(hostile("forged_marks"), LIMITS)
+    assert (res.status, res.reason) == ("failed", "exit 97"), res
+
+
+@pytest.mark.parametrize("off", [None, "audit hook"])
+def test_a_refused_call_is_seen_by_the_init_not_read_from_the_signal(layer_off, off):
+    """escape_attempt now comes from the filter's listener, which the init holds: the refused call is not run."""
+    if off:
+        layer_off(off)
+    res = run_python(hostile("exec_shell", defeat_hook=True), LIMITS)
+    assert res.status == "escape_attempt" and "ESCAPED" not in res.stdout, res
+    assert res.returncode == -9, res  # the init killed it on the notification
+
+
+def test_a_value_too_deep_is_unparseable_whatever_the_recursion_limit():
+    """With the grading process's recursion limit at 2000, a 1,200-level value passed the grader's parse and broke
+    the check's init (status error, counted as the grader's). Both parse it with the same bounded parse now."""
+    import sys
+
+    limit = sys.getrecursionlimit()
+    try:
+        sys.setrecursionlimit(2000)
+        res = run_python(hostile("deep_json_value"), LIMITS)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert res.status == "unparseable_result", res
+
+
+def _slab_shmem_kb() -> int:
+    fields = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+    return sum(int(fields[k].split()[0]) for k in ("Slab", "Shmem"))
+
+
+KERNEL_MEMORY_BOUND_KB = 64 << 10
+"""What one program may add to the host's slab + shmem while it runs (measured by the program itself, /proc/meminfo
+is not namespaced) and what may be left after it: the work tmpfs's disk_inodes (1,024) bound it to a few MiB; the
+rest of the bound is the noise of a shared machine. Before: 992 MiB (xattrs) and 273 MiB (symlinks)."""
+
+
+@pytest.mark.parametrize("name,off", [("xattr_flood", None), ("xattr_flood", "seccomp"), ("symlink_flood", None)])
+def test_kernel_memory_of_a_program_is_bounded_and_given_back(layer_off, name, off):
+    if off:  # without the filter the xattrs are set: nr_inodes is then what bounds them (the tmpfs's inode space)
+        layer_off(off)
+    before = _slab_shmem_kb()
+    res = run_python(hostile(name, defeat_hook=True), dataclasses.replace(LIMITS, wall_s=20.0, cpu_s=10.0))
+    after = _slab_shmem_kb()
+    grew = [line.split() for line in res.stdout.splitlines() if line.startswith("GREW")]
+    assert res.passed and grew, res
+    during_kb, made = int(grew[0][1]), int(grew[0][3])
+    assert during_kb < KERNEL_MEMORY_BOUND_KB, res
+    assert after - before < KERNEL_MEMORY_BOUND_KB, (before, after)
+    if name == "xattr_flood" and not off:
+        assert made == 0 and "STOPPED 95" in res.stdout, res  # EOPNOTSUPP from the filter
+    else:
+        assert 0 < made <= 16 * LIMITS.disk_inodes and "STOPPED 28" in res.stdout, res  # ENOSPC: out of inodes
+
+
+def test_negative_dentries_on_the_host_binds_are_bounded_by_the_cpu_limit():
+    """Misses under the read-only binds of /usr leave negative dentries in the host's cache. They are reclaimable
+    (SReclaimable), and the CPU limit bounds how many one program makes: counted here (dentry-state's
+    nr_negative, shared machine) and stated in docs/security.md."""
+    def negative():
+        return int(open("/proc/sys/fs/dentry-state").read().split()[4])
+
+    before = negative()
+    res = run_python(hostile("negative_dentries"), dataclasses.replace(LIMITS, wall_s=20.0, cpu_s=10.0))
+    grew = negative() - before
+    assert res.passed and "MISSED 200000" in res.stdout, res
+    assert grew < 400_000, grew  # at most one per miss (and others' on this machine)
+
+
+@pytest.mark.parametrize("name,entry", [("formfeed_string", ()), ("big_factorial", ()), ("long_result", ()),
+                                        ("builtin_sum", ("sum",))])
+def test_correct_programs_are_not_scored_zero_by_the_harness(name, entry):
+    res = run_python(hostile(name), LIMITS, n_tests=None, entry=entry)
+    assert res.passed, res
+
+
+def test_a_task_function_named_like_a_builtin_uses_the_programs_binding_only_for_that_task():
+    """entry comes from the task's reference solution (task_functions); without it the two-way check still
+    holds, and a builtin name the task does not define is still checked both ways."""
+    from es_ray.grading.verdict import task_functions
+
+    assert task_functions("def sum(n):\n    return n\n\ndef helper():\n    pass\n") == ("sum",)
+    assert run_python(hostile("builtin_sum"), LIMITS).status == "failed"  # no entry: the builtin reading fails
+    # the task's function is sum; the program's max still gets both readings (it returns its first argument)
+    wrong = "def sum(n):\n    return 6\n\ndef max(a, b):\n    return a\n\nassert sum(123) == max(1, 6)\n"
+    assert run_python(wrong, LIMITS, entry=("sum",)).passed is False
+    assert run_python(hostile("builtin_name"), LIMITS, entry=("sum",)).status == "failed"
+
+
+def test_a_candidate_over_the_size_cap_is_too_long_before_any_parse():
+    from es_ray.grading.sandbox import MAX_PROGRAM_BYTES
+
+    program = GOOD + "#" * MAX_PROGRAM_BYTES
+    t0 = time.monotonic()
+    grades = grade_programs([program, GOOD], LIMITS)
+    assert [(g.score, g.failure) for g in grades] == [(0.0, "too_long"), (1.0, None)], grades
+    assert time.monotonic() - t0 < LIMITS.wall_s + MARGIN_S
+
+
+def test_split_tests_is_linear_in_the_candidates_size():
+    """185 KB took 3.3 s in split_tests: its cost now grows linearly (ratio of 4x the size within 8x the time)."""
+    from es_ray.grading.verdict import split_tests
+
+    def cost(n):
+        program = "def f(x):\n    return x\n" + "y = [1, 2, 3]\n" * n + "assert f(1) == 1\n" * 50
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            split_tests(program, "", 50)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    assert cost(8000) < 8 * cost(2000)
+
+
+def test_a_batch_of_the_third_rounds_attacks_scores_a_kind_it_did_not_choose():
+    names = ["self_signal", "forged_memory", "forged_marks", "deep_json_value", "xattr_flood", "symlink_flood"]
+    programs = [hostile(n, defeat_hook=True, SIGNUM="SIGSYS") for n in names] + [GOOD]
+    t0 = time.monotonic()
+    grades = grade_programs(programs, LIMITS, workers=2)
+    elapsed = time.monotonic() - t0
+    got = {n: (g.score, g.failure) for n, g in zip(names, grades)}
+    assert grades[-1].correct, grades[-1]
+    assert got == {"self_signal": (0.0, None), "forged_memory": (0.0, None), "forged_marks": (0.0, None),
+                   "deep_json_value": (0.0, "unparseable_result"), "xattr_flood": (1.0, None),
+                   "symlink_flood": (1.0, None)}, got
     assert elapsed < len(programs) * (LIMITS.wall_s + LIMITS.check_s + MARGIN_S) / 2, elapsed

@@ -12,8 +12,11 @@ the program runs. Two modes for that process:
   its own ``__eq__``.
 
 The record this process writes carries the run's nonce, how the forked process ended (exit status or signal,
-read by ``waitpid``: a seccomp kill is SIGSYS) and at most ``output_bytes`` of what came through the pipe, as a
-string; the grader parses that string with its own bounds. The program can write anything into its pipe (that
+read by ``wait4``), and this process's own observations, which the program cannot write: the system call the
+seccomp filter refused (a notification on the filter's listener, which only this process holds; it then kills the
+program's process), the CPU time and peak memory the kernel counted (``wait4``'s rusage, the peak virtual size
+sampled from /proc), whether a file in the working directory reached the file-size limit, and at most
+``output_bytes`` of what came through the pipe, as a string; the grader parses that string with its own bounds. The program can write anything into its pipe (that
 is the same as computing other values) but cannot reach the record: the descriptor is closed in its process,
 this process is not dumpable (no ``/proc/1/mem`` or ``/proc/1/fd`` without CAP_SYS_PTRACE) and ptrace is
 refused by the filter.
@@ -27,8 +30,11 @@ process, rlimits, the seccomp filter (es_ray/grading/seccomp.py, built by the gr
 import builtins
 import json
 import os
+import re
 import resource
+import select
 import signal
+import socket
 import sys
 
 MARK = "es-ray-sandbox: blocked"
@@ -38,7 +44,44 @@ CONFINE_RC = 97
 LANDLOCK_FS = (1 << 13, 1 << 14, 1 << 15, 1 << 15, 1 << 16, 1 << 16, 1 << 16)  # handled fs rights by ABI 1..7
 READ_RIGHTS = 1 | 4 | 8  # EXECUTE, READ_FILE, READ_DIR
 FILE_RIGHTS = 1 | 2 | 4 | (1 << 14) | (1 << 15)  # the rights that apply to a regular file
+ITEMS = 1_000_000
+"""Items a value may hold to cross, and at most one per MIN_ITEM_BYTES of ``output_bytes`` (a value with more
+cannot fit the pipe: it fails at once as too large, not after encoding it all)."""
+MIN_ITEM_BYTES = 5  # ["n"] and its comma
+MAX_JSON_DEPTH = 160
+"""Nesting of a result line: a value is at most 64 levels deep, two JSON levels each, in two levels of record."""
+INPUT_DEPTH = MAX_JSON_DEPTH + 4
+"""This process's configuration: the values the grader parsed (at most MAX_JSON_DEPTH) inside two levels."""
+ROOT_INODES = 128
+"""Inodes of the minimal root's own tmpfs (its directories, device files and links; read-only once pivoted)."""
 SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc/localtime", "/dev/urandom", "/dev/zero")
+
+
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def _no_constant(name):
+    raise ValueError("%s is not a JSON value" % name)
+
+
+def bounded_loads(text, max_depth):
+    """``json.loads`` that is total and never recurses past ``max_depth``: the nesting is measured first by a
+    linear scan (strings removed, then brackets counted), so the interpreter's recursion limit, which a host
+    process may have raised, never decides. No NaN or Infinity. Raises ValueError on anything else."""
+    if not isinstance(text, str):
+        raise ValueError("not text")
+    depth = deepest = 0
+    for c in _NOT_BRACKET.sub("", _STRING.sub("", text)):
+        depth += 1 if c in "[{" else -1
+        if depth > deepest:
+            deepest = depth
+            if deepest > max_depth:
+                raise ValueError("nested deeper than %d levels" % max_depth)
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except (RecursionError, MemoryError) as exc:
+        raise ValueError("%s while parsing" % type(exc).__name__)
 
 
 def _die(mark, why):
@@ -70,7 +113,7 @@ def _jail(libc, check, jail):
                          data and data.encode()) == 0, "mount %s on %s" % (fstype or src, dst))
 
     if root:  # else (only in the tests that switch the minimal root off) the mounts go over the host's tree
-        mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=256k,mode=0755")
+        mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=256k,nr_inodes=%d,mode=0755" % ROOT_INODES)
     for op in jail["ops"]:
         kind, path = op[0], op[1]
         dst = root + path
@@ -230,7 +273,7 @@ def _encode(v, depth=0, budget=None):
     """Exact builtin types (and the collections/iterator types tests compare against) as tagged JSON."""
     import collections
     import itertools
-    budget = budget if budget is not None else [200000]
+    budget = budget if budget is not None else [ITEMS]
     budget[0] -= 1
     if depth > 64 or budget[0] < 0:
         raise ValueError("value too deep or too large")
@@ -239,8 +282,8 @@ def _encode(v, depth=0, budget=None):
         return ["n"]
     if t in (bool, str):
         return ["b" if t is bool else "s", v]
-    if t is int:
-        return ["i", str(v)]
+    if t is int:  # hexadecimal: no digit limit (str(v) refuses more than 4,300 digits) and linear
+        return ["i", format(v, "x")]
     if t is float:
         return ["f", repr(v)]
     if t is complex:
@@ -260,16 +303,22 @@ def _encode(v, depth=0, budget=None):
     if t.__module__ == "decimal" and t.__name__ == "Decimal":
         return ["Dec", str(v)]
     if t.__module__ == "fractions" and t.__name__ == "Fraction":
-        return ["Frac", str(v.numerator), str(v.denominator)]
+        return ["Frac", format(v.numerator, "x"), format(v.denominator, "x")]
     if issubclass(t, tuple) and not any(d in vars(k) for k in t.__mro__[:-2] for d in _DUNDERS):
         return ["t", [enc(x) for x in tuple.__iter__(v)]]  # a namedtuple compares as a tuple
     if t.__module__ in ("builtins", "itertools") and hasattr(t, "__next__"):  # generators, map, zip, ...
-        items = list(itertools.islice(v, 100001))
-        if len(items) > 100000:
-            raise ValueError("iterator longer than 100000 items")
+        items = list(itertools.islice(v, ITEMS + 1))
+        if len(items) > ITEMS:
+            raise ValueError("iterator longer than %d items" % ITEMS)
         return ["I", [enc(x) for x in items]]
     raise TypeError("a test value of type %s.%s cannot be compared outside the program" % (t.__module__,
                                                                                         t.__qualname__))
+
+
+def _int(x):
+    if type(x) is not int:
+        raise ValueError("malformed value")
+    return x
 
 
 def _decode(x, depth=0):
@@ -278,12 +327,12 @@ def _decode(x, depth=0):
         raise ValueError("malformed value")
     tag, args, dec = x[0], x[1:], (lambda y: _decode(y, depth + 1))
     scalar = {"n": lambda: None, "b": lambda: bool(args[0]) if type(args[0]) is bool else None,
-              "s": lambda: args[0] if type(args[0]) is str else None, "i": lambda: int(args[0]),
+              "s": lambda: args[0] if type(args[0]) is str else None, "i": lambda: int(args[0], 16),
               "f": lambda: float(args[0]), "c": lambda: complex(float(args[0]), float(args[1])),
               "y": lambda: bytes.fromhex(args[0]), "Y": lambda: bytearray.fromhex(args[0]),
-              "r": lambda: range(int(args[0]), int(args[1]), int(args[2])),
+              "r": lambda: range(_int(args[0]), _int(args[1]), _int(args[2])),
               "Dec": lambda: __import__("decimal").Decimal(args[0]),  # imported only when used: fractions costs 40 ms
-              "Frac": lambda: __import__("fractions").Fraction(int(args[0]), int(args[1]))}
+              "Frac": lambda: __import__("fractions").Fraction(int(args[0], 16), int(args[1], 16))}
     if tag in scalar:
         out = scalar[tag]()
         if out is None and tag != "n":
@@ -308,7 +357,12 @@ def _decode(x, depth=0):
 
 def _run(cfg, out):
     """The candidate's code, then its probes; only values leave this process."""
-    encode, dumps, write = _encode, json.dumps, out.write
+    dumps, write = json.dumps, out.write
+    items = min(ITEMS, cfg["limits"]["output_bytes"] // MIN_ITEM_BYTES)
+
+    def encode(value):
+        return _encode(value, 0, [items])
+
     glb = {"__name__": "__main__", "__builtins__": builtins}
     exec(compile(cfg["program"], "program.py", "exec"), glb)
 
@@ -329,7 +383,7 @@ def _run(cfg, out):
             sites = [[] for _ in range(probe["sites"])]
 
             def site(k, value, sites=sites):
-                if len(sites[k]) < 100000:
+                if len(sites[k]) < items:
                     sites[k].append(safe_encode(value))
                 return value
 
@@ -398,8 +452,10 @@ def _verify(cfg, out):
     out.flush()
 
 
-def _seccomp(program):
-    """Install the grader's filter (es_ray/grading/seccomp.py) on this process and its future threads."""
+def _seccomp(program, nr, sock):
+    """Install the grader's filter (es_ray/grading/seccomp.py) on this process and its future threads, with a
+    listener for the calls it refuses; the listener goes to the init over ``sock`` and is closed here before any
+    program code runs (a program holding it could answer its own refused calls)."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
 
@@ -407,16 +463,28 @@ def _seccomp(program):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
 
     prog = Prog(len(program) // 8, program)
-    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # NO_NEW_PRIVS, FILTER
-        _die(CONFINE_MARK, "seccomp: %s" % os.strerror(ctypes.get_errno()))
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        _die(CONFINE_MARK, "no_new_privs: %s" % os.strerror(ctypes.get_errno()))
+    listener = libc.syscall(nr, 1, 1 << 3, ctypes.byref(prog))  # SET_MODE_FILTER, FLAG_NEW_LISTENER
+    if listener < 0:
+        _die(CONFINE_MARK, "seccomp listener: %s" % os.strerror(ctypes.get_errno()))
+    try:
+        socket.send_fds(sock, [b"L"], [listener])
+    finally:
+        os.close(listener)
 
 
-def _untrusted(cfg, root, result_fd, write_fd):
+def _untrusted(cfg, root, result_fd, write_fd, sock):
     """The forked process: the program (or the check) under rlimits, seccomp and the audit hook."""
     os.close(result_fd)
     _rlimits(cfg["limits"])
-    if cfg["seccomp"]:  # always, but in the tests that switch one layer off
-        _seccomp(bytes.fromhex(cfg["seccomp"]))
+    if hasattr(sys, "set_int_max_str_digits"):
+        sys.set_int_max_str_digits(0)  # a test may print or compare an int of any size (the CPU limit bounds it)
+    try:
+        if cfg["seccomp"]:  # always, but in the tests that switch one layer off
+            _seccomp(bytes.fromhex(cfg["seccomp"]), cfg["seccomp_nr"], sock)
+    finally:
+        sock.close()
     for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
         del sys.modules[name]  # so that `import ctypes` reaches the audit hook
     sys.dont_write_bytecode = True
@@ -425,30 +493,87 @@ def _untrusted(cfg, root, result_fd, write_fd):
     (_run if cfg["mode"] == "run" else _verify)(cfg, os.fdopen(write_fd, "w"))
 
 
-def _collect(read_fd, child, cap):
-    """Read at most ``cap`` bytes of the pipe (the rest is drained and counted), then reap every process."""
-    chunks, size = [], 0
+def _vm_peak_kb(child):
+    try:
+        with open("/proc/%d/status" % child, "rb") as f:
+            for line in f:
+                if line.startswith(b"VmPeak:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _refused_call(listener):
+    """The system call number of a seccomp notification, or None where the notifying thread is already gone."""
+    import fcntl
+    buf = bytearray(80)  # struct seccomp_notif, zeroed as the kernel requires
+    try:
+        fcntl.ioctl(listener, 0xC0502100, buf, True)  # SECCOMP_IOCTL_NOTIF_RECV
+    except OSError:
+        return None
+    return int.from_bytes(buf[16:20], "little", signed=True)  # seccomp_data.nr after id (8) and pid, flags (4+4)
+
+
+def _collect(read_fd, child, cap, listener):
+    """Read at most ``cap`` bytes of the pipe (the rest is drained and counted) while answering the seccomp
+    listener (a refused call: recorded, the program's process killed) and sampling its peak virtual size, until
+    the program's process has ended; its wait status and rusage."""
+    chunks, size, refused, peak = [], 0, None, 0
+    poller = select.poll()
+    poller.register(read_fd, select.POLLIN)
+    pipe_open = True
+    if listener is not None:
+        poller.register(listener, select.POLLIN)
     while True:
-        block = os.read(read_fd, 1 << 16)
-        if not block:
-            break
-        if size < cap:
-            chunks.append(block[:cap - size])
-        size += len(block)
-    status = None
-    while True:
-        try:
-            pid, st = os.wait()
-        except ChildProcessError:
-            break
-        if pid == child:
-            status = st
+        for fd, ev in poller.poll(20):
+            if fd == read_fd:
+                block = os.read(read_fd, 1 << 16)
+                if not block:
+                    poller.unregister(read_fd)
+                    pipe_open = False
+                elif size < cap:
+                    chunks.append(block[:cap - size])
+                size += len(block)
+            elif ev & select.POLLIN:
+                nr = _refused_call(listener)
+                if nr is not None and refused is None:
+                    refused = nr
+                    os.kill(child, signal.SIGKILL)
+            else:  # the filter has no process left
+                poller.unregister(listener)
+        peak = max(peak, _vm_peak_kb(child))
+        if not pipe_open or refused is not None:
+            pid, status, usage = os.wait4(child, 0 if refused is not None else os.WNOHANG)
+            if pid:
+                break
     text = b"".join(chunks).decode("utf-8", errors="replace")
-    return text, size > cap, status
+    return text, size > cap, status, usage, refused, peak
+
+
+def _file_at_cap(cap, budget=4096):
+    """Whether a file under the working directory (this process's cwd) reached the file-size limit: walked
+    without recursion and without following links, at most ``budget`` entries (the tmpfs holds fewer inodes)."""
+    stack = ["."]
+    while stack and budget > 0:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for entry in it:
+                    budget -= 1
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    elif entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_size >= cap:
+                        return True
+        except OSError:
+            continue
+    return False
 
 
 def main():
-    cfg = json.loads(sys.stdin.read())
+    try:
+        cfg = bounded_loads(sys.stdin.read(), INPUT_DEPTH)
+    except ValueError as exc:  # the grader bounds what it sends by the same measure: this is its failure
+        _die(CONFINE_MARK, "configuration: %s" % exc)
     # nothing of the grader's reaches the program: the drained stdin pipe becomes /dev/null, the nonce is not in
     # cfg and the forked process clears its copy of the record (what keeps the program from the record is the
     # descriptor it closes; the nonce tells a stale or foreign line)
@@ -471,15 +596,17 @@ def main():
         if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: the program cannot read this one
             raise OSError("PR_SET_DUMPABLE")
         read_fd, write_fd = os.pipe()
+        mine, theirs = socket.socketpair()  # the seccomp listener comes back over it
         child = os.fork()
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - never run the program half-confined
         sys.stderr.write("%s: %s: %s\n" % (CONFINE_MARK, type(exc).__name__, exc))
         report(stage="confine", error="%s: %s" % (type(exc).__name__, str(exc)[:500]))
     if child == 0:
         os.close(read_fd)
+        mine.close()
         record.clear()  # the program can walk up to this frame
         try:
-            _untrusted(cfg, root, result_fd, write_fd)
+            _untrusted(cfg, root, result_fd, write_fd, theirs)
         except SystemExit:
             raise
         except BaseException:  # noqa: BLE001 - the program's own exception: traceback, exit 1
@@ -487,10 +614,22 @@ def main():
             sys.exit(1)
         sys.exit(0)
     os.close(write_fd)
-    text, over, status = _collect(read_fd, child, cfg["limits"]["output_bytes"])
-    report(stage="done", exit=os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) else None,
-           signal=os.WTERMSIG(status) if status is not None and os.WIFSIGNALED(status) else None,
-           result=text, over=over)
+    theirs.close()
+    listener = None
+    if cfg["seccomp"]:
+        try:
+            _, fds, _, _ = socket.recv_fds(mine, 1, 1)
+            listener = fds[0] if fds else None
+        except OSError:
+            pass
+    mine.close()
+    lim = cfg["limits"]
+    text, over, status, usage, refused, peak = _collect(read_fd, child, lim["output_bytes"], listener)
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+    report(stage="done", exit=code, signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+           result=text, over=over, refused=refused, listener=listener is not None,
+           cpu_s=usage.ru_utime + usage.ru_stime, peak_kb=max(peak, usage.ru_maxrss),
+           file_at_cap=code != 0 and _file_at_cap(lim["output_bytes"]))
 
 
 if __name__ == "__main__":  # run with -c; the grader imports this file only for _decode

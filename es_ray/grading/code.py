@@ -15,9 +15,9 @@ from es_ray.grading.sandbox import SandboxLimits, SandboxResult, run_many
 # the language tag owns the spaces after it (linear: "```" + spaces without a newline backtracked as n^2)
 _FENCE = re.compile(r"```[ \t]*(?:([\w+-]+)[ \t]*)?\n(.*?)(?:```|\Z)", re.S)
 # sandbox statuses that are grading failures (counted by kind); "failed" is an ordinary wrong answer
-SANDBOX_FAILURES = {"timeout": "timeout", "memory": "memory", "output_limit": "output_limit", "blocked": "blocked",
+SANDBOX_FAILURES = {"timeout": "timeout", "memory": "memory", "output_limit": "output_limit",
                     "escape_attempt": "escape_attempt", "unparseable_result": "unparseable_result",
-                    "error": "unavailable"}
+                    "too_long": "too_long", "error": "unavailable"}
 
 
 def extract_code(completion: str) -> str:
@@ -47,6 +47,6 @@ def grade_results(results: Sequence[SandboxResult]) -> list[Grade]:
 
 
 def grade_programs(programs: Sequence[str], limits: SandboxLimits = SandboxLimits(), workers: int = 2,
-                   n_tests: Sequence[int | None] | None = None, setups: Sequence[str] | None = None
-                   ) -> list[Grade]:
-    return grade_results(run_many(programs, limits, workers, n_tests, setups))
+                   n_tests: Sequence[int | None] | None = None, setups: Sequence[str] | None = None,
+                   entries: Sequence[Sequence[str]] | None = None) -> list[Grade]:
+    return grade_results(run_many(programs, limits, workers, n_tests, setups, entries))

@@ -9,16 +9,18 @@ from dataclasses import dataclass
 #   timeout       the grader (math-verify) or the program under test (MBPP) ran past its time limit
 #   memory        the program under test ran out of its memory limit
 #   output_limit  the program under test wrote more than its output cap
-#   blocked       the program under test tried something the sandbox forbids (network, processes, writes outside
-#                 its directory, ctypes, signals) and failed because of it
-#   escape_attempt the program under test made a system call the sandbox's seccomp filter kills (a second
-#                 process, exec, a socket, ptrace, mount, ...): it scores 0 however it looked otherwise
+#   escape_attempt the program under test made a system call the sandbox's seccomp filter refuses (a second
+#                 process, exec, a socket, ptrace, mount, ...), as the jail's init saw it: it scores 0 however it
+#                 looked otherwise
+#   too_long      the program under test was over the grader's size cap and was not parsed or run
+# (MBPP's kinds come from the jail's own observations, never from the program's exit signal or its output: a
+# program that kills itself or prints a mark is an ordinary wrong answer; es_ray/grading/sandbox.py)
 #   unparseable_result  the program's reported values could not be parsed, rebuilt or compared within the
 #                 grader's size, depth and time bounds (a malformed record, NaN constants, colliding hashes)
 #   crash         the grader's worker process died
 #   unavailable   the grader could not be started (e.g. math-verify not installed)
 #   error         the grader raised (a bug or an input it cannot handle)
-FAILURE_KINDS = ("timeout", "memory", "output_limit", "blocked", "escape_attempt", "unparseable_result", "crash",
+FAILURE_KINDS = ("timeout", "memory", "output_limit", "escape_attempt", "unparseable_result", "too_long", "crash",
                  "unavailable", "error")
 
 

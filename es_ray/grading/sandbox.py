@@ -21,8 +21,12 @@ inside the program's process is trusted:
   capability and the bounding set dropped. A grader that is not root: root of a user namespace, no capabilities.
 * **One process**: the init forks the program's process, which sets its rlimits (CPU, address space, file size,
   open files, threads) and installs the seccomp-bpf filter (es_ray/grading/seccomp.py) before its first
-  instruction: no second process, exec, socket, ptrace, mount, namespaces, bpf, io_uring, ... (SIGSYS:
-  ``escape_attempt``). So the per-process limits are the whole program's.
+  instruction: no second process, exec, socket, ptrace, mount, namespaces, bpf, io_uring, ... (the init holds the
+  filter's listener: a refused call is recorded and the process killed, ``escape_attempt``). So the per-process
+  limits are the whole program's.
+* **Kernel memory**: every tmpfs in the jail has ``nr_inodes`` as well as ``size`` (the work dir
+  ``disk_inodes``), which bounds what a tmpfs keeps outside its blocks (inodes, dentries, symlink bodies, xattr
+  space), and the filter answers the ``*setxattr*`` calls EOPNOTSUPP. All of it goes with the mount namespace.
 * **The record**: the init writes the one result record (exit status or signal, the program's pipe capped at
   ``output_bytes``) with a per-run nonce to a descriptor the program's process closes before any program code
   runs; the grader parses it with size and depth bounds and compares only hash-free values itself; the rest
@@ -30,8 +34,15 @@ inside the program's process is trusted:
   ``unparseable_result``.
 * **Wall clock**: the whole namespace dies after ``wall_s``; ``setpriv --pdeathsig`` kills it if the grader's
   thread dies.
-* **Audit hook** (PEP 578): refuses the common escapes early and visibly (status ``blocked``). The program can
-  switch it off; no guarantee rests on it.
+* **Audit hook** (PEP 578): refuses the common escapes early and visibly (a PermissionError naming the event;
+  the program fails). The program can switch it off or print its words; no guarantee and no failure kind rests
+  on it.
+* **Failure kinds** come only from what the program cannot write: the grader's own timer and the init's record
+  (the listener's notification, the CPU time and peak memory the kernel counted, the pipe's and the files' sizes).
+  A program that kills itself with a signal, or prints a mark, is ``failed`` (reason ``self_signal``, or its exit
+  status). See ``_status``.
+* **Size**: a program over ``MAX_PROGRAM_BYTES`` is not parsed (``too_long``), so the grader's own time per
+  program is bounded whatever the candidate's size.
 
 ``isolation()`` says which layers this machine gives (es-eval writes it into results.json).
 """
@@ -57,6 +68,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
+from es_ray.grading._sandbox_child import ITEMS
 from es_ray.grading.verdict import Split, TestsTooLarge, split_tests
 
 NOBODY = 65534
@@ -78,8 +90,17 @@ _PROBE = ("import os, sys\nassert 'fractions' not in sys.modules\nimport fractio
           "print(*os.getresuid(), *os.getresgid())\n"
           "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('Seccomp:')][0])\n")
 # the grader's own bounds on a result record (before and while it parses one)
-MAX_RESULT_DEPTH = 64
-RESULT_READ_FACTOR = 8  # a record holds at most output_bytes of the program's pipe, JSON-escaped
+RESULT_READ_FACTOR = 8  # a record holds at most output_bytes of the program's pipe, JSON-escaped (6x at worst)
+MAX_PROGRAM_BYTES = 128 << 10
+"""A program (setup, candidate and tests, UTF-8) longer than this is ``too_long`` before anything parses it: MBPP's
+reference solutions with their tests stay under 4 KiB (a completion of 1,024 tokens under 8 KiB), and the grader
+splits 128 KiB in well under a second (benchmarks/sandbox.py --split)."""
+MEMORY_FRACTION = 0.9
+"""``memory``: a program that did not pass and whose peak (virtual size sampled by the init, or resident size from
+``wait4``) reached this fraction of ``memory_mb``."""
+CPU_FRACTION = 0.9
+"""``timeout`` without the wall clock: a program that did not pass and whose CPU time (``wait4``, counted in ticks:
+1.96 s is seen for a 2 s limit) reached this fraction of RLIMIT_CPU."""
 _FAST_TAGS = frozenset("nbsifctyYr")  # values the grader rebuilds itself: nothing of them is hashed
 
 
@@ -102,6 +123,9 @@ class SandboxLimits:
     """RLIMIT_NPROC for the dedicated uid (its threads; a second process is refused by seccomp)."""
     disk_mb: int = 16
     """Size of the tmpfs mounted on the working directory (the disk quota)."""
+    disk_inodes: int = 1024
+    """Inodes of that tmpfs (files, directories, symlinks): what bounds its kernel memory outside ``disk_mb``, at
+    most a few KiB each (an inode, a dentry, a symlink's body up to 4 KiB, 1 KiB of xattr space)."""
     check_s: float = 3.0
     """Wall-clock limit of the separate test check, where one is needed: the grader's own time per program is at
     most wall_s + check_s plus two process starts."""
@@ -110,11 +134,14 @@ class SandboxLimits:
 @dataclass(frozen=True)
 class SandboxResult:
     status: str
-    """passed | failed | timeout | memory | output_limit | blocked | escape_attempt | unparseable_result | error"""
+    """passed | failed | timeout | memory | output_limit | escape_attempt | unparseable_result | too_long | error"""
     returncode: int | None
     stdout: str
     stderr: str
     seconds: float
+    reason: str = ""
+    """Why a ``failed`` program failed, as far as the jail saw it: ``wrong`` (a test did not hold), ``self_signal``
+    (killed by a signal that no jail layer sent), ``exit N``, ``no_result``, ``tests_swallowed``, ``tests_too_large``."""
 
     @property
     def passed(self) -> bool:
@@ -177,6 +204,10 @@ def _refusal(why: str) -> str:
             "are world-readable; Landlock (Linux >= 5.13, 'landlock' in the lsm= boot list) is used where present")
 
 
+SMALL_TMPFS = "size=64k,nr_inodes=16,mode=1777"
+"""/tmp and /dev/shm inside the jail: the program writes in its working directory."""
+
+
 def _jail_ops(python: str) -> tuple:
     """The minimal root for ``python``: its prefix and the system libraries read-only, four device files, a fresh
     /proc, small private /tmp and /dev/shm (the working directory is added per run)."""
@@ -197,7 +228,7 @@ def _jail_ops(python: str) -> tuple:
             if os.path.exists(dev)]
     if os.path.islink("/etc/localtime"):
         ops.append(("symlink", "/etc/localtime", os.readlink("/etc/localtime")))
-    ops += [("proc", "/proc"), ("tmpfs", "/tmp", "size=64k,mode=1777"), ("tmpfs", "/dev/shm", "size=64k,mode=1777")]
+    ops += [("proc", "/proc"), ("tmpfs", "/tmp", SMALL_TMPFS), ("tmpfs", "/dev/shm", SMALL_TMPFS)]
     return tuple(ops)
 
 
@@ -320,7 +351,12 @@ class _Raw:
     error: str | None = None
     """The sandbox could not confine (from the nonce-carrying record) or could not start."""
     unparseable: bool = False
-    mark: str = ""
+    refused: int | None = None
+    """The system call the seccomp filter refused (the init's listener saw it)."""
+    cpu_out: bool = False
+    """The kernel counted the CPU limit used up (``wait4``'s rusage)."""
+    memory_out: bool = False
+    """The peak the init observed reached MEMORY_FRACTION of the limit."""
 
 
 def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
@@ -334,8 +370,8 @@ def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
         os.mkdir(root, 0o700)
         with _uid_slot(plan) as uid:
             owner = "" if uid is None else f",uid={uid},gid={uid}"
-            ops = [*(plan.jail or [("tmpfs", "/dev/shm", "size=64k,mode=1777")]),
-                   ("tmpfs", work, f"size={limits.disk_mb << 10}k,mode=0700{owner}")]
+            ops = [*(plan.jail or [("tmpfs", "/dev/shm", SMALL_TMPFS)]),
+                   ("tmpfs", work, f"size={limits.disk_mb << 10}k,nr_inodes={limits.disk_inodes},mode=0700{owner}")]
             env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
             cmd = [*_pdeath_prefix(), *plan.prefix, python, "-I", "-S", "-B", "-c", _CHILD]
             files = [open(os.path.join(outer, n), "w+b") for n in ("stdout", "stderr", "result")]
@@ -347,6 +383,7 @@ def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
                     "mark_nonce": mark if plan.hook else None,
                     "pid_ns": plan.pid_ns, "landlock": plan.landlock, "drop_to": uid, "result_fd": res.fileno(),
                     "capset": CAPSET_SYSCALL.get(machine), "seccomp": plan.seccomp,
+                    "seccomp_nr": _syscall_nr(machine, "seccomp"),
                     "jail": {"root": root if plan.jail else "", "ops": ops, "pivot_root": _pivot_root_nr(machine)},
                 }).encode()
                 try:
@@ -371,7 +408,7 @@ def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
                 over = max(os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size) >= limits.output_bytes
                 record = _record(_read_capped(res, RESULT_READ_FACTOR * limits.output_bytes + 4096), nonce)
                 raw = _Raw(None, timed_out, over, _read_capped(out, limits.output_bytes),
-                           _read_capped(err, 64 << 10), None, mark=mark)
+                           _read_capped(err, 64 << 10), None)
                 if record is None:
                     raw.error = None if timed_out else f"the sandbox ended without its record (rc {proc.returncode})"
                 elif record.get("stage") == "confine":
@@ -379,8 +416,12 @@ def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
                 else:
                     sig, code = record.get("signal"), record.get("exit")
                     raw.returncode = -sig if isinstance(sig, int) else code if isinstance(code, int) else None
-                    raw.over = raw.over or record.get("over") is True
+                    raw.over = raw.over or record.get("over") is True or record.get("file_at_cap") is True
                     raw.result, raw.unparseable = _parse_result(record.get("result"))
+                    refused, cpu, peak = record.get("refused"), record.get("cpu_s"), record.get("peak_kb")
+                    raw.refused = refused if type(refused) is int else None
+                    raw.cpu_out = type(cpu) is float and cpu >= CPU_FRACTION * _cpu_limit(limits)
+                    raw.memory_out = type(peak) is int and peak >= MEMORY_FRACTION * (limits.memory_mb << 10)
                 return raw
             finally:
                 for f in files:
@@ -389,68 +430,82 @@ def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
         shutil.rmtree(outer, ignore_errors=True)
 
 
-def _pivot_root_nr(machine: str) -> int | None:
+def _syscall_nr(machine: str, name: str) -> int | None:
     from es_ray.grading.seccomp import SYSCALLS
 
-    return SYSCALLS.get(machine, {}).get("pivot_root")
+    return SYSCALLS.get(machine, {}).get(name)
+
+
+def _pivot_root_nr(machine: str) -> int | None:
+    return _syscall_nr(machine, "pivot_root")
+
+
+def _cpu_limit(limits: SandboxLimits) -> int:
+    return max(1, int(-(-limits.cpu_s // 1)))  # RLIMIT_CPU's soft limit, as _sandbox_child._rlimits sets it
 
 
 def _record(text: str, nonce: str) -> dict | None:
     """The init's record: the last line, and only if it carries this run's nonce."""
-    lines = text.splitlines()
+    from es_ray.grading._sandbox_child import bounded_loads
+
+    lines = text.rstrip("\n").rsplit("\n", 1)
     try:
-        record = json.loads(lines[-1]) if lines else None
-    except (ValueError, RecursionError):
+        record = bounded_loads(lines[-1], 2) if lines[-1] else None
+    except ValueError:
         return None
     return record if isinstance(record, dict) and record.get("nonce") == nonce else None
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON value")
-
-
 def _parse_result(text) -> tuple[dict | None, bool]:
     """The program's pipe (at most output_bytes): its last line as a dict, or (None, True) when it is there but
-    cannot be parsed within the bounds (depth through the decoder's recursion limit, no NaN/Infinity)."""
+    cannot be parsed within the bounds (MAX_JSON_DEPTH measured without recursion, no NaN/Infinity): the same
+    parse the check's init uses on what the grader sends it."""
+    from es_ray.grading._sandbox_child import MAX_JSON_DEPTH, bounded_loads
+
     if not isinstance(text, str) or not text.strip():
         return None, False
     try:
-        value = json.loads(text.rstrip("\n").rsplit("\n", 1)[-1], parse_constant=_no_constant)
-    except (ValueError, RecursionError, MemoryError):
+        value = bounded_loads(text.rstrip("\n").rsplit("\n", 1)[-1], MAX_JSON_DEPTH)
+    except (ValueError, MemoryError):
         return None, True
     return (value, False) if isinstance(value, dict) else (None, True)
 
 
-def _status(raw: _Raw) -> str:
+def _status(raw: _Raw) -> tuple[str, str]:
+    """The status and, for ``failed``, its reason, from the jail's observations only: the grader's timer, the
+    record's listener notification, the kernel's CPU and memory counters, the pipe's and files' sizes. Never from
+    the program's exit signal alone or its stderr: a signal it raised on itself is ``failed``/``self_signal``."""
     rc = raw.returncode
-    if raw.timed_out or rc in (-signal.SIGXCPU, -signal.SIGKILL):
-        return "timeout"
+    if raw.timed_out:
+        return "timeout", ""
     if raw.error:
-        return "error"
-    if rc == -signal.SIGSYS:  # the seccomp filter killed it: from waitpid, not from anything the program wrote
-        return "escape_attempt"
-    if raw.over or rc == -signal.SIGXFSZ:
-        return "output_limit"
+        return "error", ""
+    if raw.refused is not None:
+        return "escape_attempt", ""
+    if raw.over:
+        return "output_limit", ""
     if raw.unparseable:
-        return "unparseable_result"
+        return "unparseable_result", ""
     if rc == 0:
-        return "passed"
-    if "MemoryError" in raw.stderr:
-        return "memory"
-    if f"{BLOCKED_MARK} [{raw.mark}]" in raw.stderr:
-        return "blocked"
-    return "failed"
+        return "passed", ""
+    if raw.cpu_out:
+        return "timeout", ""
+    if raw.memory_out:
+        return "memory", ""
+    if rc is None:
+        return "failed", "no_result"
+    return "failed", "self_signal" if rc < 0 else f"exit {rc}"
 
 
 def _run_split(split: Split, limits: SandboxLimits, python: str, plan: Plan) -> SandboxResult:
     t0 = time.monotonic()
     raw = _launch({"mode": "run", "program": split.code, "probes": split.probes}, limits, python, plan)
-    status, stderr = _status(raw), raw.error or raw.stderr
+    (status, reason), stderr = _status(raw), raw.error or raw.stderr
     values = (raw.result or {}).get("values")
     if status == "passed" and not (isinstance(values, list) and len(values) == len(split.probes)):
-        status = "failed"  # it exited 0 without running to its end (its tests never reported)
+        status, reason = "failed", "no_result"  # it exited 0 without running to its end (its tests never reported)
     if status != "passed" or not split.tests:
-        return SandboxResult(status, raw.returncode, raw.stdout, stderr, time.monotonic() - t0)
+        return SandboxResult(status, raw.returncode, raw.stdout, stderr, time.monotonic() - t0, reason)
     verdicts = _compare_literals(split, values)
     if None in verdicts:  # some tests need the check process: the value holds something hashed, or the test is
         check_limits = replace(limits, wall_s=limits.check_s, cpu_s=min(limits.cpu_s, limits.check_s))
@@ -460,17 +515,17 @@ def _run_split(split: Split, limits: SandboxLimits, python: str, plan: Plan) -> 
         if check.error and not check.timed_out:  # the sandbox itself broke (a grader failure, not the program's)
             return SandboxResult("error", raw.returncode, raw.stdout, stderr + "\n" + check.error,
                                  time.monotonic() - t0)
-        if (_status(check) != "passed" or not isinstance(checked, list) or len(checked) != len(split.tests)):
+        if (_status(check)[0] != "passed" or not isinstance(checked, list) or len(checked) != len(split.tests)):
             # its values could not be rebuilt or compared within the check's budget: the program's failure
             stderr += f"\nits values could not be checked within {limits.check_s:g} s: {check.stderr[-2000:]}"
             return SandboxResult("unparseable_result", raw.returncode, raw.stdout, stderr, time.monotonic() - t0)
         verdicts = [v if v is not None else checked[i] is True for i, v in enumerate(verdicts)]
         stderr += check.stderr[-2000:]
     if not all(v is True for v in verdicts):
-        status = "failed"
+        status, reason = "failed", "wrong"
         stderr += "AssertionError: " + "; ".join(t["source"][:200] for t, v in zip(split.tests, verdicts)
                                                  if v is not True)
-    return SandboxResult(status, raw.returncode, raw.stdout, stderr, time.monotonic() - t0)
+    return SandboxResult(status, raw.returncode, raw.stdout, stderr, time.monotonic() - t0, reason)
 
 
 def _hash_free(x, budget: list[int]) -> bool:
@@ -501,7 +556,7 @@ def _compare_literals(split: Split, values: list) -> list[bool | None]:
             verdicts.append(False)
             continue
         try:
-            if not _hash_free(value, [100_000]):
+            if not _hash_free(value, [ITEMS]):
                 verdicts.append(None)
                 continue
             verdicts.append(bool(_decode(value) == ast.literal_eval(test["expected"])))
@@ -511,35 +566,42 @@ def _compare_literals(split: Split, values: list) -> list[bool | None]:
 
 
 def run_python(program: str, limits: SandboxLimits = SandboxLimits(), python: str = sys.executable,
-               n_tests: int | None = None, setup: str = "") -> SandboxResult:
+               n_tests: int | None = None, setup: str = "", entry: Sequence[str] = ()) -> SandboxResult:
     """Run ``program`` (Python source) confined; ``passed`` only if it ran to its end, exited 0 and every
     trailing top-level assert holds when checked outside its process. ``n_tests``: how many trailing asserts the
     program must end with (the task's tests; fewer means the code swallowed some, which fails); only those are
     checked, the candidate's own asserts before them run in its process (None: every trailing assert is a test,
     the caller vouches for all of them). ``setup``: the task's setup code the program starts with (its imports
-    are trusted by the check). Raises SandboxUnavailable where this machine gives no accepted boundary."""
+    are trusted by the check). ``entry``: the names the task's reference solution defines (its function under
+    test): where the program binds one of them over a builtin (``def sum(n)``), the tests use the program's
+    binding only, as the task's own harness does. Raises SandboxUnavailable where this machine gives no accepted
+    boundary."""
     plan = require_sandbox(python)
+    if len(program) > MAX_PROGRAM_BYTES or len(program.encode("utf-8", "surrogatepass")) > MAX_PROGRAM_BYTES:
+        return SandboxResult("too_long", None, "", f"the program is over {MAX_PROGRAM_BYTES} bytes: not graded",
+                             0.0)
     try:
-        split = split_tests(program, setup, n_tests)
+        split = split_tests(program, setup, n_tests, entry)
     except TestsTooLarge as exc:
-        return SandboxResult("failed", None, "", str(exc), 0.0)
+        return SandboxResult("failed", None, "", str(exc), 0.0, "tests_too_large")
     if n_tests is not None and split.asserts < n_tests:
         return SandboxResult("failed", None, "", f"the program ends with {split.asserts} of its {n_tests} tests "
-                             "as separate asserts (its code swallowed the rest)", 0.0)
+                             "as separate asserts (its code swallowed the rest)", 0.0, "tests_swallowed")
     return _run_split(split, limits, python, plan)
 
 
 def run_many(programs: Sequence[str], limits: SandboxLimits = SandboxLimits(), workers: int = 2,
-             n_tests: Sequence[int | None] | None = None, setups: Sequence[str] | None = None
-             ) -> list[SandboxResult]:
+             n_tests: Sequence[int | None] | None = None, setups: Sequence[str] | None = None,
+             entries: Sequence[Sequence[str]] | None = None) -> list[SandboxResult]:
     """Run several programs, ``workers`` at a time (each is its own process; threads only wait on them)."""
     require_sandbox()
-    jobs = list(zip(programs, n_tests or [None] * len(programs), setups or [""] * len(programs)))
+    jobs = list(zip(programs, n_tests or [None] * len(programs), setups or [""] * len(programs),
+                    entries or [()] * len(programs)))
 
     def one(job):
         t0 = time.monotonic()
         try:
-            return run_python(job[0], limits, n_tests=job[1], setup=job[2])
+            return run_python(job[0], limits, n_tests=job[1], setup=job[2], entry=job[3])
         except Exception as exc:  # noqa: BLE001 - one program never takes its batch down: a grader failure, counted
             return SandboxResult("error", None, "", f"the grader failed on this program: {type(exc).__name__}: "
                                  f"{str(exc)[:300]}", time.monotonic() - t0)

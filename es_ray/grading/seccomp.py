@@ -19,10 +19,17 @@ What it refuses, and why a code task never needs it:
   the filesystem view and namespaces (``mount`` and the new mount API, ``umount2``, ``pivot_root``, ``chroot``,
   ``setns``, ``unshare``) and administration (modules, kexec, reboot, swap, clocks, quotas, handles).
 
-A refused call kills the process with SIGSYS (``SECCOMP_RET_KILL_PROCESS``): its parent sees the signal, which the
-program cannot forge or catch, and the grader counts it as ``escape_attempt``. ``clone3`` answers ENOSYS instead,
-so that glibc falls back to ``clone``, whose flags a filter can read (``clone3`` passes them in memory). A call
-made under another ABI than the filter's (x32 on x86_64, a foreign audit arch) is killed too.
+A refused call is not run: the kernel stops the calling thread and notifies the namespace's init
+(``SECCOMP_RET_USER_NOTIF``; the init holds the filter's listener, the program's process closed its copy before any
+program code ran), which records the call's number and kills the process. ``escape_attempt`` is counted from that
+notification only: a program that raises SIGSYS on itself produced no notification and is ``failed``
+(``self_signal``). ``clone3`` answers ENOSYS instead, so that glibc falls back to ``clone``, whose flags a filter can
+read (``clone3`` passes them in memory). A call made under another ABI than the filter's (x32 on x86_64, a foreign
+audit arch) is refused the same way.
+
+Extended attributes (``setxattr``, ``lsetxattr``, ``fsetxattr``, ``setxattrat``) answer EOPNOTSUPP, as on a file
+system without them: a tmpfs keeps ``user.*`` xattrs in kernel memory outside its ``size=`` (shutil's copy2 ignores
+the error).
 """
 
 from __future__ import annotations
@@ -34,8 +41,15 @@ AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 X32_SYSCALL_BIT = 0x40000000
 CLONE_THREAD = 0x00010000
 RET_KILL_PROCESS = 0x80000000
+RET_USER_NOTIF = 0x7FC00000
 RET_ALLOW = 0x7FFF0000
 RET_ENOSYS = 0x00050000 | 38  # SECCOMP_RET_ERRNO | ENOSYS
+RET_ENOTSUP = 0x00050000 | 95  # SECCOMP_RET_ERRNO | EOPNOTSUPP
+RET_DENY = RET_USER_NOTIF
+"""What a refused call gets: the init is notified, records it and kills the process (escape_attempt)."""
+SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER = 1, 1 << 3
+SECCOMP_IOCTL_NOTIF_RECV = 0xC0502100  # _IOWR('!', 0, struct seccomp_notif), 80 bytes
+NOTIF_SIZE = 80
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 
 # BPF opcodes: load word at absolute offset, jump if equal / greater-or-equal / any bit set, return constant
@@ -43,6 +57,9 @@ _LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
 # struct seccomp_data: int nr; u32 arch; u64 instruction_pointer; u64 args[6] (the low word first: little endian)
 _NR, _ARCH, _ARG0_LOW, _ARG0_HIGH = 0, 4, 16, 20
 
+NO_XATTR = ("setxattr", "lsetxattr", "fsetxattr", "setxattrat")
+UNIFIED = {"setxattrat": 463}
+"""Calls added after the tables' headers, numbered alike on every architecture (the unified numbering from 424)."""
 DENIED = ("socket", "socketpair", "connect", "bind", "listen", "accept", "accept4", "fork", "vfork", "execve",
           "execveat", "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp", "bpf",
           "io_uring_setup", "io_uring_enter", "io_uring_register", "userfaultfd", "perf_event_open", "keyctl",
@@ -66,7 +83,8 @@ SYSCALLS = {
         process_vm_readv=310, process_vm_writev=311, kcmp=312, finit_module=313, kexec_file_load=320, bpf=321,
         execveat=322, userfaultfd=323, io_uring_setup=425, io_uring_enter=426, io_uring_register=427,
         open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, clone3=435,
-        pidfd_getfd=438, process_madvise=440, mount_setattr=442, prlimit64=302),
+        pidfd_getfd=438, process_madvise=440, mount_setattr=442, prlimit64=302, setxattr=188, lsetxattr=189,
+        fsetxattr=190, seccomp=317),
     # the generic table: no fork, vfork, modify_ldt, iopl or ioperm
     "aarch64": dict(
         lookup_dcookie=18, umount2=39, mount=40, pivot_root=41, chroot=51, vhangup=58, quotactl=60, acct=89,
@@ -78,7 +96,8 @@ SYSCALLS = {
         clock_adjtime=266, setns=268, process_vm_readv=270, process_vm_writev=271, kcmp=272, finit_module=273,
         bpf=280, execveat=281, userfaultfd=282, kexec_file_load=294, io_uring_setup=425, io_uring_enter=426,
         io_uring_register=427, open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432,
-        fspick=433, clone3=435, pidfd_getfd=438, process_madvise=440, mount_setattr=442, prlimit64=261),
+        fspick=433, clone3=435, pidfd_getfd=438, process_madvise=440, mount_setattr=442, prlimit64=261,
+        setxattr=5, lsetxattr=6, fsetxattr=7, seccomp=277),
 }
 
 
@@ -92,21 +111,23 @@ def build_filter(machine: str | None = None) -> bytes:
     machine = machine or os.uname().machine
     if machine not in SYSCALLS:
         raise ValueError(f"no seccomp syscall table for {machine!r}; the sandbox supports {sorted(SYSCALLS)}")
-    nr = SYSCALLS[machine]
-    prog = [_ins(_LD_ABS, _ARCH), _ins(_JEQ, AUDIT_ARCH[machine], jt=1), _ins(_RET, RET_KILL_PROCESS),
+    nr = {**UNIFIED, **SYSCALLS[machine]}
+    prog = [_ins(_LD_ABS, _ARCH), _ins(_JEQ, AUDIT_ARCH[machine], jt=1), _ins(_RET, RET_DENY),
             _ins(_LD_ABS, _NR)]
     if machine == "x86_64":
-        prog += [_ins(_JGE, X32_SYSCALL_BIT, jf=1), _ins(_RET, RET_KILL_PROCESS)]
+        prog += [_ins(_JGE, X32_SYSCALL_BIT, jf=1), _ins(_RET, RET_DENY)]
     # clone: a thread (CLONE_THREAD in the flags, the first argument on both arches) is allowed, a process not
     prog += [_ins(_JEQ, nr["clone"], jf=4), _ins(_LD_ABS, _ARG0_LOW), _ins(_JSET, CLONE_THREAD, jf=1),
-             _ins(_RET, RET_ALLOW), _ins(_RET, RET_KILL_PROCESS)]
+             _ins(_RET, RET_ALLOW), _ins(_RET, RET_DENY)]
     prog += [_ins(_JEQ, nr["clone3"], jf=1), _ins(_RET, RET_ENOSYS)]
     # prlimit64 on this process only (pid 0, what glibc's getrlimit/setrlimit pass): on the namespace's init, the
     # same uid, a lowered RLIMIT_FSIZE or RLIMIT_CPU would stop it writing the record
     prog += [_ins(_JEQ, nr["prlimit64"], jf=6), _ins(_LD_ABS, _ARG0_LOW), _ins(_JEQ, 0, jf=2),
-             _ins(_LD_ABS, _ARG0_HIGH), _ins(_JEQ, 0, jt=1), _ins(_RET, RET_KILL_PROCESS), _ins(_RET, RET_ALLOW)]
+             _ins(_LD_ABS, _ARG0_HIGH), _ins(_JEQ, 0, jt=1), _ins(_RET, RET_DENY), _ins(_RET, RET_ALLOW)]
+    for name in NO_XATTR:
+        prog += [_ins(_JEQ, nr[name], jf=1), _ins(_RET, RET_ENOTSUP)]
     for name in DENIED:
         if name in nr:
-            prog += [_ins(_JEQ, nr[name], jf=1), _ins(_RET, RET_KILL_PROCESS)]
+            prog += [_ins(_JEQ, nr[name], jf=1), _ins(_RET, RET_DENY)]
     prog.append(_ins(_RET, RET_ALLOW))
     return b"".join(prog)

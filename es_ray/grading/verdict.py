@@ -12,8 +12,11 @@ them cleanly, so a program that rebinds ``math.isclose`` or ``builtins.sorted`` 
 so is a standard-library module a test reads an attribute of (``math.isclose``) whatever the program binds to its
 name. No name is trusted over the program's own binding, though: where the program binds a builtin's name that a
 test uses (``def max(a, b)``, ``from operator import truth as set``), the test is checked twice, once with the
-program's object (probed like any function of the program) and once with the builtin, and must hold both ways.
-An attribute or item of a program's object is probed whole (``Point(1, 2).x``).
+program's object (probed like any function of the program) and once with the builtin, and must hold both ways;
+except the task's own function (``entry``: the names its reference solution defines, ``def sum(n)`` for a digit
+sum), which the tests mean as the program's and which is checked with the program's binding only. An attribute or
+item of a program's object is probed whole (``Point(1, 2).x``), and so is ``len`` of one (``len(f(250000))``: the
+length crosses, not the value; the program reporting a wrong length is the same as computing one).
 
 A test with a comprehension, generator expression or lambda that uses the program's names
 (``all(f(x) == y for x, y in pairs)``, ``(lambda: f(1) == 5)()``) is recorded and replayed whole: each maximal
@@ -30,8 +33,10 @@ from __future__ import annotations
 import ast
 import builtins
 import copy
+import re
 import sys
 from dataclasses import dataclass, field
+from typing import Sequence
 
 _PROBE = "__probe_%d"
 _SCOPED = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
@@ -78,6 +83,21 @@ def _free_names(node: ast.AST) -> set[str]:
     return loads - bound
 
 
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def _line_start(text: str, lineno: int) -> int:
+    """The offset where line ``lineno`` (1-based, as ``ast`` counts) begins: lines end at ``\\n``, ``\\r\\n`` or
+    ``\\r`` only, as the tokenizer splits them (``str.splitlines`` also splits on form feeds, ``\\x1c``-``\\x1e``,
+    ``\\x85``, U+2028 and U+2029, which a string literal may hold)."""
+    if lineno <= 1:
+        return 0
+    for k, m in enumerate(_LINE_END.finditer(text), 2):
+        if k == lineno:
+            return m.end()
+    return len(text)
+
+
 def _bound_names(node: ast.AST) -> set[str]:
     """Names a comprehension or lambda binds for its body (loop targets, parameters)."""
     return ({n.id for n in ast.walk(node) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
@@ -86,17 +106,21 @@ def _bound_names(node: ast.AST) -> set[str]:
 
 def _program_bindings(body: list[ast.stmt]) -> set[str]:
     """Every name the program binds anywhere (def, class, assignment, loop, import alias, global): an
-    over-approximation of the module names a test may see bound to the program's objects."""
-    tree = ast.Module(body=body, type_ignores=[])
-    names = _bound_names(tree) - {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)}
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+    over-approximation of the module names a test may see bound to the program's objects. One walk (linear)."""
+    stored, params, names = set(), set(), set()
+    for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+        if isinstance(node, ast.Name):
+            if not isinstance(node.ctx, ast.Load):
+                stored.add(node.id)
+        elif isinstance(node, ast.arg):
+            params.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names.update((a.asname or a.name).split(".")[0] for a in node.names if a.name != "*")
         elif isinstance(node, ast.Global):
             names.update(node.names)
-    return names
+    return (stored - params) | names  # a name stored where it is also a parameter is taken as that local
 
 
 class _Sites(ast.NodeTransformer):
@@ -125,7 +149,12 @@ def _whole(node: ast.expr, is_program) -> bool:
     return (isinstance(node, (ast.Name, ast.NamedExpr))
             # the program's own function: its result (a lambda's call is looked into: its body has the sites)
             or isinstance(node, ast.Call) and is_program(node.func) and not isinstance(node.func, _SCOPED)
-            or isinstance(node, (ast.Attribute, ast.Subscript)) and is_program(node.value))  # Point(1, 2).x
+            or isinstance(node, (ast.Attribute, ast.Subscript)) and is_program(node.value)  # Point(1, 2).x
+            # the builtin len of a program value: its length crosses, not a value of 250,000 items
+            or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "len"
+                and not is_program(node.func) and len(node.args) == 1 and not node.keywords
+                and not isinstance(node.args[0], ast.Starred) and not isinstance(node.args[0], _SCOPED)
+                and not any(isinstance(sub, _SCOPED) for sub in ast.walk(node.args[0]))))
 
 
 def _call(name: str, *args: ast.expr) -> ast.expr:
@@ -165,6 +194,17 @@ class _Prober(ast.NodeTransformer):
         return self.generic_visit(node)  # comparisons, boolean logic, arithmetic, a trusted call's arguments
 
 
+def task_functions(reference: str) -> tuple[str, ...]:
+    """The names a task's reference solution defines at top level that are builtins' names too (MBPP's ``def
+    sum(n)``): ``split_tests``'s ``entry``. The reference is the task's, trusted; one that does not parse gives ()."""
+    try:
+        body = ast.parse(reference).body if isinstance(reference, str) else []
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return ()
+    return tuple(sorted({n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+                        & set(dir(builtins))))
+
+
 class TestsTooLarge(ValueError):
     """The tests cannot be taken apart within the grader's bounds (depth or size): the program fails."""
 
@@ -189,13 +229,14 @@ def _depth(node: ast.AST) -> int:
     return deepest
 
 
-def split_tests(program: str, setup: str = "", n_tests: int | None = None) -> Split:
+def split_tests(program: str, setup: str = "", n_tests: int | None = None, entry: Sequence[str] = ()) -> Split:
     """Take the program's trailing top-level asserts apart (see the module docstring). ``setup``: the task's own
     setup code (its imports are the check's in any form). ``n_tests``: only the last ``n_tests`` asserts are the
     task's tests; the asserts before them are the candidate's own and stay in its code, run in its process (in the
     check they could rebind what the task's tests use, or write the verdicts). None: every trailing assert is a
     test (the caller vouches for all of them). A program that does not parse is returned whole, with no tests (it
-    fails on its own); TestsTooLarge where the tests are too deep or too large to take apart."""
+    fails on its own); TestsTooLarge where the tests are too deep or too large to take apart. ``entry``: the task
+    function's names (see the module docstring)."""
     try:
         tree = ast.parse(program)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -203,7 +244,8 @@ def split_tests(program: str, setup: str = "", n_tests: int | None = None) -> Sp
     body = list(tree.body)
     trailing: list[ast.Assert] = []
     while body and isinstance(body[-1], ast.Assert):
-        trailing.insert(0, body.pop())
+        trailing.append(body.pop())
+    trailing.reverse()
     if not trailing:
         return Split(program)
     keep = len(trailing) if n_tests is None else max(0, min(n_tests, len(trailing)))
@@ -216,12 +258,13 @@ def split_tests(program: str, setup: str = "", n_tests: int | None = None) -> Sp
     if max(_depth(t) for t in tail) > MAX_TEST_DEPTH:
         raise TestsTooLarge(f"the tests are nested too deep to take apart (more than {MAX_TEST_DEPTH} levels)")
     try:
-        return _split(program, setup, body, tail, len(trailing))
+        return _split(program, setup, body, tail, len(trailing), set(entry))
     except (RecursionError, MemoryError) as exc:  # a test nested deeper than the grader's visitors go
         raise TestsTooLarge(f"the tests are nested too deep to take apart ({type(exc).__name__})") from None
 
 
-def _split(program: str, setup: str, body: list[ast.stmt], tail: list[ast.Assert], asserts: int) -> Split:
+def _split(program: str, setup: str, body: list[ast.stmt], tail: list[ast.Assert], asserts: int,
+           entry: set[str]) -> Split:
     try:
         names, imports = _imported_names(ast.parse(setup), True)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -229,7 +272,7 @@ def _split(program: str, setup: str, body: list[ast.stmt], tail: list[ast.Assert
     more, stmts = _imported_names(ast.Module(body=body, type_ignores=[]), False)
     names, imports = names | more, imports + stmts
     first = tail[0]
-    code = ("".join(program.splitlines(keepends=True)[:first.lineno - 1]) if first.col_offset == 0
+    code = (program[:_line_start(program, first.lineno)] if first.col_offset == 0
             else ast.unparse(ast.Module(body=body, type_ignores=[])) + "\n")
     split = Split(code, imports=imports, asserts=asserts)
     # a standard-library module a test reads an attribute of (math.isclose) is the check's own even when the
@@ -239,6 +282,10 @@ def _split(program: str, setup: str, body: list[ast.stmt], tail: list[ast.Assert
     split.imports += [f"import {m}" for m in sorted(modules)]
     trusted = names | modules | set(dir(builtins))
     shadowed = (_program_bindings(body) & set(dir(builtins))) - names
+    # the task's function named like a builtin (def sum(n)): the tests mean the program's, as the task's harness runs
+    # them; its builtin reading would raise or differ for every correct program
+    trusted -= shadowed & entry
+    shadowed -= entry
     for node in tail:
         source = ast.unparse(node)
         readings = [trusted]
