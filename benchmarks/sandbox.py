@@ -7,6 +7,11 @@ separate check process; a wrong answer), each run ``--n`` times one after anothe
 between the two trees round by round so that load on the machine hits both alike. Prints the median and the
 quartiles in ms/program per shape and tree, as JSON lines. ``--ref`` takes any git revision: its ``es_ray``
 package is extracted to a temporary directory and imported there in a subprocess.
+
+    python benchmarks/sandbox.py --split
+
+The grader's own cost before any program runs: ``split_tests`` on candidates of 8 to 128 KiB (the size cap,
+``MAX_PROGRAM_BYTES``), median of 3 each, and the ratio per doubling (2.0 is linear).
 """
 
 from __future__ import annotations
@@ -56,13 +61,36 @@ def _run(tree: Path, shape: str, n: int) -> list[float]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def split_costs() -> None:
+    from es_ray.grading.sandbox import MAX_PROGRAM_BYTES
+    from es_ray.grading.verdict import split_tests
+
+    last = None
+    for kib in (8, 16, 32, 64, MAX_PROGRAM_BYTES >> 10):
+        n = (kib << 10) // 14 - 40
+        program = "def f(x):\n    return x\n" + "y = [1, 2, 3]\n" * n + "assert f(1) == 1\n" * 30
+        xs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            split_tests(program, "", 30)
+            xs.append(time.perf_counter() - t0)
+        med = statistics.median(xs)
+        print(json.dumps({"split_kib": kib, "bytes": len(program), "median_ms": round(1e3 * med, 1),
+                          "ratio_per_doubling": round(med / last, 2) if last else None}))
+        last = med
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ref", default="", help="git revision to compare against (its es_ray package)")
     ap.add_argument("--n", type=int, default=20, help="programs per shape and tree")
     ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds (n is split over them)")
+    ap.add_argument("--split", action="store_true", help="the grader's split_tests cost up to the size cap")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.split:
+        split_costs()
+        return
     if args.worker:
         _worker(args.worker, args.n)
         return

@@ -52,6 +52,8 @@ MAX_JSON_DEPTH = 160
 """Nesting of a result line: a value is at most 64 levels deep, two JSON levels each, in two levels of record."""
 INPUT_DEPTH = MAX_JSON_DEPTH + 4
 """This process's configuration: the values the grader parsed (at most MAX_JSON_DEPTH) inside two levels."""
+PEAK_SAMPLE_MS = 20
+"""How often the init samples the program's peak virtual size (VmPeak) while it runs."""
 ROOT_INODES = 128
 """Inodes of the minimal root's own tmpfs (its directories, device files and links; read-only once pivoted)."""
 SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc/localtime", "/dev/urandom", "/dev/zero")
@@ -517,24 +519,37 @@ def _refused_call(listener):
 
 def _collect(read_fd, child, cap, listener):
     """Read at most ``cap`` bytes of the pipe (the rest is drained and counted) while answering the seccomp
-    listener (a refused call: recorded, the program's process killed) and sampling its peak virtual size, until
-    the program's process has ended; its wait status and rusage."""
+    listener (a refused call: recorded, the program's process killed) and sampling its peak virtual size every
+    ``PEAK_SAMPLE_MS``, until the program's process has ended (its pidfd, else a poll of ``wait4``); its wait
+    status and rusage."""
     chunks, size, refused, peak = [], 0, None, 0
     poller = select.poll()
     poller.register(read_fd, select.POLLIN)
-    pipe_open = True
+    pipe_open, ended = True, False
     if listener is not None:
         poller.register(listener, select.POLLIN)
-    while True:
-        for fd, ev in poller.poll(20):
+    try:
+        pidfd = os.pidfd_open(child)
+        poller.register(pidfd, select.POLLIN)
+    except (AttributeError, OSError):  # Linux < 5.3: poll wait4 instead
+        pidfd = None
+
+    def read():
+        nonlocal size, pipe_open
+        block = os.read(read_fd, 1 << 16)
+        if not block:
+            poller.unregister(read_fd)
+            pipe_open = False
+        elif size < cap:
+            chunks.append(block[:cap - size])
+        size += len(block)
+
+    while not ended and refused is None:
+        for fd, ev in poller.poll(PEAK_SAMPLE_MS):
             if fd == read_fd:
-                block = os.read(read_fd, 1 << 16)
-                if not block:
-                    poller.unregister(read_fd)
-                    pipe_open = False
-                elif size < cap:
-                    chunks.append(block[:cap - size])
-                size += len(block)
+                read()
+            elif fd == pidfd:
+                ended = True
             elif ev & select.POLLIN:
                 nr = _refused_call(listener)
                 if nr is not None and refused is None:
@@ -543,10 +558,11 @@ def _collect(read_fd, child, cap, listener):
             else:  # the filter has no process left
                 poller.unregister(listener)
         peak = max(peak, _vm_peak_kb(child))
-        if not pipe_open or refused is not None:
-            pid, status, usage = os.wait4(child, 0 if refused is not None else os.WNOHANG)
-            if pid:
-                break
+        if pidfd is None and not pipe_open:
+            ended = os.waitid(os.P_PID, child, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    while pipe_open:  # what the program wrote before it ended (no writer is left: this ends)
+        read()
+    _, status, usage = os.wait4(child, 0)
     text = b"".join(chunks).decode("utf-8", errors="replace")
     return text, size > cap, status, usage, refused, peak
 

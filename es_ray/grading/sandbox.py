@@ -200,7 +200,8 @@ def _refusal(why: str) -> str:
     return (f"the MBPP code sandbox cannot confine programs here ({why}). Grading needs Linux namespaces "
             "(util-linux unshare, run as root or with unprivileged user namespaces: sysctl "
             "kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0; in Docker a seccomp profile that "
-            "allows unshare, mount and pivot_root), seccomp on x86_64 or aarch64, and an interpreter whose files "
+            "allows unshare, mount and pivot_root), seccomp with user notification (Linux >= 5.0) on x86_64 or "
+            "aarch64, and an interpreter whose files "
             "are world-readable; Landlock (Linux >= 5.13, 'landlock' in the lsm= boot list) is used where present")
 
 
@@ -275,13 +276,14 @@ def isolation(python: str = sys.executable) -> dict:
     return {
         "refused": plan.refused,
         "syscalls": "seccomp-bpf: no second process, no exec, no socket of any family, no ptrace, mount, "
-                    "namespaces, bpf, io_uring, userfaultfd, perf_event_open, keyctl (killed: escape_attempt)",
+                    "namespaces, bpf, io_uring, userfaultfd, perf_event_open, keyctl (the init holds the filter's "
+                    "listener: a refused call is not run, the process is killed, escape_attempt); xattrs refused",
         "network": "network namespace (loopback down) + seccomp (no socket)"
                    + (" + Landlock TCP" if plan.landlock >= 4 else "") + " + audit hook",
         "user": (f"a dedicated uid from {UID_BASE} (one per concurrent program), checked by a probe run"
                  if plan.drop_to is not None else "root of a user namespace without capabilities"),
         "limits": "one process (seccomp), so rlimit cpu, address space, file size, open files are the whole "
-                  "program's; wall clock kills the PID namespace; tmpfs disk quota",
+                  "program's; wall clock kills the PID namespace; tmpfs disk quota with nr_inodes (kernel memory)",
         "filesystem": "mount namespace with a minimal read-only root (interpreter, system libraries), private "
                       f"/tmp and /dev/shm; {ll}" + (": writes only in its own directory" if plan.landlock else ""),
         "signals": "PID namespace" + (" + Landlock signal scope" if plan.landlock >= 6 else ""),
