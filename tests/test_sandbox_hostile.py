@@ -419,7 +419,7 @@ def test_negative_dentries_on_the_host_binds_are_bounded_by_the_cpu_limit():
 
 
 @pytest.mark.parametrize("name,entry", [("formfeed_string", ()), ("big_factorial", ()), ("long_result", ()),
-                                        ("builtin_sum", ("sum",))])
+                                        ("builtin_sum", ("sum",)), ("truthy_match", ())])
 def test_correct_programs_are_not_scored_zero_by_the_harness(name, entry):
     res = run_python(hostile(name), LIMITS, n_tests=None, entry=entry)
     assert res.passed, res
@@ -476,3 +476,20 @@ def test_a_batch_of_the_third_rounds_attacks_scores_a_kind_it_did_not_choose():
                    "deep_json_value": (0.0, "unparseable_result"), "xattr_flood": (1.0, None),
                    "symlink_flood": (1.0, None)}, got
     assert elapsed < len(programs) * (LIMITS.wall_s + LIMITS.check_s + MARGIN_S) / 2, elapsed
+
+
+def test_a_truth_test_of_a_wrong_value_still_fails():
+    """``assert f(x)`` probes bool(f(x)): a falsy value fails, and a program's own bool is checked both ways."""
+    assert run_python(hostile("truthy_match").replace('"ac"', '"abbb"'), LIMITS).status == "failed"
+    forged = "def bool(x):\n    return True\n\ndef f():\n    return 0\n\nassert bool(f())\n"
+    assert run_python(forged, LIMITS).status == "failed"
+
+
+def test_setup_that_uses_the_tasks_own_class_runs_after_the_candidate():
+    """MBPP 367 and 927: the setup builds trees of the task's Node class; run before the candidate, every correct
+    program failed with a NameError. Its imports still come first (the candidate and the check may use them)."""
+    code = ("class Node:\n    def __init__(self, v):\n        self.v = v\n\n"
+            "def value(n):\n    return math.floor(n.v)\n")
+    program = build_program(code, ["assert value(root) == 3"], "import math\nroot = Node(3.5)")
+    assert program.index("import math") < program.index("class Node") < program.index("root = Node")
+    assert run_python(program, LIMITS, n_tests=1, setup="import math\nroot = Node(3.5)").passed

@@ -16,9 +16,10 @@ read by ``wait4``), and this process's own observations, which the program canno
 seccomp filter refused (a notification on the filter's listener, which only this process holds; it then kills the
 program's process), the CPU time and peak memory the kernel counted (``wait4``'s rusage, the peak virtual size
 sampled from /proc), whether a file in the working directory reached the file-size limit, and at most
-``output_bytes`` of what came through the pipe, as a string; the grader parses that string with its own bounds. The program can write anything into its pipe (that
-is the same as computing other values) but cannot reach the record: the descriptor is closed in its process,
-this process is not dumpable (no ``/proc/1/mem`` or ``/proc/1/fd`` without CAP_SYS_PTRACE) and ptrace is
+``output_bytes`` of what came through the pipe, as a string; the grader parses that string with its own bounds.
+The program can write anything into its pipe (that is the same as computing other values) but cannot reach the
+record: the descriptor is closed in its process, this process is not dumpable (no ``/proc/1/mem`` or
+``/proc/1/fd`` without CAP_SYS_PTRACE) and ptrace is
 refused by the filter.
 
 Confinement, in order: the minimal root (a tmpfs with the interpreter, the system libraries, a fresh /proc,

@@ -6,6 +6,7 @@ fails."""
 
 from __future__ import annotations
 
+import ast
 import re
 from typing import Sequence
 
@@ -36,9 +37,25 @@ def extract_code(completion: str) -> str:
     return blocks[0][1].strip()
 
 
+def _setup_parts(setup: str) -> tuple[str, str]:
+    """The task's setup code as (its imports, the rest): the rest may use the candidate's names (MBPP 367 and 927
+    build trees of the task's ``Node`` class), so it runs after the candidate, as in MBPP's own harness."""
+    try:
+        body = ast.parse(setup).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return setup.strip(), ""
+    if all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in body):
+        return setup.strip(), ""
+    imports = [ast.unparse(n) for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    rest = [ast.unparse(n) for n in body if not isinstance(n, (ast.Import, ast.ImportFrom))]
+    return "\n".join(imports), "\n".join(rest)
+
+
 def build_program(code: str, tests: Sequence[str], setup: str = "") -> str:
-    """Setup (imports the tests need), then the candidate, then the asserts."""
-    parts = [setup.strip(), code, "\n".join(t.strip() for t in tests)]
+    """Setup's imports (what the tests need), then the candidate, then the rest of the setup (it may use the
+    candidate's names), then the asserts."""
+    imports, rest = _setup_parts(setup)
+    parts = [imports, code, rest, "\n".join(t.strip() for t in tests)]
     return "\n\n".join(p for p in parts if p) + "\n"
 
 

@@ -141,7 +141,8 @@ class SandboxResult:
     seconds: float
     reason: str = ""
     """Why a ``failed`` program failed, as far as the jail saw it: ``wrong`` (a test did not hold), ``self_signal``
-    (killed by a signal that no jail layer sent), ``exit N``, ``no_result``, ``tests_swallowed``, ``tests_too_large``."""
+    (killed by a signal that no jail layer sent), ``exit N``, ``no_result``, ``tests_swallowed``,
+    ``tests_too_large``."""
 
     @property
     def passed(self) -> bool:

@@ -126,8 +126,8 @@ def _program_bindings(body: list[ast.stmt]) -> set[str]:
 class _Sites(ast.NodeTransformer):
     """Inside a comprehension or lambda: replace each maximal program subexpression by ``make(k, node)``."""
 
-    def __init__(self, trusted: set[str], make):
-        self.trusted, self.make, self.n = trusted, make, 0
+    def __init__(self, trusted: set[str], make, reducers: frozenset = frozenset()):
+        self.trusted, self.make, self.n, self.reducers = trusted, make, 0, reducers
 
     def visit(self, node):
         if not isinstance(node, ast.expr) or not (_free_names(node) - self.trusted):
@@ -138,20 +138,25 @@ class _Sites(ast.NodeTransformer):
                 return self.generic_visit(node)
             finally:
                 self.trusted = outer
-        if _whole(node, lambda sub: bool(_free_names(sub) - self.trusted)):
+        if _whole(node, lambda sub: bool(_free_names(sub) - self.trusted), self.reducers):
             self.n += 1
             return ast.copy_location(self.make(self.n - 1, node), node)
         return self.generic_visit(node)
 
 
-def _whole(node: ast.expr, is_program) -> bool:
+REDUCERS = frozenset({"len", "bool"})
+"""Builtins whose value of a program value is probed whole (its length or truth crosses, not the value), where the
+program binds no name of theirs anywhere (else the two-way check reads them)."""
+
+
+def _whole(node: ast.expr, is_program, reducers: frozenset = frozenset()) -> bool:
     """Whether a program subexpression is taken whole (its value crosses) rather than looked into."""
     return (isinstance(node, (ast.Name, ast.NamedExpr))
             # the program's own function: its result (a lambda's call is looked into: its body has the sites)
             or isinstance(node, ast.Call) and is_program(node.func) and not isinstance(node.func, _SCOPED)
             or isinstance(node, (ast.Attribute, ast.Subscript)) and is_program(node.value)  # Point(1, 2).x
-            # the builtin len of a program value: its length crosses, not a value of 250,000 items
-            or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "len"
+            # the builtin len (or bool) of a program value: its length crosses, not a value of 250,000 items
+            or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in reducers
                 and not is_program(node.func) and len(node.args) == 1 and not node.keywords
                 and not isinstance(node.args[0], ast.Starred) and not isinstance(node.args[0], _SCOPED)
                 and not any(isinstance(sub, _SCOPED) for sub in ast.walk(node.args[0]))))
@@ -162,8 +167,8 @@ def _call(name: str, *args: ast.expr) -> ast.expr:
 
 
 class _Prober(ast.NodeTransformer):
-    def __init__(self, trusted: set[str], probes: list):
-        self.trusted, self.probes, self.used = trusted, probes, []
+    def __init__(self, trusted: set[str], probes: list, reducers: frozenset = frozenset()):
+        self.trusted, self.probes, self.used, self.reducers = trusted, probes, [], reducers
 
     def _is_program(self, node: ast.AST) -> bool:
         return bool(_free_names(node) - self.trusted)
@@ -176,9 +181,9 @@ class _Prober(ast.NodeTransformer):
     def _record(self, node: ast.expr) -> ast.expr:
         """A test with a comprehension or lambda that uses the program: recorded there, replayed in the check."""
         i = len(self.probes)
-        rec = _Sites(self.trusted, lambda k, sub: _call("__es_site", ast.Constant(k), sub))
+        rec = _Sites(self.trusted, lambda k, sub: _call("__es_site", ast.Constant(k), sub), self.reducers)
         recorded = rec.visit(copy.deepcopy(node))
-        rep = _Sites(self.trusted, lambda k, sub: _call("__es_replay", ast.Constant(i), ast.Constant(k)))
+        rep = _Sites(self.trusted, lambda k, sub: _call("__es_replay", ast.Constant(i), ast.Constant(k)), self.reducers)
         replayed = rep.visit(copy.deepcopy(node))
         self.probes.append({"record": ast.unparse(recorded), "sites": rec.n})
         self.used.append(i)
@@ -189,7 +194,7 @@ class _Prober(ast.NodeTransformer):
             return node if isinstance(node, ast.expr) else self.generic_visit(node)
         if any(isinstance(sub, _SCOPED) and self._is_program(sub) for sub in ast.walk(node)):
             return self._record(node)  # the whole test: the trusted calls that drive the scope run in both
-        if _whole(node, self._is_program):
+        if _whole(node, self._is_program, self.reducers):
             return self._probe(node, ast.unparse(node))
         return self.generic_visit(node)  # comparisons, boolean logic, arithmetic, a trusted call's arguments
 
@@ -281,7 +286,9 @@ def _split(program: str, setup: str, body: list[ast.stmt], tail: list[ast.Assert
                and isinstance(n.value, ast.Name) and n.value.id in sys.stdlib_module_names} - names
     split.imports += [f"import {m}" for m in sorted(modules)]
     trusted = names | modules | set(dir(builtins))
-    shadowed = (_program_bindings(body) & set(dir(builtins))) - names
+    bindings = _program_bindings(body)
+    reducers = REDUCERS - bindings - names
+    shadowed = (bindings & set(dir(builtins))) - names
     # the task's function named like a builtin (def sum(n)): the tests mean the program's, as the task's harness runs
     # them; its builtin reading would raise or differ for every correct program
     trusted -= shadowed & entry
@@ -292,11 +299,26 @@ def _split(program: str, setup: str, body: list[ast.stmt], tail: list[ast.Assert
         if shadowed & _free_names(node.test):  # the program's binding and the builtin: both must hold
             readings.append(trusted - shadowed)
         for reading in readings:
-            prober = _Prober(reading, split.probes)
-            expr = prober.visit(copy.deepcopy(node.test))
+            prober = _Prober(reading, split.probes, reducers)
+            expr = prober.visit(_truth(copy.deepcopy(node.test), reading, reducers))
             split.tests.append({"source": source, "expr": ast.unparse(expr), "probes": prober.used,
                                 "expected": _literal_expected(expr)})
     return split
+
+
+def _truth(test: ast.expr, trusted: set[str], reducers: frozenset) -> ast.expr:
+    """``assert f(x)`` and ``assert not f(x)`` ask only for the truth of the program's value: ``bool(f(x))`` is
+    probed whole (its truth crosses, so a value of any type, a ``re.Match``, can be tested; the program reporting a
+    wrong truth is the same as computing one). Only where the program binds no ``bool``."""
+    if "bool" not in reducers:
+        return test
+    is_program = lambda node: bool(_free_names(node) - trusted)  # noqa: E731
+    inner = test.operand if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) else test
+    if (not is_program(inner) or not _whole(inner, is_program, reducers)
+            or any(isinstance(sub, _SCOPED) for sub in ast.walk(inner))):
+        return test
+    wrapped = ast.copy_location(_call("bool", inner), inner)
+    return ast.copy_location(ast.UnaryOp(ast.Not(), wrapped), test) if inner is not test else wrapped
 
 
 def _literal_expected(expr: ast.expr) -> str | None:
