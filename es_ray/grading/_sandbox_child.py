@@ -35,7 +35,6 @@ import re
 import resource
 import select
 import signal
-import socket
 import sys
 
 MARK = "es-ray-sandbox: blocked"
@@ -471,8 +470,9 @@ def _seccomp(program, nr, sock):
     listener = libc.syscall(nr, 1, 1 << 3, ctypes.byref(prog))  # SET_MODE_FILTER, FLAG_NEW_LISTENER
     if listener < 0:
         _die(CONFINE_MARK, "seccomp listener: %s" % os.strerror(ctypes.get_errno()))
+    import _socket
     try:
-        socket.send_fds(sock, [b"L"], [listener])
+        sock.sendmsg([b"L"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, listener.to_bytes(4, sys.byteorder))])
     finally:
         os.close(listener)
 
@@ -613,7 +613,8 @@ def main():
         if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: the program cannot read this one
             raise OSError("PR_SET_DUMPABLE")
         read_fd, write_fd = os.pipe()
-        mine, theirs = socket.socketpair()  # the seccomp listener comes back over it
+        import _socket  # not socket.py: 10-20 ms of imports per run
+        mine, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)  # the seccomp listener comes back
         child = os.fork()
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - never run the program half-confined
         sys.stderr.write("%s: %s: %s\n" % (CONFINE_MARK, type(exc).__name__, exc))
@@ -635,8 +636,10 @@ def main():
     listener = None
     if cfg["seccomp"]:
         try:
-            _, fds, _, _ = socket.recv_fds(mine, 1, 1)
-            listener = fds[0] if fds else None
+            _, anc, _, _ = mine.recvmsg(1, _socket.CMSG_LEN(4))
+            for level, kind, data in anc:
+                if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS and len(data) >= 4:
+                    listener = int.from_bytes(data[:4], sys.byteorder)
         except OSError:
             pass
     mine.close()
