@@ -400,6 +400,8 @@ def test_kernel_memory_of_a_program_is_bounded_and_given_back(layer_off, name, o
     assert after - before < KERNEL_MEMORY_BOUND_KB, (before, after)
     if name == "xattr_flood" and not off:
         assert made == 0 and "STOPPED 95" in res.stdout, res  # EOPNOTSUPP from the filter
+    elif name == "xattr_flood" and "STOPPED 95" in res.stdout:  # a kernel before 6.6: no user xattrs on tmpfs
+        assert made == 0, res
     else:
         assert 0 < made <= 16 * LIMITS.disk_inodes and "STOPPED 28" in res.stdout, res  # ENOSPC: out of inodes
 
