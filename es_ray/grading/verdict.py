@@ -35,8 +35,8 @@ import builtins
 import copy
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 _PROBE = "__probe_%d"
 _SCOPED = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
@@ -312,7 +312,9 @@ def _truth(test: ast.expr, trusted: set[str], reducers: frozenset) -> ast.expr:
     wrong truth is the same as computing one). Only where the program binds no ``bool``."""
     if "bool" not in reducers:
         return test
-    is_program = lambda node: bool(_free_names(node) - trusted)  # noqa: E731
+    def is_program(node: ast.AST) -> bool:
+        return bool(_free_names(node) - trusted)
+
     inner = test.operand if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) else test
     if (not is_program(inner) or not _whole(inner, is_program, reducers)
             or any(isinstance(sub, _SCOPED) for sub in ast.walk(inner))):
