@@ -1,4 +1,4 @@
-"""Paired differences between two methods scored on the same problems, with seeds as a random effect (pure numpy).
+"""Paired differences between two methods scored on the same problems, with seeds as a random effect (pure numpy and scipy.stats).
 
 The methods answer the same problems, so the comparison is paired over problems; each method's seeds are its own
 independent training runs, so seed s of method A is NOT paired with seed s of method B. The model behind the test
@@ -54,95 +54,20 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from statistics import NormalDist
 from typing import Sequence
 
 import numpy as np
-
-_lgamma = np.frompyfunc(math.lgamma, 1, 1)
-
-
-def _betacf(a, b, x, iters: int = 300):
-    """The continued fraction of the regularised incomplete beta function (modified Lentz), elementwise."""
-    tiny = 1e-300
-
-    def clamp(v):
-        return np.where(np.abs(v) < tiny, tiny, v)
-
-    c, d = np.ones_like(x), 1.0 / clamp(1.0 - (a + b) * x / (a + 1.0))
-    h = d.copy()
-    for m in range(1, iters + 1):
-        for aa in (m * (b - m) * x / ((a - 1.0 + 2 * m) * (a + 2 * m)),
-                   -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 1.0 + 2 * m))):
-            d, c = 1.0 / clamp(1.0 + aa * d), clamp(1.0 + aa / c)
-            h = h * d * c
-        if np.all(np.abs(d * c - 1.0) < 1e-14):
-            break
-    return h
-
-
-def _betainc(a, b, x):
-    """Regularised incomplete beta I_x(a, b), elementwise (Numerical Recipes' betai)."""
-    a, b, x = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64) for v in (a, b, x)))
-    x = np.clip(x, 0.0, 1.0)
-    inner = (x > 0) & (x < 1)
-    xi = np.where(inner, x, 0.5)
-    log_bt = np.asarray(_lgamma(a + b) - _lgamma(a) - _lgamma(b), dtype=np.float64) + a * np.log(xi) + b * np.log1p(-xi)
-    direct = xi < (a + 1.0) / (a + b + 2.0)
-    cf = _betacf(np.where(direct, a, b), np.where(direct, b, a), np.where(direct, xi, 1.0 - xi))
-    out = np.where(direct, np.exp(log_bt) * cf / a, 1.0 - np.exp(log_bt) * cf / b)
-    return np.where(inner, out, x)
-
+from scipy import stats
 
 def t_two_sided_p(t, df):
-    """P(|T| >= |t|) for Student's T with ``df`` (any positive real) degrees of freedom, elementwise."""
-    t, df = np.broadcast_arrays(np.asarray(t, dtype=np.float64), np.asarray(df, dtype=np.float64))
-    return _betainc(df / 2.0, 0.5, df / (df + t * t))
-
-
-def _betainc_scalar(a: float, b: float, x: float) -> float:
-    """I_x(a, b) for one point in plain floats (the quantile's bisection calls it ~100 times)."""
-    if x <= 0.0 or x >= 1.0:
-        return min(max(x, 0.0), 1.0)
-    if x > (a + 1.0) / (a + b + 2.0):
-        return 1.0 - _betainc_scalar(b, a, 1.0 - x)
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 300):
-        for aa in (m * (b - m) * x / ((a - 1.0 + 2 * m) * (a + 2 * m)),
-                   -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 1.0 + 2 * m))):
-            d = 1.0 + aa * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + aa / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x)
-                    + b * math.log1p(-x)) * h / a
+    """P(|T| >= |t|) for Student's T with ``df`` (any positive real) degrees of freedom, elementwise (scipy.stats)."""
+    return 2.0 * stats.t.sf(np.abs(np.asarray(t, dtype=np.float64)), np.asarray(df, dtype=np.float64))
 
 
 @lru_cache(maxsize=65536)
 def t_quantile(q: float, df: float) -> float:
-    """The q-quantile (0 < q < 1) of Student's t with ``df`` degrees of freedom, by bisection on the tail."""
-    if q == 0.5:
-        return 0.0
-    if df > 1e7:
-        return NormalDist().inv_cdf(q)
-    tail = min(q, 1.0 - q)
-
-    def upper(t: float) -> float:
-        return _betainc_scalar(df / 2.0, 0.5, df / (df + t * t)) / 2
-
-    lo, hi = 0.0, 1.0
-    while upper(hi) > tail:
-        lo, hi = hi, hi * 2.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if upper(mid) > tail else (lo, mid)
-    return (lo + hi) / 2 if q > 0.5 else -(lo + hi) / 2
+    """The q-quantile (0 < q < 1) of Student's t with ``df`` degrees of freedom (scipy.stats)."""
+    return float(stats.t.ppf(q, df))
 
 
 @dataclass(frozen=True)
@@ -318,58 +243,10 @@ def holm(pvalues: Sequence[float]) -> list[float]:
     return out.tolist()
 
 
-def _gamma_p(a: float, x: float) -> float:
-    """The regularised lower incomplete gamma P(a, x) (series below a + 1, Lentz's continued fraction above)."""
-    if x <= 0:
-        return 0.0
-    log_front = a * math.log(x) - x - math.lgamma(a)
-    if x < a + 1:
-        term = total = 1.0 / a
-        for n in range(1, 100000):
-            term *= x / (a + n)
-            total += term
-            if abs(term) < abs(total) * 1e-15:
-                break
-        return min(1.0, math.exp(log_front) * total)
-    tiny = 1e-300
-    b, c, d = x + 1 - a, 1.0 / tiny, 1.0 / (x + 1 - a)
-    h = d
-    for i in range(1, 100000):
-        an = -i * (i - a)
-        b += 2
-        d = an * d + b
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = b + an / c
-        c = c if abs(c) > tiny else tiny
-        h *= d * c
-        if abs(d * c - 1) < 1e-15:
-            break
-    return max(0.0, 1.0 - math.exp(log_front) * h)
-
-
-@lru_cache(maxsize=1024)
-def _chi2_quantile(q: float, df: float) -> float:
-    """The q-quantile of chi-square with ``df`` degrees of freedom (bisection on the regularised gamma)."""
-    lo, hi = 0.0, max(1.0, df)
-    while _gamma_p(df / 2, hi / 2) < q:
-        lo, hi = hi, hi * 2
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _gamma_p(df / 2, mid / 2) < q else (lo, mid)
-    return max(1e-300, (lo + hi) / 2)
-
-
-def _chi2_wh(q: float, df: float) -> float:
-    """Wilson-Hilferty's chi-square quantile: fast, within a few percent in the body from 2 degrees of freedom up
-    (``_reach_t``'s grid of 400 quantiles; the bounds use the exact ``_chi2_quantile``)."""
-    z = NormalDist().inv_cdf(q)
-    return max(1e-12, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3)
-
-
 def _seed_bound(dof: float) -> float:
     """The factor that takes a mean square on ``dof`` degrees of freedom to its SEED_BOUND upper confidence bound,
     dof / chi^2_{dof}(1 - SEED_BOUND): 254 for one degree of freedom, 19.5 for two, 5.6 for four."""
-    return dof / _chi2_quantile(1 - SEED_BOUND, dof)
+    return dof / float(stats.chi2.ppf(1 - SEED_BOUND, dof))
 
 
 SEED_BOUND = 0.95
@@ -404,6 +281,13 @@ class Power:
     mean: float | None = None
     """the mean score where every score lies in [0, 1] (pass@k), else None: a difference of d from it raises the
     second method's variance by (m + d)(1 - m - d) / (m (1 - m)) where that exceeds 1 (``_growth``)."""
+    sides: int = 2
+    """2: the two-sided test; 1: the one-sided test in the claimed direction (the verdict's primary family)."""
+    bounded: bool = True
+    """True: var_seeds at its SEED_BOUND upper bound and the least favourable split of it between the methods (an
+    upper bound on the size, 2-4x the median at 3-5 seeds); False: at its point estimate, each method carrying its
+    pooled share, so ``detectable`` is the size the test finds with ``power`` at the estimated variance (the
+    verdict's figures, es_ray/metrics/verdict.py)."""
 
     def _growth(self, effect: float) -> float:
         """How much the second method's variance components grow at ``effect`` from the mean: a score in [0, 1]
@@ -418,7 +302,8 @@ class Power:
     @property
     def can_plan(self) -> bool:
         """Whether the training variance is estimated from enough seeds (PLAN_SEEDS) to plan problems or seeds."""
-        return self.var_seeds is not None and self.detectable is not None and self.seeds >= PLAN_SEEDS
+        return (self.var_seeds is not None and self.detectable is not None
+                and (self.seeds >= PLAN_SEEDS or not self.bounded))
 
     def _plan(self, problems: float, seeds: int) -> tuple[float, float]:
         """(se, df) expected at ``problems`` per task and ``seeds`` per method, from the components."""
@@ -438,10 +323,14 @@ class Power:
         """effect -> the probability that the test (its own V, df and threshold) rejects at ``alpha`` with
         ``problems`` and ``seeds``, from the components (``_test_power``; one seed: this run's se and df)."""
         if seeds < 2 or self.var_seeds is None:
-            se, df = self._plan(problems, seeds) if self.var_seeds is not None else (self.se, self.df)
-            crit = t_quantile(1 - self.alpha / 2, min(df, 1e12))
-            return lambda effect: (_reach_t(effect / (se * math.sqrt((1 + self._growth(effect)) / 2)), crit, df)
-                                   if se > 0 else float(effect != 0))
+            if self.var_seeds is not None:
+                se, df = self._plan(problems, seeds)
+            else:  # this run's problems scaled to ``problems`` (the checkpoint test: a t over problems)
+                se = self.se * math.sqrt(self.problems / problems)
+                df = max(1.0, self.df * (problems - 1) / max(1, self.problems - 1))
+            crit = t_quantile(1 - self.alpha / self.sides, min(df, 1e12))
+            return lambda effect: (_reach_t(effect / (se * math.sqrt((1 + self._growth(effect)) / 2)), crit, df,
+                                            self.sides) if se > 0 else float(effect != 0))
         r_a, r_b = self.var_residual
 
         def reach(effect: float) -> float:
@@ -450,7 +339,8 @@ class Power:
             # alone): the split of the same total that the test finds least often
             return min(_test_power(float(self.var_problems * (1 + g) / 2), float(r_a), float(r_b * g),
                                    float(self.var_seeds * w_a), float(self.var_seeds * (2 - w_a) * g), float(problems),
-                                   int(seeds), float(self.alpha))(effect) for w_a in (1.0, 0.0, 2.0))
+                                   int(seeds), float(self.alpha), self.sides)(effect)
+                       for w_a in ((1.0, 0.0, 2.0) if self.bounded else (1.0,)))
         return reach
 
     def _detects(self, effect: float, problems: float, seeds: int) -> bool:
@@ -459,7 +349,8 @@ class Power:
     def problems_needed(self, effect: float, limit: int = 10 ** 7) -> int | None:
         """Problems per task (scaled like this run's) that find ``effect`` with this power at the run's seeds; None
         where the training variance is unknown (one seed) or alone keeps it out of reach at these seeds."""
-        if not self.can_plan or not self._detects(effect, limit, self.seeds):
+        checkpoint = not self.bounded and self.var_seeds is None and self.detectable is not None
+        if not (self.can_plan or checkpoint) or not self._detects(effect, limit, self.seeds):
             return None
         lo, hi = 2, limit
         while lo < hi:
@@ -479,45 +370,23 @@ POWER_DRAWS = 4000
 """Draws of the test's mean squares behind each power figure (``_test_power``; fixed, so figures repeat)."""
 
 
-def _norm_cdf(x):
-    """Phi, elementwise (Abramowitz and Stegun 7.1.26 for erfc: |error| < 1.5e-7)."""
-    x = np.asarray(x, dtype=np.float64)
-    z = np.abs(x) / math.sqrt(2.0)
-    t = 1.0 / (1.0 + 0.3275911 * z)
-    erfc = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-    erfc = erfc * np.exp(-z * z)
-    return np.where(x >= 0, 1.0 - 0.5 * erfc, 0.5 * erfc)
-
-
-@lru_cache(maxsize=64)
-def _crit_grid(alpha: float) -> tuple[np.ndarray, np.ndarray]:
-    dfs = np.geomspace(1.0, 1e6, 181)
-    return np.log(dfs), np.log([t_quantile(1 - alpha / 2, float(d)) for d in dfs])
-
-
 def _t_crit(alpha: float, df) -> np.ndarray:
-    """t_{1 - alpha/2, df} elementwise (log-log interpolation on 181 degrees of freedom from 1 to 10^6)."""
-    log_df, log_crit = _crit_grid(alpha)
-    df = np.asarray(df, dtype=np.float64)
-    return np.where(df > 1e6, NormalDist().inv_cdf(1 - alpha / 2),
-                    np.exp(np.interp(np.log(np.clip(df, 1.0, 1e6)), log_df, log_crit)))
+    """t_{1 - alpha/2, df} elementwise (scipy.stats)."""
+    return stats.t.ppf(1 - alpha / 2, np.asarray(df, dtype=np.float64))
 
 
-def _reach_t(lam: float, crit: float, df: float) -> float:
-    """P(|T| > crit) for T = (Z + lam) / sqrt(chi^2_df / df), over 400 quantiles of chi^2_df."""
+def _reach_t(lam: float, crit: float, df: float, sides: int = 2) -> float:
+    """P(|T| > crit) (``sides`` 1: P(T > crit)) for T = (Z + lam) / sqrt(chi^2_df / df), over 400 quantiles of
+    chi^2_df."""
     u = (np.arange(400) + 0.5) / 400
-    if df > 1e6:
-        scale = np.ones_like(u)
-    elif df < 2:  # chi^2_1 (Wilson-Hilferty is poor below 2)
-        scale = np.abs(np.array([NormalDist().inv_cdf((1 + x) / 2) for x in u]))
-    else:
-        scale = np.sqrt(np.array([_chi2_wh(x, df) for x in u]) / df)
-    return float(np.mean(_norm_cdf(lam - crit * scale) + _norm_cdf(-lam - crit * scale)))
+    scale = np.ones_like(u) if df > 1e6 else np.sqrt(stats.chi2.ppf(u, df) / df)
+    upper = stats.norm.cdf(lam - crit * scale)
+    return float(np.mean(upper if sides == 1 else upper + stats.norm.cdf(-lam - crit * scale)))
 
 
 @lru_cache(maxsize=1024)
 def _test_power(mb: float, r_a: float, r_b: float, u_a: float, u_b: float, problems: float, seeds: int,
-                alpha: float):
+                alpha: float, sides: int = 2):
     """effect -> the probability that the paired test rejects at ``alpha`` (two-sided) in a fresh experiment with
     ``problems`` per task and ``seeds`` per method, where 2 sigma_mb^2 = ``mb``, sigma_e,m^2 = ``r_a``, ``r_b`` and
     sigma_u,m^2 = ``u_a``, ``u_b``: the test's own mean squares drawn POWER_DRAWS times from their scaled chi-square
@@ -537,11 +406,14 @@ def _test_power(mb: float, r_a: float, r_b: float, u_a: float, u_b: float, probl
     with np.errstate(divide="ignore", invalid="ignore"):
         df = np.where((den > 0) & (v_bound > 0), v_bound ** 2 / np.where(den > 0, den, 1.0), 1.0)
     df = np.maximum(df, max(1, d_s))
-    threshold = _t_crit(alpha, df) * np.sqrt(np.maximum(v_raw, q))
+    threshold = _t_crit(alpha * (2 if sides == 1 else 1), df) * np.sqrt(np.maximum(v_raw, q))
     sd = math.sqrt(true_v)
     if not sd > 0:
         return lambda effect: float(effect != 0)
-    return lambda effect: float(np.mean(_norm_cdf((effect - threshold) / sd) + _norm_cdf((-effect - threshold) / sd)))
+    if sides == 1:  # the claimed direction only
+        return lambda effect: float(np.mean(stats.norm.cdf((effect - threshold) / sd)))
+    return lambda effect: float(np.mean(stats.norm.cdf((effect - threshold) / sd)
+                                        + stats.norm.cdf((-effect - threshold) / sd)))
 
 
 def _detectable(reach, power: float, scale: float) -> float:
@@ -557,10 +429,12 @@ def _detectable(reach, power: float, scale: float) -> float:
     return hi
 
 
-def power(pairs: Sequence[tuple], weights=None, *, alpha: float = 0.05, power: float = 0.8) -> Power:
+def power(pairs: Sequence[tuple], weights=None, *, alpha: float = 0.05, power: float = 0.8, bound: bool = True,
+          sides: int = 2) -> Power:
     """The smallest difference the test finds with ``power`` at level ``alpha`` (pass the threshold the verdict
     uses: alpha / m under Holm), and the components ``problems_needed``/``seeds_needed`` plan from; ``pairs`` as for
-    ``paired_difference_tasks``."""
+    ``paired_difference_tasks``. ``bound``: the training variance at its upper bound (``Power.bounded``), else at its
+    point estimate; ``sides``: 1 for the one-sided test."""
     arr = [_as_pair(a, b) for a, b in pairs]
     w = _weights(weights, len(arr))
     c = components(arr, w)
@@ -574,6 +448,8 @@ def power(pairs: Sequence[tuple], weights=None, *, alpha: float = 0.05, power: f
     mb = max(0.0, q - resid[0] / s_a - resid[1] / s_b)
     if min(s_a, s_b) < 2:
         var_seeds = None
+    elif not bound:  # the point estimate, pooled: E[sum_m A_m / S_m - residual parts] = sigma_u^2 sum_m 1 / S_m
+        var_seeds = max(0.0, sum(float(a_m) - float(r_m) for a_m, r_m in c["seed_ms"])) / (1 / s_a + 1 / s_b)
     else:  # pooled over both methods: the sum of the seed mean squares (each at least its residual part, as in
         # the test's df) at its upper confidence bound on Satterthwaite's df (S_A + S_B - 2 when the two are alike,
         # S - 1 when one method carries it all), less the residual parts
@@ -585,7 +461,8 @@ def power(pairs: Sequence[tuple], weights=None, *, alpha: float = 0.05, power: f
     bounded = all(((a >= 0) & (a <= 1)).all() and ((b >= 0) & (b <= 1)).all() for a, b in arr)
     mean = float(sum(wt * (a.mean() + b.mean()) / 2 for wt, (a, b) in zip(w, arr))) if bounded else None
     out = Power(se=se, df=df, detectable=None, var_problems=mb, var_residual=(resid[0], resid[1]),
-                var_seeds=var_seeds, problems=round(mean_p), seeds=min(s_a, s_b), alpha=alpha, power=power, mean=mean)
+                var_seeds=var_seeds, problems=round(mean_p), seeds=min(s_a, s_b), alpha=alpha, power=power, mean=mean,
+                sides=sides, bounded=bound)
     if se <= 0:
         return out
     # With seeds: at the planning variance (training variance at its upper bound), so the printed size is one the
