@@ -335,34 +335,43 @@ def test_two_seeds_and_a_token_budget_give_paired_tests_budgets_as_reached_and_t
             ("es", "grpo", "entropy")} <= pairs
     assert len(cmp["tests"]) == 3 * 4 and all(t["p_holm"] >= t["p"] and t["seeds"] == 2 for t in cmp["tests"])
     md = (root / "report.md").read_text()
-    assert "## Paired differences (first minus second)" in md and "Holm-corrected at 0.05" in md
+    assert "## Paired differences (first minus second): exploratory" in md and "Holm at 0.05 over these 3" in md
+    assert md.splitlines()[2].startswith("**Primary family** (the paper's claims") and "## Verdict on the" in md
+    ver = rep["verdict"]
+    assert ver["claims"] == ["pass@max:es>grpo", "entropy:es>grpo", "pass@1:grpo>=es"] and len(ver["tests"]) == 3
+    assert all(t["level"] == "checkpoint" and t["seeds"] == 2 and t["p_holm"] >= t["p"] for t in ver["tests"])
     assert "Budget as reached (tokens; matched when within +-10% of the budget" in md
     assert "| seed 0 | seed 1 |" in md and "Compute (this run): GRPO's largest peak" in md
     assert (root / "stages" / "eval.es.s1" / "results.json").is_file()
 
 
-def test_verdicts_name_one_seed_differing_seeds_and_untestable_comparisons():
-    """A verdict is never a bare "higher" where the seeds cannot carry a method-level claim."""
-    from es_ray.launch.compare.markdown import _needed, _test_cells, design_line
+def test_verdicts_name_one_seed_and_exploratory_comparisons():
+    """A verdict is never a bare "higher" where the seeds cannot carry a method-level claim, and a comparison outside
+    the primary family carries no verdict words (launch/compare/verdict.py; the tests themselves:
+    tests/test_verdict.py)."""
+    from es_ray.launch.compare.markdown import _difference
+    from es_ray.launch.compare.verdict import head_lines, verdict_line
 
-    t = {"a": "es", "b": "grpo", "metric": "pass@16", "k": 16, "diff": 0.1, "low": 0.05, "high": 0.15, "p": 1e-5,
-         "p_holm": 1e-4, "problems": 100, "seeds": 1, "seeds_a": 1, "seeds_b": 1, "detectable": 0.05,
-         "alpha_power": 0.05 / 40, "testable": True, "separable": True, "can_plan": False,
-         "problems_needed": {"0.02": None, "0.06": None}, "seeds_needed": {"0.02": None, "0.06": None}}
-    one = _test_cells(t)[1]
-    assert one.startswith("this ES run higher") and "no method-level claim follows" in one
-    differ = _test_cells({**t, "seeds": 2, "seeds_a": 3, "seeds_b": 2})[1]
-    assert "seeds differ between the methods (ES 3, GRPO 2)" in differ
-    assert _test_cells({**t, "seeds": 3, "seeds_a": 3, "seeds_b": 3})[1] == "ES higher"
-    none = _test_cells({**t, "seeds": 3, "seeds_a": 3, "seeds_b": 3, "separable": False})[1]
-    assert "could detect 5 points at 80% power and Holm's first threshold 0.0013" in none
-    few = _test_cells({**t, "testable": False, "detectable": 1.4})[1]
-    assert few.startswith("too few problems or seeds to test") and "higher" not in few
-    assert _needed({**t, "seeds": 3}).startswith("cannot be estimated from 3 seed(s)")
-    line = design_line({"seeds": [0], "problems": {"arithmetic": 16}, "comparisons": {"tests": [{}] * 12,
-                                                                                          "alpha": 0.05}})
-    assert "1 seed(s) per method" in line and "arithmetic 16" in line and "12 tests" in line
-    assert "no method-level claim follows" in line
+    t = {"claim": "pass@16:es>grpo", "metric": "pass@16", "first": "es", "second": "grpo", "kind": "superiority",
+         "margin": 0.0, "seeds": 1, "problems": 100, "level": "checkpoint", "diff": 0.1, "se": 0.02, "df": 99,
+         "p": 1e-5, "p_holm": 3e-5, "holds": True, "lower": 0.07,
+         "method": {"diff": 0.1, "low": 0.06, "high": 0.14}, "checkpoint": {"diff": 0.1, "low": 0.06, "high": 0.14}}
+    one = verdict_line(t)
+    assert one.startswith("holds for this ES run vs this GRPO run") and "no method claim" in one
+    three = verdict_line({**t, "seeds": 3})
+    assert "these 3 ES runs vs these 3 GRPO runs" in three and "no method claim" in three
+    assert verdict_line({**t, "seeds": 5, "level": "method"}) == "holds (method level)"
+    assert verdict_line({**t, "seeds": 5, "level": "method", "holds": False}) == "not shown (method level)"
+    rep = {"verdict": {"tests": [t]}, "comparisons": {"tests": [
+        {"a": "es", "b": "grpo", "metric": "pass@1", "diff": 0.01, "low": -0.02, "high": 0.04, "seeds": 1,
+         "seeds_a": 1, "seeds_b": 1}]}}
+    assert _difference(rep, "es", "grpo", 16)[1] == one
+    nums, words = _difference(rep, "es", "grpo", 1)
+    assert words.startswith("exploratory") and "higher" not in words and "[-2, +4]" in nums
+    lines = " ".join(head_lines({"seeds": [0], "problems": {"arithmetic": 16},
+                                 "verdict": {"claims": ["pass@max:es>grpo"], "alpha": 0.05}}))
+    assert lines.startswith("**Primary family**") and "pass@max:es>grpo" in lines and "arithmetic 16" in lines
+    assert "one seed: checkpoint tests only" in lines and "no method claim" in lines
 
 
 def test_es_budget_counts_every_sample_per_prompt(tmp_path):

@@ -7,6 +7,7 @@ import math
 
 from es_ray.launch.compare.analyses import forgetting_markdown, interpolation_markdown, kl_markdown, objectives_markdown
 from es_ray.launch.compare.methods import LABELS
+from es_ray.launch.compare.verdict import claim_words, exploratory_note, head_lines, verdict_line, verdict_section
 
 
 def _p(x) -> str:
@@ -25,7 +26,7 @@ def markdown(rep: dict) -> str:
     ks, tasks, methods = rep["k"], rep["tasks"], rep["methods"]
     e = rep["eval"]
     kk = "/".join(f"Pass@{k}" for k in ks)
-    lines = ["# es-compare report", "", design_line(rep), "",
+    lines = ["# es-compare report", ""] + head_lines(rep) + verdict_section(rep) + ["",
              f"Training budget: {_budget(rep['budget'])} per method (unit {rep['budget']['unit']}; pool of "
              f"{rep['pool']} prompts; at most {rep['budget_epochs']:g} epochs; sequential methods: half each). "
              "Evaluation: "
@@ -168,78 +169,9 @@ def _iv(x) -> str:
     return f"[{_p(x[0])}, {_p(x[1])}]"
 
 
-def _pts(x, scale: float = 100.0, unit: str = " points") -> str:
-    return "-" if x is None else f"{scale * x:+.1f}{unit}" if scale == 100.0 else f"{x:+.3f}{unit}"
-
-
-def seeds_caveat(t: dict) -> str | None:
-    """Why a test makes no method-level claim: one seed of a method (two checkpoints compared), or seeds that differ
-    between the methods; None where the claim is about the methods."""
-    first, second = LABELS[t["a"]], LABELS[t["b"]]
-    sa, sb = t.get("seeds_a", t["seeds"]), t.get("seeds_b", t["seeds"])
-    if min(sa, sb) < 2:
-        return (f"one seed ({first} {sa}, {second} {sb}): this compares this {first} run with this {second} run "
-                "(two checkpoints); no method-level claim follows, which needs at least 2 seeds per method")
-    if sa != sb:
-        return f"seeds differ between the methods ({first} {sa}, {second} {sb}): rerun the missing seeds"
-    return None
-
-
-def _test_cells(t: dict) -> tuple[str, str, str]:
-    """(difference [interval], verdict, detectable size) of one paired test, in points (pass@k) or nats."""
-    pct = t["metric"] != "entropy"
-    f = (lambda x: f"{100 * x:+.3g}") if pct else (lambda x: f"{x:+.3g}")
-    unit = " points" if pct else " nats"
-    first, second = LABELS[t["a"]], LABELS[t["b"]]
-    diff = f"{f(t['diff'])} [{f(t['low'])}, {f(t['high'])}]"
-    det = "-" if t["detectable"] is None else f"{f(t['detectable']).lstrip('+')}{unit}"
-    caveat = seeds_caveat(t)
-    at = f"at 80% power and Holm's first threshold {t.get('alpha_power', 0.05):.2g}"
-    if not t.get("testable", True):
-        verdict = ("no difference on any problem (no variance to size a detectable one)" if t["detectable"] is None
-                   else f"too few problems or seeds to test ({t['problems']} problems, {t['seeds']} seed(s): the "
-                        f"smallest difference this test could find {at} is {det}; raise eval.limit or seeds)")
-    elif t["separable"]:
-        higher = first if t["diff"] > 0 else second
-        verdict = (f"this {higher} run higher ({caveat})" if caveat and min(t.get("seeds_a", t["seeds"]),
-                                                                             t.get("seeds_b", t["seeds"])) < 2
-                   else f"{higher} higher ({caveat})" if caveat else f"{higher} higher")
-    else:
-        verdict = f"no separable difference (could detect {det} {at})" + (f"; {caveat}" if caveat else "")
-    return diff, verdict, det
-
-
-def _needed(t: dict) -> str:
-    """The problems (or, failing that, seeds) the paper's Pass@16 gaps would need, for the pass@16 test only."""
-    if not t["problems_needed"]:
-        return "-"
-    if not t.get("can_plan", True):
-        from es_ray.metrics.paired import PLAN_SEEDS
-
-        return (f"cannot be estimated from {t['seeds']} seed(s) (planning on the training variance needs at least "
-                f"{PLAN_SEEDS} per method)")
-    out = []
-    for g, n in t["problems_needed"].items():
-        s = t["seeds_needed"][g]
-        out.append(f"{100 * float(g):g} points: {n:,} problems" if n is not None else
-                   f"{100 * float(g):g} points: {s} seeds" if s is not None else
-                   f"{100 * float(g):g} points: more problems and seeds")
-    return "; ".join(out)
-
-
-def design_line(rep: dict) -> str:
-    """The report's first line: what the verdicts rest on."""
-    cmp = rep.get("comparisons") or {}
-    seeds = rep.get("seeds", [])
-    probs = ", ".join(f"{t} {n}" for t, n in (rep.get("problems") or {}).items()) or "none"
-    one = (" One seed per method: every difference below compares two checkpoints (this run of each method); no "
-           "method-level claim follows (es-compare seeds=[0,1,2] for one).") if len(seeds) < 2 else ""
-    return (f"**Design:** {len(seeds)} seed(s) per method ({seeds}); problems per task: {probs}; paired-test family: "
-            f"{len(cmp.get('tests', []))} tests, Holm-corrected at {cmp.get('alpha', 0.05):g}.{one}")
-
-
 def uncertainty_markdown(rep: dict) -> list[str]:
-    """Each seed's average pass@k beside the mean, and every paired test with its power."""
+    """Each seed's average pass@k beside the mean and the between-seed sd, and every pair's paired difference
+    (exploratory)."""
     ks, seeds, iv = rep["k"], rep["seeds"], rep["intervals"]
     head = [f"seed {s}" for s in seeds]
     lines = ["", f"## Per seed: average {'/'.join(f'Pass@{k}' for k in ks)} over tasks (%)", "",
@@ -254,38 +186,44 @@ def uncertainty_markdown(rep: dict) -> list[str]:
         ivs = " / ".join(_iv(iv[method]["average"][str(k)]) for k in ks) if method in iv else "-"
         lines.append(f"| {m['label']} | " + " | ".join(per) + f" | {spread} | {ivs} |")
     cmp = rep["comparisons"]
-    lines += ["", "## Paired differences (first minus second)", ""]
+    lines += ["", "## Paired differences (first minus second): exploratory", ""]
     if not cmp["tests"]:
         return lines + [f"No paired test: {cmp.get('why', 'fewer than two methods')}.", ""]
     probs = ", ".join(f"{t} {n}" for t, n in rep["problems"].items())
-    lines += [f"Every pair of methods ({cmp['pairs']} pairs) at every k (average pass@k over the tasks, each task "
-              "weighted equally) and on the mean token entropy per problem: the paired difference over problems "
-              f"(per task: {probs}) with each method's {len(seeds)} seed(s) as a random effect (its own training "
-              "runs: crossed random-effects variance, Student's t at Satterthwaite degrees of freedom, "
-              "es_ray/metrics/paired.py); p two-sided. "
-              f"Family: all {len(cmp['tests'])} tests of this table ({', '.join(cmp['family'])}), Holm-corrected "
-              f"at {cmp['alpha']:g}. Detectable: the smallest difference each test finds with 80% power at "
-              f"{cmp.get('alpha_first', cmp['alpha']):.2g} = {cmp['alpha']:g} / {len(cmp['tests'])}, Holm's first "
-              "threshold (what a single real effect in this family must clear), at the test's degrees of freedom "
-              "and the training variance at its 95% upper bound; needed: the problems (at these seeds) or seeds (at "
-              "these problems) the paper's 2 and 6 point gaps would need, at Pass@16 only (where the paper measured "
-              "them).", "",
-              "| compared | metric | difference [95% interval] | p | Holm p | verdict | needed for 2 / 6 points |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [exploratory_note() + f" Every pair of methods ({cmp['pairs']} pairs) at every k (average pass@k over "
+              "the tasks, each task weighted equally) and on the mean token entropy per problem: the paired "
+              f"difference over problems (per task: {probs}) with each method's {len(seeds)} seed(s) as a random "
+              "effect (crossed random-effects variance, Student's t at Satterthwaite degrees of freedom, "
+              "es_ray/metrics/paired.py).", "",
+              "| compared | metric | difference [95% interval] | seeds | problems |", "|---|---|---|---|---|"]
     for t in cmp["tests"]:
-        diff, verdict, _ = _test_cells(t)
-        lines.append(f"| {LABELS[t['a']]} - {LABELS[t['b']]} | {t['metric']} | {diff} | {t['p']:.2g} | "
-                     f"{t['p_holm']:.2g} | {verdict} | {_needed(t) if t['metric'] != 'entropy' else '-'} |")
+        lines.append(f"| {LABELS[t['a']]} - {LABELS[t['b']]} | {t['metric']} | {_diff_cell(t)} | "
+                     f"{t['seeds_a']} / {t['seeds_b']} | {t['problems']} |")
     return lines
 
 
+def _diff_cell(t: dict) -> str:
+    """difference [interval], in points (pass@k) or nats."""
+    f = (lambda x: f"{100 * x:+.3g}") if t["metric"] != "entropy" else (lambda x: f"{x:+.3g}")
+    return f"{f(t['diff'])} [{f(t['low'])}, {f(t['high'])}]"
+
+
 def _difference(rep: dict, a: str, b: str, k) -> tuple[str, str]:
-    """(numbers, verdict) of the paired test of methods a and b at pass@k (k None: entropy)."""
-    t = find_test(rep, a, b, f"pass@{k}" if k is not None else "entropy")
+    """(numbers, verdict) of methods a and b at pass@k (k None: entropy): the primary family's verdict where the
+    claim is in it, else the exploratory estimate with no verdict."""
+    metric = f"pass@{k}" if k is not None else "entropy"
+    for v in (rep.get("verdict") or {}).get("tests", []):
+        if v.get("metric") == metric and {v.get("first"), v.get("second")} == {a, b}:
+            test = v["checkpoint"] if v["level"] == "checkpoint" else v["method"]
+            if "p" not in v:
+                return "-", verdict_line(v)
+            unit = (lambda x: f"{100 * x:+.3g}") if metric != "entropy" else (lambda x: f"{x:+.3g}")
+            return (f"{claim_words(v)}: {LABELS[v['first']]} - {LABELS[v['second']]} = {unit(test['diff'])} "
+                    f"[{unit(test['low'])}, {unit(test['high'])}], Holm p {v['p_holm']:.2g} (primary)"), verdict_line(v)
+    t = find_test(rep, a, b, metric)
     if t is None:
         return "-", "not run"
-    diff, verdict, _ = _test_cells(t)
-    return f"{LABELS[a]} - {LABELS[b]} = {diff}, Holm p {t['p_holm']:.2g}", verdict
+    return f"{LABELS[a]} - {LABELS[b]} = {_diff_cell(t)}", "exploratory (not in the primary family): no verdict"
 
 
 def _spread(rep: dict, method: str, key: str) -> str:
@@ -323,10 +261,10 @@ def verdict_markdown(rep: dict) -> list[str]:
     lines = ["## Verdict: the paper's effects in this run", "",
              "| effect | this run | verdict |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    lines += ["", "A difference is called only where the paired test over problems and seeds rejects after Holm's "
-              "correction over the whole family; 'no separable difference' names the smallest difference that test "
-              "could have found (80% power), so a reader can tell no effect from one too small for this run. L2: "
-              "the seeds' runs of ES and GRPO (one value per run, independent: Welch's t).", ""]
+    lines += ["", "A claim is called only where it is in the primary family (verdict.primary, declared before "
+              "training) and its one-sided test rejects after Holm's correction over that family; with fewer than 5 "
+              "seeds per method the test compares these runs (checkpoint test), not the methods. Everything else is "
+              "exploratory. L2: the seeds' runs of ES and GRPO (one value per run, independent: Welch's t).", ""]
     return lines
 
 

@@ -1,7 +1,7 @@
 """es-compare's report data: report.json (per method and seed: pass@k, entropy, drift with its null model and
 bf16 view, the measured ledger and the budget as reached, curves; across seeds: means, mean +- std, descriptive
-bootstrap intervals, and the paired tests of every pair of methods with Holm's correction and their power,
-es_ray.metrics.paired), written with report.md (launch.compare.markdown) and the plots (launch.compare.plots), from
+bootstrap intervals, the primary family's verdict (launch.compare.verdict) and, exploratory, the paired
+differences of every pair of methods, es_ray.metrics.paired), written with report.md (launch.compare.markdown) and the plots (launch.compare.plots), from
 the stages' own output files.
 
 Everything here is read back from disk (results.json and samples.jsonl of each evaluation, metrics.jsonl and
@@ -23,6 +23,7 @@ from es_ray.launch.compare.analyses import forgetting_section, interpolation_sec
 from es_ray.launch.compare.markdown import markdown
 from es_ray.launch.compare.methods import COMPARED, LABELS, grpo_placement_text, runs_grpo
 from es_ray.launch.compare.plots import plots
+from es_ray.launch.compare.verdict import primary_section
 
 
 
@@ -198,9 +199,6 @@ def intervals(pp: dict, ks: list[int]) -> dict:
     return out
 
 
-PAPER_GAPS = {16: (0.02, 0.06)}
-"""The paper's gaps between methods (2 to 6 points), measured at Pass@16: the effects whose needed problems and seeds
-the report gives, at k = 16 only (the paper measured no gap at the other k, so none is assumed there)."""
 ALPHA = 0.05
 
 
@@ -216,10 +214,11 @@ def method_pairs(methods: list[str]) -> list[tuple[str, str]]:
 
 
 def comparisons(pp: dict, ks: list[int], tasks: list[str]) -> dict:
-    """Every pair of methods at every k (average pass@k over tasks, tasks weighted equally) and on entropy, as
-    paired differences over problems with each method's seeds as a random effect, Holm's correction over that whole
-    family, and the power of each at alpha / m, the threshold of Holm's first step (es_ray.metrics.paired)."""
-    from es_ray.metrics.paired import holm, paired_difference_tasks, power
+    """Exploratory: every pair of methods at every k (average pass@k over tasks, tasks weighted equally) and on
+    entropy, as paired differences over problems with each method's seeds as a random effect
+    (es_ray.metrics.paired): estimates and intervals, with p and Holm's adjustment over this whole table kept in
+    report.json for reference; the verdict is the primary family's (launch.compare.verdict)."""
+    from es_ray.metrics.paired import holm, paired_difference_tasks
 
     methods = list(pp["methods"])
     if min((len(v) for v in pp["problems"].values()), default=0) < 2:
@@ -239,31 +238,18 @@ def comparisons(pp: dict, ks: list[int], tasks: list[str]) -> dict:
     if not planned:  # one method (methods=[es], say, or one left with samples.jsonl): there is no pair to test
         return {"family": [], "tests": [], "why": f"one method with samples of every task ({', '.join(methods)}; "
                 "eval.save_samples=false leaves a method out): no pair to compare"}
-    alpha_first = ALPHA / len(planned)
-    tests = [_test(x, y, metric, k, pairs, paired_difference_tasks(pairs), power(pairs, alpha=alpha_first))
-             for x, y, metric, k, pairs in planned]
+    tests = [_test(x, y, metric, k, paired_difference_tasks(pairs)) for x, y, metric, k, pairs in planned]
     for t, adj in zip(tests, holm([t["p"] for t in tests])):
         t["p_holm"] = adj
-        t["separable"] = adj < ALPHA
     family = sorted({t["metric"] for t in tests}, key=lambda m: (m == "entropy", len(m), m))
-    return {"family": family, "tests": tests, "alpha": ALPHA, "alpha_first": alpha_first,
-            "pairs": len(method_pairs(methods))}
+    return {"family": family, "tests": tests, "alpha": ALPHA, "pairs": len(method_pairs(methods))}
 
 
-def _test(x: str, y: str, metric: str, k, pairs, r, pw) -> dict:
-    fewest = min(np.shape(a)[-1] for a, _ in pairs)
-    # pass@k lies in [0, 1]: a test that could only find a difference beyond 100 points finds none
-    within = pw.detectable is not None and (metric == "entropy" or pw.detectable < 1.0)
-    gaps = PAPER_GAPS.get(k, ())
+def _test(x: str, y: str, metric: str, k, r) -> dict:
     return {"a": x, "b": y, "metric": metric, "k": k, "diff": r.diff, "low": r.low, "high": r.high, "p": r.p,
             "problems": r.problems, "seeds": r.seeds, "seeds_a": r.seeds_b, "seeds_b": r.seeds_a,
             "df": r.df if np.isfinite(r.df) else None,  # no variance at all: no finite df
-            "se": r.se, "var_training": r.var_training, "detectable": pw.detectable, "alpha_power": pw.alpha,
-            # the smallest p this many problems can give (paired.py's floor) must be below Holm's first threshold
-            "testable": within and 2.0 ** (1 - fewest) < pw.alpha,
-            "can_plan": pw.can_plan,
-            "problems_needed": {f"{g:g}": pw.problems_needed(g) for g in gaps},
-            "seeds_needed": {f"{g:g}": pw.seeds_needed(g) for g in gaps}}
+            "se": r.se, "var_training": r.var_training}
 
 
 def drift_comparison(per_seed: dict) -> dict | None:
@@ -337,6 +323,7 @@ def collect(root: Path, cfg, plan: dict, pool: int, paths: dict | None = None) -
     rep["problems"] = {t: len(v) for t, v in pp["problems"].items()}
     rep["intervals"] = intervals(pp, rep["k"])
     rep["comparisons"] = comparisons(pp, rep["k"], rep["tasks"])
+    rep["verdict"] = primary_section(pp, cfg, rep["k"], rep["tasks"])
     rep["drift_test"] = drift_comparison(per_seed)
     final_eval = lambda stages: _stage(stages, "eval")  # noqa: E731
     rep["objectives"] = objectives(root, {m: plan[m][seeds[0]] for m in plan})

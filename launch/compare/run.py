@@ -38,6 +38,7 @@ from es_ray.core.registry import Registry
 from es_ray.runtime.rundir import RESULT_NEUTRAL, changed_settings
 from es_ray.grpo.config import GRPOConfig, GRPOSamplingConfig
 from es_ray.launch.compare.methods import METHODS, TRAINED, grpo_placement
+from es_ray.launch.compare.verdict import VerdictConfig, validate_verdict
 
 BUDGET_UNITS = Registry("budget.unit", {
     "epochs": "prompts seen: passes over the training pool", "tokens": "tokens generated in training",
@@ -121,6 +122,8 @@ class CompareConfig:
     evaluation scores them all after the last). Empty: one training task, task.name."""
     interpolate: InterpolationConfig = field(default_factory=InterpolationConfig)
     """es-interpolate between the methods' final weights (interpolate.pairs; none by default)."""
+    verdict: VerdictConfig = field(default_factory=VerdictConfig)
+    """The primary family the verdict tests, declared before training (verdict.primary, verdict.margin)."""
 
 
 def validate_compare(cfg: CompareConfig) -> CompareConfig:
@@ -146,6 +149,7 @@ def validate_compare(cfg: CompareConfig) -> CompareConfig:
         raise ConfigError(f"run.seed={cfg.run.seed}: es-compare takes its run seeds from seeds=[...]; set "
                           f"seeds=[{cfg.run.seed}] instead")
     validate_sequence(cfg)
+    validate_verdict(cfg)
     for method in cfg.methods:  # each stage's own validation: build every stage's config once
         for spec in stage_plan(cfg, method, Path("/tmp"), seed=cfg.seeds[0]):
             spec.config()
@@ -615,8 +619,15 @@ def _main(dict_cfg) -> None:
 
 
 def main() -> None:
+    import sys
+
     from es_ray.runtime.entry import hydra_main
 
+    if "--plan" in sys.argv[1:]:  # the seeds, problems and compute the primary family needs, before any spend
+        from es_ray.launch.compare.plan import plan_main
+
+        sys.argv.remove("--plan")
+        return hydra_main("es_compare", plan_main, "es-compare --plan", register_configs)
     hydra_main("es_compare", _main, "es-compare", register_configs)
 
 
