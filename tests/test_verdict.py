@@ -146,3 +146,34 @@ def test_the_printed_size_is_found_about_80_percent_of_the_time():
         diff, se, df, _ = t_test([(fa[..., 0], fb[..., 0])])
         hits.append(np.mean(stats.t.sf(diff / se, df) < alpha))
     assert 0.65 <= float(np.mean(hits)) <= 0.93, hits
+
+
+def test_plan_prices_the_primary_family_from_a_pilot_report(tmp_path):
+    """es-compare --plan: from a pilot's report.json (its verdict's components and its ledger's per-step
+    device-seconds) the seeds the 6-point gap needs, the problems at each seed count, and the compute."""
+    import json
+
+    from es_ray.launch.compare.plan import plan
+    from es_ray.launch.compare.verdict import primary_section
+
+    rng = np.random.default_rng(5)
+    a, b = simulate(rng, 1, 200, 3, 0.15, ks=(1, 16))
+    pp = {"problems": {"arithmetic": list(range(200))},
+          "methods": {"grpo": {"pass": {"arithmetic": a[0]}, "entropy": {"arithmetic": a[0, ..., 0] + 1.0}},
+                      "es": {"pass": {"arithmetic": b[0]}, "entropy": {"arithmetic": b[0, ..., 0] + 1.0}}}}
+    cfg = _cfg()
+    cfg.methods, cfg.eval.k, cfg.eval.tasks, cfg.eval.limit = ["es", "grpo"], [1, 16], ["arithmetic"], 200
+    ver = primary_section(pp, cfg, [1, 16], ["arithmetic"])
+    assert [t["claim"] for t in ver["tests"]] == list(PAPER_CLAIMS)
+    ledger = lambda m, sec: {"parts": [{"method": m, "steps": 4, "device_s": sec}]}  # noqa: E731
+    (tmp_path / "report.json").write_text(json.dumps(
+        {"verdict": ver, "problems": {"arithmetic": 200},
+         "per_seed": {"0": {"es": {"ledger": ledger("es", 40.0)}, "grpo": {"ledger": ledger("grpo", 80.0)}}}}))
+    cfg.verdict.pilot = str(tmp_path)
+    out = plan(cfg, log=lambda s: None)
+    six = next(r for r in out["rows"] if r["claim"] == "pass@max:es>grpo" and r["gap"] == 0.06)
+    reached = [n for n in six["problems_at_seeds"].values() if n is not None]
+    assert reached == sorted(reached, reverse=True)  # more seeds never need more problems
+    if out["seeds"] is not None:
+        per_seed = sum(n * {"es": 10.0, "grpo": 20.0}[p] for p, n in out["steps_per_seed"].items())
+        assert out["device_s"] == pytest.approx(per_seed * out["seeds"]) and out["seeds"] >= 5

@@ -1,4 +1,4 @@
-"""Paired differences between two methods scored on the same problems, with seeds as a random effect (pure numpy and scipy.stats).
+"""Paired differences between two methods scored on the same problems, with seeds as a random effect (numpy, scipy).
 
 The methods answer the same problems, so the comparison is paired over problems; each method's seeds are its own
 independent training runs, so seed s of method A is NOT paired with seed s of method B. The model behind the test
@@ -342,6 +342,10 @@ class Power:
                                    int(seeds), float(self.alpha), self.sides)(effect)
                        for w_a in ((1.0, 0.0, 2.0) if self.bounded else (1.0,)))
         return reach
+
+    def reaches(self, effect: float, problems: float, seeds: int) -> float:
+        """The power of the test at ``effect`` with ``problems`` per task and ``seeds`` per method."""
+        return self._reach(problems, seeds)(abs(effect))
 
     def _detects(self, effect: float, problems: float, seeds: int) -> bool:
         return self._reach(problems, seeds)(abs(effect)) >= self.power
