@@ -177,3 +177,33 @@ def test_plan_prices_the_primary_family_from_a_pilot_report(tmp_path):
     if out["seeds"] is not None:
         per_seed = sum(n * {"es": 10.0, "grpo": 20.0}[p] for p, n in out["steps_per_seed"].items())
         assert out["device_s"] == pytest.approx(per_seed * out["seeds"]) and out["seeds"] >= 5
+
+
+def test_a_report_without_per_problem_scores_is_rerendered_without_a_verdict(tmp_path):
+    """docs/results/cpu-demo/report.json kept its paired tests' summaries only: the re-rendered report names the
+    primary family first, gives the method-level estimates with their one-sided bounds, and calls no verdict."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from es_ray.launch.compare.rerender import rerender
+
+    src = Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu-demo" / "report.json"
+    shutil.copy(src, tmp_path / "report.json")
+    rep = json.loads(src.read_text())
+    for t in rep["comparisons"]["tests"]:  # as written before the primary family
+        t["separable"] = False
+    rep.pop("verdict", None)
+    (tmp_path / "report.json").write_text(json.dumps(rep))
+    out = rerender(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert md.splitlines()[2].startswith("**Primary family**") and "**Seeds** per method: 3" in md
+    assert all("separable" not in t for t in out["comparisons"]["tests"])
+    tests = out["verdict"]["tests"]
+    assert [(t["claim"], t["metric"]) for t in tests] == [("pass@max:es>grpo", "pass@8"),
+                                                       ("entropy:es>grpo", "entropy"), ("pass@1:grpo>=es", "pass@1")]
+    assert all("p_holm" not in t and "holds" not in t for t in tests) and "holds" not in md.split("## Pass@1")[0]
+    ni = tests[2]
+    d, se, df = ni["method"]["diff"], ni["method"]["se"], ni["method"]["df"]
+    assert ni["lower"] == pytest.approx(d - stats.t.ppf(0.95, df) * se)
+    assert ni["method_p"] == pytest.approx(stats.t.sf((d + 0.02) / se, df))

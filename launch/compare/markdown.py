@@ -7,7 +7,7 @@ import math
 
 from es_ray.launch.compare.analyses import forgetting_markdown, interpolation_markdown, kl_markdown, objectives_markdown
 from es_ray.launch.compare.methods import LABELS
-from es_ray.launch.compare.verdict import claim_words, exploratory_note, head_lines, verdict_line, verdict_section
+from es_ray.launch.compare.verdict import exploratory_note, head_lines, verdict_line, verdict_section
 
 
 def _p(x) -> str:
@@ -214,11 +214,14 @@ def _difference(rep: dict, a: str, b: str, k) -> tuple[str, str]:
     metric = f"pass@{k}" if k is not None else "entropy"
     for v in (rep.get("verdict") or {}).get("tests", []):
         if v.get("metric") == metric and {v.get("first"), v.get("second")} == {a, b}:
-            test = v["checkpoint"] if v["level"] == "checkpoint" else v["method"]
             if "p" not in v:
-                return "-", verdict_line(v)
+                m = v.get("method")
+                nums = "-" if m is None else (f"{LABELS[v['first']]} - {LABELS[v['second']]} = "
+                                              f"{_diff_cell({**v, **m})} (method-level estimate; primary)")
+                return nums, verdict_line(v)
+            test = v["checkpoint"] if v["level"] == "checkpoint" else v["method"]
             unit = (lambda x: f"{100 * x:+.3g}") if metric != "entropy" else (lambda x: f"{x:+.3g}")
-            return (f"{claim_words(v)}: {LABELS[v['first']]} - {LABELS[v['second']]} = {unit(test['diff'])} "
+            return (f"{LABELS[v['first']]} - {LABELS[v['second']]} = {unit(test['diff'])} "
                     f"[{unit(test['low'])}, {unit(test['high'])}], Holm p {v['p_holm']:.2g} (primary)"), verdict_line(v)
     t = find_test(rep, a, b, metric)
     if t is None:

@@ -4,6 +4,7 @@ the report is exploratory (docs/comparison.md, "The verdict")."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -126,6 +127,8 @@ def _subject(t: dict) -> str:
 
 def verdict_line(t: dict) -> str:
     """The claim's verdict, labelled by what its seeds can carry."""
+    if "p" not in t and "method" in t:
+        return "no verdict: the checkpoint test needs the per-problem scores (not kept; below)"
     if "p" not in t:
         return f"not tested: {t['why']}"
     if t["level"] == "method":
@@ -182,6 +185,12 @@ def verdict_section(rep: dict) -> list[str]:
              "| claim | test | estimate [95% interval] | one-sided lower bound | p | Holm p | verdict | "
              "detectable | needed for 2 / 6 points |", "|---|---|---|---|---|---|---|---|---|"]
     for t in tests:
+        if "p" not in t and "method" in t:  # from a report's summaries: the method-level estimate, no verdict
+            m = t["method"]
+            lines.append(f"| {claim_words(t)} | method level (estimate only) | {_u(t, m['diff'])} [{_u(t, m['low'])}, "
+                         f"{_u(t, m['high'])}] | {_u(t, t['lower'])} | {t['method_p']:.2g} (method level) | - | "
+                         f"{verdict_line(t)} | - | - |")
+            continue
         if "p" not in t:
             lines.append(f"| {t['claim']} | - | - | - | - | - | {verdict_line(t)} | - | - |")
             continue
@@ -191,6 +200,10 @@ def verdict_section(rep: dict) -> list[str]:
         lines.append(f"| {claim_words(t)} | {kind} | {_u(t, test['diff'])} [{_u(t, test['low'])}, "
                      f"{_u(t, test['high'])}] | {_u(t, t['lower'])} | {t['p']:.2g} | {t['p_holm']:.2g} | "
                      f"{verdict_line(t)} | {_size(t)} | {_needs(t)} |")
+    why = next((t["why"] for t in tests if "p" not in t and "method" in t), None)
+    if why:
+        lines += ["", f"Not kept: {why}. The estimates, intervals and one-sided bounds are the method-level test's "
+                  "(valid at every seed count); at fewer than 5 seeds they are no verdict."]
     lines += [""] + seeds_lines(rep, tests)
     return lines
 
@@ -198,7 +211,7 @@ def verdict_section(rep: dict) -> list[str]:
 def seeds_lines(rep: dict, tests: list[dict]) -> list[str]:
     """What this seed count can say: the method-level estimates and, at 2-4 seeds, the seeds a claim needs."""
     out = []
-    for t in (x for x in tests if "p" in x):
+    for t in (x for x in tests if "method" in x):
         s, m = t["seeds"], t["method"]
         if s == 1:
             out.append(f"- {claim_words(t)}: one seed per method, this run vs that run only; a method-level claim "
@@ -208,7 +221,8 @@ def seeds_lines(rep: dict, tests: list[dict]) -> list[str]:
             need = t.get("seeds_for_claim")
             tail = (f"a method-level claim needs S >= {need} seeds at this spread" if need is not None else
                     "the method-level estimate is not in the claimed direction: no seed count makes it a claim"
-                    if m["diff"] + t["margin"] <= 0 else "no seed count reaches it at this spread")
+                    if m["diff"] + t["margin"] <= 0 else
+                    f"no seed count reaches it at {t['problems']} problems and this spread: more problems first")
             out.append(f"- {claim_words(t)}: method-level estimate {_u(t, m['diff'])} [{_u(t, m['low'])}, "
                        f"{_u(t, m['high'])}] over {s} seeds, between-seed sd {_u(t, sd).lstrip('+')} (per method, "
                        f"estimated); {tail}.")
@@ -218,3 +232,47 @@ def seeds_lines(rep: dict, tests: list[dict]) -> list[str]:
 def exploratory_note() -> str:
     return ("Exploratory: every pair of methods at every k and on entropy, with estimates and 95% intervals only; "
             "nothing here is a verdict (the verdict is the primary family's, above).")
+
+
+# -- a report.json written before the primary family, without per-problem scores ------------------------------------
+
+
+def stored_section(rep: dict, family: list[str], margin: float, alpha: float) -> dict:
+    """The primary family from a report.json that kept only its paired tests' summaries (diff, se, df, the training
+    share of se^2; not the per-problem scores): the method-level estimate, interval and one-sided bound of each
+    claim, and the seeds a method-level claim needs at this spread (the problem variance taken as all method x
+    problem variance: the residual part is not separable from the summary). The checkpoint test and the detectable
+    sizes need the per-problem scores and are left out, saying so."""
+    from es_ray.metrics.paired import Power
+    from es_ray.metrics.verdict import METHOD_LEVEL_SEEDS, one_sided, parse_claim
+
+    from es_ray.launch.compare.markdown import find_test
+
+    out = {"claims": family, "alpha": alpha, "margin": margin, "tests": [], "method_level_seeds": METHOD_LEVEL_SEEDS,
+           "declared": False, "from_summaries": True}
+    for text in family:
+        c = parse_claim(text)
+        metric = c.resolved(rep["k"])
+        t = find_test(rep, c.first, c.second, metric)
+        if t is None:
+            out["tests"].append({"claim": text, "why": "not in the stored report"})
+            continue
+        shift = margin if c.kind == "noninferiority" else 0.0
+        s, per_task = t["seeds_a"], t["problems"] / len(rep["tasks"])
+        p, lower = one_sided(t["diff"], t["se"], t["df"] or math.inf, shift, t["problems"], alpha)
+        u = t["var_training"] * s / 2  # sum_m sigma_u^2 / S over two methods of S seeds each, pooled
+        pw = Power(se=t["se"], df=t["df"] or math.inf, detectable=None,
+                   var_problems=max(0.0, t["se"] ** 2 - t["var_training"]) * per_task, var_residual=(0.0, 0.0),
+                   var_seeds=u if s > 1 else None, problems=round(per_task), seeds=s, alpha=alpha / len(family),
+                   power=0.8, sides=1, bounded=False)
+        effect = t["diff"] + shift
+        need = (next((n for n in range(METHOD_LEVEL_SEEDS, 201) if pw.reaches(effect, per_task, n) >= 0.8), None)
+                if effect > 0 and s > 1 else None)
+        out["tests"].append({
+            "claim": text, "metric": metric, "first": c.first, "second": c.second, "kind": c.kind, "margin": shift,
+            "seeds": s, "problems": t["problems"], "level": "checkpoint" if s < METHOD_LEVEL_SEEDS else "method",
+            "method": {"diff": t["diff"], "low": t["low"], "high": t["high"], "se": t["se"], "df": t["df"]},
+            "method_p": p, "lower": lower, "method_var_seeds": u if s > 1 else None, "seeds_for_claim": need,
+            "why": "the per-problem scores were not kept in this report.json (each evaluation's samples.jsonl "
+                   "stayed in the run directory): the checkpoint test and the detectable sizes need them"})
+    return out
