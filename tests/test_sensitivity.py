@@ -87,3 +87,48 @@ def test_the_summary_says_where_the_sign_flips_and_states_both_step_sizes(tmp_pa
 def test_the_drift_tables_line_names_both_methods_step_sizes():
     text = sensitivity.step_size_text(sensitivity.step_sizes(_cfg(sensitivity={})))
     assert "ES lr 5e-07 with sigma 0.001 (alpha = lr / sigma = 0.0005" in text and "GRPO AdamW lr 1e-05" in text
+
+
+@pytest.mark.ray
+def test_es_compare_runs_the_short_runs_after_the_report_and_appends_their_table(ray_local, tiny_model_dir, tmp_path):
+    """The hook in es-compare's run: the main stages, then the preset pair and one GRPO value (share 1.0 here, so
+    that the short ES run moves as the main one does);
+    sensitivity.json/.md written, the table appended to report.md, and a repeat runs nothing again."""
+    from es_ray.core.config import (ClusterConfig, EngineConfig, ModelConfig, RunConfig, SamplingConfig,
+                                    TaskConfig)
+    from es_ray.es.config import ESConfig
+    from es_ray.evaluation.config import BenchmarkConfig
+    from es_ray.grpo.config import GRPOConfig, GRPOSamplingConfig
+    from es_ray.launch.compare.run import BudgetConfig, CompareConfig, run, validate_compare
+
+    root = tmp_path / "cmp"
+    cfg = validate_compare(CompareConfig(
+        model=ModelConfig(path=str(tiny_model_dir)),
+        task=TaskConfig(name="es_test_tasks:VowelTask", train_size=4, eval_size=4),
+        es=ESConfig(population=2, prompts_per_iteration=4, noise="per_tensor", sigma=0.02, lr=4e-4),
+        es_sampling=SamplingConfig(max_new_tokens=16),  # test_compare.py's: ES's members score apart and it moves
+        grpo=GRPOConfig(prompts_per_step=4, group_size=2, micro_batch_size=8),
+        grpo_sampling=GRPOSamplingConfig(max_new_tokens=4),
+        budget=BudgetConfig(epochs=2.0), methods=["es", "grpo"], curve_every=0,
+        eval=BenchmarkConfig(tasks=["arithmetic"], n=2, k=[1, 2], max_new_tokens=4, limit=2, entropy=False,
+                             grader_workers=1),
+        engine=EngineConfig(batch_size=16), cluster=ClusterConfig(num_actors=1, cpus_per_actor=1),
+        run=RunConfig(dir=str(root), seed=0, trackers=[], progress=False),
+        sensitivity=sensitivity.SensitivityConfig(grpo=sensitivity.GRPOSweep(lr=[1e-3]), share=1.0)))
+    lines: list[str] = []
+    report = run(cfg, log=lines.append)
+    ran = [s for s in lines if s.endswith(": running")]
+    expected = [f"sensitivity {i}/3 {name}" for i, name in enumerate(["es preset", "grpo preset",
+                                                                       "grpo grpo.lr=0.001"], 1) for _ in range(3)]
+    assert [s.split(": ")[1] for s in ran if "sensitivity" in s] == expected, ran  # train, eval, drift each
+    summary = json.loads((root / "sensitivity.json").read_text())
+    assert report["sensitivity"] == summary
+    (row,) = summary["rows"]
+    assert row["name"] == "grpo.lr=0.001" and row["grpo_step_sizes"]["lr"] == 1e-3 and row["drift_l2"] > 0
+    assert row["l2_ratio_es_over_grpo"] > 0 and 0 <= row["pass_at_k"] <= 1
+    md = (root / "report.md").read_text()
+    assert "## Sensitivity to the step sizes" in md and "| grpo.lr=0.001 |" in md
+    assert "Step sizes: ES lr 0.0004 with sigma 0.02" in md  # the drift table's line
+    lines.clear()
+    run(cfg, log=lines.append)
+    assert not [s for s in lines if s.endswith(": running")]
