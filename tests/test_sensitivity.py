@@ -9,7 +9,7 @@ import pytest
 
 from es_ray.core.config import ConfigError
 from es_ray.launch.compare import sensitivity
-from es_ray.launch.compare.run import to_compare_config
+from es_ray.launch.compare.run import stage_plan, to_compare_config
 
 
 def _cfg(**over):
@@ -23,7 +23,7 @@ def _cfg(**over):
 
 def test_a_sweep_plans_one_short_run_per_value_and_the_preset_pair(tmp_path):
     cfg = _cfg()
-    planned = sensitivity.plan(cfg, tmp_path, {cfg.task.name: 16})
+    planned = sensitivity.plan(cfg, tmp_path, {cfg.task.name: 16}, stage_plan)
     names = [(v.method, v.name, vroot.name) for v, vroot, _ in planned]
     assert names == [("es", "preset", "es.preset"), ("grpo", "preset", "grpo.preset"),
                      ("grpo", "grpo.lr=1e-06", "grpo.lr=1e-06"), ("grpo", "grpo.lr=3e-06", "grpo.lr=3e-06"),
@@ -36,7 +36,7 @@ def test_a_sweep_plans_one_short_run_per_value_and_the_preset_pair(tmp_path):
     assert by_name["grpo.lr=1e-06"].grpo.lr == 1e-6 and by_name["grpo.lr=1e-06"].es.lr == 5e-7
     sig = by_name["es.sigma=0.002"].es  # the preset's alpha = lr / sigma = 5e-4 kept
     assert sig.sigma == 2e-3 and sig.lr == pytest.approx(1e-6)
-    assert sensitivity.plan(_cfg(sensitivity={}), tmp_path, {}) == []
+    assert sensitivity.plan(_cfg(sensitivity={}), tmp_path, {}, stage_plan) == []
 
 
 @pytest.mark.parametrize("over, match", [
@@ -63,7 +63,7 @@ def _write(vroot, method, pass1, l2):
 
 def test_the_summary_says_where_the_sign_flips_and_states_both_step_sizes(tmp_path):
     cfg = _cfg(seeds=[4])
-    planned = sensitivity.plan(cfg, tmp_path, {cfg.task.name: 16})
+    planned = sensitivity.plan(cfg, tmp_path, {cfg.task.name: 16}, stage_plan)
     roots = {v.name: vroot for v, vroot, _ in planned}
     _write(tmp_path / "sensitivity" / "es.preset", "es", 0.30, 4.0)
     _write(tmp_path / "sensitivity" / "grpo.preset", "grpo", 0.20, 0.5)

@@ -537,7 +537,7 @@ def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
     pool = pools[training_tasks(cfg)[0]]
     plan = {m: {s: stage_plan(cfg, m, root, pools, s) for s in cfg.seeds} for m in cfg.methods}
     paths = {s: interpolation_plan(cfg, root, s) for s in cfg.seeds}
-    sens = sensitivity.plan(cfg, root, pools)  # short runs at other step sizes, after the report
+    sens = sensitivity.plan(cfg, root, pools, stage_plan)  # short runs at other step sizes, after the report
     every = [st for by_seed in plan.values() for stages in by_seed.values() for st in stages]
     for stage in every + [st for stages in paths.values() for st in stages]:
         done_record(stage, root)  # a finished stage with other settings: refused before any work
@@ -560,7 +560,7 @@ def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
             checked = True
         run_stage(stage, root, lambda line, i=i: log(f"es-compare: stage {i + 1}/{len(order)} {line}"))
     report = write_report(root, cfg, plan, pool, paths)
-    report["sensitivity"] = sensitivity.run(cfg, sens, report, root, log)
+    report["sensitivity"] = sensitivity.run(cfg, sens, report, root, log, run_stage)
     log_summary(root, cfg, tracker_metrics(report), "es-compare")
     log(f"es-compare: done; report in {root / 'report.md'} (report.json and the plots beside it)")
     return report

@@ -105,10 +105,9 @@ def variants(cfg) -> list[Variant]:
     return out
 
 
-def plan(cfg, root: Path, pools: dict[str, int]) -> list[tuple[Variant, Path, list]]:
-    """(variant, its own root under run.dir/sensitivity, its stages) for every short run."""
-    from es_ray.launch.compare.run import stage_plan
-
+def plan(cfg, root: Path, pools: dict[str, int], stage_plan: Callable) -> list[tuple[Variant, Path, list]]:
+    """(variant, its own root under run.dir/sensitivity, its stages) for every short run; ``stage_plan`` is
+    es-compare's (launch/compare/run.py, passed in: that module imports this one)."""
     out = []
     for v in variants(cfg):
         vroot = root / "sensitivity" / (f"{v.method}.preset" if v.value is None else v.name)
@@ -116,11 +115,11 @@ def plan(cfg, root: Path, pools: dict[str, int]) -> list[tuple[Variant, Path, li
     return out
 
 
-def run(cfg, planned: list, report: dict, root: Path, log: Callable[[str], None]) -> dict | None:
-    """Run the short runs not done yet (each stage resumes as a main stage does), then write sensitivity.json and
-    sensitivity.md and append the latter to report.md. Returns the summary (None when no sweep is set)."""
-    from es_ray.launch.compare.run import run_stage
-
+def run(cfg, planned: list, report: dict, root: Path, log: Callable[[str], None],
+        run_stage: Callable) -> dict | None:
+    """Run the short runs not done yet (each stage resumes as a main stage does: es-compare's ``run_stage``), then
+    write sensitivity.json and sensitivity.md and append the latter to report.md. Returns the summary (None when no
+    sweep is set)."""
     if not planned:
         return None
     for i, (v, vroot, stages) in enumerate(planned):
