@@ -47,12 +47,24 @@ NOISE_MEMORY = Registry("es.noise", {
 _MASK63 = (1 << 63) - 1
 
 
-def resolve_kind(kind: str, device_type: str) -> str:
+def resolve_kind(kind: str, device_type: str, scope: str = "per_tensor") -> str:
     """es.noise=auto: table on a CPU, per_tensor on a GPU (the cheapest on each; benchmarks/noise.py and the
-    the "Noise:" paragraph of docs/es-update.md give the costs and why counter, portable but dearer, is opt-in)."""
+    the "Noise:" paragraph of docs/es-update.md give the costs and why counter, portable but dearer, is opt-in).
+    Under es.noise_scope=reference, per_tensor everywhere: the reference's own draw (``check_reference_noise``)."""
     if kind != "auto":
         return kind
-    return "table" if device_type == "cpu" else "per_tensor"
+    return "table" if device_type == "cpu" and scope != "reference" else "per_tensor"
+
+
+def check_reference_noise(kind: str, scope: str) -> str | None:
+    """The one line that refuses es.noise_scope=reference with a noise the reference does not draw (None: fine).
+    The reference draws ``torch.randn(shape, generator)`` from one generator seeded with the member's seed, which is
+    es.noise=per_tensor's draw; a table slice or a counter gives other numbers, so the parity would not hold."""
+    if scope == "reference" and kind not in ("per_tensor", "auto"):
+        return (f"es.noise_scope=reference needs es.noise=per_tensor (the reference's torch.randn per tensor from "
+                f"the member's seed); es.noise={kind} draws other numbers: set es.noise=per_tensor (auto picks it "
+                "under this scope)")
+    return None
 
 
 def derive_seed(run_seed: int, iteration: int, noise_id: int, name: str) -> int:

@@ -241,7 +241,7 @@ class Replica:
         spec.kind.check_model(spec.rank, lambda: {n: s.shape for n, s in self.shards.items()})
         self.names = sorted(self.master)
         self.theta0 = {k: v.clone() for k, v in self.master.items()} if spec.anchor_decay else None
-        kind = resolve_kind(spec.noise, self.device.type)
+        kind = resolve_kind(spec.noise, self.device.type, spec.noise_scope)
         self.noise = NoiseSource(spec.run_seed, kind, spec.noise_table_size, device=self.device,
                                  scope=spec.noise_scope)
         self.opt = Optimizer(spec.optimizer, spec.lr, (spec.adam_beta1, spec.adam_beta2), spec.adam_eps,

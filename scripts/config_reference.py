@@ -89,9 +89,10 @@ def section_rows(cls, prefix: str, regs: dict[str, Registry]) -> list[str]:
         if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
             continue
         value = default_of(f)
-        if dataclasses.is_dataclass(value):
-            continue
         key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):  # a section: its own table; one inside a section (sensitivity.grpo.*)
+            rows += section_rows(type(value), f"{key}.", regs) if prefix else []  # adds its keys to this one
+            continue
         text = (docs.get(f.name, "") + options(key, regs)).replace("|", "\\|").strip()
         rows.append(f"| `{key}` | {shown(value)} | {text} |")
     return rows

@@ -145,7 +145,7 @@ def replica_spec(cfg: ESTrainConfig) -> ReplicaSpec:
 
 def validate(cfg: ESTrainConfig) -> ESTrainConfig:
     from es_ray.perturbation import PERTURBATIONS
-    from es_ray.noise_kinds import ES_NOISE, NOISE_SCOPES
+    from es_ray.noise_kinds import ES_NOISE, NOISE_SCOPES, check_reference_noise
     from es_ray.metrics.coverage import FITNESS_BASELINES, check_objective
     from es_ray.strategy import OPTIMIZERS, SHAPERS
 
@@ -170,6 +170,8 @@ def validate(cfg: ESTrainConfig) -> ESTrainConfig:
     OPTIMIZERS.check(es.optimizer)
     ES_NOISE.check(es.noise)
     NOISE_SCOPES.check(es.noise_scope)
+    if (problem := check_reference_noise(es.noise, es.noise_scope)) is not None:
+        raise ConfigError(problem)
     if PERTURBATIONS.get(es.perturbation).batched:
         check_population_engine(cfg)
     ESTIMATORS.check(es.estimator)

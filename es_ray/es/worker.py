@@ -61,7 +61,7 @@ class ESWorker(Actor):
             name, sm_count = device.type, 0
         return {**super().ready(), "train_size": len(self.task.train),
                 "eval_size": len(self.task.eval), "skipped_rows": self.task.skipped_rows,
-                "device": name, "sm_count": sm_count, "noise": resolve_kind(self.cfg.es.noise, device.type)}
+                "device": name, "sm_count": sm_count, "noise": resolve_kind(self.cfg.es.noise, device.type, self.cfg.es.noise_scope)}
 
     def _repeat(self, prompt_ids) -> list:
         """Each prompt es.samples_per_prompt times in a row, so one engine call samples them all (rows with equal

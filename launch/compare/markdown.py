@@ -8,6 +8,7 @@ import math
 from es_ray.launch.compare.analyses import forgetting_markdown, interpolation_markdown, kl_markdown, objectives_markdown
 from es_ray.launch.compare.methods import LABELS
 from es_ray.launch.compare.verdict import exploratory_note, head_lines, verdict_line, verdict_section
+from es_ray.launch.compare.sensitivity import step_size_text
 
 
 def _p(x) -> str:
@@ -94,7 +95,7 @@ def drift_markdown(rep: dict) -> list[str]:
                 lines.append(f"| {m['label']}: null model (rewards ignored) | {null['l2']:.4g} | - | - | "
                              + " | ".join(f"{_p(null['share_below'][f'{t:g}'])}%" for t in th) + " | - |")
     ratio = rep["drift_l2_ratio_es_over_grpo"]
-    lines += ["", f"L2 ratio ES / GRPO: {_f(ratio, '{:.2f}')}. The thresholds columns are the share of changed "
+    lines += ["", f"L2 ratio ES / GRPO: {_f(ratio, '{:.2f}')}. {step_size_text(rep.get('step_sizes'))} The thresholds columns are the share of changed "
               "parameters whose change is below each threshold (functional sparsity). Rows '(weights in bfloat16)' "
               "measure the same two checkpoints cast to the dtype a GPU engine holds: an update below half a ulp of "
               "its weight (|w| / 256 in bf16) vanishes there, so sparsity on fp32 weights can overstate what the "

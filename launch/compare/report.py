@@ -22,6 +22,7 @@ from es_ray.runtime.names import ES_ZERO_UPDATE, HELD_OUT_ENTROPY, HELD_OUT_PASS
 from es_ray.launch.compare.analyses import forgetting_section, interpolation_section, kl_section, objectives
 from es_ray.launch.compare.markdown import markdown
 from es_ray.launch.compare.methods import COMPARED, LABELS, grpo_placement_text, runs_grpo
+from es_ray.launch.compare.sensitivity import step_sizes
 from es_ray.launch.compare.plots import plots
 from es_ray.launch.compare.verdict import primary_section
 
@@ -319,6 +320,7 @@ def collect(root: Path, cfg, plan: dict, pool: int, paths: dict | None = None) -
     rep["entropy_before"] = base["entropy"]["mean_per_token"] if base else None
     l2 = {m: rep["across_seeds"][m]["drift_l2"]["mean"] for m in ("es", "grpo") if m in rep["across_seeds"]}
     rep["drift_l2_ratio_es_over_grpo"] = l2["es"] / l2["grpo"] if l2.get("es") and l2.get("grpo") else None
+    rep["step_sizes"] = step_sizes(cfg)  # stated beside the L2 ratio
     pp = per_problem(root, cfg, plan)
     rep["problems"] = {t: len(v) for t, v in pp["problems"].items()}
     rep["intervals"] = intervals(pp, rep["k"])

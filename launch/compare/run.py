@@ -37,6 +37,7 @@ from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultP
 from es_ray.core.registry import Registry
 from es_ray.runtime.rundir import RESULT_NEUTRAL, changed_settings
 from es_ray.grpo.config import GRPOConfig, GRPOSamplingConfig
+from es_ray.launch.compare import sensitivity
 from es_ray.launch.compare.methods import METHODS, TRAINED, grpo_placement
 from es_ray.launch.compare.verdict import VerdictConfig, validate_verdict
 
@@ -124,6 +125,9 @@ class CompareConfig:
     """es-interpolate between the methods' final weights (interpolate.pairs; none by default)."""
     verdict: VerdictConfig = field(default_factory=VerdictConfig)
     """The primary family the verdict tests, declared before training (verdict.primary, verdict.margin)."""
+    sensitivity: sensitivity.SensitivityConfig = field(default_factory=sensitivity.SensitivityConfig)
+    """Short runs at other step sizes after the main stages (sensitivity.grpo.lr=[...], sensitivity.es.sigma=[...],
+    sensitivity.es.lr=[...]): whether the verdict survives the published range (launch/compare/sensitivity.py)."""
 
 
 def validate_compare(cfg: CompareConfig) -> CompareConfig:
@@ -150,6 +154,7 @@ def validate_compare(cfg: CompareConfig) -> CompareConfig:
                           f"seeds=[{cfg.run.seed}] instead")
     validate_sequence(cfg)
     validate_verdict(cfg)
+    sensitivity.validate_sensitivity(cfg)
     for method in cfg.methods:  # each stage's own validation: build every stage's config once
         for spec in stage_plan(cfg, method, Path("/tmp"), seed=cfg.seeds[0]):
             spec.config()
@@ -536,9 +541,13 @@ def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
     pool = pools[training_tasks(cfg)[0]]
     plan = {m: {s: stage_plan(cfg, m, root, pools, s) for s in cfg.seeds} for m in cfg.methods}
     paths = {s: interpolation_plan(cfg, root, s) for s in cfg.seeds}
+    sens = sensitivity.plan(cfg, root, pools, stage_plan)  # short runs at other step sizes, after the report
     every = [st for by_seed in plan.values() for stages in by_seed.values() for st in stages]
     for stage in every + [st for stages in paths.values() for st in stages]:
         done_record(stage, root)  # a finished stage with other settings: refused before any work
+    for _, vroot, stages in sens:
+        for stage in stages:
+            done_record(stage, vroot)
     (root / "compare_config.json").write_text(json.dumps(_json_safe(dataclasses.asdict(cfg)), indent=2))
     connect(cfg.cluster)
     # seed by seed, so an interrupted comparison has whole seeds; a seed's paths after its methods' stages
@@ -555,6 +564,7 @@ def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
             checked = True
         run_stage(stage, root, lambda line, i=i: log(f"es-compare: stage {i + 1}/{len(order)} {line}"))
     report = write_report(root, cfg, plan, pool, paths)
+    report["sensitivity"] = sensitivity.run(cfg, sens, report, root, log, run_stage)
     log_summary(root, cfg, tracker_metrics(report), "es-compare")
     log(f"es-compare: done; report in {root / 'report.md'} (report.json and the plots beside it)")
     return report
