@@ -121,6 +121,30 @@ def test_the_wait_for_a_new_node_is_lengthened(monkeypatch):
     assert services.get_node is get_node
 
 
+
+@pytest.mark.parametrize("kernel_fate_sharing", [True, False])
+def test_ray_gets_a_session_of_its_own_only_where_the_kernel_ends_it_with_the_driver(kernel_fate_sharing,
+                                                                                     monkeypatch):
+    """Without the kernel's parent-death signal (macOS) Ray's reaper ends Ray's processes by signalling its own
+    process group: there they must stay in the driver's, or a driver killed outright leaves them running."""
+    import os
+    import subprocess
+    import sys
+
+    import ray._private.utils
+    from ray._private import services
+
+    import es_ray.runtime.cluster as cluster
+
+    monkeypatch.setattr(ray._private.utils, "detect_fate_sharing_support", lambda: kernel_fate_sharing)
+    with cluster._own_session():
+        child = services.ConsolePopen([sys.executable, "-c", "import os; print(os.getsid(0))"],
+                                      stdout=subprocess.PIPE, text=True)
+        out, _ = child.communicate(timeout=60)
+    assert (int(out) == child.pid) is kernel_fate_sharing  # a session leader: a session of its own
+    assert (int(out) == os.getsid(0)) is not kernel_fate_sharing
+
+
 def _cfg(run_dir, **es):
     cfg = ESTrainConfig()
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)),

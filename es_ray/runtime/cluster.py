@@ -194,9 +194,15 @@ def _own_session():
     their own: a signal to the driver's process group (``timeout``, Slurm's time limit, systemd's stop, a terminal's
     Ctrl-C) reaches only the driver, which stops cleanly (its step committed, a checkpoint written) and then shuts
     this Ray down itself. They still end with the driver if it is killed outright: Ray starts them with the kernel's
-    parent-death signal, which does not depend on the process group."""
+    parent-death signal, which does not depend on the process group. Where the kernel has none (macOS), Ray's
+    reaper ends them instead by signalling its own process group, which it shares with them only if they stay in
+    the driver's: there the block changes nothing (a session of their own would outlive a driver killed outright)."""
     from ray._private import services
+    from ray._private.utils import detect_fate_sharing_support
 
+    if not detect_fate_sharing_support():
+        yield
+        return
     plain = services.ConsolePopen
 
     class SessionPopen(plain):
