@@ -430,6 +430,24 @@ def test_extending_a_finished_run_keeps_its_earlier_final(tmp_path, capsys):
     assert "the earlier final (3 step(s)) is kept as step_000003" in capsys.readouterr().out
 
 
+
+def test_an_extended_runs_earlier_final_is_not_pruned_by_its_periodic_checkpoints(tmp_path, capsys):
+    """An extension that writes periodic checkpoints (more than run.keep_checkpoints of them) still keeps the
+    earlier final it announced; its own periodic ones rotate as ever, and so do a later extension's."""
+    Writing(config(tmp_path), tmp_path, total=3).run()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    Writing(config(tmp_path, resume=True, checkpoint_every=1, keep_checkpoints=2), tmp_path, total=7, start=3,
+            history=rows).run()
+    out = capsys.readouterr().out
+    assert "the earlier final (3 step(s)) is kept as step_000003" in out
+    assert "step_000003" not in out.split("is kept as step_000003", 1)[1]  # never announced as removed after
+    assert _names(tmp_path) == ["final", "step_000003", "step_000005", "step_000006"]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    Writing(config(tmp_path, resume=True, checkpoint_every=1, keep_checkpoints=2), tmp_path, total=9, start=7,
+            history=rows).run()
+    assert _names(tmp_path) == ["final", "step_000003", "step_000006", "step_000007", "step_000008"]
+
+
 class Estimated(StandIn):
     checkpoint_copies = 3
 
