@@ -145,6 +145,54 @@ def test_ray_gets_a_session_of_its_own_only_where_the_kernel_ends_it_with_the_dr
     assert (int(out) == os.getsid(0)) is not kernel_fate_sharing
 
 
+
+def test_a_start_that_times_out_leaves_no_process_running(monkeypatch):
+    """Ray records its node only once it registered: after a timeout, ray.shutdown alone leaves the GCS and raylet
+    that start began (and their workers) running beside the retry's for the life of the driver."""
+    import subprocess
+    import sys
+
+    from ray._private import services
+
+    import es_ray.runtime.cluster as cluster
+
+    monkeypatch.setattr(cluster, "machine_state", lambda: (0.5, 2, 10.0))
+    started = []
+
+    def init():  # as Ray's start_ray_process: through services.ConsolePopen, then the node never registers
+        head = services.ConsolePopen([sys.executable, "-c", "import subprocess, sys, time; print(subprocess.Popen("
+                                      "[sys.executable, '-c', 'import time; time.sleep(300)']).pid, flush=True); "
+                                      "time.sleep(300)"], stdout=subprocess.PIPE, text=True)
+        started.append((head, int(head.stdout.readline())))  # a raylet and the worker it prestarted
+        raise Exception("The current node timed out during startup. This could happen because some of the raylet "
+                        "failed to startup or the GCS has become overloaded.")
+
+    with pytest.raises(cluster.ClusterStartError):
+        cluster.start_local(init, lambda line: None)
+    assert len(started) == 2  # the first try and the retry
+    for head, worker in started:
+        assert head.poll() is not None, "a failed start's process is still running"
+        head.stdout.close()
+        assert _gone(worker), "a failed start's worker is still running"
+
+
+def _gone(pid: int, wait_s: float = 10.0) -> bool:
+    """Whether process ``pid`` ended (a zombie waiting for init to reap it counts as ended)."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def _cfg(run_dir, **es):
     cfg = ESTrainConfig()
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)),
