@@ -51,6 +51,52 @@ def test_a_memory_kill_says_who_used_what_and_which_key_lowers_it():
     assert lost_reason(e.NodeDiedError("x"), "ESWorker.update") == "NodeDiedError during ESWorker.update"
 
 
+
+def _eval_group_kwargs(monkeypatch) -> dict:
+    """The keywords es-eval gives its actor group (cluster, placement and group stubbed: nothing starts)."""
+    import es_ray.runtime.actors as actors
+    import es_ray.runtime.cluster as cluster
+    import es_ray.runtime.placement as placement
+    from es_ray.evaluation import es_eval
+    from es_ray.evaluation.config import EvalJobConfig
+
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def start_group(*args, **kw):
+        seen.update(kw)
+        raise Started
+
+    monkeypatch.setattr(cluster, "connect", lambda *a, **k: None)
+    monkeypatch.setattr(placement, "place", lambda *a, **k: type("Placed", (), {"release": lambda self: None})())
+    monkeypatch.setattr(actors, "start_group", start_group)
+    with pytest.raises(Started):
+        es_eval._run_chunks(EvalJobConfig(), [], lambda chunk: None, in_process=False)
+    return seen
+
+
+def test_a_memory_kills_advice_names_keys_its_command_accepts(monkeypatch):
+    """es-train, grpo-train and es-eval each get advice in their own keys (es-eval has eval.max_new_tokens, not
+    sampling.max_new_tokens)."""
+    import re
+
+    import ray.exceptions as e
+
+    from es_ray.core.config import flatten
+    from es_ray.evaluation.config import EvalJobConfig
+    from es_ray.grpo.config import GRPOTrainConfig
+    from es_ray.runtime.actors import lost_reason
+
+    commands = {ESTrainConfig: {}, GRPOTrainConfig: {}, EvalJobConfig: _eval_group_kwargs(monkeypatch)}
+    for schema, kw in commands.items():
+        line = lost_reason(e.OutOfMemoryError(RAY_OOM), "Worker.run", *([kw["tokens_key"]] if kw else []))
+        keys = set(re.findall(r"\b([a-z_]+\.[a-z_.]+)=", line))
+        assert keys, line
+        assert keys <= set(flatten(dataclasses.asdict(schema()))), (schema.__name__, keys)
+
+
 def test_a_local_start_that_times_out_is_retried_with_a_longer_wait(monkeypatch):
     from ray._private import services
 

@@ -57,9 +57,13 @@ def is_lost_actor(exc: BaseException) -> bool:
                             e.ObjectLostError))
 
 
-MEMORY_ADVICE = ("lower it with cluster.num_actors= (each actor holds its own model copy) or a shorter "
-                 "sampling.max_new_tokens=, or free memory on that node (Ray kills a worker above "
-                 "RAY_memory_usage_threshold, 0.95 of the node's memory by default)")
+def memory_advice(tokens_key: str = "sampling.max_new_tokens") -> str:
+    """What lowers a memory kill, naming the keys of the command whose actors were killed (``tokens_key``: its
+    completion length, e.g. es-eval's eval.max_new_tokens)."""
+    return (f"lower it with cluster.num_actors= (each actor holds its own model copy) or a shorter {tokens_key}=, "
+            "or free memory on that node (Ray kills a worker above RAY_memory_usage_threshold, 0.95 of the node's "
+            "memory by default)")
+
 
 
 def memory_kill_note(text: str) -> str:
@@ -89,15 +93,16 @@ def memory_kill_note(text: str) -> str:
     return "; ".join(parts)
 
 
-def lost_reason(exc: BaseException, method: str) -> str:
+def lost_reason(exc: BaseException, method: str, tokens_key: str = "sampling.max_new_tokens") -> str:
     """Why an actor counts as lost (``is_lost_actor``), for the replacement's log line and the ledger; a memory kill
-    says which process used what and which key lowers it."""
+    says which process used what and which key lowers it (``memory_advice``)."""
     import ray
 
     name = type(exc).__name__.replace("RayTaskError(", "").rstrip(")")
     if isinstance(exc, ray.exceptions.OutOfMemoryError):
         note = memory_kill_note(str(getattr(exc, "cause", None) or exc))
-        return f"killed by Ray's memory monitor during {method} ({note or 'OutOfMemoryError'}); {MEMORY_ADVICE}"
+        return (f"killed by Ray's memory monitor during {method} ({note or 'OutOfMemoryError'}); "
+                f"{memory_advice(tokens_key)}")
     return f"{name} during {method}"
 
 
@@ -261,19 +266,20 @@ class ActorGroup:
 
     ``make_args(rank)`` gives a (new) actor's constructor arguments, ``restore(group, rank)`` brings a replacement
     to the group's current state and returns what to log about it (or None); ``lost_advice`` ends the error when an
-    actor cannot be replaced.
+    actor cannot be replaced; ``tokens_key``: the command's completion-length key, named by a memory kill's advice.
     """
 
     def __init__(self, role: str, cls: type, size: int, make_args: Callable[[int], tuple], placement,
                  policy: FaultPolicy, *, first_bundle: int = 0, log: Callable[[str], None] = print,
                  restore: Callable[["ActorGroup", int], dict | None] | None = None, replaceable: bool = True,
-                 lost_advice: str = "", check_interrupt: Callable[[], None] = lambda: None):
+                 lost_advice: str = "", check_interrupt: Callable[[], None] = lambda: None,
+                 tokens_key: str = "sampling.max_new_tokens"):
         import ray
 
         sweep_progress()  # the keys of drivers that were killed before they could clear theirs
         self.role, self.placement, self.policy, self.log = role, placement, policy, log
         self.first_bundle, self.make_args, self.restore = first_bundle, make_args, restore
-        self.replaceable, self.lost_advice = replaceable, lost_advice
+        self.replaceable, self.lost_advice, self.tokens_key = replaceable, lost_advice, tokens_key
         self.check_interrupt = check_interrupt
         """Called while waiting on actors; the driver sets it to its InterruptGuard's check."""
         self.replacements = 0
@@ -399,7 +405,7 @@ class ActorGroup:
                 except ray.exceptions.RayError as exc:  # the actor's own error (a RayTaskError) is raised as it is
                     if not is_lost_actor(exc):
                         raise
-                    self.replace(rank, lost_reason(exc, method))
+                    self.replace(rank, lost_reason(exc, method, self.tokens_key))
                     send(rank, args)
                     continue
                 yield rank, args, result
@@ -514,7 +520,7 @@ class ActorGroup:
         except ray.exceptions.RayError as exc:
             if not is_lost_actor(exc):
                 raise
-            self.replace(rank, lost_reason(exc, "start"))
+            self.replace(rank, lost_reason(exc, "start", self.tokens_key))
 
     def _kill_one(self, rank: int) -> None:
         import ray
