@@ -45,16 +45,33 @@ class PlacementTimeoutError(ActorLostError):
     """A replacement actor could not be placed within faults.placement_timeout_s."""
 
 
+class ActorStartError(RuntimeError):
+    """An actor's constructor raised (a model it cannot load, an engine with no memory for its cache): the actor's
+    own error, which a replacement would raise again, so it is never retried."""
+
+
 def is_lost_actor(exc: BaseException) -> bool:
     """Whether a call's error means its actor's process (or its node) is gone, not that the actor's code raised:
     the actor died (RayActorError), Ray's memory monitor killed its worker (OutOfMemoryError), its node died
     (NodeDiedError), its worker crashed (WorkerCrashedError), or the result was lost with its node
-    (ObjectLostError). Each is answered the same way: the actor is replaced and the call sent again."""
+    (ObjectLostError). Each is answered the same way: the actor is replaced and the call sent again. An actor
+    whose constructor raised (Ray's ActorDiedError with ``actor_init_failed``) is not lost: ``init_failure``."""
     import ray
 
     e = ray.exceptions
     return isinstance(exc, (e.RayActorError, e.OutOfMemoryError, e.NodeDiedError, e.WorkerCrashedError,
-                            e.ObjectLostError))
+                            e.ObjectLostError)) and not init_failure(exc)
+
+
+def init_failure(exc: BaseException) -> str:
+    """The error an actor's constructor raised, on one line ('ValueError: ...', the last line of the traceback Ray
+    puts in its ActorDiedError: the exception itself is not kept); '' for any other error."""
+    import re
+
+    if not getattr(exc, "actor_init_failed", False):
+        return ""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else type(exc).__name__
 
 
 def memory_advice(tokens_key: str = "sampling.max_new_tokens") -> str:
@@ -403,6 +420,11 @@ class ActorGroup:
                     send(rank, args)
                     continue
                 except ray.exceptions.RayError as exc:  # the actor's own error (a RayTaskError) is raised as it is
+                    if init_failure(exc):
+                        self._kill_one(rank)
+                        self.lost.add(rank)
+                        raise ActorStartError(f"the {self.role} actor {rank} raised while starting: "
+                                              f"{init_failure(exc)}") from None
                     if not is_lost_actor(exc):
                         raise
                     self.replace(rank, lost_reason(exc, method, self.tokens_key))
@@ -518,6 +540,11 @@ class ActorGroup:
         try:
             ray.get(ref)
         except ray.exceptions.RayError as exc:
+            if init_failure(exc):  # the run stops (its steps saved) rather than start the same failure again
+                self._kill_one(rank)
+                self.lost.add(rank)
+                raise ActorLostError(f"{self.role} actor {rank}: its replacement raised while starting "
+                                     f"({init_failure(exc)}). {self.lost_advice}") from None
             if not is_lost_actor(exc):
                 raise
             self.replace(rank, lost_reason(exc, "start", self.tokens_key))
