@@ -448,6 +448,31 @@ def test_an_extended_runs_earlier_final_is_not_pruned_by_its_periodic_checkpoint
     assert _names(tmp_path) == ["final", "step_000003", "step_000006", "step_000007", "step_000008"]
 
 
+
+def test_without_hard_links_the_earlier_final_is_kept_as_a_copy(tmp_path, monkeypatch):
+    """A file system without hard links (some network mounts): the earlier final is copied (no link to the new
+    final's files) and loads as any checkpoint, with its own step."""
+    import errno
+    import os
+
+    import es_ray.runtime.checkpoint as checkpoint
+
+    Writing(config(tmp_path), tmp_path, total=3).run()
+    before = (tmp_path / "checkpoints" / "final" / "model.safetensors").read_bytes()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+    def no_link(src, dst):
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+
+    monkeypatch.setattr(checkpoint.os, "link", no_link)
+    Writing(config(tmp_path, resume=True), tmp_path, total=5, start=3, history=rows).run()
+    kept = tmp_path / "checkpoints" / "step_000003"
+    checkpoint.verify_dir(kept)
+    assert (kept / "model.safetensors").stat().st_nlink == 1 and (kept / "model.safetensors").read_bytes() == before
+    assert checkpoint.read_meta(kept, "grpo")["step"] == 3
+    assert checkpoint.read_meta(tmp_path / "checkpoints" / "final", "grpo")["step"] == 5
+
+
 class Estimated(StandIn):
     checkpoint_copies = 3
 
