@@ -51,6 +51,52 @@ def test_a_memory_kill_says_who_used_what_and_which_key_lowers_it():
     assert lost_reason(e.NodeDiedError("x"), "ESWorker.update") == "NodeDiedError during ESWorker.update"
 
 
+
+def _eval_group_kwargs(monkeypatch) -> dict:
+    """The keywords es-eval gives its actor group (cluster, placement and group stubbed: nothing starts)."""
+    import es_ray.runtime.actors as actors
+    import es_ray.runtime.cluster as cluster
+    import es_ray.runtime.placement as placement
+    from es_ray.evaluation import es_eval
+    from es_ray.evaluation.config import EvalJobConfig
+
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def start_group(*args, **kw):
+        seen.update(kw)
+        raise Started
+
+    monkeypatch.setattr(cluster, "connect", lambda *a, **k: None)
+    monkeypatch.setattr(placement, "place", lambda *a, **k: type("Placed", (), {"release": lambda self: None})())
+    monkeypatch.setattr(actors, "start_group", start_group)
+    with pytest.raises(Started):
+        es_eval._run_chunks(EvalJobConfig(), [], lambda chunk: None, in_process=False)
+    return seen
+
+
+def test_a_memory_kills_advice_names_keys_its_command_accepts(monkeypatch):
+    """es-train, grpo-train and es-eval each get advice in their own keys (es-eval has eval.max_new_tokens, not
+    sampling.max_new_tokens)."""
+    import re
+
+    import ray.exceptions as e
+
+    from es_ray.core.config import flatten
+    from es_ray.evaluation.config import EvalJobConfig
+    from es_ray.grpo.config import GRPOTrainConfig
+    from es_ray.runtime.actors import lost_reason
+
+    commands = {ESTrainConfig: {}, GRPOTrainConfig: {}, EvalJobConfig: _eval_group_kwargs(monkeypatch)}
+    for schema, kw in commands.items():
+        line = lost_reason(e.OutOfMemoryError(RAY_OOM), "Worker.run", *([kw["tokens_key"]] if kw else []))
+        keys = set(re.findall(r"\b([a-z_]+\.[a-z_.]+)=", line))
+        assert keys, line
+        assert keys <= set(flatten(dataclasses.asdict(schema()))), (schema.__name__, keys)
+
+
 def test_a_local_start_that_times_out_is_retried_with_a_longer_wait(monkeypatch):
     from ray._private import services
 
@@ -119,6 +165,78 @@ def test_the_wait_for_a_new_node_is_lengthened(monkeypatch):
     with cluster._startup_wait(60.0):
         assert services.get_node("gcs", "id") == {"node": 1}
     assert services.get_node is get_node
+
+
+
+@pytest.mark.parametrize("kernel_fate_sharing", [True, False])
+def test_ray_gets_a_session_of_its_own_only_where_the_kernel_ends_it_with_the_driver(kernel_fate_sharing,
+                                                                                     monkeypatch):
+    """Without the kernel's parent-death signal (macOS) Ray's reaper ends Ray's processes by signalling its own
+    process group: there they must stay in the driver's, or a driver killed outright leaves them running."""
+    import os
+    import subprocess
+    import sys
+
+    import ray._private.utils
+    from ray._private import services
+
+    import es_ray.runtime.cluster as cluster
+
+    monkeypatch.setattr(ray._private.utils, "detect_fate_sharing_support", lambda: kernel_fate_sharing)
+    with cluster._own_session():
+        child = services.ConsolePopen([sys.executable, "-c", "import os; print(os.getsid(0))"],
+                                      stdout=subprocess.PIPE, text=True)
+        out, _ = child.communicate(timeout=60)
+    assert (int(out) == child.pid) is kernel_fate_sharing  # a session leader: a session of its own
+    assert (int(out) == os.getsid(0)) is not kernel_fate_sharing
+
+
+
+def test_a_start_that_times_out_leaves_no_process_running(monkeypatch):
+    """Ray records its node only once it registered: after a timeout, ray.shutdown alone leaves the GCS and raylet
+    that start began (and their workers) running beside the retry's for the life of the driver."""
+    import subprocess
+    import sys
+
+    from ray._private import services
+
+    import es_ray.runtime.cluster as cluster
+
+    monkeypatch.setattr(cluster, "machine_state", lambda: (0.5, 2, 10.0))
+    started = []
+
+    def init():  # as Ray's start_ray_process: through services.ConsolePopen, then the node never registers
+        head = services.ConsolePopen([sys.executable, "-c", "import subprocess, sys, time; print(subprocess.Popen("
+                                      "[sys.executable, '-c', 'import time; time.sleep(300)']).pid, flush=True); "
+                                      "time.sleep(300)"], stdout=subprocess.PIPE, text=True)
+        started.append((head, int(head.stdout.readline())))  # a raylet and the worker it prestarted
+        raise Exception("The current node timed out during startup. This could happen because some of the raylet "
+                        "failed to startup or the GCS has become overloaded.")
+
+    with pytest.raises(cluster.ClusterStartError):
+        cluster.start_local(init, lambda line: None)
+    assert len(started) == 2  # the first try and the retry
+    for head, worker in started:
+        assert head.poll() is not None, "a failed start's process is still running"
+        head.stdout.close()
+        assert _gone(worker), "a failed start's worker is still running"
+
+
+def _gone(pid: int, wait_s: float = 10.0) -> bool:
+    """Whether process ``pid`` ended (a zombie waiting for init to reap it counts as ended)."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _cfg(run_dir, **es):

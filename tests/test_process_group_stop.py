@@ -116,3 +116,24 @@ def test_es_train_stopped_by_a_signal_to_its_group_commits_and_checkpoints(tiny_
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["state"] == "stopped" and ledger["segments"][-1]["stop"] == "signal SIGTERM"
     assert ledger["steps"] == done and ledger["actors"]["es_0"]["peak_rss_bytes"] > 0
+
+
+def test_a_driver_killed_outright_takes_its_ray_along():
+    """SIGKILL to the driver alone (the OOM killer's, `kill -9`): its Ray, in a session of its own, does not outlive
+    it (the kernel's parent-death signal Ray sets on the processes it starts)."""
+    proc = subprocess.Popen([sys.executable, "-c", _DRIVER], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT, env=_env(), start_new_session=True)
+    try:
+        session = Path(proc.stdout.readline().strip()).name
+        assert session.startswith("session_"), session
+        assert _processes_of(session)
+        proc.kill()  # the driver only, no chance to shut anything down
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 150  # the raylet's agents wait out their GCS call first (docs/resume.md)
+        while _processes_of(session) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = _processes_of(session)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not left, left

@@ -430,6 +430,49 @@ def test_extending_a_finished_run_keeps_its_earlier_final(tmp_path, capsys):
     assert "the earlier final (3 step(s)) is kept as step_000003" in capsys.readouterr().out
 
 
+
+def test_an_extended_runs_earlier_final_is_not_pruned_by_its_periodic_checkpoints(tmp_path, capsys):
+    """An extension that writes periodic checkpoints (more than run.keep_checkpoints of them) still keeps the
+    earlier final it announced; its own periodic ones rotate as ever, and so do a later extension's."""
+    Writing(config(tmp_path), tmp_path, total=3).run()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    Writing(config(tmp_path, resume=True, checkpoint_every=1, keep_checkpoints=2), tmp_path, total=7, start=3,
+            history=rows).run()
+    out = capsys.readouterr().out
+    assert "the earlier final (3 step(s)) is kept as step_000003" in out
+    assert "step_000003" not in out.split("is kept as step_000003", 1)[1]  # never announced as removed after
+    assert _names(tmp_path) == ["final", "step_000003", "step_000005", "step_000006"]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    Writing(config(tmp_path, resume=True, checkpoint_every=1, keep_checkpoints=2), tmp_path, total=9, start=7,
+            history=rows).run()
+    assert _names(tmp_path) == ["final", "step_000003", "step_000006", "step_000007", "step_000008"]
+
+
+
+def test_without_hard_links_the_earlier_final_is_kept_as_a_copy(tmp_path, monkeypatch):
+    """A file system without hard links (some network mounts): the earlier final is copied (no link to the new
+    final's files) and loads as any checkpoint, with its own step."""
+    import errno
+    import os
+
+    import es_ray.runtime.checkpoint as checkpoint
+
+    Writing(config(tmp_path), tmp_path, total=3).run()
+    before = (tmp_path / "checkpoints" / "final" / "model.safetensors").read_bytes()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+    def no_link(src, dst):
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+
+    monkeypatch.setattr(checkpoint.os, "link", no_link)
+    Writing(config(tmp_path, resume=True), tmp_path, total=5, start=3, history=rows).run()
+    kept = tmp_path / "checkpoints" / "step_000003"
+    checkpoint.verify_dir(kept)
+    assert (kept / "model.safetensors").stat().st_nlink == 1 and (kept / "model.safetensors").read_bytes() == before
+    assert checkpoint.read_meta(kept, "grpo")["step"] == 3
+    assert checkpoint.read_meta(tmp_path / "checkpoints" / "final", "grpo")["step"] == 5
+
+
 class Estimated(StandIn):
     checkpoint_copies = 3
 

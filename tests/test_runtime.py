@@ -110,6 +110,48 @@ def test_a_role_that_cannot_be_replaced_and_a_spent_budget_stop_with_advice(ray_
         group.kill()
 
 
+
+class Refusing(Echo):
+    """An Echo whose constructor raises from generation ``FIRST_REFUSED`` on (an engine with no memory for its
+    cache, a model it cannot load)."""
+
+    def __init__(self, rank: int, generation: int, first_refused: int):
+        if generation >= first_refused:
+            raise ValueError("No available memory for the cache blocks")
+        super().__init__(rank, generation)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("first_refused", [0, 1])
+def test_an_actor_whose_constructor_raises_is_not_replaced_again_and_again(first_refused, ray_local):
+    """Ray reports a constructor's error as ActorDiedError (actor_init_failed), like a dead actor: it is the actor's
+    own error, which every replacement would raise again (each one loading its model first), so it is raised at once,
+    naming it: at the first start as ActorStartError, for a replacement mid-run as a stop (ActorLostError)."""
+    from es_ray.runtime.actors import ActorGroup, ActorLostError, ActorStartError
+
+    born: list[int] = []
+
+    def make_args(rank: int) -> tuple:
+        born.append(rank)
+        return rank, len(born) - 1, first_refused
+
+    group = ActorGroup("echo", Refusing, 1, make_args, _NoPlacement(), FaultPolicy(max_replacements=4),
+                       log=lambda m: None, lost_advice="resume with run.resume=true")
+    try:
+        if first_refused == 0:
+            with pytest.raises(ActorStartError, match="echo actor 0 raised while starting: ValueError: No available "
+                                                      "memory for the cache blocks"):
+                group.each(Echo.ready, slow=True)
+        else:
+            group.each(Echo.ready, slow=True)
+            with pytest.raises(ActorLostError, match=r"replacement raised while starting \(ValueError: No available "
+                                                     r"memory for the cache blocks\). resume with run.resume=true"):
+                group.call(0, Echo.work, 1, -1, 1)  # the first actor dies; its replacement refuses to start
+        assert len(born) == first_refused + 1  # no replacement started after the refusal
+    finally:
+        group.kill()
+
+
 @pytest.mark.ray
 def test_map_unordered_spreads_the_work_and_an_interrupt_is_polled_while_waiting(ray_local):
     from es_ray.runtime.signals import Interrupted

@@ -179,8 +179,8 @@ class RunConfig:
     checkpoint_every: int = 0
     """Write a checkpoint every k iterations / steps (0: only the final one)."""
     keep_checkpoints: int = 2
-    """Keep the newest k numbered checkpoints (periodic, stop-time, an extended run's earlier final) besides
-    checkpoints/final; older ones are deleted once a newer one is written (0: keep all)."""
+    """Keep the newest k numbered checkpoints (periodic, stop-time) besides checkpoints/final and an extended run's
+    earlier finals (never deleted); older ones are deleted once a newer one is written (0: keep all)."""
     resume: bool = False
     """Continue the run in run.dir from its last checkpoint (ES: plus a replay of the seed log since it); the
     result equals an uninterrupted run. A run.dir with nothing to resume starts a new run."""

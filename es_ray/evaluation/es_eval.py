@@ -121,7 +121,8 @@ def _run_chunks(cfg: EvalJobConfig, chunks: list[Chunk], progress, in_process: b
         with InterruptGuard() as guard:
             group, _ = start_group("eval", EvalWorker, cfg.cluster.num_actors, lambda rank: (cfg, rank), placement,
                                    cfg.faults, check_interrupt=guard.check,
-                                   lost_advice="run es-eval again (its chunks are seeded, so results are the same)")
+                                   lost_advice="run es-eval again (its chunks are seeded, so results are the same)",
+                                   tokens_key="eval.max_new_tokens")
             out = []
             for (chunk,), res in group.map_unordered(EvalWorker.run_chunk, [(c,) for c in chunks]):
                 out.append(res)

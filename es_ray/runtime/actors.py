@@ -45,21 +45,42 @@ class PlacementTimeoutError(ActorLostError):
     """A replacement actor could not be placed within faults.placement_timeout_s."""
 
 
+class ActorStartError(RuntimeError):
+    """An actor's constructor raised (a model it cannot load, an engine with no memory for its cache): the actor's
+    own error, which a replacement would raise again, so it is never retried."""
+
+
 def is_lost_actor(exc: BaseException) -> bool:
     """Whether a call's error means its actor's process (or its node) is gone, not that the actor's code raised:
     the actor died (RayActorError), Ray's memory monitor killed its worker (OutOfMemoryError), its node died
     (NodeDiedError), its worker crashed (WorkerCrashedError), or the result was lost with its node
-    (ObjectLostError). Each is answered the same way: the actor is replaced and the call sent again."""
+    (ObjectLostError). Each is answered the same way: the actor is replaced and the call sent again. An actor
+    whose constructor raised (Ray's ActorDiedError with ``actor_init_failed``) is not lost: ``init_failure``."""
     import ray
 
     e = ray.exceptions
     return isinstance(exc, (e.RayActorError, e.OutOfMemoryError, e.NodeDiedError, e.WorkerCrashedError,
-                            e.ObjectLostError))
+                            e.ObjectLostError)) and not init_failure(exc)
 
 
-MEMORY_ADVICE = ("lower it with cluster.num_actors= (each actor holds its own model copy) or a shorter "
-                 "sampling.max_new_tokens=, or free memory on that node (Ray kills a worker above "
-                 "RAY_memory_usage_threshold, 0.95 of the node's memory by default)")
+def init_failure(exc: BaseException) -> str:
+    """The error an actor's constructor raised, on one line ('ValueError: ...', the last line of the traceback Ray
+    puts in its ActorDiedError: the exception itself is not kept); '' for any other error."""
+    import re
+
+    if not getattr(exc, "actor_init_failed", False):
+        return ""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else type(exc).__name__
+
+
+def memory_advice(tokens_key: str = "sampling.max_new_tokens") -> str:
+    """What lowers a memory kill, naming the keys of the command whose actors were killed (``tokens_key``: its
+    completion length, e.g. es-eval's eval.max_new_tokens)."""
+    return (f"lower it with cluster.num_actors= (each actor holds its own model copy) or a shorter {tokens_key}=, "
+            "or free memory on that node (Ray kills a worker above RAY_memory_usage_threshold, 0.95 of the node's "
+            "memory by default)")
+
 
 
 def memory_kill_note(text: str) -> str:
@@ -89,15 +110,16 @@ def memory_kill_note(text: str) -> str:
     return "; ".join(parts)
 
 
-def lost_reason(exc: BaseException, method: str) -> str:
+def lost_reason(exc: BaseException, method: str, tokens_key: str = "sampling.max_new_tokens") -> str:
     """Why an actor counts as lost (``is_lost_actor``), for the replacement's log line and the ledger; a memory kill
-    says which process used what and which key lowers it."""
+    says which process used what and which key lowers it (``memory_advice``)."""
     import ray
 
     name = type(exc).__name__.replace("RayTaskError(", "").rstrip(")")
     if isinstance(exc, ray.exceptions.OutOfMemoryError):
         note = memory_kill_note(str(getattr(exc, "cause", None) or exc))
-        return f"killed by Ray's memory monitor during {method} ({note or 'OutOfMemoryError'}); {MEMORY_ADVICE}"
+        return (f"killed by Ray's memory monitor during {method} ({note or 'OutOfMemoryError'}); "
+                f"{memory_advice(tokens_key)}")
     return f"{name} during {method}"
 
 
@@ -261,19 +283,20 @@ class ActorGroup:
 
     ``make_args(rank)`` gives a (new) actor's constructor arguments, ``restore(group, rank)`` brings a replacement
     to the group's current state and returns what to log about it (or None); ``lost_advice`` ends the error when an
-    actor cannot be replaced.
+    actor cannot be replaced; ``tokens_key``: the command's completion-length key, named by a memory kill's advice.
     """
 
     def __init__(self, role: str, cls: type, size: int, make_args: Callable[[int], tuple], placement,
                  policy: FaultPolicy, *, first_bundle: int = 0, log: Callable[[str], None] = print,
                  restore: Callable[["ActorGroup", int], dict | None] | None = None, replaceable: bool = True,
-                 lost_advice: str = "", check_interrupt: Callable[[], None] = lambda: None):
+                 lost_advice: str = "", check_interrupt: Callable[[], None] = lambda: None,
+                 tokens_key: str = "sampling.max_new_tokens"):
         import ray
 
         sweep_progress()  # the keys of drivers that were killed before they could clear theirs
         self.role, self.placement, self.policy, self.log = role, placement, policy, log
         self.first_bundle, self.make_args, self.restore = first_bundle, make_args, restore
-        self.replaceable, self.lost_advice = replaceable, lost_advice
+        self.replaceable, self.lost_advice, self.tokens_key = replaceable, lost_advice, tokens_key
         self.check_interrupt = check_interrupt
         """Called while waiting on actors; the driver sets it to its InterruptGuard's check."""
         self.replacements = 0
@@ -397,9 +420,14 @@ class ActorGroup:
                     send(rank, args)
                     continue
                 except ray.exceptions.RayError as exc:  # the actor's own error (a RayTaskError) is raised as it is
+                    if init_failure(exc):
+                        self._kill_one(rank)
+                        self.lost.add(rank)
+                        raise ActorStartError(f"the {self.role} actor {rank} raised while starting: "
+                                              f"{init_failure(exc)}") from None
                     if not is_lost_actor(exc):
                         raise
-                    self.replace(rank, lost_reason(exc, method))
+                    self.replace(rank, lost_reason(exc, method, self.tokens_key))
                     send(rank, args)
                     continue
                 yield rank, args, result
@@ -512,9 +540,14 @@ class ActorGroup:
         try:
             ray.get(ref)
         except ray.exceptions.RayError as exc:
+            if init_failure(exc):  # the run stops (its steps saved) rather than start the same failure again
+                self._kill_one(rank)
+                self.lost.add(rank)
+                raise ActorLostError(f"{self.role} actor {rank}: its replacement raised while starting "
+                                     f"({init_failure(exc)}). {self.lost_advice}") from None
             if not is_lost_actor(exc):
                 raise
-            self.replace(rank, lost_reason(exc, "start"))
+            self.replace(rank, lost_reason(exc, "start", self.tokens_key))
 
     def _kill_one(self, rank: int) -> None:
         import ray

@@ -259,12 +259,36 @@ def remove_dir(path: Path) -> None:
     shutil.rmtree(gone, ignore_errors=True)
 
 
+KEPT_FINALS = ".kept_finals.json"
+"""Under checkpoints/: the names of the numbered checkpoints that hold an extended run's earlier final
+(``mark_kept_final``); run.keep_checkpoints never deletes them."""
+
+
+def kept_finals(parent: str | Path) -> set[str]:
+    """The names ``mark_kept_final`` recorded under ``parent`` (none where the file is missing or unreadable)."""
+    try:
+        names = json.loads((Path(parent) / KEPT_FINALS).read_text())
+    except (OSError, ValueError):
+        return set()
+    return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+
+
+def mark_kept_final(parent: str | Path, name: str) -> None:
+    """Record checkpoint ``name`` as an earlier final (written to a temporary file, then renamed over the list)."""
+    path = Path(parent) / KEPT_FINALS
+    tmp = path.with_name(f"{path.name}{_STAGING}{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(sorted(kept_finals(parent) | {name})))
+    os.replace(tmp, path)
+
+
 def prune_checkpoints(parent: str | Path, prefix: str, keep: int) -> list[Path]:
-    """run.keep_checkpoints: delete all but the newest ``keep`` numbered checkpoints (0: keep all); ``final`` is
-    never touched. Returns the deleted ones."""
+    """run.keep_checkpoints: delete all but the newest ``keep`` numbered checkpoints (0: keep all); ``final`` and
+    an extended run's earlier finals (``kept_finals``: the issue's milestones, one per extension) are never touched
+    and do not count. Returns the deleted ones."""
     if keep <= 0:
         return []
-    gone = [d for _, d in numbered(parent, prefix)[:-keep]]
+    milestones = kept_finals(parent)
+    gone = [d for _, d in [c for c in numbered(parent, prefix) if c[1].name not in milestones][:-keep]]
     for d in gone:
         remove_dir(d)
     return gone

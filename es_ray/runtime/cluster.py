@@ -189,26 +189,54 @@ def machine_state() -> tuple[float, int, float]:
 
 
 @contextmanager
-def _own_session():
+def _own_session(started: list | None = None):
     """Ray's processes started in the block (GCS, raylet, and through the raylet every worker) run in a session of
     their own: a signal to the driver's process group (``timeout``, Slurm's time limit, systemd's stop, a terminal's
     Ctrl-C) reaches only the driver, which stops cleanly (its step committed, a checkpoint written) and then shuts
     this Ray down itself. They still end with the driver if it is killed outright: Ray starts them with the kernel's
-    parent-death signal, which does not depend on the process group."""
+    parent-death signal, which does not depend on the process group. Where the kernel has none (macOS), Ray's
+    reaper ends them instead by signalling its own process group, which it shares with them only if they stay in
+    the driver's: there they stay (a session of their own would outlive a driver killed outright). Each process
+    started in the block is appended to ``started``: what a failed start leaves, for ``_end_started``."""
     from ray._private import services
+    from ray._private.utils import detect_fate_sharing_support
 
-    plain = services.ConsolePopen
+    plain, own = services.ConsolePopen, bool(detect_fate_sharing_support())
 
     class SessionPopen(plain):
         def __init__(self, *args, **kwargs):
-            kwargs.setdefault("start_new_session", True)
+            if own:
+                kwargs.setdefault("start_new_session", True)
             super().__init__(*args, **kwargs)
+            if started is not None:
+                started.append(self)
 
     services.ConsolePopen = SessionPopen
     try:
         yield
     finally:
         services.ConsolePopen = plain
+
+
+def _end_started(started: list) -> None:
+    """SIGKILL the processes a failed start left running. Ray's node is only recorded once it has registered, so
+    ``ray.shutdown`` after a start that timed out leaves its GCS and raylet (and the workers the raylet prestarted)
+    running beside the retry's, for the life of the driver. A process in a session of its own goes with its group
+    (the raylet's workers); one in the driver's group alone."""
+    import signal
+    import subprocess
+
+    for proc in started:
+        if proc.poll() is not None:
+            continue
+        try:
+            if hasattr(os, "killpg") and os.getpgid(proc.pid) == proc.pid:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+            proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):  # gone meanwhile, or not yet reaped: nothing more to do
+            pass
 
 
 @contextmanager
@@ -246,12 +274,14 @@ def start_local(init: Callable[[], None], log: Callable[[str], None] = print) ->
     load, cpus, free = machine_state()
     wait = LOADED_WAIT_S if load > cpus else STARTUP_WAIT_S
     for attempt in (1, 2):
+        started: list = []
         try:
-            with _own_session(), _startup_wait(wait):
+            with _own_session(started), _startup_wait(wait):
                 init()
             return
         except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for a start that timed out
-            ray.shutdown()  # what the failed start left running
+            ray.shutdown()  # what the failed start left running: a node Ray recorded, and the processes it did not
+            _end_started(started)
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             load, cpus, free = machine_state()
             timed_out = "timed out" in first

@@ -290,8 +290,9 @@ class Training:
 
     def keep_earlier_final(self, final: Path) -> None:
         """A finished run extended: its earlier final is kept as <prefix>_<its steps> (hard links: no second copy
-        on disk) before the new final replaces it."""
-        from es_ray.runtime.checkpoint import keep_as, read_meta
+        on disk) before the new final replaces it, and recorded so run.keep_checkpoints never deletes it (else an
+        extension with more periodic checkpoints than the bound would delete it as soon as it was kept)."""
+        from es_ray.runtime.checkpoint import keep_as, mark_kept_final, read_meta
 
         if not final.is_dir():
             return
@@ -302,6 +303,7 @@ class Training:
         dst = self._checkpoint_dir(n)
         if n != self.done and not dst.exists():
             keep_as(final, dst)
+            mark_kept_final(dst.parent, dst.name)
             self.tracker.message(f"{self.method}: the earlier final ({n} {self.unit}(s)) is kept as {dst.name}")
 
     def check_disk(self) -> str:
