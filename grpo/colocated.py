@@ -34,6 +34,7 @@ class ColocatedWorker(RolloutWorker):
             from es_ray.engines.vllm import SLEEP_MODE_ENV
 
             os.environ[SLEEP_MODE_ENV] = "1"  # the engine is built with sleep mode on
+            cfg = _with_planned_share(cfg)
         super().__init__(cfg, rank)
         self.learner = GRPOLearner(cfg, rank, world)
         self.sleeping: list[str] = []  # vLLM sleep tags still asleep, in the order they wake
@@ -144,3 +145,26 @@ def check_sleep_mode(cfg: GRPOTrainConfig) -> None:
         raise ConfigError("grpo.colocate=true on GPU needs vLLM's sleep mode (LLM.sleep / LLM.wake_up), which this "
                           "vLLM build lacks: set grpo.colocate=false, or install the vLLM version scripts/setup.sh "
                           "pins")
+
+
+def _with_planned_share(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
+    """``cfg`` with engine.gpu_memory_utilization set, where it is 0, to the share of this GPU that the start-up check
+    added up beside the learner (es_ray.memory_plan.engine_share): vLLM fills its share with KV cache and maps all of
+    it at every wake-up, so a share sized for a GPU of its own runs the colocated GPU out of memory at the sync."""
+    import torch
+
+    dev = torch.cuda.current_device()
+    return planned_engine_config(cfg, torch.cuda.get_device_properties(dev).total_memory,
+                                 torch.cuda.get_device_name(dev))
+
+
+def planned_engine_config(cfg: GRPOTrainConfig, reported: int, device_name: str = "") -> GRPOTrainConfig:
+    """``_with_planned_share`` for a GPU reporting ``reported`` bytes named ``device_name``."""
+    from dataclasses import replace
+
+    from es_ray.memory_plan import colocated_engine_share
+
+    if cfg.engine.gpu_memory_utilization or cfg.engine.name != "vllm":  # set by hand, or an engine without a share
+        return cfg
+    share = colocated_engine_share(cfg, reported, device_name)
+    return cfg if share is None else replace(cfg, engine=replace(cfg.engine, gpu_memory_utilization=share))
