@@ -643,16 +643,18 @@ def plan_grpo(m: ModelShape, s: Settings = Settings()) -> MemoryPlan:
 
 
 def _build_lines(m: ModelShape, s: Settings) -> list[Line]:
-    """The learner's build (grpo.learner), before any gradient or optimizer state exists. Sharded (grpo.fsdp_size > 1
-    or grpo.offload=all): built on the meta device, then each rank reads its rows of one tensor at a time, so the
-    device holds its fp32 shard (none with grpo.offload=all) and the host one tensor's rows in the file's dtype (up to
-    4 B) and in fp32. One process: from_pretrained on the host (the whole fp32 model), then moved whole onto the
-    device. Part "build": not summed into the steady state; ``MemoryPlan.gpus`` adds the device line to an awake
-    colocated vLLM (the learner ranks build while it is awake)."""
+    """The learner's build (grpo.learner), before any gradient or optimizer state exists, and its resume. Sharded
+    (grpo.fsdp_size > 1 or grpo.offload=all): built on the meta device, then each rank reads its rows of one tensor
+    at a time, so the device holds its fp32 shard (none with grpo.offload=all) and the host one tensor's rows in the
+    file's dtype (up to 4 B) and in fp32. One process: from_pretrained on the host (the whole fp32 model), then moved
+    whole onto the device. A resume (``GRPOLearner.load``) reads a checkpoint the same way into the built model, a
+    rank's rows (or, in one process, a whole tensor) at a time, and AdamW's moments a tensor's rows at a time
+    (grpo.shards.load_moments). Part "build": not summed into the steady state; ``MemoryPlan.gpus`` adds the device
+    line to an awake colocated vLLM (the learner ranks build while it is awake)."""
     f = max(1, s.fsdp_size)
     total = m.parameters()
+    largest = max(math.prod(t) for t in m.tensors().values())
     if f > 1 or s.offload == "all":
-        largest = max(math.prod(t) for t in m.tensors().values())
         rows = -(-largest // f)
         device = 0 if s.offload == "all" else total * 4 // f
         return [Line("build", "learner build (device)", device,
@@ -660,9 +662,15 @@ def _build_lines(m: ModelShape, s: Settings) -> list[Line]:
                      "none: grpo.offload=all keeps the shards on the host"),
                 Line("build", "learner build (host)", rows * 8 + (total * 4 // f if not device else 0),
                      f"one tensor's rows read at a time: the largest, {largest:,} / fsdp {f} x (4 B read + 4 B fp32)"
-                     + (" + the rank's fp32 shard" if not device else ""))]
+                     + (" + the rank's fp32 shard" if not device else "")),
+                Line("build", "learner resume (host)", rows * 8,
+                     f"beside the built learner: one tensor's rows of the checkpoint at a time, {largest:,} / fsdp "
+                     f"{f} x (4 B read + 4 B fp32)")]
     return [Line("build", "learner build (device)", total * 4, f"the whole fp32 model: {total:,} x 4 B"),
-            Line("build", "learner build (host)", total * 4, "from_pretrained's whole fp32 model, before the move")]
+            Line("build", "learner build (host)", total * 4, "from_pretrained's whole fp32 model, before the move"),
+            Line("build", "learner resume (host)", largest * 8,
+                 f"beside the built learner: one whole tensor of the checkpoint at a time, {largest:,} x (4 B read + "
+                 "4 B fp32)")]
 
 
 def plan_eval(m: ModelShape, s: Settings = Settings()) -> MemoryPlan:
