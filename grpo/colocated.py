@@ -22,6 +22,12 @@ from es_ray.grpo.learner import GRPOLearner
 from es_ray.grpo.rollout import RolloutWorker
 
 
+SLEEP_LEVEL = 2
+"""vLLM's sleep level while the learner trains: 2 discards the engine's weights (vLLM keeps its small buffers on the
+host) where level 1 copies them into fresh pinned host buffers at every step (model-sized, ~15 GiB at 7B); the sync
+that follows each optimizer step writes every weight anyway."""
+
+
 class ColocatedWorker(RolloutWorker):
     """A RolloutWorker whose process also holds learner rank ``rank`` of ``world``. The rollout methods keep their
     names; the learner's are exposed under theirs (``learner_probe_logprobs`` for its probe)."""
@@ -67,13 +73,14 @@ class ColocatedWorker(RolloutWorker):
 
     # -- the sync ----------------------------------------------------------------------------------------------
     def sync_local(self, dtype: str) -> dict:
-        """The learner's weights into this actor's engine, one chunk (a layer) at a time in the engine's dtype;
-        every rank gathers every chunk (the collectives run in the same order on all ranks). A sleeping engine wakes
-        its weights before and its KV cache after (module docstring)."""
+        """The learner's weights into this actor's engine, one chunk (a layer) at a time in the engine's dtype, from
+        the learner's device to the engine's without a host copy (``weight_chunk(on_device=True)``); every rank
+        gathers every chunk (the collectives run in the same order on all ranks). A sleeping engine wakes its weights
+        before and its KV cache after (module docstring)."""
         self._wake("weights")
         t0, nbytes = time.perf_counter(), 0
         for k in range(len(self.learner.chunks)):
-            nbytes += self.write_weights(self.learner.weight_chunk(k, dtype, everywhere=True))["bytes"]
+            nbytes += self.write_weights(self.learner.weight_chunk(k, dtype, everywhere=True, on_device=True))["bytes"]
         seconds = time.perf_counter() - t0
         self._wake("kv_cache")
         return {"bytes": nbytes, "seconds": seconds}
@@ -101,7 +108,7 @@ class ColocatedWorker(RolloutWorker):
 
     def _sleep(self) -> None:
         if not self.sleeping and _on_gpu(self.cfg) and hasattr(self.engine, "sleep"):
-            self.engine.sleep()  # level 1: weights to the host, KV cache dropped; both come back in _wake
+            self.engine.sleep(SLEEP_LEVEL)  # weights and KV cache off the device; both come back in _wake
             self.sleeping = ["weights", "kv_cache"]
 
     def _wake_all(self) -> None:
