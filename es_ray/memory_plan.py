@@ -264,8 +264,8 @@ class Settings:
     offload: str = "none"
     """grpo.offload (OFFLOADS)."""
     colocate: bool = False
-    """grpo.colocate: each rollout engine shares its GPU with a learner rank and sleeps (vLLM sleep mode level 1:
-    weights to the host, KV cache dropped) while the learner trains."""
+    """grpo.colocate: each rollout engine shares its GPU with a learner rank and sleeps (vLLM sleep mode level 2:
+    weights discarded, KV cache dropped) while the learner trains; awake, vLLM holds ``engine_share`` of the card."""
     kv_floor_tokens: int = 0
     """vLLM keeps KV cache for at least one sequence of max_model_len tokens (engine.max_model_len, else the model's
     max_position_embeddings): the KV cache is planned as max(sequences x tokens_per_sequence, this)."""

@@ -367,7 +367,7 @@ def test_weights_wake_before_the_kv_cache_and_a_write_needs_only_the_weights():
 
     engine = object.__new__(engine_mod.VLLMEngine)
     engine.llm, engine.tokenizer, engine._weights_version = _TaggedLLM(), lambda p, **kw: {"input_ids": [1, 2]}, 0
-    engine._asleep = set()
+    engine._asleep, engine.cfg = set(), SimpleNamespace(tensor_parallel_size=1)
     sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
     engine.sleep()
     for call in (lambda: engine.write_weights([("w", torch.zeros(1))]), lambda: engine.generate(["p"], sampling, 0)):

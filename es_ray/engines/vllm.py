@@ -128,7 +128,7 @@ SLEEP_MODE_ENV = "ES_RAY_VLLM_SLEEP_MODE"
 """Set to 1 by a colocated GRPO actor before its engine is built: vLLM's sleep mode, so the engine's weights and KV
 cache leave the GPU while the learner beside it trains."""
 SLEEP_TAGS = ("weights", "kv_cache")
-"""What vLLM's sleep level 1 puts to sleep (its ``v1/executor/abstract.py`` SLEEP_TAGS), woken in this order."""
+"""What vLLM's sleep mode puts to sleep (its ``v1/executor/abstract.py`` SLEEP_TAGS), woken in this order."""
 
 
 class VLLMEngine(Engine):
