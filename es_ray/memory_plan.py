@@ -68,6 +68,8 @@ CARD_GIB = {24: 22.0, 40: 39.4, 80: 79.6, 141: 140.4}
 """What an "N GB" card reports (torch.cuda.get_device_properties().total_memory, GiB): 80 is an H100 SXM
 (79.6 GiB; an A100-80GB reports slightly less, 79.2), 141 an H200 (140.4 GiB); 24 (L4 / A10 class) and 40 (A100-40GB)
 are the smaller cards' reports as assumed here. A card size not listed is planned as that many GiB."""
+CARD_NAMES = {24: "NVIDIA L4", 40: "NVIDIA A100-SXM4-40GB", 80: "NVIDIA H100 80GB HBM3", 141: "NVIDIA H200"}
+"""The device name each CARD_GIB card is planned with (vLLM's batch defaults read it: ``vllm_batch_defaults``)."""
 PROMPT_TOKENS = 512
 """Prompt tokens per sequence the start-up plans assume (chat template + problem; GSM8K and DeepScaleR prompts stay
 under it) when engine.max_model_len is not set."""
@@ -227,9 +229,9 @@ class Settings:
     tokens_per_sequence: int = 1024
     """Prompt + completion tokens per sequence (engine.max_model_len; vLLM needs at least one such sequence)."""
     max_num_batched_tokens: int = 16384
-    """vLLM's profile-run batch (its default for the offline LLM on cards of 70 GiB or more; 8192 below)."""
+    """vLLM's profile-run batch (``vllm_batch_defaults``: 16384 on an H100 / H200, 8192 on an A100 or a smaller card)."""
     max_num_seqs: int = 1024
-    """vLLM's largest decode batch (1024 on cards of 70 GiB or more, 256 below)."""
+    """vLLM's largest decode batch (``vllm_batch_defaults``: 1024 on an H100 / H200, 256 on an A100 or smaller)."""
     optimizer: str = "sgd"
     """es.optimizer."""
     anchor_decay: float = 0.0
@@ -262,8 +264,8 @@ class Settings:
     offload: str = "none"
     """grpo.offload (OFFLOADS)."""
     colocate: bool = False
-    """grpo.colocate: each rollout engine shares its GPU with a learner rank and sleeps (vLLM sleep mode level 1:
-    weights to the host, KV cache dropped) while the learner trains."""
+    """grpo.colocate: each rollout engine shares its GPU with a learner rank and sleeps (vLLM sleep mode level 2:
+    weights discarded, KV cache dropped) while the learner trains; awake, vLLM holds ``engine_share`` of the card."""
     kv_floor_tokens: int = 0
     """vLLM keeps KV cache for at least one sequence of max_model_len tokens (engine.max_model_len, else the model's
     max_position_embeddings): the KV cache is planned as max(sequences x tokens_per_sequence, this)."""
@@ -273,12 +275,19 @@ class Settings:
     """es.rank (es.perturbation=lowrank)."""
     members: int = 0
     """Members one actor generates together under es.perturbation=lowrank (vLLM's LoRA slots)."""
+    card_bytes: int = 0
+    """What the GPU reports (total_memory): a colocated engine's share is of it (``engine_share``); 0: not known,
+    vLLM planned at its own part."""
+    gpu_memory_utilization: float = 0.0
+    """engine.gpu_memory_utilization (0: the share ``engine_share`` gives the colocated engine)."""
 
 
-def vllm_batch_defaults(card_bytes: int) -> dict[str, int]:
-    """The (max_num_batched_tokens, max_num_seqs) vLLM's offline LLM picks when unset, by card size (assumed from
-    vLLM's EngineArgs defaults; this engine does not set them)."""
-    big = card_bytes >= 70 * GiB
+def vllm_batch_defaults(card_bytes: int, device_name: str = "") -> dict[str, int]:
+    """The (max_num_batched_tokens, max_num_seqs) vLLM 0.32's offline LLM picks when unset (this engine does not set
+    them), by the card: its ``EngineArgs.get_batch_defaults`` (vllm/engine/arg_utils.py, LLM_CLASS): 16384 / 1024 on
+    160 GiB or more, and on 70 GiB or more unless the device's name holds "a100" (H100 / H200 class); else 8192 / 256
+    (an A100-80GB, 79.2 GiB, and every smaller card). ``device_name``: torch.cuda.get_device_name's (nvidia-smi's)."""
+    big = card_bytes >= 160 * GiB or (card_bytes >= 70 * GiB and "a100" not in device_name.lower())
     return {"max_num_batched_tokens": 16384 if big else 8192, "max_num_seqs": 1024 if big else 256}
 
 
@@ -355,12 +364,24 @@ class MemoryPlan:
         if self.method == "eval":
             return {"engine": self.part("vllm")}
         if self.settings.colocate:  # rollouts with the learner's state resident; training beside a sleeping vLLM
-            resident = sum(line.nbytes for line in self.lines if line.part == "learner" and line.item in
-                           ("weights", "fp32 master", "AdamW moments", "reference model", "allocator slack"))
-            build = sum(line.nbytes for line in self.lines if line.item == "learner build (device)")
-            return {"colocated": max(self.part("learner") + VLLM_FIXED_BYTES, resident + self.part("vllm"),
-                                     build + self.part("vllm"))}
+            awake = self.vllm_mapped
+            return {"colocated": max(self.part("learner") + VLLM_FIXED_BYTES, self.learner_resident + awake,
+                                     self.item_bytes("build", "learner build (device)") + awake)}
         return {"learner": self.part("learner"), "rollout": self.part("vllm")}
+
+    @property
+    def learner_resident(self) -> int:
+        """A colocated learner rank's bytes that stay on the device while vLLM is awake (its weights, master, AdamW,
+        reference and the allocator's slack; gradients and activations are freed after the step)."""
+        return sum(line.nbytes for line in self.lines if line.part == "learner" and line.item in
+                   ("weights", "fp32 master", "AdamW moments", "reference model", "allocator slack"))
+
+    @property
+    def vllm_mapped(self) -> int:
+        """What an awake vLLM holds on its GPU: engine_share x the card when the card is known (vLLM fills its share
+        with KV cache, so that is what wake_up maps), else the plan's vLLM part."""
+        card = self.settings.card_bytes
+        return max(self.part("vllm"), int(engine_share(self) * card)) if card else self.part("vllm")
 
     @property
     def total(self) -> int:
@@ -443,6 +464,9 @@ class MemoryPlan:
         where = "colocated" if s.colocate else "learner"
         if self.gpus[where] > card_bytes:
             items = ", ".join(f"{line.item} {_gib(line.nbytes)}" for line in self.lines if line.part == "learner")
+            if s.colocate and s.card_bytes:
+                items += (f"; awake beside it, vLLM's engine.gpu_memory_utilization={engine_share(self):.2f} of the "
+                          f"card: {_gib(self.vllm_mapped)}")
             # the first (smallest) change of each kind that fits on its own
             groups = [[(f"grpo.fsdp_size>={f}", {"fsdp_size": f}) for f in FSDP_DEGREES if f > s.fsdp_size],
                       [(f"grpo.offload={o}", {"offload": o}) for o in OFFLOADS[OFFLOADS.index(s.offload) + 1:]]]
@@ -453,6 +477,14 @@ class MemoryPlan:
                                for f in FSDP_DEGREES if f > s.fsdp_size]]
             if s.colocate:
                 groups.append([("grpo.colocate=false", {"colocate": False})])
+                if s.gpu_memory_utilization and s.card_bytes:  # the share set by hand, larger than fits
+                    room = card_bytes - max(self.learner_resident, self.item_bytes("build", "learner build (device)"))
+                    most = math.floor(100 * room / s.card_bytes) / 100
+                    least = self.gpu_memory_utilization(s.card_bytes)
+                    if least <= most:
+                        groups.insert(0, [(f"engine.gpu_memory_utilization={most:.2f} or lower (vLLM needs at least "
+                                           f"{least:.2f}; 0 takes the plan's {least:.2f})",
+                                           {"gpu_memory_utilization": most})])
             fixes = [next((key for key, change in group if self.with_settings(**change).fits(card_bytes)), None)
                      for group in groups]
             fixes = list(dict.fromkeys(f for f in fixes if f))
@@ -611,16 +643,18 @@ def plan_grpo(m: ModelShape, s: Settings = Settings()) -> MemoryPlan:
 
 
 def _build_lines(m: ModelShape, s: Settings) -> list[Line]:
-    """The learner's build (grpo.learner), before any gradient or optimizer state exists. Sharded (grpo.fsdp_size > 1
-    or grpo.offload=all): built on the meta device, then each rank reads its rows of one tensor at a time, so the
-    device holds its fp32 shard (none with grpo.offload=all) and the host one tensor's rows in the file's dtype (up to
-    4 B) and in fp32. One process: from_pretrained on the host (the whole fp32 model), then moved whole onto the
-    device. Part "build": not summed into the steady state; ``MemoryPlan.gpus`` adds the device line to an awake
-    colocated vLLM (the learner ranks build while it is awake)."""
+    """The learner's build (grpo.learner), before any gradient or optimizer state exists, and its resume. Sharded
+    (grpo.fsdp_size > 1 or grpo.offload=all): built on the meta device, then each rank reads its rows of one tensor
+    at a time, so the device holds its fp32 shard (none with grpo.offload=all) and the host one tensor's rows in the
+    file's dtype (up to 4 B) and in fp32. One process: from_pretrained on the host (the whole fp32 model), then moved
+    whole onto the device. A resume (``GRPOLearner.load``) reads a checkpoint the same way into the built model, a
+    rank's rows (or, in one process, a whole tensor) at a time, and AdamW's moments a tensor's rows at a time
+    (grpo.shards.load_moments). Part "build": not summed into the steady state; ``MemoryPlan.gpus`` adds the device
+    line to an awake colocated vLLM (the learner ranks build while it is awake)."""
     f = max(1, s.fsdp_size)
     total = m.parameters()
+    largest = max(math.prod(t) for t in m.tensors().values())
     if f > 1 or s.offload == "all":
-        largest = max(math.prod(t) for t in m.tensors().values())
         rows = -(-largest // f)
         device = 0 if s.offload == "all" else total * 4 // f
         return [Line("build", "learner build (device)", device,
@@ -628,9 +662,15 @@ def _build_lines(m: ModelShape, s: Settings) -> list[Line]:
                      "none: grpo.offload=all keeps the shards on the host"),
                 Line("build", "learner build (host)", rows * 8 + (total * 4 // f if not device else 0),
                      f"one tensor's rows read at a time: the largest, {largest:,} / fsdp {f} x (4 B read + 4 B fp32)"
-                     + (" + the rank's fp32 shard" if not device else ""))]
+                     + (" + the rank's fp32 shard" if not device else "")),
+                Line("build", "learner resume (host)", rows * 8,
+                     f"beside the built learner: one tensor's rows of the checkpoint at a time, {largest:,} / fsdp "
+                     f"{f} x (4 B read + 4 B fp32)")]
     return [Line("build", "learner build (device)", total * 4, f"the whole fp32 model: {total:,} x 4 B"),
-            Line("build", "learner build (host)", total * 4, "from_pretrained's whole fp32 model, before the move")]
+            Line("build", "learner build (host)", total * 4, "from_pretrained's whole fp32 model, before the move"),
+            Line("build", "learner resume (host)", largest * 8,
+                 f"beside the built learner: one whole tensor of the checkpoint at a time, {largest:,} x (4 B read + "
+                 "4 B fp32)")]
 
 
 def plan_eval(m: ModelShape, s: Settings = Settings()) -> MemoryPlan:
@@ -639,6 +679,17 @@ def plan_eval(m: ModelShape, s: Settings = Settings()) -> MemoryPlan:
 
 
 PLANNERS = {"es": plan_es, "grpo": plan_grpo, "eval": plan_eval}
+
+
+def engine_share(plan: MemoryPlan) -> float:
+    """engine.gpu_memory_utilization of a colocated GRPO rollout engine (grpo.colocate=true on a GPU): the key when set,
+    else the plan's vLLM part over the card (``Settings.card_bytes``), rounded up to 0.01. vLLM fills whatever share
+    it is given with KV cache and maps all of it at every wake-up, so this one number is both what grpo/colocated.py
+    passes to vLLM and what ``MemoryPlan.gpus`` adds beside the learner (0.0: the card is not known)."""
+    s = plan.settings
+    if s.gpu_memory_utilization:
+        return s.gpu_memory_utilization
+    return plan.gpu_memory_utilization(s.card_bytes) if s.card_bytes else 0.0
 ES_CANDIDATES = ({"optimizer": "adam", "anchor_decay": 1.0}, {"optimizer": "adam"}, {"optimizer": "sgd"})
 """From the largest ES part to the smallest: the settings vLLM's automatic share leaves room for."""
 
@@ -705,22 +756,24 @@ def _dtype_bytes(dtype: str) -> int:
     return 4 if dtype in ("float32", "fp32") else 2  # auto is bf16 on GPU (and on CPU for the engines here)
 
 
-def _engine(cfg, shape: ModelShape, sequences: int, new_tokens: int, card: int) -> dict:
+def _engine(cfg, shape: ModelShape, sequences: int, new_tokens: int, card: int, device_name: str = "") -> dict:
     e = cfg.engine
     tokens = e.max_model_len or PROMPT_TOKENS + new_tokens
     floor = (e.max_model_len or shape.max_position_embeddings) if e.name == "vllm" else 0
     return dict(engine_dtype_bytes=_dtype_bytes(e.dtype), tensor_parallel_size=e.tensor_parallel_size,
                 sequences=max(1, sequences), tokens_per_sequence=tokens, kv_floor_tokens=floor,
-                trainable=cfg.model.trainable, **vllm_batch_defaults(card))
+                trainable=cfg.model.trainable, **vllm_batch_defaults(card, device_name))
 
 
-def settings_for(kind: str, cfg, shape: ModelShape, card: int = 80 * GiB) -> Settings:
+def settings_for(kind: str, cfg, shape: ModelShape, card: int = 80 * GiB, device_name: str = "") -> Settings:
     """The plan's Settings from a trainer's config: kind es (ESTrainConfig), grpo (GRPOTrainConfig) or eval (any
-    config with engine, eval.max_new_tokens and model sections)."""
+    config with engine, eval.max_new_tokens and model sections); ``card``: the bytes the GPU reports, ``device_name``
+    its name (vLLM's batch defaults read both)."""
     if kind == "grpo":
         g = cfg.grpo
         per_engine = -(-g.prompts_per_step * g.group_size // max(1, cfg.cluster.num_actors))
-        return Settings(**_engine(cfg, shape, per_engine, cfg.sampling.max_new_tokens, card), learner=g.dtype,
+        return Settings(**_engine(cfg, shape, per_engine, cfg.sampling.max_new_tokens, card, device_name),
+                        card_bytes=card, gpu_memory_utilization=cfg.engine.gpu_memory_utilization, learner=g.dtype,
                         micro_batch_size=g.micro_batch_size, completion_tokens=cfg.sampling.max_new_tokens,
                         logit_chunk_tokens=g.logit_chunk_tokens, gradient_checkpointing=g.gradient_checkpointing,
                         reference_model=g.beta > 0, fsdp_size=g.fsdp_size, offload=g.offload, colocate=g.colocate)
@@ -728,16 +781,24 @@ def settings_for(kind: str, cfg, shape: ModelShape, card: int = 80 * GiB) -> Set
         es = cfg.es
         members = _perturbation(es.perturbation).members_at_once(es.population, cfg.cluster.num_actors)
         sequences = es.prompts_per_iteration * max(1, members)
-        return Settings(**_engine(cfg, shape, sequences, cfg.sampling.max_new_tokens, card), optimizer=es.optimizer,
+        return Settings(**_engine(cfg, shape, sequences, cfg.sampling.max_new_tokens, card, device_name),
+                        optimizer=es.optimizer,
                         anchor_decay=es.anchor_decay, noise=es.noise, noise_table_size=es.noise_table_size,
                         perturbation=es.perturbation, rank=es.rank, members=members)
     if kind == "eval":
-        return Settings(**_engine(cfg, shape, cfg.engine.batch_size, cfg.eval.max_new_tokens, card))
+        return Settings(**_engine(cfg, shape, cfg.engine.batch_size, cfg.eval.max_new_tokens, card, device_name))
     raise ValueError(f"no memory plan for {kind!r}; one of {', '.join(PLANNERS)}")
 
 
-def plan_for(kind: str, cfg, shape: ModelShape, card: int = 80 * GiB) -> MemoryPlan:
-    return PLANNERS[kind](shape, settings_for(kind, cfg, shape, card))
+def plan_for(kind: str, cfg, shape: ModelShape, card: int = 80 * GiB, device_name: str = "") -> MemoryPlan:
+    return PLANNERS[kind](shape, settings_for(kind, cfg, shape, card, device_name))
+
+
+def colocated_engine_share(cfg, reported: int, device_name: str = "") -> float | None:
+    """engine.gpu_memory_utilization for the rollout engine of a colocated GRPO rank on a GPU reporting ``reported``
+    bytes: ``engine_share`` of the plan the start-up check accepts (None: the model's shape is unknown)."""
+    shape = model_shape(cfg.model.path)
+    return None if shape is None else engine_share(plan_for("grpo", cfg, shape, reported, device_name))
 
 
 def on_gpu(cfg) -> bool:
@@ -760,6 +821,21 @@ def gpu_reported_bytes() -> int | None:
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
     return min(sizes) * (1 << 20) if sizes else None  # MiB
+
+
+def gpu_name() -> str:
+    """This machine's first GPU's name (nvidia-smi), "" when none shows: vLLM's batch defaults read it."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return ""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return (out.splitlines() or [""])[0].strip()
 
 
 def host_bytes() -> int:
@@ -786,7 +862,8 @@ def host_plan_bytes(kind: str, plan: MemoryPlan, cfg) -> tuple[int, str]:
 
 
 def startup_check(kind: str, cfg, reported: int | None = None, host: int | None = None,
-                  shape: ModelShape | None = None, gpu: bool | None = None) -> MemoryPlan | None:
+                  shape: ModelShape | None = None, gpu: bool | None = None,
+                  device_name: str | None = None) -> MemoryPlan | None:
     """Refuse (ConfigError: the numbers and the keys that would make it fit) a run whose plan does not fit the
     device it will run on, before any model is loaded. GPU: each GPU's plan against ``reported`` bytes (default: this
     machine's smallest GPU; unknown: no check here), less usable_bytes's margin; CPU with a local Ray (cluster.address
@@ -801,7 +878,8 @@ def startup_check(kind: str, cfg, reported: int | None = None, host: int | None 
         reported = gpu_reported_bytes() if reported is None else reported
         if reported is None:
             return None
-        plan, usable = plan_for(kind, cfg, shape, reported), usable_bytes(reported)
+        name = gpu_name() if device_name is None else device_name
+        plan, usable = plan_for(kind, cfg, shape, reported, name), usable_bytes(reported)
         share = cfg.engine.gpu_memory_utilization
         if kind == "es" and share:
             message = plan.refusal(usable, free_bytes=usable - int(share * reported), share=share)
@@ -849,7 +927,8 @@ def cell(plan: MemoryPlan, card_bytes: int) -> str:
     """GiB on the fullest GPU, and whether it fits a card that reports ``card_bytes`` (usable_bytes of it)."""
     total, usable = f"{plan.total / GiB:.1f}", usable_bytes(card_bytes)
     if plan.fits(usable):
-        share = f", vLLM {plan.gpu_memory_utilization(card_bytes):.2f}" if plan.method == "es" else ""
+        share = f", vLLM {plan.gpu_memory_utilization(card_bytes):.2f}" if plan.method == "es" else \
+            f", vLLM {engine_share(plan):.2f}" if plan.settings.colocate else ""
         return f"{total} fits{share}"
     if plan.method == "grpo" and (plan.gpus.get("learner", 0) > usable or plan.settings.colocate):
         return f"{total} no"
@@ -868,7 +947,8 @@ def table(models: list[ModelShape], cards_gb=(24, 40, 80, 141), base: Settings =
             cells = []
             for c in cards_gb:
                 card = card_bytes(c)
-                plan = PLANNERS[method](m, replace(base, **changes, **vllm_batch_defaults(card)))
+                plan = PLANNERS[method](m, replace(base, **changes, card_bytes=card,
+                                                   **vllm_batch_defaults(card, CARD_NAMES.get(c, ""))))
                 cells.append(cell(plan, card))
             rows.append(f"| {m.name} | {m.parameters() / 1e9:.2f}B | {label} | " + " | ".join(cells) + " |")
     return "\n".join(head + rows)
@@ -904,7 +984,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.detail:
         for m in models:
             for label, method, changes in SETUPS:
-                plan = PLANNERS[method](m, replace(base, **changes, **vllm_batch_defaults(card_bytes(args.cards[0]))))
+                card = card_bytes(args.cards[0])
+                plan = PLANNERS[method](m, replace(base, **changes, card_bytes=card,
+                                                   **vllm_batch_defaults(card, CARD_NAMES.get(args.cards[0], ""))))
                 print(f"\n{label}: " + plan.markdown())
     return 0
 

@@ -2,8 +2,8 @@
 "hybrid engine"). GRPO's phases alternate (generate, train, sync), so two actors on separate devices each idle while
 the other works; here each device runs both phases in turn.
 
-On CPU the two share the actor's cores. On GPU the engine sleeps while the learner trains (vLLM sleep mode, level 1:
-its weights offloaded to the host, its KV cache dropped) and wakes in two steps around the sync that follows the
+On CPU the two share the actor's cores. On GPU the engine sleeps while the learner trains (vLLM sleep mode, level 2:
+its weights discarded, as the sync rewrites every one, its KV cache dropped; ``SLEEP_LEVEL``) and wakes in two steps around the sync that follows the
 optimizer step: the learner's cached blocks are returned to the device first (``torch.cuda.empty_cache``; at TP=1
 vLLM's allocator does the same in this process when it wakes, at TP>1 its workers are other processes and cannot free
 this one's cache), then the engine's weights wake and the sync writes them, and only then its KV cache is allocated,
@@ -22,6 +22,12 @@ from es_ray.grpo.learner import GRPOLearner
 from es_ray.grpo.rollout import RolloutWorker
 
 
+SLEEP_LEVEL = 2
+"""vLLM's sleep level while the learner trains: 2 discards the engine's weights (vLLM keeps its small buffers on the
+host) where level 1 copies them into fresh pinned host buffers at every step (model-sized, ~15 GiB at 7B); the sync
+that follows each optimizer step writes every weight anyway."""
+
+
 class ColocatedWorker(RolloutWorker):
     """A RolloutWorker whose process also holds learner rank ``rank`` of ``world``. The rollout methods keep their
     names; the learner's are exposed under theirs (``learner_probe_logprobs`` for its probe)."""
@@ -34,6 +40,7 @@ class ColocatedWorker(RolloutWorker):
             from es_ray.engines.vllm import SLEEP_MODE_ENV
 
             os.environ[SLEEP_MODE_ENV] = "1"  # the engine is built with sleep mode on
+            cfg = _with_planned_share(cfg)
         super().__init__(cfg, rank)
         self.learner = GRPOLearner(cfg, rank, world)
         self.sleeping: list[str] = []  # vLLM sleep tags still asleep, in the order they wake
@@ -66,13 +73,14 @@ class ColocatedWorker(RolloutWorker):
 
     # -- the sync ----------------------------------------------------------------------------------------------
     def sync_local(self, dtype: str) -> dict:
-        """The learner's weights into this actor's engine, one chunk (a layer) at a time in the engine's dtype;
-        every rank gathers every chunk (the collectives run in the same order on all ranks). A sleeping engine wakes
-        its weights before and its KV cache after (module docstring)."""
+        """The learner's weights into this actor's engine, one chunk (a layer) at a time in the engine's dtype, from
+        the learner's device to the engine's without a host copy (``weight_chunk(on_device=True)``); every rank
+        gathers every chunk (the collectives run in the same order on all ranks). A sleeping engine wakes its weights
+        before and its KV cache after (module docstring)."""
         self._wake("weights")
         t0, nbytes = time.perf_counter(), 0
         for k in range(len(self.learner.chunks)):
-            nbytes += self.write_weights(self.learner.weight_chunk(k, dtype, everywhere=True))["bytes"]
+            nbytes += self.write_weights(self.learner.weight_chunk(k, dtype, everywhere=True, on_device=True))["bytes"]
         seconds = time.perf_counter() - t0
         self._wake("kv_cache")
         return {"bytes": nbytes, "seconds": seconds}
@@ -100,7 +108,7 @@ class ColocatedWorker(RolloutWorker):
 
     def _sleep(self) -> None:
         if not self.sleeping and _on_gpu(self.cfg) and hasattr(self.engine, "sleep"):
-            self.engine.sleep()  # level 1: weights to the host, KV cache dropped; both come back in _wake
+            self.engine.sleep(SLEEP_LEVEL)  # weights and KV cache off the device; both come back in _wake
             self.sleeping = ["weights", "kv_cache"]
 
     def _wake_all(self) -> None:
@@ -144,3 +152,26 @@ def check_sleep_mode(cfg: GRPOTrainConfig) -> None:
         raise ConfigError("grpo.colocate=true on GPU needs vLLM's sleep mode (LLM.sleep / LLM.wake_up), which this "
                           "vLLM build lacks: set grpo.colocate=false, or install the vLLM version scripts/setup.sh "
                           "pins")
+
+
+def _with_planned_share(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
+    """``cfg`` with engine.gpu_memory_utilization set, where it is 0, to the share of this GPU that the start-up check
+    added up beside the learner (es_ray.memory_plan.engine_share): vLLM fills its share with KV cache and maps all of
+    it at every wake-up, so a share sized for a GPU of its own runs the colocated GPU out of memory at the sync."""
+    import torch
+
+    dev = torch.cuda.current_device()
+    return planned_engine_config(cfg, torch.cuda.get_device_properties(dev).total_memory,
+                                 torch.cuda.get_device_name(dev))
+
+
+def planned_engine_config(cfg: GRPOTrainConfig, reported: int, device_name: str = "") -> GRPOTrainConfig:
+    """``_with_planned_share`` for a GPU reporting ``reported`` bytes named ``device_name``."""
+    from dataclasses import replace
+
+    from es_ray.memory_plan import colocated_engine_share
+
+    if cfg.engine.gpu_memory_utilization or cfg.engine.name != "vllm":  # set by hand, or an engine without a share
+        return cfg
+    share = colocated_engine_share(cfg, reported, device_name)
+    return cfg if share is None else replace(cfg, engine=replace(cfg.engine, gpu_memory_utilization=share))

@@ -86,7 +86,7 @@ class GRPOConfig:
     FSDP2's CPUOffloadPolicy (sharded weights, gradients and AdamW on the host, each layer copied in for its pass)."""
     colocate: bool = False
     """Each rollout engine shares its device with a learner rank: on CPU one actor holds both (no core idles while
-    the other phase runs); on GPU vLLM sleeps (sleep mode level 1) while the learner trains."""
+    the other phase runs); on GPU vLLM sleeps (sleep mode level 2) while the learner trains."""
     sync_tolerance: float = 0.0
     """Largest |log p_engine - log p_learner| over the probe tokens accepted after a weight sync. 0: calibrated at
     the first sync, max(2e-3, 4 x the difference measured there) (grpo.driver.sync_tolerance); > 0: this value."""

@@ -106,8 +106,9 @@ class GRPOLearner(Actor):
         if str(self.device).startswith("cuda"):  # this rank's own card, before the model is loaded onto it
             from es_ray.memory_plan import startup_check
 
-            startup_check("grpo", self.cfg, gpu=True,
-                          reported=torch.cuda.get_device_properties(torch.device(self.device)).total_memory)
+            dev = torch.device(self.device)
+            startup_check("grpo", self.cfg, gpu=True, reported=torch.cuda.get_device_properties(dev).total_memory,
+                          device_name=torch.cuda.get_device_name(dev))
         if self.sharded:  # no rank holds the whole fp32 model: built empty, sharded, then each rank reads its shard
             self.model = _empty_model(self.model_dir)
         else:
@@ -177,29 +178,42 @@ class GRPOLearner(Actor):
         fully_shard(self.scorer, **kw)
 
     def _load_shards(self) -> None:
-        """Storage for this rank's shards only (the model was built on the meta device), filled from the checkpoint's
-        files: each tensor's rows of this rank read alone (safetensors ``get_slice``), so the build's transient is one
-        tensor's shard, not the model (es_ray.memory_plan's "build transient")."""
-        import torch
-
-        from es_ray.models import read_tensor, safetensors_index
-
+        """Storage for this rank's shards only (the model was built on the meta device), filled from the model's
+        files: each tensor's rows of this rank read alone (``_read_rows``), so the build's transient is one tensor's
+        shard, not the model (es_ray.memory_plan's "build transient")."""
         buffers = [(m, k, b.detach().clone()) for m in self.model.modules() for k, b in m._buffers.items()
                    if b is not None]  # real: built off the meta device
         # grpo.offload=all keeps the shards on the host (CPUOffloadPolicy); else on the rank's device
         self.model.to_empty(device="cpu" if self.g.offload == "all" else self.device)
         for module, key, b in buffers:  # on the rank's device, where the forward runs, offloaded or not
             module._buffers[key] = b.to(self.device)
-        index = safetensors_index(self.model_dir)
+        self._read_rows(self.model_dir)
+
+    def _read_rows(self, directory: str | Path) -> None:
+        """Every parameter's rows this rank holds (a sharded learner's shard, else the whole tensor), each read alone
+        from ``directory``'s safetensors files (safetensors ``get_slice``): the model's at the build, a checkpoint's
+        at a resume, so neither holds more of the model on the host than one tensor's rows (es_ray.memory_plan's
+        "build" and "resume" lines)."""
+        import torch
+
+        from es_ray.core.manifest import CheckpointError
+        from es_ray.models import read_tensor, safetensors_index
+
+        index = safetensors_index(directory)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                file, _ = index.get(name) or index["model.embed_tokens.weight"]  # a tied head is the embedding
-                key = name if name in index else "model.embed_tokens.weight"
+                key = name if name in index else "model.embed_tokens.weight"  # a tied head is the embedding
+                if key not in index:
+                    raise CheckpointError(f"{directory}: no tensor {name!r}; move it aside to resume from an earlier "
+                                          "checkpoint")
                 local = shards.local(p)
                 if local.numel() == 0:  # FSDP2's last ranks may hold no rows of a short tensor
                     continue
-                start = shards.shard_start(p)
-                local.copy_(read_tensor(file, key, (slice(start, start + local.shape[0]),)).to(local.dtype))
+                rows = None
+                if hasattr(p, "device_mesh"):
+                    start = shards.shard_start(p)
+                    rows = (slice(start, start + local.shape[0]),)
+                local.copy_(read_tensor(index[key][0], key, rows).to(local.dtype))
 
     def ready(self) -> dict:
         if not self.built:  # a sharded rank before ``join``
@@ -373,16 +387,20 @@ class GRPOLearner(Actor):
 
         return {n: shards.full(p.detach()).to("cpu", torch.float32, copy=True) for n, p in self.named.items()}
 
-    def weight_chunk(self, k: int, dtype: str, everywhere: bool = False) -> dict:
+    def weight_chunk(self, k: int, dtype: str, everywhere: bool = False, on_device: bool = False) -> dict:
         """Chunk ``k`` of the weights (a transformer layer, or one other tensor) by HF name, cast to ``dtype`` (the
         rollout engine's) on the learner's device, then copied to the CPU: the sync sends the engine's bytes (as
-        ``Tensors``, which Ray moves without pickling each tensor's storage)."""
+        ``Tensors``, which Ray moves without pickling each tensor's storage). ``on_device``: left where the learner
+        holds them (a colocated engine in this process reads them there: no host copy; a tensor in the engine's
+        dtype already may be the parameter itself, so the caller writes it before the next step)."""
         from es_ray.core.dtypes import resolve_dtype
 
         dt = resolve_dtype(dtype, self.device)
         # sharded: every rank takes part in each gather (full_tensor, once per tensor); rank 0's copy is sent
-        out = {n: shards.full(self.named[n].detach()).to(dtype=dt).to("cpu", copy=True) for n in self.chunks[k]}
-        return Tensors(out if self.rank == 0 or everywhere else {})
+        full = {n: shards.full(self.named[n].detach()).to(dtype=dt) for n in self.chunks[k]}
+        if on_device:
+            return full if self.rank == 0 or everywhere else {}
+        return Tensors({n: t.to("cpu", copy=True) for n, t in full.items()} if self.rank == 0 or everywhere else {})
 
     def probe_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
         """log p of each probe completion token as the learner scores its batches (same precision, temperature and
@@ -462,7 +480,6 @@ class GRPOLearner(Actor):
         import torch
 
         from es_ray.core.config import ConfigError
-        from es_ray.models import load_hf_weights
         from es_ray.runtime.checkpoint import load_state, read_meta, verify_dir
 
         verify_dir(path)  # every file against its digest, before anything is read
@@ -472,13 +489,11 @@ class GRPOLearner(Actor):
             raise ConfigError(f"{path} was saved by a {'sharded' if sharded else 'one-process'} learner "
                               f"(grpo.fsdp_size={saved}); resume with grpo.fsdp_size="
                               f"{saved if sharded else 1}" + ("" if sharded else " grpo.offload=none"))
-        weights = load_hf_weights(path)
-        with torch.no_grad():
-            for name, p in self.named.items():
-                src = weights.get(name)
-                if src is None and name == "lm_head.weight":  # tied: saved once, as the embedding
-                    src = weights["model.embed_tokens.weight"]
-                shards.local(p).copy_(shards.slice_like(src.to(p.dtype), p))
+        self._read_rows(path)  # this rank's rows of each tensor, one tensor at a time: never the whole fp32 model
+        if self.host_params is not None:  # grpo.offload=optimizer: AdamW steps the host copies, so they load too
+            with torch.no_grad():
+                for hp, p in zip(self.host_params, self.params):
+                    hp.copy_(shards.local(p))
         state = load_state(path, "grpo")  # weights_only=True: a planted pickle is refused
         if sharded:  # this rank's rows of every moment, from whichever saved ranks hold them
             moments = load_moments(Path(path) / "shards", self._sharded_optimizer_state(fresh=True))

@@ -15,9 +15,12 @@ For each model, randomly initialised (seeded, std 0.02, norms 1) and saved with 
 * counter noise: the device's equals the CPU's bit for bit at odd element offsets and odd row slices;
 * GRPO: a 2-step grpo.dtype=bf16_mixed learner (``es_ray.grpo.learner.GRPOLearner``), its measured peak memory against the
   plan's learner part;
-* the sharded learner: a world-size-1 group over tcp://127.0.0.1 (NCCL on a GPU, gloo on CPU), FSDP2 with
-  grpo.offload=all, built from the meta device (its build peak against the plan's build lines), a step, a weight-sync
-  chunk through full_tensor() and a sharded save and load;
+* the sharded learner: a world-size-1 group over tcp://127.0.0.1 (NCCL with gloo beside it on a GPU, gloo on CPU;
+  a host and a device all-reduce on it), FSDP2 with grpo.offload=all, built from the meta device (its build peak
+  against the plan's build lines), a clipped step, a weight-sync chunk through full_tensor() and a sharded save and
+  load (the rank's rows read back);
+* colocation: the engine's share of the card (es_ray.memory_plan.engine_share) beside the learner's resident lines
+  against torch.cuda.mem_get_info, allocated together; the colocated sync's chunks left on the device;
 * timings: an ES iteration (full rank: perturb, generate, restore per member, then the update; low rank: one batched
   generation, then the update) against bare batched generation of the same rows, each the median of --repeats runs
   after a warm-up. The batch is --population x --prompts rows; whether it reaches the GPU's throughput plateau is
@@ -405,7 +408,14 @@ def check_grpo(smoke: Smoke, model_dir: Path, shape: ModelShape, args, key: str,
         s["grpo/loss"] == s["grpo/loss"] and s["grpo/grad_norm"] > 0 for s in steps),
         f"losses {[round(s['grpo/loss'], 4) for s in steps]}, weights moved: {moved}")
     smoke.memory(key, "grpo_learner", measured, plan, "learner", fig)
-    del learner, before
+    # the colocated sync's chunks: the learner's full tensors where it holds them (no host copy); bytes off the device
+    chunks = [learner.weight_chunk(k, "bfloat16", on_device=True) for k in range(len(learner.chunks))]
+    off = sum(t.nbytes for c in chunks for t in c.values() if t.device.type != smoke.device.type)
+    total = sum(t.nbytes for c in chunks for t in c.values())
+    fig["colocated_sync"] = {"bytes": total, "host_copy_bytes": off}
+    smoke.check(f"{key}/colocated_sync_chunks_on_device", total > 0 and off == 0,
+                f"{total} B of bf16 chunks, {off} B of them on the host")
+    del learner, before, chunks
 
 
 def _host_status(field: str) -> int | None:
@@ -435,7 +445,7 @@ def check_sharded_learner(smoke: Smoke, model_dir: Path, shape: ModelShape, args
     if dist.is_initialized():
         smoke.check(f"{key}/sharded_learner_world_1", False, "a default process group already exists")
         return
-    g = GRPOConfig(dtype="bf16_mixed", micro_batch_size=2, offload="all", lr=1e-4)
+    g = GRPOConfig(dtype="bf16_mixed", micro_batch_size=2, offload="all", lr=1e-4, max_grad_norm=1e-3)  # clipped
     cfg = GRPOTrainConfig(model=ModelConfig(path=str(model_dir)), grpo=g,
                           sampling=GRPOSamplingConfig(max_new_tokens=8, temperature=1.0),
                           engine=GRPOEngineConfig(device=smoke.device.type, threads=torch.get_num_threads()))
@@ -451,6 +461,7 @@ def check_sharded_learner(smoke: Smoke, model_dir: Path, shape: ModelShape, args
     host_rise = None if host_before is None else _host_status("VmHWM") - host_before
     planned_host, planned_device = build["learner build (host)"], build["learner build (device)"]
     try:
+        check_group_backends(smoke, learner.group, key, fig)
         gen = torch.Generator().manual_seed(2)
         samples = [{"prompt_ids": torch.randint(0, 256, (8,), generator=gen).tolist(),
                     "completion_ids": torch.randint(0, 256, (8,), generator=gen).tolist()} for _ in range(4)]
@@ -468,9 +479,11 @@ def check_sharded_learner(smoke: Smoke, model_dir: Path, shape: ModelShape, args
                               "build_host_rise_bytes": host_rise, "build_device_peak_bytes": device_peak,
                               "planned_build_host_bytes": planned_host, "planned_build_device_bytes": planned_device,
                               "loss": step["grpo/loss"], "chunk_tensors": len(chunk)}
+    fig["sharded_learner"]["grad_norm"] = step["grpo/grad_norm"]
     smoke.check(f"{key}/sharded_learner_world_1", step["grpo/loss"] == step["grpo/loss"] and chunk and all(
-        t.dtype == torch.bfloat16 for t in chunk.values()) and same,
-        f"{fig['sharded_learner']['backend']}: a step (loss {step['grpo/loss']:.4g}), a sync chunk of {len(chunk)} "
+        t.dtype == torch.bfloat16 for t in chunk.values()) and same and step["grpo/grad_norm"] > g.max_grad_norm,
+        f"{fig['sharded_learner']['backend']}: an offloaded step clipped (grad norm {step['grpo/grad_norm']:.4g} > "
+        f"grpo.max_grad_norm={g.max_grad_norm}, loss {step['grpo/loss']:.4g}), a sync chunk of {len(chunk)} "
         f"bf16 tensors through full_tensor, a sharded save and load giving the saved weights back: {same}")
     # the build's host rise holds the host line and, on a CPU rank, the device line too; the whole fp32 model
     # (what a rank held before the meta build) would exceed it
@@ -484,6 +497,66 @@ def check_sharded_learner(smoke: Smoke, model_dir: Path, shape: ModelShape, args
                     f"reserved peak {device_peak[1] / GiB:.3f} GiB <= planned {planned_device / GiB:.3f} GiB + "
                     "the allocator slack")
     del learner
+
+
+def check_group_backends(smoke: Smoke, group, key: str, fig: dict) -> None:
+    """The learner's own group carries a backend for the host's tensors beside the device's (gloo beside NCCL on a
+    GPU: es_ray.runtime.process_group.backend_kinds): a host tensor and a device tensor each all-reduced on it. With
+    grpo.offload=all FSDP2's shards and gradients are on the host, and clip_grad_norm_'s norm and full_tensor() are
+    collectives of host tensors (at a world of one DTensor skips them; the group's dispatch by device does not)."""
+    import torch.distributed as dist
+
+    from es_ray.runtime.process_group import backend_kinds
+
+    host, dev = torch.ones(1), torch.ones(1, device=smoke.device)
+    dist.all_reduce(host, group=group.pg)  # "No backend type associated with device type cpu" without gloo
+    dist.all_reduce(dev, group=group.pg)
+    fig["learner_group_backends"] = dict(group.backends)
+    smoke.check(f"{key}/learner_group_host_and_device_backends",
+                group.backends == backend_kinds(smoke.device.type) and "cpu" in group.backends
+                and host.item() == 1.0 and dev.item() == 1.0,
+                f"backends {group.backends}: a host and a device all-reduce on the learner's group")
+
+
+def check_colocated_share(smoke: Smoke, model_dir: Path, shape: ModelShape, key: str, fig: dict) -> None:
+    """grpo.colocate=true's share arithmetic on this card: the engine's gpu_memory_utilization (the one the start-up
+    check adds, es_ray.memory_plan.engine_share) x the card + the learner's resident lines fit the usable card; on a
+    GPU the card is torch.cuda.mem_get_info's total, the share is free now (vLLM refuses to start otherwise), and the
+    two are allocated together. On CPU the arithmetic for an 80 GB card (no vLLM, no allocation)."""
+    from es_ray.grpo.colocated import planned_engine_config
+    from es_ray.grpo.config import to_grpo_config
+    from es_ray.memory_plan import CARD_NAMES, card_bytes, plan_for, usable_bytes
+
+    cfg = to_grpo_config({"model": {"path": str(model_dir)},
+                          "engine": {"name": "vllm", "device": "cuda", "max_model_len": 1024},
+                          "cluster": {"num_actors": 1, "gpus_per_actor": 1},
+                          "grpo": {"colocate": True, "dtype": "bf16_mixed", "micro_batch_size": 2,
+                                   "prompts_per_step": 2, "group_size": 2}})
+    free = total = None
+    if smoke.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(smoke.device)
+        props = torch.cuda.get_device_properties(smoke.device)
+        reported, name = props.total_memory, props.name
+    else:
+        reported, name = card_bytes(80), CARD_NAMES[80]
+    cfg = planned_engine_config(cfg, reported, name)
+    share = cfg.engine.gpu_memory_utilization
+    plan = plan_for("grpo", cfg, shape, reported, name)
+    mapped, resident = int(share * reported), plan.learner_resident
+    ok = 0 < share <= 1 and plan.part("vllm") <= mapped and mapped + resident <= usable_bytes(reported) \
+        and plan.total >= mapped + resident
+    if total is not None:
+        ok = ok and total == reported and free >= mapped
+        blob = torch.empty(mapped + resident, dtype=torch.uint8, device=smoke.device)  # both on the card at once
+        del blob
+        torch.cuda.empty_cache()
+    fig["colocated_share"] = {"share": share, "card_bytes": reported, "mem_get_info": [free, total],
+                              "vllm_mapped_bytes": mapped, "learner_resident_bytes": resident,
+                              "usable_bytes": usable_bytes(reported), "plan_total_bytes": plan.total}
+    smoke.check(f"{key}/colocated_share_fits", ok,
+                f"engine share {share:.2f} x {reported / GiB:.1f} GiB = {mapped / GiB:.2f} GiB + learner resident "
+                f"{resident / GiB:.2f} GiB <= usable {usable_bytes(reported) / GiB:.2f} GiB"
+                + (f"; free now {free / GiB:.2f} GiB" if free is not None else ""))
 
 
 def run_model(smoke: Smoke, name: str, fields: dict, args, workdir: Path) -> dict:
@@ -508,6 +581,7 @@ def run_model(smoke: Smoke, name: str, fields: dict, args, workdir: Path) -> dic
     check_counter_noise(smoke, shape, key, fig)
     check_grpo(smoke, model_dir, shape, args, key, fig)
     check_sharded_learner(smoke, model_dir, shape, args, key, fig, workdir)
+    check_colocated_share(smoke, model_dir, shape, key, fig)
     fig["es_iteration_over_bare_generation"] = round(fig["es_iteration_s"] / fig["bare_batched_generation_s"], 3)
     fig["es_lowrank_iteration_over_bare_generation"] = round(
         fig["es_lowrank_iteration_s"] / fig["bare_batched_generation_s"], 3)

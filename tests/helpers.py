@@ -151,9 +151,10 @@ def flip_byte(file: Path, offset: int | None = None) -> None:
     file.write_bytes(bytes(data))
 
 
-def run_two_learner_ranks(target, model_dir, tmp_path, timeout: float = 240) -> list:
+def run_two_learner_ranks(target, model_dir, tmp_path, timeout: float = 240, **grpo) -> list:
     """Two spawned processes, ``target(rank, 2, address, cfg, str(tmp_path), queue)``, on a free loopback port,
-    with a sharded (fsdp_size=2) GRPO config of the tiny model; each rank puts one tuple starting with its rank.
+    with a sharded (fsdp_size=2) GRPO config of the tiny model (``grpo``: more grpo keys, e.g. offload="all"); each
+    rank puts one tuple starting with its rank.
     Returns them sorted by rank; a process still alive after its result is killed."""
     import multiprocessing as mp
     import socket
@@ -165,7 +166,7 @@ def run_two_learner_ranks(target, model_dir, tmp_path, timeout: float = 240) -> 
         address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
     cfg = to_grpo_config({"model": {"path": str(model_dir)}, "engine": {"threads": 1},
                           "grpo": {"lr": 1e-2, "micro_batch_size": 2, "prompts_per_step": 2, "group_size": 2,
-                                   "fsdp_size": 2}})
+                                   "fsdp_size": 2, **grpo}})
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=target, args=(rank, 2, address, cfg, str(tmp_path), queue)) for rank in range(2)]

@@ -9,13 +9,23 @@ rank is given a device of its own, ``RANK_DEVICE`` (``cpu:0``: a CPU tensor in e
   ``.to("cpu")``: on the host;
 * made with ``device=RANK_DEVICE`` or moved by ``.to(RANK_DEVICE)``: on the device;
 * computed from host tensors only: on the host (as a CPU op's result is on a GPU node);
-* anything else (a parameter transformers loaded, FSDP2's buffers, a DTensor's shard): not followed. Torch's own
-  collectives take their device from the group's mesh, which the learner's device names.
+* FSDP2's shards and gradients under ``CPUOffloadPolicy`` (grpo.offload=all): on the host, as FSDP2 keeps them on a
+  GPU node (every ``FSDPParam`` built while the mode is on is recorded; a DTensor whose local tensor shares their
+  storage is a host DTensor);
+* a DTensor computed from host DTensors only: on the host, and so is every tensor a collective is handed while such
+  an op or a host DTensor's ``redistribute`` / ``full_tensor`` runs: DTensor's redistribution reduces or gathers the
+  local (host) tensor (torch ``distributed/tensor/_redistribute.py``, ``placement_types.py``);
+* anything else (a parameter transformers loaded, FSDP2's buffers, a device DTensor's shard): not followed. Torch's
+  own collectives take their device from the group's mesh, which the learner's device names.
 
 A move across the two devices returns a copy (as it does on a GPU node), so a host tensor and its device copy are
 two tensors. The collectives of ``torch.distributed`` and of its functional API (what DTensor's ``full_tensor`` and
-``distribute_tensor`` and FSDP2 call) refuse a host tensor with the call site in the project and where the tensor was
-made. ``StrictDevice.checked`` counts the tensors each collective was handed, so a test can show the rule was applied.
+``distribute_tensor`` and FSDP2 call) accept a host tensor only on a group the project built with a CPU backend beside
+the device's, as it builds it on a GPU node (``es_ray.runtime.process_group.backend_kinds("cuda")``, for a group in
+its ``GROUP_BACKENDS``); anywhere else (torch's default group, a group with NCCL alone) they refuse it with the call
+site in the project and where the tensor was made, as NCCL does ("No backend type associated with device type cpu").
+``StrictDevice.checked`` counts the tensors each collective was handed and ``StrictDevice.host_served`` the host
+tensors a CPU backend took, so a test can show the rule was applied.
 """
 
 from __future__ import annotations
@@ -73,14 +83,49 @@ class StrictDevice(TorchFunctionMode):
         self.roots = roots
         self.where = WeakIdKeyDictionary()  # tensor -> (HOST | DEVICE, "file:line (function)" where it was made)
         self.checked: Counter = Counter()
+        self.host_served: Counter = Counter()
         self._saved: list = []
         self._depth = 0
+        self._host_ops = 0  # > 0 while an op on host DTensors (or their redistribution) runs
+        self._offloaded: list = []  # FSDP2's FSDPParams with CPUOffloadPolicy (weakrefs)
+
+    def _offloaded_storages(self) -> set[int]:
+        """Storage addresses of FSDP2's host shards and gradients (grpo.offload=all), as they are now."""
+        ptrs = set()
+        for ref in self._offloaded:
+            fp = ref()
+            if fp is None:
+                continue
+            for t in (getattr(fp, "_sharded_param_data", None), getattr(fp.sharded_param, "grad", None)):
+                local = getattr(t, "_local_tensor", t)
+                if isinstance(local, torch.Tensor) and local.numel() and not local.is_meta:
+                    ptrs.add(local.untyped_storage().data_ptr())
+        return ptrs
+
+    def placed(self, t) -> tuple[str, str] | None:
+        """(HOST | DEVICE, where it was made) of a followed tensor, None for one not followed."""
+        found = self.where.get(t)
+        if found is not None:
+            return found
+        local = getattr(t, "_local_tensor", None)
+        if local is None:
+            return None
+        found = self.where.get(local)
+        if found is None and self._offloaded and local.numel() and not local.is_meta \
+                and local.untyped_storage().data_ptr() in self._offloaded_storages():
+            found = (HOST, "FSDP2's CPUOffloadPolicy (grpo.offload=all)")
+        return found
 
     # -- placement ---------------------------------------------------------------------------------------------
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def _follow(self, func, args, kwargs):
         out = func(*args, **kwargs)
-        if not isinstance(out, torch.Tensor):
+        if not isinstance(out, torch.Tensor):  # several tensors (torch._foreach_norm): followed as one op's results
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            tagged = [self.placed(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if outs and tagged and all(t is not None and t[0] == HOST for t in tagged):
+                for t in outs:
+                    if t not in self.where:
+                        self.where[t] = tagged[0]
             return out
         name = getattr(func, "__name__", "")
         moved = None
@@ -104,24 +149,45 @@ class StrictDevice(TorchFunctionMode):
             if site is not None:
                 self.where[out] = (_placement(kwargs.get("device")), site)
             return out
-        tagged = [self.where.get(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tagged = [self.placed(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if tagged and all(t is not None and t[0] == HOST for t in tagged) and out not in self.where:
             self.where[out] = tagged[0]  # a CPU op on host tensors gives a host tensor
         return out
 
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        """An op on host DTensors runs with ``_host_ops`` raised: a redistribution inside it hands the collective
+        the DTensors' local (host) tensors."""
+        kwargs = kwargs or {}
+        dtensors = [t for t in tree_leaves((args, kwargs)) if hasattr(t, "_local_tensor")]
+        if dtensors and all((self.placed(t) or (DEVICE,))[0] == HOST for t in dtensors):
+            self._host_ops += 1
+            try:
+                return self._follow(func, args, kwargs)
+            finally:
+                self._host_ops -= 1
+        return self._follow(func, args, kwargs)
+
     # -- the collectives ---------------------------------------------------------------------------------------
     def check(self, collective: str, args, kwargs) -> None:
+        host_ok = serves_host(_group_name(collective, args, kwargs))
         for t in tree_leaves((args, kwargs)):
             if not isinstance(t, torch.Tensor):
                 continue
             self.checked[collective] += 1
-            placed = self.where.get(t)
-            if placed is not None and placed[0] == HOST:
-                site = _site(self.roots) or "outside the project"
-                raise StrictCollectiveError(
-                    f"{collective} at {site} was handed a {t.dtype} tensor {tuple(t.shape)} on the host (made at "
-                    f"{placed[1]}); NCCL serves only tensors on the rank's device: create it with "
-                    f"device=<the rank's device> or move it there first")
+            placed = self.placed(t)
+            if placed is None and self._host_ops:
+                placed = (HOST, "a host DTensor's redistribution")
+            if placed is None or placed[0] != HOST:
+                continue
+            if host_ok:
+                self.host_served[collective] += 1
+                continue
+            site = _site(self.roots) or "outside the project"
+            raise StrictCollectiveError(
+                f"{collective} at {site} was handed a {t.dtype} tensor {tuple(t.shape)} on the host (made at "
+                f"{placed[1]}); NCCL serves only tensors on the rank's device (No backend type associated with "
+                f"device type cpu): create it with device=<the rank's device> or move it there first, or give the "
+                f"group a CPU backend beside NCCL")
 
     def __enter__(self):
         import torch.distributed as dist
@@ -138,7 +204,42 @@ class StrictDevice(TorchFunctionMode):
                     wrapped[id(real)] = self._strict(name, real)
                 self._saved.append((module, name, real))
                 setattr(module, name, wrapped[id(real)])
+        self._follow_fsdp_and_dtensor()
         return super().__enter__()
+
+    def _follow_fsdp_and_dtensor(self) -> None:
+        """Record FSDP2's offloaded parameters as they are built, and run a host DTensor's ``redistribute`` and
+        ``full_tensor`` (plain methods, which the mode does not see) as host ops."""
+        import weakref
+
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+        from torch.distributed.tensor import DTensor
+
+        init = FSDPParam.__init__
+
+        def recorded(fp, *args, **kwargs):
+            init(fp, *args, **kwargs)
+            if fp.offload_to_cpu:
+                self._offloaded.append(weakref.ref(fp))
+
+        self._saved.append((FSDPParam, "__init__", init))
+        FSDPParam.__init__ = recorded
+        for name in ("redistribute", "full_tensor"):
+            real = getattr(DTensor, name)
+            self._saved.append((DTensor, name, real))
+            setattr(DTensor, name, self._host_method(real))
+
+    def _host_method(self, real):
+        def method(dt, *args, **kwargs):
+            if (self.placed(dt) or (DEVICE,))[0] != HOST:
+                return real(dt, *args, **kwargs)
+            self._host_ops += 1
+            try:
+                return real(dt, *args, **kwargs)
+            finally:
+                self._host_ops -= 1
+
+        return method
 
     def _strict(self, name: str, real):
         def strict(*args, **kwargs):
@@ -160,25 +261,64 @@ class StrictDevice(TorchFunctionMode):
         return super().__exit__(*exc)
 
 
+def _group_name(collective: str, args, kwargs) -> str | None:
+    """The name of the group a collective runs on (None: torch's default group): a ``ProcessGroup``, a
+    ``DeviceMesh`` (or ``(mesh, dim)``) or a group's registered name, passed as ``group=`` or among the arguments."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from es_ray.runtime import process_group
+
+    for a in [kwargs.get("group"), kwargs.get("group_name"), *args]:
+        if isinstance(a, str) and a in getattr(process_group, "GROUP_BACKENDS", {}):
+            return a
+        if isinstance(a, dist.ProcessGroup):
+            return a.group_name
+        if isinstance(a, DeviceMesh) or (isinstance(a, tuple) and a and isinstance(a[0], DeviceMesh)):
+            return funcol._resolve_group_name(a)
+    return None
+
+
+def serves_host(group_name: str | None) -> bool:
+    """Whether the group takes host tensors on a GPU node: one the project built (``own_group``) whose backends
+    there (``backend_kinds("cuda")``) include a CPU one. Torch's default group in these tests is NCCL alone."""
+    from es_ray.runtime import process_group
+
+    built = getattr(process_group, "GROUP_BACKENDS", {})
+    kinds = getattr(process_group, "backend_kinds", None)
+    return group_name in built and kinds is not None and "cpu" in kinds("cuda")
+
+
 def run_rank(rank: int, world: int, address: str, cfg, out_dir: str, queue) -> None:
-    """One learner rank under ``StrictDevice`` on ``RANK_DEVICE``: join, a train step, a weight sync (every chunk
-    through full_tensor), a sharded save and load. Puts (rank, counts of checked tensors per collective, error)."""
+    """One learner rank under ``StrictDevice`` on ``RANK_DEVICE``: join, a train step (its gradients clipped), a
+    weight sync (every chunk through full_tensor), a sharded save and load. Puts (rank, counts of checked tensors per
+    collective, error, counts of host tensors a CPU backend served, the step's grad norm, whether the loaded weights
+    equal the saved ones)."""
     import es_ray.engines.base as base
 
     base.resolve_device = lambda engine_cfg: str(RANK_DEVICE)  # the rank is told its device, as on a GPU node
     from es_ray.grpo.learner import GRPOLearner
 
     samples = [{"prompt_ids": [1, 2, 3, 4 + i % 2], "completion_ids": [10 + i, 20, 30 + i, 40]} for i in range(4)]
-    error = None
+    error, grad_norm, same = None, None, None
     with StrictDevice() as strict:
         try:
             learner = GRPOLearner(cfg, rank, world)
             learner.join(address)
-            learner.train_step(samples, [1.0, -1.0, 0.5, -0.5])
+            grad_norm = learner.train_step(samples, [1.0, -1.0, 0.5, -0.5])["grpo/grad_norm"]
+            synced = {}
             for k in range(len(learner.chunks)):
-                learner.weight_chunk(k, "bfloat16")
+                synced.update(learner.weight_chunk(k, "float32"))
             learner.save(f"{out_dir}/step_1", {"step": 1})
+            with torch.no_grad():
+                for p in learner.params:
+                    p.to_local().add_(1.0)  # changed, so the load must write every row back
             learner.load(f"{out_dir}/step_1")
+            after = {}
+            for k in range(len(learner.chunks)):
+                after.update(learner.weight_chunk(k, "float32"))
+            same = bool(synced) == (rank == 0) and all(torch.equal(synced[n], after[n]) for n in synced)
         except Exception as exc:  # reported to the test, which prints it
             error = f"{type(exc).__name__}: {exc}"
-    queue.put((rank, dict(strict.checked), error))
+    queue.put((rank, dict(strict.checked), error, dict(strict.host_served), grad_norm, same))

@@ -17,9 +17,13 @@ def test_gpu_smoke_runs_tiny_on_cpu():
                          text=True, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     figures = json.loads(res.stdout.strip().splitlines()[-1])
-    assert figures["ok"] and len(figures["checks"]) == 11 and all(figures["checks"].values())
+    assert figures["ok"] and len(figures["checks"]) == 14 and all(figures["checks"].values())
     sharded = figures["models"]["tiny-qwen2"]["sharded_learner"]
     assert sharded["backend"] == "gloo" and sharded["chunk_tensors"] > 0 and sharded["build_host_rise_bytes"] > 0
+    assert sharded["grad_norm"] > 1e-3  # the offloaded step's gradients were clipped
+    model = figures["models"]["tiny-qwen2"]
+    assert model["learner_group_backends"] == {"cpu": "GLOO"} and model["colocated_sync"]["host_copy_bytes"] == 0
+    assert 0 < model["colocated_share"]["share"] < 1
     assert figures["unconfirmed_here"] and "only a multi-GPU machine with vLLM confirms" in res.stdout
     model = figures["models"]["tiny-qwen2"]
     assert model["restore_bit_mismatches"] == 0 and model["perturb_changed_elements"] > 0

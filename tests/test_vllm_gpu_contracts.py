@@ -273,18 +273,27 @@ def test_a_write_that_moves_a_parameter_is_refused_where_graphs_were_captured(mo
 
 # -- sleep mode: what grpo.colocate calls ----------------------------------------------------------------------------
 def test_colocation_calls_match_vllms_sleep_and_wake_up():
-    """grpo.colocate on a GPU calls ``llm.sleep(level=1)`` and ``llm.wake_up(tags=[...])`` with vLLM's own tags
-    (es_ray/engines/vllm.py); level 1 keeps the weights (offloaded to the host and mapped back at the same addresses,
-    so captured graphs stay valid) and drops the KV cache, clearing the prefix cache; a partial wake leaves the
-    scheduler paused until every tag is awake."""
+    """grpo.colocate on a GPU calls ``llm.sleep(level=2)`` and ``llm.wake_up(tags=[...])`` with vLLM's own tags
+    (es_ray/engines/vllm.py, grpo/colocated.py); level 2 discards the weights (the sync writes every one after the
+    step) and keeps the model's buffers on the host, restored when the weights wake (the GPU worker's
+    ``_sleep_saved_buffers``); the memory is mapped back at the same addresses, so captured graphs stay valid; the
+    KV cache is dropped, clearing the prefix cache; a partial wake leaves the scheduler paused until every tag is
+    awake."""
     from vllm import LLM
     from vllm.v1.executor.abstract import SLEEP_TAGS
 
-    inspect.signature(LLM.sleep).bind(None, level=1)
+    from es_ray.grpo.colocated import SLEEP_LEVEL
+
+    inspect.signature(LLM.sleep).bind(None, level=SLEEP_LEVEL)
     inspect.signature(LLM.wake_up).bind(None, tags=["weights"])
     assert set(engine_mod.SLEEP_TAGS) == set(SLEEP_TAGS)
     source = (REPO / "es_ray" / "engines" / "vllm.py").read_text()
-    assert "self.llm.sleep(level=1)" in source and "self.llm.wake_up(tags=tags)" in source
+    assert "self.llm.sleep(level=level)" in source and "self.llm.wake_up(tags=tags)" in source
+    assert SLEEP_LEVEL == 2 and "self.engine.sleep(SLEEP_LEVEL)" in (REPO / "grpo" / "colocated.py").read_text()
+    worker = _vllm_source("v1/worker/gpu_worker.py")
+    assert "if level == 2:" in worker and "name: buffer.cpu().clone() for name, buffer in model.named_buffers()" \
+        in worker
+    assert 'wake_weights = tags is None or "weights" in tags' in worker and "buffer.data.copy_(" in worker
     core = _vllm_source("v1/engine/core.py")
     assert "clear_prefix_cache = level >= 1" in core
     assert "fully_awake = not self.model_executor.is_sleeping" in core  # the scheduler resumes at the last tag
@@ -320,6 +329,7 @@ def test_a_sleeping_engine_refuses_to_generate_or_write():
     engine = object.__new__(engine_mod.VLLMEngine)
     engine.llm, engine.tokenizer, engine._weights_version = _SleepyLLM(), lambda p, **kw: {"input_ids": [1, 2]}, 0
     engine._asleep = set()  # put to sleep by another hand than engine.sleep: refused all the same
+    engine.cfg = SimpleNamespace(tensor_parallel_size=1)
     sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
     for call in (lambda: engine.generate(["p"], sampling, seed=0), lambda: engine.token_logprobs([1], [2]),
                  lambda: engine.write_weights([("w", torch.zeros(1))])):
@@ -357,7 +367,7 @@ def test_weights_wake_before_the_kv_cache_and_a_write_needs_only_the_weights():
 
     engine = object.__new__(engine_mod.VLLMEngine)
     engine.llm, engine.tokenizer, engine._weights_version = _TaggedLLM(), lambda p, **kw: {"input_ids": [1, 2]}, 0
-    engine._asleep = set()
+    engine._asleep, engine.cfg = set(), SimpleNamespace(tensor_parallel_size=1)
     sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
     engine.sleep()
     for call in (lambda: engine.write_weights([("w", torch.zeros(1))]), lambda: engine.generate(["p"], sampling, 0)):
@@ -381,11 +391,12 @@ def test_a_colocated_actor_frees_the_learners_cache_then_wakes_weights_syncs_and
     from es_ray.grpo import colocated
 
     calls = []
-    engine = SimpleNamespace(sleep=lambda: calls.append("sleep"), wake_up=lambda tags: calls.append(("wake", *tags)),
+    engine = SimpleNamespace(sleep=lambda level: calls.append(("sleep", level)),
+                             wake_up=lambda tags: calls.append(("wake", *tags)),
                              write_weights=lambda items: calls.append(("write", [n for n, _ in items])),
                              generate=lambda *a: calls.append("generate") or [])
     learner = SimpleNamespace(chunks=[0, 1], train_step=lambda s, a: calls.append("train") or {},
-                              weight_chunk=lambda k, dtype, everywhere: {f"w{k}": torch.zeros(1)})
+                              weight_chunk=lambda k, dtype, everywhere, on_device: {f"w{k}": torch.zeros(1)})
     worker = object.__new__(colocated.ColocatedWorker)
     worker.cfg, worker.engine, worker.learner, worker.sleeping = None, engine, learner, []
     monkeypatch.setattr(colocated, "_on_gpu", lambda cfg: True)
@@ -395,7 +406,7 @@ def test_a_colocated_actor_frees_the_learners_cache_then_wakes_weights_syncs_and
     worker.train_step([], [])  # asleep already: not put to sleep twice
     worker.sync_local("bfloat16")
     worker.generate([0], 2, 0)
-    assert calls == ["sleep", "train", "train", "empty_cache", ("wake", "weights"), ("write", ["w0"]),
+    assert calls == [("sleep", 2), "train", "train", "empty_cache", ("wake", "weights"), ("write", ["w0"]),
                      ("write", ["w1"]), ("wake", "kv_cache"), "generate"]
 
 

@@ -109,6 +109,16 @@ def enable_batch_invariance() -> None:
                            f"process, or export {BATCH_INVARIANT_ENV}=1 before it starts")
 
 
+def _device_name() -> str:
+    """The GPU's name as vLLM reads it for its batch defaults (es_ray.memory_plan.vllm_batch_defaults); "" if none."""
+    from vllm.platforms import current_platform
+
+    try:
+        return current_platform.get_device_name()
+    except Exception:  # a platform without one (vLLM falls back the same way)
+        return ""
+
+
 def _request_seed(seed: int, index: int) -> int:
     """Per-prompt sampling seed: the same prompt position gets the same stream whatever the batch holds."""
     return (int(seed) * 1_000_003 + index) % (1 << 63)
@@ -118,7 +128,7 @@ SLEEP_MODE_ENV = "ES_RAY_VLLM_SLEEP_MODE"
 """Set to 1 by a colocated GRPO actor before its engine is built: vLLM's sleep mode, so the engine's weights and KV
 cache leave the GPU while the learner beside it trains."""
 SLEEP_TAGS = ("weights", "kv_cache")
-"""What vLLM's sleep level 1 puts to sleep (its ``v1/executor/abstract.py`` SLEEP_TAGS), woken in this order."""
+"""What vLLM's sleep mode puts to sleep (its ``v1/executor/abstract.py`` SLEEP_TAGS), woken in this order."""
 
 
 class VLLMEngine(Engine):
@@ -224,7 +234,7 @@ class VLLMEngine(Engine):
         from es_ray.memory_plan import auto_gpu_memory_utilization, vllm_batch_defaults
 
         try:
-            shape, settings = self._plan_settings(**vllm_batch_defaults(card_bytes))
+            shape, settings = self._plan_settings(**vllm_batch_defaults(card_bytes, _device_name()))
         except ValueError:  # a model the plan cannot count: the fixed share
             return _GPU_MEMORY_UTILIZATION
         return auto_gpu_memory_utilization(shape, card_bytes, settings)
@@ -243,7 +253,8 @@ class VLLMEngine(Engine):
         try:
             shape, settings = self._plan_settings(
                 optimizer=spec.optimizer, anchor_decay=spec.anchor_decay, noise=spec.noise,
-                noise_table_size=spec.noise_table_size, trainable=spec.trainable, **vllm_batch_defaults(total))
+                noise_table_size=spec.noise_table_size, trainable=spec.trainable,
+                **vllm_batch_defaults(total, _device_name()))
         except ValueError:  # a model the plan cannot count: no check
             return
         message = plan_es(shape, settings).refusal(total, free_bytes=free, share=self._gpu_share)
@@ -287,10 +298,12 @@ class VLLMEngine(Engine):
         ]
 
     # -- sleep mode (grpo.colocate on a GPU) -----------------------------------------------------------------
-    def sleep(self) -> None:
-        """vLLM sleep mode, level 1: the weights offloaded to the host (mapped back at the same addresses, so
-        captured CUDA graphs stay valid), the KV cache dropped, the scheduler paused."""
-        self.llm.sleep(level=1)
+    def sleep(self, level: int = 1) -> None:
+        """vLLM sleep mode: the weights' and the KV cache's device memory unmapped (mapped back at the same addresses,
+        so captured CUDA graphs stay valid), the scheduler paused. Level 1 offloads the weights to pinned host buffers
+        allocated at each sleep; level 2 discards them (keeping the model's buffers on the host), for a caller that
+        writes every weight before the next generate (grpo/colocated.py)."""
+        self.llm.sleep(level=level)
         self._asleep = set(SLEEP_TAGS)
 
     def wake_up(self, tags: Iterable[str]) -> None:
@@ -346,8 +359,13 @@ class VLLMEngine(Engine):
 
     # -- weights -------------------------------------------------------------------------------------------
     def write_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """At tensor_parallel_size=1 with the engine core in this process the worker reads the tensors where they are
+        (a colocated learner's on the same device: no host copy); otherwise they cross to other processes, as CPU
+        tensors (never a pickled CUDA tensor)."""
+        self._check_awake(need="weights")  # before anything is read of the tensors or the config
+        here = self.cfg.tensor_parallel_size == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         try:
-            self._rpc(ESExtension.es_write_weights, [(n, t.detach().cpu()) for n, t in named])
+            self._rpc(ESExtension.es_write_weights, [(n, t.detach() if here else t.detach().cpu()) for n, t in named])
         finally:  # a write that failed half-way changed weights too
             self._weights_changed()
 

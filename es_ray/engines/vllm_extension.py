@@ -523,6 +523,7 @@ class ESExtension:
 
     # -- weights and state (tensors: checkpoints, GRPO sync and tests only) ----------------------------------
     def es_write_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        # a tensor already on this device (a colocated learner's, es_ray/engines/vllm.py) is written as it is
         self._es_write((name, t.to(self.device)) for name, t in named)
 
     def es_state_dict(self) -> dict:

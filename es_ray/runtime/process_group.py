@@ -3,8 +3,9 @@ that an engine in the same process may own that one: vLLM's in-process worker ca
 world of one (grpo.colocate=true with engine.name=vllm), and a second ``init_process_group`` raises "trying to
 initialize the default process group twice".
 
-The group is built from a TCPStore at rank 0's address the way torch builds any group (a ``ProcessGroup`` over one
-backend: gloo for CPU tensors, NCCL for CUDA ones), registered by name only, which is how DTensor's and FSDP2's
+The group is built from a TCPStore at rank 0's address the way torch builds any group (a ``ProcessGroup`` with one
+backend per device type, ``backend_kinds``: NCCL for CUDA tensors and gloo beside it for host ones, as
+``init_process_group("cpu:gloo,cuda:nccl")`` would; gloo alone on a CPU rank), registered by name only, which is how DTensor's and FSDP2's
 collectives find it. It is not entered in torch's table of groups: that table maps a group's ranks through the
 default group's rank (``dist.get_rank(group)``), which under vLLM is 0 in every process. So the code over this
 group uses only what reads the group itself: ``group.rank()``, collectives given ``group=``, object collectives
@@ -32,6 +33,8 @@ class OwnGroup:
     store: Any
     name: str
     device: Any
+    backends: dict[str, str]
+    """Device type -> the backend serving that type's tensors (``backend_kinds``)."""
 
     @property
     def rank(self) -> int:
@@ -59,11 +62,27 @@ class OwnGroup:
 
         self.pg.shutdown()
         _unregister_process_group(self.name)
+        GROUP_BACKENDS.pop(self.name, None)
+
+
+def backend_kinds(device_type: str) -> dict[str, str]:
+    """Device type -> backend of the learner's group on a rank whose device is of ``device_type``: its own (NCCL for
+    cuda, gloo for cpu) and gloo for the host's tensors beside it. Host tensors do reach the group on a GPU node:
+    with grpo.offload=all FSDP2 keeps the shards and gradients on the host, so ``clip_grad_norm_``'s partial norm and
+    ``full_tensor()`` (the weight sync, the checkpoint) are all-reduces and all-gathers of CPU tensors; a group with
+    NCCL alone refuses them ("No backend type associated with device type cpu", pytorch#148532)."""
+    return {"cpu": "GLOO", "cuda": "NCCL"} if device_type == "cuda" else {"cpu": "GLOO"}
+
+
+GROUP_BACKENDS: dict[str, dict[str, str]] = {}
+"""Group name -> ``backend_kinds`` of the groups ``own_group`` built in this process (tests/strict_collectives.py
+reads it to decide which tensors a group serves on a GPU node)."""
 
 
 def own_group(address: str, rank: int, world: int, device: str, timeout_s: float, name: str) -> OwnGroup:
     """Rank ``rank`` of ``world`` joins the group whose TCPStore rank 0 serves at ``address`` (tcp://host:port);
-    ``device``: the rank's device (gloo for a CPU one, NCCL for CUDA). ``name`` must be unique in the process."""
+    ``device``: the rank's device (``backend_kinds``: NCCL and gloo for CUDA, gloo for CPU). ``name`` must be unique in
+    the process."""
     import torch
     import torch.distributed as dist
     from torch._C._distributed_c10d import _register_process_group
@@ -77,22 +96,24 @@ def own_group(address: str, rank: int, world: int, device: str, timeout_s: float
     prefix = dist.PrefixStore(f"{name}/", store)
     dev = torch.device(device)
     pg = dist.ProcessGroup(prefix, rank, world)
-    if dev.type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        options.group_name = name
-        options.global_ranks_in_group = list(range(world))
-        backend, kind = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", prefix), rank, world, options), "NCCL"
-    else:
-        backend, kind = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), rank, world, timeout), "GLOO"
-    backend._set_sequence_number_for_group()
-    kind = getattr(dist.ProcessGroup.BackendType, kind)
-    pg._set_default_backend(kind)
-    pg._register_backend(torch.device(dev.type), kind, backend)
+    kinds = backend_kinds(dev.type)
+    for device_type, kind in kinds.items():
+        if kind == "NCCL":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            options.group_name = name
+            options.global_ranks_in_group = list(range(world))
+            backend = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", prefix), rank, world, options)
+        else:
+            backend = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), rank, world, timeout)
+        backend._set_sequence_number_for_group()
+        pg._register_backend(torch.device(device_type), getattr(dist.ProcessGroup.BackendType, kind), backend)
+    pg._set_default_backend(getattr(dist.ProcessGroup.BackendType, kinds[dev.type]))  # the device's
     pg._set_group_name(name)
     _register_process_group(name, pg)  # by name: DTensor's functional collectives resolve the mesh's group so
     # What DeviceMesh.from_group builds, with this rank's coordinate given rather than read from the default group
     mesh = DeviceMesh(dev.type, torch.arange(world), _init_backend=False, _rank=rank)
     mesh._dim_group_names = [name]
     mesh._pg_registry[name] = pg
-    return OwnGroup(pg, mesh, store, name, dev)
+    GROUP_BACKENDS[name] = kinds
+    return OwnGroup(pg, mesh, store, name, dev, kinds)
