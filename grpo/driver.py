@@ -79,8 +79,10 @@ def prompt_indices(cfg: GRPOTrainConfig, step: int, pool_size: int) -> list[int]
     return epoch_prompts(pool_size, cfg.grpo.prompts_per_step, step, cfg.run.seed)
 
 
-def sample_seed(cfg: GRPOTrainConfig, step: int, part: int = 0) -> int:
-    return random.Random(f"{cfg.run.seed}/{step}/{part}/grpo-sampling").getrandbits(62)
+def sample_seed(cfg: GRPOTrainConfig, step: int) -> int:
+    """The step's sampling seed, from (run.seed, step); each completion's own seed derives from it, its prompt's
+    index and its sample index (``rollout.completion_seed``), never from the rollout actor that draws it."""
+    return random.Random(f"{cfg.run.seed}/{step}/0/grpo-sampling").getrandbits(62)
 
 
 class Crew:
@@ -320,7 +322,7 @@ def step(cfg: GRPOTrainConfig, crew: Crew, t: int, pool: int, guard) -> dict:
     ids = prompt_indices(cfg, t, pool)
     parts = [list(map(int, p)) for p in np.array_split(ids, len(crew.rollouts))]
     with timer("generate"):
-        out = crew.rollouts.gather(RolloutWorker.generate, {r: (parts[r], g.group_size, sample_seed(cfg, t, r))
+        out = crew.rollouts.gather(RolloutWorker.generate, {r: (parts[r], g.group_size, sample_seed(cfg, t))
                                                 for r in crew.rollouts.ranks})
     results = [out[r] for r in crew.rollouts.ranks]
     samples = [s for res in results for s in res["samples"]]  # prompt-major: P groups of G, in ids order

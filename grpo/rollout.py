@@ -8,6 +8,7 @@ the driver can verify a sync.
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 from es_ray.runtime.actors import Actor, actor_threads
@@ -17,6 +18,13 @@ from es_ray.grpo.config import GRPOTrainConfig
 PROBE_TOKENS = 32
 """Longest sync probe completion (vLLM returns the whole vocabulary's log-probs per position at T != 1)."""
 PROBE_SEED = 0
+
+
+def completion_seed(step_seed: int, prompt_index: int, sample_index: int) -> int:
+    """The sampling seed of completion ``sample_index`` of training prompt ``prompt_index`` in the step whose seed
+    is ``step_seed`` (itself from the run seed and the step): a hash, as ES's noise seeds are."""
+    digest = hashlib.blake2b(f"{step_seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 class RolloutWorker(Actor):
@@ -49,12 +57,15 @@ class RolloutWorker(Actor):
 
     def generate(self, prompt_indices: list[int], group_size: int, seed: int) -> dict:
         """group_size completions of each training prompt -> per completion its prompt index, prompt and completion
-        token ids, and reward (a reward that raises scores 0, counted)."""
+        token ids, and reward (a reward that raises scores 0, counted). Completion j of prompt i is sampled with
+        its own seed from (the step's ``seed``, i, j) (``completion_seed``), so it is the same however the step's
+        prompts are split over rollout actors."""
         problems = [self.task.train[i] for i in prompt_indices for _ in range(group_size)]
         index = [i for i in prompt_indices for _ in range(group_size)]
         prompts = [self._prompts["train"][i] for i in index]
+        seeds = [completion_seed(seed, i, j) for i in prompt_indices for j in range(group_size)]
         t0 = time.perf_counter()
-        completions = self.engine.generate(prompts, self.cfg.sampling, seed)
+        completions = self.engine.generate(prompts, self.cfg.sampling, seeds)
         t1 = time.perf_counter()
         prompt_ids = {i: self._tokens(self._prompts["train"][i]) for i in set(index)}
         rewards, errors = score(self.task, [c.text for c in completions], problems)

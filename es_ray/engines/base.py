@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -163,9 +163,11 @@ class Engine(ABC):
         return "\n".join(m["content"] for m in messages) + "\n"
 
     @abstractmethod
-    def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int,
+    def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int | Sequence[int],
                  share_prompts: bool = True) -> list[Completion]:
-        """One completion per prompt; ``seed`` fixes the sampling so equal calls give equal outputs.
+        """One completion per prompt; ``seed`` fixes the sampling so equal calls give equal outputs. A sequence of
+        seeds, one per prompt, gives each row a stream of its own: its completion then does not depend on which
+        other rows share the call or the batch (GRPO's rollouts, however many actors draw them).
         ``share_prompts=False``: every row prefilled on its own, also rows with equal prompts (what a low-rank
         population's members, under different weights, cannot share; benchmarks/population.py's reference)."""
 

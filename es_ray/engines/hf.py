@@ -5,7 +5,7 @@ members generated together in one batch (``hf_lowrank``)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -67,12 +67,14 @@ class HFEngine(Engine):
         with patched_attribute(LowRankTerms, "term", off):
             yield
 
-    def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int,
+    def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int | Sequence[int],
                  share_prompts: bool = True) -> list[Completion]:
         """``share_prompts=False`` prefills every row, also rows with equal prompts: the work of a low-rank
-        population's batch of the same rows, whose members cannot share a prefill (benchmarks/population.py)."""
+        population's batch of the same rows, whose members cannot share a prefill (benchmarks/population.py).
+        ``seed`` a sequence: one seed per row, each row sampled from its own generator (``RowSampler``)."""
         out: list[Completion] = []
-        gen = torch.Generator(device="cpu").manual_seed(int(seed))
+        row_seeds = [int(s) for s in seed] if isinstance(seed, (list, tuple)) else None
+        gen = torch.Generator(device="cpu").manual_seed(0 if row_seeds is not None else int(seed))
         for start in range(0, len(prompts), self.cfg.batch_size):
             batch = prompts[start : start + self.cfg.batch_size]
             enc = self._encode(batch, sampling.max_new_tokens)
@@ -80,7 +82,8 @@ class HFEngine(Engine):
             # rows with equal prompts (eval.n samples of a problem, a GRPO group): their prompt is prefilled once
             cache = shared_prefill(self.model, enc["input_ids"], enc["attention_mask"], groups) \
                 if share_prompts and len(groups) < len(batch) else None
-            out += self._generate_rows(enc, sampling, gen, cache)
+            rows = row_seeds[start : start + len(batch)] if row_seeds is not None else None
+            out += self._generate_rows(enc, sampling, gen, cache, rows)
         return out
 
     @torch.inference_mode()
@@ -112,9 +115,10 @@ class HFEngine(Engine):
         return {k: v.to(self.device) for k, v in enc.items()}
 
     def _generate_rows(self, enc: dict[str, torch.Tensor], sampling: SamplingConfig,
-                       gen: torch.Generator, cache=None) -> list[Completion]:
-        """One ``model.generate`` call over the encoded rows; a sampled call seeds from ``gen``. ``cache``: the rows'
-        prompts but their last token, already prefilled (``prefix.shared_prefill``)."""
+                       gen: torch.Generator, cache=None, row_seeds: list[int] | None = None) -> list[Completion]:
+        """One ``model.generate`` call over the encoded rows; a sampled call seeds from ``gen``, or each row from
+        its own of ``row_seeds``. ``cache``: the rows' prompts but their last token, already prefilled
+        (``prefix.shared_prefill``)."""
         greedy = sampling.temperature <= 0
         kwargs: dict[str, Any] = dict(max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
                                       pad_token_id=self.tokenizer.pad_token_id)
@@ -122,6 +126,11 @@ class HFEngine(Engine):
             kwargs["past_key_values"] = cache
         if greedy:
             kwargs.update(temperature=None, top_p=None, top_k=None)
+        elif row_seeds is not None:  # the row's own draw, taken as the argmax of Gumbel-perturbed logits
+            from transformers import LogitsProcessorList
+
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None,
+                          logits_processor=LogitsProcessorList([RowSampler(row_seeds, sampling)]))
         else:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
             # transformers samples from the global RNG: seed it per batch from our own generator
@@ -178,3 +187,26 @@ class HFEngine(Engine):
             self._host = InProcessReplicaHost(self.model_dir, self.params, self.write_weights, self.read,
                                               self.device, self.generate_population)
         return self._host
+
+
+class RowSampler:
+    """A logits processor that samples each row of a batch from a generator of its own (seeded by the row's seed):
+    softmax(logits / temperature) cut to its top_p nucleus, drawn by the Gumbel-max trick, so greedy decoding over
+    its output picks the sample. A row draws one uniform per vocabulary entry per step whatever else is in the
+    batch, so its completion depends on its seed and prompt only (transformers' own sampling draws from one
+    global generator for the whole batch)."""
+
+    def __init__(self, seeds: list[int], sampling: SamplingConfig):
+        self.gens = [torch.Generator(device="cpu").manual_seed(int(s) % (1 << 63)) for s in seeds]
+        self.temperature, self.top_p = float(sampling.temperature), float(sampling.top_p)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logits = scores.float() / self.temperature  # (rows, vocab)
+        if self.top_p < 1.0:
+            order = logits.argsort(dim=-1, descending=True)
+            probs = logits.gather(-1, order).softmax(-1)
+            outside = probs.cumsum(-1) - probs >= self.top_p  # the mass before a token already reaches top_p
+            logits = logits.scatter(-1, order, logits.gather(-1, order).masked_fill(outside, float("-inf")))
+        u = torch.stack([torch.rand(logits.shape[-1], generator=g, dtype=torch.float64) for g in self.gens])
+        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+        return logits + gumbel.to(logits.device, logits.dtype)

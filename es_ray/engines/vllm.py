@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -276,7 +276,7 @@ class VLLMEngine(Engine):
         with patched_attribute(PunicaWrapperCPU, "add_lora_linear", lambda *a, **kw: None):
             yield
 
-    def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int,
+    def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int | Sequence[int],
                  share_prompts: bool = True) -> list[Completion]:
         inputs = self._inputs(prompts, sampling.max_new_tokens)
         if not share_prompts:  # a salt no other row and no other call shares: the prefix cache never serves a row
@@ -286,14 +286,17 @@ class VLLMEngine(Engine):
         outputs = self.llm.generate(inputs, self._sampling_params(sampling, seed, len(prompts)), use_tqdm=False)
         return [_completion(o) for o in outputs]
 
-    def _sampling_params(self, sampling: SamplingConfig, seed: int, n: int) -> list:
-        """One SamplingParams per prompt position i, seeded by (seed, i) (``_request_seed``)."""
+    def _sampling_params(self, sampling: SamplingConfig, seed: int | Sequence[int], n: int) -> list:
+        """One SamplingParams per prompt position i, seeded by (seed, i) (``_request_seed``), or by seed[i] when
+        ``seed`` is one seed per row (vLLM's per-request seed: the row's stream whatever the batch holds)."""
         from vllm import SamplingParams
 
         greedy = sampling.temperature <= 0
+        seeds = [_request_seed(seed, i) for i in range(n)] if not isinstance(seed, (list, tuple)) \
+            else [int(s) % (1 << 63) for s in seed]
         return [
             SamplingParams(max_tokens=sampling.max_new_tokens, temperature=0.0 if greedy else sampling.temperature,
-                           top_p=1.0 if greedy else sampling.top_p, seed=None if greedy else _request_seed(seed, i))
+                           top_p=1.0 if greedy else sampling.top_p, seed=None if greedy else seeds[i])
             for i in range(n)
         ]
 
