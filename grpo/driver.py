@@ -266,6 +266,8 @@ class GRPORun(Training):
         self.pool = crew.infos[0]["train_size"]
         tracker.message(f"grpo: learner + {len(crew.rollouts)} rollout actor(s), {crew.learner_info['trainable']} "
                         f"trainable parameters, training pool {self.pool}, run dir {self.run_dir}")
+        for line in crew.infos[0].get("skipped_lines", ()):
+            tracker.message(line)
         first = crew.sync(self.start - 1)
         tracker.message(f"grpo: initial weight sync verified (max |dlogp| {first['sync/max_logprob_diff']:.2e}, "
                         f"tolerance {crew.tol:g})")

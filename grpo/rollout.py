@@ -46,7 +46,8 @@ class RolloutWorker(Actor):
         from es_ray.core.dtypes import dtype_name
 
         return {**super().ready(), "train_size": len(self.task.train),
-                "eval_size": len(self.task.eval), "dtype": dtype_name(self.engine.dtype)}
+                "eval_size": len(self.task.eval), "dtype": dtype_name(self.engine.dtype),
+                "skipped_lines": self.task.skipped_lines()}
 
     def _tokens(self, text: str) -> list[int]:
         return list(self.engine.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -230,7 +230,7 @@ def test_hub_failure_says_to_use_a_local_file(monkeypatch):
 def test_a_file_of_only_malformed_rows_is_an_error_not_a_silent_zero(tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"problem": "no answer"}\nnot json\n{"answer": "1"}\n')
-    with pytest.raises(TaskLoadError, match="empty"):
+    with pytest.raises(TaskLoadError, match="every row was skipped, skipped 3 of 3 rows"):
         load_task(TaskConfig(name="math500", path=str(path)))
 
 

@@ -167,6 +167,8 @@ class ESRun(Training):
         self.pool = infos[0]["train_size"]
         tracker.message(f"es: {len(group)} actor(s), training pool {self.pool}, held-out {infos[0]['eval_size']}, "
                         f"run dir {self.run_dir}")
+        for line in infos[0].get("skipped_lines", ()):
+            tracker.message(line)
         if point.note:
             tracker.message(point.note)
         if point.checkpoint or point.records:

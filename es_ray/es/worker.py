@@ -61,6 +61,7 @@ class ESWorker(Actor):
             name, sm_count = device.type, 0
         return {**super().ready(), "train_size": len(self.task.train),
                 "eval_size": len(self.task.eval), "skipped_rows": self.task.skipped_rows,
+                "skipped_lines": self.task.skipped_lines(),
                 "device": name, "sm_count": sm_count, "noise": resolve_kind(self.cfg.es.noise, device.type, self.cfg.es.noise_scope)}
 
     def _repeat(self, prompt_ids) -> list:

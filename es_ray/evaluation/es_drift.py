@@ -27,6 +27,7 @@ def run_drift(cfg: DriftJobConfig) -> dict:
 
     from es_ray.core.dtypes import resolve_dtype
     from es_ray.metrics.drift import drift
+    from es_ray.runtime.tracking import shows_bar
     from es_ray.metrics.plots import plot_update_histograms
     from es_ray.models import resolve_model
     from es_ray.runtime.rundir import open_run_dir
@@ -45,14 +46,14 @@ def run_drift(cfg: DriftJobConfig) -> dict:
             return handles[f].get_tensor(name)
 
         cast = resolve_dtype(cfg.cast_dtype, key="cast_dtype") if cfg.cast_dtype else None
-        names = common
-        if cfg.run.progress:  # reading and comparing every tensor takes a minute on a 1.5B model
+        names, bar = common, shows_bar(cfg.run.progress)
+        if bar:  # reading and comparing every tensor takes a minute on a 1.5B model
             from tqdm import tqdm
 
             names = tqdm(common, desc="es-drift", unit="tensor", dynamic_ncols=True, file=sys.stderr)
         report = drift(((n, get(base_idx, n), get(tuned_idx, n)) for n in names),
                        thresholds=cfg.thresholds, top=cfg.top, cast=cast)
-        if cfg.run.progress:
+        if bar:
             names.close()
     report.update(base=str(base_dir), tuned=str(tuned_dir),
                   missing={"base_only": sorted(set(base_idx) - set(tuned_idx)),

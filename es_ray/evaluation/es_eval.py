@@ -211,6 +211,8 @@ def run(cfg: EvalJobConfig) -> dict:
     for name in cfg.eval.tasks:  # fail fast on a missing file or an unreachable hub, before any generation
         task, problems = load_eval_task(cfg, name)
         tasks[name], sizes[name] = task, len(problems)
+        for line in task.skipped_lines():
+            print(f"es-eval: {line}", flush=True)
     chunks = plan_chunks(cfg, sizes)
     local = in_process_reason(cfg, chunks)
     if not local:  # a bad cluster.address fails here, before any output
@@ -271,7 +273,9 @@ def run(cfg: EvalJobConfig) -> dict:
 
 def _run_with_progress(cfg: EvalJobConfig, chunks: list[Chunk], in_process: bool) -> list[dict]:
     """The chunks, with a bar counting problems done (each problem's eval.n samples) and the task last finished."""
-    if not cfg.run.progress:
+    from es_ray.runtime.tracking import shows_bar
+
+    if not shows_bar(cfg.run.progress):
         return _run_chunks(cfg, chunks, lambda chunk: None, in_process)
     from tqdm import tqdm
 

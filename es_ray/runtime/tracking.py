@@ -211,6 +211,12 @@ def on_terminal() -> bool:
     return sys.stderr.isatty()
 
 
+def shows_bar(progress: bool) -> bool:
+    """Whether an entry point draws a progress bar: run.progress=true and stderr a terminal (a log file gets no
+    carriage-return frames). Every entry point asks this one function."""
+    return bool(progress) and on_terminal()
+
+
 def _duration(seconds: float) -> str:
     seconds = int(max(0.0, seconds))
     h, rest = divmod(seconds, 3600)
@@ -238,7 +244,7 @@ class Tracker:
         self._t0, self._steps, self.console = time.perf_counter(), 0, console
         self._t_steps: float | None = None
         self._bar = None
-        if progress and console and on_terminal():
+        if console and shows_bar(progress):
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True)  # a resumed run: from start

@@ -17,6 +17,33 @@ class TaskLoadError(ValueError):
     pass
 
 
+LINE_KEY = "__line__"
+"""Where a row read from a JSONL file sits in it (1-based), for the skipped-rows line; parse_rows drops it."""
+
+
+@dataclass
+class SkippedRows:
+    """The rows of one source (a file, a hub split) a task read, and the ones it skipped, per reason."""
+    source: str
+    read: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    first: str | None = None
+    """Where the first skipped row is: "line 7" in a JSONL file, else "row 7"."""
+
+    @property
+    def count(self) -> int:
+        return sum(self.reasons.values())
+
+    def add(self, reason: str, where: str) -> None:
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        self.first = self.first or where
+
+    def line(self) -> str:
+        """``skipped 3 of 40 rows of <source>: 2 missing "answer", 1 not JSON; first at line 7``."""
+        why = ", ".join(f"{n} {reason}" for reason, n in sorted(self.reasons.items(), key=lambda kv: -kv[1]))
+        return f"skipped {self.count} of {self.read} rows of {self.source}: {why}; first at {self.first}"
+
+
 def epoch_prompts(pool_size: int, per_step: int, step: int, seed: int) -> list[int]:
     """The training prompts of ``step`` when an epoch is a pass, for ES and GRPO alike: each epoch visits the whole
     pool once, in an order fixed by (seed, epoch); the steps take consecutive slices of ``per_step`` from the epochs
@@ -60,9 +87,19 @@ class Task(ABC):
     def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
         self.skipped_rows = 0
+        self.skipped: list[SkippedRows] = []
+        """Per source read (a file, a hub split), its rows and the ones skipped per reason (``skipped_lines``)."""
         self.train, self.eval = self.load()
         if not self.train:
+            every = [s for s in self.skipped if s.read and s.count == s.read]
+            if every:
+                raise TaskLoadError(f"task {self.name}: every row was skipped, {every[0].line()}: the rows do not fit "
+                                    f"{self.name}'s schema; fix task.path, or set task.name= to the task they fit")
             raise TaskLoadError(f"task {self.name}: the training pool is empty; check task.path / task.train_size")
+
+    def skipped_lines(self) -> list[str]:
+        """One line per source with skipped rows, for the drivers and es-eval to print."""
+        return [f"task {self.name}: {s.line()}" for s in self.skipped if s.count]
 
     @abstractmethod
     def load(self) -> tuple[list[Problem], list[Problem]]:
@@ -120,9 +157,10 @@ def read_rows(path: str | Path) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line.decode("utf-8")))
+                row = json.loads(line.decode("utf-8"))
+                rows.append({**row, LINE_KEY: i + 1} if isinstance(row, dict) else row)
             except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-                rows.append({"__malformed__": i + 1})
+                rows.append({"__malformed__": i + 1, LINE_KEY: i + 1})
         return rows
     if suffix == ".json":
         data = json.loads(p.read_text())

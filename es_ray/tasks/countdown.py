@@ -16,7 +16,7 @@ import random
 from fractions import Fraction
 
 from es_ray.grading.countdown import score
-from es_ray.tasks.base import Problem, Task, TaskLoadError, hub_rows, read_rows
+from es_ray.tasks.base import Problem, SkippedRows, Task, TaskLoadError, hub_rows, read_rows
 from es_ray.core.registry import Registry
 from es_ray.tasks.dataset import RowError, list_field, parse_rows
 
@@ -82,7 +82,9 @@ class CountdownTask(Task):
         self._loaded = None
         if cfg.path or cfg.countdown_source == "hub":
             rows = read_rows(cfg.path) if cfg.path else hub_rows(HUB_ID, None, cfg.split, self.name)
-            self._loaded, self.skipped_rows = parse_rows(rows, parse)
+            skipped = SkippedRows(f"task.path={cfg.path}" if cfg.path else f"{HUB_ID} split {cfg.split}")
+            self._loaded, self.skipped_rows = parse_rows(rows, parse, skipped)
+            self.skipped.append(skipped)
             problems = self._loaded
         else:
             rng = random.Random(cfg.seed)

@@ -23,7 +23,8 @@ from es_ray.grading.boxed import last_boxed, restates_problem
 from es_ray.grading.choice import extract_letter
 from es_ray.grading.mathverify import check_one, default_pool
 from es_ray.grading.result import Grade
-from es_ray.tasks.base import Problem, Task, hub_rows, read_rows
+from es_ray.core.config import TaskConfig
+from es_ray.tasks.base import LINE_KEY, Problem, SkippedRows, Task, TaskLoadError, hub_rows, read_rows
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 MAX_QUESTION_CHARS = 20_000
@@ -38,20 +39,38 @@ class RowError(ValueError):
     """A row that does not fit the task's schema (skipped and counted)."""
 
 
-def parse_rows(rows: list, parse) -> tuple[list[Problem], int]:
-    """``parse`` over each row: (the problems, how many rows were malformed and skipped)."""
-    out, skipped = [], 0
-    for row in rows:
+def parse_rows(rows: list, parse, skipped: SkippedRows | None = None) -> tuple[list[Problem], int]:
+    """``parse`` over each row: (the problems, how many rows were malformed and skipped); ``skipped`` also counts
+    them per reason (``skip_reason``) and notes where the first one is."""
+    out, count = [], 0
+    for i, row in enumerate(rows):
+        where = f"line {row[LINE_KEY]}" if isinstance(row, dict) and LINE_KEY in row else f"row {i + 1}"
         try:
-            if not isinstance(row, dict) or "__malformed__" in row:
+            if isinstance(row, dict) and "__malformed__" in row:
+                raise RowError("not JSON")
+            if not isinstance(row, dict):
                 raise RowError("not a JSON object")
-            problem = parse(row)
+            problem = parse({k: v for k, v in row.items() if k != LINE_KEY})
             if len(problem.question) > MAX_QUESTION_CHARS:
                 raise RowError(f"question longer than {MAX_QUESTION_CHARS} characters")
             out.append(problem)
-        except _MALFORMED:
-            skipped += 1
-    return out, skipped
+        except _MALFORMED as exc:
+            count += 1
+            if skipped is not None:
+                skipped.add(skip_reason(exc), where)
+    if skipped is not None:
+        skipped.read += len(rows)
+    return out, count
+
+
+def skip_reason(exc: Exception) -> str:
+    """A skipped row's reason in a few words: ``missing "answer"`` for a missing key, else the error's text."""
+    if isinstance(exc, KeyError):
+        return f'missing "{exc.args[0]}"' if exc.args else "a missing field"
+    if isinstance(exc, RecursionError):
+        return "nested too deep"
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def text_field(row: dict, *keys: str) -> str:
@@ -62,7 +81,7 @@ def text_field(row: dict, *keys: str) -> str:
             raise RowError(f"{key} is a {type(value).__name__}, not text")
         if value is not None and str(value).strip():
             return str(value).strip()
-    raise RowError(f"none of {keys} in the row")
+    raise RowError("missing " + " or ".join(f'"{k}"' for k in keys))
 
 
 def list_field(value, what: str) -> list:
@@ -109,30 +128,45 @@ class DatasetTask(Task):
             out.extend(hub_rows(self.hub_id, config, split, self.name))
         return out
 
-    def problems(self, rows: list[dict]) -> list[Problem]:
-        out, skipped = parse_rows(rows, self.parse)
-        self.skipped_rows += skipped
+    def problems(self, rows: list[dict], split: str | None = None) -> list[Problem]:
+        """The parsed rows of ``split`` (of the hub, or task.path's file), the skipped ones counted per reason."""
+        source = f"task.path={self.cfg.path}" if self.cfg.path else f"{self.hub_id} split {split}"
+        skipped = SkippedRows(source)
+        out, count = parse_rows(rows, self.parse, skipped)
+        self.skipped_rows += count
+        self.skipped.append(skipped)
         return out
 
     def load(self):
         cfg = self.cfg
         if self.train_split is None:
             split = cfg.split if cfg.split != "train" else self.eval_split
-            self._all = self.problems(self.rows(split))
+            self._all = self.problems(self.rows(split), split)
             held = self._all[: cfg.eval_size] if cfg.eval_size else list(self._all)
             train = self._all[len(held):] or list(held)
+            self.check_split(len(self._all), len(held), len(train))
         elif cfg.path or cfg.split != self.train_split or self.test_split is None:
-            pool = self.problems(self.rows(cfg.split))
+            pool = self.problems(self.rows(cfg.split), cfg.split)
             self._all = list(pool)
             random.Random(cfg.seed).shuffle(pool)  # one file or split: a fixed shuffle splits it
             held, train = pool[: cfg.eval_size], pool[cfg.eval_size:]
+            self.check_split(len(pool), len(held), len(train))
         else:
-            train = self.problems(self.rows(self.train_split))
-            self._all = self.problems(self.rows(self.test_split))
+            train = self.problems(self.rows(self.train_split), self.train_split)
+            self._all = self.problems(self.rows(self.test_split), self.test_split)
             held = self._all[: cfg.eval_size] if cfg.eval_size else list(self._all)  # 0: the whole test split
         if cfg.train_size:
             train = train[: cfg.train_size]
         return train, held
+
+    def check_split(self, usable: int, held: int, train: int) -> None:
+        """A file of the user's whose training pool the default task.eval_size would leave smaller than the held-out
+        set (40 rows: 32 held out, 8 to train) is refused with the numbers; a task.eval_size the user set is theirs."""
+        if self.cfg.path and usable and self.cfg.eval_size == TaskConfig.eval_size and train < held:
+            raise TaskLoadError(f"task.path={self.cfg.path} has {usable} usable rows, and the default task.eval_size="
+                                f"{self.cfg.eval_size} holds out {held} of them and leaves {train} to train: set "
+                                f"task.eval_size= to fewer (e.g. task.eval_size={max(1, usable // 5)}), or 0 to score "
+                                "every row")
 
     def eval_problems(self) -> list[Problem]:
         return list(self._all)
@@ -148,7 +182,9 @@ class MathTask(DatasetTask):
 
     def parse(self, row: dict) -> Problem:
         question = text_field(row, *self.question_keys)
-        value = next((row[k] for k in self.answer_keys if k in row), None)
+        if not any(k in row for k in self.answer_keys):
+            raise RowError("missing " + " or ".join(f'"{k}"' for k in self.answer_keys))
+        value = next(row[k] for k in self.answer_keys if k in row)
         return Problem(question=f"{question}\n\n{MATH_INSTRUCTION}", answer=answer_text(value),
                        meta={"id": row.get("id", row.get("unique_id"))})
 
