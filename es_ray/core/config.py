@@ -83,6 +83,9 @@ class TaskConfig:
     GRPO grpo.group_size >= k)."""
     objective_k: int = 4
     """task.objective=pass_at_k: the k."""
+    reward: str = ""
+    """A reward of one's own for training, package.module:function in TRL's reward_funcs shape
+    (f(prompts, completions, **columns) -> list of floats; docs/tasks.md); empty: the task's own reward."""
 
 
 @dataclass

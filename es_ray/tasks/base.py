@@ -96,6 +96,13 @@ class Task(ABC):
                 raise TaskLoadError(f"task {self.name}: every row was skipped, {every[0].line()}: the rows do not fit "
                                     f"{self.name}'s schema; fix task.path, or set task.name= to the task they fit")
             raise TaskLoadError(f"task {self.name}: the training pool is empty; check task.path / task.train_size")
+        self.user_reward = None
+        """task.reward's callable (es_ray.tasks.user_reward), which ``score`` calls instead of ``reward``."""
+        if getattr(cfg, "reward", ""):
+            from es_ray.tasks.user_reward import check_reward, import_reward
+
+            self.user_reward = import_reward(cfg.reward)
+            check_reward(cfg.reward, self.user_reward, self.train[0])
 
     def skipped_lines(self) -> list[str]:
         """One line per source with skipped rows, for the drivers and es-eval to print."""
@@ -195,8 +202,12 @@ def hub_rows(hub_id: str, config: str | None, split: str, task: str) -> list[dic
 def score(task: Task, completions: list[str], problems: list[Problem]) -> tuple[list[float], int]:
     """The task's reward of each completion, and how many rewards raised: such a completion scores 0 and is
     counted (every method reports the count as reward/errors or eval/errors), never dropped silently."""
-    rewards, errors = [], 0
     limit = getattr(task, "grade_timeout_s", GRADE_TIMEOUT_S)
+    if getattr(task, "user_reward", None) is not None:  # task.reward: one call per batch, TRL's shape
+        from es_ray.tasks.user_reward import user_rewards
+
+        return user_rewards(task.user_reward, completions, problems, limit or GRADE_TIMEOUT_S)
+    rewards, errors = [], 0
     for text, problem in zip(completions, problems):
         try:
             with time_limit(limit):

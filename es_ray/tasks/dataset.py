@@ -24,6 +24,7 @@ from es_ray.grading.choice import extract_letter
 from es_ray.grading.mathverify import check_one, default_pool
 from es_ray.grading.result import Grade
 from es_ray.core.config import TaskConfig
+from es_ray.tasks.user_reward import ROW_KEY
 from es_ray.tasks.base import LINE_KEY, Problem, SkippedRows, Task, TaskLoadError, hub_rows, read_rows
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -50,7 +51,9 @@ def parse_rows(rows: list, parse, skipped: SkippedRows | None = None) -> tuple[l
                 raise RowError("not JSON")
             if not isinstance(row, dict):
                 raise RowError("not a JSON object")
-            problem = parse({k: v for k, v in row.items() if k != LINE_KEY})
+            row = {k: v for k, v in row.items() if k != LINE_KEY}
+            problem = parse(row)
+            problem.meta.setdefault(ROW_KEY, row)  # the columns task.reward's function is given
             if len(problem.question) > MAX_QUESTION_CHARS:
                 raise RowError(f"question longer than {MAX_QUESTION_CHARS} characters")
             out.append(problem)
