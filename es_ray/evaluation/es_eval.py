@@ -25,8 +25,8 @@ import numpy as np
 
 from es_ray.evaluation.config import EvalJobConfig
 from es_ray.runtime.rundir import releases_run_dir
-from es_ray.evaluation.worker import (Chunk, EvalWorker, entropy_temperatures, load_eval_task, plan_chunks,
-                                task_config)
+from es_ray.evaluation.worker import (Chunk, EvalWorker, entropy_temperatures, in_eval_keys, load_eval_task,
+                                      plan_chunks, task_config)
 
 
 IN_PROCESS_ENGINES = ("hf",)
@@ -212,7 +212,7 @@ def run(cfg: EvalJobConfig) -> dict:
         task, problems = load_eval_task(cfg, name)
         tasks[name], sizes[name] = task, len(problems)
         for line in task.skipped_lines():
-            print(f"es-eval: {line}", flush=True)
+            print(f"es-eval: {in_eval_keys(line, name)}", flush=True)
     chunks = plan_chunks(cfg, sizes)
     local = in_process_reason(cfg, chunks)
     if not local:  # a bad cluster.address fails here, before any output

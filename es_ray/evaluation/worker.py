@@ -57,10 +57,22 @@ def task_config(cfg: EvalJobConfig, name: str) -> TaskConfig:
                       answer=cfg.eval.answer)
 
 
+def in_eval_keys(text: str, name: str) -> str:
+    """A task's message in es-eval's keys: es-eval has no task.path (it reads eval.paths.<task> or
+    eval.data_dir/<task>.jsonl), so a line telling the user to set task.path names those instead."""
+    return (text.replace("point task.path= at", f"point eval.paths.{name}= (or eval.data_dir= a folder with "
+                                                 f"{name}.jsonl) at")
+            .replace("task.path=", f"eval.paths.{name}="))
+
+
 def load_eval_task(cfg: EvalJobConfig, name: str):
     from es_ray.tasks import load_task
+    from es_ray.tasks.base import TaskLoadError
 
-    task = load_task(task_config(cfg, name))
+    try:
+        task = load_task(task_config(cfg, name))
+    except TaskLoadError as exc:
+        raise TaskLoadError(in_eval_keys(str(exc), name)) from None
     problems = task.eval_problems()
     if cfg.eval.limit:
         problems = problems[: cfg.eval.limit]

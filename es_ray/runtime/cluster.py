@@ -20,6 +20,15 @@ DEFAULT_PORTS = {"ray": 10001, "tcp": 6379, "http": 8265, "https": 443}
 """Ray client server, GCS, and the dashboard's job server (es-submit --address)."""
 
 
+def _or_else(key: str) -> str:
+    """What else the key takes: cluster.address empty starts a local Ray; es-submit's --address has no empty
+    value (its default is the job server of a Ray started on this machine)."""
+    if key == "--address":
+        return ("or leave --address out for a Ray started on this machine (`ray start --head`; the default is "
+                "http://127.0.0.1:8265)")
+    return f"or leave {key} empty to start a local Ray"
+
+
 def _host_port(address: str, key: str) -> tuple[str, int]:
     url = urlparse(address if "://" in address else f"tcp://{address}")
     try:
@@ -28,7 +37,7 @@ def _host_port(address: str, key: str) -> tuple[str, int]:
         port = None
     if url.scheme not in DEFAULT_PORTS or not url.hostname or port is None:
         raise ConfigError(f"{key}={address!r} is not host:port, ray://host:port or http://host:port; set {key}= "
-                          "to the head node's address, or leave it empty to start a local Ray")
+                          f"to the head node's address, {_or_else(key)}")
     return url.hostname, port
 
 
@@ -47,7 +56,7 @@ def check_address(address: str, key: str = "cluster.address", timeout: float = C
             pass
     except OSError as exc:
         raise ConfigError(f"{key}={address!r} is unreachable: nothing answers at {host}:{port} ({exc}); check the "
-                          f"head node's address and port, or leave {key} empty to start a local Ray") from None
+                          f"head node's address and port, {_or_else(key)}") from None
 
 
 @contextmanager

@@ -112,6 +112,48 @@ def known_keys(cfg: Any) -> set[str]:
     return out
 
 
+SECTIONS = {
+    "es_train": ("model", "task", "es", "sampling", "engine", "cluster", "eval", "run", "faults"),
+    "grpo_train": ("model", "task", "grpo", "sampling", "engine", "cluster", "eval", "run", "faults"),
+    "es_eval": ("model", "eval", "engine", "cluster", "run", "faults"),
+    "es_drift": ("base", "tuned", "thresholds", "cast_dtype", "top", "run"),
+    "es_interpolate": ("a", "b", "base", "grid", "draws", "eval", "engine", "run"),
+    "es_compare": ("model", "task", "es", "es_sampling", "grpo", "grpo_sampling", "budget", "methods", "seeds",
+                   "eval", "drift_thresholds", "engine", "cluster", "curve_every", "grpo_rollout_actors", "run",
+                   "faults", "sequence", "interpolate"),
+}
+"""Each entry point's top-level keys (its schema's fields; tests/test_hints.py keeps them equal), so an override of
+another entry point's section says whose it is."""
+SECTION_INSTEAD = {
+    ("es_eval", "task"): "it scores eval.tasks=[...], each read from eval.paths.<task>= or eval.data_dir=",
+    ("es_eval", "sampling"): "its sampling keys are eval.temperature, eval.top_p, eval.max_new_tokens and eval.n",
+}
+"""A section a user carries over from a trainer to an entry point that has its own keys for it."""
+
+
+def unknown_key_hint(key: str, known: set[str], groups: set[str], config_name: str) -> str:
+    """What to write instead of an unknown ``key``: the closest key of its own section (es.popualtion ->
+    es.population); for a section this command does not have, the commands that have it (es.population given to
+    grpo-train is es-train's), never a look-alike from an unrelated section; else the closest key of any section.
+    Call inside Hydra's initialize_config_dir (it composes the other entry points' configs)."""
+    import difflib
+
+    section = key.split(".")[0]
+    prog = config_name.replace("_", "-")
+    tail = f"(`{prog} --help` lists every key and preset)"
+    if "." in key and section in known:
+        same = sorted(k for k in known if k.startswith(section + "."))
+        close = difflib.get_close_matches(key, same, n=1, cutoff=0.6)
+        return f"did you mean {close[0]}? {tail}" if close else f"{section} has no such key; {tail}"
+    if (config_name, section) in SECTION_INSTEAD:
+        return f"{prog} has no {section} section: {SECTION_INSTEAD[config_name, section]}; {tail}"
+    owners = [name.replace("_", "-") for name, sections in SECTIONS.items() if section in sections]
+    if "." in key and section not in groups and owners:
+        return f"{section}.* is a section of {', '.join(owners)}, not of {prog}; {tail}"
+    close = difflib.get_close_matches(key, sorted(known | groups), n=1, cutoff=0.6)
+    return f"did you mean {close[0]}? {tail}" if close else f"no key is close to it; {tail}"
+
+
 def check_overrides(config_name: str, args: list[str]) -> str | None:
     """What Hydra would refuse in ``args`` (key=value overrides and group=option presets), as one line naming the
     key: a syntax error, an unknown key (with the closest known one), a preset that does not exist, a value of the
@@ -149,9 +191,7 @@ def check_overrides(config_name: str, args: list[str]) -> str | None:
                 continue  # a preset, checked above
             if o.is_add() or o.is_delete() or key in known:
                 continue
-            close = difflib.get_close_matches(key, sorted(known | set(groups)), n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]}?" if close else "no key is close to it;"
-            return f"unknown key {key} in {text!r}: {hint} (`--help` lists every key and preset)"
+            return f"unknown key {key} in {text!r}: {unknown_key_hint(key, known, set(groups), config_name)}"
         try:
             compose(config_name=config_name, overrides=ours)
         except (HydraException, OmegaConfBaseException) as exc:
