@@ -562,3 +562,38 @@ def test_a_stop_during_a_long_step_saves_the_step_once_it_returns(tmp_path):
     ledger = json.loads((tmp_path / "ledger.json").read_text())
     assert ledger["state"] == "stopped" and ledger["segments"][-1]["stop"] == "signal SIGTERM"
     assert ledger["segments"][-1]["end_step"] == 2
+
+
+def test_held_out_lines_count_iterations_as_the_step_line_and_the_summary_do(tmp_path, capsys):
+    summary = LoggedStandIn(config(tmp_path, progress=True), tmp_path, 3).run()
+    out = capsys.readouterr().out.splitlines()
+    held = [line.split("(")[1].split(")")[0] for line in out if line.startswith("es held-out (")]
+    assert held == ["base weights", "after iteration 1", "after iteration 2", "after iteration 3"]
+    last_step = next(line for line in out if line.startswith("es iteration 3/3"))
+    last_held = next(line for line in out if "after iteration 3" in line)
+    assert last_held.split("reward ")[1].split()[0] == last_step.split("heldout_reward ")[1].split()[0]
+    assert summary["held_out_final"]["after"] == 3
+
+
+def test_a_resume_with_nothing_left_says_so_and_starts_nothing(tmp_path, capsys, monkeypatch):
+    first = StandIn(config(tmp_path), tmp_path, total=3)
+    first.run()
+    (tmp_path / "checkpoints" / "final").mkdir(parents=True)  # the stand-in's save writes no files
+    ledger = (tmp_path / "ledger.json").read_text()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    capsys.readouterr()
+
+    def no_ray(*a, **kw):
+        raise AssertionError("a resume with nothing to do connected to Ray")
+
+    monkeypatch.setattr("es_ray.runtime.cluster.connect", no_ray)
+    again = StandIn(config(tmp_path, resume=True), tmp_path, total=3, start=3, history=rows)
+    summary = again.run()
+    assert again.calls == [] and summary["final_checkpoint"].endswith("final")
+    out = capsys.readouterr().out
+    assert f"grpo: nothing to do: {tmp_path} already ran all 3 steps" in out and "grpo.steps=" in out
+    assert (tmp_path / "ledger.json").read_text() == ledger  # no new segment
+    more = StandIn(config(tmp_path, resume=True), tmp_path, total=4, start=3, history=rows)
+    monkeypatch.setattr("es_ray.runtime.cluster.connect", lambda cluster, verbose=False: None)
+    more.run()  # an extension still runs its new step
+    assert ("step", 3) in more.calls

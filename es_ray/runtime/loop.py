@@ -151,6 +151,9 @@ class Training:
         from es_ray.runtime.tracking import Tracker
 
         cfg = self.cfg
+        finished_before = self._nothing_left()
+        if finished_before is not None:  # no Ray, no replay, no new ledger segment
+            return finished_before
         tokens_before = sum(h.get("perf/tokens", 0) for h in self.history)
         # one ledger per run: a resume adds its segment to those of the starts before it
         earlier, ledger_note = (earlier_segments(self.run_dir, self.start, self.history[:self._history_before],
@@ -200,7 +203,7 @@ class Training:
                     stop = ledger.stop_reason(cfg.run, self.groups, cfg.cluster,
                                               tokens_before + ledger.tokens_generated)
                     if stop:
-                        self.tracker.message(f"{self.method}: stopping after {self.unit} {t}: {stop}")
+                        self.tracker.message(f"{self.method}: stopping after {self.unit} {self.done}: {stop}")
                         break
                     if due(cfg.run.checkpoint_every, t, self.total):
                         with ledger.apart("checkpoint"):
@@ -251,6 +254,25 @@ class Training:
                     self.close()
                     self.tracker.close()
                     unlock_run_dir(self.run_dir)  # the next driver (a resume) may take the run dir
+
+    def _nothing_left(self) -> dict | None:
+        """A resume of a run that already finished every step (its summary.json and final checkpoint written, for
+        as many steps as the config asks): said in one line, and its summary returned; None when there is work."""
+        if not self.cfg.run.resume or self.start < self.total:
+            return None
+        path = self.run_dir / "summary.json"
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None  # stopped after its last step but before the end: the final checkpoint is still to write
+        final = summary.get("final_checkpoint")
+        if not final or not Path(final).is_dir() or (summary.get("held_out_final") or {}).get("after",
+                                                                                              self.done) != self.done:
+            return None
+        key = {"iteration": "es.iterations", "step": "grpo.steps"}.get(self.unit, "the step count")
+        print(f"{self.method}: nothing to do: {self.run_dir} already ran all {self.total} {self.unit}s and holds its "
+              f"final checkpoint {final}; raise {key}= to extend it", flush=True)
+        return summary
 
     ledger = None
     guard = None

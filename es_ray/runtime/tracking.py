@@ -298,14 +298,15 @@ class Tracker:
 
     def held_out(self, step: int, row: dict) -> None:
         """A held-out scoring's line (without a bar; with one, its postfix shows the metric): step -1 is the base
-        weights."""
+        weights; after step index t it says "after iteration t + 1", the count the step line ("iteration t + 1/N")
+        and summary.json's "after" use."""
         self._shown.update({name: f"{row[k]:.3f}" for k, name in self.shown.items()
                             if k != REWARD_MEAN and isinstance(row.get(k), numbers.Real) and math.isfinite(row[k])})
         if self._bar is not None or not self.console:
             if self._bar is not None:
                 self._bar.set_postfix({**self._shown, **self._position})
             return
-        where = "base weights" if step < 0 else f"after {self.unit} {step}"
+        where = "base weights" if step < 0 else f"after {self.unit} {step + 1}"  # counted as the step line counts
         shown = " ".join(f"{k.removeprefix('eval/')} {row[k]:.3f}" for k in (HELD_OUT_REWARD, HELD_OUT_PASS1,
                                                                                HELD_OUT_ENTROPY)
                          if isinstance(row.get(k), numbers.Real))
