@@ -31,7 +31,9 @@ def test_barrier_is_the_largest_drop_below_the_line():
     # line from 0.6 to 0.2: 0.6, 0.5, 0.4, 0.3, 0.2; the curve dips 0.3 below it at t = 0.5
     height, at = barrier([0.6, 0.45, 0.1, 0.3, 0.2], grid)
     assert height == pytest.approx(0.3) and at == 0.5
-    assert barrier([0.2, 0.9, 0.4], [0.0, 0.5, 1.0]) == (0.0, 0.0)  # above the line: no barrier
+    assert barrier([0.2, 0.9, 0.4], [0.0, 0.5, 1.0]) == (0.0, None)  # above the line: no barrier, at no end point
+    assert barrier([0.5, 0.5, 0.5], [0.0, 0.5, 1.0]) == (0.0, None)  # on the line: no drop
+    assert barrier([0.9, 0.4, 0.1], [0.0, 0.5, 1.0]) == (pytest.approx(0.1), 0.5)  # a drop is at an interior t
     rng = np.random.default_rng(0)
     v_tp = np.clip(np.array([0.6, 0.45, 0.1, 0.3, 0.2])[:, None] + rng.normal(0, 0.2, size=(5, 40)), 0, 1)
     lo, hi = barrier_interval(v_tp, grid, draws=500, seed=1)

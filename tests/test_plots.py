@@ -130,3 +130,50 @@ def test_drift_histogram_labels_thresholds_and_writes_a_pdf(tmp_path):
     assert ax.yaxis.get_offset_text().get_text() == "" and ax.get_ylim()[0] == 0.0
     path = plot_update_histograms(report, tmp_path / "hist.png", title="tuned vs base")
     assert path.is_file() and path.with_suffix(".pdf").read_bytes()[:5] == b"%PDF-"
+
+
+def test_passk_methods_with_equal_curves_all_stay_visible(rep):
+    """All zeros (every completion cut at max_new_tokens): GRPO's line must not hide Base's and ES's."""
+    rep = copy.deepcopy(rep)
+    rep["methods"]["grpo"] = {**copy.deepcopy(rep["methods"]["es"]), "label": "GRPO"}
+    for m in rep["methods"].values():
+        m["passk_curve"]["arithmetic"] = [0.0] * len(m["passk_curve"]["arithmetic"])
+    ax = figures(rep)["passk_arithmetic"].axes[0]
+    lines = [line for line in ax.get_lines() if line.get_label() in ("Base", "ES", "GRPO")]
+    assert len(lines) == 3
+    assert len({(line.get_marker(), str(line.get_linestyle())) for line in lines}) == 3
+    xs = [tuple(line.get_xdata()) for line in lines]
+    assert len(set(xs)) == 3  # shifted apart in k
+    for x in xs:  # each a little, never as far as the next k
+        assert all(abs(a / k - 1) < 0.1 for a, k in zip(x, range(1, len(x) + 1)))
+
+
+def test_drift_histogram_panels_share_one_x_range_and_name_the_checkpoints(tmp_path):
+    from es_ray.metrics.plots import checkpoint_label, update_histogram_figure
+
+    edges = np.linspace(-8, 0, 33)
+    narrow, wide = np.zeros(32), np.zeros(32)
+    narrow[18:20] = [5, 7]
+    wide[4:24] = 3
+    report = {"histogram_edges": edges.tolist(), "thresholds": [1e-3, 1.5e-3, 2e-3],
+              "by_module_type": {"mlp": {"histogram_log10": narrow.tolist(), "share_below": {}},
+                                 "attention": {"histogram_log10": wide.tolist(), "share_below": {}}}}
+    fig = update_histogram_figure(report, "t")
+    a, b = fig.axes[0].get_xlim(), fig.axes[1].get_xlim()
+    assert a == b and a[0] <= edges[4] and a[1] >= edges[24]
+    assert checkpoint_label("/runs/cmp/es/seed0/checkpoints/final") == "seed0/checkpoints/final"
+
+
+def test_the_report_warns_when_most_completions_hit_max_new_tokens(rep):
+    from es_ray.launch.compare.truncation import truncated_share, truncation_markdown
+
+    assert truncated_share([{"tokens": 64}, {"tokens": 64}, {"tokens": 12}], 64) == pytest.approx(2 / 3)
+    assert truncated_share([], 64) is None
+    rep = copy.deepcopy(rep)
+    for m in rep["methods"].values():
+        m["hit_max_new_tokens"] = 0.1
+    assert truncation_markdown(rep) == []
+    rep["methods"]["es"]["hit_max_new_tokens"] = 1.0
+    text = "\n".join(truncation_markdown(rep))
+    assert "most completions hit max_new_tokens" in text and "ES 100%" in text and "Base" not in \
+        text.split("most completions hit")[1].split("\n")[0] and "eval.max_new_tokens=" in text

@@ -28,7 +28,7 @@ def run_drift(cfg: DriftJobConfig) -> dict:
     from es_ray.core.dtypes import resolve_dtype
     from es_ray.metrics.drift import drift
     from es_ray.runtime.tracking import shows_bar
-    from es_ray.metrics.plots import plot_update_histograms
+    from es_ray.metrics.plots import checkpoint_label, plot_update_histograms
     from es_ray.models import resolve_model
     from es_ray.runtime.rundir import open_run_dir
 
@@ -59,7 +59,8 @@ def run_drift(cfg: DriftJobConfig) -> dict:
                   missing={"base_only": sorted(set(base_idx) - set(tuned_idx)),
                            "tuned_only": sorted(set(tuned_idx) - set(base_idx))})
     (run_dir / "drift.json").write_text(json.dumps(report, indent=2))
-    plot_update_histograms(report, run_dir / "drift_hist.png", title=f"{Path(str(tuned_dir)).name} vs base")
+    plot_update_histograms(report, run_dir / "drift_hist.png",
+                           title=f"updates from base {checkpoint_label(base_dir)} to tuned {checkpoint_label(tuned_dir)}")
     report["run_dir"] = str(run_dir)
     return report
 

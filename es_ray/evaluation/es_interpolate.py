@@ -122,8 +122,13 @@ def markdown(results: dict) -> str:
     for name, metrics in results["tasks"].items():
         for metric, r in metrics.items():
             lo, hi = r["barrier_interval"]
+            at = "no drop" if r["barrier_at"] is None else f"at t={r['barrier_at']:g}"
             lines.append(f"| {name} | {metric} | " + " | ".join(f"{v:.3f}" for v in r["curve"])
-                         + f" | {r['barrier']:.3f} [{lo:.3f}, {hi:.3f}] at t={r['barrier_at']:g} |")
+                         + f" | {r['barrier']:.3f} [{lo:.3f}, {hi:.3f}] {at} |")
+    lines += ["", "Barrier: the largest drop of the score m(t) below the straight line between the end points, "
+              "max over interior t of (1 - t) m(0) + t m(1) - m(t), with the t where it is largest; 0 with \"no drop\" "
+              "when no interior point lies below the line (the end points lie on it by construction). The 95% "
+              "interval resamples the problems, one draw shared by every t."]
     u = results["updates"]
     show = lambda c: "n/a (an update is zero)" if c is None else f"{c:.4f}"  # noqa: E731
     lines += ["", f"cosine(theta_a - theta_0, theta_b - theta_0): {show(u['cosine'])}", "",

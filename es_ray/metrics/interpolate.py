@@ -33,12 +33,17 @@ def mix(a: torch.Tensor, b: torch.Tensor, t: float) -> torch.Tensor:
     return a.float().mul(1.0 - t).add_(b.float(), alpha=t)
 
 
-def barrier(scores_t: Sequence[float], grid: Sequence[float]) -> tuple[float, float]:
-    """(barrier, the t where it is largest) of the mean scores m(t) along ``grid`` (which holds 0 and 1)."""
+def barrier(scores_t: Sequence[float], grid: Sequence[float]) -> tuple[float, float | None]:
+    """(barrier, the interior t where the drop is largest) of the mean scores m(t) along ``grid`` (which holds 0 and
+    1). The end points lie on the line by construction, so only interior points can drop below it: a path that never
+    drops (every interior point on or above the line) has barrier 0 and no such t (None), never "at t=0"."""
     m, g = np.asarray(scores_t, dtype=np.float64), np.asarray(grid, dtype=np.float64)
     m0, m1 = m[g == 0.0][0], m[g == 1.0][0]
     gap = (1.0 - g) * m0 + g * m1 - m
-    j = int(np.argmax(gap))
+    inner = np.flatnonzero((g > 0.0) & (g < 1.0))
+    if not inner.size or gap[inner].max() <= 0.0:
+        return 0.0, None
+    j = int(inner[np.argmax(gap[inner])])
     return float(gap[j]), float(g[j])
 
 

@@ -19,6 +19,31 @@ def plot_update_histograms(report: dict, path: str | Path, title: str = "") -> P
     return path
 
 
+def shared_xlim(report: dict, types: list[str], edges) -> tuple[float, float] | None:
+    """The x range every panel shows: the populated bins of all module types together, widened to the thresholds;
+    None when no panel has a non-zero update."""
+    import numpy as np
+
+    lo = hi = None
+    for kind in types:
+        nonzero = np.asarray(report["by_module_type"][kind]["histogram_log10"]).nonzero()[0]
+        if nonzero.size:
+            a, b = edges[max(0, nonzero[0] - 2)], edges[min(len(edges) - 1, nonzero[-1] + 3)]
+            lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))
+    if lo is None:
+        return None
+    marks = [math.log10(t) for t in report["thresholds"]]
+    return float(min(lo, min(marks) - 0.2)), float(max(hi, max(marks) + 0.2))
+
+
+def checkpoint_label(path: str, parts: int = 3) -> str:
+    """A checkpoint's name for a figure: the last ``parts`` components of its path (run/checkpoints/final)."""
+    from pathlib import PurePath
+
+    tail = PurePath(str(path)).parts[-parts:]
+    return str(PurePath(*tail)) if tail else str(path)
+
+
 def update_histogram_figure(report: dict, title: str = ""):
     """One panel per module type: counts of log10 |delta| over the non-zero updates on a linear axis from 0 (counts
     as 2.5M, no '1e7' offset), each threshold a labelled line in the legend."""
@@ -34,6 +59,7 @@ def update_histogram_figure(report: dict, title: str = ""):
     cols = min(3, max(1, len(types)))
     rows = max(1, math.ceil(len(types) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    xlim = shared_xlim(report, types, edges)
     for ax, kind in zip(axes.flat, types):
         rep = report["by_module_type"][kind]
         counts = np.asarray(rep["histogram_log10"])
@@ -41,12 +67,8 @@ def update_histogram_figure(report: dict, title: str = ""):
         ax.stairs(counts, edges, fill=True, color="#4C72B0", label="parameters")
         for t, ls in zip(report["thresholds"], ("--", ":", "-.") * len(report["thresholds"])):
             ax.axvline(math.log10(t), color="#C44E52", lw=0.9, ls=ls, label=f"|delta| = {t:g}")
-        nonzero = counts.nonzero()[0]
-        if nonzero.size:  # the populated range, widened to show the thresholds
-            marks = [math.log10(t) for t in report["thresholds"]]
-            lo = min(edges[max(0, nonzero[0] - 2)], min(marks) - 0.2)
-            hi = max(edges[min(len(edges) - 1, nonzero[-1] + 3)], max(marks) + 0.2)
-            ax.set_xlim(lo, hi)
+        if xlim is not None:  # one x range for every panel, so the module types compare by eye
+            ax.set_xlim(*xlim)
         share = rep["share_below"].get(f"{report['thresholds'][1]:g}") if len(report["thresholds"]) > 1 else None
         sub = f"  ({share:.1%} < {report['thresholds'][1]:g})" if share is not None else ""
         ax.set_title(f"{kind}{sub}", fontsize=9)

@@ -9,6 +9,7 @@ from es_ray.launch.compare.analyses import forgetting_markdown, interpolation_ma
 from es_ray.launch.compare.methods import LABELS
 from es_ray.launch.compare.verdict import exploratory_note, head_lines, verdict_line, verdict_section
 from es_ray.launch.compare.sensitivity import step_size_text
+from es_ray.launch.compare.truncation import truncation_markdown
 
 
 def _p(x) -> str:
@@ -39,6 +40,7 @@ def markdown(rep: dict) -> str:
         cells = [" / ".join(_p(m["pass@k"][t][str(k)]) for k in ks) for t in tasks]
         cells.append(" / ".join(_p(m["average"][str(k)]) for k in ks))
         lines.append(f"| {m['label']} | " + " | ".join(cells) + " |")
+    lines += truncation_markdown(rep)
     lines += objectives_markdown(rep)
     lines += uncertainty_markdown(rep)
     lines += entropy_markdown(rep)

@@ -62,15 +62,26 @@ def _legend(ax) -> None:
         ax.legend(fontsize=8)
 
 
+METHOD_STYLES = ({"marker": "o", "linestyle": "-"}, {"marker": "s", "linestyle": "--"},
+                 {"marker": "^", "linestyle": ":"}, {"marker": "D", "linestyle": "-."},
+                 {"marker": "v", "linestyle": (0, (5, 1, 1, 1))}, {"marker": "P", "linestyle": (0, (1, 2))})
+"""One marker and dash per method in the pass@k figure, so methods with equal curves stay visible."""
+
+
 def passk_figure(plt, rep: dict, task: str):
     """pass@k for k = 1..n per method, the report's 95% bootstrap interval over problems as a band at its k."""
     fig, ax = plt.subplots(figsize=(7, 4.4))
     intervals = rep.get("intervals") or {}
-    for name, m in rep["methods"].items():
-        curve = m["passk_curve"].get(task)
-        if not curve:
-            continue
-        line, = ax.plot(range(1, len(curve) + 1), [100 * v for v in curve], marker=".", label=m["label"])
+    drawn = [(name, m) for name, m in rep["methods"].items() if m["passk_curve"].get(task)]
+    for i, (name, m) in enumerate(drawn):
+        curve = m["passk_curve"][task]
+        # equal curves (every method at 0) would hide one another: each method its own marker and dash, larger
+        # markers drawn first, and its points shifted a little in k (a log axis: a factor, centred on k)
+        style = METHOD_STYLES[i % len(METHOD_STYLES)]
+        shift = 2 ** (0.04 * (i - (len(drawn) - 1) / 2))
+        ks = [k * shift for k in range(1, len(curve) + 1)]
+        line, = ax.plot(ks, [100 * v for v in curve], label=m["label"], zorder=2 + i,
+                        markersize=8 - 1.5 * (i % 3), fillstyle="none" if i % 2 else "full", **style)
         band = (intervals.get(name) or {}).get("tasks", {}).get(task) or {}
         ks = sorted(int(k) for k in band)
         if ks:

@@ -25,6 +25,7 @@ from es_ray.launch.compare.methods import COMPARED, LABELS, grpo_placement_text,
 from es_ray.launch.compare.sensitivity import step_sizes
 from es_ray.launch.compare.plots import plots
 from es_ray.launch.compare.verdict import primary_section
+from es_ray.launch.compare.truncation import truncated_share
 
 
 
@@ -310,6 +311,7 @@ def collect(root: Path, cfg, plan: dict, pool: int, paths: dict | None = None) -
         entry["pass@k"] = {t: {k: _mean([e["pass@k"][t][k] for e in entries]) for k in v}
                            for t, v in entry["pass@k"].items()}
         entry["average"] = {k: _mean([e["average"][k] for e in entries]) for k in entry["average"]}
+        entry["hit_max_new_tokens"] = _mean([e.get("hit_max_new_tokens") for e in entries])
         entry["passk_curve"] = {t: np.mean([e["passk_curve"][t] for e in entries], axis=0).tolist()
                                 for t in entry["passk_curve"] if all(t in e["passk_curve"] for e in entries)}
         for key in ("mean_per_token", "untruncated", "t1"):
@@ -396,6 +398,7 @@ def collect_seed(root: Path, cfg, plan: dict, pool: int) -> dict:
             drift_l2[method] = tot["l2"]
         samples = _read_jsonl(eval_dir / "samples.jsonl")
         entry["passk_curve"] = passk_curves(samples, int(cfg.eval.n)) if samples else {}
+        entry["hit_max_new_tokens"] = truncated_share(samples, int(cfg.eval.max_new_tokens))
         methods[method] = entry
     ratio = (drift_l2["es"] / drift_l2["grpo"]) if drift_l2.get("grpo") and "es" in drift_l2 else None
     base_entropy = methods.get("base", {}).get("entropy", {}).get("mean_per_token")
