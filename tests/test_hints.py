@@ -139,3 +139,11 @@ def test_es_submits_address_hint_does_not_promise_an_empty_address():
         assert "leave --address empty" not in text and "127.0.0.1:8265" in text, text
     with pytest.raises(ConfigError, match="leave cluster.address empty to start a local Ray"):
         check_address("127.0.0.1:1", timeout=1.0)
+
+
+def test_an_entry_of_a_map_without_the_plus_is_told_to_add_it():
+    _register_all()
+    text = check_overrides("es_compare", ["from_run.es=/abs/run"])
+    assert "write +from_run.es=" in text, text
+    text = check_overrides("es_eval", ["eval.paths.gpqa=/abs/gpqa.jsonl"])
+    assert "write +eval.paths.gpqa=" in text, text

@@ -120,7 +120,7 @@ SECTIONS = {
     "es_interpolate": ("a", "b", "base", "grid", "draws", "eval", "engine", "run"),
     "es_compare": ("model", "task", "es", "es_sampling", "grpo", "grpo_sampling", "budget", "methods", "seeds",
                    "eval", "drift_thresholds", "engine", "cluster", "curve_every", "grpo_rollout_actors", "run",
-                   "faults", "sequence", "interpolate"),
+                   "faults", "sequence", "interpolate", "verdict", "sensitivity", "from_run"),
 }
 """Each entry point's top-level keys (its schema's fields; tests/test_hints.py keeps them equal), so an override of
 another entry point's section says whose it is."""
@@ -141,6 +141,10 @@ def unknown_key_hint(key: str, known: set[str], groups: set[str], config_name: s
     section = key.split(".")[0]
     prog = config_name.replace("_", "-")
     tail = f"(`{prog} --help` lists every key and preset)"
+    parts = key.split(".")
+    parent = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in known), None)
+    if parent and not any(k.startswith(parent + ".") for k in known):  # a map with no entries yet (eval.paths)
+        return f"{parent} is a map whose entries are new keys: write +{key}=... (with the +); {tail}"
     if "." in key and section in known:
         same = sorted(k for k in known if k.startswith(section + "."))
         close = difflib.get_close_matches(key, same, n=1, cutoff=0.6)

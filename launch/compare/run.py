@@ -38,6 +38,7 @@ from es_ray.core.registry import Registry
 from es_ray.runtime.rundir import RESULT_NEUTRAL, changed_settings
 from es_ray.grpo.config import GRPOConfig, GRPOSamplingConfig
 from es_ray.launch.compare import sensitivity
+from es_ray.launch.compare.from_run import adopt_runs
 from es_ray.launch.compare.methods import METHODS, TRAINED, grpo_placement
 from es_ray.launch.compare.verdict import VerdictConfig, validate_verdict
 
@@ -128,6 +129,9 @@ class CompareConfig:
     sensitivity: sensitivity.SensitivityConfig = field(default_factory=sensitivity.SensitivityConfig)
     """Short runs at other step sizes after the main stages (sensitivity.grpo.lr=[...], sensitivity.es.sigma=[...],
     sensitivity.es.lr=[...]): whether the verdict survives the published range (launch/compare/sensitivity.py)."""
+    from_run: dict[str, str] = field(default_factory=dict)
+    """Methods taken from runs already trained, e.g. +from_run.es=/abs/es_run: that finished es-train (grpo-train)
+    run, checked against the stage this comparison would train (launch/compare/from_run.py), stands in for it."""
 
 
 def validate_compare(cfg: CompareConfig) -> CompareConfig:
@@ -397,7 +401,7 @@ def stage_plan(cfg: CompareConfig, method: str, root: Path, pool: int | dict[str
         drift_dir = root / "stages" / f"drift.{method}{suffix}"
         stages.append(Stage(drift_dir.name, "drift", (lambda p=model_path, d=drift_dir: _drift_config(cfg, p, d)),
                             _run_drift))
-    return stages
+    return adopt_runs(cfg, method, stages, root) if cfg.from_run else stages
 
 
 def final_weights(cfg: CompareConfig, method: str, root: Path, seed: int) -> str:
