@@ -147,3 +147,26 @@ def test_an_entry_of_a_map_without_the_plus_is_told_to_add_it():
     assert "write +from_run.es=" in text, text
     text = check_overrides("es_eval", ["eval.paths.gpqa=/abs/gpqa.jsonl"])
     assert "write +eval.paths.gpqa=" in text, text
+
+
+def test_es_eval_draws_no_bar_into_a_log_file(monkeypatch):
+    """run.progress=true, stderr redirected: no tqdm frames (the trainers' rule, tracking.shows_bar)."""
+    import sys
+
+    import tqdm
+
+    from es_ray.evaluation import es_eval
+    from es_ray.evaluation.config import EvalJobConfig
+    from es_ray.runtime.tracking import shows_bar
+
+    def no_bar(*a, **kw):
+        raise AssertionError("a bar was drawn although stderr is not a terminal")
+
+    monkeypatch.setattr(tqdm, "tqdm", no_bar)
+    monkeypatch.setattr(es_eval, "_run_chunks", lambda cfg, chunks, done, local: ["ran"])
+    cfg = EvalJobConfig()
+    cfg.run = dataclasses.replace(cfg.run, progress=True)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert not shows_bar(True) and es_eval._run_with_progress(cfg, [], True) == ["ran"]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert shows_bar(True) and not shows_bar(False)
