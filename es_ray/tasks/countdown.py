@@ -83,7 +83,7 @@ class CountdownTask(Task):
         if cfg.path or cfg.countdown_source == "hub":
             rows = read_rows(cfg.path) if cfg.path else hub_rows(HUB_ID, None, cfg.split, self.name)
             skipped = SkippedRows(f"task.path={cfg.path}" if cfg.path else f"{HUB_ID} split {cfg.split}")
-            self._loaded, self.skipped_rows = parse_rows(rows, parse, skipped)
+            self._loaded, self.skipped_rows = parse_rows(rows, parse, skipped, keep_rows=bool(cfg.reward))
             self.skipped.append(skipped)
             problems = self._loaded
         else:

@@ -40,9 +40,12 @@ class RowError(ValueError):
     """A row that does not fit the task's schema (skipped and counted)."""
 
 
-def parse_rows(rows: list, parse, skipped: SkippedRows | None = None) -> tuple[list[Problem], int]:
+def parse_rows(rows: list, parse, skipped: SkippedRows | None = None,
+               keep_rows: bool = False) -> tuple[list[Problem], int]:
     """``parse`` over each row: (the problems, how many rows were malformed and skipped); ``skipped`` also counts
-    them per reason (``skip_reason``) and notes where the first one is."""
+    them per reason (``skip_reason``) and notes where the first one is; ``keep_rows``: each problem keeps its row
+    (``meta["row"]``, the columns task.reward's function is given; kept only then: a large file's rows cost memory
+    in every actor)."""
     out, count = [], 0
     for i, row in enumerate(rows):
         where = f"line {row[LINE_KEY]}" if isinstance(row, dict) and LINE_KEY in row else f"row {i + 1}"
@@ -53,7 +56,8 @@ def parse_rows(rows: list, parse, skipped: SkippedRows | None = None) -> tuple[l
                 raise RowError("not a JSON object")
             row = {k: v for k, v in row.items() if k != LINE_KEY}
             problem = parse(row)
-            problem.meta.setdefault(ROW_KEY, row)  # the columns task.reward's function is given
+            if keep_rows:
+                problem.meta.setdefault(ROW_KEY, row)
             if len(problem.question) > MAX_QUESTION_CHARS:
                 raise RowError(f"question longer than {MAX_QUESTION_CHARS} characters")
             out.append(problem)
@@ -135,7 +139,7 @@ class DatasetTask(Task):
         """The parsed rows of ``split`` (of the hub, or task.path's file), the skipped ones counted per reason."""
         source = f"task.path={self.cfg.path}" if self.cfg.path else f"{self.hub_id} split {split}"
         skipped = SkippedRows(source)
-        out, count = parse_rows(rows, self.parse, skipped)
+        out, count = parse_rows(rows, self.parse, skipped, keep_rows=bool(getattr(self.cfg, "reward", "")))
         self.skipped_rows += count
         self.skipped.append(skipped)
         return out
