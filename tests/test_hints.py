@@ -98,7 +98,14 @@ def test_es_evals_task_errors_name_eval_paths_never_task_path(tmp_path):
     hub = in_eval_keys("task math500: could not load HuggingFaceH4/MATH-500 split 'test': ConnectionError: no. "
                        "Download it elsewhere and point task.path= at a local JSONL file in the same schema.",
                        "math500")
-    for text in (str(err.value), hub):
+    rows = tmp_path / "gsm.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"{i}?", "answer": f"#### {i}"}) + "\n" for i in range(5)))
+    cfg.eval.paths = {"countdown": str(rows)}
+    with pytest.raises(TaskLoadError) as skipped:
+        load_eval_task(cfg, "countdown")
+    assert "every row was skipped" in str(skipped.value)
+    for text in (str(err.value), hub, str(skipped.value)):
+        assert "task.name" not in text, text
         assert "task.path" not in text and "eval.paths." in text, text
         for key in named_keys(text):
             assert accepts(EvalJobConfig, key), (text, key)

@@ -62,7 +62,8 @@ def in_eval_keys(text: str, name: str) -> str:
     eval.data_dir/<task>.jsonl), so a line telling the user to set task.path names those instead."""
     return (text.replace("point task.path= at", f"point eval.paths.{name}= (or eval.data_dir= a folder with "
                                                  f"{name}.jsonl) at")
-            .replace("task.path=", f"eval.paths.{name}="))
+            .replace("task.path=", f"eval.paths.{name}=").replace("set task.name= to the task they fit",
+                                                                  "list the task they fit in eval.tasks="))
 
 
 def load_eval_task(cfg: EvalJobConfig, name: str):
