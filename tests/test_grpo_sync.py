@@ -163,8 +163,10 @@ def test_first_sync_to_a_bf16_engine_sets_the_tolerance_and_sends_bf16_layer_by_
     learner.train_step(out["samples"], [1.0, -1.0, 0.5, -0.5])
     assert crew.sync(0)["sync/max_logprob_diff"] <= crew.tol
     name = "model.layers.1.mlp.down_proj.weight"
-    wrong = learner.weights()[name] + 0.05 * torch.randn(learner.named[name].shape,
-                                                         generator=torch.Generator().manual_seed(0))
+    # 0.5, not 0.05: on the tiny random model a 0.05 error moved the probe's log-probs by 0.005, under the bf16
+    # tolerance (~0.008), so it was caught only after some training draws; 0.5 moves them by ~0.07
+    wrong = learner.weights()[name] + 0.5 * torch.randn(learner.named[name].shape,
+                                                        generator=torch.Generator().manual_seed(0))
     bf16.write_weights({name: wrong})
     with pytest.raises(WeightSyncError, match="rollout engine 0"):
         check_sync(learner.probe_logprobs(*crew.probe), [bf16.probe_logprobs(*crew.probe)], crew.tol, 1)
