@@ -16,8 +16,8 @@ from es_ray.runtime.entry import SECTIONS, check_overrides
 def _schemas() -> dict:
     from es_ray.es.config import ESTrainConfig
     from es_ray.evaluation.config import DriftJobConfig, EvalJobConfig, InterpolateJobConfig
-    from grpo.config import GRPOTrainConfig
-    from launch.compare.run import CompareConfig
+    from es_ray.grpo.config import GRPOTrainConfig
+    from es_ray.launch.compare.run import CompareConfig
 
     return {"es_train": ESTrainConfig, "grpo_train": GRPOTrainConfig, "es_eval": EvalJobConfig,
             "es_drift": DriftJobConfig, "es_interpolate": InterpolateJobConfig, "es_compare": CompareConfig}
@@ -51,8 +51,8 @@ def named_keys(text: str) -> list[str]:
 def _register_all():
     from es_ray.es.config import register_configs as es
     from es_ray.evaluation.config import register_configs as ev
-    from grpo.config import register_configs as grpo
-    from launch.compare.run import register_configs as compare
+    from es_ray.grpo.config import register_configs as grpo
+    from es_ray.launch.compare.run import register_configs as compare
 
     for register in (es, ev, grpo, compare):
         register()

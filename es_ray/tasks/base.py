@@ -11,10 +11,7 @@ from typing import Any
 from es_ray.grading.limit import GRADE_TIMEOUT_S, time_limit
 from es_ray.grading.result import Grade, GraderFailure
 from es_ray.core.config import TaskConfig
-
-
-class TaskLoadError(ValueError):
-    pass
+from es_ray.tasks.errors import TaskLoadError  # noqa: F401 - raised here and imported from here by callers
 
 
 LINE_KEY = "__line__"

@@ -23,6 +23,7 @@ import math
 from typing import Any, Callable
 
 from es_ray.grading.limit import GRADE_TIMEOUT_S, time_limit
+from es_ray.tasks.errors import TaskLoadError
 
 RewardFn = Callable[..., Any]
 ROW_KEY = "row"
@@ -35,8 +36,6 @@ class RewardShapeError(ValueError):
 
 def import_reward(spec: str) -> RewardFn:
     """The callable that ``task.reward=module:function`` names; TaskLoadError in one line when it cannot be."""
-    from es_ray.tasks.base import TaskLoadError
-
     module, _, name = spec.partition(":")
     if not module or not name:
         raise TaskLoadError(f"task.reward={spec!r} is not module:function; set task.reward=package.module:function "
@@ -75,8 +74,6 @@ def call_reward(fn: RewardFn, completions: list[str], problems: list) -> list[fl
 def check_reward(spec: str, fn: RewardFn, problem) -> None:
     """At load: one call on the first training problem with two empty completions, so a wrong signature or return
     shape is one line before training starts, not a run of zero rewards."""
-    from es_ray.tasks.base import TaskLoadError
-
     try:
         with time_limit(GRADE_TIMEOUT_S):
             call_reward(fn, ["", ""], [problem, problem])
