@@ -7,7 +7,7 @@ import math
 
 from es_ray.launch.compare.analyses import forgetting_markdown, interpolation_markdown, kl_markdown, objectives_markdown
 from es_ray.launch.compare.methods import LABELS
-from es_ray.launch.compare.verdict import exploratory_note, head_lines, verdict_line, verdict_section
+from es_ray.launch.compare.verdict import exploratory_note, find_test, head_lines, verdict_line, verdict_section
 from es_ray.launch.compare.sensitivity import step_size_text
 from es_ray.launch.compare.truncation import truncation_markdown
 
@@ -332,12 +332,3 @@ def null_verdict(methods: dict, th) -> list[str]:
     return out
 
 
-def find_test(rep: dict, a: str, b: str, metric: str) -> dict | None:
-    """The comparison of a and b on a metric, oriented a - b (a stored b - a is flipped)."""
-    for t in rep["comparisons"]["tests"]:
-        if t["metric"] == metric and (t["a"], t["b"]) in ((a, b), (b, a)):
-            if t["a"] == a:
-                return t
-            return {**t, "a": a, "b": b, "diff": -t["diff"], "low": -t["high"], "high": -t["low"],
-                    "seeds_a": t.get("seeds_b", t["seeds"]), "seeds_b": t.get("seeds_a", t["seeds"])}
-    return None

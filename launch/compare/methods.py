@@ -55,3 +55,8 @@ def grpo_placement_text(cfg) -> str:
                 f"grpo_rollout_actors={cfg.grpo_rollout_actors})")
     return (f"GRPO ran on separate devices: {cfg.grpo.fsdp_size} learner rank(s) (grpo.fsdp_size) and {rollouts} "
             "rollout actor(s) (grpo_rollout_actors)")
+
+
+def budget_units(epochs: float, pool: int, per_unit: int) -> int:
+    """Iterations (steps) that show ``epochs * pool`` training prompts, at ``per_unit`` prompts each (at least 1)."""
+    return max(1, round(epochs * pool / per_unit))

@@ -70,8 +70,7 @@ def per_step_seconds(report: dict) -> dict[str, float]:
 def plan(cfg, log=print) -> dict:
     """The plan's table (also returned): per claim, seeds at the planned problems and problems at each seed count,
     then the family's choice and the training compute it costs."""
-    from es_ray.launch.compare.methods import TRAINED
-    from es_ray.launch.compare.run import budget_units
+    from es_ray.launch.compare.methods import TRAINED, budget_units
     from es_ray.launch.compare.verdict import claims
     from es_ray.metrics.verdict import GAPS, parse_claim
 
@@ -130,10 +129,3 @@ def plan(cfg, log=print) -> dict:
                                     "for the ledger's per-step figures)" if steps else ""))
     return {"family": family, "alpha": alpha, "problems": problems, "rows": rows, "seeds": chosen,
             "steps_per_seed": steps, "device_s": cost, "source": source}
-
-
-def plan_main(dict_cfg) -> None:
-    from es_ray.launch.compare.run import to_compare_config
-    from es_ray.runtime.entry import run_or_exit
-
-    run_or_exit("es-compare --plan", lambda: plan(to_compare_config(dict_cfg)))

@@ -39,7 +39,7 @@ from es_ray.runtime.rundir import RESULT_NEUTRAL, changed_settings
 from es_ray.grpo.config import GRPOConfig, GRPOSamplingConfig
 from es_ray.launch.compare import sensitivity
 from es_ray.launch.compare.from_run import adopt_runs
-from es_ray.launch.compare.methods import METHODS, TRAINED, grpo_placement
+from es_ray.launch.compare.methods import METHODS, TRAINED, budget_units, grpo_placement
 from es_ray.launch.compare.verdict import VerdictConfig, validate_verdict
 
 BUDGET_UNITS = Registry("budget.unit", {
@@ -218,11 +218,6 @@ def pool_size(cfg: CompareConfig, name: str = "") -> int:
                           "problems, and curve_every asks for held-out curves: set task.eval_size > 0, or "
                           "curve_every=0 for no curves")
     return len(task.train)
-
-
-def budget_units(epochs: float, pool: int, per_unit: int) -> int:
-    """Iterations (steps) that show ``epochs * pool`` training prompts, at ``per_unit`` prompts each (at least 1)."""
-    return max(1, round(epochs * pool / per_unit))
 
 
 # -- stages -----------------------------------------------------------------------------------------------------
@@ -632,14 +627,20 @@ def _main(dict_cfg) -> None:
     run_or_exit("es-compare", lambda: run(to_compare_config(dict_cfg)))  # its last line names the report
 
 
+def plan_main(dict_cfg) -> None:
+    """es-compare --plan: the primary family's seeds, problems and compute (launch/compare/plan.py), no spend."""
+    from es_ray.launch.compare.plan import plan
+    from es_ray.runtime.entry import run_or_exit
+
+    run_or_exit("es-compare --plan", lambda: plan(to_compare_config(dict_cfg)))
+
+
 def main() -> None:
     import sys
 
     from es_ray.runtime.entry import hydra_main
 
     if "--plan" in sys.argv[1:]:  # the seeds, problems and compute the primary family needs, before any spend
-        from es_ray.launch.compare.plan import plan_main
-
         sys.argv.remove("--plan")
         return hydra_main("es_compare", plan_main, "es-compare --plan", register_configs)
     hydra_main("es_compare", _main, "es-compare", register_configs)

@@ -246,7 +246,6 @@ def stored_section(rep: dict, family: list[str], margin: float, alpha: float) ->
     from es_ray.metrics.paired import Power
     from es_ray.metrics.verdict import METHOD_LEVEL_SEEDS, one_sided, parse_claim
 
-    from es_ray.launch.compare.markdown import find_test
 
     out = {"claims": family, "alpha": alpha, "margin": margin, "tests": [], "method_level_seeds": METHOD_LEVEL_SEEDS,
            "declared": False, "from_summaries": True}
@@ -276,3 +275,14 @@ def stored_section(rep: dict, family: list[str], margin: float, alpha: float) ->
             "why": "the per-problem scores were not kept in this report.json (each evaluation's samples.jsonl "
                    "stayed in the run directory): the checkpoint test and the detectable sizes need them"})
     return out
+
+
+def find_test(rep: dict, a: str, b: str, metric: str) -> dict | None:
+    """The comparison of a and b on a metric, oriented a - b (a stored b - a is flipped)."""
+    for t in rep["comparisons"]["tests"]:
+        if t["metric"] == metric and (t["a"], t["b"]) in ((a, b), (b, a)):
+            if t["a"] == a:
+                return t
+            return {**t, "a": a, "b": b, "diff": -t["diff"], "low": -t["high"], "high": -t["low"],
+                    "seeds_a": t.get("seeds_b", t["seeds"]), "seeds_b": t.get("seeds_a", t["seeds"])}
+    return None
