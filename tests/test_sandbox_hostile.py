@@ -406,6 +406,35 @@ def test_kernel_memory_of_a_program_is_bounded_and_given_back(layer_off, name, o
         assert 0 < made <= 16 * LIMITS.disk_inodes and "STOPPED 28" in res.stdout, res  # ENOSPC: out of inodes
 
 
+@pytest.mark.parametrize("name,made_before", [("sysv_shm_flood", "segments 10"), ("sysv_msg_flood", "messages 32000")])
+def test_sysv_ipc_objects_hold_no_kernel_memory_outside_the_limits(layer_off, name, made_before):
+    """A SysV shm segment outlives its shmdt and a message queue needs no descriptor: 640 MiB of shmem (over the
+    program's memory_mb) and 250 MiB of queued messages, no process's, until the IPC namespace was freed after the
+    grader returned. The filter answers shmget, msgget and semget ENOSYS; without it the attack is live."""
+    limits = dataclasses.replace(LIMITS, wall_s=20.0, cpu_s=10.0)
+    before = _slab_shmem_kb()
+    res = run_python(hostile(name, defeat_hook=True), limits)
+    after = _slab_shmem_kb()
+    grew = [line.split() for line in res.stdout.splitlines() if line.startswith("GREW")]
+    assert res.passed and grew, res
+    assert "STOPPED 38" in res.stdout and int(grew[0][3]) == 0, res  # ENOSYS from the filter
+    assert int(grew[0][1]) < KERNEL_MEMORY_BOUND_KB and after - before < KERNEL_MEMORY_BOUND_KB, (res, before, after)
+    layer_off("seccomp")
+    res = run_python(hostile(name, defeat_hook=True), limits)
+    assert res.passed and "GREW" in res.stdout and made_before in res.stdout, res
+
+
+def test_memfd_and_pipe_memory_is_bounded_by_the_open_files_limit():
+    """memfd files live on the kernel's own tmpfs (not the jail's): each is bounded by RLIMIT_FSIZE, so a program
+    holds at most max_open_files x output_bytes of them (64 MiB at the defaults), freed with its descriptors."""
+    limits = dataclasses.replace(LIMITS, wall_s=20.0, cpu_s=10.0, output_bytes=1 << 20)
+    res = run_python(hostile("memfd_flood", defeat_hook=True), limits)
+    grew = [line.split() for line in res.stdout.splitlines() if line.startswith("GREW")]
+    assert res.passed and grew and "STOPPED" not in res.stdout, res
+    assert int(grew[0][3]) <= limits.max_open_files * (limits.output_bytes >> 16), res
+    assert int(grew[0][1]) < KERNEL_MEMORY_BOUND_KB, res
+
+
 def test_negative_dentries_on_the_host_binds_are_bounded_by_the_cpu_limit():
     """Misses under the read-only binds of /usr leave negative dentries in the host's cache. They are reclaimable
     (SReclaimable), and the CPU limit bounds how many one program makes: counted here (dentry-state's
