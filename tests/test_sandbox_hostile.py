@@ -343,6 +343,19 @@ def test_a_signal_the_program_raises_on_itself_is_its_own_failure(signame, defea
     assert res.returncode == -getattr(__import__("signal"), signame), res
 
 
+def test_output_limit_needs_the_bytes_written_not_a_hole_up_to_the_cap():
+    """A file truncated up to output_bytes has that st_size with nothing written: stdout (the grader's file) and a
+    file in the work dir so were output_limit for a program that then exited 3. Now the bytes must be there (no
+    hole before the cap; a tmpfs's pages); writing them is still output_limit."""
+    sparse = hostile("sparse_output", CAP=str(LIMITS.output_bytes))
+    res = run_python(sparse, LIMITS)
+    assert (res.status, res.reason) == ("failed", "exit 3"), res
+    writes = {"stdout": ("os.ftruncate(1, ", "os.write(1, b'x' * "), "a file": ("f.truncate(", "f.write(b'x' * ")}
+    for where, (hole, write) in writes.items():
+        res = run_python(sparse.replace(hole, write), LIMITS)
+        assert res.status == "output_limit", (where, res)
+
+
 def test_printed_marks_are_the_programs_words():
     """MemoryError on stderr was memory; the hook's mark (with its nonce, which the program can read) was blocked."""
     res = run_python(hostile("forged_memory"), LIMITS)

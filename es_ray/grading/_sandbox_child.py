@@ -569,7 +569,8 @@ def _collect(read_fd, child, cap, listener):
 
 
 def _file_at_cap(cap, budget=4096):
-    """Whether a file under the working directory (this process's cwd) reached the file-size limit: walked
+    """Whether a file under the working directory (this process's cwd) reached the file-size limit with as many
+    bytes written (a file truncated up to it is a hole: no pages, no ``output_limit``): walked
     without recursion and without following links, at most ``budget`` entries (the tmpfs holds fewer inodes)."""
     stack = ["."]
     while stack and budget > 0:
@@ -579,8 +580,10 @@ def _file_at_cap(cap, budget=4096):
                     budget -= 1
                     if entry.is_dir(follow_symlinks=False):
                         stack.append(entry.path)
-                    elif entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_size >= cap:
-                        return True
+                    elif entry.is_file(follow_symlinks=False):
+                        st = entry.stat(follow_symlinks=False)
+                        if st.st_size >= cap and st.st_blocks * 512 >= cap:  # written: a tmpfs counts its pages
+                            return True
         except OSError:
             continue
     return False

@@ -313,6 +313,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+def _reached(f, cap: int) -> bool:
+    """Whether the program wrote ``cap`` bytes to ``f``: its size reached the cap with no hole before it (a file
+    truncated or seeked up to the cap, with nothing written, reads as the cap in ``st_size`` alone)."""
+    if os.fstat(f.fileno()).st_size < cap:
+        return False
+    try:
+        return os.lseek(f.fileno(), 0, os.SEEK_HOLE) >= cap
+    except OSError:  # no SEEK_HOLE on this file system: the whole file is data
+        return True
+
+
 def _read_capped(f, cap: int) -> str:
     f.seek(0)
     return f.read(cap).decode("utf-8", errors="replace")
@@ -408,7 +419,7 @@ def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
                     _kill_group(proc)  # always: the namespace's init dies, and with it every process inside
                     proc.wait()
                 # Python ignores SIGXFSZ: past the cap its writes fail with EFBIG, so the size tells
-                over = max(os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size) >= limits.output_bytes
+                over = _reached(out, limits.output_bytes) or _reached(err, limits.output_bytes)
                 record = _record(_read_capped(res, RESULT_READ_FACTOR * limits.output_bytes + 4096), nonce)
                 raw = _Raw(None, timed_out, over, _read_capped(out, limits.output_bytes),
                            _read_capped(err, 64 << 10), None)
