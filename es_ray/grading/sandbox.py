@@ -26,7 +26,9 @@ inside the program's process is trusted:
   limits are the whole program's.
 * **Kernel memory**: every tmpfs in the jail has ``nr_inodes`` as well as ``size`` (the work dir
   ``disk_inodes``), which bounds what a tmpfs keeps outside its blocks (inodes, dentries, symlink bodies, xattr
-  space), and the filter answers the ``*setxattr*`` calls EOPNOTSUPP. All of it goes with the mount namespace.
+  space), and the filter answers the ``*setxattr*`` calls EOPNOTSUPP and SysV IPC's ``*get`` calls ENOSYS (a
+  segment or queue is no process's memory). All of it goes with the mount namespace; a memfd or pipe goes with
+  its descriptor (at most ``max_open_files`` x ``output_bytes`` or 1 MiB).
 * **The record**: the init writes the one result record (exit status or signal, the program's pipe capped at
   ``output_bytes``) with a per-run nonce to a descriptor the program's process closes before any program code
   runs; the grader parses it with size and depth bounds and compares only hash-free values itself; the rest
@@ -278,7 +280,7 @@ def isolation(python: str = sys.executable) -> dict:
         "refused": plan.refused,
         "syscalls": "seccomp-bpf: no second process, no exec, no socket of any family, no ptrace, mount, "
                     "namespaces, bpf, io_uring, userfaultfd, perf_event_open, keyctl (the init holds the filter's "
-                    "listener: a refused call is not run, the process is killed, escape_attempt); xattrs refused",
+                    "listener: a refused call is not run, the process is killed, escape_attempt); xattrs and SysV IPC refused",
         "network": "network namespace (loopback down) + seccomp (no socket)"
                    + (" + Landlock TCP" if plan.landlock >= 4 else "") + " + audit hook",
         "user": (f"a dedicated uid from {UID_BASE} (one per concurrent program), checked by a probe run"
