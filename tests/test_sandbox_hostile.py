@@ -356,6 +356,18 @@ def test_output_limit_needs_the_bytes_written_not_a_hole_up_to_the_cap():
         assert res.status == "output_limit", (where, res)
 
 
+def test_a_refused_call_just_before_the_exit_is_still_seen():
+    """A thread's chroot, then os._exit(0) at once: the exit withdrew the pending notification before the init read
+    it, and the correct program passed (1-2 of 8 runs per spacing, loaded 2-core machine). exit_group now waits for
+    the init, which takes the notifications queued before it first."""
+    for wait in ("0", "0.0002", "0.002") * 4:
+        res = run_python(hostile("exit_race", WAIT=wait), LIMITS)
+        assert res.status == "escape_attempt", (wait, res)
+    assert run_python(GOOD, LIMITS).passed
+    res = run_python("import os\nos._exit(5)\n", LIMITS)
+    assert (res.status, res.reason, res.returncode) == ("failed", "exit 5", 5), res
+
+
 def test_printed_marks_are_the_programs_words():
     """MemoryError on stderr was memory; the hook's mark (with its nonce, which the program can read) was blocked."""
     res = run_python(hostile("forged_memory"), LIMITS)

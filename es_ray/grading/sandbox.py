@@ -399,7 +399,7 @@ def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
                     "mark_nonce": mark if plan.hook else None,
                     "pid_ns": plan.pid_ns, "landlock": plan.landlock, "drop_to": uid, "result_fd": res.fileno(),
                     "capset": CAPSET_SYSCALL.get(machine), "seccomp": plan.seccomp,
-                    "seccomp_nr": _syscall_nr(machine, "seccomp"),
+                    "seccomp_nr": _syscall_nr(machine, "seccomp"), "exit_nr": _syscall_nr(machine, "exit_group"),
                     "jail": {"root": root if plan.jail else "", "ops": ops, "pivot_root": _pivot_root_nr(machine)},
                 }).encode()
                 try:
