@@ -343,6 +343,31 @@ def test_a_signal_the_program_raises_on_itself_is_its_own_failure(signame, defea
     assert res.returncode == -getattr(__import__("signal"), signame), res
 
 
+def test_output_limit_needs_the_bytes_written_not_a_hole_up_to_the_cap():
+    """A file truncated up to output_bytes has that st_size with nothing written: stdout (the grader's file) and a
+    file in the work dir so were output_limit for a program that then exited 3. Now the bytes must be there (no
+    hole before the cap; a tmpfs's pages); writing them is still output_limit."""
+    sparse = hostile("sparse_output", CAP=str(LIMITS.output_bytes))
+    res = run_python(sparse, LIMITS)
+    assert (res.status, res.reason) == ("failed", "exit 3"), res
+    writes = {"stdout": ("os.ftruncate(1, ", "os.write(1, b'x' * "), "a file": ("f.truncate(", "f.write(b'x' * ")}
+    for where, (hole, write) in writes.items():
+        res = run_python(sparse.replace(hole, write), LIMITS)
+        assert res.status == "output_limit", (where, res)
+
+
+def test_a_refused_call_just_before_the_exit_is_still_seen():
+    """A thread's chroot, then os._exit(0) at once: the exit withdrew the pending notification before the init read
+    it, and the correct program passed (1-2 of 8 runs per spacing, loaded 2-core machine). exit_group now waits for
+    the init, which takes the notifications queued before it first."""
+    for wait in ("0", "0.0002", "0.002") * 4:
+        res = run_python(hostile("exit_race", WAIT=wait), LIMITS)
+        assert res.status == "escape_attempt", (wait, res)
+    assert run_python(GOOD, LIMITS).passed
+    res = run_python("import os\nos._exit(5)\n", LIMITS)
+    assert (res.status, res.reason, res.returncode) == ("failed", "exit 5", 5), res
+
+
 def test_printed_marks_are_the_programs_words():
     """MemoryError on stderr was memory; the hook's mark (with its nonce, which the program can read) was blocked."""
     res = run_python(hostile("forged_memory"), LIMITS)
@@ -404,6 +429,35 @@ def test_kernel_memory_of_a_program_is_bounded_and_given_back(layer_off, name, o
         assert made == 0, res
     else:
         assert 0 < made <= 16 * LIMITS.disk_inodes and "STOPPED 28" in res.stdout, res  # ENOSPC: out of inodes
+
+
+@pytest.mark.parametrize("name,made_before", [("sysv_shm_flood", "segments 10"), ("sysv_msg_flood", "messages 32000")])
+def test_sysv_ipc_objects_hold_no_kernel_memory_outside_the_limits(layer_off, name, made_before):
+    """A SysV shm segment outlives its shmdt and a message queue needs no descriptor: 640 MiB of shmem (over the
+    program's memory_mb) and 250 MiB of queued messages, no process's, until the IPC namespace was freed after the
+    grader returned. The filter answers shmget, msgget and semget ENOSYS; without it the attack is live."""
+    limits = dataclasses.replace(LIMITS, wall_s=20.0, cpu_s=10.0)
+    before = _slab_shmem_kb()
+    res = run_python(hostile(name, defeat_hook=True), limits)
+    after = _slab_shmem_kb()
+    grew = [line.split() for line in res.stdout.splitlines() if line.startswith("GREW")]
+    assert res.passed and grew, res
+    assert "STOPPED 38" in res.stdout and int(grew[0][3]) == 0, res  # ENOSYS from the filter
+    assert int(grew[0][1]) < KERNEL_MEMORY_BOUND_KB and after - before < KERNEL_MEMORY_BOUND_KB, (res, before, after)
+    layer_off("seccomp")
+    res = run_python(hostile(name, defeat_hook=True), limits)
+    assert res.passed and "GREW" in res.stdout and made_before in res.stdout, res
+
+
+def test_memfd_and_pipe_memory_is_bounded_by_the_open_files_limit():
+    """memfd files live on the kernel's own tmpfs (not the jail's): each is bounded by RLIMIT_FSIZE, so a program
+    holds at most max_open_files x output_bytes of them (64 MiB at the defaults), freed with its descriptors."""
+    limits = dataclasses.replace(LIMITS, wall_s=20.0, cpu_s=10.0, output_bytes=1 << 20)
+    res = run_python(hostile("memfd_flood", defeat_hook=True), limits)
+    grew = [line.split() for line in res.stdout.splitlines() if line.startswith("GREW")]
+    assert res.passed and grew and "STOPPED" not in res.stdout, res
+    assert int(grew[0][3]) <= limits.max_open_files * (limits.output_bytes >> 16), res
+    assert int(grew[0][1]) < KERNEL_MEMORY_BOUND_KB, res
 
 
 def test_negative_dentries_on_the_host_binds_are_bounded_by_the_cpu_limit():

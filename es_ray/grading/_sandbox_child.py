@@ -507,23 +507,59 @@ def _vm_peak_kb(child):
     return 0
 
 
-def _refused_call(listener):
-    """The system call number of a seccomp notification, or None where the notifying thread is already gone."""
+def _notification(listener):
+    """(system call number, notification id, first argument) of a seccomp notification, or None where the
+    notifying thread is already gone."""
     import fcntl
     buf = bytearray(80)  # struct seccomp_notif, zeroed as the kernel requires
     try:
         fcntl.ioctl(listener, 0xC0502100, buf, True)  # SECCOMP_IOCTL_NOTIF_RECV
     except OSError:
         return None
-    return int.from_bytes(buf[16:20], "little", signed=True)  # seccomp_data.nr after id (8) and pid, flags (4+4)
+    # id (8), pid and flags (4+4), then seccomp_data: nr (4), arch (4), instruction pointer (8), args (8 each)
+    return (int.from_bytes(buf[16:20], sys.byteorder, signed=True), int.from_bytes(buf[0:8], sys.byteorder),
+            int.from_bytes(buf[32:40], sys.byteorder))
 
 
-def _collect(read_fd, child, cap, listener):
+def _let_go(listener, nid):
+    """Let a notified call (the exit) run as the filter would have allowed it; False where the kernel cannot
+    (SECCOMP_USER_NOTIF_FLAG_CONTINUE needs Linux 5.5)."""
+    import fcntl
+    resp = nid.to_bytes(8, sys.byteorder) + bytes(12) + (1).to_bytes(4, sys.byteorder)  # id, val, error, flags
+    try:
+        fcntl.ioctl(listener, 0xC0182101, bytearray(resp), True)  # SECCOMP_IOCTL_NOTIF_SEND
+    except OSError as exc:
+        return exc.errno == 2  # ENOENT: the thread is gone already (the exit goes on)
+    return True
+
+
+def _take(listener, exit_nr):
+    """One round on the listener: (refused call number or None, exit status asked for where the exit could not be
+    let go). An ``exit_group`` first takes every notification queued before it: a refused call a thread made just
+    before the process exits is seen, not withdrawn by the exit."""
+    got = _notification(listener)
+    if got is None or got[0] != exit_nr:
+        return (got[0] if got else None), None
+    exits, ready = [got], select.poll()
+    ready.register(listener, select.POLLIN)
+    while ready.poll(0):
+        more = _notification(listener)
+        if more is None:
+            break
+        if more[0] != exit_nr:
+            return more[0], None
+        exits.append(more)
+    if all(_let_go(listener, nid) for _, nid, _ in exits):
+        return None, None
+    return None, got[2] & 0xFF
+
+
+def _collect(read_fd, child, cap, listener, exit_nr=None):
     """Read at most ``cap`` bytes of the pipe (the rest is drained and counted) while answering the seccomp
     listener (a refused call: recorded, the program's process killed) and sampling its peak virtual size every
     ``PEAK_SAMPLE_MS``, until the program's process has ended (its pidfd, else a poll of ``wait4``); its wait
     status and rusage."""
-    chunks, size, refused, peak = [], 0, None, 0
+    chunks, size, refused, peak, exit_asked = [], 0, None, 0, None
     poller = select.poll()
     poller.register(read_fd, select.POLLIN)
     pipe_open, ended = True, False
@@ -552,9 +588,12 @@ def _collect(read_fd, child, cap, listener):
             elif fd == pidfd:
                 ended = True
             elif ev & select.POLLIN:
-                nr = _refused_call(listener)
+                nr, asked = _take(listener, exit_nr)
                 if nr is not None and refused is None:
                     refused = nr
+                    os.kill(child, signal.SIGKILL)
+                elif asked is not None:  # a kernel without FLAG_CONTINUE: the exit is done here, its status kept
+                    exit_asked = asked
                     os.kill(child, signal.SIGKILL)
             else:  # the filter has no process left
                 poller.unregister(listener)
@@ -565,11 +604,14 @@ def _collect(read_fd, child, cap, listener):
         read()
     _, status, usage = os.wait4(child, 0)
     text = b"".join(chunks).decode("utf-8", errors="replace")
+    if exit_asked is not None and refused is None:
+        status = exit_asked << 8  # as the kernel would have encoded the exit the init ended for it
     return text, size > cap, status, usage, refused, peak
 
 
 def _file_at_cap(cap, budget=4096):
-    """Whether a file under the working directory (this process's cwd) reached the file-size limit: walked
+    """Whether a file under the working directory (this process's cwd) reached the file-size limit with as many
+    bytes written (a file truncated up to it is a hole: no pages, no ``output_limit``): walked
     without recursion and without following links, at most ``budget`` entries (the tmpfs holds fewer inodes)."""
     stack = ["."]
     while stack and budget > 0:
@@ -579,8 +621,10 @@ def _file_at_cap(cap, budget=4096):
                     budget -= 1
                     if entry.is_dir(follow_symlinks=False):
                         stack.append(entry.path)
-                    elif entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_size >= cap:
-                        return True
+                    elif entry.is_file(follow_symlinks=False):
+                        st = entry.stat(follow_symlinks=False)
+                        if st.st_size >= cap and st.st_blocks * 512 >= cap:  # written: a tmpfs counts its pages
+                            return True
         except OSError:
             continue
     return False
@@ -644,7 +688,8 @@ def main():
             pass
     mine.close()
     lim = cfg["limits"]
-    text, over, status, usage, refused, peak = _collect(read_fd, child, lim["output_bytes"], listener)
+    text, over, status, usage, refused, peak = _collect(read_fd, child, lim["output_bytes"], listener,
+                                                        cfg.get("exit_nr"))
     code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
     report(stage="done", exit=code, signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
            result=text, over=over, refused=refused, listener=listener is not None,

@@ -26,7 +26,9 @@ inside the program's process is trusted:
   limits are the whole program's.
 * **Kernel memory**: every tmpfs in the jail has ``nr_inodes`` as well as ``size`` (the work dir
   ``disk_inodes``), which bounds what a tmpfs keeps outside its blocks (inodes, dentries, symlink bodies, xattr
-  space), and the filter answers the ``*setxattr*`` calls EOPNOTSUPP. All of it goes with the mount namespace.
+  space), and the filter answers the ``*setxattr*`` calls EOPNOTSUPP and SysV IPC's ``*get`` calls ENOSYS (a
+  segment or queue is no process's memory). All of it goes with the mount namespace; a memfd or pipe goes with
+  its descriptor (at most ``max_open_files`` x ``output_bytes`` or 1 MiB).
 * **The record**: the init writes the one result record (exit status or signal, the program's pipe capped at
   ``output_bytes``) with a per-run nonce to a descriptor the program's process closes before any program code
   runs; the grader parses it with size and depth bounds and compares only hash-free values itself; the rest
@@ -278,7 +280,7 @@ def isolation(python: str = sys.executable) -> dict:
         "refused": plan.refused,
         "syscalls": "seccomp-bpf: no second process, no exec, no socket of any family, no ptrace, mount, "
                     "namespaces, bpf, io_uring, userfaultfd, perf_event_open, keyctl (the init holds the filter's "
-                    "listener: a refused call is not run, the process is killed, escape_attempt); xattrs refused",
+                    "listener: a refused call is not run, the process is killed, escape_attempt); xattrs and SysV IPC refused",
         "network": "network namespace (loopback down) + seccomp (no socket)"
                    + (" + Landlock TCP" if plan.landlock >= 4 else "") + " + audit hook",
         "user": (f"a dedicated uid from {UID_BASE} (one per concurrent program), checked by a probe run"
@@ -311,6 +313,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _reached(f, cap: int) -> bool:
+    """Whether the program wrote ``cap`` bytes to ``f``: its size reached the cap with no hole before it (a file
+    truncated or seeked up to the cap, with nothing written, reads as the cap in ``st_size`` alone)."""
+    if os.fstat(f.fileno()).st_size < cap:
+        return False
+    try:
+        return os.lseek(f.fileno(), 0, os.SEEK_HOLE) >= cap
+    except OSError:  # no SEEK_HOLE on this file system: the whole file is data
+        return True
 
 
 def _read_capped(f, cap: int) -> str:
@@ -386,7 +399,7 @@ def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
                     "mark_nonce": mark if plan.hook else None,
                     "pid_ns": plan.pid_ns, "landlock": plan.landlock, "drop_to": uid, "result_fd": res.fileno(),
                     "capset": CAPSET_SYSCALL.get(machine), "seccomp": plan.seccomp,
-                    "seccomp_nr": _syscall_nr(machine, "seccomp"),
+                    "seccomp_nr": _syscall_nr(machine, "seccomp"), "exit_nr": _syscall_nr(machine, "exit_group"),
                     "jail": {"root": root if plan.jail else "", "ops": ops, "pivot_root": _pivot_root_nr(machine)},
                 }).encode()
                 try:
@@ -408,7 +421,7 @@ def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
                     _kill_group(proc)  # always: the namespace's init dies, and with it every process inside
                     proc.wait()
                 # Python ignores SIGXFSZ: past the cap its writes fail with EFBIG, so the size tells
-                over = max(os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size) >= limits.output_bytes
+                over = _reached(out, limits.output_bytes) or _reached(err, limits.output_bytes)
                 record = _record(_read_capped(res, RESULT_READ_FACTOR * limits.output_bytes + 4096), nonce)
                 raw = _Raw(None, timed_out, over, _read_capped(out, limits.output_bytes),
                            _read_capped(err, 64 << 10), None)

@@ -29,7 +29,12 @@ audit arch) is refused the same way.
 
 Extended attributes (``setxattr``, ``lsetxattr``, ``fsetxattr``, ``setxattrat``) answer EOPNOTSUPP, as on a file
 system without them: a tmpfs keeps ``user.*`` xattrs in kernel memory outside its ``size=`` (shutil's copy2 ignores
-the error).
+the error). The SysV IPC ``shmget``, ``msgget`` and ``semget`` answer ENOSYS (``NO_SYSV_IPC``): their objects hold
+kernel memory outside every rlimit until the IPC namespace dies.
+
+``exit_group`` notifies the init too, which first takes every notification queued before it and then lets the exit
+go on (``SECCOMP_USER_NOTIF_FLAG_CONTINUE``): a thread's refused call just before the process exits was otherwise
+withdrawn by the exit before the init could read it, and the program passed without ``escape_attempt``.
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ _LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
 _NR, _ARCH, _ARG0_LOW, _ARG0_HIGH = 0, 4, 16, 20
 
 NO_XATTR = ("setxattr", "lsetxattr", "fsetxattr", "setxattrat")
+NO_SYSV_IPC = ("shmget", "msgget", "semget")
+"""Answered ENOSYS, as by a kernel built without SysV IPC: a segment, queue or semaphore set holds kernel memory
+that no descriptor, mapping or rlimit counts (a shm segment outlives its ``shmdt``) until the IPC namespace dies."""
 UNIFIED = {"setxattrat": 463}
 """Calls added after the tables' headers, numbered alike on every architecture (the unified numbering from 424)."""
 DENIED = ("socket", "socketpair", "connect", "bind", "listen", "accept", "accept4", "fork", "vfork", "execve",
@@ -84,7 +92,7 @@ SYSCALLS = {
         execveat=322, userfaultfd=323, io_uring_setup=425, io_uring_enter=426, io_uring_register=427,
         open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, clone3=435,
         pidfd_getfd=438, process_madvise=440, mount_setattr=442, prlimit64=302, setxattr=188, lsetxattr=189,
-        fsetxattr=190, seccomp=317),
+        fsetxattr=190, seccomp=317, shmget=29, semget=64, msgget=68, exit_group=231),
     # the generic table: no fork, vfork, modify_ldt, iopl or ioperm
     "aarch64": dict(
         lookup_dcookie=18, umount2=39, mount=40, pivot_root=41, chroot=51, vhangup=58, quotactl=60, acct=89,
@@ -97,7 +105,7 @@ SYSCALLS = {
         bpf=280, execveat=281, userfaultfd=282, kexec_file_load=294, io_uring_setup=425, io_uring_enter=426,
         io_uring_register=427, open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432,
         fspick=433, clone3=435, pidfd_getfd=438, process_madvise=440, mount_setattr=442, prlimit64=261,
-        setxattr=5, lsetxattr=6, fsetxattr=7, seccomp=277),
+        setxattr=5, lsetxattr=6, fsetxattr=7, seccomp=277, msgget=186, semget=190, shmget=194, exit_group=94),
 }
 
 
@@ -126,6 +134,10 @@ def build_filter(machine: str | None = None) -> bytes:
              _ins(_LD_ABS, _ARG0_HIGH), _ins(_JEQ, 0, jt=1), _ins(_RET, RET_DENY), _ins(_RET, RET_ALLOW)]
     for name in NO_XATTR:
         prog += [_ins(_JEQ, nr[name], jf=1), _ins(_RET, RET_ENOTSUP)]
+    # the process's exit waits for the init: it takes the refused calls queued before it, then lets it go on
+    prog += [_ins(_JEQ, nr["exit_group"], jf=1), _ins(_RET, RET_USER_NOTIF)]
+    for name in NO_SYSV_IPC:
+        prog += [_ins(_JEQ, nr[name], jf=1), _ins(_RET, RET_ENOSYS)]
     for name in DENIED:
         if name in nr:
             prog += [_ins(_JEQ, nr[name], jf=1), _ins(_RET, RET_DENY)]
