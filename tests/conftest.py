@@ -97,6 +97,8 @@ NOT_FAST_MODULES = {
     # installs, builds, scripts, sandboxed programs
     "test_packaging", "test_install_resolves", "test_setup_script", "test_gpu_smoke", "test_config_reference",
     "test_grading_sandbox", "test_sandbox_hostile", "test_grading_mathverify", "test_launch_files",
+    # pure, but Monte Carlo checks of the paired tests' size: minutes
+    "test_eval_paired",
 }
 HEAVY_FIXTURES = {"tiny_model_dir", "ray_local"}
 HEAVY_CALLS = ("subprocess", "Popen", "sys.executable", "main(", "vllm")
