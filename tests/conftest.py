@@ -91,6 +91,7 @@ NOT_FAST_MODULES = {
     "test_engine_contract", "test_lowrank_vllm", "test_vllm_gpu_contracts", "test_vllm_gpu_settings",
     "test_grpo_colocated_vllm", "test_grpo_fsdp", "test_grpo_learner", "test_grpo_sync", "test_grpo_strict_collectives",
     "test_checkpoint", "test_checkpoint_parts", "test_lowrank_hf", "test_interpolate", "test_kl", "test_tracking",
+    "test_prefix",
     # the CLIs and what they start
     "test_cli", "test_grpo_cli", "test_eval_cli", "test_launch_submit", "test_placement", "test_runtime",
     "test_interrupt_breaker",
