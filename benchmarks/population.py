@@ -23,8 +23,8 @@ driver's checksum request, so the figures are the actor's own code path:
     accumulates as it does into the term; vLLM, its LoRA kernel a no-op), so the share of it is the term's own cost.
 
 Repeats are interleaved within each phase: a warm-up limit call and iteration, then ``--repeats`` times a limit call
-(the low-rank phase: and the reference) and an iteration (iterations 1, 2, ...). Figures are medians over the repeats. vLLM runs with engine.enforce_eager
-(starts in seconds on a CPU) unless ``--vllm-compiled``.
+(the low-rank phase: and the reference) and an iteration (iterations 1, 2, ...). Figures are medians over the repeats.
+vLLM runs with engine.enforce_eager (starts in seconds on a CPU) unless ``--vllm-compiled``.
 
 Keys of the JSON object on the last line, per engine E in hf, vllm (where it ran), M in full, lowrank:
   E_limit_tok_s                 (a): tokens/s of the limit call, measured in the full-rank phase (a plain engine)
@@ -368,7 +368,6 @@ def profile(args) -> dict:
     and decode (a forward of one position per row is decode; the limit's shared prefill counts as prefill).
     Seconds are CPU seconds of the calling thread (``time.thread_time``; torch runs its one thread there), which
     other processes on the cores inflate far less than wall time. Medians over the repeats."""
-    import torch
     import torch.nn.functional as F
 
     from es_ray.engines import hf_lowrank

@@ -28,7 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = {
-    "literal": "def add(a, b):\n    return a + b\n\nassert add(1, 2) == 3\nassert add(2, 2) == 4\nassert add(0, 0) == 0\n",
+    "literal": "def add(a, b):\n    return a + b\n\n"
+               "assert add(1, 2) == 3\nassert add(2, 2) == 4\nassert add(0, 0) == 0\n",
     "check": "def pairs(xs):\n    return {(x, x * 2) for x in xs}\n\nassert pairs([1, 2]) == {(1, 2), (2, 4)}\n"
              "assert set(pairs([3])) == set([(3, 6)])\nassert all(p in pairs([1]) for p in [(1, 2)])\n",
     "wrong": "def add(a, b):\n    return a - b\n\nassert add(1, 2) == 3\n",

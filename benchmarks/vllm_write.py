@@ -11,8 +11,8 @@
 (2) The packed GEMM against ``F.linear`` on the unpacked weight, for every linear shape of the model, at a decode
     batch (M = 16) and a prefill-sized one (M = 128): what skipping the repack would cost in generation.
 
-The last line is one JSON object: write_<part>_s (medians), repack_<layer kind>_s, gemm_<N>x<K>_m<M>_flinear_over_onednn,
-pack_<N>x<K>_s, and the settings.
+The last line is one JSON object: write_<part>_s (medians), repack_<layer kind>_s,
+gemm_<N>x<K>_m<M>_flinear_over_onednn, pack_<N>x<K>_s, and the settings.
 """
 
 from __future__ import annotations

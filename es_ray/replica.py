@@ -36,7 +36,7 @@ import torch
 from es_ray import lowrank
 from es_ray.noise import NoiseSource, resolve_kind
 from es_ray.replica_spec import ReplicaSpec  # noqa: F401 - the replica's settings, re-exported
-from es_ray.strategy import Member, Optimizer, noise_coefficients
+from es_ray.strategy import Member, Optimizer, gradient, gradient_weights
 
 Writer = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 Reader = Callable[[str], "torch.Tensor | None"]
@@ -404,8 +404,8 @@ class Replica:
         and so is realised_cos when the intended update is zero (a cosine of nothing). ``sums`` holds the sums
         behind them over the parts this replica owns, which ``update_health`` combines across tensor-parallel ranks.
         """
-        coeffs = noise_coefficients(members, fitness_n)
-        scale = 1.0 / (len(members) * sigma)
+        weights = gradient_weights(members, fitness_n, sigma)
+        noise_ids, w = [k for k, _ in weights], [wk for _, wk in weights]
         self.opt.begin()
         sq_update = dot = sq_real = 0.0
         measured = self.read is not None
@@ -413,15 +413,9 @@ class Replica:
             theta = self.master[name]
             g = self._view(self._buf, theta.shape)
             if self.spec.kind.factored:
-                lowrank.gradient([self._local_factors(iteration, noise_id, name) for noise_id, _ in coeffs],
-                                 [c * scale for _, c in coeffs], out=g)
+                lowrank.gradient([self._local_factors(iteration, k, name) for k in noise_ids], w, out=g)
             else:
-                for k, (noise_id, c) in enumerate(coeffs):
-                    eps = self._eps(iteration, noise_id, name)
-                    if k == 0:  # the first term initialises g: one pass less than zero_() then add_()
-                        torch.mul(eps, c * scale, out=g)
-                    else:
-                        g.add_(eps, alpha=c * scale)
+                gradient((self._eps(iteration, k, name) for k in noise_ids), w, out=g)
             held = self.read(name) if measured else None
             measured = held is not None
             self.opt.step(name, theta, g, self.theta0[name] if self.theta0 is not None else None)

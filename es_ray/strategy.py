@@ -2,10 +2,14 @@
 
 The update convention (also in docs/es-update.md):
 
-    g      = 1 / (N * sigma) * sum_i z_i * eps_i          (one-point; z_i the shaped fitness of member i)
-    theta <- theta + lr * g                              (sgd; or theta + lr * adam(g))
+    z      = shape(rewards)                               (shape_fitness: zscore or centered_rank)
+    g      = 1 / (N * sigma) * sum_i z_i * eps_i          (gradient_weights, gradient; one-point)
+    theta <- theta + lr * g                              (Optimizer.step with sgd; or theta + lr * adam(g))
     theta <- theta - lr * weight_decay * theta            (decoupled weight decay, optional)
     theta <- theta - lr * anchor_decay * (theta - theta0) (anchored decay toward the initial weights, optional)
+
+The replica (es_ray/replica.py) draws eps_i one tensor at a time and calls these; the driver reads ask ->
+evaluate -> tell (es_ray/es/driver.py ``iteration``).
 
 With antithetic pairs member 2k uses +eps_k and member 2k+1 uses -eps_k; the same formula then reduces to
 1/(N sigma) * sum_k (z_2k - z_2k+1) eps_k. The reference ES code folds 1/sigma into its step size,
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
@@ -91,6 +95,28 @@ def noise_coefficients(members: list[Member], fitness_n) -> list[tuple[int, floa
     return sorted(coeff.items())
 
 
+def gradient_weights(members: list[Member], fitness_n, sigma: float) -> list[tuple[int, float]]:
+    """The gradient as weights on the iteration's noises: [(noise_id k, w_k)] in noise_id order, so that
+    g = sum_k w_k * eps_k with w_k = (sum over the members i using noise k of sign_i * z_i) / (N * sigma)."""
+    scale = 1.0 / (len(members) * sigma)
+    return [(noise_id, c * scale) for noise_id, c in noise_coefficients(members, fitness_n)]
+
+
+def gradient(noises: Iterable[torch.Tensor], weights: Sequence[float], out: torch.Tensor) -> torch.Tensor:
+    """g = sum_k weights[k] * noises[k] into ``out`` (the tensor's shape, fp32), added in k order: that fixed order
+    keeps replicas equal bit for bit. ``noises`` is taken one at a time, so each may reuse one buffer; the first
+    term initialises ``out`` (one pass less than zero_() then add_()). Factored noise (es.perturbation=lowrank)
+    computes the same sum as one matmul of its factors: ``es_ray.lowrank.gradient``."""
+    import torch
+
+    for k, (eps, w) in enumerate(zip(noises, weights)):
+        if k == 0:
+            torch.mul(eps, w, out=out)
+        else:
+            out.add_(eps, alpha=w)
+    return out
+
+
 class Optimizer:
     """In-place fp32 update of one tensor from its ascent direction g (sgd or adam, plus decays).
 
@@ -110,6 +136,8 @@ class Optimizer:
         self.t += 1
 
     def step(self, name: str, theta: torch.Tensor, g: torch.Tensor, theta0: torch.Tensor | None = None) -> None:
+        """theta <- theta + d - lr * weight_decay * theta - lr * anchor_decay * (theta - theta0), d = lr * g (sgd) or
+        Adam's step; g (theta's shape, fp32) is left holding the whole applied delta."""
         self._direction(self, name, theta, g)
         if self.weight_decay:
             g.add_(theta, alpha=-self.lr * self.weight_decay)

@@ -33,13 +33,8 @@ class ColocatedWorker(RolloutWorker):
     names; the learner's are exposed under theirs (``learner_probe_logprobs`` for its probe)."""
 
     def __init__(self, cfg: GRPOTrainConfig, rank: int = 0, world: int = 1):
-        check_sleep_mode(cfg)
+        check_sleep_mode(cfg)  # the engine is built with sleep mode on
         if _on_gpu(cfg):
-            import os
-
-            from es_ray.engines.vllm import SLEEP_MODE_ENV
-
-            os.environ[SLEEP_MODE_ENV] = "1"  # the engine is built with sleep mode on
             cfg = _with_planned_share(cfg)
         super().__init__(cfg, rank)
         self.learner = GRPOLearner(cfg, rank, world)
@@ -138,20 +133,16 @@ def _on_gpu(cfg: GRPOTrainConfig) -> bool:
 
 
 def check_sleep_mode(cfg: GRPOTrainConfig) -> None:
-    """Colocation on GPU needs vLLM's sleep mode (the engine's memory freed while the learner trains); a vLLM build
-    without it is refused before any model loads, naming the key."""
-    if cfg.engine.name != "vllm" or not _on_gpu(cfg):
+    """Colocation on GPU: the engine's sleep mode turned on (its memory freed while the learner trains), a build
+    without one refused before any model loads, naming the key: the engine's ``sleep_mode`` trait
+    (``es_ray.engines.TRAITS``); an engine without the trait keeps its memory."""
+    if not _on_gpu(cfg):
         return
-    from es_ray.core.config import ConfigError
+    from es_ray.engines import TRAITS, resolve
 
-    try:
-        from vllm import LLM
-    except ImportError:
-        return  # the engine itself refuses a missing vLLM, naming engine.name
-    if not (hasattr(LLM, "sleep") and hasattr(LLM, "wake_up")):
-        raise ConfigError("grpo.colocate=true on GPU needs vLLM's sleep mode (LLM.sleep / LLM.wake_up), which this "
-                          "vLLM build lacks: set grpo.colocate=false, or install the vLLM version scripts/setup.sh "
-                          "pins")
+    hook = TRAITS.get(cfg.engine.name).sleep_mode
+    if hook:
+        resolve(hook)()
 
 
 def _with_planned_share(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
@@ -169,9 +160,10 @@ def planned_engine_config(cfg: GRPOTrainConfig, reported: int, device_name: str 
     """``_with_planned_share`` for a GPU reporting ``reported`` bytes named ``device_name``."""
     from dataclasses import replace
 
+    from es_ray.engines import TRAITS
     from es_ray.memory_plan import colocated_engine_share
 
-    if cfg.engine.gpu_memory_utilization or cfg.engine.name != "vllm":  # set by hand, or an engine without a share
+    if cfg.engine.gpu_memory_utilization or not TRAITS.get(cfg.engine.name).memory_share:  # by hand, or no share
         return cfg
     share = colocated_engine_share(cfg, reported, device_name)
     return cfg if share is None else replace(cfg, engine=replace(cfg.engine, gpu_memory_utilization=share))

@@ -419,8 +419,9 @@ class GRPOLearner(Actor):
     def save(self, path: str, meta: dict) -> str:
         """An HF-format checkpoint (what es-eval and es-drift read) with the optimizer, scheduler and RNG state. A
         sharded learner writes no whole copy anywhere: each rank saves its rows of AdamW's moments into the
-        checkpoint's ``shards/`` (grpo.shards: resharded on load, so any grpo.fsdp_size resumes), and the HF weights are written tensor by tensor, each gathered (full_tensor) only while rank 0
-        writes it. Published atomically with a manifest of every file (es_ray.runtime.checkpoint)."""
+        checkpoint's ``shards/`` (grpo.shards: resharded on load, so any grpo.fsdp_size resumes), and the HF weights are
+        written tensor by tensor, each gathered (full_tensor) only while rank 0 writes it. Published atomically with a
+        manifest of every file (es_ray.runtime.checkpoint)."""
         import torch
 
         from es_ray.runtime.checkpoint import save_checkpoint

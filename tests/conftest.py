@@ -80,3 +80,47 @@ def no_ray_left_running(request):
     if ray is not None and ray.is_initialized():
         ray.shutdown()
         pytest.fail(f"{request.module.__name__} left a Ray running; use the ray_local fixture or a stand-in")
+
+
+# -- the fast tier: `pytest -m fast` --------------------------------------------------------------------------------
+# Marked here by rule, not test by test: a test that is neither slow nor ray is fast unless its module is listed below
+# (its tests load a model or vLLM, or start CLIs and other processes, most of them) or the test itself asks for the
+# tiny model or a Ray, or its own code starts a process or a CLI.
+NOT_FAST_MODULES = {
+    # vLLM, models, learners, process groups
+    "test_engine_contract", "test_lowrank_vllm", "test_vllm_gpu_contracts", "test_vllm_gpu_settings",
+    "test_grpo_colocated_vllm", "test_grpo_fsdp", "test_grpo_learner", "test_grpo_sync", "test_grpo_strict_collectives",
+    "test_checkpoint", "test_checkpoint_parts", "test_lowrank_hf", "test_interpolate", "test_kl", "test_tracking",
+    "test_prefix",
+    # the CLIs and what they start
+    "test_cli", "test_grpo_cli", "test_eval_cli", "test_launch_submit", "test_placement", "test_runtime",
+    "test_interrupt_breaker",
+    # installs, builds, scripts, sandboxed programs
+    "test_packaging", "test_install_resolves", "test_setup_script", "test_gpu_smoke", "test_config_reference",
+    "test_grading_sandbox", "test_sandbox_hostile", "test_grading_mathverify", "test_launch_files",
+    # pure, but Monte Carlo checks of the paired tests' size: minutes
+    "test_eval_paired",
+}
+HEAVY_FIXTURES = {"tiny_model_dir", "ray_local"}
+HEAVY_CALLS = ("subprocess", "Popen", "sys.executable", "main(", "vllm")
+"""Text in a test's own source that starts a process, a CLI entry point or vLLM."""
+
+
+def is_fast(item) -> bool:
+    import inspect
+
+    if item.get_closest_marker("slow") or item.get_closest_marker("ray"):
+        return False
+    if Path(str(item.fspath)).stem in NOT_FAST_MODULES or HEAVY_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return False
+    try:
+        source = inspect.getsource(item.function)
+    except (AttributeError, OSError, TypeError):
+        return False
+    return not any(call in source for call in HEAVY_CALLS)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if is_fast(item):
+            item.add_marker(pytest.mark.fast)

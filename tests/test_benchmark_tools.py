@@ -30,7 +30,8 @@ def test_startup_phases_read_off_a_trace_split_the_command_and_count_only_the_wo
     ev = [(1, "process", "up", t + 0.5), (1, "entry", "begin", t + 0.6), (1, "ray_start", "begin", t + 2.0),
           (1, "ray_start", "end", t + 6.0), (1, "start_actors", "begin", t + 6.0), (2, "process", "up", t + 7.0),
           (2, "actor_init", "begin", t + 8.0), (2, "engine_build", "begin", t + 8.5),
-          (2, "model_load", "begin", t + 9.0), (2, "model_load", "end", t + 10.0), (2, "engine_build", "end", t + 12.0), (2, "actor_init", "end", t + 13.0),
+          (2, "model_load", "begin", t + 9.0), (2, "model_load", "end", t + 10.0),
+          (2, "engine_build", "end", t + 12.0), (2, "actor_init", "end", t + 13.0),
           (1, "start_actors", "end", t + 13.5), (1, "work", "begin", t + 13.5), (1, "work", "end", t + 20.0),
           (1, "checkpoint", "begin", t + 20.0), (1, "checkpoint", "end", t + 22.0), (1, "entry", "end", t + 22.0)]
     got = phases([{"pid": p, "event": e, "edge": g, "t": x} for p, e, g, x in ev], t, t + 25.0)

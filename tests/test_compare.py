@@ -461,8 +461,8 @@ def test_report_shows_objectives_kl_with_intervals_and_the_interpolation_curves(
 
     final = lambda st: next(x for x in st if x.kind == "eval")  # noqa: E731
     rep = {"k": cfg.eval.k, "tasks": ["arithmetic"], "seeds": cfg.seeds, "model": "", "train_task": "arithmetic",
-           "budget": {"unit": "epochs", "epochs": 2.0, "tokens": 0, "device_seconds": 0}, "methods": {m: {"label": l} for m, l in
-                                                                      (("base", "Base"), ("es", "ES"), ("grpo", "GRPO"))},
+           "budget": {"unit": "epochs", "epochs": 2.0, "tokens": 0, "device_seconds": 0},
+           "methods": {m: {"label": label} for m, label in (("base", "Base"), ("es", "ES"), ("grpo", "GRPO"))},
            "objectives": objectives(tmp_path, {m: plan[m][0] for m in plan}),
            "kl": kl_section(tmp_path, cfg, plan, final), "interpolation": interpolation_section(tmp_path, paths)}
     assert rep["objectives"]["es"] == [{"stage": "train.es.s0", "part": "es", "task": "es_test_tasks:VowelTask",

@@ -123,8 +123,8 @@ def test_a_bug_is_not_passed_off_as_a_user_error():
 
 
 def test_to_config_builds_nested_dataclasses_from_a_dict(tmp_path):
-    cfg = to_train_config({"es": {"population": 4, "sigma": 0.01}, "task": {"name": "gsm8k"}, "run": {"dir": str(tmp_path)},
-                     "hydra": {"ignored": True}})
+    cfg = to_train_config({"es": {"population": 4, "sigma": 0.01}, "task": {"name": "gsm8k"},
+                           "run": {"dir": str(tmp_path)}, "hydra": {"ignored": True}})
     assert isinstance(cfg, ESTrainConfig)
     assert cfg.es.population == 4 and cfg.es.sigma == 0.01 and cfg.task.name == "gsm8k"
     assert cfg.es.lr == ESConfig().lr  # untouched fields keep their defaults

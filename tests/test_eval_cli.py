@@ -53,7 +53,8 @@ def test_es_eval_preset_composes_with_overrides():
 
 
 def test_es_drift_preset_composes():
-    cfg = to_config(_compose("es_drift", ["base=/a", "tuned=/b", "thresholds=[0.001]", "run.dir=/tmp/x"]), DriftJobConfig)
+    cfg = to_config(_compose("es_drift", ["base=/a", "tuned=/b", "thresholds=[0.001]", "run.dir=/tmp/x"]),
+                    DriftJobConfig)
     assert (cfg.base, cfg.tuned, cfg.thresholds, cfg.run.dir) == ("/a", "/b", [0.001], "/tmp/x")
     assert validate_drift(cfg) is cfg
     with pytest.raises(ConfigError, match="tuned="):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from es_ray.metrics.bootstrap import interval, separated
-from es_ray.metrics.calibration import (SD_METHOD_PROBLEM, SD_SEED_PROBLEM, THETA, expected_passk, passk_table,
+from es_ray.metrics.calibration import (SD_METHOD_PROBLEM, THETA, expected_passk, passk_table,
                                         simulate)
 from es_ray.metrics.paired import (holm, paired_difference, paired_difference_tasks, power, t_quantile,
                                    t_two_sided_p, t_test, welch)

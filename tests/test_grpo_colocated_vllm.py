@@ -1,8 +1,9 @@
 """grpo.colocate=true with engine.name=vllm and a sharded learner: each actor holds a vLLM engine, whose in-process
 worker owns torch's default process group (its world of one), and a learner rank on the learner's own group
-(es_ray/runtime/process_group.py). Two steps on the tiny model (a dense reward it can move), against the separate placement (the learner ranks
-and the vLLM rollouts in actors of their own) with the same seeds: the same rewards (the engines sampled the same
-completions, so every sync agreed) and the same final weights, for grpo.fsdp_size=2 and for grpo.offload=all.
+(es_ray/runtime/process_group.py). Two steps on the tiny model (a dense reward it can move), against the separate
+placement (the learner ranks and the vLLM rollouts in actors of their own) with the same seeds: the same rewards (the
+engines sampled the same completions, so every sync agreed) and the same final weights, for grpo.fsdp_size=2 and for
+grpo.offload=all.
 Without vLLM, the same contract: learner ranks join beside a default group another owner made."""
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ ledger's reader."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import signal
 import subprocess
 import sys

@@ -40,7 +40,8 @@ def pyproject_pins() -> dict[str, str]:
     (scripts/constraints-cpu.txt, a local label such as +cpu dropped): name -> version."""
     project = pyproject()["project"]
     reqs = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
-    tested = [line.split("#")[0].strip() for line in (REPO / "scripts" / "constraints-cpu.txt").read_text().splitlines()]
+    constraints = (REPO / "scripts" / "constraints-cpu.txt").read_text().splitlines()
+    tested = [line.split("#")[0].strip() for line in constraints]
     pins = {m.group(1).lower(): m.group(3) for line in tested if (m := PINNED.fullmatch(line.split("+")[0]))}
     return {**pins, **{m.group(1).lower(): m.group(3) for r in reqs if (m := PINNED.fullmatch(r))}}
 
@@ -405,7 +406,8 @@ def test_dockerfile_copies_every_package_the_project_installs(path):
 def test_the_dockerfile_parser_reads_what_docker_reads(tmp_path):
     path = tmp_path / "Dockerfile"
     path.write_text('ARG V=1.2\nFROM python:3.11-slim\n# a comment\nRUN pip install "a==${V}" \\\n'
-                    '    # dropped\n    && python -m pip install --quiet b==2 -e ".[x]" > /dev/null; echo pip install\n')
+                    '    # dropped\n'
+                    '    && python -m pip install --quiet b==2 -e ".[x]" > /dev/null; echo pip install\n')
     steps = dockerfile_instructions(path)
     assert steps == [("ARG", "V=1.2"), ("FROM", "python:3.11-slim"),
                      ("RUN", 'pip install "a==${V}"      && python -m pip install --quiet b==2 -e ".[x]" > /dev/null;'

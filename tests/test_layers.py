@@ -226,3 +226,46 @@ cfg = to_grpo_config({{"model": {{"path": {str(tiny_model_dir)!r}}}, "run": {{"d
 prepare(cfg, "grpo", RESUME_FREE)
 """
     assert torch_modules_after(code) == "[]"
+
+
+ENGINE_INTERFACE = {"es_ray.engines", "es_ray.engines.base"}
+"""What code outside es_ray/engines may import of it: the registry and the engines' traits, and the interface
+(``make_engine``, ``ReplicaHost``); an engine's own module (hf, vllm, ...) is reached through ``make_engine`` only."""
+
+
+def engine_name_tests(source: str) -> list[int]:
+    """Lines comparing an ``engine.name`` with a string, a collection of strings or an UPPER_CASE constant (a list of
+    engine names): asking which engine it is instead of what it can do."""
+
+    def is_engine_name(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "name" and \
+            ast.unparse(node.value).rpartition(".")[2] == "engine"
+
+    def names_engines(node: ast.AST) -> bool:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(names_engines(e) for e in node.elts)
+        return (isinstance(node, ast.Constant) and isinstance(node.value, str)) or \
+            (isinstance(node, ast.Name) and node.id.isupper())
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(map(is_engine_name, sides)) and any(names_engines(s) for s in sides if not is_engine_name(s)):
+                out.append(node.lineno)
+    return sorted(out)
+
+
+def test_engines_are_asked_what_they_can_do_not_named():
+    """es_ray/engines/__init__.py: outside es_ray/engines no code tests ``engine.name`` against a name or imports an
+    engine's module; what differs between engines is a trait (``TRAITS``: sleep mode, in-process evaluation, LoRA
+    slots, ...), so a third engine is added there and nowhere else."""
+    sample = ('if cfg.engine.name != "vllm":\n    pass\nothers = [n for n in names if n != engine.name]\n'
+              'local = cfg.engine.name in IN_PROCESS\nhf = self.engine.name in ("hf",)\n')
+    assert engine_name_tests(sample) == [1, 4, 5]  # the check can fail; line 3 lists the others by the registry
+    mods = project_modules()
+    outside = {m: p for m, p in mods.items() if group_of(m) != "es_ray.engines"}
+    bad = [f"{m}:{line} imports {name}" for m, p in outside.items() for line, name in imports(p, set(mods))
+           if group_of(name) == "es_ray.engines" and name not in ENGINE_INTERFACE]
+    bad += [f"{m}:{line} tests engine.name" for m, p in outside.items() for line in engine_name_tests(p.read_text())]
+    assert bad == [], "ask the engine's traits (es_ray/engines/__init__.py TRAITS) instead"

@@ -77,9 +77,11 @@ def _quad(*octets: int) -> str:
     return ".".join(map(str, octets))
 
 
-PRIVATE, LAN, PUBLIC, RANGE_172 = _quad(10, 255, 255, 1), _quad(192, 168, 1, 20), _quad(8, 8, 8, 8), _quad(172, 16, 0, 1)
+PRIVATE, LAN = _quad(10, 255, 255, 1), _quad(192, 168, 1, 20)
+PUBLIC, RANGE_172 = _quad(8, 8, 8, 8), _quad(172, 16, 0, 1)
 OCTAL = _quad("010", "001", "002", "003")  # leading zeros: octal to inet_aton
-ULA, LINK, GOOGLE_DNS6 = ":".join(["fd00", "", "1"]), ":".join(["fe80", "", "1"]), ":".join(["2001", "4860", "", "8888"])
+ULA, LINK = ":".join(["fd00", "", "1"]), ":".join(["fe80", "", "1"])
+GOOGLE_DNS6 = ":".join(["2001", "4860", "", "8888"])
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -361,7 +361,8 @@ def test_startup_check_refuses_the_unsharded_7b_learner_and_names_the_keys(tmp_p
     ok = grpo_cfg(model, gradient_checkpointing=True, dtype="bf16_mixed", fsdp_size=4)
     assert startup_check("grpo", ok, reported=card_bytes(80)).gpus["learner"] < 60 * GiB
     assert startup_check("grpo", ok, reported=card_bytes(141)) is not None
-    with pytest.raises(ConfigError, match=r"set grpo.fsdp_size>=4 or grpo.offload=optimizer;"):  # 2 ranks on 40 GB cards
+    # 2 ranks on 40 GB cards
+    with pytest.raises(ConfigError, match=r"set grpo.fsdp_size>=4 or grpo.offload=optimizer;"):
         startup_check("grpo", grpo_cfg(model, gradient_checkpointing=True, dtype="bf16_mixed", fsdp_size=2),
                       reported=card_bytes(40))
 

@@ -64,7 +64,8 @@ def test_a_built_wheel_installed_elsewhere_finds_its_presets(tmp_path):
                            timeout=120)
     assert names.returncode == 0 and names.stdout.strip() == "[]", names.stderr[-2000:]
     scripts = _pyproject()["project"]["scripts"]
-    assert set(scripts) == {"es-train", "es-eval", "es-drift", "es-interpolate", "es-submit", "grpo-train", "es-compare"}
+    assert set(scripts) == {"es-train", "es-eval", "es-drift", "es-interpolate", "es-submit", "grpo-train",
+                            "es-compare"}
     for script in sorted(set(scripts) - {"es-train"}):
         res = subprocess.run([str(venv / "bin" / script), "--help"], cwd=outside, capture_output=True, text=True,
                              timeout=300)

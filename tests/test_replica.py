@@ -231,7 +231,9 @@ def test_realised_measures_what_the_engine_held_not_the_cast():
 def test_an_engine_that_loses_a_write_fails_the_update():
     replica, engine = make_replica(torch.bfloat16, lr=1e-2)
     write = engine.write
-    engine_write_dropping_norm = lambda named: write((n, t) for n, t in named if n != "model.norm.weight")
+    def engine_write_dropping_norm(named):
+        write((n, t) for n, t in named if n != "model.norm.weight")
+
     replica.write = engine_write_dropping_norm
     with pytest.raises(RuntimeError, match="model.norm.weight"):
         replica.update(0, ask(4), np.array([1.0, -1.0, 0.5, -0.5]), 1e-2)

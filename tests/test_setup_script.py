@@ -1,5 +1,5 @@
-"""scripts/setup.sh's device detection, driver check and constraints, in its dry run (ES_RAY_SETUP_DRY_RUN=1: detect, check, print
-the plan, install nothing), with a fake nvidia-smi on PATH."""
+"""scripts/setup.sh's device detection, driver check and constraints, in its dry run (ES_RAY_SETUP_DRY_RUN=1: detect,
+check, print the plan, install nothing), with a fake nvidia-smi on PATH."""
 
 from __future__ import annotations
 
@@ -185,7 +185,8 @@ def test_setup_stops_with_one_line_when_pip_cannot_resolve(tmp_path):
                                  f'exit 1; fi\nexec "{sys.executable}" "$@"\n')
     (fake / "python").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "ES_RAY_SETUP_DRY_RUN"}
-    env.update(PATH=os.pathsep.join([str(fake), *_path_without_nvidia_smi()]), ES_RAY_DEVICE="cpu", TMPDIR=str(tmp_path))
+    env.update(PATH=os.pathsep.join([str(fake), *_path_without_nvidia_smi()]), ES_RAY_DEVICE="cpu",
+               TMPDIR=str(tmp_path))
     res = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True, env=env,
                          timeout=60)
     assert res.returncode == 1

@@ -302,3 +302,26 @@ def test_update_uses_the_iteration_noise():
     a.update(0, members, fit, SIGMA)
     b.update(1, members, fit, SIGMA)
     assert not torch.equal(a.master["model.norm.weight"], b.master["model.norm.weight"])
+
+
+@pytest.mark.parametrize("estimator", ["one_point", "antithetic"])
+def test_replica_update_equals_the_written_out_formula_bit_for_bit(estimator):
+    """Exact replicas rest on the update's bits, not on a tolerance: Replica.update (through strategy.gradient)
+    equals g = sum_k w_k eps_k added in noise_id order in fp32, w_k = c_k * (1 / (N sigma)), then theta += lr * g,
+    written out here with NoiseSource, element for element."""
+    members = ask(6, estimator)
+    fitness = zscore(np.array([0.3, 0.9, 0.1, 0.5, 0.7, 0.2]))
+    replica, engine = make_replica(torch.float32, optimizer="sgd", lr=LR)
+    src = NoiseSource(SEED, "per_tensor")
+    scale = 1.0 / (len(members) * SIGMA)
+    expected = {}
+    for name, theta in initial_params().items():
+        g = None
+        for noise_id, c in noise_coefficients(members, fitness):
+            term = src.noise(4, noise_id, name, theta.shape).clone() * (c * scale)
+            g = term if g is None else g.add_(src.noise(4, noise_id, name, theta.shape), alpha=c * scale)
+        expected[name] = theta.clone().add_(g.mul_(LR))
+    replica.update(4, members, fitness, SIGMA)
+    for name, want in expected.items():
+        assert torch.equal(replica.master[name], want), name
+    assert_engine_holds_cast_master(replica, engine)

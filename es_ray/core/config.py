@@ -4,9 +4,9 @@ The dataclasses are the Hydra schema (YAML under conf/ holds presets only). Each
 composed DictConfig once (``to_config``) and passes dataclasses to its actors. ``ConfigError`` carries a message
 that names the key and what to change; every entry point prints it in one line and exits with 2.
 
-Method sections live with their method: ES in ``es_ray.es.config``, GRPO in ``es_ray.grpo.config``, es-eval and es-drift in
-``es_ray.evaluation.config``. The checks that look a name up in a registry of a higher layer (engines, tasks, trackers)
-are in ``es_ray.runtime.validation``.
+Method sections live with their method: ES in ``es_ray.es.config``, GRPO in ``es_ray.grpo.config``, es-eval and es-drift
+in ``es_ray.evaluation.config``. The checks that look a name up in a registry of a higher layer (engines, tasks,
+trackers) are in ``es_ray.runtime.validation``.
 """
 
 from __future__ import annotations

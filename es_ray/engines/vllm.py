@@ -131,6 +131,21 @@ SLEEP_TAGS = ("weights", "kv_cache")
 """What vLLM's sleep mode puts to sleep (its ``v1/executor/abstract.py`` SLEEP_TAGS), woken in this order."""
 
 
+def enable_sleep_mode() -> None:
+    """The ``sleep_mode`` trait (``es_ray.engines.TRAITS``): the next engine built in this process gets vLLM's sleep
+    mode (``SLEEP_MODE_ENV``); a vLLM build without one is refused before any model loads, naming the key (a missing
+    vLLM is refused by the engine itself, naming engine.name)."""
+    try:
+        from vllm import LLM
+    except ImportError:
+        LLM = None
+    if LLM is not None and not (hasattr(LLM, "sleep") and hasattr(LLM, "wake_up")):
+        raise ConfigError("grpo.colocate=true on GPU needs vLLM's sleep mode (LLM.sleep / LLM.wake_up), which this "
+                          "vLLM build lacks: set grpo.colocate=false, or install the vLLM version scripts/setup.sh "
+                          "pins")
+    os.environ[SLEEP_MODE_ENV] = "1"
+
+
 class VLLMEngine(Engine):
     name = "vllm"
     package = "vllm"

@@ -48,7 +48,7 @@ relies on, vLLM 0.32.0's LoRA internals (they change between releases; tests/tes
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 import torch
 

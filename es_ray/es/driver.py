@@ -193,7 +193,7 @@ class ESRun(Training):
         from es_ray.runtime.actors import ActorLostError
 
         keeper = self.keeper
-        if keeper is None or keeper.group is None or done <= keeper.base[1] or not keeper.group.live_ranks:
+        if keeper is None or keeper.group is None or done <= keeper.base_iteration or not keeper.group.live_ranks:
             return ""
         keeper.group.replaceable = False  # stopping: an actor failing now is skipped, never waited for
         keeper.group.cancel_inflight()
@@ -281,18 +281,18 @@ def iteration(cfg: ESTrainConfig, keeper, t: int, pool: int, seed_log, guard, re
         results, actor_timing = evaluate(keeper.group, t, members, cfg, ids, show)
     rewards_n = np.array([r.reward for r in results], dtype=np.float64)
     fitness_n = shape_fitness(raw_fitness(results, cfg.es.fitness_baseline), cfg.es.shaping)
-    record_ = SeedRecord(t, cfg.es.sigma, cfg.es.lr, tuple(members), tuple(rewards_n.tolist()),
+    seed_record = SeedRecord(t, cfg.es.sigma, cfg.es.lr, tuple(members), tuple(rewards_n.tolist()),
                          tuple(fitness_n.tolist()))
     with guard.critical():  # a signal waits until the update is applied, recorded and logged
         with timer("update"):
-            updates, checksum = tell(keeper, record_, cfg)
-        record_ = dataclasses.replace(record_, checksum=checksum)
+            updates, checksum = tell(keeper, seed_record, cfg)
+        seed_record = dataclasses.replace(seed_record, checksum=checksum)
         row = iteration_row(results, rewards_n, fitness_n, updates, checksum, len(ids) * cfg.es.samples_per_prompt,
                             timer, actor_timing, time.perf_counter() - t_start)
-        keeper.commit(record_)  # every replica holds it (a replacement during held-out scoring is rebuilt with it)
+        keeper.commit(seed_record)  # every replica holds it (a replacement during held-out scoring is rebuilt with it)
         if record is not None:
             record(t, row)
-        seed_log.append(record_.to_json())
+        seed_log.append(seed_record.to_json())
     return row
 
 

@@ -159,7 +159,7 @@ class ReplicaKeeper:
     def __init__(self, run_dir: Path, tracker, point: ResumePoint):
         self.run_dir, self.tracker = Path(run_dir), tracker
         self.group = None
-        self.base = (point.checkpoint, point.checkpoint_iteration)
+        self.base_checkpoint, self.base_iteration = point.checkpoint, point.checkpoint_iteration
         self.records = [replay_request(r) for r in point.records]
         self.checksum = point.checksum
         self.events: list[dict] = []
@@ -167,7 +167,7 @@ class ReplicaKeeper:
     @property
     def committed(self) -> int:
         """Iterations whose update every replica holds."""
-        return self.base[1] + len(self.records)
+        return self.base_iteration + len(self.records)
 
     def commit(self, record: SeedRecord) -> None:
         """Every replica has applied this seed-log record."""
@@ -188,12 +188,12 @@ class ReplicaKeeper:
             except ActorLostError:
                 if rank == ranks[-1]:
                     raise
-        self.base, self.records = (str(path), iteration), []
+        self.base_checkpoint, self.base_iteration, self.records = str(path), iteration, []
         return path
 
     def rebuild(self, ranks: list[int], extra: list[SeedRecord] = ()) -> tuple[dict[int, dict], dict[int, int]]:
         """Rebuild these actors to the committed state plus ``extra`` records: results and bytes sent per rank."""
-        checkpoint = self.base[0]
+        checkpoint = self.base_checkpoint
         records = self.records + [r.update_request() for r in extra]
         calls = {r: (checkpoint, records) for r in ranks}
         sent = {r: payload_bytes(calls[r]) for r in ranks}
@@ -203,7 +203,7 @@ class ReplicaKeeper:
             raise CheckpointError(refused[0])
         unreadable = [r for r, res in out.items() if "unreadable" in res]
         if unreadable:  # that node cannot read run.dir: replay the whole log from the initial weights
-            earlier = [replay_request(r) for r in SeedLog.read(self.run_dir / "seed_log.jsonl")[: self.base[1]]]
+            earlier = [replay_request(r) for r in SeedLog.read(self.run_dir / "seed_log.jsonl")[: self.base_iteration]]
             full = {r: ("", earlier + records) for r in unreadable}
             out.update(self.group.gather(ESWorker.rebuild, full, slow=True))
             for r in unreadable:
@@ -218,8 +218,8 @@ class ReplicaKeeper:
         if len(sums) > 1 or (self.checksum and sums != {self.checksum}):
             raise ReplicaMismatchError(
                 f"resume: the replayed replicas' checksums {sorted(sums)} differ from each other or from the seed "
-                f"log's ({self.checksum}), though {self.base[0] or 'the initial weights'} and the seed log passed "
-                "their digest checks: the replay itself differs; resume on the hardware type that wrote the log")
+                f"log's ({self.checksum}), though {self.base_checkpoint or 'the initial weights'} and the seed log "
+                "passed their digest checks: the replay itself differs; resume on the hardware type that wrote the log")
         self.tracker.message(f"es: {len(out)} actor(s) rebuilt by replaying {len(self.records)} update(s) in "
                              f"{time.perf_counter() - t0:.1f} s; checksum {sums.pop()} "
                              f"{'matches the seed log' if self.checksum else '(not logged; checked next iteration)'}")

@@ -23,15 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
+from es_ray.engines import TRAITS
 from es_ray.evaluation.config import EvalJobConfig
 from es_ray.runtime.rundir import releases_run_dir
 from es_ray.evaluation.worker import (Chunk, EvalWorker, entropy_temperatures, in_eval_keys, load_eval_task,
                                       plan_chunks, task_config)
-
-
-IN_PROCESS_ENGINES = ("hf",)
-"""Engines an automatic in-process run may build in the driver (vLLM starts processes and device state of its own:
-it keeps its actor unless cluster.num_actors=0 asks otherwise)."""
 
 
 def in_process_reason(cfg: EvalJobConfig, chunks: list[Chunk]) -> str:
@@ -49,7 +45,7 @@ def in_process_reason(cfg: EvalJobConfig, chunks: list[Chunk]) -> str:
         return "cluster.num_actors=0"
     busy = min(c.num_actors, len(chunks))
     if (busy != 1 or c.address not in LOCAL_ADDRESSES or os.environ.get("RAY_ADDRESS") or c.gpus_per_actor > 0
-            or cfg.engine.name not in IN_PROCESS_ENGINES):
+            or not TRAITS.get(cfg.engine.name).in_process):  # vLLM keeps its actor unless num_actors=0
         return ""
     what = "one chunk of work" if len(chunks) == 1 else "cluster.num_actors=1"
     ray = sys.modules.get("ray")

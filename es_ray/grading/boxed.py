@@ -3,8 +3,8 @@
 
 The math tasks' prompts ask for the final answer within \\boxed{} (docs/design.md "A fair comparison": answers
 count only as the task's format defines them, boxed for math; a lenient mode is opt-in). ``task.answer=boxed``
-(es-eval: ``eval.answer``) grades only that box; ``last`` lets math-verify take the last expression of the completion, which also scores a
-completion that merely restates the question ("...we can find 5^3 by cubing" for "Compute $5^3$.").
+(es-eval: ``eval.answer``) grades only that box; ``last`` lets math-verify take the last expression of the completion,
+which also scores a completion that merely restates the question ("...we can find 5^3 by cubing" for "Compute $5^3$.").
 """
 
 from __future__ import annotations

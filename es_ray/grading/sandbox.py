@@ -267,11 +267,6 @@ def require_sandbox(python: str = sys.executable) -> Plan:
     return plan
 
 
-def drop_to_uid(python: str = sys.executable) -> int | None:
-    """The first dedicated uid programs run as (as root), else None."""
-    return sandbox_plan(python).drop_to
-
-
 def isolation(python: str = sys.executable) -> dict:
     """What this machine's sandbox uses for ``python`` (reported in es-eval's results.json)."""
     plan = sandbox_plan(python)

@@ -59,7 +59,9 @@ def shared_prompt_hidden(base_model, prompt: Sequence[int], completions: Sequenc
 
 def valid_rows(hidden: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """[sum(lengths), H]: row i's first lengths[i] positions of [n, L, H], rows in order."""
-    return torch.cat([hidden[i, :k] for i, k in enumerate(lengths)]) if lengths else hidden.new_zeros((0,) + hidden.shape[2:])
+    if not lengths:
+        return hidden.new_zeros((0,) + hidden.shape[2:])
+    return torch.cat([hidden[i, :k] for i, k in enumerate(lengths)])
 
 
 @torch.no_grad()

@@ -41,7 +41,8 @@ def run_or_exit(prog: str, fn: Callable[[], Any]) -> Any:
         raise SystemExit(2) from None
 
 
-TRAINING_RUN_KEYS = ("run.checkpoint_every", "run.keep_checkpoints", "run.resume", "run.stop_at_tokens", "run.stop_at_device_seconds")
+TRAINING_RUN_KEYS = ("run.checkpoint_every", "run.keep_checkpoints", "run.resume", "run.stop_at_tokens",
+                     "run.stop_at_device_seconds")
 """The keys of the shared run section that only a trainer reads: es-eval's and es-drift's --help leave them out."""
 HELP_FLAGS = frozenset({"--help", "-h"})
 

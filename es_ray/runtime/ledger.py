@@ -306,7 +306,8 @@ class Ledger:
         }
         return out
 
-    def write(self, run_dir: str | Path, finished: bool, extra: dict | None = None, end_step: int | None = None) -> Path:
+    def write(self, run_dir: str | Path, finished: bool, extra: dict | None = None,
+              end_step: int | None = None) -> Path:
         """ledger.json, replaced whole (written to a sibling first: a kill mid-write leaves the previous one)."""
         path = Path(run_dir) / "ledger.json"
         tmp = path.with_name(".ledger.json.tmp")

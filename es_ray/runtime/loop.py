@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from es_ray.runtime.names import REWARD_MEAN, held_out_row
 
@@ -276,7 +276,7 @@ class Training:
 
     ledger = None
     guard = None
-    rebuilt: list = []
+    rebuilt: Sequence[dict] = ()
     """Metrics rows a resume rebuilt (from the seed log) where metrics.jsonl lacked them: written to the trackers."""
     _recorded = -1
     """The last step whose row is recorded."""

@@ -11,8 +11,8 @@ before the run stops; before that, it stops the step at the next wait, and the s
 The run always ends: the first signal also starts a watchdog that, ``stop_timeout_s`` (faults.stop_timeout_s)
 later, ends the process whatever it is doing; once the step running at the signal has returned and the stop path
 begins (``rearm``), the stop-time checkpoint gets ``stop_timeout_s`` of its own (one stuck on a lost node included),
-so a long step that returns within the grace is saved; a second signal ends it at once. Both shut down the Ray this driver started (bounded) before ``os._exit``, so no Ray process
-outlives the driver.
+so a long step that returns within the grace is saved; a second signal ends it at once. Both shut down the Ray this
+driver started (bounded) before ``os._exit``, so no Ray process outlives the driver.
 """
 
 from __future__ import annotations

@@ -163,8 +163,8 @@ def kl_markdown(rep: dict) -> list[str]:
             lines.append(f"| {LABELS[method]} | {name} | " + " | ".join(cells) + " |")
     if kl["tests"]:
         lines += ["", "Paired differences of the KL averaged over the tasks (first minus second; Holm over these "
-                  f"{len(kl['tests'])} tests):", "", "| compared | direction | difference [95% interval] | p | Holm p |",
-                  "|---|---|---|---|---|"]
+                  f"{len(kl['tests'])} tests):", "",
+                  "| compared | direction | difference [95% interval] | p | Holm p |", "|---|---|---|---|---|"]
         for t in kl["tests"]:
             lines.append(f"| {LABELS[t['a']]} - {LABELS[t['b']]} | {t['direction']} | {t['diff']:+.4g} "
                          f"[{t['low']:+.4g}, {t['high']:+.4g}] | {t['p']:.2g} | {t['p_holm']:.2g} |")

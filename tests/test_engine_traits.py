@@ -1,0 +1,56 @@
+"""Engines asked, not named (es_ray/engines/__init__.py TRAITS): GRPO's colocation turns on the sleep mode of an
+engine that has one, and es-eval builds in its own process only an engine that may run there. A stand-in vLLM
+module stands for the build, so the tests import no vLLM."""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+
+from es_ray.core.config import ConfigError
+from es_ray.engines import TRAITS, engines_that
+from es_ray.engines.vllm import SLEEP_MODE_ENV
+from es_ray.grpo.colocated import check_sleep_mode
+
+
+def colocated_cfg(engine: str, gpus: int = 1, device: str = "auto"):
+    """What check_sleep_mode reads of a GRPOTrainConfig."""
+    return SimpleNamespace(engine=SimpleNamespace(name=engine, device=device),
+                           cluster=SimpleNamespace(gpus_per_actor=gpus))
+
+
+def stand_in_vllm(monkeypatch, sleeps: bool) -> None:
+    llm = type("LLM", (), {"sleep": lambda self: None, "wake_up": lambda self, tags: None} if sleeps else {})
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=llm))
+
+
+def test_colocation_on_a_gpu_turns_on_the_sleep_mode_of_an_engine_that_has_one(monkeypatch):
+    monkeypatch.delenv(SLEEP_MODE_ENV, raising=False)
+    stand_in_vllm(monkeypatch, sleeps=True)
+    check_sleep_mode(colocated_cfg("vllm"))
+    assert TRAITS.get("vllm").sleep_mode and os.environ[SLEEP_MODE_ENV] == "1"
+
+
+def test_a_build_without_sleep_mode_is_refused_naming_the_key(monkeypatch):
+    monkeypatch.delenv(SLEEP_MODE_ENV, raising=False)
+    stand_in_vllm(monkeypatch, sleeps=False)
+    with pytest.raises(ConfigError, match="grpo.colocate=false"):
+        check_sleep_mode(colocated_cfg("vllm"))
+    assert SLEEP_MODE_ENV not in os.environ
+
+
+@pytest.mark.parametrize("engine,gpus", [("hf", 1), ("vllm", 0)])
+def test_nothing_sleeps_without_the_trait_or_off_a_gpu(monkeypatch, engine, gpus):
+    monkeypatch.delenv(SLEEP_MODE_ENV, raising=False)
+    stand_in_vllm(monkeypatch, sleeps=False)  # would be refused, were it asked
+    check_sleep_mode(colocated_cfg(engine, gpus, "cpu"))
+    assert SLEEP_MODE_ENV not in os.environ
+
+
+def test_only_the_transformers_engine_runs_an_evaluation_in_process():
+    assert engines_that("in_process") == ("hf",)
+    assert engines_that("sleep_mode") == ("vllm",)
