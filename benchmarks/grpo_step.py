@@ -41,7 +41,8 @@ def make_batch(prompts: int, group: int, prompt_tokens: int, completion_tokens: 
         prompt = torch.randint(100, 20000, (prompt_tokens,), generator=g).tolist()
         for _ in range(group):
             n = int(torch.randint(completion_tokens // 2, completion_tokens + 1, (1,), generator=g))
-            samples.append({"prompt_ids": prompt, "completion_ids": torch.randint(100, 20000, (n,), generator=g).tolist()})
+            completion = torch.randint(100, 20000, (n,), generator=g).tolist()
+            samples.append({"prompt_ids": prompt, "completion_ids": completion})
     rewards = torch.rand((prompts, group), generator=g).round()
     return samples, group_advantages(rewards).flatten().tolist()
 

@@ -8,7 +8,8 @@ transformers and the learner object loaded, nothing of the model), then the kern
 through /proc/self/clear_refs) after ``join`` built and loaded the shards. On a CPU rank the plan's device and host
 build lines are both in this process's memory, so the measured rise stands against their sum. Resume: a first set of
 ranks builds and saves a checkpoint; a second set, fresh processes as a resumed run has, builds (the build figures
-come from these) and then, its high-water mark reset, ``load``s the checkpoint into the built learner; the rise less AdamW's state it creates (which stays: on the device on a GPU) stands against the plan's
+come from these) and then, its high-water mark reset, ``load``s the checkpoint into the built learner; the rise less
+AdamW's state it creates (which stays: on the device on a GPU) stands against the plan's
 "learner resume (host)" line. Prints one JSON line.
 """
 

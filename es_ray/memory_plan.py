@@ -229,7 +229,8 @@ class Settings:
     tokens_per_sequence: int = 1024
     """Prompt + completion tokens per sequence (engine.max_model_len; vLLM needs at least one such sequence)."""
     max_num_batched_tokens: int = 16384
-    """vLLM's profile-run batch (``vllm_batch_defaults``: 16384 on an H100 / H200, 8192 on an A100 or a smaller card)."""
+    """vLLM's profile-run batch (``vllm_batch_defaults``: 16384 on an H100 / H200, 8192 on an A100 or a smaller
+    card)."""
     max_num_seqs: int = 1024
     """vLLM's largest decode batch (``vllm_batch_defaults``: 1024 on an H100 / H200, 256 on an A100 or smaller)."""
     optimizer: str = "sgd"

@@ -3,7 +3,8 @@
 the other works; here each device runs both phases in turn.
 
 On CPU the two share the actor's cores. On GPU the engine sleeps while the learner trains (vLLM sleep mode, level 2:
-its weights discarded, as the sync rewrites every one, its KV cache dropped; ``SLEEP_LEVEL``) and wakes in two steps around the sync that follows the
+its weights discarded, as the sync rewrites every one, its KV cache dropped; ``SLEEP_LEVEL``) and wakes in two steps
+around the sync that follows the
 optimizer step: the learner's cached blocks are returned to the device first (``torch.cuda.empty_cache``; at TP=1
 vLLM's allocator does the same in this process when it wakes, at TP>1 its workers are other processes and cannot free
 this one's cache), then the engine's weights wake and the sync writes them, and only then its KV cache is allocated,

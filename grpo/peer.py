@@ -14,8 +14,8 @@ def trl_trainer(model_dir: str, *, group_size: int, max_tokens: int, temperature
                 loss_type: str = "grpo", clip_eps: float = 0.2, clip_eps_high: float = 0.0, lr: float = 1e-5,
                 max_grad_norm: float = 1.0, weight_decay: float = 0.0):
     """A GRPOTrainer on CPU over ``model_dir`` (fp32), configured as the project's learner is: the same clip range,
-    loss aggregation (TRL's ``loss_type`` names match grpo.loss_type), KL weight and form (plain k3), temperature, AdamW and clip. Its
-    reward function and data set are placeholders: the loss reads only the batch it is handed."""
+    loss aggregation (TRL's ``loss_type`` names match grpo.loss_type), KL weight and form (plain k3), temperature,
+    AdamW and clip. Its reward function and data set are placeholders: the loss reads only the batch it is handed."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer

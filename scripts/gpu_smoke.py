@@ -13,8 +13,8 @@ For each model, randomly initialised (seeded, std 0.02, norms 1) and saved with 
 * low rank: every member's greedy completions from one batched generation equal that member generated alone (on a
   GPU, whose bf16 kernels are not batch-invariant: its teacher-forced logits, within the base model's own batch noise);
 * counter noise: the device's equals the CPU's bit for bit at odd element offsets and odd row slices;
-* GRPO: a 2-step grpo.dtype=bf16_mixed learner (``es_ray.grpo.learner.GRPOLearner``), its measured peak memory against the
-  plan's learner part;
+* GRPO: a 2-step grpo.dtype=bf16_mixed learner (``es_ray.grpo.learner.GRPOLearner``), its measured peak memory against
+  the plan's learner part;
 * the sharded learner: a world-size-1 group over tcp://127.0.0.1 (NCCL with gloo beside it on a GPU, gloo on CPU;
   a host and a device all-reduce on it), FSDP2 with grpo.offload=all, built from the meta device (its build peak
   against the plan's build lines), a clipped step, a weight-sync chunk through full_tensor() and a sharded save and
@@ -398,7 +398,7 @@ def check_grpo(smoke: Smoke, model_dir: Path, shape: ModelShape, args, key: str,
     mem_base = smoke.start_peak()
     learner = GRPOLearner(cfg)
     before = learner.model.get_input_embeddings().weight.detach().clone()
-    steps, seconds = smoke.timed(lambda: [learner.train_step(samples, advantages) for _ in range(2)])
+    steps, seconds = smoke.timed(lambda lr=learner: [lr.train_step(samples, advantages) for _ in range(2)])
     measured = smoke.peak_since(mem_base)
     moved = not torch.equal(before, learner.model.get_input_embeddings().weight.detach())
     fig["grpo"] = {"loss": [s["grpo/loss"] for s in steps], "grad_norm": [s["grpo/grad_norm"] for s in steps],
@@ -456,7 +456,7 @@ def check_sharded_learner(smoke: Smoke, model_dir: Path, shape: ModelShape, args
     if hwm.exists():
         hwm.write_text("5")  # the host's high-water mark from here
     host_before, mem_base = _host_status("VmRSS"), smoke.start_peak()
-    _, build_s = smoke.timed(lambda: learner.join(learner.address()))
+    _, build_s = smoke.timed(lambda lr=learner: lr.join(lr.address()))
     device_peak = smoke.peak_since(mem_base)
     host_rise = None if host_before is None else _host_status("VmHWM") - host_before
     planned_host, planned_device = build["learner build (host)"], build["learner build (device)"]
@@ -475,7 +475,8 @@ def check_sharded_learner(smoke: Smoke, model_dir: Path, shape: ModelShape, args
     finally:
         learner.close()  # the learner's own group (es_ray/runtime/process_group.py): the default group is never made
     same = all(torch.equal(before[n], after[n]) for n in before)
-    fig["sharded_learner"] = {"backend": "nccl" if smoke.device.type == "cuda" else "gloo", "build_s": round(build_s, 3),
+    fig["sharded_learner"] = {"backend": "nccl" if smoke.device.type == "cuda" else "gloo",
+                              "build_s": round(build_s, 3),
                               "build_host_rise_bytes": host_rise, "build_device_peak_bytes": device_peak,
                               "planned_build_host_bytes": planned_host, "planned_build_device_bytes": planned_device,
                               "loss": step["grpo/loss"], "chunk_tensors": len(chunk)}

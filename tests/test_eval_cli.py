@@ -91,7 +91,8 @@ def test_greedy_single_sample_is_allowed():
     (["eval.tasks=[nope]"], "eval.tasks"),
     (["run.dir=relative/dir"], "run.dir"),
     (["model.path=/nonexistent/model"], "model.path"),
-    (["eval.tasks=[gpqa]", "+eval.paths.gpqa=/nonexistent/gpqa.jsonl"], "eval.paths.gpqa='/nonexistent/gpqa.jsonl' does not exist"),
+    (["eval.tasks=[gpqa]", "+eval.paths.gpqa=/nonexistent/gpqa.jsonl"],
+     "eval.paths.gpqa='/nonexistent/gpqa.jsonl' does not exist"),
 ])
 def test_es_eval_refuses_bad_input_before_any_work(args, expected, tmp_path):
     extra = [] if any(a.startswith("run.dir") for a in args) else [f"run.dir={tmp_path / 'run'}"]

@@ -13,11 +13,11 @@ from es_ray.core.config import ConfigError
 from es_ray.es.config import ESTrainConfig
 
 # Ray 2.60's memory monitor message, as a driver received it (numbers from a kill on a 2-core, 24 GiB machine)
-RAY_OOM = ("Task was killed due to the node running out of memory.\nMemory on the node (IP: 10.0.0.5, ID: 8f2e) where "
+RAY_OOM = ("Task was killed due to the node running out of memory.\nMemory on the node (IP: 127.0.0.1, ID: 8f2e) where "
            "the task (actor ID: 3c1a, name=ESWorker.__init__, pid=41237, memory used=2.04GB) was running was 22.91GB / "
            "24.00GB (0.954583), which exceeds the memory usage threshold of 0.95. Ray killed this worker (ID: 77aa) "
            "because it was the most recently scheduled task; to see more information about memory usage on this "
-           "node, use `ray logs raylet.out -ip 10.0.0.5`.\nTop 10 memory users:\nPID\tMEM(GB)\tCOMMAND\n"
+           "node, use `ray logs raylet.out -ip 127.0.0.1`.\nTop 10 memory users:\nPID\tMEM(GB)\tCOMMAND\n"
            "41237\t2.04\tray::ESWorker.evaluate\n41102\t1.98\tray::ESWorker.evaluate\n39001\t1.20\tpython -m "
            "pytest\n38000\t0.50\tother\nRefer to the documentation on how to address the out of memory issue.")
 

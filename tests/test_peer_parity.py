@@ -37,7 +37,8 @@ def _batch():
         prompt = torch.randint(10, 1000, (6,), generator=g).tolist()
         for i in range(G):
             n = 3 + (5 * p + 3 * i) % (MAX_TOKENS - 2)
-            samples.append({"prompt_ids": prompt, "completion_ids": torch.randint(10, 1000, (n,), generator=g).tolist()})
+            completion = torch.randint(10, 1000, (n,), generator=g).tolist()
+            samples.append({"prompt_ids": prompt, "completion_ids": completion})
     return samples, group_advantages(REWARDS).flatten().tolist()
 
 

@@ -78,7 +78,8 @@ def test_the_summary_says_where_the_sign_flips_and_states_both_step_sizes(tmp_pa
     assert rows["grpo.lr=3e-06"]["same_sign_as_preset_pair"] is False and not out["survives"]
     assert rows["grpo.lr=1e-06"]["l2_ratio_es_over_grpo"] == pytest.approx(40.0)  # preset ES 4.0 / this GRPO 0.1
     assert rows["es.sigma=0.002"]["l2_ratio_es_over_grpo"] == pytest.approx(16.0)
-    assert rows["grpo.lr=3e-06"]["grpo_step_sizes"]["lr"] == 3e-6 and rows["grpo.lr=3e-06"]["es_step_sizes"]["lr"] == 5e-7
+    assert rows["grpo.lr=3e-06"]["grpo_step_sizes"]["lr"] == 3e-6
+    assert rows["grpo.lr=3e-06"]["es_step_sizes"]["lr"] == 5e-7
     text = "\n".join(sensitivity.markdown(out))
     assert "| grpo.lr=3e-06 | 0.350 | -0.050 | **no** | **no** | 13.33 | 5e-07 / 0.001 | 3e-06 |" in text
     assert "does **not** survive" in text

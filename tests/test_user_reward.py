@@ -95,7 +95,8 @@ def test_a_generated_task_gives_question_and_answer(module):
     assert score(task, ["abc", "de"], task.train[:2]) == ([3.0, 2.0], 0)
 
 
-@pytest.mark.parametrize("fn, words", [("scalar", "not a list of floats"), ("short", "returned 1 values for 2 completions"),
+@pytest.mark.parametrize("fn, words", [("scalar", "not a list of floats"),
+                                       ("short", "returned 1 values for 2 completions"),
                                        ("not_callable", "not a function"), ("nope", "cannot import")])
 def test_a_reward_of_the_wrong_shape_is_refused_at_load_in_one_line(module, data, fn, words):
     with pytest.raises(TaskLoadError) as err:

@@ -62,7 +62,8 @@ class ESWorker(Actor):
         return {**super().ready(), "train_size": len(self.task.train),
                 "eval_size": len(self.task.eval), "skipped_rows": self.task.skipped_rows,
                 "skipped_lines": self.task.skipped_lines(),
-                "device": name, "sm_count": sm_count, "noise": resolve_kind(self.cfg.es.noise, device.type, self.cfg.es.noise_scope)}
+                "device": name, "sm_count": sm_count,
+                "noise": resolve_kind(self.cfg.es.noise, device.type, self.cfg.es.noise_scope)}
 
     def _repeat(self, prompt_ids) -> list:
         """Each prompt es.samples_per_prompt times in a row, so one engine call samples them all (rows with equal

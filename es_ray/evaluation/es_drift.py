@@ -59,8 +59,8 @@ def run_drift(cfg: DriftJobConfig) -> dict:
                   missing={"base_only": sorted(set(base_idx) - set(tuned_idx)),
                            "tuned_only": sorted(set(tuned_idx) - set(base_idx))})
     (run_dir / "drift.json").write_text(json.dumps(report, indent=2))
-    plot_update_histograms(report, run_dir / "drift_hist.png",
-                           title=f"updates from base {checkpoint_label(base_dir)} to tuned {checkpoint_label(tuned_dir)}")
+    title = f"updates from base {checkpoint_label(base_dir)} to tuned {checkpoint_label(tuned_dir)}"
+    plot_update_histograms(report, run_dir / "drift_hist.png", title=title)
     report["run_dir"] = str(run_dir)
     return report
 

@@ -275,7 +275,8 @@ def isolation(python: str = sys.executable) -> dict:
         "refused": plan.refused,
         "syscalls": "seccomp-bpf: no second process, no exec, no socket of any family, no ptrace, mount, "
                     "namespaces, bpf, io_uring, userfaultfd, perf_event_open, keyctl (the init holds the filter's "
-                    "listener: a refused call is not run, the process is killed, escape_attempt); xattrs and SysV IPC refused",
+                    "listener: a refused call is not run, the process is killed, escape_attempt); xattrs and SysV "
+                    "IPC refused",
         "network": "network namespace (loopback down) + seccomp (no socket)"
                    + (" + Landlock TCP" if plan.landlock >= 4 else "") + " + audit hook",
         "user": (f"a dedicated uid from {UID_BASE} (one per concurrent program), checked by a probe run"

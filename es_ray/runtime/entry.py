@@ -163,7 +163,6 @@ def check_overrides(config_name: str, args: list[str]) -> str | None:
     """What Hydra would refuse in ``args`` (key=value overrides and group=option presets), as one line naming the
     key: a syntax error, an unknown key (with the closest known one), a preset that does not exist, a value of the
     wrong type. None when they compose."""
-    import difflib
 
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser

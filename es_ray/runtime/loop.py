@@ -270,7 +270,8 @@ class Training:
                                                                                               self.done) != self.done:
             return None
         key = {"iteration": "es.iterations", "step": "grpo.steps"}.get(self.unit, "the step count")
-        print(f"{self.method}: nothing to do: {self.run_dir} already ran all {self.total} {self.unit}{'s' * (self.total != 1)} and holds its "
+        units = f"{self.total} {self.unit}{'s' * (self.total != 1)}"
+        print(f"{self.method}: nothing to do: {self.run_dir} already ran all {units} and holds its "
               f"final checkpoint {final}; raise {key}= to extend it", flush=True)
         return summary
 

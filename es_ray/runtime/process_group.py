@@ -5,7 +5,8 @@ initialize the default process group twice".
 
 The group is built from a TCPStore at rank 0's address the way torch builds any group (a ``ProcessGroup`` with one
 backend per device type, ``backend_kinds``: NCCL for CUDA tensors and gloo beside it for host ones, as
-``init_process_group("cpu:gloo,cuda:nccl")`` would; gloo alone on a CPU rank), registered by name only, which is how DTensor's and FSDP2's
+``init_process_group("cpu:gloo,cuda:nccl")`` would; gloo alone on a CPU rank), registered by name only, which is how
+DTensor's and FSDP2's
 collectives find it. It is not entered in torch's table of groups: that table maps a group's ranks through the
 default group's rank (``dist.get_rank(group)``), which under vLLM is 0 in every process. So the code over this
 group uses only what reads the group itself: ``group.rank()``, collectives given ``group=``, object collectives

@@ -91,8 +91,9 @@ def validate_task(task: TaskConfig) -> None:
     ANSWER_MODES.check(task.answer, "task.answer")
     OBJECTIVES.check(task.objective)
     if task.reward and (task.reward.count(":") != 1 or not all(task.reward.split(":"))):
-        raise ConfigError(f"task.reward={task.reward!r} is not module:function; set task.reward=package.module:function "
-                          "(docs/tasks.md), or task.reward='' for the task's own reward")
+        raise ConfigError(f"task.reward={task.reward!r} is not module:function; set "
+                          "task.reward=package.module:function (docs/tasks.md), or task.reward='' for the task's own "
+                          "reward")
 
 
 def validate_trainer(cfg: Any) -> None:

@@ -91,7 +91,8 @@ class Task(ABC):
             every = [s for s in self.skipped if s.read and s.count == s.read]
             if every:
                 raise TaskLoadError(f"task {self.name}: every row was skipped, {every[0].line()}: the rows do not fit "
-                                    f"{self.name}'s schema; fix the file at task.path=, or set task.name= to the task they fit")
+                                    f"{self.name}'s schema; fix the file at task.path=, or set task.name= to the task "
+                                    "they fit")
             raise TaskLoadError(f"task {self.name}: the training pool is empty; check task.path / task.train_size")
         self.user_reward = None
         """task.reward's callable (es_ray.tasks.user_reward), which ``score`` calls instead of ``reward``."""

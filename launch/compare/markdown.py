@@ -97,7 +97,8 @@ def drift_markdown(rep: dict) -> list[str]:
                 lines.append(f"| {m['label']}: null model (rewards ignored) | {null['l2']:.4g} | - | - | "
                              + " | ".join(f"{_p(null['share_below'][f'{t:g}'])}%" for t in th) + " | - |")
     ratio = rep["drift_l2_ratio_es_over_grpo"]
-    lines += ["", f"L2 ratio ES / GRPO: {_f(ratio, '{:.2f}')}. {step_size_text(rep.get('step_sizes'))} The thresholds columns are the share of changed "
+    lines += ["", f"L2 ratio ES / GRPO: {_f(ratio, '{:.2f}')}. {step_size_text(rep.get('step_sizes'))} "
+              "The thresholds columns are the share of changed "
               "parameters whose change is below each threshold (functional sparsity). Rows '(weights in bfloat16)' "
               "measure the same two checkpoints cast to the dtype a GPU engine holds: an update below half a ulp of "
               "its weight (|w| / 256 in bf16) vanishes there, so sparsity on fp32 weights can overstate what the "
@@ -154,7 +155,7 @@ def budget_markdown(rep: dict) -> list[str]:
     unit = "tokens" if b["unit"] == "tokens" else "training device-s"
     lines = [f"Budget as reached ({unit}; matched when within +-{100 * b['tolerance']:g}% of the budget; each run "
              "stops at the step that lands closest to it, or at its epoch cap):", "",
-             f"| method | seed | run | budget | reached | reached / budget | matched | stopped by |",
+             "| method | seed | run | budget | reached | reached / budget | matched | stopped by |",
              "|---|---|---|---|---|---|---|---|"]
     for seed, per in rep["per_seed"].items():
         for method, e in per.items():
@@ -283,7 +284,8 @@ def _drift_verdict(rep: dict, ratio) -> str:
         return f"{moved} ({(t or {}).get('why', 'no test')})"
     sep = t["p"] < ALPHA_DRIFT and (t["low"] > 0 or t["high"] < 0)
     return (f"{moved}: ES - GRPO L2 {t['diff']:+.3g} [{t['low']:+.3g}, {t['high']:+.3g}] over {t['seeds']} seeds "
-            f"(Welch's t, {_f(t.get('df'), '{:.1f}')} df), " + ("separable" if sep else "not separable over these seeds"))
+            f"(Welch's t, {_f(t.get('df'), '{:.1f}')} df), "
+            + ("separable" if sep else "not separable over these seeds"))
 
 
 ALPHA_DRIFT = 0.05

@@ -1,8 +1,8 @@
 """es-compare's report data: report.json (per method and seed: pass@k, entropy, drift with its null model and
 bf16 view, the measured ledger and the budget as reached, curves; across seeds: means, mean +- std, descriptive
 bootstrap intervals, the primary family's verdict (launch.compare.verdict) and, exploratory, the paired
-differences of every pair of methods, es_ray.metrics.paired), written with report.md (launch.compare.markdown) and the plots (launch.compare.plots), from
-the stages' own output files.
+differences of every pair of methods, es_ray.metrics.paired), written with report.md (launch.compare.markdown) and the
+plots (launch.compare.plots), from the stages' own output files.
 
 Everything here is read back from disk (results.json and samples.jsonl of each evaluation, metrics.jsonl and
 ledger.json of each training run, drift.json of each drift stage), so a report can be rebuilt at any time from a

@@ -85,8 +85,9 @@ def validate_sensitivity(cfg) -> None:
 
 def _short(cfg, **sections):
     b = cfg.budget
-    budget = dataclasses.replace(b, epochs=b.epochs * cfg.sensitivity.share, tokens=int(b.tokens * cfg.sensitivity.share),
-                                 device_seconds=b.device_seconds * cfg.sensitivity.share)
+    share = cfg.sensitivity.share
+    budget = dataclasses.replace(b, epochs=b.epochs * share, tokens=int(b.tokens * share),
+                                 device_seconds=b.device_seconds * share)
     return dataclasses.replace(cfg, budget=budget, seeds=[cfg.seeds[0]], interpolate=dataclasses.replace(
         cfg.interpolate, pairs=[]), **sections)
 
