@@ -40,6 +40,7 @@ class ColocatedWorker(RolloutWorker):
         super().__init__(cfg, rank)
         self.learner = GRPOLearner(cfg, rank, world)
         self.sleeping: list[str] = []  # vLLM sleep tags still asleep, in the order they wake
+        self.discarded = False  # a level-2 sleep discarded the engine's weights and no sync has rewritten them all
 
     def ready(self) -> dict:
         return {**self.learner.ready(), **super().ready(), "colocated": True}
@@ -78,6 +79,7 @@ class ColocatedWorker(RolloutWorker):
         for k in range(len(self.learner.chunks)):
             nbytes += self.write_weights(self.learner.weight_chunk(k, dtype, everywhere=True, on_device=True))["bytes"]
         seconds = time.perf_counter() - t0
+        self.discarded = False  # every chunk written: no weight is left as the level-2 sleep left it
         self._wake("kv_cache")
         return {"bytes": nbytes, "seconds": seconds}
 
@@ -106,8 +108,16 @@ class ColocatedWorker(RolloutWorker):
         if not self.sleeping and _on_gpu(self.cfg) and hasattr(self.engine, "sleep"):
             self.engine.sleep(SLEEP_LEVEL)  # weights and KV cache off the device; both come back in _wake
             self.sleeping = ["weights", "kv_cache"]
+            self.discarded = SLEEP_LEVEL >= 2
 
     def _wake_all(self) -> None:
+        """Everything awake, for a generate or a probe: refused while the weights are those a level-2 sleep discarded
+        (woken, vLLM maps back memory that holds whatever it holds) until a whole sync has rewritten them, e.g. after
+        a sync that failed half-way."""
+        if getattr(self, "discarded", False):
+            raise RuntimeError("the colocated vLLM engine's weights were discarded by its level-2 sleep "
+                               "(grpo/colocated.py SLEEP_LEVEL) and no complete sync_local has rewritten them since: "
+                               "generating now would read uninitialised memory; sync the learner's weights first")
         for tag in list(self.sleeping):
             self._wake(tag)
 

@@ -44,6 +44,16 @@ def forwarded_tokens(samples: list[dict], shared: bool) -> int:
     return sum(map(len, prompts)) + sum(max(0, len(s["completion_ids"]) - 1) for s in samples)
 
 
+def tied_key(name: str, index, tied: bool) -> str:
+    """The checkpoint key a parameter is read from: its own name, or the embedding's for the LM head of a model that
+    ties them (saved once, as the embedding). Any other missing name stays missing, so the caller refuses it: falling
+    back to the embedding for every absent tensor read the embedding's rows into a same-shaped shard (q_proj, o_proj
+    at grpo.fsdp_size>1) without a word."""
+    if name in index or not (tied and name == "lm_head.weight"):
+        return name
+    return "model.embed_tokens.weight"
+
+
 class GRPOLearner(Actor):
     """One learner rank. With grpo.fsdp_size=1 (and grpo.offload other than all) the whole learner, built at once.
     Otherwise rank ``rank`` of ``world``: the driver asks rank 0 for a rendezvous ``address()``, then every rank
@@ -200,9 +210,10 @@ class GRPOLearner(Actor):
         from es_ray.models import read_tensor, safetensors_index
 
         index = safetensors_index(directory)
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                key = name if name in index else "model.embed_tokens.weight"  # a tied head is the embedding
+                key = tied_key(name, index, tied)
                 if key not in index:
                     raise CheckpointError(f"{directory}: no tensor {name!r}; move it aside to resume from an earlier "
                                           "checkpoint")

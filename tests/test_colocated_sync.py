@@ -65,3 +65,44 @@ def test_a_colocated_sync_copies_nothing_through_the_host(tiny_model_dir):
     assert apart.moved == model_bytes  # the counter sees the host round trip where there is one
     print(f"bytes copied per sync (CPU build, tiny model of {model_bytes} B): colocated {together.moved}, "
           f"through the host {apart.moved}")
+
+
+def test_discarded_weights_are_refused_to_a_generate_until_a_whole_sync_rewrites_them(monkeypatch):
+    """Level 2 (grpo/colocated.py SLEEP_LEVEL) discards the engine's weights: woken, vLLM maps back memory holding
+    whatever it holds (vLLM's ``CuMemBackend.suspend`` offloads "weights" at level 1 only). A generate or probe after
+    a sync that failed half-way is refused instead of sampling from that memory; a whole sync allows it again."""
+    import pytest
+    from types import SimpleNamespace
+
+    from es_ray.grpo import colocated
+
+    calls, fail = [], {"at": 1}
+
+    def weight_chunk(k, dtype, everywhere, on_device):
+        if k == fail["at"]:
+            raise RuntimeError("chunk lost")
+        return {f"w{k}": torch.zeros(1)}
+
+    engine = SimpleNamespace(sleep=lambda level: calls.append(("sleep", level)),
+                             wake_up=lambda tags: calls.append(("wake", *tags)),
+                             write_weights=lambda items: calls.append(("write", [n for n, _ in items])),
+                             generate=lambda *a: calls.append("generate") or [])
+    worker = object.__new__(colocated.ColocatedWorker)
+    worker.cfg, worker.engine, worker.sleeping, worker.discarded = None, engine, [], False
+    worker.learner = SimpleNamespace(chunks=[0, 1], train_step=lambda s, a: {}, weight_chunk=weight_chunk)
+    monkeypatch.setattr(colocated, "_on_gpu", lambda cfg: True)
+    monkeypatch.setattr(colocated, "_release_cached_device_memory", lambda: None)
+    monkeypatch.setattr(colocated.RolloutWorker, "generate", lambda self, *a: self.engine.generate(*a))
+    monkeypatch.setattr(colocated.RolloutWorker, "write_weights", lambda self, w: self.engine.write_weights(
+        list(w.items())) or {"bytes": 0})
+    worker.train_step([], [])
+    with pytest.raises(RuntimeError, match="chunk lost"):
+        worker.sync_local("bfloat16")  # chunk 0 written, chunk 1 not
+    for call in (lambda: worker.generate([0], 2, 0), lambda: worker.probe()):
+        with pytest.raises(RuntimeError, match="discarded by its level-2 sleep"):
+            call()
+    assert "generate" not in calls and ("wake", "kv_cache") not in calls
+    fail["at"] = None
+    worker.sync_local("bfloat16")
+    worker.generate([0], 2, 0)
+    assert calls[-3:] == [("write", ["w1"]), ("wake", "kv_cache"), "generate"]

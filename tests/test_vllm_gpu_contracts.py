@@ -299,6 +299,38 @@ def test_colocation_calls_match_vllms_sleep_and_wake_up():
     assert "fully_awake = not self.model_executor.is_sleeping" in core  # the scheduler resumes at the last tag
 
 
+def test_level_two_discards_only_the_weights_and_a_partial_wake_restores_the_runtime_pools():
+    """vLLM 0.32's sleep backend (device_allocator/sleep_mode_backend.py ``CuMemBackend.suspend``) backs "weights" up
+    to the host at level 1 only, so after level 2 the woken weights hold no data until the sync writes them
+    (grpo/colocated.py refuses a generate before a whole sync); its runtime and CUDA-graph pools are backed up at
+    every level and come back with any wake, the weights' one included (device_allocator/cumem.py ``wake_up``:
+    every tag outside DEFERRABLE_TAGS), so waking "weights" then "kv_cache" leaves nothing asleep."""
+    backend = _vllm_source("device_allocator/sleep_mode_backend.py")
+    assert 'offload_tags: tuple[str, ...] = ("runtime", "cudagraph")' in backend
+    assert 'if level == 1:\n            offload_tags = ("weights", *offload_tags)' in backend
+    cumem = _vllm_source("device_allocator/cumem.py")
+    assert "if tags is None or data.tag in tags or data.tag not in DEFERRABLE_TAGS:" in cumem
+
+
+def test_a_tp1_write_reaches_the_worker_by_reference_with_the_engine_core_in_process():
+    """es_ray/engines/vllm.py passes device tensors uncopied when tensor_parallel_size=1 and
+    VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM 0.32 then builds the in-process client (``InprocClient.collective_rpc`` calls
+    the engine core directly), the engine core hands the call to its executor, and a world of one gets the
+    uni-process executor, whose ``collective_rpc`` calls the worker's method with the arguments as given (no
+    serialisation)."""
+    client = _method(_class(_vllm_source("v1/engine/core_client.py"), "InprocClient"), "collective_rpc")
+    assert "self.engine_core.collective_rpc(method, timeout, args, kwargs)" in ast.unparse(client)
+    core = _method(_class(_vllm_source("v1/engine/core.py"), "EngineCore"), "collective_rpc")
+    assert "self.model_executor.collective_rpc(method, timeout, args, kwargs)" in ast.unparse(core)
+    uni = _method(_class(_vllm_source("v1/executor/uniproc_executor.py"), "UniProcExecutor"), "collective_rpc")
+    assert "run_method(self.driver_worker, method, args, kwargs)" in ast.unparse(uni)
+    parallel = _vllm_source("config/parallel.py")
+    assert 'if self.distributed_executor_backend is None and self.world_size == 1:\n' \
+           '            self.distributed_executor_backend = "uni"' in parallel
+    source = (REPO / "es_ray" / "engines" / "vllm.py").read_text()
+    assert 'os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")' in source
+
+
 class _SleepyLLM:
     """vllm.LLM as sleep mode leaves it: ``llm_engine.is_sleeping()`` until ``wake_up()``; calls are recorded."""
 
