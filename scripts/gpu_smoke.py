@@ -535,6 +535,7 @@ def check_colocated_share(smoke: Smoke, model_dir: Path, shape: ModelShape, key:
                                    "prompts_per_step": 2, "group_size": 2}})
     free = total = None
     if smoke.device.type == "cuda":
+        torch.cuda.empty_cache()  # the earlier checks' cached blocks are free to vLLM, not to mem_get_info
         free, total = torch.cuda.mem_get_info(smoke.device)
         props = torch.cuda.get_device_properties(smoke.device)
         reported, name = props.total_memory, props.name
