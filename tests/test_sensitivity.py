@@ -43,6 +43,13 @@ def test_a_sweep_plans_one_short_run_per_value_and_the_preset_pair(tmp_path):
     ({"sensitivity": {"grpo": {"lr": [0.0]}}}, r"^sensitivity.grpo.lr=\[0.0\]: every value must be > 0"),
     ({"sensitivity": {"share": 1.5, "grpo": {"lr": [1e-6]}}}, r"^sensitivity.share=1.5 must be in \(0, 1\]"),
     ({"methods": ["base", "es"]}, r"^sensitivity.\* needs methods to include es and grpo"),
+    ({"sensitivity": {"grpo": {"lr": ["abc"]}}}, r"^sensitivity.grpo.lr=\['abc'\]: every value must be a number"),
+    ({"sensitivity": {"es": {"sigma": 1e-3}}}, r"^sensitivity.es.sigma=0.001 must be a list"),
+    ({"sensitivity": {"es": {"lr": [float("inf")]}}}, r"^sensitivity.es.lr=\[inf\]: every value must be a finite"),
+    ({"sensitivity": {"grpo": {"lr": [True]}}}, r"^sensitivity.grpo.lr=\[True\]: every value must be a number"),
+    ({"sensitivity": {"grpo": {"lr": [1e-6, 1e-6]}}}, r"^sensitivity.grpo.lr=\[1e-06, 1e-06\] repeats a value"),
+    ({"methods": ["base", "es"], "sensitivity": {"es": {"sigma": [2e-3]}}},
+     r"^sensitivity.\* needs methods to include es and grpo \(methods=\['base', 'es'\]; set: sensitivity.es.sigma\)"),
 ])
 def test_bad_sweeps_are_refused_in_one_line_naming_the_key(over, match):
     with pytest.raises(ConfigError, match=match) as err:

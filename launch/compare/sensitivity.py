@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -71,16 +72,25 @@ def enabled(cfg) -> bool:
 def validate_sensitivity(cfg) -> None:
     """Positive values, a share in (0, 1], and both methods run (a value is judged against the other method)."""
     s = cfg.sensitivity
-    for key, values in (("sensitivity.grpo.lr", s.grpo.lr), ("sensitivity.es.sigma", s.es.sigma),
-                        ("sensitivity.es.lr", s.es.lr)):
-        bad = [v for v in values if not v > 0]
-        if bad:
-            raise ConfigError(f"{key}={list(values)}: every value must be > 0 (e.g. {key}=[1e-6,3e-6,1e-5])")
+    lists = (("sensitivity.grpo.lr", s.grpo.lr), ("sensitivity.es.sigma", s.es.sigma), ("sensitivity.es.lr", s.es.lr))
+    for key, values in lists:
+        example = f"(e.g. {key}=[1e-6,3e-6,1e-5])"
+        if not isinstance(values, (list, tuple)):
+            raise ConfigError(f"{key}={values!r} must be a list of step sizes {example}")
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+            raise ConfigError(f"{key}={list(values)}: every value must be a number {example}")
+        if not all(v > 0 for v in values):
+            raise ConfigError(f"{key}={list(values)}: every value must be > 0 {example}")
+        if not all(math.isfinite(v) for v in values):
+            raise ConfigError(f"{key}={list(values)}: every value must be a finite number {example}")
+        if len(set(values)) < len(values):  # two short runs of one value would share one directory
+            raise ConfigError(f"{key}={list(values)} repeats a value: list each step size once")
     if not 0 < s.share <= 1:
         raise ConfigError(f"sensitivity.share={s.share} must be in (0, 1]: each short run's share of the budget")
     if enabled(cfg) and not {"es", "grpo"} <= set(cfg.methods):
-        raise ConfigError(f"sensitivity.* needs methods to include es and grpo (methods={list(cfg.methods)}): "
-                          "each value is judged against the other method; add them or clear the sensitivity lists")
+        named = ", ".join(key for key, values in lists if values)
+        raise ConfigError(f"sensitivity.* needs methods to include es and grpo (methods={list(cfg.methods)}; set: "
+                          f"{named}): each value is judged against the other method; add them or clear those lists")
 
 
 def _short(cfg, **sections):
