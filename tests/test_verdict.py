@@ -207,3 +207,20 @@ def test_a_report_without_per_problem_scores_is_rerendered_without_a_verdict(tmp
     d, se, df = ni["method"]["diff"], ni["method"]["se"], ni["method"]["df"]
     assert ni["lower"] == pytest.approx(d - stats.t.ppf(0.95, df) * se)
     assert ni["method_p"] == pytest.approx(stats.t.sf((d + 0.02) / se, df))
+
+
+def test_a_rerender_keeps_the_sensitivity_section_the_stage_appended(tmp_path):
+    """The sensitivity stage appends sensitivity.md to report.md after report.json is written: a re-render from
+    report.json alone would drop it."""
+    import shutil
+    from pathlib import Path
+
+    from es_ray.launch.compare.rerender import rerender
+
+    src = Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu-demo" / "report.json"
+    shutil.copy(src, tmp_path / "report.json")
+    section = "## Sensitivity to the step sizes\n\n| run | pass@1 |\n|---|---|\n| grpo.lr=3e-06 | 0.350 |\n"
+    (tmp_path / "sensitivity.md").write_text(section)
+    rerender(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert md.endswith(section) and md.count("## Sensitivity to the step sizes") == 1

@@ -7,7 +7,8 @@ A report.json that holds the verdict is only re-rendered. One without it gets th
 from the paired tests' summaries it kept (launch.compare.verdict.stored_section: estimates, intervals, one-sided
 bounds, the seeds a method-level claim needs; not the checkpoint test nor the detectable sizes, which need the
 per-problem scores), and its exploratory tests lose the fields the previous rule derived from them (a verdict per
-cell and a detectable size at the 95% bound of the training variance).
+cell and a detectable size at the 95% bound of the training variance). A sensitivity.md beside it (the sensitivity
+stage's section, launch/compare/sensitivity.py) is appended again, as the stage appended it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ def rerender(folder: Path, margin: float = 0.02, alpha: float = 0.05) -> dict:
         rep["comparisons"].pop("alpha_first", None)
         rep["verdict"] = stored_section(rep, default_claims(list(rep["methods"]), rep["k"]), margin, alpha)
     (folder / "report.json").write_text(json.dumps(rep, indent=2))
-    (folder / "report.md").write_text(markdown(rep))
+    text = markdown(rep)
+    if (folder / "sensitivity.md").is_file():  # the sensitivity stage appends its section after report.json is written
+        text += "\n" + (folder / "sensitivity.md").read_text()
+    (folder / "report.md").write_text(text)
     return rep
 
 
