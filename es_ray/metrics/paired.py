@@ -296,8 +296,11 @@ class Power:
         m = self.mean
         if m is None or not 0 < m < 1:
             return 1.0
-        shifted = min(max(m + abs(effect), 0.0), 1.0)
-        return max(1.0, shifted * (1 - shifted) / (m * (1 - m)))
+        # which method moves is not known: near 1 the gap can be the second falling from the ceiling (pass@32 at
+        # 94%: a 4-point gap with the second at 90% has 1.5x the variance; the printed size was found 58% of the
+        # time without it, benchmarks/verdict_audit.py), near 0 the first rising from the floor; the larger of the two
+        return max(1.0, max(s * (1 - s) for s in (min(m + abs(effect), 1.0), max(m - abs(effect), 0.0)))
+                   / (m * (1 - m)))
 
     @property
     def can_plan(self) -> bool:

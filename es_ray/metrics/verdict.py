@@ -21,7 +21,8 @@ The test of each claim, by the seeds per method S (equal between the methods):
 and Holm's step-down over the primary family's one-sided p-values. Detectable: the smallest distance from the null
 boundary (d + delta) that the verdict's test finds with 80% power, one-sided at Holm's first threshold alpha / m, the
 test itself simulated at the estimated variance components (``paired.power(bound=False, sides=1)``: the median
-case, not the 95% bound); past the metric's range (100 points of pass@k) it is "not detectable at any size".
+case, not the 95% bound); past the metric's range (FIRST above 100% of pass@k: a distance beyond
+1 - mean(SECOND) + delta) it is "not detectable at any size".
 """
 
 from __future__ import annotations
@@ -129,7 +130,10 @@ def size_and_needs(pairs, alpha: float, checkpoint: bool, gaps: Sequence[float],
         else pairs
     pw = power(use, alpha=alpha, power=POWER, bound=False, sides=1)
     det = pw.detectable
-    beyond = det is not None and bounded_range and det > 1.0
+    # the room the metric leaves: FIRST can rise no higher than 100%, so from SECOND's mean the distance from the null
+    # boundary (d + shift) is at most 1 - mean(SECOND) + shift (not 100 points: SECOND at 73% leaves 27 + shift)
+    room = 1.0 - float(np.mean([np.mean(a) for a, _ in pairs])) + shift
+    beyond = det is not None and bounded_range and det > room
     out = {"detectable": None if beyond else det, "beyond_range": beyond, "alpha": alpha,
            "var_seeds": pw.var_seeds, "var_problems": pw.var_problems, "var_residual": list(pw.var_residual),
            "mean": pw.mean, "needs": {}}
@@ -176,6 +180,12 @@ def claim_test(claim: Claim, pairs, *, margin: float, alpha: float, family: int,
     ckpt = paired_difference_tasks(avg, level=level)
     test = ckpt if checkpoint else method
     problems = sum(np.shape(a)[-1] for a, _ in pairs)
+    if shift > 0 and not test.se > 0:
+        # every paired difference equal (every completion wrong, or every one right): the floor 2^-P is the exact
+        # sign-flip test's, valid where the null makes the methods exchangeable (superiority), not at a boundary
+        # shifted by the margin, and the t has no variance: a non-inferiority p of 2^-P would be invented
+        return {"claim": claim.text, "why": "every paired difference is equal (e.g. every completion wrong or every "
+                "one right): no variance to test non-inferiority against; more problems or samples (eval.n)"}
     p, lower = one_sided(test.diff, test.se, test.df, shift, problems, alpha)
     alpha_first = alpha / family
     is_pass = metric.startswith("pass@")
