@@ -26,13 +26,13 @@ def test_skipped_rows_are_counted_per_reason_with_the_first_line(tmp_path):
     rows[6] = {"question": "no answer here"}
     rows[20] = {"question": "also none"}
     rows[9] = "{not json"
-    rows[30] = {"question": "an integer answer", "answer": 7}
+    rows[30] = {"question": "a prose answer", "answer": "about seven"}  # a bare 7 is a reference (test below)
     path = _write(tmp_path / "mine.jsonl", rows)
     task = load_task(TaskConfig(name="gsm8k", path=path, eval_size=4))
     assert task.skipped_rows == 4
     assert task.skipped_lines() == [
         f'task gsm8k: skipped 4 of 36 rows of task.path={path}: 2 missing "answer", 1 not JSON, '
-        "1 no '#### <number>' in the answer; first at line 7"]
+        "1 no '#### <number>' in the answer, nor a bare number; first at line 7"]
     assert len(task.eval) == 4 and len(task.train) == 16  # task.train_size's default caps the pool
 
 
@@ -62,3 +62,23 @@ def test_the_default_eval_size_may_not_leave_fewer_training_rows_than_held_out(t
     chosen = load_task(TaskConfig(name="gsm8k", path=path, eval_size=30))  # a size the user set is theirs
     assert (len(chosen.eval), len(chosen.train)) == (30, 10)
     assert len(load_task(TaskConfig(name="gsm8k", path=path, eval_size=8)).eval) == 8
+
+
+def test_a_byte_order_mark_and_crlf_lines_keep_the_first_row(tmp_path):
+    """A file saved by a Windows editor: a BOM before line 1 and CRLF endings; every row is read."""
+    path = tmp_path / "bom.jsonl"
+    rows = [json.dumps({"question": f"{i} + 1?", "answer": f"#### {i + 1}"}) for i in range(6)]
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(rows).encode() + b"\r\n")
+    task = load_task(TaskConfig(name="gsm8k", path=str(path), eval_size=2))
+    assert len(task.train) + len(task.eval) == 6 and task.skipped_lines() == []
+
+
+def test_a_gsm8k_answer_that_is_just_a_number_is_its_reference(tmp_path):
+    """An int column (or "42") is the final answer itself; prose with no number after #### is still skipped."""
+    path = tmp_path / "bare.jsonl"
+    rows = [{"question": f"{i} + 1?", "answer": i + 1} for i in range(5)] + [{"question": "q", "answer": "about 3"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = load_task(TaskConfig(name="gsm8k", path=str(path), eval_size=1))
+    assert sorted(p.answer for p in task.train + task.eval) == [1, 2, 3, 4, 5]
+    assert task.skipped_lines() == [f"task gsm8k: skipped 1 of 6 rows of task.path={path}: 1 no '#### <number>' "
+                                    "in the answer, nor a bare number; first at line 6"]

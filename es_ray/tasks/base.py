@@ -158,7 +158,9 @@ def read_rows(path: str | Path) -> list[dict]:
     suffix = p.suffix.lower()
     if suffix == ".jsonl":  # a bad line (not JSON, not UTF-8, nested too deep) is one malformed row, not the file
         rows = []
-        for i, line in enumerate(p.read_bytes().splitlines()):
+        data = p.read_bytes()
+        data = data[3:] if data.startswith(b"\xef\xbb\xbf") else data  # a Windows editor's byte-order mark
+        for i, line in enumerate(data.splitlines()):
             if not line.strip():
                 continue
             try:

@@ -1,6 +1,7 @@
 """GSM8K (openai/gsm8k, config main): grade-school word problems; reward 1 when the final number is right.
 
-Rows have ``question`` and ``answer``; the reference answer is the number after ``####``. ``task.path`` reads a
+Rows have ``question`` and ``answer``; the reference answer is the number after ``####`` (or an answer that is
+just a number: ``42`` or ``"42"``). ``task.path`` reads a
 local JSONL file in the same schema. Rows without a parsable reference are skipped and counted. From the hub the
 training pool is the train split and the held-out set the start of the test split (which es-eval scores whole);
 one file is split by a fixed shuffle (es-eval scores the whole file).
@@ -24,9 +25,9 @@ class GSM8KTask(DatasetTask):
 
     def parse(self, row: dict) -> Problem:
         question, answer = text_field(row, "question"), text_field(row, "answer")
-        ref = parse_number(answer.split("####")[-1]) if "####" in answer else None
+        ref = parse_number(answer.split("####")[-1] if "####" in answer else answer)  # "42" or 42: the number
         if ref is None:
-            raise RowError("no '#### <number>' in the answer")
+            raise RowError("no '#### <number>' in the answer, nor a bare number")
         return Problem(question=f"{question}\n\n{INSTRUCTION}", answer=ref)
 
     def reward(self, completion: str, problem: Problem) -> float:
