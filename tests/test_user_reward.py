@@ -45,6 +45,15 @@ def slow_later(prompts, completions, **columns):
         time.sleep(5)
     return [0.0] * len(completions)
 
+async def later(prompts, completions, **columns):
+    return [0.0] * len(completions)
+
+def text(prompts, completions, **columns):
+    return "10"
+
+def by_index(prompts, completions, **columns):
+    return {i: 1.0 for i in range(len(completions))}
+
 not_callable = 3
 '''
 
@@ -97,7 +106,9 @@ def test_a_generated_task_gives_question_and_answer(module):
 
 @pytest.mark.parametrize("fn, words", [("scalar", "not a list of floats"),
                                        ("short", "returned 1 values for 2 completions"),
-                                       ("not_callable", "not a function"), ("nope", "cannot import")])
+                                       ("not_callable", "not a function"), ("nope", "cannot import"),
+                                       ("later", "async"), ("text", "returned str"),
+                                       ("by_index", "returned dict")])
 def test_a_reward_of_the_wrong_shape_is_refused_at_load_in_one_line(module, data, fn, words):
     with pytest.raises(TaskLoadError) as err:
         _task(data, f"{module}:{fn}")
@@ -148,3 +159,21 @@ def test_the_examples_in_docs_tasks_md_run(tmp_path, monkeypatch):
     own = load_task(TaskConfig(name="gsm8k", path=str(gsm), eval_size=2, reward="my_pkg.rewards:exact"))
     p = own.train[0]
     assert score(own, [f"so {p.answer}", "no"], [p, p]) == ([1.0, 0.0], 0)
+
+
+@pytest.mark.parametrize("source, words", [("def f(:\n", "SyntaxError"),
+                                           ("raise RuntimeError('at import')\n", "RuntimeError: at import")])
+def test_a_module_that_fails_to_import_is_one_line_not_a_traceback(tmp_path, monkeypatch, data, source, words):
+    (tmp_path / "broken_reward_mod.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "broken_reward_mod", raising=False)
+    with pytest.raises(TaskLoadError) as err:
+        _task(data, "broken_reward_mod:f")
+    assert words in str(err.value) and "task.reward='broken_reward_mod:f'" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_relative_module_is_refused_naming_the_key(data):
+    with pytest.raises(TaskLoadError) as err:
+        _task(data, ".rewards:f")
+    assert "task.reward='.rewards:f'" in str(err.value) and "absolute" in str(err.value)

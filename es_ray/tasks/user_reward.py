@@ -19,7 +19,9 @@ a sandbox.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from es_ray.grading.limit import GRADE_TIMEOUT_S, time_limit
@@ -40,11 +42,16 @@ def import_reward(spec: str) -> RewardFn:
     if not module or not name:
         raise TaskLoadError(f"task.reward={spec!r} is not module:function; set task.reward=package.module:function "
                             "(a callable over prompts, completions and the row's columns), or '' for the task's own")
+    if module.startswith("."):
+        raise TaskLoadError(f"task.reward={spec!r}: a relative module; name it absolute (package.module:function), "
+                            "with its package on PYTHONPATH")
     try:
         fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise TaskLoadError(f"task.reward={spec!r}: cannot import it ({type(exc).__name__}: {exc}); put its module on "
-                            "PYTHONPATH (on a cluster: the job's working_dir or py_modules)") from None
+    except Exception as exc:  # noqa: BLE001 - not found, a SyntaxError, whatever the module raises at import
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise TaskLoadError(f"task.reward={spec!r}: cannot import it ({type(exc).__name__}: {first}); put its module "
+                            "on PYTHONPATH (on a cluster: the job's working_dir or py_modules) and check it imports"
+                            ) from None
     if not callable(fn):
         raise TaskLoadError(f"task.reward={spec!r} is a {type(fn).__name__}, not a function")
     return fn
@@ -60,6 +67,11 @@ def batch_columns(problems: list) -> dict[str, list]:
 def call_reward(fn: RewardFn, completions: list[str], problems: list) -> list[float]:
     """``fn`` over one batch -> one finite float per completion; RewardShapeError when it returns anything else."""
     out = fn(prompts=[p.question for p in problems], completions=list(completions), **batch_columns(problems))
+    if inspect.iscoroutine(out):
+        out.close()
+        raise RewardShapeError("is an async function; give a plain one (def, not async def)")
+    if isinstance(out, (str, bytes, Mapping)):  # iterable, but its characters or keys are no rewards
+        raise RewardShapeError(f"returned {type(out).__name__}, not a list of floats")
     try:
         values = [float(v) for v in out]
     except (TypeError, ValueError) as exc:
