@@ -71,6 +71,8 @@ def test_a_finished_run_with_the_stages_settings_stands_in_for_training(tmp_path
     ("stray", "from_run.grpo: grpo is not among methods"),
     ("relative", "is not the absolute directory"),
     ("sequential", "only a method with one training stage"),
+    ("corrupt", "config.json is not a JSON object"),
+    ("list", "config.json is not a JSON object"),
 ])
 def test_a_run_that_does_not_fit_is_refused_in_one_line(tmp_path, case, words):
     cfg = _cfg(tmp_path)
@@ -84,6 +86,8 @@ def test_a_run_that_does_not_fit_is_refused_in_one_line(tmp_path, case, words):
         cfg.from_run = {"grpo": str(run)}
     if case == "relative":
         cfg.from_run = {"es": "mine"}
+    if case in ("corrupt", "list"):  # a config.json cut short by a full disk, or not es-train's
+        (run / "config.json").write_text('{"method": "es",' if case == "corrupt" else "[1]")
     if case == "sequential":
         cfg.methods, cfg.from_run = ["base", "es_grpo"], {"es_grpo": str(run)}
     with pytest.raises(ConfigError) as err:

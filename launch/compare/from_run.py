@@ -43,7 +43,10 @@ def check_from_run(method: str, path: str, parts: tuple[str, ...], seeds: list[i
     if not run.is_absolute() or not (run / "config.json").is_file():
         raise ConfigError(f"{key}={path!r} is not the absolute directory of an es-train or grpo-train run "
                           "(no config.json there)")
-    config = json.loads((run / "config.json").read_text())
+    config = _json(run / "config.json")
+    if not isinstance(config, dict):
+        raise ConfigError(f"{key}={path}: its config.json is not a JSON object (cut short, or not written by es-train "
+                          "or grpo-train); point it at a finished run's directory")
     if config.get("method") != parts[0]:
         raise ConfigError(f"{key}={path}: that run is a {config.get('method')!r} run, and {method} trains "
                           f"{parts[0]!r}: point {key}= at a {parts[0]} run")
