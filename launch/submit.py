@@ -17,7 +17,8 @@ sweep: waits for every job), prints each job's end state and exits 0 when every 
     es-submit status|stop --address http://HEAD:8265 JOB
     es-submit logs [--follow] --address http://HEAD:8265 JOB
 
-Ray's job commands with the same address and token as the submission (the hints printed after submitting). A job
+Ray's job commands with the same address and token as the submission (the hints printed after submitting);
+``--address`` may also come before the command word, as it does in a submission. A job
 server's refusal is one line with the likely cause and the fix (``job_server_error``).
 """
 
@@ -456,10 +457,21 @@ def connect_jobs(address: str):
     raise SystemExit(2)
 
 
+def job_argv(argv: list[str]) -> list[str] | None:
+    """``argv`` as ``status|logs|stop ...`` when it is a job command, also with --address before the command word
+    (where a submission puts it); None for a submission."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("--address"):
+        i += 1 if "=" in argv[i] else 2
+    if i < len(argv) and argv[i] in JOB_COMMANDS:
+        return [argv[i], *argv[:i], *argv[i + 1:]]
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in JOB_COMMANDS:
-        return job_command(argv)
+    if job_argv(argv):
+        return job_command(job_argv(argv))
     args, command = parse_args(argv)
     try:
         subs = plan(command, args.sweep, args.run_root, args.name)

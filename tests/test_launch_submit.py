@@ -337,6 +337,19 @@ def test_wrong_address_is_one_line(tmp_path, monkeypatch, capsys):
     assert code == 2 and "unreachable" in line and line.count("\n") == 0, line
 
 
+@pytest.mark.parametrize("argv", [["--address", "http://127.0.0.1:9", "status", "job-1"],
+                                  ["--address=http://127.0.0.1:9", "logs", "job-1"]])
+def test_address_before_a_job_command_is_taken_as_after_it(argv, capsys):
+    """`es-submit --address URL status JOB`, as a submission puts --address first: the job command runs against
+    that address (here: nothing answers there), not an argparse refusal of `status JOB`."""
+    from es_ray.launch.submit import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "127.0.0.1:9" in err and "unreachable" in err, err
+
+
 def test_job_commands_carry_the_token(canned, tmp_path):
     """`es-submit status|logs|stop JOB` send the token es-submit finds (RAY_AUTH_TOKEN), as a submission does;
     without one the refusal is one line naming the fix. Subprocesses: Ray reads its auth mode once per process."""
