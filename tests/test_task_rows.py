@@ -82,3 +82,23 @@ def test_a_gsm8k_answer_that_is_just_a_number_is_its_reference(tmp_path):
     assert sorted(p.answer for p in task.train + task.eval) == [1, 2, 3, 4, 5]
     assert task.skipped_lines() == [f"task gsm8k: skipped 1 of 6 rows of task.path={path}: 1 no '#### <number>' "
                                     "in the answer, nor a bare number; first at line 6"]
+
+
+@pytest.mark.parametrize("content, words", [
+    (b'[{"question": "1 + 1?", "answer": "#### 2"', "is not JSON"),
+    (b'{"train": [{"question": "1 + 1?", "answer": "#### 2"}]}', 'no "data" or "rows" list (keys: train)'),
+])
+def test_a_json_file_that_is_cut_or_keyed_otherwise_is_one_line_naming_task_path(tmp_path, content, words):
+    path = tmp_path / "mine.json"
+    path.write_bytes(content)
+    with pytest.raises(TaskLoadError) as err:
+        load_task(TaskConfig(name="gsm8k", path=str(path), eval_size=1))
+    assert words in str(err.value) and f"task.path={path}" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_json_file_with_a_byte_order_mark_is_read(tmp_path):
+    path = tmp_path / "bom.json"
+    rows = [{"question": f"{i} + 1?", "answer": f"#### {i + 1}"} for i in range(4)]
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())
+    task = load_task(TaskConfig(name="gsm8k", path=str(path), eval_size=1))
+    assert len(task.train) + len(task.eval) == 4

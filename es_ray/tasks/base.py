@@ -170,8 +170,18 @@ def read_rows(path: str | Path) -> list[dict]:
                 rows.append({"__malformed__": i + 1, LINE_KEY: i + 1})
         return rows
     if suffix == ".json":
-        data = json.loads(p.read_text())
-        return data if isinstance(data, list) else data.get("data", data.get("rows", []))
+        try:
+            data = json.loads(p.read_text(encoding="utf-8-sig"))  # -sig: a byte-order mark is dropped
+        except ValueError as exc:
+            raise TaskLoadError(f"task.path={path} is not JSON ({str(exc).splitlines()[0]}); fix the file, or write "
+                                "one row per line as .jsonl, where a bad line skips that row only") from None
+        rows = data if isinstance(data, list) else data.get("data", data.get("rows")) if isinstance(data, dict) \
+            else None
+        if not isinstance(rows, list):
+            keys = ", ".join(map(str, data)) if isinstance(data, dict) else type(data).__name__
+            raise TaskLoadError(f'task.path={path} holds no "data" or "rows" list (keys: {keys}); make it a list of '
+                                "rows, or an object with the rows under data")
+        return rows
     if suffix in (".parquet", ".csv"):
         import pandas as pd
 
