@@ -102,3 +102,14 @@ def test_a_json_file_with_a_byte_order_mark_is_read(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())
     task = load_task(TaskConfig(name="gsm8k", path=str(path), eval_size=1))
     assert len(task.train) + len(task.eval) == 4
+
+
+def test_the_eval_size_hint_says_what_0_does_for_a_training_file(tmp_path):
+    """For a task with a training split (gsm8k) one file's task.eval_size=0 holds out nothing (no held-out curve;
+    es-eval still scores every row): the hint says so, and does what it says."""
+    path = _write(tmp_path / "forty.jsonl", [_good(i) for i in range(40)])
+    with pytest.raises(TaskLoadError) as err:
+        load_task(TaskConfig(name="gsm8k", path=path))
+    assert "or 0 for no held-out set (es-eval scores every row either way)" in str(err.value)
+    none_held = load_task(TaskConfig(name="gsm8k", path=path, eval_size=0, train_size=0))
+    assert (len(none_held.eval), len(none_held.train), len(none_held.eval_problems())) == (0, 40, 40)

@@ -172,8 +172,9 @@ class DatasetTask(Task):
         if self.cfg.path and usable and self.cfg.eval_size == TaskConfig.eval_size and train < held:
             raise TaskLoadError(f"task.path={self.cfg.path} has {usable} usable rows, and the default task.eval_size="
                                 f"{self.cfg.eval_size} holds out {held} of them and leaves {train} to train: set "
-                                f"task.eval_size= to fewer (e.g. task.eval_size={max(1, usable // 5)}), or 0 to score "
-                                "every row")
+                                f"task.eval_size= to fewer (e.g. task.eval_size={max(1, usable // 5)}), "
+                                + ("or 0 to score every row" if self.train_split is None else
+                                   "or 0 for no held-out set (es-eval scores every row either way)"))
 
     def eval_problems(self) -> list[Problem]:
         return list(self._all)
