@@ -177,3 +177,14 @@ def test_a_relative_module_is_refused_naming_the_key(data):
     with pytest.raises(TaskLoadError) as err:
         _task(data, ".rewards:f")
     assert "task.reward='.rewards:f'" in str(err.value) and "absolute" in str(err.value)
+
+
+def test_a_module_in_the_current_directory_but_not_on_the_path_says_so(tmp_path, monkeypatch, data):
+    """An installed command (es-train) does not search the current directory, where a user's rewards.py sits."""
+    (tmp_path / "rewards_here_only.py").write_text("def f(prompts, completions, **kw):\n"
+                                                   "    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    with pytest.raises(TaskLoadError) as err:
+        _task(data, "rewards_here_only:f")
+    assert "in the current directory" in str(err.value) and "PYTHONPATH=$PWD" in str(err.value)

@@ -22,6 +22,7 @@ import importlib
 import inspect
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Callable
 
 from es_ray.grading.limit import GRADE_TIMEOUT_S, time_limit
@@ -49,9 +50,12 @@ def import_reward(spec: str) -> RewardFn:
         fn = getattr(importlib.import_module(module), name)
     except Exception as exc:  # noqa: BLE001 - not found, a SyntaxError, whatever the module raises at import
         first = str(exc).splitlines()[0] if str(exc) else ""
-        raise TaskLoadError(f"task.reward={spec!r}: cannot import it ({type(exc).__name__}: {first}); put its module "
-                            "on PYTHONPATH (on a cluster: the job's working_dir or py_modules) and check it imports"
-                            ) from None
+        top = module.split(".")[0]
+        here = isinstance(exc, ModuleNotFoundError) and (Path(f"{top}.py").is_file() or Path(top).is_dir())
+        where = ("it is in the current directory, which an installed command does not search: run with "
+                 "PYTHONPATH=$PWD" if here else "put its module on PYTHONPATH")
+        raise TaskLoadError(f"task.reward={spec!r}: cannot import it ({type(exc).__name__}: {first}); {where} (on a "
+                            "cluster: the job's working_dir or py_modules) and check it imports") from None
     if not callable(fn):
         raise TaskLoadError(f"task.reward={spec!r} is a {type(fn).__name__}, not a function")
     return fn
