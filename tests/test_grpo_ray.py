@@ -1,7 +1,7 @@
 """GRPO on a local Ray with the tiny model: the reward rises on a reward a tiny model can move; a stopped run
 resumes to bit-identical final weights; a dead rollout actor is replaced and re-synced; a dead learner stops the
 run with a message saying how to resume (with faults.max_replacements=0; otherwise the run restarts from the last
-checkpoint and ends as an undisturbed one)."""
+checkpoint and ends as an undisturbed one); 1 and 2 rollout actors draw the same first step."""
 
 from __future__ import annotations
 
@@ -166,6 +166,38 @@ def test_a_lost_learner_restarts_from_the_last_checkpoint_and_ends_as_an_undistu
         assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
         ledger = json.loads((run_dir / "ledger.json").read_text())
         assert ledger["finished"] is True and len(ledger["segments"]) == 2, ledger
+
+
+def test_first_step_is_the_same_with_one_and_two_rollout_actors(ray_local, tiny_model_dir, tmp_path, monkeypatch):
+    """Deliverable 52.9 across Ray actors: grpo-train with 1 rollout actor and with 2 (each drawing half the
+    prompts) trains on the same samples, gets the same rewards and the same gradient norm in its first step: each
+    completion's sampling seed comes from (run seed, step, prompt, sample), never from the actor that draws it."""
+    import es_ray.grpo.driver as driver
+    from es_ray.grpo.learner import GRPOLearner
+
+    batches: dict[int, list] = {}
+    real_learn = driver.Crew.learn
+
+    def learn(crew, method, *args, slow=False):
+        if method is GRPOLearner.train_step:  # the samples the learner trains on, as the driver sends them
+            batches.setdefault(len(crew.rollouts), []).append(
+                [(s["prompt_index"], list(s["completion_ids"]), s["reward"]) for s in args[0]])
+        return real_learn(crew, method, *args, slow=slow)
+
+    monkeypatch.setattr(driver.Crew, "learn", learn)
+    rows = {}
+    for n in (1, 2):
+        cfg = tiny_cfg(tiny_model_dir, tmp_path / f"actors{n}", steps=1, run={"seed": 5})
+        cfg.cluster.num_actors, cfg.cluster.cpus_per_actor = n, 0.5  # learner + 2 rollouts on ray_local's 2 CPUs
+        driver.run(cfg)
+        rows[n] = json.loads((tmp_path / f"actors{n}" / "metrics.jsonl").read_text().splitlines()[0])
+        assert set(json.loads((tmp_path / f"actors{n}" / "ledger.json").read_text())["actors"]) == {
+            "learner_0", *(f"rollout_{r}" for r in range(n))}
+    assert len(batches[1]) == len(batches[2]) == 1
+    assert batches[1] == batches[2]
+    assert len({tuple(c) for _, c, _ in batches[1][0]}) > 1, "the completions must differ from each other"
+    for key in ("reward/mean", "reward/std", "grpo/grad_norm", "completions/mean_length"):
+        assert rows[1][key] == rows[2][key], (key, rows[1][key], rows[2][key])
 
 
 def test_learner_and_rollouts_that_do_not_fit_fail_early_with_the_numbers(ray_local, tiny_model_dir, tmp_path):
