@@ -221,28 +221,63 @@ def last_checkpoint(run_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def resume_point(cfg: GRPOTrainConfig, run_dir: Path) -> tuple[int, Path | None, list[dict]]:
+    """Where a resume (run.resume=true, or a restart after a lost learner) starts: the steps of the last
+    checkpoint (0 without one), that checkpoint, and the metrics rows before it (later rows are cut)."""
+    from es_ray.runtime.checkpoint import read_meta, verify_dir
+    from es_ray.runtime.rundir import keep_metrics
+
+    start, ckpt = 0, last_checkpoint(run_dir)  # none yet: a new run, as es-train does
+    if ckpt is not None:  # every file checked against its digest here, refused with one line naming it
+        verify_dir(ckpt)
+        start = read_meta(ckpt, "grpo")["step"]
+        if start > cfg.grpo.steps:
+            from es_ray.core.config import ConfigError
+
+            raise ConfigError(f"run.resume=true: {ckpt} holds {start} steps, more than grpo.steps="
+                              f"{cfg.grpo.steps}; raise grpo.steps to at least {start}")
+    return start, ckpt, keep_metrics(run_dir / "metrics.jsonl", start, "step")  # also cuts a torn last line
+
+
 def run(cfg: GRPOTrainConfig) -> dict:
-    """grpo-train: the runtime's run skeleton (``es_ray.runtime.loop``) around the GRPO step."""
+    """grpo-train: the runtime's run skeleton (``es_ray.runtime.loop``) around the GRPO step. A lost learner rank
+    (its process killed by Ray's memory monitor, crashed, its node gone) holds the optimizer state no other actor
+    has, so it is not replaced alone: the whole crew is rebuilt from the last committed checkpoint (what
+    run.resume=true loads; the initial weights at step 0 without one) and the steps since it run again, in this
+    process, up to faults.max_replacements times. The steps redone are the same steps (each completion's sampling
+    seed comes from the run seed, step, prompt and sample), so the run ends where an undisturbed one ends."""
+    import dataclasses
+
+    from es_ray.runtime.actors import ActorLostError
     from es_ray.runtime.loop import prepare
-    from es_ray.runtime.rundir import held, keep_metrics
+    from es_ray.runtime.rundir import held, lock_run_dir
 
     run_dir = prepare(cfg, "grpo", RESUME_FREE)
+    restarts = 0
     with held(run_dir):  # released however the run ends, a failure before its first step included
-        start, ckpt, history = 0, None, []
-        if cfg.run.resume:
-            ckpt = last_checkpoint(run_dir)  # none yet: a new run, as es-train does
-            if ckpt is not None:  # every file checked against its digest here, refused with one line naming it
-                from es_ray.runtime.checkpoint import read_meta, verify_dir
+        start, ckpt, history = resume_point(cfg, run_dir) if cfg.run.resume else (0, None, [])
+        while True:
+            training = GRPORun(cfg, run_dir, start, history, ckpt)
+            try:
+                return training.run()
+            except ActorLostError as lost:
+                if not training.learner_lost or restarts >= cfg.faults.max_replacements:
+                    raise
+                restarts += 1
+                lock_run_dir(run_dir, "grpo")  # the run's clean-up gave it back; this process goes on with it
+                # the rest is a resume: the ledger keeps the lost attempt's segment, metrics.jsonl is cut back
+                cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True))
+                start, ckpt, history = resume_point(cfg, run_dir)
+                where = (f"its last checkpoint {ckpt} (step {start})" if ckpt is not None else
+                         "the initial weights (step 0; no checkpoint yet: set run.checkpoint_every to keep some)")
+                print(f"grpo: learner lost after {training.done} step(s) ({one_reason(lost)}); restart "
+                      f"{restarts} of at most faults.max_replacements={cfg.faults.max_replacements}: rebuilding the "
+                      f"learner and rollouts from {where} and redoing the steps since", flush=True)
 
-                verify_dir(ckpt)
-                start = read_meta(ckpt, "grpo")["step"]
-                if start > cfg.grpo.steps:
-                    from es_ray.core.config import ConfigError
 
-                    raise ConfigError(f"run.resume=true: {ckpt} holds {start} steps, more than grpo.steps="
-                                      f"{cfg.grpo.steps}; raise grpo.steps to at least {start}")
-            history = keep_metrics(run_dir / "metrics.jsonl", start, "step")  # also cuts a torn last line
-        return GRPORun(cfg, run_dir, start, history, ckpt).run()
+def one_reason(lost: BaseException) -> str:
+    """The lost actor's error up to its advice (which names a resume this restart does itself)."""
+    return str(lost).split("; the run cannot continue")[0]
 
 
 class GRPORun(Training):
@@ -255,6 +290,7 @@ class GRPORun(Training):
     def __init__(self, cfg: GRPOTrainConfig, run_dir: Path, start: int, history: list[dict], ckpt: Path | None):
         super().__init__(cfg, run_dir, cfg.grpo.steps, start, history)
         self.ckpt, self.crew, self.pool = ckpt, None, 0
+        self.learner_lost = False  # the run stopped because a learner rank was lost (``run`` restarts it)
 
     def start_actors(self, guard) -> None:
         """The learner loads the checkpoint to resume from, the rollouts get its weights (verified)."""
@@ -286,9 +322,11 @@ class GRPORun(Training):
 
     def save_at_stop(self, stop: BaseException, done: int) -> str:
         """Checkpoint the completed steps (an optimizer step and its sync are never split by a signal) after
-        stopping the rollouts. A lost learner's error is raised as it is (nothing left to checkpoint from)."""
+        stopping the rollouts. A lost learner's error is raised as it is (nothing left to checkpoint from; ``run``
+        restarts from the last checkpoint while faults.max_replacements allows)."""
         crew = self.crew
-        if crew is not None and crew.learner.lost:  # its error says how to resume
+        if crew is not None and crew.learner.lost:  # its error says how to resume (``run`` may restart first)
+            self.learner_lost = True
             raise stop
         if crew is None or done <= self.start:
             return ""

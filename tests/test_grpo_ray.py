@@ -1,6 +1,7 @@
 """GRPO on a local Ray with the tiny model: the reward rises on a reward a tiny model can move; a stopped run
 resumes to bit-identical final weights; a dead rollout actor is replaced and re-synced; a dead learner stops the
-run with a message saying how to resume."""
+run with a message saying how to resume (with faults.max_replacements=0; otherwise the run restarts from the last
+checkpoint and ends as an undisturbed one); 1 and 2 rollout actors draw the same first step."""
 
 from __future__ import annotations
 
@@ -112,10 +113,91 @@ def test_dead_learner_stops_the_run_with_resume_advice(ray_local, peaked_model_d
         return real_step(cfg, crew, t, pool, guard)
 
     monkeypatch.setattr(driver, "step", kill_learner)
+    cfg = tiny_cfg(peaked_model_dir, tmp_path, steps=2)
+    cfg.faults.max_replacements = 0  # no restart allowed: the run stops (with more, it restarts; the test below)
     with pytest.raises(ActorLostError, match="learner actor 0 was lost.*run.resume=true"):
-        driver.run(tiny_cfg(peaked_model_dir, tmp_path, steps=2))
+        driver.run(cfg)
     ledger = json.loads((tmp_path / "ledger.json").read_text())
     assert ledger["finished"] is False and ledger["actors"]["learner_0"].get("unanswered")
+
+
+@pytest.mark.slow  # three 3-step runs: ~130 s on a shared 2-core machine
+def test_a_lost_learner_restarts_from_the_last_checkpoint_and_ends_as_an_undisturbed_run(
+        ray_local, peaked_model_dir, tmp_path, monkeypatch, capsys):
+    """Deliverable 52.1 for GRPO: the learner killed mid-run (its worker process gone, as Ray's memory monitor or a
+    crash leaves it) restarts the crew in the same call from the last checkpoint, or from step 0 without one, and
+    the run ends with the undisturbed run's rewards and final weights, bit for bit."""
+    import ray
+    from safetensors.torch import load_file
+
+    import es_ray.grpo.driver as driver
+
+    full, ckpt, scratch = tmp_path / "full", tmp_path / "ckpt", tmp_path / "scratch"
+    driver.run(tiny_cfg(peaked_model_dir, full, steps=3))
+    real_step = driver.step
+
+    def kill_learner_once_at(k):
+        killed = []
+
+        def faulty_step(cfg, crew, t, pool, guard):
+            if t == k and not killed:
+                killed.append(t)
+                ray.kill(crew.learner[0])  # a worker gone: the step's learner call finds it lost
+            return real_step(cfg, crew, t, pool, guard)
+        return faulty_step
+
+    monkeypatch.setattr(driver, "step", kill_learner_once_at(2))
+    capsys.readouterr()
+    summary = driver.run(tiny_cfg(peaked_model_dir, ckpt, steps=3, run={"checkpoint_every": 1}))
+    out = capsys.readouterr().out
+    assert "grpo: learner lost after 2 step(s)" in out and "restart 1 of at most faults.max_replacements=8" in out
+    assert "step_000002 (step 2)" in out, out
+    assert summary["resumed_from"].endswith("step_000002")
+
+    monkeypatch.setattr(driver, "step", kill_learner_once_at(1))
+    driver.run(tiny_cfg(peaked_model_dir, scratch, steps=3))  # run.checkpoint_every=0: nothing saved yet
+    out = capsys.readouterr().out
+    assert "the initial weights (step 0; no checkpoint yet" in out, out
+
+    a = load_file(full / "checkpoints/final/model.safetensors")
+    for run_dir in (ckpt, scratch):
+        assert rewards(run_dir) == rewards(full)  # each step once in metrics.jsonl, as the undisturbed run drew it
+        b = load_file(run_dir / "checkpoints/final/model.safetensors")
+        assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
+        ledger = json.loads((run_dir / "ledger.json").read_text())
+        assert ledger["finished"] is True and len(ledger["segments"]) == 2, ledger
+
+
+def test_first_step_is_the_same_with_one_and_two_rollout_actors(ray_local, tiny_model_dir, tmp_path, monkeypatch):
+    """Deliverable 52.9 across Ray actors: grpo-train with 1 rollout actor and with 2 (each drawing half the
+    prompts) trains on the same samples, gets the same rewards and the same gradient norm in its first step: each
+    completion's sampling seed comes from (run seed, step, prompt, sample), never from the actor that draws it."""
+    import es_ray.grpo.driver as driver
+    from es_ray.grpo.learner import GRPOLearner
+
+    batches: dict[int, list] = {}
+    real_learn = driver.Crew.learn
+
+    def learn(crew, method, *args, slow=False):
+        if method is GRPOLearner.train_step:  # the samples the learner trains on, as the driver sends them
+            batches.setdefault(len(crew.rollouts), []).append(
+                [(s["prompt_index"], list(s["completion_ids"]), s["reward"]) for s in args[0]])
+        return real_learn(crew, method, *args, slow=slow)
+
+    monkeypatch.setattr(driver.Crew, "learn", learn)
+    rows = {}
+    for n in (1, 2):
+        cfg = tiny_cfg(tiny_model_dir, tmp_path / f"actors{n}", steps=1, run={"seed": 5})
+        cfg.cluster.num_actors, cfg.cluster.cpus_per_actor = n, 0.5  # learner + 2 rollouts on ray_local's 2 CPUs
+        driver.run(cfg)
+        rows[n] = json.loads((tmp_path / f"actors{n}" / "metrics.jsonl").read_text().splitlines()[0])
+        assert set(json.loads((tmp_path / f"actors{n}" / "ledger.json").read_text())["actors"]) == {
+            "learner_0", *(f"rollout_{r}" for r in range(n))}
+    assert len(batches[1]) == len(batches[2]) == 1
+    assert batches[1] == batches[2]
+    assert len({tuple(c) for _, c, _ in batches[1][0]}) > 1, "the completions must differ from each other"
+    for key in ("reward/mean", "reward/std", "grpo/grad_norm", "completions/mean_length"):
+        assert rows[1][key] == rows[2][key], (key, rows[1][key], rows[2][key])
 
 
 def test_learner_and_rollouts_that_do_not_fit_fail_early_with_the_numbers(ray_local, tiny_model_dir, tmp_path):
