@@ -179,3 +179,16 @@ def run_two_learner_ranks(target, model_dir, tmp_path, timeout: float = 240, **g
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+
+
+def processes_of(session: str) -> list[str]:
+    """The command lines (first 120 characters) of the processes that name a Ray session (its session_* folder)."""
+    out = []
+    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmd.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if session in text:
+            out.append(text[:120])
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import alive_es_actors, assert_same_weights, final_weights, log_rows, tiny_cfg
+from helpers import alive_es_actors, assert_same_weights, final_weights, log_rows, processes_of, tiny_cfg
 
 from es_ray.es.config import validate
 
@@ -202,25 +202,13 @@ def test_no_ray_process_outlives_a_driver_stopped_by_two_signals():
                             cwd=Path(__file__).resolve().parents[1])
     session = Path(proc.stdout.readline().strip()).name
     assert session.startswith("session_")
-
-    def ray_processes() -> list[str]:
-        out = []
-        for cmd in Path("/proc").glob("[0-9]*/cmdline"):
-            try:
-                text = cmd.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if session in text:
-                out.append(text[:120])
-        return out
-
-    assert ray_processes(), "the local Ray's processes were not found by their session"
+    assert processes_of(session), "the local Ray's processes were not found by their session"
     for _ in range(2):
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
     proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
     deadline = time.monotonic() + 20
-    while ray_processes() and time.monotonic() < deadline:
+    while processes_of(session) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not ray_processes(), ray_processes()
+    assert not processes_of(session), processes_of(session)

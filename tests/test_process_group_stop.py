@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import processes_of
 
 pytestmark = pytest.mark.ray
 
@@ -44,17 +45,6 @@ with InterruptGuard(600.0) as guard:
 """
 
 
-def _processes_of(session: str) -> list[str]:
-    out = []
-    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = cmd.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if session in text:
-            out.append(text[:120])
-    return out
-
 
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # the driver starts a Ray of its own
@@ -68,7 +58,7 @@ def test_a_signal_to_the_process_group_reaches_the_driver_only():
     try:
         session = Path(proc.stdout.readline().strip()).name
         assert session.startswith("session_"), session
-        assert _processes_of(session)
+        assert processes_of(session)
         os.killpg(proc.pid, signal.SIGTERM)  # the driver's group, as `timeout` and Slurm send it
         out, _ = proc.communicate(timeout=180)
     finally:
@@ -77,9 +67,9 @@ def test_a_signal_to_the_process_group_reaches_the_driver_only():
     assert proc.returncode == 143, out[-3000:]
     assert "after the signal, Ray answers 42" in out, out[-3000:]
     deadline = time.monotonic() + 30
-    while _processes_of(session) and time.monotonic() < deadline:
+    while processes_of(session) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _processes_of(session), _processes_of(session)  # and then it went with the driver
+    assert not processes_of(session), processes_of(session)  # and then it went with the driver
 
 
 def test_es_train_stopped_by_a_signal_to_its_group_commits_and_checkpoints(tiny_model_dir, tmp_path):
@@ -126,13 +116,13 @@ def test_a_driver_killed_outright_takes_its_ray_along():
     try:
         session = Path(proc.stdout.readline().strip()).name
         assert session.startswith("session_"), session
-        assert _processes_of(session)
+        assert processes_of(session)
         proc.kill()  # the driver only, no chance to shut anything down
         proc.wait(timeout=60)
         deadline = time.monotonic() + 150  # the raylet's agents wait out their GCS call first (docs/resume.md)
-        while _processes_of(session) and time.monotonic() < deadline:
+        while processes_of(session) and time.monotonic() < deadline:
             time.sleep(0.5)
-        left = _processes_of(session)
+        left = processes_of(session)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
