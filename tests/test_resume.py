@@ -122,16 +122,17 @@ def test_resume_refuses_settings_that_change_the_run(tiny_model_dir, tmp_path):
 def test_resume_refuses_a_corrupted_checkpoint_or_seed_log_naming_the_file(reference, tiny_model_dir, tmp_path):
     """A copy of the finished reference run: one flipped byte in the final checkpoint's weights stops the resume
     with one line naming the file (not a checksum mismatch blamed on the hardware); a changed record in the middle
-    of the seed log stops it before any actor starts, naming the line."""
+    of the seed log stops it before any actor starts, naming the line. Each resume extends the run by one iteration:
+    a finished run resumed with nothing left to do reads no checkpoint (it says so and starts nothing)."""
     shutil.copytree(reference[0], tmp_path, dirs_exist_ok=True)
     weights = tmp_path / "checkpoints" / "final" / "model.safetensors"
     flip_byte(weights)
     with pytest.raises(CheckpointError) as err:
-        run(resume_cfg(tiny_model_dir, tmp_path, run__resume=True))
+        run(resume_cfg(tiny_model_dir, tmp_path, run__resume=True, es__iterations=ITERATIONS + 1))
     assert str(err.value).startswith(f"{weights}: sha256") and "\n" not in str(err.value)
     assert not alive_es_actors()
     lines = (tmp_path / "seed_log.jsonl").read_text().split("\n")
     lines[1] = lines[1].replace('"iteration": 1', '"iteration": 1, "x": 0')
     (tmp_path / "seed_log.jsonl").write_text("\n".join(lines))
     with pytest.raises(ConfigError, match=r"seed_log\.jsonl: line 2 is corrupted"):
-        run(resume_cfg(tiny_model_dir, tmp_path, run__resume=True))
+        run(resume_cfg(tiny_model_dir, tmp_path, run__resume=True, es__iterations=ITERATIONS + 1))
