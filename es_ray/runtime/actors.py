@@ -420,11 +420,10 @@ class ActorGroup:
                     send(rank, args)
                     continue
                 except ray.exceptions.RayError as exc:  # the actor's own error (a RayTaskError) is raised as it is
-                    if init_failure(exc):
-                        self._kill_one(rank)
-                        self.lost.add(rank)
-                        raise ActorStartError(f"the {self.role} actor {rank} raised while starting: "
-                                              f"{init_failure(exc)}") from None
+                    why = init_failure(exc)
+                    if why:
+                        self._retire(rank)
+                        raise ActorStartError(f"the {self.role} actor {rank} raised while starting: {why}") from None
                     if not is_lost_actor(exc):
                         raise
                     self.replace(rank, lost_reason(exc, method, self.tokens_key))
@@ -540,14 +539,19 @@ class ActorGroup:
         try:
             ray.get(ref)
         except ray.exceptions.RayError as exc:
-            if init_failure(exc):  # the run stops (its steps saved) rather than start the same failure again
-                self._kill_one(rank)
-                self.lost.add(rank)
+            why = init_failure(exc)
+            if why:  # the run stops (its steps saved) rather than start the same failure again
+                self._retire(rank)
                 raise ActorLostError(f"{self.role} actor {rank}: its replacement raised while starting "
-                                     f"({init_failure(exc)}). {self.lost_advice}") from None
+                                     f"({why}). {self.lost_advice}") from None
             if not is_lost_actor(exc):
                 raise
             self.replace(rank, lost_reason(exc, "start", self.tokens_key))
+
+    def _retire(self, rank: int) -> None:
+        """An actor whose constructor raised: killed and counted lost, never replaced."""
+        self._kill_one(rank)
+        self.lost.add(rank)
 
     def _kill_one(self, rank: int) -> None:
         import ray
