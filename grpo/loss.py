@@ -43,18 +43,6 @@ def objective_advantages(rewards_pg: torch.Tensor, objective: str, k: int, scale
     return group_advantages(rewards_pg, scale, eps)
 
 
-def _group_std(r, centred, eps):
-    return centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
-
-
-def _batch_std(r, centred, eps):
-    return centred / (r.std(unbiased=False) + eps)
-
-
-def _unscaled(r, centred, eps):
-    return centred
-
-
 def k3_kl(logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1 (>= 0, unbiased)."""
     d = ref_logp_bt - logp_bt
@@ -76,19 +64,6 @@ def aggregate(per_token_bt: torch.Tensor, mask_bt: torch.Tensor, loss_type: str,
     n = float(mask.shape[0]) if num_sequences is None else float(num_sequences)
     summed_b = (per_token_bt * mask).sum(dim=1)
     return LOSS_AGGREGATIONS.get(loss_type)(summed_b, mask, n, max_tokens, num_tokens)
-
-
-def _per_sequence_mean(summed_b, mask, n, max_tokens, num_tokens):
-    return (summed_b / mask.sum(dim=1).clamp(min=1.0)).sum() / n
-
-
-def _constant_normaliser(summed_b, mask, n, max_tokens, num_tokens):
-    return summed_b.sum() / (n * max_tokens)
-
-
-def _token_mean(summed_b, mask, n, max_tokens, num_tokens):
-    m = mask.sum() if num_tokens is None else torch.tensor(float(num_tokens), dtype=summed_b.dtype)
-    return summed_b.sum() / m.clamp(min=1.0)
 
 
 def grpo_loss(logp_bt: torch.Tensor, old_logp_bt: torch.Tensor, adv_b: torch.Tensor, mask_bt: torch.Tensor, *,
