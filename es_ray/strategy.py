@@ -30,12 +30,6 @@ from es_ray.core.registry import Registry
 if TYPE_CHECKING:  # the optimizers' torch is imported where they run (the actors): the driver needs only numpy
     import torch
 
-SHAPERS = Registry("es.shaping")
-"""Fitness shaping functions rewards_n -> fitness_n, by es.shaping name."""
-OPTIMIZERS = Registry("es.optimizer")
-"""Per-tensor directions: fn(optimizer, name, theta, g) turns the ascent direction g into the step, in place."""
-
-
 @dataclass(frozen=True)
 class Member:
     """One population member: its index in the iteration, the noise it uses and the sign of that noise."""
@@ -56,7 +50,6 @@ def ask(population: int, estimator: str = "one_point") -> list[Member]:
     raise ValueError(f"unknown estimator {estimator!r}")
 
 
-@SHAPERS.register("zscore")
 def zscore(rewards_n: np.ndarray, eps: float = 1e-8) -> np.ndarray:
     """(r - mean) / std over the population; all-equal rewards give zeros (a zero update)."""
     r = np.asarray(rewards_n, dtype=np.float64)
@@ -66,7 +59,6 @@ def zscore(rewards_n: np.ndarray, eps: float = 1e-8) -> np.ndarray:
     return (r - r.mean()) / std
 
 
-@SHAPERS.register("centered_rank")
 def centered_rank(rewards_n: np.ndarray) -> np.ndarray:
     """Ranks mapped linearly to [-0.5, 0.5]; ties share their mean rank, so all-equal rewards give zeros."""
     r = np.asarray(rewards_n, dtype=np.float64)
@@ -81,6 +73,10 @@ def centered_rank(rewards_n: np.ndarray) -> np.ndarray:
         if tie.sum() > 1:
             ranks[tie] = ranks[tie].mean()
     return ranks / (n - 1) - 0.5
+
+
+SHAPERS = Registry("es.shaping", {"zscore": zscore, "centered_rank": centered_rank})
+"""Fitness shaping functions rewards_n -> fitness_n, by es.shaping name."""
 
 
 def shape_fitness(rewards_n, shaping: str = "zscore") -> np.ndarray:
@@ -158,13 +154,11 @@ class Optimizer:
                       for name, st in sd["state"].items()}
 
 
-@OPTIMIZERS.register("sgd")
 def sgd(opt: Optimizer, name: str, theta: torch.Tensor, g: torch.Tensor) -> None:
     """step = lr * g"""
     g.mul_(opt.lr)
 
 
-@OPTIMIZERS.register("adam")
 def adam(opt: Optimizer, name: str, theta: torch.Tensor, g: torch.Tensor) -> None:
     """step = lr * m_hat / (sqrt(v_hat) + eps), Adam's moments of g kept per tensor in fp32."""
     import torch
@@ -178,3 +172,7 @@ def adam(opt: Optimizer, name: str, theta: torch.Tensor, g: torch.Tensor) -> Non
     bc1, bc2 = 1 - b1**opt.t, 1 - b2**opt.t
     denom = st["v"].sqrt().div_(math.sqrt(bc2)).add_(opt.eps)
     torch.div(st["m"], denom, out=g).mul_(opt.lr / bc1)
+
+
+OPTIMIZERS = Registry("es.optimizer", {"sgd": sgd, "adam": adam})
+"""Per-tensor directions: fn(optimizer, name, theta, g) turns the ascent direction g into the step, in place."""

@@ -31,9 +31,6 @@ from es_ray.core.registry import Registry
 OBJECTIVES = Registry("task.objective", {
     "mean": "the mean reward over a prompt's samples (the paper's objective)",
     "pass_at_k": "the unbiased pass@k over a prompt's samples (task.objective_k; needs that many samples)"})
-FITNESS_BASELINES = Registry("es.fitness_baseline")
-"""What is taken out of each prompt's values before a member's fitness is their mean over prompts:
-fn(values_np) -> values_np."""
 
 
 def check_objective(objective: str, k: int, samples: int, samples_key: str) -> None:
@@ -65,12 +62,10 @@ def prompt_values(rewards_ps: np.ndarray, objective: str, k: int = 1) -> np.ndar
     return np.sort(r, axis=-1) @ pass_at_k_weights(r.shape[-1], k)
 
 
-@FITNESS_BASELINES.register("none")
 def no_baseline(values_np: np.ndarray) -> np.ndarray:
     return values_np
 
 
-@FITNESS_BASELINES.register("per_prompt")
 def per_prompt_baseline(values_np: np.ndarray, eps: float = 1e-8) -> np.ndarray:
     """Each prompt's values less their mean over the members, over their std (0 where all members agree).
 
@@ -81,6 +76,11 @@ def per_prompt_baseline(values_np: np.ndarray, eps: float = 1e-8) -> np.ndarray:
     centred = v - v.mean(axis=0, keepdims=True)
     std = v.std(axis=0, keepdims=True)
     return np.where(std > eps, centred / np.where(std > eps, std, 1.0), 0.0)
+
+
+FITNESS_BASELINES = Registry("es.fitness_baseline", {"none": no_baseline, "per_prompt": per_prompt_baseline})
+"""What is taken out of each prompt's values before a member's fitness is their mean over prompts:
+fn(values_np) -> values_np."""
 
 
 def member_fitness(values_np: np.ndarray, baseline: str = "none") -> np.ndarray:

@@ -32,10 +32,6 @@ from es_ray.core.config import flatten
 from es_ray.core.registry import Registry
 from es_ray.runtime.names import HELD_OUT_ENTROPY, HELD_OUT_PASS1, HELD_OUT_REWARD, REWARD_MEAN
 
-TRACKERS = Registry("run.trackers")
-"""Metric backends by name; metrics.jsonl is always written besides them."""
-
-
 def _scalars(metrics: dict) -> dict[str, float]:
     """The finite numbers of a metrics row (bools as 0/1): what the backends can plot."""
     return {k: float(v) for k, v in metrics.items() if isinstance(v, numbers.Real) and math.isfinite(v)}
@@ -65,7 +61,6 @@ def ranked_metrics(params: dict[str, Any], job: str) -> list[str]:
     return [REWARD_MEAN, HELD_OUT_REWARD, HELD_OUT_PASS1]
 
 
-@TRACKERS.register("tensorboard")
 class TensorBoardBackend:
     module = "tensorboard"
     install = "pip install es-ray (tensorboard is one of its dependencies)"
@@ -113,7 +108,6 @@ class TensorBoardBackend:
             self._w.close()
 
 
-@TRACKERS.register("wandb")
 class WandbBackend:
     module = "wandb"
     install = "pip install 'es-ray[wandb]' (in a checkout: pip install -e '.[wandb]')"
@@ -148,7 +142,6 @@ class WandbBackend:
         self._run.finish()
 
 
-@TRACKERS.register("mlflow")
 class MlflowBackend:
     module = "mlflow"
     install = "pip install 'es-ray[mlflow]' (in a checkout: pip install -e '.[mlflow]')"
@@ -187,6 +180,11 @@ class MlflowBackend:
 
     def close(self) -> None:
         self._client.set_terminated(self.run_id)
+
+
+TRACKERS = Registry("run.trackers", {"tensorboard": TensorBoardBackend, "wandb": WandbBackend,
+                                     "mlflow": MlflowBackend})
+"""Metric backends by name; metrics.jsonl is always written besides them."""
 
 
 def held_out_key(config: Any) -> str:
