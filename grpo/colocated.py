@@ -146,14 +146,14 @@ def _on_gpu(cfg: GRPOTrainConfig) -> bool:
 def check_sleep_mode(cfg: GRPOTrainConfig) -> None:
     """Colocation on GPU: the engine's sleep mode turned on (its memory freed while the learner trains), a build
     without one refused before any model loads, naming the key: the engine's ``sleep_mode`` trait
-    (``es_ray.engines.TRAITS``); an engine without the trait keeps its memory."""
+    (``es_ray.engines.ENGINES``); an engine without the trait keeps its memory."""
     if not _on_gpu(cfg):
         return
-    from es_ray.engines import TRAITS, resolve
+    from es_ray.engines import ENGINES
 
-    hook = TRAITS.get(cfg.engine.name).sleep_mode
-    if hook:
-        resolve(hook)()
+    traits = ENGINES.get(cfg.engine.name)
+    if traits.sleep_mode:
+        traits.enable_sleep_mode()
 
 
 def _with_planned_share(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
@@ -171,10 +171,10 @@ def planned_engine_config(cfg: GRPOTrainConfig, reported: int, device_name: str 
     """``_with_planned_share`` for a GPU reporting ``reported`` bytes named ``device_name``."""
     from dataclasses import replace
 
-    from es_ray.engines import TRAITS
+    from es_ray.engines import ENGINES
     from es_ray.memory_plan import colocated_engine_share
 
-    if cfg.engine.gpu_memory_utilization or not TRAITS.get(cfg.engine.name).memory_share:  # by hand, or no share
+    if cfg.engine.gpu_memory_utilization or not ENGINES.get(cfg.engine.name).memory_share:  # by hand, or no share
         return cfg
     share = colocated_engine_share(cfg, reported, device_name)
     return cfg if share is None else replace(cfg, engine=replace(cfg.engine, gpu_memory_utilization=share))

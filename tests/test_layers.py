@@ -258,7 +258,7 @@ def engine_name_tests(source: str) -> list[int]:
 
 def test_engines_are_asked_what_they_can_do_not_named():
     """es_ray/engines/__init__.py: outside es_ray/engines no code tests ``engine.name`` against a name or imports an
-    engine's module; what differs between engines is a trait (``TRAITS``: sleep mode, in-process evaluation, LoRA
+    engine's module; what differs between engines is a trait (``ENGINES``: sleep mode, in-process evaluation, LoRA
     slots, ...), so a third engine is added there and nowhere else."""
     sample = ('if cfg.engine.name != "vllm":\n    pass\nothers = [n for n in names if n != engine.name]\n'
               'local = cfg.engine.name in IN_PROCESS\nhf = self.engine.name in ("hf",)\n')
@@ -268,4 +268,4 @@ def test_engines_are_asked_what_they_can_do_not_named():
     bad = [f"{m}:{line} imports {name}" for m, p in outside.items() for line, name in imports(p, set(mods))
            if group_of(name) == "es_ray.engines" and name not in ENGINE_INTERFACE]
     bad += [f"{m}:{line} tests engine.name" for m, p in outside.items() for line in engine_name_tests(p.read_text())]
-    assert bad == [], "ask the engine's traits (es_ray/engines/__init__.py TRAITS) instead"
+    assert bad == [], "ask the engine's traits (es_ray/engines/__init__.py ENGINES) instead"

@@ -8,7 +8,7 @@ tokenizer, and reads and writes weights by HF parameter name.
 perturbation never leaves the process that owns them: in-process for transformers (``InProcessReplicaHost``),
 inside vLLM's worker for vLLM (``vllm.VLLMReplicaHost``, which sends only plain scalars and the ``ReplicaSpec``).
 
-``make_engine`` picks the class from the ``ENGINES`` registry; nothing outside ``es_ray.engines`` asks which
+``make_engine`` builds the engine that the ``ENGINES`` registry names; nothing outside ``es_ray.engines`` asks which
 engine it holds.
 """
 
@@ -141,9 +141,6 @@ class Engine(ABC):
     softmax(logits / T), the one sampling at T draws from (docs/design.md "A fair comparison")."""
 
     name: str = "base"
-    package: str = ""
-    """The optional package the engine needs; an ImportError of it becomes ``install_hint`` (``make_engine``)."""
-    install_hint: str = ""
     can_score_entropy: bool = False
     """Whether ``token_entropies`` works at evaluation scale on the engine's own weights."""
     tokenizer: Any
@@ -250,13 +247,15 @@ def resolve_device(cfg: EngineConfig) -> str:
 
 
 def make_engine(model_dir: str, cfg: EngineConfig, lowrank: LowRankSlots | None = None) -> Engine:
-    """The engine class registered under engine.name, built on ``model_dir`` (``lowrank``: ``Engine.__init__``)."""
+    """The engine registered under engine.name, built on ``model_dir`` (``lowrank``: ``Engine.__init__``)."""
     from es_ray.engines import ENGINES
 
-    cls = ENGINES.get(cfg.name)
+    traits = ENGINES.get(cfg.name)
     try:
-        return cls(model_dir, cfg, lowrank) if lowrank is not None else cls(model_dir, cfg)
+        return traits.build(model_dir, cfg, lowrank)
     except ImportError as exc:  # the engine's own package missing: say how to install it; anything else raises
-        if not cls.package or (exc.name or "").partition(".")[0] != cls.package:
+        if (exc.name or "").partition(".")[0] != traits.package:
             raise
-        raise RuntimeError(f"engine.name={cfg.name} needs {cls.package} ({exc}); {cls.install_hint}") from exc
+        others = ", ".join(n for n in ENGINES.names() if n != cfg.name)
+        raise RuntimeError(f"engine.name={cfg.name} needs {traits.package} ({exc}); {traits.install}, or use "
+                           f"engine.name= one of {others}") from exc

@@ -18,11 +18,6 @@ from es_ray.core.dtypes import resolve_dtype
 from es_ray.lowrank import LowRankSlots
 
 
-def lowrank_ranks() -> None:
-    """es.perturbation=lowrank: the ranks this engine serves; None, any (``es_ray.engines.TRAITS``)."""
-    return None
-
-
 class HFEngine(Engine):
     name = "hf"
     can_score_entropy = True

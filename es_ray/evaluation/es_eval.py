@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from es_ray.engines import TRAITS
+from es_ray.engines import ENGINES
 from es_ray.evaluation.config import EvalJobConfig
 from es_ray.runtime.rundir import releases_run_dir
 from es_ray.evaluation.worker import (Chunk, EvalWorker, entropy_temperatures, in_eval_keys, load_eval_task,
@@ -45,7 +45,7 @@ def in_process_reason(cfg: EvalJobConfig, chunks: list[Chunk]) -> str:
         return "cluster.num_actors=0"
     busy = min(c.num_actors, len(chunks))
     if (busy != 1 or c.address not in LOCAL_ADDRESSES or os.environ.get("RAY_ADDRESS") or c.gpus_per_actor > 0
-            or not TRAITS.get(cfg.engine.name).in_process):  # vLLM keeps its actor unless num_actors=0
+            or not ENGINES.get(cfg.engine.name).in_process):  # vLLM keeps its actor unless num_actors=0
         return ""
     what = "one chunk of work" if len(chunks) == 1 else "cluster.num_actors=1"
     ray = sys.modules.get("ray")

@@ -11,7 +11,7 @@ from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, RunCon
                                 validate_sampling)
 from es_ray.core.dtypes import DTYPES
 from es_ray.core.registry import Registry
-from es_ray.engines import ENGINES, TRAITS, engines_that, resolve
+from es_ray.engines import ENGINES, engines_that
 from es_ray.grading.boxed import ANSWER_MODES
 from es_ray.metrics.coverage import OBJECTIVES
 from es_ray.runtime.cluster import check_address_syntax
@@ -26,7 +26,7 @@ PLACEMENTS = Registry("cluster.placement", {"pack": "actors on as few nodes as f
 
 
 def validate_engine(engine: EngineConfig) -> None:
-    ENGINES.check(engine.name)
+    traits = ENGINES.get(engine.name)  # refuses an unknown name with the accepted ones
     DTYPES.check(engine.dtype, "engine.dtype")
     DEVICES.check(engine.device)
     check_positive("engine.batch_size", engine.batch_size)
@@ -35,7 +35,6 @@ def validate_engine(engine: EngineConfig) -> None:
                           "(0: the engine's default)")
     check_positive("engine.max_model_len", engine.max_model_len, allow_zero=True)
     check_positive("engine.tensor_parallel_size", engine.tensor_parallel_size)
-    traits = TRAITS.get(engine.name)
     if engine.tensor_parallel_size > 1 and not traits.tensor_parallel:
         raise ConfigError(f"engine.tensor_parallel_size={engine.tensor_parallel_size} needs an engine that splits a "
                           f"model over GPUs: set engine.name= to one of {', '.join(engines_that('tensor_parallel'))}")
@@ -43,8 +42,8 @@ def validate_engine(engine: EngineConfig) -> None:
         raise ConfigError(f"engine.batch_invariant=true needs an engine with a batch-invariant mode, and engine.name="
                           f"{engine.name} has none: set engine.name= one of "
                           f"{', '.join(engines_that('batch_invariant'))}, or engine.batch_invariant=false")
-    if traits.check_settings and engine.device != "auto":
-        resolve(traits.check_settings)(engine.device, engine.dtype, False, engine.batch_invariant)
+    if engine.device != "auto":
+        traits.check_settings(engine.device, engine.dtype, False, engine.batch_invariant)
 
 
 def validate_cluster(cluster: ClusterConfig, engine: EngineConfig | None = None, *, allow_zero_actors=False) -> None:
@@ -57,9 +56,9 @@ def validate_cluster(cluster: ClusterConfig, engine: EngineConfig | None = None,
         raise ConfigError(f"cluster.worker_niceness={cluster.worker_niceness} is not a niceness increment; set "
                           "cluster.worker_niceness= to 0 (the driver's priority) up to 19 (the lowest)")
     check_address_syntax(cluster.address)
-    traits = TRAITS.get(engine.name) if engine is not None else None
+    traits = ENGINES.get(engine.name) if engine is not None else None
     if traits is not None and not cluster.address and find_spec(traits.package) is None:
-        others = [n for n in TRAITS.names() if n != engine.name]
+        others = [n for n in ENGINES.names() if n != engine.name]
         raise ConfigError(f"engine.name={engine.name} needs the {traits.package} package, which is not installed: "
                           f"{traits.install}, or set engine.name= one of {', '.join(others)}")
     if engine is not None and cluster.gpus_per_actor and cluster.gpus_per_actor < engine.tensor_parallel_size:
