@@ -8,7 +8,6 @@ listed with what each does. tests/test_config_reference.py keeps docs/config.md 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import sys
 from pathlib import Path
 
@@ -16,23 +15,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from es_ray.core.config_docs import field_docs  # noqa: E402
 from es_ray.core.registry import Registry  # noqa: E402
+from es_ray.es.config import ESTrainConfig  # noqa: E402
+from es_ray.evaluation.config import DriftJobConfig, EvalJobConfig, InterpolateJobConfig  # noqa: E402
+from es_ray.grpo.config import GRPOTrainConfig  # noqa: E402
+from es_ray.launch.compare.run import CompareConfig  # noqa: E402
 
-COMMANDS = (("es-train", "es_ray.es.config:ESTrainConfig"), ("grpo-train", "es_ray.grpo.config:GRPOTrainConfig"),
-            ("es-eval", "es_ray.evaluation.config:EvalJobConfig"),
-            ("es-drift", "es_ray.evaluation.config:DriftJobConfig"),
-            ("es-interpolate", "es_ray.evaluation.config:InterpolateJobConfig"),
-            ("es-compare", "es_ray.launch.compare.run:CompareConfig"))
+COMMANDS = (("es-train", ESTrainConfig), ("grpo-train", GRPOTrainConfig), ("es-eval", EvalJobConfig),
+            ("es-drift", DriftJobConfig), ("es-interpolate", InterpolateJobConfig), ("es-compare", CompareConfig))
 REGISTRY_MODULES = ("es_ray.strategy", "es_ray.noise", "es_ray.perturbation", "es_ray.engines", "es_ray.tasks",
                     "es_ray.tasks.countdown", "es_ray.grading.boxed", "es_ray.core.dtypes", "es_ray.runtime.validation",
                     "es_ray.runtime.tracking", "es_ray.es.config", "es_ray.evaluation.config", "es_ray.grpo.config",
                     "es_ray.grpo.loss_kinds", "es_ray.launch.compare.run")
-
-
-def load(path: str):
-    import importlib
-
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 def registries() -> dict[str, Registry]:
@@ -63,21 +56,13 @@ def shown(value) -> str:
     return f"`{value!r}`".replace("True", "true").replace("False", "false").replace("None", "null")
 
 
-def describe(entry) -> str:
-    if isinstance(entry, str) and ":" not in entry:
-        return entry
-    doc = inspect.getdoc(entry) if not isinstance(entry, str) else ""
-    return (doc or "").split("\n\n")[0].replace("\n", " ")
-
-
 def options(key: str, regs: dict[str, Registry]) -> str:
     reg = regs.get(key)
     if reg is None:
         return ""
     items = []
-    for name in reg.names():
-        entry = reg._entries[name]  # the registered object or description, not resolved (no heavy import)
-        what = describe(entry) if isinstance(entry, str) and ":" not in entry else getattr(entry, "description", "")
+    for name, entry in reg.items():  # a description, or the registered object (its ``description`` if it has one)
+        what = entry if isinstance(entry, str) else getattr(entry, "description", "")
         items.append(f"`{name}`" + (f" ({what})" if what else ""))
     return " Values: " + "; ".join(items) + "."
 
@@ -106,9 +91,8 @@ def reference() -> str:
            "values, each value with what it does. `tests/test_config_reference.py` keeps this page equal to the "
            "script's output. Every key is set on the command line as `key=value`; the presets under `conf/` set "
            "groups of them (`model=qwen2.5-1.5b`, `experiment=paper_easy`, `cluster=gpu8`).", ""]
-    for command, path in COMMANDS:
-        schema = load(path)
-        out += [f"## {command}", "", f"Schema: `{path.replace(':', '.')}`.", ""]
+    for command, schema in COMMANDS:
+        out += [f"## {command}", "", f"Schema: `{schema.__module__}.{schema.__qualname__}`.", ""]
         top = [f for f in dataclasses.fields(schema) if not dataclasses.is_dataclass(default_of(f))]
         if top:
             out += ["| key | default | what it does |", "|---|---|---|"] + section_rows(schema, "", regs) + [""]
