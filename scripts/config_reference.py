@@ -13,30 +13,35 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from es_ray import engines, noise, perturbation, strategy, tasks  # noqa: E402
+from es_ray.core import dtypes  # noqa: E402
 from es_ray.core.config_docs import field_docs  # noqa: E402
 from es_ray.core.registry import Registry  # noqa: E402
+from es_ray.es import config as es_config  # noqa: E402
 from es_ray.es.config import ESTrainConfig  # noqa: E402
+from es_ray.evaluation import config as eval_config  # noqa: E402
 from es_ray.evaluation.config import DriftJobConfig, EvalJobConfig, InterpolateJobConfig  # noqa: E402
+from es_ray.grading import boxed  # noqa: E402
+from es_ray.grpo import config as grpo_config, loss_kinds  # noqa: E402
 from es_ray.grpo.config import GRPOTrainConfig  # noqa: E402
+from es_ray.launch.compare import run as compare_run  # noqa: E402
 from es_ray.launch.compare.run import CompareConfig  # noqa: E402
+from es_ray.runtime import tracking, validation  # noqa: E402
+from es_ray.tasks import countdown  # noqa: E402
 
 COMMANDS = (("es-train", ESTrainConfig), ("grpo-train", GRPOTrainConfig), ("es-eval", EvalJobConfig),
             ("es-drift", DriftJobConfig), ("es-interpolate", InterpolateJobConfig), ("es-compare", CompareConfig))
-REGISTRY_MODULES = ("es_ray.strategy", "es_ray.noise", "es_ray.perturbation", "es_ray.engines", "es_ray.tasks",
-                    "es_ray.tasks.countdown", "es_ray.grading.boxed", "es_ray.core.dtypes", "es_ray.runtime.validation",
-                    "es_ray.runtime.tracking", "es_ray.es.config", "es_ray.evaluation.config", "es_ray.grpo.config",
-                    "es_ray.grpo.loss_kinds", "es_ray.launch.compare.run")
+REGISTRY_MODULES = (strategy, noise, perturbation, engines, tasks, countdown, boxed, dtypes, validation, tracking,
+                    es_config, eval_config, grpo_config, loss_kinds, compare_run)
 
 
 def registries() -> dict[str, Registry]:
     """Every Registry of the modules that hold option lists, by the config key it checks; of several for one key
     (es.noise: its values, the sources, their memory and draws) the one with the most values (es.noise's, auto
     included), the first of those found on a tie, whatever order a module binds them in."""
-    import importlib
-
     found: dict[str, Registry] = {}
-    for name in REGISTRY_MODULES:
-        for value in vars(importlib.import_module(name)).values():
+    for module in REGISTRY_MODULES:
+        for value in vars(module).values():
             if isinstance(value, Registry) and len(list(value)) > len(list(found.get(value.key, ()))):
                 found[value.key] = value
     return found

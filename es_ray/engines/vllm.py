@@ -43,7 +43,8 @@ from es_ray.core.config import QUIET_FLAG, ConfigError, EngineConfig, SamplingCo
 from es_ray.core.dtypes import dtype_name, resolve_dtype
 from es_ray.strategy import Member
 
-EXTENSION = "es_ray.engines.vllm_extension.ESExtension"
+EXTENSION = f"{ESExtension.__module__}.{ESExtension.__qualname__}"
+"""What vLLM's worker imports by its dotted name (``worker_extension_cls``)."""
 STATE_KEYS = ("master", "optimizer", "theta0")
 """What ``Replica.load_state_dict`` reads of a state: tensors, dicts and ints only (a weights-only load)."""
 _CPU_KV_CACHE_BYTES = 1 << 30
