@@ -25,7 +25,7 @@ driver's checksum request, so the figures are the actor's own code path:
     It is the same work minus the term only when both arms generate the same tokens: with EOS, the reference's
     members are all the base model, whose rows stop at other steps than the perturbed members' (greedy), and hf's
     generate still runs a stopped row every step until the call's last row stops, so the reference counted fewer
-    tokens for the same steps and looked slower (a share of 105-111%: docs/population-batching.md). Hence EOS is
+    tokens for the same steps and looked slower (shares of 103-111%: docs/population-batching.md). Hence EOS is
     suppressed in every arm by default, and with ``--eos`` the share is printed but not judged.
 
 Repeats are interleaved within each phase: a warm-up limit call and iteration, then ``--repeats`` times a limit call
