@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import re
 from pathlib import Path
@@ -137,3 +138,14 @@ def test_every_lazy_engine_reference_resolves():
     assert seen >= 5 and bad == []
     hf = importlib.import_module("es_ray.engines.hf")
     assert issubclass(hf.HFEngine, Engine)
+
+
+def test_the_config_reference_lists_every_registrys_values():
+    """scripts/config_reference.py reads the option lists from the modules it names: every registry table of the
+    project is among them, so docs/config.md lists its values under its key (es.fitness_baseline's were missing)."""
+    spec = importlib.util.spec_from_file_location("config_reference", REPO / "scripts" / "config_reference.py")
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    listed = reference.registries()
+    missing = sorted(f"{module}.{attr} ({reg.key})" for module, attr, reg in registries() if reg.key not in listed)
+    assert missing == [], "add its module to REGISTRY_MODULES in scripts/config_reference.py"
