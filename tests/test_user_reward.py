@@ -188,3 +188,21 @@ def test_a_module_in_the_current_directory_but_not_on_the_path_says_so(tmp_path,
     with pytest.raises(TaskLoadError) as err:
         _task(data, "rewards_here_only:f")
     assert "in the current directory" in str(err.value) and "PYTHONPATH=$PWD" in str(err.value)
+
+
+@pytest.mark.parametrize("name, words", [("a:b:c", "is not package.module:TaskClass"),
+                                         (":Capitals", "is not package.module:TaskClass"),
+                                         ("broken_task_mod:Capitals", "RuntimeError: at import"),
+                                         ("os:path", "is a module, not a Task class")])
+def test_a_user_task_that_cannot_be_used_is_one_line(tmp_path, monkeypatch, name, words):
+    """task.name=package.module:TaskClass: a malformed path, a module that raises at import or an object that is no
+    Task is refused as the task.reward hook is, in one line naming the key, not a traceback."""
+    (tmp_path / "broken_task_mod.py").write_text("raise RuntimeError('at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "broken_task_mod", raising=False)
+    with pytest.raises(TaskLoadError) as err:
+        load_task(TaskConfig(name=name))
+    assert words in str(err.value) and f"task.name={name!r}" in str(err.value) and "\n" not in str(err.value)
+    if name.count(":") != 1 or not all(name.split(":")):  # a malformed path is refused with the config already
+        with pytest.raises(ConfigError, match=f"task.name={name!r} is not package.module:TaskClass"):
+            validate_task(TaskConfig(name=name))

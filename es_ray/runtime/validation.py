@@ -16,7 +16,7 @@ from es_ray.grading.boxed import ANSWER_MODES
 from es_ray.metrics.coverage import OBJECTIVES
 from es_ray.runtime.cluster import check_address_syntax
 from es_ray.runtime.tracking import TRACKERS
-from es_ray.tasks import TASKS
+from es_ray.tasks import TASKS, is_import_path
 from es_ray.tasks.countdown import SOURCES
 
 DEVICES = Registry("engine.device", {"auto": "CUDA when torch sees a GPU, else the CPU", "cpu": "the CPU",
@@ -82,8 +82,11 @@ def validate_run(run: RunConfig) -> None:
 
 
 def validate_task(task: TaskConfig) -> None:
-    if ":" not in task.name:  # an import path is checked where it is imported (in the actors)
+    if ":" not in task.name:
         TASKS.check(task.name)
+    elif not is_import_path(task.name):  # a well-formed path is imported where it runs (in the actors)
+        raise ConfigError(f"task.name={task.name!r} is not package.module:TaskClass; set task.name= to one of "
+                          f"{', '.join(TASKS)} or to package.module:TaskClass")
     if task.train_size < 0 or task.eval_size < 0:
         raise ConfigError("task.train_size and task.eval_size must be >= 0")
     SOURCES.check(task.countdown_source)

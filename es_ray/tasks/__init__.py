@@ -6,7 +6,7 @@ import importlib
 
 from es_ray.core.config import TaskConfig
 from es_ray.core.registry import Registry
-from es_ray.tasks.base import TaskLoadError
+from es_ray.tasks.base import Task, TaskLoadError
 from es_ray.tasks.aime24 import AIME24Task
 from es_ray.tasks.aime25 import AIME25Task
 from es_ray.tasks.amc23 import AMC23Task
@@ -45,11 +45,24 @@ def task_class(name: str):
             f"unknown task.name={name!r}; known tasks: {', '.join(sorted(TASKS))} "
             "(or an import path package.module:TaskClass)"
         )
+    if not is_import_path(name):
+        raise TaskLoadError(f"task.name={name!r} is not package.module:TaskClass; set task.name= to one of "
+                            f"{', '.join(sorted(TASKS))} or to package.module:TaskClass")
     module, cls = name.split(":")
     try:
-        return getattr(importlib.import_module(module), cls)
-    except (ImportError, AttributeError) as exc:
-        raise TaskLoadError(f"task.name={name!r}: cannot import {name} ({exc})") from exc
+        found = getattr(importlib.import_module(module), cls)
+    except Exception as exc:  # noqa: BLE001 - not found, a SyntaxError, whatever the module raises at import
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise TaskLoadError(f"task.name={name!r}: cannot import {name} ({type(exc).__name__}: {first})") from exc
+    if not (isinstance(found, type) and issubclass(found, Task)):
+        raise TaskLoadError(f"task.name={name!r} is a {type(found).__name__}, not a Task class: set task.name= to a "
+                            "subclass of es_ray.tasks.base.Task (docs/tasks.md)")
+    return found
+
+
+def is_import_path(name: str) -> bool:
+    """``package.module:Attr``: one colon, a name on each side."""
+    return name.count(":") == 1 and all(name.split(":"))
 
 
 def load_task(cfg: TaskConfig):
