@@ -54,3 +54,16 @@ def test_nothing_sleeps_without_the_trait_or_off_a_gpu(monkeypatch, engine, gpus
 def test_only_the_transformers_engine_runs_an_evaluation_in_process():
     assert engines_that("in_process") == ("hf",)
     assert engines_that("sleep_mode") == ("vllm",)
+
+
+def test_the_es_config_asks_the_engine_for_its_low_rank_ranks(monkeypatch):
+    """es.perturbation=lowrank: the ranks come from the engine's own module through its traits (``lowrank_ranks``),
+    refused with the config; an engine that serves any rank (transformers) accepts it."""
+    from es_ray.engines import vllm
+    from es_ray.es.config import to_train_config
+
+    monkeypatch.setattr(vllm, "lowrank_ranks", lambda: (1, 8))
+    lowrank = {"perturbation": "lowrank", "rank": 3}
+    with pytest.raises(ConfigError, match=r"es.rank=3: engine.name=vllm serves low-rank members at ranks 1, 8 only"):
+        to_train_config({"engine": {"name": "vllm", "device": "cpu"}, "es": lowrank})
+    to_train_config({"engine": {"name": "hf", "device": "cpu"}, "es": lowrank})
