@@ -269,3 +269,14 @@ def test_engines_are_asked_what_they_can_do_not_named():
            if group_of(name) == "es_ray.engines" and name not in ENGINE_INTERFACE]
     bad += [f"{m}:{line} tests engine.name" for m, p in outside.items() for line in engine_name_tests(p.read_text())]
     assert bad == [], "ask the engine's traits (es_ray/engines/__init__.py ENGINES) instead"
+
+
+def test_a_low_rank_config_is_checked_without_torch():
+    """es.perturbation=lowrank asks the engine's traits for the ranks it serves (es_ray/engines/__init__.py): the
+    transformers engine answers without its module, so the check imports no torch (it imported es_ray.engines.hf,
+    and torch with it, while the traits named "module:function" strings)."""
+    code = """
+from es_ray.es.config import to_train_config
+to_train_config({"engine": {"name": "hf", "device": "cpu"}, "es": {"perturbation": "lowrank", "rank": 4}})
+"""
+    assert torch_modules_after(code) == "[]"
