@@ -26,7 +26,7 @@ PORTABLE_KINDS = frozenset({"counter"})
 
 @dataclass(frozen=True)
 class NoiseMemory:
-    """What an es.noise value holds beside the replica on a GPU (es_ray/memory_plan.py's lines)."""
+    """What an es.noise value holds beside the replica on a GPU (es_ray/replica_memory.py's lines)."""
 
     table: bool
     """one es.noise_table_size table per actor (and no noise buffer)."""
@@ -44,6 +44,9 @@ NOISE_MEMORY = Registry("es.noise", {
     "auto": NoiseMemory(table=False, whole_tensor=True, counter_chunks=True),
 })
 """es.noise's values -> the memory each takes (``NoiseMemory``)."""
+COUNTER_NOISE_BYTES = 1 << 28
+"""es.noise=counter on a GPU: es_ray.noise draws 2^22 elements per step (``counter_chunk``) with about 32 B of
+int64/fp32 Philox temporaries per element (128 MiB), plus its small Box-Muller tables: a quarter GiB covers it."""
 _MASK63 = (1 << 63) - 1
 
 

@@ -34,17 +34,14 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 
 from es_ray import lowrank
-from es_ray.noise import NoiseSource, resolve_kind
+from es_ray.core.memory import Line
+from es_ray.noise import NOISE_MEMORY, NoiseSource, resolve_kind
+from es_ray.replica_memory import CHUNK, TensorPart, buffer_elements, replica_lines
 from es_ray.replica_spec import ReplicaSpec  # noqa: F401 - the replica's settings, re-exported
 from es_ray.strategy import Member, Optimizer, gradient, gradient_weights
 
 Writer = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 Reader = Callable[[str], "torch.Tensor | None"]
-
-CHUNK = 1 << 20
-"""Elements per chunk when the update is measured against the engine: the temporaries are a few fp32/fp64 tensors
-of this size, never a copy of a whole tensor (a 7B model's embedding alone is 545M elements)."""
-
 
 @dataclass(frozen=True)
 class Shard:
@@ -247,12 +244,12 @@ class Replica:
         self.opt = Optimizer(spec.optimizer, spec.lr, (spec.adam_beta1, spec.adam_beta2), spec.adam_eps,
                              spec.weight_decay, spec.anchor_decay)
         # _buf holds a whole HF tensor (a sharded write hands the engine one); _nbuf the noise drawn for a part: the
-        # part alone where noise_slice draws just its rows (counter, table), else the whole tensor it is cut from
-        self._buf = torch.empty(max(math.prod(s.shape) for s in self.shards.values()), dtype=torch.float32,
-                                device=self.device)
-        self._nbuf = None if self.noise.views and not spec.kind.factored else torch.empty(
-            max(math.prod(self._noise_shape(s)) for s in self.shards.values()), dtype=torch.float32,
-            device=self.device)
+        # part alone where noise_slice draws just its rows (counter, table), else the whole tensor it is cut from.
+        # Sized by the statement of what the replica allocates (``memory``), so the plan and the buffers agree.
+        self.noise_kind = kind
+        write, drawn = buffer_elements(self.parts(), NOISE_MEMORY.get(kind), spec.kind.factored)
+        self._buf = torch.empty(write, dtype=torch.float32, device=self.device)
+        self._nbuf = torch.empty(drawn, dtype=torch.float32, device=self.device) if drawn else None
 
     @classmethod
     def from_checkpoint(cls, model_dir: str, names: Iterable[str], spec: ReplicaSpec, write: Writer,
@@ -270,6 +267,20 @@ class Replica:
         replica = cls(iter_hf_weights(model_dir, names, index), spec, write, read, device, shards)
         replica.restore(fill=float("nan") if index else None)
         return replica
+
+    # -- memory --------------------------------------------------------------------------------------------
+    def parts(self) -> dict[str, TensorPart]:
+        """HF name -> the part of it this replica holds (es_ray/replica_memory.py's terms)."""
+        return {n: TensorPart(s.shape, math.prod(s.local_shape), s.dim) for n, s in self.shards.items()}
+
+    def memory(self, members: int = 0) -> list[Line]:
+        """What this replica allocates on its device (``replica_lines`` of its own parts and settings; ``members``:
+        members whose factors ``member_factors`` stacks at once). The memory plan states a GPU rank's replica with
+        the same function, and tests/test_memory_plan_parts.py checks it against the tensors a replica holds."""
+        spec = self.spec
+        return replica_lines(self.parts(), optimizer=spec.optimizer, anchor_decay=spec.anchor_decay,
+                             noise=self.noise_kind, noise_table_size=spec.noise_table_size,
+                             perturbation=spec.perturbation, rank=spec.rank, members=members)
 
     # -- buffers -------------------------------------------------------------------------------------------
     def _view(self, flat: torch.Tensor, shape: Iterable[int]) -> torch.Tensor:

@@ -15,6 +15,15 @@ def _from(key: str):
     return field(metadata={"config": key})
 
 
+def selects(trainable: str, perturbation: str, name: str, shape: Iterable[int] | None = None) -> bool:
+    """Whether the replica holds the tensor ``name``: model.trainable (``trainable``) is a regex (empty selects all),
+    and with es.perturbation=lowrank only linear-layer weights are (``lowrank.is_target``; needs ``shape``). The
+    memory plan asks the same question of a model's shape."""
+    if trainable and re.search(trainable, name) is None:
+        return False
+    return PERTURBATIONS.get(perturbation).selects(name, shape)
+
+
 @dataclass(frozen=True)
 class ReplicaSpec:
     """Every setting the replica needs, as plain scalars: this object itself crosses into vLLM's worker through
@@ -38,11 +47,8 @@ class ReplicaSpec:
     rank: int = _from("es.rank")
 
     def selects(self, name: str, shape: Iterable[int] | None = None) -> bool:
-        """Whether the tensor ``name`` is trainable: model.trainable is a regex (empty selects all), and with
-        es.perturbation=lowrank only linear-layer weights are (``lowrank.is_target``; needs ``shape``)."""
-        if self.trainable and re.search(self.trainable, name) is None:
-            return False
-        return self.kind.selects(name, shape)
+        """Whether the tensor ``name`` is trainable (``selects``)."""
+        return selects(self.trainable, self.perturbation, name, shape)
 
     @property
     def kind(self) -> Perturbation:

@@ -10,15 +10,12 @@ from typing import Any
 from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, HeldOutConfig, ModelConfig,
                                 RunConfig, SamplingConfig, TaskConfig, check_positive, to_config)
 from es_ray.core.registry import Registry
+from es_ray.grpo.learner_memory import OFFLOADS  # the learner's memory statement holds grpo.offload's values
 from es_ray.runtime.validation import validate_trainer
 
 LEARNER_DTYPES = Registry("grpo.dtype", {
     "float32": "fp32 weights, gradients, AdamW and compute",
     "bf16_mixed": "fp32 master weights, gradients and AdamW, bf16 compute (autocast; FSDP2's MixedPrecisionPolicy)"})
-OFFLOADS = Registry("grpo.offload", {
-    "none": "everything on the device", "optimizer": "AdamW moments and the step on the host",
-    "all": "FSDP2's CPUOffloadPolicy: sharded parameters, gradients and AdamW on the host"})
-"""grpo.offload (es_ray.memory_plan.OFFLOADS: the same names in the same order; a test keeps them equal)."""
 # Settings a resumed GRPO run may change besides the runtime's (es_ray.runtime.rundir.RESUME_FREE).
 RESUME_FREE = frozenset({"grpo.steps", "cluster.num_actors"})
 

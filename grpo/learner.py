@@ -9,6 +9,9 @@ the LM head runs grpo.logit_chunk_tokens positions at a time (es_ray.metrics.ent
 
 Weights leave the learner in the rollout engines' dtype, one chunk at a time (``weight_chunk``): a transformer
 layer, or one tensor outside the layers.
+
+What a rank allocates is stated beside it, without torch, in grpo/learner_memory.py (the memory plan's learner
+lines; tests/test_memory_plan_parts.py checks them against a learner built on the CPU).
 """
 
 from __future__ import annotations
@@ -30,9 +33,6 @@ STATE_FILE = state_file("grpo")
 """Optimizer, scheduler, RNG state and step, beside the HF weights of a GRPO checkpoint."""
 META_FILE = meta_file("grpo")
 LAYER = re.compile(r"\.layers\.(\d+)\.")
-LOGIT_COPIES = 4
-"""fp32 [chunk, V] tensors alive while one chunk is scored or back-propagated: the logits, logits / T, their
-log-softmax, and its gradient (es_ray.memory_plan plans the learner's memory with it)."""
 
 
 def forwarded_tokens(samples: list[dict], shared: bool) -> int:
