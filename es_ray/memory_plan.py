@@ -53,6 +53,8 @@ CARD_NAMES = {24: "NVIDIA L4", 40: "NVIDIA A100-SXM4-40GB", 80: "NVIDIA H100 80G
 PROMPT_TOKENS = 512
 """Prompt tokens per sequence the start-up plans assume (chat template + problem; GSM8K and DeepScaleR prompts stay
 under it) when engine.max_model_len is not set."""
+
+
 # -- the run's settings -----------------------------------------------------------------------------------------
 
 

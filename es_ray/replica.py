@@ -43,6 +43,7 @@ from es_ray.strategy import Member, Optimizer, gradient, gradient_weights
 Writer = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 Reader = Callable[[str], "torch.Tensor | None"]
 
+
 @dataclass(frozen=True)
 class Shard:
     """The part of one HF tensor (of ``shape``) that one tensor-parallel rank holds: indices [start, stop) along
