@@ -1,6 +1,6 @@
 """What one ES replica (es_ray/replica.py) allocates, stated from its parts and settings alone (no torch): the
 replica sizes its two buffers with ``buffer_elements`` and states everything it holds with ``replica_lines``
-(``Replica.memory``), and the memory plan (es_ray/memory_plan.py) asks the same function for the parts a GPU rank
+(``Replica.memory``), and the memory plan (es_ray/memory_plan/) asks the same function for the parts a GPU rank
 would hold, so a change in what the replica allocates changes the plan with it.
 
 What a replica holds, per trainable tensor part of ``elements`` fp32 values (a tensor-parallel rank's shard, or the

@@ -2,7 +2,7 @@
 (no torch): weights, gradients, an fp32 master and AdamW's moments in one of ``LEARNER_VARIANTS``, split over
 grpo.fsdp_size ranks and moved to the host by grpo.offload (``OFFLOADS``, the config's registry), FSDP2's gathered
 layers, the reference model, one chunk of logits (``LOGIT_COPIES``), a micro-batch's activations, and the build and
-resume's transients. es_ray/memory_plan.py sums these lines with the engines'."""
+resume's transients. es_ray/memory_plan/ sums these lines with the engines'."""
 
 from __future__ import annotations
 

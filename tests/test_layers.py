@@ -23,7 +23,7 @@ LAYERS = {
     "es_ray.noise": 2, "es_ray.noise_kinds": 2, "es_ray.strategy": 2, "es_ray.perturbation": 2, "es_ray.lowrank": 2,
     "es_ray.metrics": 2,
     "es_ray.grpo.loss": 2, "es_ray.grpo.loss_kinds": 2,
-    # what each part allocates, stated without torch (es_ray/memory_plan.py sums them)
+    # what each part allocates, stated without torch (es_ray/memory_plan/ sums them)
     "es_ray.model_shape": 2, "es_ray.replica_memory": 2, "es_ray.grpo.learner_memory": 2,
     "es_ray.core": 1,  # imports nothing of the project but itself
 }

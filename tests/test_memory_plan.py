@@ -369,7 +369,7 @@ def test_grpo_train_refuses_before_any_model_loads(tmp_path, monkeypatch):
     from es_ray.core.config import ConfigError
     from es_ray.grpo import driver
 
-    monkeypatch.setattr("es_ray.memory_plan.host_bytes", lambda: 24 * GiB)
+    monkeypatch.setattr("es_ray.memory_plan.startup.host_bytes", lambda: 24 * GiB)
     cfg = replace(grpo_cfg(qwen7b_dir(tmp_path)), cluster=replace(grpo_cfg(tmp_path).cluster, gpus_per_actor=0))
     monkeypatch.setattr("es_ray.runtime.cluster.connect", lambda *a: pytest.fail("Ray started"))
     with pytest.raises(ConfigError, match="host memory"):
@@ -413,7 +413,7 @@ def test_es_compare_refuses_a_stage_that_cannot_fit_before_any_work(tmp_path, mo
     from es_ray.core.config import ConfigError
     from es_ray.launch.compare import run as compare
 
-    monkeypatch.setattr("es_ray.memory_plan.host_bytes", lambda: 24 * GiB)
+    monkeypatch.setattr("es_ray.memory_plan.startup.host_bytes", lambda: 24 * GiB)
     monkeypatch.setattr("es_ray.runtime.cluster.connect", lambda *a: pytest.fail("Ray started"))
     (tmp_path / "model").mkdir()
     model = qwen7b_dir(tmp_path / "model")
@@ -432,7 +432,7 @@ def test_es_train_refuses_before_any_model_loads(tmp_path, monkeypatch):
     from es_ray.es.config import to_train_config
     from es_ray.core.config import ConfigError
 
-    monkeypatch.setattr("es_ray.memory_plan.host_bytes", lambda: 24 * GiB)
+    monkeypatch.setattr("es_ray.memory_plan.startup.host_bytes", lambda: 24 * GiB)
     monkeypatch.setattr("es_ray.runtime.cluster.connect", lambda *a: pytest.fail("Ray started"))
     cfg = to_train_config({"model": {"path": str(qwen7b_dir(tmp_path))}, "es": {"optimizer": "adam"},
                            "cluster": {"num_actors": 2}, "run": {"dir": str(tmp_path / "run")}})

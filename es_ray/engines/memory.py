@@ -1,7 +1,7 @@
 """What a generation engine holds on its GPU, stated from the model's shape and the engine's settings (no torch,
 no vLLM): vLLM's weights, its KV cache, an allowance for what it holds besides (its CUDA context and graphs, its
 profile run and sampler), the LoRA slots of a low-rank population, what it keeps asleep (sleep mode level 2), and
-the batch sizes vLLM picks by itself on a card. es_ray/memory_plan.py sums these lines with the replica's and the
+the batch sizes vLLM picks by itself on a card. es_ray/memory_plan/ sums these lines with the replica's and the
 learner's; the vLLM engine (es_ray/engines/vllm.py) sizes its share of the GPU from that plan."""
 
 from __future__ import annotations
