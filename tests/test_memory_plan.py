@@ -200,7 +200,7 @@ def fake_engine(tmp_path, share: float, **cfg):
 
     (tmp_path / "config.json").write_text(json.dumps(PRESETS["qwen2.5-1.5b"]))
     engine = types.SimpleNamespace(model_dir=str(tmp_path), cfg=EngineConfig(name="vllm", **cfg), dtype=torch.bfloat16,
-                                   _gpu_share=share, device="cuda", _weights_changed=lambda: None,
+                                   _gpu_share=share, device="cuda", _weights_changed=lambda: None, lowrank=None,
                                    _reset_prefix_cache=lambda: None)
     engine._plan_settings = lambda **es: VLLMEngine._plan_settings(engine, **es)
     engine.check_es_memory = lambda spec: VLLMEngine.check_es_memory(engine, spec)
@@ -233,6 +233,31 @@ def test_the_replica_host_refuses_before_setup_when_the_gpu_is_too_full(tmp_path
     assert "engine.gpu_memory_utilization=0." in str(err.value) and "es.optimizer=sgd (fits)" in str(err.value)
     assert calls == []  # refused before the replica was built
     host.setup(replica_spec(optimizer="sgd"))  # ~8 GiB fits in 10
+    assert calls == [ESExtension.es_setup]
+
+
+def test_the_replica_host_plans_a_lowrank_replica_as_the_replica_states_it(tmp_path):
+    """es.perturbation=lowrank: the replica holds the linear-layer weights alone and its slots' factors, so the check
+    plans that (``replica_lines``), not every trainable tensor: free memory between the two passes lowrank only."""
+    from es_ray.core.config import ConfigError
+    from es_ray.engines.vllm import VLLMReplicaHost
+    from es_ray.engines.vllm_extension import ESExtension
+    from es_ray.lowrank import LowRankSlots
+
+    engine, _ = fake_engine(tmp_path, share=0.5, max_model_len=2048)
+    engine.lowrank = LowRankSlots(members=16, rank=8)
+    m, s = preset("qwen2.5-1.5b"), Settings(optimizer="adam", noise="auto")
+    full = plan_es(m, s)
+    lowrank = plan_es(m, replace(s, perturbation="lowrank", rank=8, members=16))
+    assert lowrank.item_bytes("es", "low-rank factors") > 0 and lowrank.part("es") < full.part("es") - GiB
+    free = (lowrank.part("es") + full.part("es")) // 2
+    calls = []
+    engine._rpc = lambda method, *args: [(free, 40 * GiB)] if method is ESExtension.es_device_memory else \
+        calls.append(method)
+    host = VLLMReplicaHost(engine)
+    with pytest.raises(ConfigError):
+        host.setup(replica_spec())
+    host.setup(replica_spec(perturbation="lowrank"))
     assert calls == [ESExtension.es_setup]
 
 

@@ -267,7 +267,8 @@ class VLLMEngine(Engine):
         try:
             shape, settings = self._plan_settings(
                 optimizer=spec.optimizer, anchor_decay=spec.anchor_decay, noise=spec.noise,
-                noise_table_size=spec.noise_table_size, trainable=spec.trainable,
+                noise_table_size=spec.noise_table_size, trainable=spec.trainable, perturbation=spec.perturbation,
+                rank=spec.rank, members=self.lowrank.members if self.lowrank else 0,
                 **vllm_batch_defaults(total, _device_name()))
         except ValueError:  # a model the plan cannot count: no check
             return
