@@ -166,14 +166,20 @@ def direction_table(rng, reps: int) -> list[str]:
     return rows
 
 
-def size_table(rng, pilots: int, fresh: int) -> list[str]:
+SIZE_CELLS = ((200, 6, 0.2, 32), (100, 5, 0.2, 32), (500, 8, 0.3, 32), (300, 8, 0.1, 1))
+"""(P, S, seed sd, k): the near-ceiling cells (pass@32 at 93-94%, n = 32) and one pass@1 cell."""
+
+
+def size_table(rng, pilots: int, fresh: int, cells=SIZE_CELLS) -> list[str]:
     """The gap made real two ways: GRPO (second) falling by it, or ES (first) rising by it (near a ceiling the two
-    differ: the falling one gains variance)."""
-    rows = ["| cell | pilots x fresh | printed size (median) | not detectable | power, GRPO falls (± MC) | "
-            "power, ES rises (± MC) | target |", "|---|---|---|---|---|---|---|"]
-    for problems, s, sd, k in ((200, 6, 0.2, 32), (300, 8, 0.1, 1)):
+    differ: the falling one gains variance; a size past the room above the mean can only be GRPO falling, and is
+    left out of the second column, which counts the pilots it covers)."""
+    rows = ["| cell | mean pass@k | pilots x fresh | printed size (median) | not detectable | power, GRPO falls "
+            "(± MC) | power, ES rises (± MC; pilots) | target |", "|---|---|---|---|---|---|---|---|"]
+    for problems, s, sd, k in cells:
         n = max(k, 16)
         claim = parse_claim(f"pass@{k}:es>grpo")
+        top = 1 - mean_passk(k, sd)
         pilot = draw(rng, pilots, problems, s, sd, n, (k,))
         down, up, sizes = [], [], []
         for r in range(pilots):
@@ -184,11 +190,13 @@ def size_table(rng, pilots: int, fresh: int) -> list[str]:
             sizes.append(det)
             es, grpo = draw(rng, fresh, problems, s, sd, n, (k,), shift=shift_to(-det, k, sd))
             down.append(np.mean(verdict_p(grpo[k], es[k], 0.0) < ALPHA / 3))
-            grpo, es = draw(rng, fresh, problems, s, sd, n, (k,), shift=shift_to(det, k, sd))
-            up.append(np.mean(verdict_p(grpo[k], es[k], 0.0) < ALPHA / 3))
-        rows.append(f"| P={problems} S={s} sd={sd} pass@{k} n={n} | {pilots} x {fresh} | {100 * np.median(sizes):.1f}"
-                    f" points | {pilots - len(sizes)} | {np.mean(down):.3f} ± {np.std(down) / math.sqrt(len(down)):.3f}"
-                    f" | {np.mean(up):.3f} ± {np.std(up) / math.sqrt(len(up)):.3f} | 0.75-0.85 |")
+            if det < 0.98 * top:  # ES can rise by it
+                grpo, es = draw(rng, fresh, problems, s, sd, n, (k,), shift=shift_to(det, k, sd))
+                up.append(np.mean(verdict_p(grpo[k], es[k], 0.0) < ALPHA / 3))
+        ups = (f"{np.mean(up):.3f} ± {np.std(up) / math.sqrt(len(up)):.3f}; {len(up)}" if up else "-")
+        rows.append(f"| P={problems} S={s} sd={sd} pass@{k} n={n} | {100 * (1 - top):.1f}% | {pilots} x {fresh} | "
+                    f"{100 * np.median(sizes):.1f} points | {pilots - len(sizes)} | {np.mean(down):.3f} ± "
+                    f"{np.std(down) / math.sqrt(len(down)):.3f} | {ups} | 0.75-0.85 |")
     return rows
 
 

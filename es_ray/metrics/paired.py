@@ -280,7 +280,8 @@ class Power:
     power: float
     mean: float | None = None
     """the mean score where every score lies in [0, 1] (pass@k), else None: a difference of d from it raises the
-    second method's variance by (m + d)(1 - m - d) / (m (1 - m)) where that exceeds 1 (``_growth``)."""
+    moving method's residual variance by g = (m + d)(1 - m - d) / (m (1 - m)) where that exceeds 1 (``_growth``), and
+    its seed and method x problem variances by g^2 (they act through the metric's slope, ``_reach``)."""
     sides: int = 2
     """2: the two-sided test; 1: the one-sided test in the claimed direction (the verdict's primary family)."""
     bounded: bool = True
@@ -338,10 +339,14 @@ class Power:
 
         def reach(effect: float) -> float:
             g = self._growth(effect)
+            # the seed shift and the method x problem interaction act through the metric's slope, which moves as
+            # m (1 - m) does: their variances grow by its square (the delta method); the residual holds the samples'
+            # binomial noise, which grows by g itself
+            g2 = g * g
             # which method carries the training variance is not known (a base model's seeds vary by sampling
             # alone): the split of the same total that the test finds least often
-            return min(_test_power(float(self.var_problems * (1 + g) / 2), float(r_a), float(r_b * g),
-                                   float(self.var_seeds * w_a), float(self.var_seeds * (2 - w_a) * g), float(problems),
+            return min(_test_power(float(self.var_problems * (1 + g2) / 2), float(r_a), float(r_b * g),
+                                   float(self.var_seeds * w_a), float(self.var_seeds * (2 - w_a) * g2), float(problems),
                                    int(seeds), float(self.alpha), self.sides)(effect)
                        for w_a in ((1.0, 0.0, 2.0) if self.bounded else (1.0,)))
         return reach
