@@ -350,6 +350,27 @@ def test_two_seeds_and_a_token_budget_give_paired_tests_budgets_as_reached_and_t
     assert "| seed 0 | seed 1 |" in md and "Compute (this run): GRPO's largest peak" in md
     assert (root / "stages" / "eval.es.s1" / "results.json").is_file()
 
+    # report.json keeps the per-problem record (correct counts of eval.n, entropy sums and token counts): the report
+    # is rebuilt from the run dir by this code without Ray (rerender), and recomputed from a copied report.json alone
+    import shutil
+
+    from es_ray.launch.compare.rerender import rerender
+
+    counts = rep["per_problem"]
+    assert counts["n"] == 4 and len(counts["methods"]["es"]["arithmetic"]["correct"]) == 2
+    assert all(0 <= c <= 4 for seed in counts["methods"]["grpo"]["arithmetic"]["correct"] for c in seed)
+    (root / "report.md").write_text("stale")
+    rerender(root)
+    again = json.loads((root / "report.json").read_text())
+    assert again["verdict"] == rep["verdict"] and again["comparisons"] == rep["comparisons"]
+    assert (root / "report.md").read_text().splitlines()[2].startswith("**Primary family**")
+    alone = tmp_path / "copied"
+    alone.mkdir()
+    shutil.copy(root / "report.json", alone / "report.json")
+    rerender(alone)
+    copied = json.loads((alone / "report.json").read_text())
+    assert copied["verdict"] == rep["verdict"] and copied["comparisons"] == rep["comparisons"]
+
 
 def test_verdicts_name_one_seed_and_exploratory_comparisons():
     """A verdict is never a bare "higher" where the seeds cannot carry a method-level claim, and a comparison outside

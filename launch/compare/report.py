@@ -152,12 +152,14 @@ def across_seeds(per_seed: dict, ks: list[int]) -> dict:
     return out
 
 
-def per_problem(root: Path, cfg, plan: dict) -> dict:
-    """Per method, the per-problem scores of every seed on the problems every method and seed answered:
-    {"problems": {task: ids}, "methods": {method: {"pass": {task: (seeds, problems, len(k))},
-    "entropy": {task: (seeds, problems)}}}} (entropy: mean per generated token of a problem's samples; NaN where
-    none was scored), from each evaluation's samples.jsonl. Methods without samples.jsonl are left out."""
-    n, ks, tasks = int(cfg.eval.n), [int(k) for k in cfg.eval.k], list(cfg.eval.tasks)
+def per_problem_counts(root: Path, cfg, plan: dict) -> dict:
+    """The per-problem record report.json keeps, so that a report can be recomputed from it alone
+    (launch.compare.rerender): per method, per seed (in cfg.seeds order), per task, on the problems every method and
+    seed answered, the correct completions of eval.n and the entropy summed over the generated tokens with their
+    count. {"n": eval.n, "problems": {task: ids}, "methods": {method: {task: {"correct": [[int] per problem] per
+    seed, "entropy_sum": ..., "entropy_tokens": ...}}}}, from each evaluation's samples.jsonl; methods without it
+    (eval.save_samples=false) are left out. Smaller than pass@k per k, and every pass@k derives from it exactly."""
+    tasks = list(cfg.eval.tasks)
     raw: dict = {}
     for method, by_seed in plan.items():
         seeds = []
@@ -174,13 +176,30 @@ def per_problem(root: Path, cfg, plan: dict) -> dict:
             raw[method] = seeds
     common = {t: sorted(set.intersection(*[set(seed[t]) for seeds in raw.values() for seed in seeds]))
               for t in tasks} if raw else {t: [] for t in tasks}
-    out = {"problems": common, "methods": {}}
-    for method, seeds in raw.items():
-        out["methods"][method] = {
-            "pass": {t: np.array([[[pass_at_k(n, seed[t][p][0], k) for k in ks] for p in common[t]]
-                                  for seed in seeds]).reshape(len(seeds), len(common[t]), len(ks)) for t in tasks},
-            "entropy": {t: np.array([[seed[t][p][1] / seed[t][p][2] if seed[t][p][2] else np.nan for p in common[t]]
-                                     for seed in seeds]).reshape(len(seeds), len(common[t])) for t in tasks}}
+    return {"n": int(cfg.eval.n), "problems": common,
+            "methods": {method: {t: {key: [[seed[t][p][i] for p in common[t]] for seed in seeds]
+                                     for i, key in enumerate(("correct", "entropy_sum", "entropy_tokens"))}
+                                 for t in tasks} for method, seeds in raw.items()}}
+
+
+def scores(counts: dict, ks: list[int]) -> dict:
+    """``per_problem_counts``'s record -> the per-problem scores the tests take: {"problems": {task: ids},
+    "methods": {method: {"pass": {task: (seeds, problems, len(ks))}, "entropy": {task: (seeds, problems)}}}}
+    (pass@k by the unbiased estimator; entropy: mean per generated token of a problem's samples, NaN where none was
+    scored)."""
+    n = int(counts["n"])
+    table = np.array([[pass_at_k(n, c, k) for k in ks] for c in range(n + 1)]).reshape(n + 1, len(ks))
+    out = {"problems": counts["problems"], "methods": {}}
+    for method, by_task in counts["methods"].items():
+        m = {"pass": {}, "entropy": {}}
+        for t, c in by_task.items():
+            correct = np.asarray(c["correct"], dtype=np.int64).reshape(len(c["correct"]), len(counts["problems"][t]))
+            m["pass"][t] = table[correct]
+            total = np.asarray(c["entropy_sum"], dtype=np.float64).reshape(correct.shape)
+            tokens = np.asarray(c["entropy_tokens"], dtype=np.float64).reshape(correct.shape)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                m["entropy"][t] = np.where(tokens > 0, total / np.where(tokens > 0, tokens, 1.0), np.nan)
+        out["methods"][method] = m
     return out
 
 
@@ -323,11 +342,8 @@ def collect(root: Path, cfg, plan: dict, pool: int, paths: dict | None = None) -
     l2 = {m: rep["across_seeds"][m]["drift_l2"]["mean"] for m in ("es", "grpo") if m in rep["across_seeds"]}
     rep["drift_l2_ratio_es_over_grpo"] = l2["es"] / l2["grpo"] if l2.get("es") and l2.get("grpo") else None
     rep["step_sizes"] = step_sizes(cfg)  # stated beside the L2 ratio
-    pp = per_problem(root, cfg, plan)
-    rep["problems"] = {t: len(v) for t, v in pp["problems"].items()}
-    rep["intervals"] = intervals(pp, rep["k"])
-    rep["comparisons"] = comparisons(pp, rep["k"], rep["tasks"])
-    rep["verdict"] = primary_section(pp, cfg, rep["k"], rep["tasks"])
+    rep["per_problem"] = per_problem_counts(root, cfg, plan)  # so rerender recomputes every test from report.json
+    tested(rep, cfg)
     rep["drift_test"] = drift_comparison(per_seed)
     final_eval = lambda stages: _stage(stages, "eval")  # noqa: E731
     rep["objectives"] = objectives(root, {m: plan[m][seeds[0]] for m in plan})
@@ -335,6 +351,18 @@ def collect(root: Path, cfg, plan: dict, pool: int, paths: dict | None = None) -
     rep["kl"] = kl_section(root, cfg, plan, final_eval)
     rep["interpolation"] = interpolation_section(root, paths or {})
     rep["forgetting"] = forgetting_section(root, cfg, plan, final_eval)
+    return rep
+
+
+def tested(rep: dict, cfg) -> dict:
+    """The report's tests from its per-problem record (rep["per_problem"]): the problem counts, the descriptive
+    intervals, the exploratory comparisons and the primary family's verdict (``cfg``: its verdict, methods and
+    eval.k), written into ``rep``; launch.compare.rerender calls it on a stored report.json."""
+    pp = scores(rep["per_problem"], rep["k"])
+    rep["problems"] = {t: len(v) for t, v in pp["problems"].items()}
+    rep["intervals"] = intervals(pp, rep["k"])
+    rep["comparisons"] = comparisons(pp, rep["k"], rep["tasks"])
+    rep["verdict"] = primary_section(pp, cfg, rep["k"], rep["tasks"])
     return rep
 
 

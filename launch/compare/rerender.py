@@ -1,56 +1,117 @@
-"""Rewrite a comparison's report.md (and report.json's verdict) from its report.json, without running anything:
-for a report written before the primary family (docs/results/cpu-demo/).
+"""Rewrite a comparison's report.md and report.json with this code, without training or evaluating anything.
 
-    python -m es_ray.launch.compare.rerender docs/results/cpu-demo
+    python -m es_ray.launch.compare.rerender RUN_DIR             # an es-compare run.dir: the report rebuilt
+    python -m es_ray.launch.compare.rerender docs/results/cpu-demo  # a folder holding report.json only
 
-A report.json that holds the verdict is only re-rendered. One without it gets the paper's claims for its methods
-from the paired tests' summaries it kept (launch.compare.verdict.stored_section: estimates, intervals, one-sided
-bounds, the seeds a method-level claim needs; not the checkpoint test nor the detectable sizes, which need the
-per-problem scores), and its exploratory tests lose the fields the previous rule derived from them (a verdict per
-cell and a detectable size at the 95% bound of the training variance). A sensitivity.md beside it (the sensitivity
-stage's section, launch/compare/sensitivity.py) is appended again, as the stage appended it.
+A run.dir (compare_config.json and stages/ beside report.json) gets its whole report rebuilt from the stages' own
+files (launch.compare.report.write_report with the stored configuration: every evaluation's samples.jsonl, the
+ledgers, the drift reports), so a run made by earlier code is reported by this code; no Ray, no model, and the
+stages' settings are not checked against this code's (repeating the es-compare command also rewrites the report,
+but refuses when this code's stage settings gained a key). A report.json alone is recomputed from what it kept: one
+with the per-problem record (``per_problem``: the correct counts and entropy sums of every method, seed, task and
+problem) gets every test again (the comparisons, the primary family's checkpoint and method-level tests, detectable
+sizes, the seeds and problems needed), at the family it declared or at --margin / --alpha where given. One written
+before that record (docs/results/cpu-demo/ before this change) keeps the tests it stored; one without a verdict gets
+the paper's claims from the paired tests' summaries it kept (launch.compare.verdict.stored_section: estimates,
+intervals, one-sided bounds, the seeds a method-level claim needs; not the checkpoint test nor the detectable sizes),
+and its exploratory tests lose the fields the previous rule derived from them. A sensitivity.md beside it (the
+sensitivity stage's section, launch/compare/sensitivity.py) is appended again, as the stage appended it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 OLD_FIELDS = ("separable", "testable", "detectable", "alpha_power", "can_plan", "problems_needed", "seeds_needed")
 
 
-def rerender(folder: Path, margin: float = 0.02, alpha: float = 0.05) -> dict:
+def is_run_dir(folder: Path) -> bool:
+    """An es-compare run.dir: its configuration and its stages are there."""
+    return (folder / "compare_config.json").is_file() and (folder / "stages").is_dir()
+
+
+def from_run_dir(folder: Path) -> dict:
+    """The report of an es-compare run.dir rebuilt from its stages' files with this code (write_report)."""
+    from es_ray.core.config import to_config
+    from es_ray.launch.compare.report import write_report
+    from es_ray.launch.compare.run import (CompareConfig, interpolation_plan, pool_size, stage_plan,
+                                           training_tasks)
+
+    cfg = to_config(json.loads((folder / "compare_config.json").read_text()), CompareConfig)
+    root = folder.resolve()
+    pools = {t: pool_size(cfg, t) for t in training_tasks(cfg)}
+    plan = {m: {s: stage_plan(cfg, m, root, pools, s) for s in cfg.seeds} for m in cfg.methods}
+    paths = {s: interpolation_plan(cfg, root, s) for s in cfg.seeds}
+    missing = [st.name for by_seed in plan.values() for stages in by_seed.values() for st in stages
+               if not (st.dir(root) / "done.json").is_file()]
+    if missing:
+        raise SystemExit(f"rerender: {folder} has unfinished stages ({', '.join(missing[:4])}); finish them with "
+                         "the es-compare command (same run.dir) first")
+    return write_report(root, cfg, plan, pools[training_tasks(cfg)[0]], paths)
+
+
+def stored_config(rep: dict, margin: float | None, alpha: float | None):
+    """The verdict's settings as report.json recorded them (a declared family kept, the paper's otherwise), with
+    --margin / --alpha in their place where given: what launch.compare.verdict.primary_section reads."""
+    from es_ray.launch.compare.verdict import VerdictConfig
+
+    v = rep.get("verdict") or {}
+    return SimpleNamespace(verdict=VerdictConfig(primary=list(v.get("claims", [])) if v.get("declared") else [],
+                                                 margin=v.get("margin", 0.02) if margin is None else margin,
+                                                 alpha=v.get("alpha", 0.05) if alpha is None else alpha),
+                           eval=SimpleNamespace(k=rep["k"]), methods=list(rep["methods"]))
+
+
+def rerender(folder: Path, margin: float | None = None, alpha: float | None = None) -> dict:
     from es_ray.launch.compare.markdown import markdown
+    from es_ray.launch.compare.report import tested
     from es_ray.launch.compare.verdict import stored_section
     from es_ray.metrics.verdict import default_claims
 
-    rep = json.loads((folder / "report.json").read_text())
-    if "verdict" not in rep:
-        for t in rep["comparisons"]["tests"]:
-            for key in OLD_FIELDS:
-                t.pop(key, None)
-        rep["comparisons"].pop("alpha_first", None)
-        rep["verdict"] = stored_section(rep, default_claims(list(rep["methods"]), rep["k"]), margin, alpha)
-    (folder / "report.json").write_text(json.dumps(rep, indent=2))
-    text = markdown(rep)
+    if is_run_dir(folder) and margin is None and alpha is None:
+        rep = from_run_dir(folder)
+    else:
+        rep = json.loads((folder / "report.json").read_text())
+        if "per_problem" in rep:
+            tested(rep, stored_config(rep, margin, alpha))
+        elif "verdict" not in rep:
+            for t in rep["comparisons"]["tests"]:
+                for key in OLD_FIELDS:
+                    t.pop(key, None)
+            rep["comparisons"].pop("alpha_first", None)
+            rep["verdict"] = stored_section(rep, default_claims(list(rep["methods"]), rep["k"]),
+                                            0.02 if margin is None else margin, 0.05 if alpha is None else alpha)
+        (folder / "report.json").write_text(json.dumps(rep, indent=2))
+        (folder / "report.md").write_text(markdown(rep))
     if (folder / "sensitivity.md").is_file():  # the sensitivity stage appends its section after report.json is written
-        text += "\n" + (folder / "sensitivity.md").read_text()
-    (folder / "report.md").write_text(text)
+        md = folder / "report.md"
+        md.write_text(md.read_text() + "\n" + (folder / "sensitivity.md").read_text())
     return rep
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("folder", type=Path, help="the folder holding report.json")
-    ap.add_argument("--margin", type=float, default=0.02, help="verdict.margin for a report without a verdict")
+    ap.add_argument("folder", type=Path, help="an es-compare run.dir, or a folder holding its report.json")
+    ap.add_argument("--margin", type=float, default=None,
+                    help="verdict.margin to test at (default: the one report.json recorded, else 0.02); with a "
+                         "run.dir, the report.json there is recomputed at it instead of rebuilt from the stages")
+    ap.add_argument("--alpha", type=float, default=None, help="verdict.alpha, likewise (default: recorded, else 0.05)")
     args = ap.parse_args()
-    if not (args.folder / "report.json").is_file():
-        raise SystemExit(f"rerender: {args.folder / 'report.json'} not found; give the folder holding report.json")
-    if not args.margin > 0:
-        raise SystemExit(2)
-    rerender(args.folder, args.margin)
-    print(f"rerender: wrote {args.folder / 'report.md'}")
+    bad = (f"{args.folder / 'report.json'} not found; give an es-compare run.dir or the folder holding report.json"
+           if not (args.folder / "report.json").is_file() and not is_run_dir(args.folder) else
+           f"--margin={args.margin}: give a non-inferiority margin > 0, e.g. --margin 0.02"
+           if args.margin is not None and not args.margin > 0 else
+           f"--alpha={args.alpha}: give a family-wise error rate in (0, 1), e.g. --alpha 0.05"
+           if args.alpha is not None and not 0 < args.alpha < 1 else None)
+    if bad:
+        print(f"rerender: {bad}", file=sys.stderr)
+        sys.exit(2)
+    rerender(args.folder, args.margin, args.alpha)
+    print(f"rerender: wrote {args.folder / 'report.md'} and report.json")
 
 
 if __name__ == "__main__":
