@@ -27,6 +27,7 @@ case, not the 95% bound); past the metric's range (FIRST above 100% of pass@k: a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -43,6 +44,9 @@ Pass@1, GRPO not below ES by more than verdict.margin."""
 GAPS = (0.02, 0.06)
 """The paper's Pass@16 gaps (2 and 6 points): the seeds and problems each would need are printed beside the sizes."""
 POWER = 0.8
+NO_VARIANCE = ("every paired difference is equal (e.g. every completion wrong or every one right): no variance to "
+               "test non-inferiority against; more problems or samples (eval.n)")
+"""Why a non-inferiority claim with se 0 is not tested (claim_test, launch.compare.verdict.stored_section)."""
 _CLAIM = re.compile(r"^\s*(pass@(?:\d+|max)|entropy)\s*:\s*([a-z_]+)\s*(>=|>)\s*([a-z_]+)\s*$")
 
 
@@ -130,9 +134,12 @@ def size_and_needs(pairs, alpha: float, checkpoint: bool, gaps: Sequence[float],
         else pairs
     pw = power(use, alpha=alpha, power=POWER, bound=False, sides=1)
     det = pw.detectable
-    # the room the metric leaves: FIRST can rise no higher than 100%, so from SECOND's mean the distance from the null
-    # boundary (d + shift) is at most 1 - mean(SECOND) + shift (not 100 points: SECOND at 73% leaves 27 + shift)
-    room = 1.0 - float(np.mean([np.mean(a) for a, _ in pairs])) + shift
+    # the room the metric leaves, one method moving and the other where it is (as the size's variance assumes,
+    # paired.Power._growth): FIRST rising to 100% (1 - mean(SECOND)) or SECOND falling to 0% (mean(FIRST)), plus the
+    # shift. Near the ceiling a gap is the second falling: both at 94% leave 6 points above but 94 below, and a size of
+    # 7 points is a real world (benchmarks/verdict_audit.py realises it so), not "not detectable at any size"
+    second, first = (float(np.mean([np.mean(x[i]) for x in pairs])) for i in (0, 1))
+    room = max(1.0 - second, first) + shift
     beyond = det is not None and bounded_range and det > room
     out = {"detectable": None if beyond else det, "beyond_range": beyond, "alpha": alpha,
            "var_seeds": pw.var_seeds, "var_problems": pw.var_problems, "var_residual": list(pw.var_residual),
@@ -148,19 +155,29 @@ def size_and_needs(pairs, alpha: float, checkpoint: bool, gaps: Sequence[float],
     return out
 
 
-def seeds_for_claim(pairs, alpha: float, effect: float) -> int | None:
+def seeds_for_claim(pairs, alpha: float, effect: float) -> dict:
     """The fewest seeds (at least METHOD_LEVEL_SEEDS) at which the method-level test finds ``effect`` (the distance
-    of this estimate from the null boundary) with 80% power at these problems and this spread; None where the
-    estimate is not in the claimed direction or no seed count reaches it."""
+    of this estimate from the null boundary) with 80% power at these problems: ``at_estimate`` at the spread these
+    2-4 seeds estimate, ``at_bound`` at its SEED_BOUND (95%) upper confidence bound (es_ray.metrics.paired: pooled
+    over the two methods), with the between-seed variances both use (``var_seeds``, ``var_seeds_bound``). Two to
+    four seeds per method estimate a spread on 2-6 degrees of freedom, so the estimate's N can be several times too
+    few (its upper bound is 4-20x the estimate's variance); the pair says how far. None where the estimate is not in
+    the claimed direction or no seed count up to 200 reaches it."""
     from es_ray.metrics.paired import power
 
-    if not effect > 0:
-        return None
     pw = power(pairs, alpha=alpha, power=POWER, bound=False, sides=1)
+    out = {"at_estimate": None, "at_bound": None, "var_seeds": pw.var_seeds, "var_seeds_bound": None}
     if pw.var_seeds is None:
-        return None
-    s = pw.seeds_needed(effect, limit=200)
-    return None if s is None else max(METHOD_LEVEL_SEEDS, s)
+        return out
+    hi = power(pairs, alpha=alpha, power=POWER, bound=True, sides=1).var_seeds
+    out["var_seeds_bound"] = hi
+    if not effect > 0:
+        return out
+    # the bound's variance with the estimate's single split (both methods alike): the seeds it needs, not a worst case
+    for key, pw_at in (("at_estimate", pw), ("at_bound", dataclasses.replace(pw, var_seeds=hi))):
+        s = pw_at.seeds_needed(effect, limit=200)
+        out[key] = None if s is None else max(METHOD_LEVEL_SEEDS, s)
+    return out
 
 
 def claim_test(claim: Claim, pairs, *, margin: float, alpha: float, family: int, ks: Sequence[int],
@@ -184,8 +201,7 @@ def claim_test(claim: Claim, pairs, *, margin: float, alpha: float, family: int,
         # every paired difference equal (every completion wrong, or every one right): the floor 2^-P is the exact
         # sign-flip test's, valid where the null makes the methods exchangeable (superiority), not at a boundary
         # shifted by the margin, and the t has no variance: a non-inferiority p of 2^-P would be invented
-        return {"claim": claim.text, "why": "every paired difference is equal (e.g. every completion wrong or every "
-                "one right): no variance to test non-inferiority against; more problems or samples (eval.n)"}
+        return {"claim": claim.text, "why": NO_VARIANCE}
     p, lower = one_sided(test.diff, test.se, test.df, shift, problems, alpha)
     alpha_first = alpha / family
     is_pass = metric.startswith("pass@")
@@ -202,8 +218,10 @@ def claim_test(claim: Claim, pairs, *, margin: float, alpha: float, family: int,
                           "df": ckpt.df if math.isfinite(ckpt.df) else None},
            **sizes}
     if 2 <= seeds < METHOD_LEVEL_SEEDS:
-        out["seeds_for_claim"] = seeds_for_claim([(np.atleast_2d(a), np.atleast_2d(b)) for a, b in pairs],
-                                                 alpha_first, method.diff + shift)
+        need = seeds_for_claim([(np.atleast_2d(a), np.atleast_2d(b)) for a, b in pairs], alpha_first,
+                               method.diff + shift)
+        out["seeds_for_claim"], out["seeds_for_claim_bound"] = need["at_estimate"], need["at_bound"]
+        out["method_var_seeds_bound"] = need["var_seeds_bound"]
     return out
 
 

@@ -71,7 +71,7 @@ def check_seeds(by_method: dict[str, list[int]]) -> None:
 
 
 def primary_section(pp: dict, cfg, ks: list[int], tasks: list[str]) -> dict:
-    """The primary family's tests from the per-problem scores (launch.compare.report.per_problem)."""
+    """The primary family's tests from the per-problem scores (launch.compare.report.scores)."""
     from es_ray.metrics.verdict import METHOD_LEVEL_SEEDS, claim_test, family_verdict, parse_claim
 
     family = claims(cfg)
@@ -218,15 +218,30 @@ def seeds_lines(rep: dict, tests: list[dict]) -> list[str]:
                        "needs at least 5 seeds per method and their spread.")
         elif t["level"] == "checkpoint":
             sd = (t.get("method_var_seeds") or 0.0) ** 0.5
-            need = t.get("seeds_for_claim")
-            tail = (f"a method-level claim needs S >= {need} seeds at this spread" if need is not None else
-                    "the method-level estimate is not in the claimed direction: no seed count makes it a claim"
-                    if m["diff"] + t["margin"] <= 0 else
-                    f"no seed count reaches it at {t['problems']} problems and this spread: more problems first")
             out.append(f"- {claim_words(t)}: method-level estimate {_u(t, m['diff'])} [{_u(t, m['low'])}, "
                        f"{_u(t, m['high'])}] over {s} seeds, between-seed sd {_u(t, sd).lstrip('+')} (per method, "
-                       f"estimated); {tail}.")
+                       f"estimated from {s} seeds per method); {seeds_needed_words(t, s, sd)}.")
     return out + ([""] if out else [])
+
+
+def seeds_needed_words(t: dict, s: int, sd: float) -> str:
+    """The seeds a method-level claim needs, said as what it is: N at the spread the 2-4 seeds estimate, beside the
+    N at that spread's 95% upper bound (es_ray.metrics.verdict.seeds_for_claim), since 2-4 seeds estimate it on
+    2-6 degrees of freedom."""
+    m, need = t["method"], t.get("seeds_for_claim")
+    if m["diff"] + t["margin"] <= 0:
+        return "the method-level estimate is not in the claimed direction: no seed count makes it a claim"
+    est = (f"S >= {need} seeds at the estimated spread" if need is not None else
+           f"no seed count up to 200 at {t['problems']} problems at the estimated spread (more problems first)")
+    words = f"a method-level claim needs {est}, if the estimate were the truth"
+    var_hi = t.get("method_var_seeds_bound")
+    if var_hi is None:
+        return (words + f"; a spread from {s} seeds can be several times larger (its bound needs the per-problem "
+                "scores, not kept here)")
+    hi, sd_hi = t.get("seeds_for_claim_bound"), _u(t, var_hi ** 0.5).lstrip("+")
+    return words + (f"; at the spread's 95% upper bound from {s} seeds (sd {sd_hi}) S >= {hi}" if hi is not None else
+                    f"; at the spread's 95% upper bound from {s} seeds (sd {sd_hi}) no seed count up to 200 at "
+                    f"{t['problems']} problems")
 
 
 def exploratory_note() -> str:
@@ -242,9 +257,16 @@ def stored_section(rep: dict, family: list[str], margin: float, alpha: float) ->
     share of se^2; not the per-problem scores): the method-level estimate, interval and one-sided bound of each
     claim, and the seeds a method-level claim needs at this spread (the problem variance taken as all method x
     problem variance: the residual part is not separable from the summary). The checkpoint test and the detectable
-    sizes need the per-problem scores and are left out, saying so."""
+    sizes need the per-problem scores and are left out, saying so.
+
+    The one-sided p is floored at 2^-P (es_ray.metrics.verdict.one_sided; P the stored problems over all tasks, as
+    claim_test counts them): the smallest p an exact sign-flip test on P problems gives. The floor only raises a p,
+    so it never makes the test less conservative, and it binds only where the t's p is below it (every difference
+    positive, se 0, or a t in the hundreds). It is not a p of its own at a non-inferiority boundary: with se 0 (every
+    paired difference equal) the null shifted by the margin is no sign-flip null, and a p of 2^-P would be support
+    the data cannot give; such a claim is not tested, as claim_test does."""
     from es_ray.metrics.paired import Power
-    from es_ray.metrics.verdict import METHOD_LEVEL_SEEDS, one_sided, parse_claim
+    from es_ray.metrics.verdict import METHOD_LEVEL_SEEDS, NO_VARIANCE, one_sided, parse_claim
 
 
     out = {"claims": family, "alpha": alpha, "margin": margin, "tests": [], "method_level_seeds": METHOD_LEVEL_SEEDS,
@@ -257,6 +279,9 @@ def stored_section(rep: dict, family: list[str], margin: float, alpha: float) ->
             out["tests"].append({"claim": text, "why": "not in the stored report"})
             continue
         shift = margin if c.kind == "noninferiority" else 0.0
+        if shift > 0 and not t["se"] > 0:
+            out["tests"].append({"claim": text, "why": NO_VARIANCE})
+            continue
         s, per_task = t["seeds_a"], t["problems"] / len(rep["tasks"])
         p, lower = one_sided(t["diff"], t["se"], t["df"] or math.inf, shift, t["problems"], alpha)
         u = t["var_training"] * s / 2  # sum_m sigma_u^2 / S over two methods of S seeds each, pooled
