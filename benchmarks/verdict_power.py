@@ -9,6 +9,7 @@
 
     python benchmarks/verdict_power.py                       # the audit's cells, 400 pilots (~10 min, 2 cores)
     python benchmarks/verdict_power.py --pilots 60 --fresh 40 --no-family
+    python benchmarks/verdict_power.py --pilots 30 --fresh 40 --no-family --second-falls   # the other direction
 
 Prints markdown tables (docs/comparison.md, "The verdict") and writes --json.
 """
@@ -57,10 +58,22 @@ def family_power(rng, problems: int, seeds: int, sv: float, k: int, gap: float, 
     return {name: float(np.mean(rejections(a, b, alpha, sides))) for name, (alpha, sides) in FAMILIES.items()}
 
 
+def fall_shift(effect: float, sv: float, k: int) -> float:
+    """The (negative) logit shift of method B that makes E[pass@k of A] - E[pass@k of B] = ``effect``."""
+    base = expected_passk(0.0, sv, k)
+    lo, hi = -50.0, 0.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if base - expected_passk(mid, sv, k) < effect else (mid, hi)
+    return (lo + hi) / 2
+
+
 def printed_size_check(rng, problems: int, seeds: int, sv: float, k: int, pilots: int, fresh: int,
-                       alpha: float = 0.05 / PRIMARY) -> dict:
+                       alpha: float = 0.05 / PRIMARY, second_falls: bool = False) -> dict:
     """Each pilot prints its detectable size (power(bound=False, sides=1)); ``fresh`` new experiments at that gap
-    are tested one-sided at alpha. Returns the median printed size and the share of fresh experiments rejected."""
+    are tested one-sided at alpha. Returns the median printed size and the share of fresh experiments rejected.
+    The gap is made by the first method rising, or with ``second_falls`` by the second falling (the direction the
+    size is printed for where the two differ, es_ray/metrics/paired.py Power._growth)."""
     sizes, hits, beyond = [], [], 0
     top = 1 - expected_passk(0.0, sv, k)
     a, b = simulate(rng, pilots, problems, seeds, sv, ks=(k,))
@@ -70,6 +83,10 @@ def printed_size_check(rng, problems: int, seeds: int, sv: float, k: int, pilots
             beyond += 1
             continue
         sizes.append(det)
+        if second_falls:  # first = A (where it is), second = B (falls by det)
+            fa, fb = simulate(rng, fresh, problems, seeds, sv, ks=(k,), shift=fall_shift(det, sv, k))
+            hits.append(float(np.mean(rejections(fb[..., 0], fa[..., 0], alpha, 1))))
+            continue
         fa, fb = simulate(rng, fresh, problems, seeds, sv, ks=(k,), shift=shift_for(det, sv, k))
         hits.append(float(np.mean(rejections(fa[..., 0], fb[..., 0], alpha, 1))))
     return {"P": problems, "S": seeds, "sv": sv, "k": k, "pilots": pilots, "fresh": fresh,
@@ -85,6 +102,8 @@ def main() -> None:
     ap.add_argument("--fresh", type=int, default=50, help="fresh experiments at each pilot's printed size")
     ap.add_argument("--no-family", action="store_true")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--second-falls", action="store_true",
+                    help="make each printed gap real by the second method falling, not the first rising")
     ap.add_argument("--seed", type=int, default=49)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -105,7 +124,7 @@ def main() -> None:
         for p, s, sv, k in CHECK_CELLS:
             t0 = time.perf_counter()
             row = printed_size_check(np.random.default_rng([args.seed, 1, p, s]), p, s, sv, k, args.pilots,
-                                     args.fresh)
+                                     args.fresh, second_falls=args.second_falls)
             out["check"].append(row)
             print(f"| {p} | {s} | {sv} | {k} | {100 * row['median_size']:.1f} points | {100 * row['power']:.1f}% "
                   f"(+- {100 * row['se']:.1f}) | {row['unsized']} of {row['pilots']} |  "
