@@ -24,8 +24,8 @@ from es_ray.evaluation.config import DriftJobConfig, EvalJobConfig, InterpolateJ
 from es_ray.grading import boxed  # noqa: E402
 from es_ray.grpo import config as grpo_config, loss_kinds  # noqa: E402
 from es_ray.grpo.config import GRPOTrainConfig  # noqa: E402
-from es_ray.launch.compare import run as compare_run  # noqa: E402
-from es_ray.launch.compare.run import CompareConfig  # noqa: E402
+from es_ray.launch.compare import config as compare_config  # noqa: E402
+from es_ray.launch.compare.config import CompareConfig  # noqa: E402
 from es_ray.metrics import coverage  # noqa: E402
 from es_ray.runtime import tracking, validation  # noqa: E402
 from es_ray.tasks import countdown  # noqa: E402
@@ -33,7 +33,7 @@ from es_ray.tasks import countdown  # noqa: E402
 COMMANDS = (("es-train", ESTrainConfig), ("grpo-train", GRPOTrainConfig), ("es-eval", EvalJobConfig),
             ("es-drift", DriftJobConfig), ("es-interpolate", InterpolateJobConfig), ("es-compare", CompareConfig))
 REGISTRY_MODULES = (strategy, noise, perturbation, engines, tasks, countdown, boxed, dtypes, validation, tracking,
-                    coverage, es_config, eval_config, grpo_config, loss_kinds, compare_run)
+                    coverage, es_config, eval_config, grpo_config, loss_kinds, compare_config)
 """The modules whose Registry tables are read for the keys' values (tests/test_registries.py checks that every
 table is found)."""
 

@@ -26,7 +26,7 @@ LABELS = {m.name: m.label for m in ALL}
 TRAINED = {m.name: m.parts for m in ALL if m.parts}
 """The trained methods and their parts."""
 PARTS = ("es", "grpo")
-"""The training parts a method can be made of (``run.PART_STAGES`` builds each)."""
+"""The training parts a method can be made of (``stages.PART_STAGES`` builds each)."""
 COMPARED = (("es", "base"), ("grpo", "base"), ("es", "grpo"), ("es_grpo", "grpo"), ("grpo_es", "es"),
             ("es_grpo", "grpo_es"))
 """The pairs the verdict reads first, as (first, second) with difference first - second."""

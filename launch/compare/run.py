@@ -17,6 +17,9 @@ The work is cut into stages (a training run, an evaluation, a drift report), eac
 interruption finishes only what is missing (a stage cut off midway is started again from its beginning). Training
 and evaluation run as Ray actors on the cluster (``cluster.address``), exactly as es-train, grpo-train and
 es-eval do; this process only orchestrates and writes report.md, report.json and the plots.
+
+The schema and its checks are launch/compare/config.py, the stages (each one's config and job) stages.py; this
+module runs them once each and in order, writes the report and is the command.
 """
 
 from __future__ import annotations
@@ -25,172 +28,37 @@ import dataclasses
 import json
 import math
 import shutil
+import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from es_ray.es.config import ESConfig
-from es_ray.evaluation.config import BenchmarkConfig
-from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, ModelConfig, RunConfig,
-                                SamplingConfig, TaskConfig, check_positive)
-from es_ray.core.registry import Registry
-from es_ray.runtime.rundir import RESULT_NEUTRAL, changed_settings
-from es_ray.grpo.config import GRPOConfig, GRPOSamplingConfig
+from es_ray.core.config import ConfigError, to_config
 from es_ray.launch.compare import sensitivity
-from es_ray.launch.compare.from_run import adopt_runs
-from es_ray.launch.compare.methods import METHODS, TRAINED, budget_units, grpo_placement
-from es_ray.launch.compare.verdict import VerdictConfig, validate_verdict
+from es_ray.launch.compare.config import (BUDGET_UNITS, BudgetConfig, CompareConfig, InterpolationConfig, pool_size,
+                                          training_tasks, validate_compare, validate_sequence)
+from es_ray.launch.compare.methods import METHODS, TRAINED, budget_units
+from es_ray.launch.compare.plan import plan
+from es_ray.launch.compare.report import write_report
+from es_ray.launch.compare.stages import PART_STAGES, Stage, final_weights, interpolation_plan, stage_plan
+from es_ray.memory_plan import model_shape, startup_check
+from es_ray.models import resolve_model
+from es_ray.runtime import cluster
+from es_ray.runtime.entry import hydra_main, run_or_exit
+from es_ray.runtime.rundir import RESULT_NEUTRAL, changed_settings, claim_run_dir, move_aside
+from es_ray.runtime.tracking import log_summary
 
-BUDGET_UNITS = Registry("budget.unit", {
-    "epochs": "prompts seen: passes over the training pool", "tokens": "tokens generated in training",
-    "device_seconds": "the ledger's device-seconds of training"})
-
-
-@dataclass
-class BudgetConfig:
-    unit: str = "epochs"
-    """What the methods are matched on: epochs (prompts seen), tokens (tokens generated in training) or
-    device_seconds (the ledger's device-seconds); sequential methods get half per part."""
-    epochs: float = 4.0
-    """unit=epochs: passes over the training pool per method. Otherwise the most any method may run (a cap)."""
-    tokens: int = 0
-    """unit=tokens: training tokens generated per method."""
-    device_seconds: float = 0.0
-    """unit=device_seconds: training device-seconds per method (GPU-seconds, or core-seconds on CPU-only actors;
-    start-up, checkpoint writes and held-out scoring are counted apart)."""
-    tolerance: float = 0.1
-    """unit=tokens/device_seconds: the report calls a method's budget matched when what it reached lies within this
-    fraction of the budget (each run stops at the step that lands closest to it)."""
-
-
-@dataclass
-class InterpolationConfig:
-    """es-interpolate along the straight paths between the methods' final weights (docs/comparison.md)."""
-
-    pairs: list[str] = field(default_factory=list)
-    """Paths to score after the evaluations, each first-second of the methods run (base: the base weights), e.g.
-    [base-es, base-grpo, es-grpo]; every seed gets its own. Empty: none."""
-    grid: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
-    """The t of theta(t) = (1 - t) theta_first + t theta_second scored, 0 and 1 among them."""
-    draws: int = 2000
-    """Bootstrap resamples of the problems for each barrier's interval."""
-
-
-@dataclass
-class CompareConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """The base model every method starts from."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    """The training task (its pool of task.train_size prompts defines an epoch)."""
-    es: ESConfig = field(default_factory=ESConfig)
-    """ES settings; es.iterations is set from the budget."""
-    es_sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    """ES training generation (greedy by default, as in es-train)."""
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    """GRPO settings (grpo.config.GRPOConfig); grpo.steps is set from the budget."""
-    grpo_sampling: GRPOSamplingConfig = field(default_factory=GRPOSamplingConfig)
-    """GRPO training generation (sampled: groups need variance)."""
-    budget: BudgetConfig = field(default_factory=BudgetConfig)
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
-    """Which of base, es, grpo, es_grpo, grpo_es to run (the report covers those run)."""
-    seeds: list[int] = field(default_factory=lambda: [0])
-    """Run seeds: every method is trained and evaluated once per seed (stages named <stage>.s<seed> when there are
-    several); the paired tests treat each method's seeds as its training variance (run.seed is unused). One seed (the
-    default, so the CPU demo stays short) compares two checkpoints and supports no method-level claim; the paper
-    presets use [0, 1, 2]."""
-    eval: BenchmarkConfig = field(default_factory=BenchmarkConfig)
-    """Evaluation of every method (es-eval's eval section)."""
-    drift_thresholds: list[float] = field(default_factory=lambda: [1.0e-3, 1.5e-3, 2.0e-3])
-    """Functional-sparsity thresholds on |delta| (es-drift's thresholds)."""
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    """cluster.num_actors: ES actors and evaluation actors; resources per actor for every stage."""
-    curve_every: int = 2
-    """Every training stage scores the held-out set every k iterations / steps (greedy reward, sampled pass@1 and
-    entropy: es-train's and grpo-train's eval.every); the report plots pass@1 and entropy over training for every
-    method (training_curves.png). 0: no curve."""
-    grpo_rollout_actors: int = 1
-    """GRPO rollout actors (GRPO also starts one learner actor with the same resources)."""
-    run: RunConfig = field(default_factory=RunConfig)
-    """run.dir: the comparison's directory (absolute; repeat the command with the same run.dir to resume)."""
-    faults: FaultPolicy = field(default_factory=FaultPolicy)
-    """Actor timeout and replacements, for every stage."""
-    sequence: list[str] = field(default_factory=list)
-    """A task sequence, e.g. [countdown, gsm8k]: every trained method trains on each task in order (the budget per
-    task; the next task starts from the last one's final weights), and after each task but the last its weights are
-    scored on the tasks trained so far, so the report shows the held-out score on every earlier task after each
-    stage (forgetting, with paired intervals; docs/comparison.md). Every task must be in eval.tasks (the final
-    evaluation scores them all after the last). Empty: one training task, task.name."""
-    interpolate: InterpolationConfig = field(default_factory=InterpolationConfig)
-    """es-interpolate between the methods' final weights (interpolate.pairs; none by default)."""
-    verdict: VerdictConfig = field(default_factory=VerdictConfig)
-    """The primary family the verdict tests, declared before training (verdict.primary, verdict.margin)."""
-    sensitivity: sensitivity.SensitivityConfig = field(default_factory=sensitivity.SensitivityConfig)
-    """Short runs at other step sizes after the main stages (sensitivity.grpo.lr=[...], sensitivity.es.sigma=[...],
-    sensitivity.es.lr=[...]): whether the verdict survives the published range (launch/compare/sensitivity.py)."""
-    from_run: dict[str, str] = field(default_factory=dict)
-    """Methods taken from runs already trained, e.g. +from_run.es=/abs/es_run: that finished es-train (grpo-train)
-    run, checked against the stage this comparison would train (launch/compare/from_run.py), stands in for it."""
-
-
-def validate_compare(cfg: CompareConfig) -> CompareConfig:
-    unknown = [m for m in cfg.methods if m not in METHODS]
-    if unknown or not cfg.methods:  # a list: one message for every unknown name
-        raise ConfigError(f"methods={list(cfg.methods)}: choose from {', '.join(METHODS)} (at least one)")
-    BUDGET_UNITS.check(cfg.budget.unit)
-    check_positive("budget.epochs", cfg.budget.epochs)
-    if cfg.budget.unit != "epochs":
-        check_positive(f"budget.{cfg.budget.unit}", getattr(cfg.budget, cfg.budget.unit))
-    if not 0 < cfg.budget.tolerance < 1:
-        raise ConfigError(f"budget.tolerance={cfg.budget.tolerance}: give a fraction in (0, 1), e.g. 0.1")
-    check_positive("grpo_rollout_actors", cfg.grpo_rollout_actors)
-    check_positive("curve_every", cfg.curve_every, allow_zero=True)
-    if cfg.curve_every and cfg.eval.temperature == 0:  # the curves sample as the evaluation does (``_held_out``)
-        raise ConfigError(f"eval.temperature=0 (greedy) leaves the training runs' held-out curves nothing to sample "
-                          f"(their pass@1 and entropy, every curve_every={cfg.curve_every} steps, are of sampled "
-                          "completions at eval.temperature): set eval.temperature > 0, or curve_every=0 for no "
-                          "curves")
-    if not cfg.seeds or len(set(cfg.seeds)) != len(cfg.seeds):
-        raise ConfigError(f"seeds={list(cfg.seeds)}: give one or more distinct run seeds, e.g. seeds=[0,1,2]")
-    if cfg.run.seed:
-        raise ConfigError(f"run.seed={cfg.run.seed}: es-compare takes its run seeds from seeds=[...]; set "
-                          f"seeds=[{cfg.run.seed}] instead")
-    validate_sequence(cfg)
-    validate_verdict(cfg)
-    sensitivity.validate_sensitivity(cfg)
-    for method in cfg.methods:  # each stage's own validation: build every stage's config once
-        for spec in stage_plan(cfg, method, Path("/tmp"), seed=cfg.seeds[0]):
-            spec.config()
-    for spec in interpolation_plan(cfg, Path("/tmp"), seed=cfg.seeds[0]):
-        spec.config()
-    return cfg
-
-
-def validate_sequence(cfg: CompareConfig) -> None:
-    """A task sequence names two or more distinct tasks, each scored by the final evaluation; interpolation pairs
-    name two different methods that are run."""
-    seq = list(cfg.sequence)
-    if seq:
-        if len(seq) < 2 or len(set(seq)) != len(seq) or not all(isinstance(t, str) and t.strip() for t in seq):
-            raise ConfigError(f"sequence={seq}: give two or more distinct task names in training order, e.g. "
-                              "sequence=[countdown,gsm8k] (or sequence=[] for one training task, task.name)")
-        missing = [t for t in seq if t not in cfg.eval.tasks]
-        if missing:
-            raise ConfigError(f"sequence={seq}: {missing} not in eval.tasks={list(cfg.eval.tasks)}; the final "
-                              f"evaluation must score every task of the sequence: add them to eval.tasks")
-    for pair in cfg.interpolate.pairs:
-        ends = str(pair).split("-")
-        if len(ends) != 2 or ends[0] == ends[1] or not all(e in cfg.methods or e == "base" for e in ends):
-            raise ConfigError(f"interpolate.pairs: {pair!r} is not first-second of two different methods run "
-                              f"(methods={list(cfg.methods)}, or base), e.g. interpolate.pairs=[base-es,es-grpo]")
+__all__ = ["BUDGET_UNITS", "METHODS", "BudgetConfig", "CompareConfig", "InterpolationConfig", "Stage",
+           "budget_units", "check_stage_memory", "claim_compare_dir", "done_record", "final_weights",
+           "interpolation_plan", "main", "pool_size", "register_configs", "run", "run_stage", "stage_plan",
+           "stage_settings", "to_compare_config", "tracker_metrics", "training_tasks", "validate_compare",
+           "validate_sequence"]
+"""The run's own names and, re-exported, the config's and the stages' that callers and tests import from here."""
 
 
 def check_stage_memory(cfg: CompareConfig) -> None:
     """Every stage's memory plan against the devices it will run on, before any work (run dir, model, Ray). Not part
     of validate_compare: a preset composes on any machine; it is the run that must fit the one it starts on."""
-    from es_ray.memory_plan import model_shape, startup_check
-
     shape = model_shape(cfg.model.path)  # later stages start from checkpoints of the same shape
     if shape is None:
         return
@@ -199,240 +67,6 @@ def check_stage_memory(cfg: CompareConfig) -> None:
             kind = {"train_es": "es", "train_grpo": "grpo", "eval": "eval", "seq_eval": "eval"}.get(spec.kind)
             if kind:
                 startup_check(kind, spec.config(), shape=shape)
-
-
-def training_tasks(cfg: CompareConfig) -> list[str]:
-    """The tasks trained on, in order: the sequence, or task.name alone."""
-    return list(cfg.sequence) or [cfg.task.name]
-
-
-def pool_size(cfg: CompareConfig, name: str = "") -> int:
-    """The training pool's size of task ``name`` (default task.name); a held-out set that is empty while curves are
-    asked for is refused here."""
-    from es_ray.tasks import load_task
-
-    task_cfg = dataclasses.replace(cfg.task, name=name or cfg.task.name)
-    task = load_task(task_cfg)
-    if cfg.curve_every and not task.eval:
-        raise ConfigError(f"task.name={task_cfg.name} with task.eval_size={cfg.task.eval_size} leaves no held-out "
-                          "problems, and curve_every asks for held-out curves: set task.eval_size > 0, or "
-                          "curve_every=0 for no curves")
-    return len(task.train)
-
-
-# -- stages -----------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Stage:
-    name: str
-    kind: str  # train_es | train_grpo | eval | seq_eval | drift | interpolate
-    config: Callable[[], Any]
-    run: Callable[[Any], dict]
-    pool: int = 0
-    """Training stages: the pool of the task they train on (what an epoch is); task: that task's name."""
-    task: str = ""
-
-    def dir(self, root: Path) -> Path:
-        return root / "stages" / self.name
-
-
-def _common(cfg: CompareConfig, model_path: str, run_dir: Path, seed: int, share: float) -> dict:
-    """The sections every stage shares; ``share`` of the token or device-second budget (1, or 1/2 per half)."""
-    b = cfg.budget
-    stop = {"stop_at_tokens": int(b.tokens * share) if b.unit == "tokens" else 0,
-            "stop_at_device_seconds": b.device_seconds * share if b.unit == "device_seconds" else 0.0}
-    return {"model": dataclasses.replace(cfg.model, path=model_path), "engine": cfg.engine,
-            "run": dataclasses.replace(cfg.run, dir=str(run_dir), checkpoint_every=0, seed=seed, **stop)}
-
-
-def _check_reachable(cfg: CompareConfig, method: str, samples: int, max_new_tokens: int, units: int, share: float,
-                     measured: float | None = None) -> None:
-    """A token budget the epoch cap cannot reach (within budget.tolerance) is refused before any training: first at
-    max_new_tokens per completion (before any work), then at the base model's measured mean completion length."""
-    if cfg.budget.unit != "tokens":
-        return
-    unit = "iteration" if method == "es" else "step"
-    length = max_new_tokens if measured is None else min(measured, max_new_tokens)
-    reach, need = units * samples * length, cfg.budget.tokens * share * (1 - cfg.budget.tolerance)
-    if reach < need:
-        how = (f"up to {max_new_tokens} tokens per completion" if measured is None else
-               f"about {length:.0f} tokens per completion (the base model's measured mean completion length on the "
-               f"evaluation, at most {max_new_tokens})")
-        raise ConfigError(f"budget.tokens={cfg.budget.tokens}: {method} generates {samples} completions per {unit} "
-                          f"at {how}: about {reach:,.0f} tokens within the cap budget.epochs={cfg.budget.epochs:g} "
-                          f"({units} {unit}s), below {need:,.0f} (its share of the budget less "
-                          f"budget.tolerance={cfg.budget.tolerance:g}); raise budget.epochs or lower budget.tokens")
-
-
-def _held_out(cfg: CompareConfig):
-    """Every training run's held-out curve samples as the final evaluation does (eval.temperature / top_p /
-    max_new_tokens), so the curves end where the evaluation's pass@1 stands."""
-    from es_ray.core.config import HeldOutConfig
-
-    return HeldOutConfig(every=cfg.curve_every, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
-                         max_new_tokens=cfg.eval.max_new_tokens)
-
-
-def _faults(cfg: CompareConfig, cls: type):
-    return cls(**dataclasses.asdict(cfg.faults))
-
-
-def _es_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int, seed: int,
-               measured: float | None = None, task: str = ""):
-    from es_ray.es.config import ESFaultsConfig, ESTrainConfig, validate
-
-    iterations = budget_units(epochs, pool, cfg.es.prompts_per_iteration)
-    share = epochs / cfg.budget.epochs
-    # every member generates es.samples_per_prompt completions of each prompt (the ledger counts them all)
-    samples = cfg.es.population * min(cfg.es.prompts_per_iteration, pool) * cfg.es.samples_per_prompt
-    _check_reachable(cfg, "es", samples, cfg.es_sampling.max_new_tokens, iterations, share, measured)
-    return validate(ESTrainConfig(task=_task(cfg, task), es=dataclasses.replace(cfg.es, iterations=iterations),
-                                  sampling=cfg.es_sampling, cluster=cfg.cluster,
-                                  eval=_held_out(cfg),
-                                  faults=_faults(cfg, ESFaultsConfig),
-                                  **_common(cfg, model_path, run_dir, seed, share)))
-
-
-def _grpo_config(cfg: CompareConfig, model_path: str, run_dir: Path, epochs: float, pool: int, seed: int,
-                 measured: float | None = None, task: str = ""):
-    from es_ray.grpo.config import GRPOClusterConfig, GRPOTrainConfig, validate_grpo
-
-    steps = budget_units(epochs, pool, cfg.grpo.prompts_per_step)
-    share = epochs / cfg.budget.epochs
-    samples = cfg.grpo.prompts_per_step * cfg.grpo.group_size
-    _check_reachable(cfg, "grpo", samples, cfg.grpo_sampling.max_new_tokens, steps, share, measured)
-    colocate, rollouts = grpo_placement(cfg)
-    cluster = GRPOClusterConfig(**{**dataclasses.asdict(cfg.cluster), "num_actors": rollouts})
-    return validate_grpo(GRPOTrainConfig(task=_task(cfg, task), grpo=dataclasses.replace(cfg.grpo, steps=steps,
-                                                                                  colocate=colocate),
-                                         sampling=cfg.grpo_sampling, cluster=cluster,
-                                         eval=_held_out(cfg),
-                                         faults=cfg.faults, **_common(cfg, model_path, run_dir, seed, share)))
-
-
-def _task(cfg: CompareConfig, name: str):
-    """The training task section of one stage: task.name, or the sequence's task ``name``."""
-    return dataclasses.replace(cfg.task, name=name) if name else cfg.task
-
-
-def _run_es(train_cfg) -> dict:
-    from es_ray.es.driver import run
-
-    return run(train_cfg)
-
-
-def _run_grpo(train_cfg) -> dict:
-    from es_ray.grpo.driver import run
-
-    return run(train_cfg)
-
-
-def _eval_config(cfg: CompareConfig, model_path: str, run_dir: Path, seed: int, tasks: list[str] | None = None):
-    from es_ray.evaluation.config import EvalJobConfig, validate_eval
-
-    ev = cfg.eval if tasks is None else dataclasses.replace(
-        cfg.eval, tasks=list(tasks), paths={t: p for t, p in cfg.eval.paths.items() if t in tasks})
-    return validate_eval(EvalJobConfig(model=dataclasses.replace(cfg.model, path=model_path), eval=ev,
-                                       engine=cfg.engine, cluster=cfg.cluster, faults=cfg.faults,
-                                       run=dataclasses.replace(cfg.run, dir=str(run_dir), seed=seed)))
-
-
-def _run_eval(eval_cfg) -> dict:
-    from es_ray.evaluation.es_eval import run
-
-    return run(eval_cfg)
-
-
-def _drift_config(cfg: CompareConfig, tuned: str, run_dir: Path):
-    from es_ray.evaluation.config import DriftJobConfig, validate_drift
-
-    return validate_drift(DriftJobConfig(base=cfg.model.path, tuned=tuned, thresholds=list(cfg.drift_thresholds),
-                                         run=dataclasses.replace(cfg.run, dir=str(run_dir))))
-
-
-def _run_drift(drift_cfg) -> dict:
-    from es_ray.evaluation.es_drift import run_drift
-
-    return run_drift(drift_cfg)
-
-
-PART_STAGES = {"es": (_es_config, _run_es), "grpo": (_grpo_config, _run_grpo)}
-"""How each training part (``methods.PARTS``) is built: (its config from the comparison's, its run)."""
-
-
-def stage_plan(cfg: CompareConfig, method: str, root: Path, pool: int | dict[str, int] | None = None,
-               seed: int = 0) -> list[Stage]:
-    """The stages of one method and seed, in order: its training part(s) (per task of a sequence, each followed by
-    a scoring of the tasks trained so far, but the last), its evaluation, its drift from the base. ``pool``: the
-    training pool's size, or per task of the sequence."""
-    suffix = f".s{seed}" if len(cfg.seeds) > 1 else ""
-    stages: list[Stage] = []
-    model_path = cfg.model.path
-    parts = TRAINED.get(method, ())
-    epochs = cfg.budget.epochs / max(1, len(parts))
-    tasks = list(cfg.sequence)
-    for i, task in enumerate(tasks or [""]):
-        size = (pool.get(task or cfg.task.name, 0) if isinstance(pool, dict) else pool) or max(1, cfg.task.train_size)
-        for part in parts:
-            # A sequential method's first half is its own run (not a prefix of the one-method run), so its compute
-            # is measured, not apportioned.
-            name = ".".join(["train", method] + [task] * bool(task) + [part] * (len(parts) > 1)) + suffix
-            run_dir, start = root / "stages" / name, model_path
-            make, run_part = PART_STAGES[part]
-            stages.append(Stage(name, f"train_{part}",
-                                (lambda s=start, d=run_dir, f=make, n=size, t=task: f(cfg, s, d, epochs, n, seed,
-                                                                                       task=t)),
-                                run_part, pool=size, task=task or cfg.task.name))
-            model_path = str(run_dir / "checkpoints" / "final")
-        if parts and task and i < len(tasks) - 1:  # the tasks so far, scored before the next one is trained
-            d = root / "stages" / f"eval.{method}.after.{task}{suffix}"
-            stages.append(Stage(d.name, "seq_eval", (lambda p=model_path, d=d, t=tasks[:i + 1]:
-                                                     _eval_config(cfg, p, d, seed, t)), _run_eval, task=task))
-    eval_dir = root / "stages" / f"eval.{method}{suffix}"
-    stages.append(Stage(eval_dir.name, "eval", (lambda p=model_path, d=eval_dir: _eval_config(cfg, p, d, seed)),
-                        _run_eval))
-    if parts:
-        drift_dir = root / "stages" / f"drift.{method}{suffix}"
-        stages.append(Stage(drift_dir.name, "drift", (lambda p=model_path, d=drift_dir: _drift_config(cfg, p, d)),
-                            _run_drift))
-    return adopt_runs(cfg, method, stages, root) if cfg.from_run else stages
-
-
-def final_weights(cfg: CompareConfig, method: str, root: Path, seed: int) -> str:
-    """A method's final weights: its last training stage's final checkpoint, or "" for the base model."""
-    trained = [s for s in stage_plan(cfg, method, root, seed=seed) if s.kind.startswith("train")]
-    return str(trained[-1].dir(root) / "checkpoints" / "final") if trained else ""
-
-
-def interpolation_plan(cfg: CompareConfig, root: Path, seed: int = 0) -> list[Stage]:
-    """One es-interpolate stage per interpolate.pairs entry (after the methods' own stages): reward and pass@k along
-    theta(t) between the two methods' final weights, scored as the evaluation scores (eval.*; no entropy, no KL)."""
-    suffix = f".s{seed}" if len(cfg.seeds) > 1 else ""
-    out = []
-    for pair in cfg.interpolate.pairs:
-        first, second = str(pair).split("-")
-        d = root / "stages" / f"interpolate.{first}-{second}{suffix}"
-        out.append(Stage(d.name, "interpolate",
-                         (lambda a=first, b=second, d=d: _interpolate_config(cfg, a, b, d, seed, root)),
-                         _run_interpolate, task=f"{first}-{second}"))
-    return out
-
-
-def _interpolate_config(cfg: CompareConfig, first: str, second: str, run_dir: Path, seed: int, root: Path):
-    from es_ray.evaluation.config import InterpolateJobConfig, validate_interpolate
-
-    return validate_interpolate(InterpolateJobConfig(
-        a=final_weights(cfg, first, root, seed), b=final_weights(cfg, second, root, seed), base=cfg.model.path,
-        grid=list(cfg.interpolate.grid), draws=cfg.interpolate.draws,
-        eval=dataclasses.replace(cfg.eval, kl_base=False), engine=cfg.engine,
-        run=dataclasses.replace(cfg.run, dir=str(run_dir), seed=seed, checkpoint_every=0)))
-
-
-def _run_interpolate(interp_cfg) -> dict:
-    from es_ray.evaluation.es_interpolate import run
-
-    return run(interp_cfg)
 
 
 def _json_safe(x):
@@ -493,8 +127,6 @@ def claim_compare_dir(root: Path, cfg: CompareConfig, log: Callable[[str], None]
     """Repeating a comparison's command continues it (its finished stages are checked against this command before
     any work: ``done_record``); run.overwrite=true moves an earlier comparison aside first, and a run.dir holding
     another kind of run is refused."""
-    from es_ray.runtime.rundir import claim_run_dir, move_aside
-
     if not (root / "compare_config.json").is_file():
         claim_run_dir(root, cfg.run.overwrite, "compare")  # an es-train/grpo-train/es-eval run there
     elif cfg.run.overwrite:
@@ -523,11 +155,6 @@ def _stage_result(stage: Stage, out: dict) -> dict:
 
 
 def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
-    from es_ray.runtime.cluster import connect
-    from es_ray.runtime.tracking import log_summary
-    from es_ray.launch.compare.report import write_report
-    from es_ray.models import resolve_model
-
     if not cfg.run.dir:
         raise ConfigError("run.dir= is required: the comparison's absolute directory (repeat the command with the "
                           "same run.dir to resume it)")
@@ -548,7 +175,7 @@ def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
         for stage in stages:
             done_record(stage, vroot)
     (root / "compare_config.json").write_text(json.dumps(_json_safe(dataclasses.asdict(cfg)), indent=2))
-    connect(cfg.cluster)
+    cluster.connect(cfg.cluster)
     # seed by seed, so an interrupted comparison has whole seeds; a seed's paths after its methods' stages
     order = [st for seed in cfg.seeds for st in [st for m in cfg.methods for st in plan[m][seed]] + paths[seed]]
     if "base" in plan:  # the base evaluation first, to measure completion lengths
@@ -610,36 +237,27 @@ def tracker_metrics(report: dict) -> dict[str, float]:
 
 
 def register_configs() -> None:
+    # Hydra stays local: hydra_main has imported it when it calls this, and importing the schema and the run
+    # (es-submit, the tests) needs no Hydra.
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="es_compare_schema", node=CompareConfig)
 
 
 def to_compare_config(dict_cfg: Any) -> CompareConfig:
-    from es_ray.core.config import to_config
-
     return validate_compare(to_config(dict_cfg, CompareConfig))
 
 
 def _main(dict_cfg) -> None:
-    from es_ray.runtime.entry import run_or_exit
-
     run_or_exit("es-compare", lambda: run(to_compare_config(dict_cfg)))  # its last line names the report
 
 
 def plan_main(dict_cfg) -> None:
     """es-compare --plan: the primary family's seeds, problems and compute (launch/compare/plan.py), no spend."""
-    from es_ray.launch.compare.plan import plan
-    from es_ray.runtime.entry import run_or_exit
-
     run_or_exit("es-compare --plan", lambda: plan(to_compare_config(dict_cfg)))
 
 
 def main() -> None:
-    import sys
-
-    from es_ray.runtime.entry import hydra_main
-
     if "--plan" in sys.argv[1:]:  # the seeds, problems and compute the primary family needs, before any spend
         sys.argv.remove("--plan")
         return hydra_main("es_compare", plan_main, "es-compare --plan", register_configs)

@@ -118,7 +118,7 @@ def variants(cfg) -> list[Variant]:
 
 def plan(cfg, root: Path, pools: dict[str, int], stage_plan: Callable) -> list[tuple[Variant, Path, list]]:
     """(variant, its own root under run.dir/sensitivity, its stages) for every short run; ``stage_plan`` is
-    es-compare's (launch/compare/run.py, passed in: that module imports this one)."""
+    es-compare's (launch/compare/stages.py, passed in by launch/compare/run.py)."""
     out = []
     for v in variants(cfg):
         vroot = root / "sensitivity" / (f"{v.method}.preset" if v.value is None else v.name)
