@@ -17,17 +17,22 @@ Roles differ in what they compute, not in how they are placed, called, timed out
 * a group that must not be replaced (GRPO's learner) raises ActorLostError with the role's resume advice;
 * ``kill()`` ends the actors and frees the placement group.
 
-Ray is imported inside the methods, so this module imports without it.
+Ray, torch and numpy are imported inside the methods, so this module imports without them.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import pickle
+import re
 import time
 from typing import Any, Callable
 
 from es_ray.core.config import FaultPolicy
+from es_ray.core.dtypes import dtype_name
+from es_ray.runtime.cluster import quiet_third_party
+from es_ray.runtime.ledger import process_peak_memory
 
 # Starting an actor and restoring it (loading a checkpoint, replaying a log) may take longer than an ordinary call.
 SLOW_CALL_FLOOR_S = 900.0
@@ -66,8 +71,6 @@ def is_lost_actor(exc: BaseException) -> bool:
 def init_failure(exc: BaseException) -> str:
     """The error an actor's constructor raised, on one line ('ValueError: ...', the last line of the traceback Ray
     puts in its ActorDiedError: the exception itself is not kept); '' for any other error."""
-    import re
-
     if not getattr(exc, "actor_init_failed", False):
         return ""
     lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines() if line.strip()]
@@ -87,8 +90,6 @@ def memory_kill_note(text: str) -> str:
     """What Ray's memory monitor says about a kill, on one line: the node's memory against its threshold, the
     killed worker's pid and use, and the largest users (its "Top 10 memory users" table, first three). Missing
     parts are left out. ``text``: the OutOfMemoryError's message as Ray writes it."""
-    import re
-
     flat = " ".join(text.split())
     parts = []
     node = re.search(r"was ([\d.]+\s*[KMGT]?B) / ([\d.]+\s*[KMGT]?B) \(([\d.]+)\)", flat)
@@ -145,8 +146,6 @@ class Tensors(dict):
 
     def __reduce__(self):
         import torch
-
-        from es_ray.core.dtypes import dtype_name
 
         names = list(self)
         tensors = [self[n].detach().to("cpu").resolve_conj().resolve_neg().contiguous() for n in names]
@@ -256,11 +255,7 @@ class Actor:
     ``peak_memory`` (the ledger's). Subclasses add their role's methods and extend ``ready``'s answer."""
 
     def __init__(self, rank: int, threads: int):
-        import os
-
         import torch
-
-        from es_ray.runtime.cluster import quiet_third_party
 
         quiet_third_party()  # run.verbose=false: before the role imports vLLM, whose import prints otherwise
         torch.set_num_threads(threads)
@@ -268,13 +263,9 @@ class Actor:
         self.rank = rank
 
     def ready(self) -> dict:
-        import os
-
         return {"rank": self.rank, "pid": os.getpid()}
 
     def peak_memory(self) -> dict:
-        from es_ray.runtime.ledger import process_peak_memory
-
         return process_peak_memory()
 
 

@@ -18,6 +18,7 @@ against the manifest (and refuses files it does not list) before a checkpoint is
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -25,14 +26,18 @@ import shutil
 import struct
 import tempfile
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from es_ray.core.manifest import (MANIFEST, CheckpointError, open_to_umask, sha256_file, verify_dir,  # noqa: F401
                                   verify_file)
+from es_ray.models import read_tensor, safetensors_index
 
 if TYPE_CHECKING:  # imported where tensors are read or written: a driver that lists checkpoints needs none
     import torch
+
+# torch is imported where tensors are saved or loaded: the driver lists and prunes checkpoints without it.
 
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
@@ -77,8 +82,6 @@ def publish_dir(tmp: str | Path, final: str | Path, digests: Mapping[str, str] |
     were written (``write_fp32_safetensors``), so they are not read again; the other files are hashed here, each
     fsynced and hashed in a thread of its own (both release the GIL: a large file's disk flush overlaps the hashing
     of the next)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     tmp, final = Path(tmp), Path(final)
     paths = {f.relative_to(tmp).as_posix(): f for f in sorted(p for p in tmp.rglob("*") if p.is_file())}
     paths.pop(MANIFEST, None)
@@ -169,8 +172,6 @@ def save_checkpoint(path: str | Path, weights: Mapping[str, torch.Tensor], model
 
     path = Path(path)
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    from es_ray.models import read_tensor, safetensors_index
-
     entries = {name: (tuple(t.shape), lambda t=t: t) for name, t in weights.items()}
     for name, (file, shape) in safetensors_index(model_dir).items():  # untrained tensors keep their source values
         entries.setdefault(name, (shape, functools.partial(read_tensor, file, name)))
@@ -202,9 +203,6 @@ def write_fp32_safetensors(file: Path, entries: Mapping[str, tuple[tuple[int, ..
     file's sha256, taken from the bytes as they are written: one helper thread hashes each tensor while it is
     written (hashing and writing both release the GIL), and the tensor is kept until its hash is done, so
     ``publish_dir`` need not read the file again."""
-    import hashlib
-    from concurrent.futures import ThreadPoolExecutor
-
     import torch
 
     header: dict = {"__metadata__": metadata}

@@ -3,16 +3,22 @@ the setting, within seconds, never a traceback from inside Ray) or a new local R
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from contextlib import contextmanager
 from typing import Callable
 from urllib.parse import urlparse
 
 from es_ray.core.config import QUIET_FLAG, ClusterConfig, ConfigError
+
+# Ray is imported where the cluster is reached: --help and a config error start without it.
 
 LOCAL_ADDRESSES = ("", "auto", "local")
 CONNECT_TIMEOUT_S = 5.0
@@ -100,9 +106,6 @@ def quiet_third_party() -> bool:
     whether it did (a verbose run, or a process outside a run, keeps everything)."""
     if os.environ.get(QUIET_FLAG) != "1":
         return False
-    import logging
-    import warnings
-
     for name in QUIET_ACTOR_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning, module=QUIET_WARNINGS)
@@ -138,8 +141,6 @@ def runtime_env(verbose: bool = True) -> dict:
 def connect(cluster: ClusterConfig, verbose: bool = False) -> None:
     """Join the cluster at cluster.address, or start a local Ray (a no-op when Ray is already initialised);
     ``verbose`` (run.verbose) lets third-party bars and banners through."""
-    import logging
-
     import ray
 
     if ray.is_initialized():
@@ -232,9 +233,6 @@ def _end_started(started: list) -> None:
     ``ray.shutdown`` after a start that timed out leaves its GCS and raylet (and the workers the raylet prestarted)
     running beside the retry's, for the life of the driver. A process in a session of its own goes with its group
     (the raylet's workers); one in the driver's group alone."""
-    import signal
-    import subprocess
-
     for proc in started:
         if proc.poll() is not None:
             continue

@@ -6,9 +6,21 @@ names what to change, and exit code 2; never a traceback.
 
 from __future__ import annotations
 
+import difflib
+import fnmatch
+import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Callable
+
+from es_ray.core.config import ConfigError
+from es_ray.core.config_docs import field_docs
+from es_ray.models import ModelNotFoundError
+from es_ray.tasks.base import TaskLoadError
+
+# Hydra and OmegaConf are imported inside the entry point's functions: a module that imports the error handling
+# (run_or_exit) loads no Hydra.
 
 
 def _conf_dir() -> Path:
@@ -22,10 +34,6 @@ CONF_DIR = _conf_dir()
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    from es_ray.models import ModelNotFoundError
-    from es_ray.core.config import ConfigError
-    from es_ray.tasks.base import TaskLoadError
-
     return ConfigError, ModelNotFoundError, TaskLoadError
 
 
@@ -137,8 +145,6 @@ def unknown_key_hint(key: str, known: set[str], groups: set[str], config_name: s
     es.population); for a section this command does not have, the commands that have it (es.population given to
     grpo-train is es-train's), never a look-alike from an unrelated section; else the closest key of any section.
     Call inside Hydra's initialize_config_dir (it composes the other entry points' configs)."""
-    import difflib
-
     section = key.split(".")[0]
     prog = config_name.replace("_", "-")
     tail = f"(`{prog} --help` lists every key and preset)"
@@ -227,8 +233,6 @@ def _unparsable(text: str) -> bool:
 
 def _one_line(exc: BaseException) -> str:
     """Hydra's message without its indented details, its 'where' preamble and its pointers to docs."""
-    import re
-
     lines = [line.strip() for line in str(exc).splitlines()
              if line.strip() and not line[0].isspace() and "HYDRA_FULL_ERROR" not in line
              and not line.startswith(("See https", "Error merging override", "Could not override"))]
@@ -288,12 +292,7 @@ def help_text(prog: str, config_name: str, overrides: list[str] | tuple[str, ...
 def key_lines(cfg: Any, unread: tuple[str, ...] = (), prefix: str = "") -> list[str]:
     """``key=value`` and the field's docstring, indented, for every leaf key of a composed structured config not
     matched by the ``unread`` patterns (fnmatch); a blank line after each section."""
-    import fnmatch
-    import textwrap
-
     from omegaconf import DictConfig, OmegaConf
-
-    from es_ray.core.config_docs import field_docs
 
     schema = OmegaConf.get_type(cfg)
     docs = field_docs(schema) if isinstance(schema, type) and schema is not dict else {}

@@ -48,11 +48,15 @@ Actors report their memory with ``process_peak_memory``.
 from __future__ import annotations
 
 import json
+import os
+import resource
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from es_ray.runtime.tracking import Timer
+
+# torch is imported to read the device's peak memory only: the ledger is written without it.
 
 FIELDS = ("method", "finished", "start_step", "steps", "steps_computed", "wall_s", "startup_s", "phase_seconds",
           "tokens_generated", "tokens_generated_eval", "tokens_backpropagated", "device_kind", "device_seconds",
@@ -65,9 +69,6 @@ SUMMED = ("wall_s", "startup_s", "tokens_generated", "tokens_generated_eval", "t
 
 def process_peak_memory() -> dict:
     """Peak memory of the calling process: resident set (bytes) and, with CUDA, peak GPU allocation (bytes)."""
-    import os
-    import resource
-
     out: dict = {"pid": os.getpid(), "peak_rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
                  "peak_gpu_bytes": None}
     try:

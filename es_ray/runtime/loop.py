@@ -22,24 +22,33 @@ checkpoint) and keeps nothing else: ``es_ray.es.driver.ESRun``, ``es_ray.grpo.dr
 from __future__ import annotations
 
 import json
+import math
+import re
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from es_ray.core.config import ConfigError
+from es_ray.held_out import write_base_point
+from es_ray.memory_plan import startup_check
+from es_ray.models import resolve_model, safetensors_index
+from es_ray.runtime import cluster
+from es_ray.runtime.actors import ActorLostError
+from es_ray.runtime.checkpoint import checkpoint_dirs, dir_bytes, keep_as, mark_kept_final, prune_checkpoints, read_meta
+from es_ray.runtime.ledger import Ledger, earlier_segments
 from es_ray.runtime.names import REWARD_MEAN, held_out_row
+from es_ray.runtime.rundir import RunDirError, open_run_dir, resume_command, unlock_run_dir, write_error
+from es_ray.runtime.signals import InterruptGuard, Interrupted
+from es_ray.runtime.tracking import Tracker
+from es_ray.tasks import load_task
 
 
 def prepare(cfg: Any, method: str, resume_free: Iterable[str] = (),
             preflight: Callable[[Path], None] | None = None) -> Path:
     """Everything a run checks before it starts an actor; returns the opened run dir. ``preflight`` is the method's
     own check against the converted model (e.g. low rank's es.rank against the layers)."""
-    from es_ray.memory_plan import startup_check
-    from es_ray.runtime.rundir import open_run_dir
-
     startup_check(method, cfg)  # the memory plan against the device, before any model is fetched or loaded
     if not cfg.cluster.address:  # fail fast on this machine; on a remote cluster the actors check
-        from es_ray.models import resolve_model
-        from es_ray.tasks import load_task
-
         model_dir = resolve_model(cfg.model.path)  # also converts the embedded model once, before actors start
         load_task(cfg.task)
         if preflight is not None:
@@ -61,8 +70,6 @@ def _spans(steps: list[int]) -> str:
 def one_line(exc: BaseException) -> str:
     """``Type: message`` of an error on one line, for the ledger's stop: an actor's error (Ray's RayTaskError, whose
     text is its traceback, colour codes included) is given by its cause."""
-    import re
-
     err = getattr(exc, "cause", None) or exc
     lines = [x.strip() for x in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if x.strip()]
     return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
@@ -142,14 +149,6 @@ class Training:
 
     # -- the skeleton --------------------------------------------------------------------------------------------
     def run(self) -> dict:
-        from es_ray.held_out import write_base_point
-        from es_ray.runtime.actors import ActorLostError
-        from es_ray.runtime.cluster import connect
-        from es_ray.runtime.ledger import Ledger, earlier_segments
-        from es_ray.runtime.rundir import unlock_run_dir, write_error
-        from es_ray.runtime.signals import Interrupted, InterruptGuard
-        from es_ray.runtime.tracking import Tracker
-
         cfg = self.cfg
         finished_before = self._nothing_left()
         if finished_before is not None:  # no Ray, no replay, no new ledger segment
@@ -160,7 +159,7 @@ class Training:
                                                  self.unit) if cfg.run.resume else ([], ""))
         self.ledger = ledger = Ledger(self.method, self.start, earlier)
         disk_note = self.check_disk()  # refused here, before the cluster starts, when the checkpoints cannot fit
-        connect(cfg.cluster, cfg.run.verbose)
+        cluster.connect(cfg.cluster, cfg.run.verbose)
         self.tracker = Tracker(self.run_dir, self.total, cfg, cfg.run.trackers, cfg.run.progress, desc=self.method,
                                start=self.start, unit=self.unit)
         if disk_note:
@@ -304,8 +303,6 @@ class Training:
     # -- checkpoints in bounds (run.keep_checkpoints) ------------------------------------------------------------
     def prune(self) -> None:
         """run.keep_checkpoints: the numbered checkpoints beyond the newest k are deleted (final never)."""
-        from es_ray.runtime.checkpoint import prune_checkpoints
-
         gone = prune_checkpoints(self.run_dir / "checkpoints", self.checkpoint_prefix, self.cfg.run.keep_checkpoints)
         if gone:
             self.tracker.message(f"{self.method}: removed {', '.join(d.name for d in gone)} (run.keep_checkpoints="
@@ -315,8 +312,6 @@ class Training:
         """A finished run extended: its earlier final is kept as <prefix>_<its steps> (hard links: no second copy
         on disk) before the new final replaces it, and recorded so run.keep_checkpoints never deletes it (else an
         extension with more periodic checkpoints than the bound would delete it as soon as it was kept)."""
-        from es_ray.runtime.checkpoint import keep_as, mark_kept_final, read_meta
-
         if not final.is_dir():
             return
         try:
@@ -334,11 +329,6 @@ class Training:
         model's weights) against the free space of run.dir for those this run keeps at once; a run whose
         checkpoints cannot fit is refused (ConfigError naming the keys). Returns the line to print ('' when no
         estimate: a model this machine does not hold)."""
-        import shutil
-
-        from es_ray.core.config import ConfigError
-        from es_ray.runtime.checkpoint import checkpoint_dirs, dir_bytes
-
         run = self.cfg.run
         present = checkpoint_dirs(self.run_dir / "checkpoints")
         per, how = (dir_bytes(present[-1]), f"as {present[-1].name}") if present else (self.estimate_bytes(), "")
@@ -362,12 +352,8 @@ class Training:
     def estimate_bytes(self) -> int:
         """``checkpoint_copies`` x 4 bytes x the model's parameters (read from its safetensors headers), where this
         machine holds the model (0 otherwise, or with no copies declared)."""
-        import math
-
         if not self.checkpoint_copies or self.cfg.cluster.address:
             return 0
-        from es_ray.models import resolve_model, safetensors_index
-
         try:
             index = safetensors_index(resolve_model(self.cfg.model.path))
         except Exception:  # noqa: BLE001 - only an estimate: the actors check the model themselves
@@ -403,8 +389,6 @@ class Training:
     def _write_failed(self, err: OSError):
         """A write into the run dir failed (no space, a quota, read-only): the error to raise, one line naming the
         fix and the resume command (what is committed stays: every file is replaced whole or cut back on resume)."""
-        from es_ray.runtime.rundir import RunDirError, resume_command
-
         where = err.filename or "a file of the run (a checkpoint, or a log)"
         return RunDirError(f"{self.method}: writing into run.dir={self.run_dir} failed: {err.strerror} ({where}); "
                            f"{self.done} {self.unit}(s) are committed{self.stop_note()}. Free space on that file "
@@ -415,9 +399,6 @@ class Training:
         """After SIGTERM / Ctrl-C, or an actor lost for good (its node gone and no room for a replacement): a
         checkpoint of the completed steps (a step and what must follow it are never split by a signal), then exit
         non-zero with the resume command."""
-        from es_ray.runtime.actors import ActorLostError
-        from es_ray.runtime.rundir import resume_command
-
         done = self.done
         if self.guard is not None:  # the step that ran at the signal is recorded: the checkpoint's own grace
             self.guard.rearm()

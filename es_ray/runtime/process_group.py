@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
+# torch.distributed is imported inside these functions: they run in the learner's actors, and this module is imported
+# without torch.
+
 
 @dataclass
 class OwnGroup:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import fcntl
+import functools
 import json
 import math
 import shlex
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from es_ray.core.config import ConfigError, flatten
+
+# Hydra and OmegaConf are imported where a saved config is composed again: opening a run dir needs neither.
 
 # Settings that never change what a run computes (display, logging, where the cluster is, the cadence of extra
 # checkpoints): es-compare ignores them when it checks a finished stage against the command.
@@ -142,8 +146,6 @@ def lock_run_dir(run_dir: Path, method: str) -> None:
     would append the same iterations to one seed log and race on its checkpoints. The kernel drops the lock when
     its process dies (SIGKILL included), so a stopped run never leaves it held. A file system without flock (some
     FUSE mounts) runs unlocked, as before."""
-    import fcntl
-
     path = run_dir / "config.json"
     if run_dir in _held_locks or not path.is_file():  # held already (a test, es-compare's stages); no run yet
         return
@@ -184,8 +186,6 @@ def releases_run_dir(fn: Callable) -> Callable:
     """``fn`` (a program's run: es-eval, es-drift, es-interpolate) gives back every run dir lock it took
     (``open_run_dir``) however it ends, as ``held`` does for the training drivers: es-compare runs them in its own
     process, which lives on, as a notebook does. A hold this process had before the call is kept."""
-    import functools
-
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         before = set(_held_locks)

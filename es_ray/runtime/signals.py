@@ -22,6 +22,8 @@ import signal
 import threading
 from contextlib import contextmanager
 
+# Ray is imported where a forced exit stops it: the guard works without Ray.
+
 
 class Interrupted(BaseException):
     """SIGTERM or SIGINT reached the driver (a BaseException, like KeyboardInterrupt, so nothing swallows it)."""

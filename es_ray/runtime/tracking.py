@@ -19,18 +19,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import netrc
 import numbers
 import os
 import re
+import sys
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from es_ray.core.config import flatten
 from es_ray.core.registry import Registry
 from es_ray.runtime.names import HELD_OUT_ENTROPY, HELD_OUT_PASS1, HELD_OUT_REWARD, REWARD_MEAN
+
+# The tracker backends (wandb, mlflow, tensorboard) are optional and heavy, and tqdm and the tasks are needed only by
+# the bars and the held-out rows: each is imported where it is used.
+
 
 def _scalars(metrics: dict) -> dict[str, float]:
     """The finite numbers of a metrics row (bools as 0/1): what the backends can plot."""
@@ -126,9 +133,6 @@ class WandbBackend:
             return os.environ["WANDB_MODE"]
         if os.environ.get("WANDB_API_KEY"):
             return None
-        import netrc
-        from urllib.parse import urlparse
-
         host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
         try:
             return None if netrc.netrc().authenticators(host) else "offline"
@@ -149,8 +153,6 @@ class MlflowBackend:
     _MAX_VALUE = 500  # the parameter value limit of older MLflow servers (newer ones take 6000)
 
     def __init__(self, run_dir: Path, params: dict[str, Any], job: str):
-        from urllib.parse import urlparse
-
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -204,8 +206,6 @@ SHOWN_AS = {HELD_OUT_REWARD: "heldout_reward", HELD_OUT_PASS1: "heldout_pass@1"}
 
 def on_terminal() -> bool:
     """Whether stderr is a terminal (a bar there; plain lines for a log file)."""
-    import sys
-
     return sys.stderr.isatty()
 
 
