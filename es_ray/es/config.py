@@ -14,10 +14,18 @@ from typing import TYPE_CHECKING, Any
 from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, HeldOutConfig, ModelConfig,
                                 RunConfig, SamplingConfig, TaskConfig, check_positive, to_config)
 from es_ray.core.registry import Registry
+from es_ray.engines import ENGINES, engines_that
+from es_ray.metrics.coverage import FITNESS_BASELINES, check_objective
+from es_ray.noise_kinds import ES_NOISE, NOISE_SCOPES, check_reference_noise
+from es_ray.perturbation import PERTURBATIONS
+from es_ray.replica_spec import ReplicaSpec
 from es_ray.runtime.validation import validate_trainer
+from es_ray.strategy import OPTIMIZERS, SHAPERS
 
 if TYPE_CHECKING:
     from es_ray.replica_spec import ReplicaSpec
+
+# Hydra's ConfigStore is imported by register_configs only: the schema converts and checks without Hydra.
 
 ESTIMATORS = Registry("es.estimator", {
     "one_point": "each member's own noise, the update sum_i f_i eps_i / (N sigma) (the paper's)",
@@ -137,18 +145,11 @@ class ESTrainConfig:
 def replica_spec(cfg: ESTrainConfig) -> ReplicaSpec:
     """The replica's settings from the ES config, the one place a ``ReplicaSpec`` is built: each field reads the key
     its metadata names (``es.sigma``, ``run.seed``, ...)."""
-    from es_ray.replica_spec import ReplicaSpec
-
     return ReplicaSpec(**{f.name: functools.reduce(getattr, f.metadata["config"].split("."), cfg)
                           for f in fields(ReplicaSpec)})
 
 
 def validate(cfg: ESTrainConfig) -> ESTrainConfig:
-    from es_ray.perturbation import PERTURBATIONS
-    from es_ray.noise_kinds import ES_NOISE, NOISE_SCOPES, check_reference_noise
-    from es_ray.metrics.coverage import FITNESS_BASELINES, check_objective
-    from es_ray.strategy import OPTIMIZERS, SHAPERS
-
     es = cfg.es
     if es.population < 2:
         raise ConfigError(f"es.population={es.population}: ES needs at least 2 members; set es.population>=2")
@@ -190,8 +191,6 @@ def check_population_engine(cfg: ESTrainConfig) -> None:
     """es.perturbation=lowrank: a rank of at least 1, and an engine that batches a population (the engine's
     ``lowrank_ranks``: the ranks it can serve, None for any). The rank's upper bound, min(out, in) of the model's
     linear layers, is checked where the model is at hand (``es_ray.es.driver.preflight`` and every replica)."""
-    from es_ray.engines import ENGINES, engines_that
-
     traits = ENGINES.get(cfg.engine.name)
     if cfg.es.rank < 1:
         raise ConfigError(f"es.rank={cfg.es.rank}: the rank of a low-rank perturbation must be >= 1 (e.g. es.rank=8)")

@@ -17,15 +17,26 @@ from typing import Callable
 
 import numpy as np
 
+from es_ray.core.config import ConfigError
 from es_ray.es.config import ESTrainConfig, replica_spec
 from es_ray.es.protocol import EvalRequest, SeedRecord
-from es_ray.es.recovery import RESUME_FREE, ReplicaMismatchError, seed_log_row
+from es_ray.es.recovery import RESUME_FREE, ReplicaKeeper, ReplicaMismatchError, resume_point, seed_log_row
+from es_ray.es.state import SeedLog
 from es_ray.es.worker import ESWorker
-from es_ray.runtime.actors import POLL_S, read_progress
-from es_ray.runtime.loop import Training
+from es_ray.held_out import held_out_seed
+from es_ray.metrics.coverage import member_fitness
+from es_ray.models import safetensors_index
+from es_ray.noise_kinds import PORTABLE_KINDS
+from es_ray.perturbation import PERTURBATIONS
+from es_ray.runtime import actors
+from es_ray.runtime import placement as placements
+from es_ray.runtime.actors import POLL_S, ActorLostError, read_progress
+from es_ray.runtime.loop import Training, prepare
+from es_ray.runtime.rundir import held
 from es_ray.runtime.signals import interrupt_soon
 from es_ray.runtime.tracking import Timer
 from es_ray.strategy import Member, ask, shape_fitness
+from es_ray.tasks.base import epoch_prompts
 
 
 def assign(members: list[Member], num_actors: int) -> list[list[Member]]:
@@ -39,8 +50,6 @@ def assign(members: list[Member], num_actors: int) -> list[list[Member]]:
 def prompt_ids(cfg: ESTrainConfig, iteration: int, pool_size: int) -> tuple[int, ...]:
     """The iteration's training prompts: the whole pool if it fits, else the iteration's slice of the epochs, each
     a pass over the pool in a seeded order (``epoch_prompts``, the same as GRPO's)."""
-    from es_ray.tasks.base import epoch_prompts
-
     k = cfg.es.prompts_per_iteration
     if k >= pool_size:
         return tuple(range(pool_size))
@@ -54,18 +63,15 @@ def sample_seed(cfg: ESTrainConfig, iteration: int) -> int:
 def start_workers(cfg: ESTrainConfig, keeper, log=print, placement=None):
     """One ES actor per bundle of the run's placement group (the fit checked first); a replacement is rebuilt by
     ``keeper.restore``. Returns the actor group and the actors' ready() answers."""
-    from es_ray.runtime.actors import start_group
-    from es_ray.runtime.placement import place
-
     # a replacement started during iteration t is immune to the injected faults of iterations up to t
     def make_args(rank: int) -> tuple:
         return (cfg, rank, keeper.committed if keeper.group is not None else -1)
 
-    placement = placement or place(cfg.cluster, "es")
+    placement = placement or placements.place(cfg.cluster, "es")
     advice = (f"The seed log holds every committed iteration: continue later with run.resume=true "
               f"run.dir={keeper.run_dir}")
-    group, infos = start_group("es", ESWorker, cfg.cluster.num_actors, make_args, placement, cfg.faults, log=log,
-                               restore=keeper.restore, lost_advice=advice)
+    group, infos = actors.start_group("es", ESWorker, cfg.cluster.num_actors, make_args, placement, cfg.faults,
+                                      log=log, restore=keeper.restore, lost_advice=advice)
     keeper.group = group
     return group, infos
 
@@ -129,10 +135,6 @@ def tell(keeper, record: SeedRecord, cfg: ESTrainConfig):
 
 def run(cfg: ESTrainConfig) -> dict:
     """es-train: the runtime's run skeleton (``es_ray.runtime.loop``) around the ES iteration."""
-    from es_ray.es.recovery import resume_point
-    from es_ray.runtime.loop import prepare
-    from es_ray.runtime.rundir import held
-
     run_dir = prepare(cfg, "es", RESUME_FREE, lambda model_dir: preflight_perturbation(cfg, model_dir))
     with held(run_dir):  # released however the run ends, a failure before its first iteration included
         return ESRun(cfg, run_dir, resume_point(cfg, run_dir)).run()
@@ -153,14 +155,10 @@ class ESRun(Training):
 
     def start_actors(self, guard) -> None:
         """Start the actors (models loaded), rebuild them to the resume point."""
-        from es_ray.es.recovery import ReplicaKeeper
-        from es_ray.es.state import SeedLog
-        from es_ray.runtime.placement import place
-
         cfg, point, tracker = self.cfg, self.point, self.tracker
         self.seed_log = SeedLog(self.run_dir / "seed_log.jsonl")
         self.keeper = ReplicaKeeper(self.run_dir, tracker, point)
-        self.placement = place(cfg.cluster, "es")
+        self.placement = placements.place(cfg.cluster, "es")
         group, infos = start_workers(cfg, self.keeper, tracker.message, self.placement)
         group.check_interrupt = guard.check
         check_noise_devices(cfg, infos)
@@ -179,8 +177,6 @@ class ESRun(Training):
         return iteration(self.cfg, self.keeper, t, self.pool, self.seed_log, guard, self.record, show)
 
     def evaluate_held_out(self) -> dict:
-        from es_ray.held_out import held_out_seed
-
         return self.keeper.group.call(0, ESWorker.evaluate_center, "eval", held_out_seed(self.cfg.run.seed))
 
     def save(self, path: Path, done: int) -> str:
@@ -190,8 +186,6 @@ class ESRun(Training):
         """Stop the actors' work and checkpoint the committed iterations from a live actor. The seed log is already
         complete up to the last committed iteration (an update and its log line are never split by a signal), so
         resuming is exact even if a second signal cuts this checkpoint short."""
-        from es_ray.runtime.actors import ActorLostError
-
         keeper = self.keeper
         if keeper is None or keeper.group is None or done <= keeper.base_iteration or not keeper.group.live_ranks:
             return ""
@@ -231,8 +225,6 @@ def preflight_perturbation(cfg: ESTrainConfig, model_dir) -> None:
     """What the es.perturbation mode checks against the model (low rank: es.rank against min(out, in) of the
     trainable linear layers), read from the checkpoint's headers, before any actor starts (each replica checks it
     again)."""
-    from es_ray.models import safetensors_index
-
     spec = replica_spec(cfg)
     spec.kind.check_model(cfg.es.rank, lambda: {n: shape for n, (_, shape) in safetensors_index(model_dir).items()
                                                 if spec.selects(n)})
@@ -244,13 +236,8 @@ def check_noise_devices(cfg: ESTrainConfig, infos: list[dict]) -> None:
     the replicas would differ from iteration 0. counter is the same everywhere. es.perturbation=lowrank is refused on
     a mixed set whatever the noise: its update is one matmul of the factors (``lowrank.gradient``), whose rounding
     depends on the device's GEMM kernels, so the replicas would differ after the first update."""
-    from es_ray.core.config import ConfigError
-    from es_ray.noise_kinds import PORTABLE_KINDS
-
     kinds = sorted({i.get("noise", cfg.es.noise) for i in infos})
     devices = sorted({(i.get("device", "cpu"), i.get("sm_count", 0)) for i in infos})
-    from es_ray.perturbation import PERTURBATIONS
-
     lowrank = PERTURBATIONS.get(cfg.es.perturbation).factored
     if (set(kinds) <= PORTABLE_KINDS and not lowrank) or len(devices) < 2 or not any(sm for _, sm in devices):
         return
@@ -299,8 +286,6 @@ def iteration(cfg: ESTrainConfig, keeper, t: int, pool: int, seed_log, guard, re
 def raw_fitness(results, baseline: str) -> np.ndarray:
     """[N] fitness before shaping: each member's objective over its prompts (``MemberResult.fitness``), or with a
     per-prompt baseline the mean over prompts of its values after the baseline (es_ray.metrics.coverage)."""
-    from es_ray.metrics.coverage import member_fitness
-
     if baseline == "none":
         return np.array([r.reward if r.fitness is None else r.fitness for r in results], dtype=np.float64)
     return member_fitness(np.array([r.prompt_values for r in results], dtype=np.float64), baseline)

@@ -11,9 +11,12 @@ import time
 from typing import TYPE_CHECKING
 
 from es_ray.es.config import ESFaultsConfig
+from es_ray.runtime.ledger import process_peak_memory
 
 if TYPE_CHECKING:
     from es_ray.engines.base import ReplicaHost
+
+# Ray and torch are imported by the fault that needs them: the driver imports this module without them.
 
 KILL_EXIT_CODE = 75
 
@@ -65,8 +68,6 @@ MEMORY_KILL = ("Task was killed due to the node running out of memory.\nMemory o
 def raise_memory_kill(where: str) -> None:
     """Fail the call as Ray's memory monitor does (faults.kill_actor_by=oom): its exception type and message."""
     import ray
-
-    from es_ray.runtime.ledger import process_peak_memory
 
     rss = (process_peak_memory().get("peak_rss_bytes") or 0) / 2**30
     print(f"faults: actor process {os.getpid()} fails with Ray's OutOfMemoryError {where} "

@@ -103,8 +103,6 @@ def resume_point(cfg: ESTrainConfig, run_dir: Path) -> ResumePoint:
 def seed_log_row(rewards_n, fitness_n, checksum: str) -> dict:
     """The entries of an iteration's metrics row its seed-log line determines (rewards, shaped fitness, checksum):
     what a resume rebuilds a lost row from."""
-    import numpy as np
-
     rewards_n, fitness_n = np.asarray(rewards_n, dtype=np.float64), np.asarray(fitness_n, dtype=np.float64)
     return {REWARD_MEAN: float(rewards_n.mean()), REWARD_STD: float(rewards_n.std()),
             "reward/max": float(rewards_n.max()), "reward/min": float(rewards_n.min()),

@@ -24,9 +24,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from es_ray.es.protocol import SeedRecord, UpdateRequest
+from es_ray.models import read_tensor, safetensors_index
+from es_ray.runtime.checkpoint import (MANIFEST, checkpoints_by_step, load_state, meta_file, save_checkpoint,
+                                       staging_dir, state_file, verify_dir, write_fp32_safetensors)
 
 if TYPE_CHECKING:  # torch is imported where tensors are read: the driver's seed log and checkpoint list need none
     import torch
+
+# torch, safetensors and the replica are imported where a checkpoint is written or read: the driver reads the seed log
+# and plans a resume without torch (tests/test_layers.py).
 
 DIGEST_KEY = "sha256"
 STATE_TENSORS = "es_state.tensors"
@@ -116,8 +122,6 @@ def replay_request(record: dict) -> UpdateRequest:
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path, dict]]:
     """(iteration, path, meta) of every published ES checkpoint under run_dir/checkpoints, oldest first (what a
     killed save left behind is cleaned up first; each meta's digest is checked)."""
-    from es_ray.runtime.checkpoint import checkpoints_by_step
-
     return checkpoints_by_step(Path(run_dir, "checkpoints"), "es", "iteration")
 
 
@@ -136,8 +140,6 @@ class FileTensors(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         import torch
-
-        from es_ray.models import read_tensor
 
         file, key, _ = self.index[name]
         return read_tensor(file, key, self.parts.get(name)).to(torch.float32)
@@ -164,8 +166,6 @@ class LazyTensors(FileTensors):
     reads the embedding."""
 
     def __init__(self, model_dir: str | Path):
-        from es_ray.models import safetensors_index
-
         index = {name: (file, name, shape) for name, (file, shape) in safetensors_index(model_dir).items()}
         if "lm_head.weight" not in index and "model.embed_tokens.weight" in index:
             index["lm_head.weight"] = index["model.embed_tokens.weight"]
@@ -217,8 +217,6 @@ def load_es_state(path: str | Path) -> dict:
     ``FileTensors``; in a checkpoint written before es_state.tensors, es_state.pt is memory-mapped, ``load_state``):
     nothing is read whole up front.
     """
-    from es_ray.runtime.checkpoint import MANIFEST, load_state, meta_file, state_file, verify_dir
-
     path = Path(path)
     extra = {"optimizer": {"t": 0, "state": {}}, "theta0": None}
     if any((path / f).is_file() for f in (MANIFEST, meta_file("es"), state_file("es"))):  # a checkpoint
@@ -256,8 +254,6 @@ def state_parts(state: dict) -> dict:
 
 def file_parts(part: dict) -> dict:
     """A part written to files (``write_state_part``: {"t", "tensors": key -> (file, shard)}) with readers."""
-    from es_ray.models import read_tensor
-
     return {"t": int(part["t"]), "tensors": {key: (shard, functools.partial(read_tensor, file, key))
                                              for key, (file, shard) in part["tensors"].items()}}
 
@@ -269,8 +265,6 @@ def save_es_checkpoint_parts(path: str | Path, write_parts: Callable[[str], list
     is then assembled from its parts and written (model.safetensors by HF name, the optimizer's moments and theta_0
     into es_state.tensors) before the next is read, so the writer holds one tensor and its parts, never the state.
     The parts are deleted."""
-    from es_ray.runtime.checkpoint import staging_dir
-
     tmp = staging_dir(path)
     try:
         parts = [file_parts(p) for p in write_parts(str(tmp))]
@@ -288,7 +282,6 @@ def save_es_checkpoint(path: str | Path, state: dict, model_dir: str | Path, met
 
 def _save_parts(path: str | Path, parts: list[dict], model_dir: str | Path, meta: dict) -> Path:
     from es_ray.replica import gather_shards
-    from es_ray.runtime.checkpoint import save_checkpoint, write_fp32_safetensors
 
     steps = {p["t"] for p in parts}
     if len(steps) != 1:

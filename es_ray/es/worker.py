@@ -14,10 +14,20 @@ from dataclasses import asdict
 import numpy as np
 
 from es_ray.es.config import ESTrainConfig, replica_spec
+from es_ray.es.faults import FaultInjector
 from es_ray.es.protocol import EvalRequest, EvalResult, MemberResult, UpdateRequest, UpdateResult
+from es_ray.es.state import load_es_state, save_es_checkpoint, save_es_checkpoint_parts
+from es_ray.held_out import held_out_scores
+from es_ray.metrics.coverage import prompt_values
+from es_ray.models import resolve_model
 from es_ray.perturbation import PERTURBATIONS
 from es_ray.runtime.actors import Actor, actor_threads, report_progress
+from es_ray.runtime.checkpoint import CheckpointError, read_meta
+from es_ray.tasks import load_task
 from es_ray.tasks.base import score, templated_prompts
+
+# Ray, torch, the engine and the noise are imported inside the actor: the driver imports ESWorker (the class it starts)
+# without torch (tests/test_layers.py).
 
 
 class ESWorker(Actor):
@@ -27,9 +37,6 @@ class ESWorker(Actor):
         """``immune_through``: a replacement started during iteration t ignores injected faults up to t."""
         super().__init__(rank, actor_threads(cfg.engine, cfg.cluster))
         from es_ray.engines.base import make_engine
-        from es_ray.es.faults import FaultInjector
-        from es_ray.models import resolve_model
-        from es_ray.tasks import load_task
 
         self.cfg = cfg
         self.faults = FaultInjector(cfg.faults, rank, immune_through)
@@ -71,8 +78,6 @@ class ESWorker(Actor):
         return [i for i in prompt_ids for _ in range(self.cfg.es.samples_per_prompt)]
 
     def _member_result(self, index: int, completions, prompt_ids) -> MemberResult:
-        from es_ray.metrics.coverage import prompt_values
-
         problems, es, task = self.task.train, self.cfg.es, self.cfg.task
         rows = self._repeat(prompt_ids)
         rewards, errors = score(self.task, [c.text for c in completions], [problems[i] for i in rows])
@@ -127,8 +132,6 @@ class ESWorker(Actor):
 
     def evaluate_center(self, split: str, seed: int) -> dict:
         """The unperturbed weights on a whole split (the held-out curve: es_ray.held_out)."""
-        from es_ray.held_out import held_out_scores
-
         problems = self.task.eval if split == "eval" else self.task.train
         return held_out_scores(self.engine, self.task, self._prompts[split], problems, self.cfg.eval,
                                self.cfg.sampling.max_new_tokens, seed)
@@ -155,8 +158,6 @@ class ESWorker(Actor):
     def save_checkpoint(self, path: str, extra: dict) -> str | dict:
         """The replica as checkpoint ``path`` of iteration ``extra["iteration"]``; ``{"at": i}`` instead when the
         replica holds the weights of iteration i (an update the run did not commit: lost mid-update)."""
-        from es_ray.es.state import save_es_checkpoint, save_es_checkpoint_parts
-
         if extra["iteration"] != self.applied + 1:
             return {"at": self.applied + 1}
         meta = {**extra, "checksum": self.replica.checksum(), "engine": asdict(self.cfg.engine)}
@@ -175,10 +176,6 @@ class ESWorker(Actor):
         ``{"unreadable": checkpoint}`` when this node cannot read that checkpoint (no shared disk), so the
         driver can send the whole log instead; ``{"refused": why}`` when a file fails its digest.
         """
-        from es_ray.es.state import load_es_state
-
-        from es_ray.runtime.checkpoint import CheckpointError, read_meta
-
         t0 = time.perf_counter()
         source = checkpoint or str(self.model_dir)
         if not os.path.isfile(os.path.join(source, "config.json")):

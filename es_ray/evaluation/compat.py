@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from es_ray.core.config import ConfigError
+from es_ray.models import safetensors_index
 
 ARCHITECTURE_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
@@ -41,8 +42,6 @@ def check_same_vocabulary(a: Path, b: Path, a_key: str, b_key: str) -> None:
 def check_same_architecture(a: Path, b: Path, a_key: str, b_key: str) -> dict[str, tuple[int, ...]]:
     """Refuse two checkpoints that differ in architecture, tokenizer or tensor names and shapes; returns the shared
     name -> shape."""
-    from es_ray.models import safetensors_index
-
     ca, cb = _json(Path(a) / "config.json"), _json(Path(b) / "config.json")
     differ = [k for k in ARCHITECTURE_KEYS if ca.get(k) != cb.get(k)]
     if differ:

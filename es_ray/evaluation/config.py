@@ -10,7 +10,9 @@ from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultP
 from es_ray.core.registry import Registry
 from es_ray.runtime.validation import validate_cluster, validate_engine, validate_run
 from es_ray.grading.boxed import ANSWER_MODES
-from es_ray.tasks import EVAL_TASKS
+from es_ray.tasks import EVAL_TASKS, TASKS
+
+# Hydra's ConfigStore is imported by register_configs only: the schema converts and checks without Hydra.
 
 
 # Hub datasets that need their terms accepted (and a token) before they download: not in the default task list.
@@ -93,8 +95,6 @@ def validate_eval(cfg: EvalJobConfig) -> EvalJobConfig:
     ev = cfg.eval
     if not ev.tasks:
         raise ConfigError("eval.tasks is empty; list at least one task, e.g. eval.tasks=[gsm8k]")
-    from es_ray.tasks import TASKS
-
     for name in ev.tasks:
         if ":" not in name:
             TASKS.check(name, "eval.tasks")

@@ -10,13 +10,19 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from es_ray.evaluation.config import DriftJobConfig
-from es_ray.runtime.rundir import releases_run_dir
+from es_ray.core.dtypes import resolve_dtype
+from es_ray.evaluation.config import DriftJobConfig, register_configs, to_drift_config
+from es_ray.metrics.plots import checkpoint_label, plot_update_histograms
+from es_ray.models import resolve_model, safetensors_index
+from es_ray.runtime.entry import TRAINING_RUN_KEYS, hydra_main, run_or_exit
+from es_ray.runtime.rundir import open_run_dir, releases_run_dir
+from es_ray.runtime.tracking import shows_bar
+
+# torch-backed modules (the drift metrics, safetensors) and tqdm are imported when the drift is computed: --help and a
+# config error need none of them.
 
 
 def _tensor_index(model_dir: Path) -> dict[str, Path]:
-    from es_ray.models import safetensors_index
-
     return {name: Path(file) for name, (file, _) in safetensors_index(model_dir).items()}
 
 
@@ -25,12 +31,7 @@ def run_drift(cfg: DriftJobConfig) -> dict:
     """drift.json and drift_hist.png for base -> tuned, streaming one tensor pair at a time."""
     from safetensors import safe_open
 
-    from es_ray.core.dtypes import resolve_dtype
     from es_ray.metrics.drift import drift
-    from es_ray.runtime.tracking import shows_bar
-    from es_ray.metrics.plots import checkpoint_label, plot_update_histograms
-    from es_ray.models import resolve_model
-    from es_ray.runtime.rundir import open_run_dir
 
     base_dir, tuned_dir = resolve_model(cfg.base), resolve_model(cfg.tuned)
     run_dir = open_run_dir(cfg, "drift")  # run.dir, else <run.root>/drift-<timestamp>; another run's is refused
@@ -84,18 +85,12 @@ def drift_summary(report: dict) -> str:
 
 
 def _main(dict_cfg) -> None:
-    from es_ray.evaluation.config import to_drift_config
-    from es_ray.runtime.entry import run_or_exit
-
     report = run_or_exit("es-drift", lambda: run_drift(to_drift_config(dict_cfg)))
     print(drift_summary(report))
     print(f"es-drift: drift.json and drift_hist.png in {report['run_dir']}")
 
 
 def main() -> None:
-    from es_ray.evaluation.config import register_configs
-    from es_ray.runtime.entry import TRAINING_RUN_KEYS, hydra_main
-
     # a comparison of two checkpoints: no seed, no trackers, nothing to resume or stop early
     hydra_main("es_drift", _main, "es-drift", register_configs,
                unread=(*TRAINING_RUN_KEYS, "run.seed", "run.trackers"))

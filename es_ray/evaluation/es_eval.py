@@ -15,7 +15,9 @@ samples.jsonl to run.dir.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -24,10 +26,26 @@ from pathlib import Path
 import numpy as np
 
 from es_ray.engines import ENGINES
-from es_ray.evaluation.config import EvalJobConfig
-from es_ray.runtime.rundir import releases_run_dir
+from es_ray.evaluation.compat import check_same_vocabulary
+from es_ray.evaluation.config import EvalJobConfig, register_configs, to_eval_config
+from es_ray.grading.mathverify import close_default_pool
+from es_ray.grading.result import FAILURE_KINDS
+from es_ray.grading.sandbox import isolation
+from es_ray.metrics.passk import maj_at_k, mean_pass_at_k
+from es_ray.metrics.report import results_markdown
+from es_ray.models import resolve_model
+from es_ray.runtime import actors, cluster
+from es_ray.runtime import placement as placements
+from es_ray.runtime.cluster import LOCAL_ADDRESSES
+from es_ray.runtime.entry import TRAINING_RUN_KEYS, hydra_main, run_or_exit
+from es_ray.runtime.rundir import open_run_dir, releases_run_dir
 from es_ray.evaluation.worker import (Chunk, EvalWorker, entropy_temperatures, in_eval_keys, load_eval_task,
                                       plan_chunks, task_config)
+from es_ray.runtime.signals import InterruptGuard
+from es_ray.runtime.tracking import log_summary, shows_bar
+
+# torch, tqdm and the torch-backed metrics (entropy, KL) are imported where the evaluation runs: --help, a config error
+# and the driver side need none of them.
 
 
 def in_process_reason(cfg: EvalJobConfig, chunks: list[Chunk]) -> str:
@@ -36,10 +54,6 @@ def in_process_reason(cfg: EvalJobConfig, chunks: list[Chunk]) -> str:
     the Ray being local (no cluster.address, no RAY_ADDRESS) and either not running yet or started by this process
     with no other node (es-compare's own Ray between its training stages): starting Ray, or an actor process and
     its imports (about 5 s on 2 cores), would then only add to the same work done by one worker."""
-    import os
-
-    from es_ray.runtime.cluster import LOCAL_ADDRESSES
-
     c = cfg.cluster
     if c.num_actors == 0:
         return "cluster.num_actors=0"
@@ -73,11 +87,7 @@ def _run_here(cfg: EvalJobConfig, chunks: list[Chunk], progress) -> list[dict]:
     """The chunks in this process, as one actor would run them. The process may live on (es-compare's driver goes
     on to its next stage), so what the worker changed is put back after: torch's thread count (the worker takes
     the actor's), the model and engine released, the grader's processes ended."""
-    import gc
-
     import torch
-
-    from es_ray.grading.mathverify import close_default_pool
 
     threads = torch.get_num_threads()
     worker = None
@@ -105,20 +115,16 @@ def _run_chunks(cfg: EvalJobConfig, chunks: list[Chunk], progress, in_process: b
         in_process = bool(in_process_reason(cfg, chunks))
     if in_process:
         return _run_here(cfg, chunks, progress)
-    from es_ray.runtime.actors import start_group
-    from es_ray.runtime.cluster import connect
-    from es_ray.runtime.placement import place
-    from es_ray.runtime.signals import InterruptGuard
-
-    connect(cfg.cluster)
-    placement = place(cfg.cluster, "eval")
+    cluster.connect(cfg.cluster)
+    placement = placements.place(cfg.cluster, "eval")
     group = None
     try:
         with InterruptGuard() as guard:
-            group, _ = start_group("eval", EvalWorker, cfg.cluster.num_actors, lambda rank: (cfg, rank), placement,
-                                   cfg.faults, check_interrupt=guard.check,
-                                   lost_advice="run es-eval again (its chunks are seeded, so results are the same)",
-                                   tokens_key="eval.max_new_tokens")
+            group, _ = actors.start_group("eval", EvalWorker, cfg.cluster.num_actors, lambda rank: (cfg, rank),
+                                          placement, cfg.faults, check_interrupt=guard.check,
+                                          lost_advice="run es-eval again (its chunks are seeded, so results are "
+                                                      "the same)",
+                                          tokens_key="eval.max_new_tokens")
             out = []
             for (chunk,), res in group.map_unordered(EvalWorker.run_chunk, [(c,) for c in chunks]):
                 out.append(res)
@@ -133,8 +139,6 @@ def _run_chunks(cfg: EvalJobConfig, chunks: list[Chunk], progress, in_process: b
 def summarize_task(task, n: int, ks: list[int], samples: list[dict], hist: np.ndarray, skipped: int,
                    source: str) -> dict:
     from es_ray.metrics.entropy import summarize_stats
-    from es_ray.metrics.passk import maj_at_k, mean_pass_at_k
-    from es_ray.grading.result import FAILURE_KINDS
 
     by_problem: dict[int, list[dict]] = {}
     for s in sorted(samples, key=lambda s: (s["problem"], s["sample"])):
@@ -178,8 +182,6 @@ def entropy_at_t1(samples: list[dict], key: str = "entropy_sum_t1") -> dict | No
 def answer_checks(problems: list[list[dict]], n: int, ks: list[int]) -> dict:
     """Correct samples with no final boxed answer and correct samples whose answer only restates the problem, and
     pass@k with those counted wrong (how much of pass@k they make)."""
-    from es_ray.metrics.passk import mean_pass_at_k
-
     def flagged(s: dict) -> bool:
         return bool(s["correct"]) and (not s["checks"].get("boxed", True) or s["checks"].get("restated", False))
 
@@ -193,15 +195,10 @@ def answer_checks(problems: list[list[dict]], n: int, ks: list[int]) -> dict:
 @releases_run_dir
 def run(cfg: EvalJobConfig) -> dict:
     from es_ray.metrics.entropy import HIST_EDGES, summarize_stats
-    from es_ray.grading.sandbox import isolation
-    from es_ray.models import resolve_model
-    from es_ray.runtime.rundir import open_run_dir
 
     t_start = time.perf_counter()
     model_dir = resolve_model(cfg.model.path)  # converts the embedded model once, before any actor starts
     if cfg.eval.kl_base:  # refused in one line before any model loads when the vocabularies differ
-        from es_ray.evaluation.compat import check_same_vocabulary
-
         check_same_vocabulary(resolve_model(cfg.eval.kl_reference), model_dir, "eval.kl_reference", "model.path")
     tasks, sizes = {}, {}
     for name in cfg.eval.tasks:  # fail fast on a missing file or an unreachable hub, before any generation
@@ -212,9 +209,7 @@ def run(cfg: EvalJobConfig) -> dict:
     chunks = plan_chunks(cfg, sizes)
     local = in_process_reason(cfg, chunks)
     if not local:  # a bad cluster.address fails here, before any output
-        from es_ray.runtime.cluster import connect
-
-        connect(cfg.cluster)
+        cluster.connect(cfg.cluster)
     elif cfg.cluster.num_actors:  # chosen here, not asked for: said, with how to keep the actors
         print(f"es-eval: evaluating in this process ({local}); set cluster.address= to a running cluster to use "
               "its actors", flush=True)
@@ -269,8 +264,6 @@ def run(cfg: EvalJobConfig) -> dict:
 
 def _run_with_progress(cfg: EvalJobConfig, chunks: list[Chunk], in_process: bool) -> list[dict]:
     """The chunks, with a bar counting problems done (each problem's eval.n samples) and the task last finished."""
-    from es_ray.runtime.tracking import shows_bar
-
     if not shows_bar(cfg.run.progress):
         return _run_chunks(cfg, chunks, lambda chunk: None, in_process)
     from tqdm import tqdm
@@ -290,9 +283,6 @@ def _run_with_progress(cfg: EvalJobConfig, chunks: list[Chunk], in_process: bool
 
 def write_results(cfg: EvalJobConfig, run_dir: Path, results: dict, samples: dict[str, list[dict]]) -> None:
     """results.json, results.md, samples.jsonl (eval.save_samples) and the trackers' summary."""
-    from es_ray.metrics.report import results_markdown
-    from es_ray.runtime.tracking import log_summary
-
     (run_dir / "results.json").write_text(json.dumps(results, indent=2))
     (run_dir / "results.md").write_text(results_markdown(results))
     if cfg.eval.save_samples:
@@ -318,18 +308,12 @@ def tracker_metrics(results: dict) -> dict[str, float]:
 
 
 def _main(dict_cfg) -> None:
-    from es_ray.evaluation.config import to_eval_config
-    from es_ray.runtime.entry import run_or_exit
-
     results = run_or_exit("es-eval", lambda: run(to_eval_config(dict_cfg)))
     print((Path(results["run_dir"]) / "results.md").read_text())
     print(f"es-eval: results in {results['run_dir']}")
 
 
 def main() -> None:
-    from es_ray.evaluation.config import register_configs
-    from es_ray.runtime.entry import TRAINING_RUN_KEYS, hydra_main
-
     hydra_main("es_eval", _main, "es-eval", register_configs, unread=TRAINING_RUN_KEYS)
 
 

@@ -20,14 +20,20 @@ from pathlib import Path
 
 import numpy as np
 
-from es_ray.evaluation.config import EvalJobConfig, InterpolateJobConfig
-from es_ray.runtime.rundir import releases_run_dir
+from es_ray.evaluation.compat import check_same_architecture
+from es_ray.evaluation.config import EvalJobConfig, InterpolateJobConfig, register_configs, to_interpolate_config
+from es_ray.evaluation.worker import EvalWorker, load_eval_task, plan_chunks
+from es_ray.metrics.passk import pass_at_k
+from es_ray.models import read_tensor, resolve_model, safetensors_index
+from es_ray.runtime.entry import TRAINING_RUN_KEYS, hydra_main, run_or_exit
+from es_ray.runtime.rundir import open_run_dir, releases_run_dir
+
+# The torch-backed interpolation metrics are imported where the path is scored: --help and a config error need no torch.
 
 
 def _weights(index_a: dict, index_b: dict, t: float):
     """(name, theta(t)) one tensor at a time."""
     from es_ray.metrics.interpolate import mix
-    from es_ray.models import read_tensor
 
     for name, (file_a, _) in index_a.items():
         yield name, mix(read_tensor(file_a, name), read_tensor(index_b[name][0], name), t)
@@ -35,7 +41,6 @@ def _weights(index_a: dict, index_b: dict, t: float):
 
 def update_cosines(base_dir: Path, a_dir: Path, b_dir: Path) -> dict:
     from es_ray.metrics.interpolate import UpdateCosine
-    from es_ray.models import read_tensor, safetensors_index
 
     i0, ia, ib = safetensors_index(base_dir), safetensors_index(a_dir), safetensors_index(b_dir)
     acc = UpdateCosine()
@@ -46,8 +51,6 @@ def update_cosines(base_dir: Path, a_dir: Path, b_dir: Path) -> dict:
 
 def per_problem_scores(samples: list[dict], n: int, ks: list[int]) -> dict[str, np.ndarray]:
     """[P] per-problem mean reward and pass@k (problems in order)."""
-    from es_ray.metrics.passk import pass_at_k
-
     by_problem: dict[int, list[dict]] = {}
     for s in samples:
         by_problem.setdefault(s["problem"], []).append(s)
@@ -60,11 +63,7 @@ def per_problem_scores(samples: list[dict], n: int, ks: list[int]) -> dict[str, 
 
 @releases_run_dir
 def run(cfg: InterpolateJobConfig) -> dict:
-    from es_ray.evaluation.compat import check_same_architecture
-    from es_ray.evaluation.worker import EvalWorker, load_eval_task, plan_chunks
     from es_ray.metrics.interpolate import barrier, barrier_interval
-    from es_ray.models import resolve_model, safetensors_index
-    from es_ray.runtime.rundir import open_run_dir
 
     t_start = time.perf_counter()
     base_dir = resolve_model(cfg.base)
@@ -138,18 +137,12 @@ def markdown(results: dict) -> str:
 
 
 def _main(dict_cfg) -> None:
-    from es_ray.evaluation.config import to_interpolate_config
-    from es_ray.runtime.entry import run_or_exit
-
     results = run_or_exit("es-interpolate", lambda: run(to_interpolate_config(dict_cfg)))
     print((Path(results["run_dir"]) / "interpolation.md").read_text())
     print(f"es-interpolate: results in {results['run_dir']}")
 
 
 def main() -> None:
-    from es_ray.evaluation.config import register_configs
-    from es_ray.runtime.entry import TRAINING_RUN_KEYS, hydra_main
-
     hydra_main("es_interpolate", _main, "es-interpolate", register_configs,
                unread=(*TRAINING_RUN_KEYS, "run.trackers"))
 

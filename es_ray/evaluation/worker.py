@@ -9,6 +9,7 @@ forward pass (the engine's own where it can score entropy; else a transformers c
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -17,8 +18,17 @@ from pathlib import Path
 import numpy as np
 
 from es_ray.evaluation.config import EvalJobConfig
-from es_ray.core.config import TaskConfig
+from es_ray.core.config import SamplingConfig, TaskConfig
+from es_ray.grading.mathverify import configure_default_pool
+from es_ray.grading.sandbox import SandboxLimits
+from es_ray.models import resolve_model
 from es_ray.runtime.actors import Actor, actor_threads
+from es_ray.tasks import load_task, task_class
+from es_ray.tasks.base import TaskLoadError
+from es_ray.tasks.dataset import DatasetTask
+
+# torch, the engine and the torch-backed metrics are imported inside the worker: es-eval's driver imports EvalWorker
+# (the class it starts) without torch.
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 SCORING_ENGINE = "hf"
@@ -46,9 +56,6 @@ def task_path(cfg: EvalJobConfig, name: str) -> str:
 
 
 def task_config(cfg: EvalJobConfig, name: str) -> TaskConfig:
-    from es_ray.tasks import task_class
-    from es_ray.tasks.dataset import DatasetTask
-
     path = task_path(cfg, name)
     # Dataset tasks and files are scored whole (eval_size 0 keeps every problem out of the held-out cut);
     # a generated task (countdown without a file) is scored on its generated held-out set.
@@ -67,9 +74,6 @@ def in_eval_keys(text: str, name: str) -> str:
 
 
 def load_eval_task(cfg: EvalJobConfig, name: str):
-    from es_ray.tasks import load_task
-    from es_ray.tasks.base import TaskLoadError
-
     try:
         task = load_task(task_config(cfg, name))
     except TaskLoadError as exc:
@@ -104,8 +108,6 @@ class EvalWorker(Actor):
     def __init__(self, cfg: EvalJobConfig, rank: int = 0):
         super().__init__(rank, actor_threads(cfg.engine, cfg.cluster))
         from es_ray.engines.base import make_engine
-        from es_ray.grading.mathverify import configure_default_pool
-        from es_ray.models import resolve_model
 
         self.cfg = cfg
         self.model_dir = resolve_model(cfg.model.path)
@@ -117,8 +119,6 @@ class EvalWorker(Actor):
 
     def _task(self, name: str):
         if name not in self._tasks:
-            from es_ray.grading.sandbox import SandboxLimits
-
             task, problems = load_eval_task(self.cfg, name)
             if hasattr(task, "sandbox_limits"):
                 ev = self.cfg.eval
@@ -138,8 +138,6 @@ class EvalWorker(Actor):
             if self.engine.can_score_entropy:
                 self._entropy_engine = self.engine
             else:
-                import dataclasses
-
                 from es_ray.engines.base import make_engine
 
                 self._entropy_engine = make_engine(str(self.model_dir),
@@ -147,7 +145,6 @@ class EvalWorker(Actor):
         return self._entropy_engine
 
     def run_chunk(self, chunk: Chunk) -> dict:
-        from es_ray.core.config import SamplingConfig
         from es_ray.metrics.entropy import HIST_EDGES, histogram
 
         ev = self.cfg.eval
@@ -196,10 +193,7 @@ class EvalWorker(Actor):
         """eval.kl_base: a transformers engine on the reference model (engine.dtype and device): it samples and both
         models are scored by teacher forcing, whose full-vocabulary logits vLLM does not return."""
         if self._reference_engine is None:
-            import dataclasses
-
             from es_ray.engines.base import make_engine
-            from es_ray.models import resolve_model
 
             self._reference_engine = make_engine(str(resolve_model(self.cfg.eval.kl_reference)),
                                                  dataclasses.replace(self.cfg.engine, name=SCORING_ENGINE))
@@ -210,7 +204,6 @@ class EvalWorker(Actor):
         samples per problem of the chunk (seeded from the chunk's seed); per sample its sums and token count."""
         import torch
 
-        from es_ray.core.config import SamplingConfig
         from es_ray.metrics.kl import completion_kl_sums
 
         ev = self.cfg.eval
