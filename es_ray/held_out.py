@@ -14,6 +14,7 @@ them before the first step and write ``held_out_base.json`` (``write_base_point`
 from __future__ import annotations
 
 import json
+import random
 import time
 from pathlib import Path
 
@@ -28,8 +29,6 @@ BASE_POINT = "held_out_base.json"
 def held_out_seed(run_seed: int) -> int:
     """The held-out scoring's sampling seed, the same for ES and GRPO: at the base weights both curves start from
     the same completions."""
-    import random
-
     return random.Random(f"{run_seed}/held-out").getrandbits(62)
 
 

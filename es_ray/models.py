@@ -11,6 +11,7 @@ Three kinds of reference are accepted by ``model.path``:
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import json
@@ -22,8 +23,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Mapping
 
+from es_ray.core.manifest import open_to_umask, verify_dir
+
 if TYPE_CHECKING:
     import torch
+
+# torch, transformers, safetensors, gguf and the hub client are imported where a model is converted or read: resolving a
+# model path (every command's start) needs none of them.
 
 EMBEDDED_NAMES = ("", "smollm2-135m", "embedded")
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -92,12 +98,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     A GGUF-loaded model refuses ``save_pretrained``, so a fresh model is built from the config without its
     quantisation entry and the state dict is loaded into it (all keys match).
     """
-    import copy
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from es_ray.core.manifest import open_to_umask
 
     src_dir, name = str(gguf_path.parent), gguf_path.name
     with _gguf_parsed_once():
@@ -177,8 +179,6 @@ def resolve_model(path: str) -> Path:
 @functools.lru_cache(maxsize=16)
 def _verified(path: str, files: tuple) -> None:
     """verify_dir once per process for a directory whose files (names, sizes, times) have not changed."""
-    from es_ray.core.manifest import verify_dir
-
     verify_dir(path)
 
 

@@ -35,6 +35,8 @@ from es_ray.core.registry import Registry
 from es_ray.noise_kinds import (ES_NOISE, NOISE_KINDS, NOISE_MEMORY, NOISE_SCOPES, PORTABLE_KINDS,  # noqa: F401
                                 NoiseMemory, derive_seed, resolve_kind, table_seed)
 
+# mpmath is imported where the CPU tables are built, the only place that needs it.
+
 
 # -- counter noise ------------------------------------------------------------------------------------------
 # Philox-4x32-10 (Salmon et al., SC'11; Random123's constants). torch has no uint32 or uint64 arithmetic, so the

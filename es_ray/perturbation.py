@@ -15,6 +15,8 @@ from es_ray.core.registry import Registry
 if TYPE_CHECKING:
     from es_ray.lowrank import LowRankSlots
 
+# es_ray.lowrank (torch) is imported where low rank is used: the config's check imports no torch.
+
 
 @dataclass(frozen=True)
 class Perturbation:

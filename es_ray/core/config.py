@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+# OmegaConf is imported by to_config only: the schema imports (and tests) without Hydra's stack.
+
 
 class ConfigError(ValueError):
     """A setting that cannot work; the message names the key and what to change."""

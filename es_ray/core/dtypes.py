@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from es_ray.core.registry import Registry
 
+# torch is imported by resolve_dtype only: the config's dtype names are checked without it.
+
 DTYPES = Registry("engine.dtype", {"auto": "bfloat16 on a GPU, float32 on a CPU", "bfloat16": "bfloat16",
                                    "float16": "float16", "float32": "float32"})
 

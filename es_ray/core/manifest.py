@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from es_ray.core.config import ConfigError
@@ -28,9 +30,6 @@ def umask() -> int:
                 return int(line.split()[1], 8)
     except (OSError, ValueError):
         pass
-    import shutil
-    import tempfile
-
     probe = tempfile.mkdtemp(prefix="es_ray_umask_")
     try:
         os.mkdir(os.path.join(probe, "d"), 0o777)

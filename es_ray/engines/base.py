@@ -21,9 +21,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from es_ray.engines import ENGINES
 from es_ray.lowrank import LowRankSlots
 from es_ray.replica import Reader, Replica, ReplicaSpec, Writer
-from es_ray.core.config import EngineConfig, SamplingConfig
+from es_ray.core.config import ConfigError, EngineConfig, SamplingConfig
 from es_ray.strategy import Member
 
 
@@ -227,8 +228,6 @@ def check_context(prompt_lengths: Iterable[int], max_new_tokens: int, context: i
     context is refused, never cut (a cut question is another question, and its reward would grade that one)."""
     longest = max(prompt_lengths, default=0)
     if context and longest + max_new_tokens > context:
-        from es_ray.core.config import ConfigError
-
         raise ConfigError(f"a prompt of {longest} tokens with max_new_tokens={max_new_tokens} does not fit the "
                           f"model's context of {context} tokens: lower the sampling's max_new_tokens, raise "
                           "engine.max_model_len where the model allows it, or leave the longest rows out of the task")
@@ -248,8 +247,6 @@ def resolve_device(cfg: EngineConfig) -> str:
 
 def make_engine(model_dir: str, cfg: EngineConfig, lowrank: LowRankSlots | None = None) -> Engine:
     """The engine registered under engine.name, built on ``model_dir`` (``lowrank``: ``Engine.__init__``)."""
-    from es_ray.engines import ENGINES
-
     traits = ENGINES.get(cfg.name)
     try:
         return traits.build(model_dir, cfg, lowrank)

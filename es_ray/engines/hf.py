@@ -12,10 +12,13 @@ import torch
 from es_ray.engines.base import (Completion, Engine, InProcessReplicaHost, ReplicaHost, patched_attribute,
                                  check_context, check_temperature, resolve_device)
 from es_ray.engines.hf_lowrank import Factors, LowRankTerms, population_calls
+from es_ray.metrics.entropy import batched_completion_entropies, completion_entropies, completion_log_probs
 from es_ray.metrics.prefix import prompt_groups, shared_prefill
 from es_ray.core.config import EngineConfig, SamplingConfig
 from es_ray.core.dtypes import resolve_dtype
 from es_ray.lowrank import LowRankSlots
+
+# transformers is imported where a model is built: importing the engine (its traits, the factory) costs torch only.
 
 
 class HFEngine(Engine):
@@ -143,20 +146,14 @@ class HFEngine(Engine):
         return out
 
     def token_logprobs(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
-        from es_ray.metrics.entropy import completion_log_probs
-
         return completion_log_probs(self.model, prompt_ids, completion_ids, check_temperature(temperature)).tolist()
 
     def token_entropies(self, prompt_ids: list[int], completion_ids: list[int],
                         temperature: float = 1.0) -> list[float]:
-        from es_ray.metrics.entropy import completion_entropies
-
         return completion_entropies(self.model, prompt_ids, completion_ids, check_temperature(temperature)).tolist()
 
     def entropies_batch(self, pairs: list[tuple[list[int], list[int]]],
                         temperatures: tuple[float, ...], top_p: float = 1.0) -> list[list[list[float]]]:
-        from es_ray.metrics.entropy import batched_completion_entropies
-
         temps = [check_temperature(t) for t in temperatures]
         budget = max(512, self.cfg.batch_size * 128)  # padded tokens per forward pass
         return [h.tolist() for h in batched_completion_entropies(self.model, pairs, temps, max_batch_tokens=budget,

@@ -29,15 +29,24 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
+import typing
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+import vllm.envs as envs
+from vllm import SamplingParams
+from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+from vllm.inputs import TokensPrompt
+from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+from vllm.lora.request import LoRARequest
 
-from es_ray.engines.vllm_extension import LORA_PATH, ESExtension, member_lora_name
+from es_ray.engines.vllm_extension import LORA_PATH, ESExtension, drop_log_lines, hf_parameter_shapes, member_lora_name
 from es_ray.engines.base import (Completion, Engine, ReplicaHost, check_context, check_temperature,
                                  patched_attribute)
 from es_ray.lowrank import LowRankSlots, is_target
+from es_ray.memory_plan import ModelShape, Settings, auto_gpu_memory_utilization, plan_es, vllm_batch_defaults
 from es_ray.replica import ReplicaSpec, combine_checksums, gather_shards, gather_states, update_health
 from es_ray.core.config import QUIET_FLAG, ConfigError, EngineConfig, SamplingConfig
 from es_ray.core.dtypes import dtype_name, resolve_dtype
@@ -58,8 +67,6 @@ tensors (neither Llama- nor Qwen2-shaped); otherwise the share comes from ``es_r
 def lowrank_ranks() -> tuple[int, ...] | None:
     """es.perturbation=lowrank: the LoRA ranks the installed vLLM serves (its ``MaxLoRARanks``), None without vLLM
     (``es_ray.engines.VLLMTraits``)."""
-    import typing
-
     try:
         from vllm.config.lora import MaxLoRARanks
     except ImportError:
@@ -98,11 +105,7 @@ def enable_batch_invariance() -> None:
     variable, read by its GPU worker at start, ``init_batch_invariance``, and by its LoRA Triton kernels when they
     are imported). Set before the engine is built; refused where this process's vLLM has already read it as off
     (an earlier engine cached vLLM's environment, or imported the LoRA kernels), since the mode is process-wide."""
-    import sys
-
     os.environ[BATCH_INVARIANT_ENV] = "1"
-    import vllm.envs as envs
-
     lora_utils = sys.modules.get("vllm.lora.ops.triton_ops.utils")
     if not envs.VLLM_BATCH_INVARIANT or (lora_utils is not None and not lora_utils.is_batch_invariant):
         raise RuntimeError("engine.batch_invariant=true, but vLLM in this process already read "
@@ -221,8 +224,6 @@ class VLLMEngine(Engine):
         """es.perturbation=lowrank: one LoRA slot per member (``lowrank.members`` of rank ``lowrank.rank``), all
         resident (max_cpu_loras = max_loras: nothing is ever evicted, so vLLM never reloads a slot), on the linear
         layers the perturbation covers only (``lowrank.is_target``; not the embedding or the LM head)."""
-        from es_ray.engines.vllm_extension import hf_parameter_shapes
-
         try:
             platform.get_punica_wrapper()
         except NotImplementedError:
@@ -236,8 +237,6 @@ class VLLMEngine(Engine):
 
     # -- GPU memory (es_ray.memory_plan) -------------------------------------------------------------------
     def _plan_settings(self, **es: Any):
-        from es_ray.memory_plan import ModelShape, Settings
-
         shape = ModelShape.from_dir(self.model_dir)
         # vLLM keeps KV cache for at least one sequence of max_model_len (the model's own maximum when unset)
         tokens = self.cfg.max_model_len or shape.max_position_embeddings
@@ -245,8 +244,6 @@ class VLLMEngine(Engine):
                                tensor_parallel_size=self.cfg.tensor_parallel_size, **es)
 
     def _planned_share(self, card_bytes: int) -> float:
-        from es_ray.memory_plan import auto_gpu_memory_utilization, vllm_batch_defaults
-
         try:
             shape, settings = self._plan_settings(**vllm_batch_defaults(card_bytes, _device_name()))
         except ValueError:  # a model the plan cannot count: the fixed share
@@ -260,9 +257,6 @@ class VLLMEngine(Engine):
         is sized (``es_device_memory``); the tightest rank decides. At tensor_parallel_size=1 that worker is this
         process; above it the workers are processes of their own, and this one would see GPU 0 only (a CUDA context
         here would also cost ~0.5 GiB there)."""
-        from es_ray.core.config import ConfigError
-        from es_ray.memory_plan import plan_es, vllm_batch_defaults
-
         free, total = min(tuple(m) for m in self._rpc(ESExtension.es_device_memory))
         try:
             shape, settings = self._plan_settings(
@@ -286,8 +280,6 @@ class VLLMEngine(Engine):
         if self.device != "cpu":
             raise NotImplementedError(f"switching the low-rank term off is built for vLLM's CPU build only (this "
                                       f"engine runs on {self.device}); measure the reference on a CPU")
-        from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
-
         with patched_attribute(PunicaWrapperCPU, "add_lora_linear", lambda *a, **kw: None):
             yield
 
@@ -304,8 +296,6 @@ class VLLMEngine(Engine):
     def _sampling_params(self, sampling: SamplingConfig, seed: int | Sequence[int], n: int) -> list:
         """One SamplingParams per prompt position i, seeded by (seed, i) (``_request_seed``), or by seed[i] when
         ``seed`` is one seed per row (vLLM's per-request seed: the row's stream whatever the batch holds)."""
-        from vllm import SamplingParams
-
         greedy = sampling.temperature <= 0
         seeds = [_request_seed(seed, i) for i in range(n)] if not isinstance(seed, (list, tuple)) \
             else [int(s) % (1 << 63) for s in seed]
@@ -360,8 +350,6 @@ class VLLMEngine(Engine):
         """log softmax(l / T) of each completion token, and only of those: vLLM's prompt log-probs are taken after
         the model's logit scale, which every worker divides by T for this one call (``es_logit_scale``) and restores
         after, so no vocabulary-sized list crosses the engine (152k floats per position for Qwen2.5)."""
-        from vllm import SamplingParams
-
         t = check_temperature(temperature)
         self._check_awake()
         ids = list(prompt_ids) + list(completion_ids)
@@ -404,8 +392,6 @@ class VLLMEngine(Engine):
         llm.llm_engine.engine_core.shutdown()
         del llm
         if self.cfg.tensor_parallel_size == 1:  # a single worker runs in this process; TP workers in their own
-            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
             destroy_model_parallel()
             destroy_distributed_environment()
         torch.set_num_threads = self._set_num_threads
@@ -427,8 +413,6 @@ class VLLMEngine(Engine):
     def _prompt(self, token_ids: list[int]):
         """A prompt salted with the weights version: the prefix cache serves only blocks computed under these
         weights."""
-        from vllm.inputs import TokensPrompt
-
         return TokensPrompt(prompt_token_ids=list(token_ids), cache_salt=f"es-ray-weights-{self._weights_version}")
 
 
@@ -481,8 +465,6 @@ class VLLMReplicaHost(ReplicaHost):
         requests, member m's through slot m + 1, each prompt position with the same sampling seed for every member
         (common random numbers). The slots changed, so the prefix cache's salt does too (cache blocks are keyed by
         LoRA name, not contents). The weights are not written."""
-        from vllm.lora.request import LoRARequest
-
         eng = self.engine
         if self._spec is None:
             raise RuntimeError("ReplicaHost.setup(spec) must run before any other ES call")
@@ -564,6 +546,4 @@ def _completion(output) -> Completion:
 def _quiet_thread_warning() -> None:
     """vLLM's CPU worker turns torch.set_num_threads into a no-op that warns on every call, and vLLM itself calls
     it around each request; the threads were set before the engine started, so the warning says nothing."""
-    from es_ray.engines.vllm_extension import drop_log_lines
-
     drop_log_lines("vllm.v1.worker.cpu_worker", "torch.set_num_threads")

@@ -48,11 +48,21 @@ relies on, vLLM 0.32.0's LoRA internals (they change between releases; tests/tes
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+from vllm.distributed import get_tensor_model_parallel_rank
+from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+from vllm.lora.request import LoRARequest
+from vllm.model_executor.layers import utils as layer_utils
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-from es_ray.replica import Shard, state_tensors  # noqa: F401 - state_tensors: write_state_part's
+from es_ray.replica import Replica, ReplicaSpec, Shard, state_tensors
+from es_ray.strategy import Member
 
 if TYPE_CHECKING:
     from es_ray.replica import ReplicaSpec
@@ -70,8 +80,6 @@ def member_lora_name(position: int) -> str:
 
 def keep_weights_when_packing() -> None:
     """CPU: vLLM's GEMM dispatch packs ``layer.weight`` and then drops it; keep it (the packed copy is used)."""
-    from vllm.model_executor.layers import utils as layer_utils
-
     dispatch = layer_utils.dispatch_cpu_unquantized_gemm
     if getattr(dispatch, "_es_ray_keeps_weight", False):
         return
@@ -176,8 +184,6 @@ def batch_cpu_lora_kernels() -> None:
     and they read slot -1 (no adapter) as the last slot. ``_add_lora_linear`` replaces them (same signature); the
     embedding and LM-head kernels are left as they are (ES puts no adapter there)."""
     global _STOCK_ADD_LORA_LINEAR
-    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
-
     if PunicaWrapperCPU.add_lora_linear is not _add_lora_linear:
         _STOCK_ADD_LORA_LINEAR = PunicaWrapperCPU.add_lora_linear
         PunicaWrapperCPU.add_lora_linear = _add_lora_linear
@@ -190,8 +196,6 @@ def input_embeddings(model: torch.nn.Module) -> list[torch.nn.Module]:
     model has an LM head of its own (a ParallelLMHead, tied or not) computing the logits; a model that computes them
     with its embedding module keeps it. The stale copy is replaced by a function that refuses, so a model that
     did use it fails loudly instead of computing with old weights."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
     modules = list(model.modules())
     if not any(isinstance(m, ParallelLMHead) for m in modules):
         return []
@@ -209,8 +213,6 @@ def _stale_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def drop_log_lines(logger_name: str, text: str) -> None:
     """Drop the records of ``logger_name`` whose message contains ``text`` (vLLM lines that say nothing here)."""
-    import logging
-
     class _Drop(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
             return text not in record.getMessage()
@@ -227,8 +229,6 @@ drop_log_lines("vllm.model_executor.models.utils", "into parameter with dtype")
 
 def hf_parameter_shapes(model_dir: str) -> dict[str, torch.Size]:
     """The HF model's parameter names (tied weights once) and shapes, from a meta-device model: no memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -306,8 +306,6 @@ class ESExtension:
         """Build the replica (``Replica.from_checkpoint``: fp32 master from the checkpoint, this rank's shards only,
         then written), and check that the engine took exactly the shards: no NaN from outside them anywhere, and
         cast(master) where the bookkeeping puts each."""
-        from es_ray.replica import Replica, ReplicaSpec
-
         if not isinstance(spec, ReplicaSpec):  # vLLM's msgpack (engine core in its own process) sends it as a map
             spec = ReplicaSpec(**spec)
         model = self.model_runner.get_model()
@@ -322,8 +320,6 @@ class ESExtension:
                                "tensor_parallel_parts does not match this vLLM layer: use tensor_parallel_size=1")
 
     def _es_rank(self) -> int:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
         return get_tensor_model_parallel_rank()
 
     def _es_hf_shapes(self) -> dict[str, torch.Size]:
@@ -429,8 +425,6 @@ class ESExtension:
         self._es().restore()
 
     def es_update(self, iteration: int, members: list[list[int]], fitness: list[float], sigma: float) -> dict:
-        from es_ray.strategy import Member
-
         return self._es().update(iteration, [Member(*map(int, m)) for m in members], list(fitness), sigma)
 
     def es_checksum_parts(self) -> dict:
@@ -450,8 +444,6 @@ class ESExtension:
         dtype (vLLM's LoRA buffers; its GPU kernels take fp16/bf16 only): what a member is scored with is rounded
         there, while the update never reads the slots: it regenerates each factor in fp32 from its seed
         (``Replica.update``)."""
-        from es_ray.strategy import Member
-
         slots = self._es_lora_slots(len(members))
         factors = self._es().member_factors(iteration, [Member(*map(int, m)) for m in members], sigma)
         modules = self._es_lora_manager()._adapter_manager.modules
@@ -482,8 +474,6 @@ class ESExtension:
         own zero-weight dummy, no file) and pinning it: a pinned adapter is never evicted nor deactivated, so vLLM
         never copies the dummy's zeros over a slot this extension filled, and a request for ids 1..count never
         loads anything (a load would fail on the LoRARequest's path, which does not exist)."""
-        from vllm.lora.request import LoRARequest
-
 
         worker = self._es_lora_manager()
         manager = worker._adapter_manager
@@ -544,8 +534,6 @@ class ESExtension:
     def es_save_part(self, directory: str) -> dict:
         """This rank's part of the state (the parts it owns: master, optimizer moments, theta_0) written under
         ``directory``/rank-<r> (``write_state_part``): nothing is gathered, only file names and shards go back."""
-        import os
-
         return write_state_part(self._es().state_dict(), os.path.join(directory, f"rank-{self._es_rank()}"))
 
     def es_load_state_file(self, path: str) -> None:
@@ -583,10 +571,6 @@ def write_state_part(state: dict, directory: str) -> dict:
     """One replica's ``Replica.state_dict`` (on any device) into ``directory``, one safetensors file per tensor,
     each copied to the CPU in fp32 on its own: a tensor-parallel rank's part of an ES checkpoint, which
     ``es_ray.es.state.save_es_checkpoint_parts`` assembles. Returns {"t", "tensors": key -> (file, shard)}."""
-    import os
-
-    from safetensors.torch import save_file
-
     os.makedirs(directory, exist_ok=True)
     shards, out = state.get("shards") or {}, {}
     for number, (key, name, t) in enumerate(state_tensors(state)):

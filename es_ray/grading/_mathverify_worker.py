@@ -10,6 +10,8 @@ import os
 import resource
 import sys
 
+# math_verify is imported after stdout is moved aside: what it prints on import goes to stderr, not into the protocol.
+
 
 def main() -> None:
     memory_mb = int(sys.argv[1]) if len(sys.argv) > 1 else 0

@@ -28,6 +28,9 @@ grader's dedicated uid (as root) or of every capability (root of a user namespac
 process, rlimits, the seccomp filter (es_ray/grading/seccomp.py, built by the grader) and the audit hook.
 """
 
+# Every other import stays in the function that needs it: this file runs as the sandbox's init (python -I -S),
+# where each import is start-up time, and a module already in sys.modules is one the program gets without the audit
+# hook seeing its import.
 import builtins
 import json
 import os

@@ -70,7 +70,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from es_ray.grading._sandbox_child import ITEMS
+from es_ray.grading._sandbox_child import ITEMS, MAX_JSON_DEPTH, _decode, bounded_loads
+from es_ray.grading.seccomp import SYSCALLS, build_filter
 from es_ray.grading.verdict import Split, TestsTooLarge, split_tests
 
 NOBODY = 65534
@@ -238,8 +239,6 @@ def _jail_ops(python: str) -> tuple:
 
 @functools.lru_cache(maxsize=8)
 def sandbox_plan(python: str = sys.executable) -> Plan:
-    from es_ray.grading.seccomp import build_filter
-
     ns = namespaces()
     abi = landlock_abi()
     try:
@@ -443,8 +442,6 @@ def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
 
 
 def _syscall_nr(machine: str, name: str) -> int | None:
-    from es_ray.grading.seccomp import SYSCALLS
-
     return SYSCALLS.get(machine, {}).get(name)
 
 
@@ -458,8 +455,6 @@ def _cpu_limit(limits: SandboxLimits) -> int:
 
 def _record(text: str, nonce: str) -> dict | None:
     """The init's record: the last line, and only if it carries this run's nonce."""
-    from es_ray.grading._sandbox_child import bounded_loads
-
     lines = text.rstrip("\n").rsplit("\n", 1)
     try:
         record = bounded_loads(lines[-1], 2) if lines[-1] else None
@@ -472,8 +467,6 @@ def _parse_result(text) -> tuple[dict | None, bool]:
     """The program's pipe (at most output_bytes): its last line as a dict, or (None, True) when it is there but
     cannot be parsed within the bounds (MAX_JSON_DEPTH measured without recursion, no NaN/Infinity): the same
     parse the check's init uses on what the grader sends it."""
-    from es_ray.grading._sandbox_child import MAX_JSON_DEPTH, bounded_loads
-
     if not isinstance(text, str) or not text.strip():
         return None, False
     try:
@@ -555,8 +548,6 @@ def _compare_literals(split: Split, values: list) -> list[bool | None]:
     from plain data (exact builtin types), the literal by ast.literal_eval. None: left to the check process
     (sets and dicts, whose rebuilding could be made quadratic by colliding hashes, and every other test shape).
     Total: a value that cannot be rebuilt is False, whatever it raises."""
-    from es_ray.grading._sandbox_child import _decode
-
     verdicts: list[bool | None] = []
     for test in split.tests:
         if test["expected"] is None:

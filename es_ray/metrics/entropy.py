@@ -15,6 +15,9 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
+
+from es_ray.metrics.prefix import prompt_groups, shared_prompt_hidden, valid_rows
 
 HIST_EDGES = np.linspace(0.0, 12.0, 121)
 """Histogram bins in nats (0.1 wide); values above 12 go into the last bin (log(49152) is about 10.8)."""
@@ -52,8 +55,6 @@ def chunked_token_scores(head, hidden_nh: torch.Tensor, tokens_n: torch.Tensor, 
     chunk at a time (the head's forward runs twice; keeping every chunk's graph instead would hold every chunk's
     [chunk, V] log-softmax until the backward, N x V again). Gradients flow to ``hidden_nh`` and the head's weights.
     The entropy is a statistic and comes back detached."""
-    from torch.utils.checkpoint import checkpoint
-
     def score(h: torch.Tensor, tok: torch.Tensor):
         z = head(h)
         logp = torch.log_softmax((z.float() if z.element_size() < 4 else z) / temperature, dim=-1)
@@ -122,8 +123,6 @@ def batched_completion_entropies(model, pairs: Sequence[tuple[Sequence[int], Seq
     Completions of one prompt (eval.n samples of a problem) share it: the prompt runs once and its keys and
     values serve them all (``prefix.shared_prompt_hidden``). Only the completion positions go through the LM head,
     ``chunk`` at a time (a [chunk, V] fp32 block)."""
-    from es_ray.metrics.prefix import prompt_groups, shared_prompt_hidden, valid_rows
-
     out: list[np.ndarray | None] = [None] * len(pairs)
     device = next(model.parameters()).device
     head = model.get_output_embeddings()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
+from pathlib import Path, PurePath
+
+# matplotlib and numpy are imported by the plotting functions only: the metrics import fast without them.
 
 
 def plot_update_histograms(report: dict, path: str | Path, title: str = "") -> Path:
@@ -38,8 +40,6 @@ def shared_xlim(report: dict, types: list[str], edges) -> tuple[float, float] | 
 
 def checkpoint_label(path: str, parts: int = 3) -> str:
     """A checkpoint's name for a figure: the last ``parts`` components of its path (run/checkpoints/final)."""
-    from pathlib import PurePath
-
     tail = PurePath(str(path)).parts[-parts:]
     return str(PurePath(*tail)) if tail else str(path)
 

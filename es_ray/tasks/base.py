@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,9 @@ from es_ray.grading.limit import GRADE_TIMEOUT_S, time_limit
 from es_ray.grading.result import Grade, GraderFailure
 from es_ray.core.config import TaskConfig
 from es_ray.tasks.errors import TaskLoadError  # noqa: F401 - raised here and imported from here by callers
+from es_ray.tasks.user_reward import check_reward, import_reward, user_rewards
+
+# pandas and datasets are imported where a file or the hub is read: a task built from JSON lines needs neither.
 
 
 LINE_KEY = "__line__"
@@ -46,8 +50,6 @@ def epoch_prompts(pool_size: int, per_step: int, step: int, seed: int) -> list[i
     pool once, in an order fixed by (seed, epoch); the steps take consecutive slices of ``per_step`` from the epochs
     laid end to end (a slice that crosses an epoch's end takes the next epoch's first prompts). Sorted indices; a
     prompt repeats within a step only when per_step exceeds the pool."""
-    import random
-
     if pool_size < 1 or per_step < 1:
         raise ValueError(f"need a non-empty training pool and prompts per step, got {pool_size} and {per_step}")
     first, out = step * per_step, []
@@ -97,8 +99,6 @@ class Task(ABC):
         self.user_reward = None
         """task.reward's callable (es_ray.tasks.user_reward), which ``score`` calls instead of ``reward``."""
         if getattr(cfg, "reward", ""):
-            from es_ray.tasks.user_reward import check_reward, import_reward
-
             self.user_reward = import_reward(cfg.reward)
             check_reward(cfg.reward, self.user_reward, self.train[0])
 
@@ -214,8 +214,6 @@ def score(task: Task, completions: list[str], problems: list[Problem]) -> tuple[
     counted (every method reports the count as reward/errors or eval/errors), never dropped silently."""
     limit = getattr(task, "grade_timeout_s", GRADE_TIMEOUT_S)
     if getattr(task, "user_reward", None) is not None:  # task.reward: one call per batch, TRL's shape
-        from es_ray.tasks.user_reward import user_rewards
-
         return user_rewards(task.user_reward, completions, problems, limit or GRADE_TIMEOUT_S)
     rewards, errors = [], 0
     for text, problem in zip(completions, problems):
