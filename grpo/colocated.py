@@ -17,10 +17,15 @@ the engine's dtype and writes it into its own engine.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
+from es_ray.engines import ENGINES
 from es_ray.grpo.config import GRPOTrainConfig
 from es_ray.grpo.learner import GRPOLearner
 from es_ray.grpo.rollout import RolloutWorker
+from es_ray.memory_plan import colocated_engine_share
+
+# torch is imported inside the worker's methods: the driver imports ColocatedWorker (the class it starts) without torch.
 
 
 SLEEP_LEVEL = 2
@@ -149,8 +154,6 @@ def check_sleep_mode(cfg: GRPOTrainConfig) -> None:
     (``es_ray.engines.ENGINES``); an engine without the trait keeps its memory."""
     if not _on_gpu(cfg):
         return
-    from es_ray.engines import ENGINES
-
     traits = ENGINES.get(cfg.engine.name)
     if traits.sleep_mode:
         traits.enable_sleep_mode()
@@ -169,11 +172,6 @@ def _with_planned_share(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
 
 def planned_engine_config(cfg: GRPOTrainConfig, reported: int, device_name: str = "") -> GRPOTrainConfig:
     """``_with_planned_share`` for a GPU reporting ``reported`` bytes named ``device_name``."""
-    from dataclasses import replace
-
-    from es_ray.engines import ENGINES
-    from es_ray.memory_plan import colocated_engine_share
-
     if cfg.engine.gpu_memory_utilization or not ENGINES.get(cfg.engine.name).memory_share:  # by hand, or no share
         return cfg
     share = colocated_engine_share(cfg, reported, device_name)

@@ -11,7 +11,11 @@ from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultP
                                 RunConfig, SamplingConfig, TaskConfig, check_positive, to_config)
 from es_ray.core.registry import Registry
 from es_ray.grpo.learner_memory import OFFLOADS  # the learner's memory statement holds grpo.offload's values
+from es_ray.grpo.loss_kinds import ADV_SCALES, LOSS_AGGREGATIONS
+from es_ray.metrics.coverage import check_objective
 from es_ray.runtime.validation import validate_trainer
+
+# Hydra's ConfigStore is imported by register_configs only: the schema converts and checks without Hydra.
 
 LEARNER_DTYPES = Registry("grpo.dtype", {
     "float32": "fp32 weights, gradients, AdamW and compute",
@@ -132,16 +136,12 @@ def validate_grpo(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
     if g.group_size < 2:
         raise ConfigError(f"grpo.group_size={g.group_size}: a group needs at least 2 completions to have a mean to "
                           "compare with; set grpo.group_size>=2")
-    from es_ray.metrics.coverage import check_objective
-
     check_objective(cfg.task.objective, cfg.task.objective_k, g.group_size, "grpo.group_size")
     if g.prompts_per_step < 1:
         raise ConfigError(f"grpo.prompts_per_step={g.prompts_per_step} must be >= 1; set grpo.prompts_per_step=1 "
                           "or more")
     if g.beta < 0:
         raise ConfigError(f"grpo.beta={g.beta} must be >= 0 (0 disables the KL term and the reference model)")
-    from es_ray.grpo.loss_kinds import ADV_SCALES, LOSS_AGGREGATIONS
-
     LOSS_AGGREGATIONS.check(g.loss_type)
     ADV_SCALES.check(g.adv_scale)
     if g.dtype == "bfloat16":

@@ -15,19 +15,31 @@ Connecting, the run directory, signals, the actor groups (timeouts, replacement)
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from pathlib import Path
 
 import numpy as np
 
-from es_ray.runtime.loop import Training
+from es_ray.core.config import ConfigError
+from es_ray.held_out import held_out_seed
+from es_ray.runtime import actors
+from es_ray.runtime import placement as placements
+from es_ray.runtime.actors import Actor, ActorLostError
+from es_ray.runtime.checkpoint import checkpoints_by_step, read_meta, verify_dir
+from es_ray.runtime.loop import Training, prepare
 from es_ray.runtime.names import REWARD_MEAN, REWARD_STD
+from es_ray.runtime.rundir import held, keep_metrics, lock_run_dir
 from es_ray.runtime.tracking import Timer, Tracker
 from es_ray.grpo.colocated import ColocatedWorker
 from es_ray.grpo.config import RESUME_FREE, GRPOTrainConfig
 from es_ray.grpo.learner import GRPOLearner
 from es_ray.grpo.rollout import RolloutWorker
+from es_ray.tasks.base import epoch_prompts
+
+# Ray, torch and the GRPO loss (torch) are imported where a step needs them: the driver checks and prepares a run
+# without torch (tests/test_layers.py).
 
 
 class WeightSyncError(RuntimeError):
@@ -74,8 +86,6 @@ def check_sync(learner_lp: list[float], engine_lps: list[list[float]], tol: floa
 def prompt_indices(cfg: GRPOTrainConfig, step: int, pool_size: int) -> list[int]:
     """The step's prompts: its slice of the epochs, each a pass over the pool in an order fixed by (run.seed,
     epoch) (``epoch_prompts``, the same as ES's), so a resumed run restarts from the same data position."""
-    from es_ray.tasks.base import epoch_prompts
-
     return epoch_prompts(pool_size, cfg.grpo.prompts_per_step, step, cfg.run.seed)
 
 
@@ -92,15 +102,13 @@ class Crew:
     each holds a learner rank and a rollout engine (grpo.colocated.ColocatedWorker)."""
 
     def __init__(self, cfg: GRPOTrainConfig, tracker: Tracker, run_dir: Path, check_interrupt):
-        from es_ray.runtime.actors import Actor, ActorGroup
-        from es_ray.runtime.placement import place
-
         self.cfg, self.tracker, self.tol = cfg, tracker, sync_tolerance(cfg)
         self.probe = None
         f = cfg.grpo.fsdp_size
         check_devices(cfg)
         self.colocated = cfg.grpo.colocate
-        self.placement = place(cfg.cluster, "grpo", count=f if self.colocated else cfg.cluster.num_actors + f)
+        self.placement = placements.place(cfg.cluster, "grpo",
+                                          count=f if self.colocated else cfg.cluster.num_actors + f)
         advice = (f"the run cannot continue without it. Resume from the last checkpoint with run.resume=true "
                   f"run.dir={run_dir} (set run.checkpoint_every to keep some)")
         common = dict(log=tracker.message, check_interrupt=check_interrupt)
@@ -111,14 +119,16 @@ class Crew:
         # Every actor is asked for before any is waited on: the rollout engines start (their processes, imports and
         # models) while the learner ranks start, not after them. Ranks and bundles are those of one group after
         # the other: learner rank r in bundle r, rollout rank r in bundle f + r.
-        self.learner = ActorGroup(role, cls, f, lambda rank: (cfg, rank, f), self.placement, cfg.faults,
-                                  replaceable=False, lost_advice=advice, **common)
+        self.learner = actors.ActorGroup(role, cls, f, lambda rank: (cfg, rank, f), self.placement, cfg.faults,
+                                         replaceable=False, lost_advice=advice, **common)
         self.rollouts = None
         try:
             if not self.colocated:
-                self.rollouts = ActorGroup("rollout", RolloutWorker, cfg.cluster.num_actors, lambda rank: (cfg, rank),
-                                           self.placement, cfg.faults, first_bundle=f, restore=self._resync,
-                                           lost_advice=f"Resume with run.resume=true run.dir={run_dir}", **common)
+                self.rollouts = actors.ActorGroup("rollout", RolloutWorker, cfg.cluster.num_actors,
+                                                  lambda rank: (cfg, rank), self.placement, cfg.faults,
+                                                  first_bundle=f, restore=self._resync,
+                                                  lost_advice=f"Resume with run.resume=true run.dir={run_dir}",
+                                                  **common)
             infos = self.learner.each(Actor.ready, slow=True)
             rollout_infos = self.rollouts.each(Actor.ready, slow=True) if self.rollouts is not None else None
             if not infos[0]["built"]:  # sharded: rank 0 picks the rendezvous, every rank joins and builds its shard
@@ -201,8 +211,6 @@ def check_devices(cfg: GRPOTrainConfig) -> None:
     """grpo.fsdp_size ranks (one device each) must fit the connected cluster's GPUs (or CPUs)."""
     import ray
 
-    from es_ray.core.config import ConfigError
-
     key, per = ("GPU", cfg.cluster.gpus_per_actor) if cfg.cluster.gpus_per_actor > 0 else ("CPU",
                                                                                           cfg.cluster.cpus_per_actor)
     have = ray.cluster_resources().get(key, 0.0)
@@ -215,8 +223,6 @@ def check_devices(cfg: GRPOTrainConfig) -> None:
 def last_checkpoint(run_dir: Path) -> Path | None:
     """The published checkpoint of the most steps, ``final`` included (a finished run extended continues from it;
     what a killed save left is cleaned up first)."""
-    from es_ray.runtime.checkpoint import checkpoints_by_step
-
     found = checkpoints_by_step(run_dir / "checkpoints", "grpo", "step")
     return found[-1][1] if found else None
 
@@ -224,16 +230,11 @@ def last_checkpoint(run_dir: Path) -> Path | None:
 def resume_point(cfg: GRPOTrainConfig, run_dir: Path) -> tuple[int, Path | None, list[dict]]:
     """Where a resume (run.resume=true, or a restart after a lost learner) starts: the steps of the last
     checkpoint (0 without one), that checkpoint, and the metrics rows before it (later rows are cut)."""
-    from es_ray.runtime.checkpoint import read_meta, verify_dir
-    from es_ray.runtime.rundir import keep_metrics
-
     start, ckpt = 0, last_checkpoint(run_dir)  # none yet: a new run, as es-train does
     if ckpt is not None:  # every file checked against its digest here, refused with one line naming it
         verify_dir(ckpt)
         start = read_meta(ckpt, "grpo")["step"]
         if start > cfg.grpo.steps:
-            from es_ray.core.config import ConfigError
-
             raise ConfigError(f"run.resume=true: {ckpt} holds {start} steps, more than grpo.steps="
                               f"{cfg.grpo.steps}; raise grpo.steps to at least {start}")
     return start, ckpt, keep_metrics(run_dir / "metrics.jsonl", start, "step")  # also cuts a torn last line
@@ -246,12 +247,6 @@ def run(cfg: GRPOTrainConfig) -> dict:
     run.resume=true loads; the initial weights at step 0 without one) and the steps since it run again, in this
     process, up to faults.max_replacements times. The steps redone are the same steps (each completion's sampling
     seed comes from the run seed, step, prompt and sample), so the run ends where an undisturbed one ends."""
-    import dataclasses
-
-    from es_ray.runtime.actors import ActorLostError
-    from es_ray.runtime.loop import prepare
-    from es_ray.runtime.rundir import held, lock_run_dir
-
     run_dir = prepare(cfg, "grpo", RESUME_FREE)
     restarts = 0
     with held(run_dir):  # released however the run ends, a failure before its first step included
@@ -313,8 +308,6 @@ class GRPORun(Training):
 
     def evaluate_held_out(self) -> dict:
         """The current weights on the held-out set, greedy."""
-        from es_ray.held_out import held_out_seed
-
         return self.crew.rollouts.call(0, RolloutWorker.evaluate, "eval", held_out_seed(self.cfg.run.seed))
 
     def save(self, path: Path, done: int) -> str:

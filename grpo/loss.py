@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from es_ray.grpo.loss_kinds import ADV_SCALES, LOSS_AGGREGATIONS
+from es_ray.metrics.coverage import pass_at_k_advantages as contributions
 
 
 def group_advantages(rewards_pg: torch.Tensor, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
@@ -29,8 +30,6 @@ def pass_at_k_advantages(rewards_pg: torch.Tensor, k: int, scale: str = "group",
     (es_ray.metrics.coverage.pass_at_k_advantages; docs/grpo.md "The pass@k objective"), divided as
     ``group_advantages`` divides (grpo.adv_scale). With k = G this is verl's GRPO_PASSK: r_max - r_second for the
     best completion of a group, 0 for the rest."""
-    from es_ray.metrics.coverage import pass_at_k_advantages as contributions
-
     r = rewards_pg.to(torch.float64)
     return ADV_SCALES.get(scale)(r, torch.from_numpy(contributions(r.numpy(), k)), eps)
 

@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import replace
 
+from es_ray.core.dtypes import dtype_name
+from es_ray.held_out import held_out_scores
+from es_ray.models import resolve_model
 from es_ray.runtime.actors import Actor, actor_threads
-from es_ray.tasks.base import score
+from es_ray.tasks import load_task
+from es_ray.tasks.base import score, templated_prompts
 from es_ray.grpo.config import GRPOTrainConfig
+
+# The engine (torch) is imported inside the actor: the driver imports RolloutWorker without torch.
 
 PROBE_TOKENS = 32
 """Longest sync probe completion (vLLM returns the whole vocabulary's log-probs per position at T != 1)."""
@@ -33,9 +40,6 @@ class RolloutWorker(Actor):
     def __init__(self, cfg: GRPOTrainConfig, rank: int = 0):
         super().__init__(rank, actor_threads(cfg.engine, cfg.cluster))
         from es_ray.engines.base import make_engine
-        from es_ray.models import resolve_model
-        from es_ray.tasks import load_task
-        from es_ray.tasks.base import templated_prompts
 
         self.cfg = cfg
         self.engine = make_engine(str(resolve_model(cfg.model.path)), cfg.engine)
@@ -43,8 +47,6 @@ class RolloutWorker(Actor):
         self._prompts = templated_prompts(self.engine, self.task)
 
     def ready(self) -> dict:
-        from es_ray.core.dtypes import dtype_name
-
         return {**super().ready(), "train_size": len(self.task.train),
                 "eval_size": len(self.task.eval), "dtype": dtype_name(self.engine.dtype),
                 "skipped_lines": self.task.skipped_lines()}
@@ -79,8 +81,6 @@ class RolloutWorker(Actor):
 
     def evaluate(self, split: str, seed: int) -> dict:
         """The current weights on a whole split (the held-out curve, scored as ES scores it: es_ray.held_out)."""
-        from es_ray.held_out import held_out_scores
-
         problems = self.task.eval if split == "eval" else self.task.train
         return held_out_scores(self.engine, self.task, self._prompts[split], problems, self.cfg.eval,
                                self.cfg.sampling.max_new_tokens, seed)
@@ -101,8 +101,6 @@ class RolloutWorker(Actor):
         temperature, a fixed seed, up to PROBE_TOKENS tokens). Sampled rather than greedy or fixed text: its tokens
         have the probabilities the policy's own samples have, where a wrong weight shows, not only near-certain
         ones whose log-probs sit at ~0 whatever the weights."""
-        from dataclasses import replace
-
         sampling = replace(self.cfg.sampling, max_new_tokens=min(PROBE_TOKENS, self.cfg.sampling.max_new_tokens))
         c = self.engine.generate([self._prompts["train"][0]], sampling, PROBE_SEED)[0]
         return self._tokens(self._prompts["train"][0]), self._ids(c)

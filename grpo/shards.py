@@ -13,6 +13,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from es_ray.core.manifest import CheckpointError
+from es_ray.models import read_tensor
+
+# torch and safetensors' torch loader are imported where moments are loaded: checking a checkpoint's shard names needs
+# neither.
+
 MOMENTS = re.compile(r"moments-(\d+)-of-(\d+)\.safetensors")
 
 
@@ -74,8 +80,6 @@ def unreadable_moments(directory: Path, names: list[str]) -> Exception:
     what to do (a CheckpointError: the CLI shows it without a traceback). Either the learner wrote it before it saved
     the moments itself, in torch.distributed.checkpoint's layout (DCP's ``.metadata`` and ``__<rank>_<n>.distcp``),
     which is not read any more; or its moments files lack a rank or mix world sizes."""
-    from es_ray.core.manifest import CheckpointError
-
     checkpoint = directory.parent
     dcp = [n for n in names if n == ".metadata" or n.endswith(".distcp")]
     if dcp:
@@ -103,8 +107,6 @@ def load_moments(directory: str | Path, fresh: dict) -> dict:
     """``fresh`` (zeros in this rank's layout, as ``save_moments`` takes them) filled with the rows this rank holds,
     read from every saved rank's file that has some of them: any world size wrote them."""
     import torch
-
-    from es_ray.models import read_tensor
 
     directory = Path(directory)
     names = sorted(path.name for path in directory.iterdir())
