@@ -39,9 +39,16 @@ import sys
 import time
 import tomllib
 from dataclasses import dataclass, field
+from importlib.metadata import distribution
 from pathlib import Path
 
 import yaml
+
+from es_ray.core.config import ConfigError
+from es_ray.runtime.cluster import check_address
+
+# Ray's job client, requests and the methods' configs (numpy) are imported where a job is checked or sent: es-submit
+# --help and a bad flag need none of them.
 
 LAUNCH_DIR = Path(__file__).resolve().parent
 REPO_DIR = LAUNCH_DIR.parent
@@ -71,8 +78,6 @@ def project_scripts() -> dict[str, str]:
     pyproject = REPO_DIR / "pyproject.toml"
     if pyproject.is_file():
         return dict(tomllib.loads(pyproject.read_text())["project"].get("scripts", {}))
-    from importlib.metadata import distribution
-
     return {ep.name: ep.value for ep in distribution("es-ray").entry_points if ep.group == "console_scripts"}
 
 
@@ -205,8 +210,6 @@ def check_overrides(command: list[str]) -> dict | None:
     composed = yaml.safe_load(res.stdout) or {}
     check = _validators().get(command[0])
     if check is not None:
-        from es_ray.core.config import ConfigError
-
         try:
             check(composed)
         except ConfigError as exc:
@@ -442,9 +445,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def connect_jobs(address: str):
     """The cluster's job client; an unreachable or malformed --address is one line and exit code 2."""
-    from es_ray.runtime.cluster import check_address
-    from es_ray.core.config import ConfigError
-
     try:
         check_address(address, key="--address")
         use_auth_token_if_present()

@@ -15,6 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from es_ray.launch.compare.methods import LABELS
+from es_ray.metrics.passk import pass_at_k
+
+# es_ray.metrics.paired (scipy, about 2 s) is imported by the sections that test pairs: the report's other parts, and
+# es-compare's start, do without it.
 
 KL_DIRECTIONS = ("base_tuned", "tuned_base")
 """KL(base || tuned) and KL(tuned || base), per token (es_ray.metrics.kl)."""
@@ -263,8 +267,6 @@ def interpolation_figure(plt, rep: dict, title):
 
 def _problem_passk(path: Path, task: str, n: int, ks: list[int]) -> dict[int, list[float]]:
     """{problem: [pass@k for k in ks]} of one task from an evaluation's samples.jsonl."""
-    from es_ray.metrics.passk import pass_at_k
-
     correct: dict[int, int] = {}
     for s in _rows(path):
         if s["task"] == task:

@@ -12,10 +12,12 @@ a stage es-compare trained; its budget is reported as reached, from its own ledg
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from es_ray.core.config import ConfigError
+from es_ray.launch.compare.methods import TRAINED
 from es_ray.runtime.rundir import RESUME_FREE, changed_settings
 
 FREE = RESUME_FREE | {"run.seed", "es.iterations", "grpo.steps", "cluster.num_actors", "cluster.gpus_per_actor",
@@ -33,8 +35,6 @@ def _flat(x, prefix: str = "") -> dict:
 def check_from_run(method: str, path: str, parts: tuple[str, ...], seeds: list[int], stage_cfg) -> Path:
     """The run at ``path`` as ``method``'s training stage (``stage_cfg``: the stage's config es-compare would run),
     or ConfigError in one line naming the key."""
-    import dataclasses
-
     key = f"from_run.{method}"
     if len(seeds) != 1:
         raise ConfigError(f"{key} is one run, and seeds={list(seeds)} asks for {len(seeds)}: set seeds=[{seeds[0]}] "
@@ -87,16 +87,12 @@ def link_run(run: Path, stage_dir: Path) -> dict:
 
 def adopt(stage, run: Path, root: Path):
     """``stage`` (a training Stage) run by linking ``run`` instead of training."""
-    import dataclasses
-
     return dataclasses.replace(stage, run=lambda cfg, d=stage.dir(root): link_run(run, d))
 
 
 def adopt_runs(cfg, method: str, stages: list, root: Path) -> list:
     """``method``'s stages with its training stage taken from ``cfg.from_run[method]`` when one is given (checked
     first: ``check_from_run``); every from_run key must name a method the comparison runs."""
-    from es_ray.launch.compare.methods import TRAINED
-
     stray = [m for m in cfg.from_run if m not in cfg.methods]
     if stray:
         raise ConfigError(f"from_run.{stray[0]}: {stray[0]} is not among methods={list(cfg.methods)}; add it there "

@@ -15,6 +15,8 @@ import numpy as np
 
 from es_ray.launch.compare.analyses import interpolation_figure
 
+# matplotlib is imported where a figure is drawn: the report's text does without it.
+
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 """What an empty model.path (or es_ray.models.EMBEDDED_NAMES) trains: the embedded default model."""
 _EMBEDDED_REFS = ("", "smollm2-135m", "embedded", "embedded default model")
