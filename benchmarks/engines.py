@@ -29,6 +29,12 @@ import subprocess
 import sys
 import time
 
+from es_ray.core.config import ClusterConfig, EngineConfig, RunConfig, SamplingConfig, TaskConfig
+from es_ray.models import resolve_model
+from es_ray.tasks import load_task
+
+# torch, the engines and the ES modules are imported in measure(), after torch's thread count is set.
+
 NEW_TOKENS = 64
 
 
@@ -49,12 +55,9 @@ def measure(engine_name: str, dtype: str, batches: list[int], repeats: int, iter
     torch.set_num_threads(threads)
     from es_ray.es.config import ESConfig
     from es_ray.es.config import ESTrainConfig, replica_spec, validate
-    from es_ray.core.config import ClusterConfig, EngineConfig, RunConfig, SamplingConfig, TaskConfig
     from es_ray.engines.base import make_engine
-    from es_ray.models import resolve_model
     from es_ray.es.protocol import EvalRequest, UpdateRequest
     from es_ray.strategy import ask, shape_fitness
-    from es_ray.tasks import load_task
     from es_ray.es.worker import ESWorker
 
     out: dict = {"engine": engine_name, "dtype": dtype}

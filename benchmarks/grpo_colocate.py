@@ -15,6 +15,8 @@ import json
 import time
 from pathlib import Path
 
+# The GRPO modules are imported in the run: --help needs no numpy or Ray.
+
 
 def one_run(colocate: bool, steps: int, out: Path) -> dict:
     from es_ray.grpo.config import to_grpo_config

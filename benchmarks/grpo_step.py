@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# torch and the modules under test are imported in the functions that run them: --help needs none of them.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local model directories only, and nothing reported off the machine
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# torch and the modules under test are imported in the functions that run them: --help needs none of them.
+
 MiB = 1 << 20
 
 

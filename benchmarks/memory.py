@@ -17,6 +17,10 @@ import json
 import tempfile
 from pathlib import Path
 
+from es_ray.runtime.ledger import FIELDS
+
+# The drivers are imported in the run: --help needs no numpy or Ray.
+
 GIB = 1 << 30
 
 
@@ -33,7 +37,6 @@ def main() -> None:
     args = ap.parse_args()
 
     from es_ray.es.config import to_train_config
-    from es_ray.runtime.ledger import FIELDS
     from es_ray.es.driver import run as es_run
     from es_ray.grpo.config import to_grpo_config
     from es_ray.grpo.driver import run as grpo_run

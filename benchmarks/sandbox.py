@@ -26,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from es_ray.grading.sandbox import MAX_PROGRAM_BYTES, SandboxLimits, require_sandbox, run_python
+from es_ray.grading.verdict import split_tests
+
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = {
     "literal": "def add(a, b):\n    return a + b\n\n"
@@ -38,8 +41,6 @@ PROGRAMS = {
 
 def one_round(shape: str) -> float:
     """Run one program in this interpreter's es_ray; seconds."""
-    from es_ray.grading.sandbox import SandboxLimits, run_python
-
     t0 = time.perf_counter()
     res = run_python(PROGRAMS[shape], SandboxLimits())
     elapsed = time.perf_counter() - t0
@@ -49,8 +50,6 @@ def one_round(shape: str) -> float:
 
 
 def _worker(shape: str, n: int) -> None:
-    from es_ray.grading.sandbox import require_sandbox
-
     require_sandbox()  # the once-per-process plan (and its probe run) is not a per-program cost
     print(json.dumps([one_round(shape) for _ in range(n)]))
 
@@ -63,9 +62,6 @@ def _run(tree: Path, shape: str, n: int) -> list[float]:
 
 
 def split_costs() -> None:
-    from es_ray.grading.sandbox import MAX_PROGRAM_BYTES
-    from es_ray.grading.verdict import split_tests
-
     last = None
     for kib in (8, 16, 32, 64, MAX_PROGRAM_BYTES >> 10):
         n = (kib << 10) // 14 - 40

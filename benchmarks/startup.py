@@ -51,6 +51,8 @@ import tempfile
 import time
 from pathlib import Path
 
+# Imports stay inside the functions: what a command imports, and when, is what this benchmark times.
+
 HERE = Path(__file__).resolve().parent
 TRACE_ENV = "ES_RAY_STARTUP_TRACE"
 SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"  # ray._private.ray_constants, read by Ray's default_worker

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+# torch and the modules under test are imported in the functions that run them: --help needs none of them.
+
 
 def timed_write(times: dict, seen: dict):
     """The extension's ``_es_write`` (same steps, same order) with a clock around each part; ``seen["model"]``:

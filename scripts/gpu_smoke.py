@@ -45,14 +45,25 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a bare checkout (no install)
 
+from es_ray import noise  # noqa: E402
 from es_ray.core.config import EngineConfig, ModelConfig, SamplingConfig  # noqa: E402
-from es_ray.memory_plan import ES_SLACK_BYTES, GiB, PRESETS, ModelShape, Settings, plan_es, plan_grpo  # noqa: E402
-from es_ray.noise import NoiseSource, counter_noise, derive_seed  # noqa: E402
+from es_ray.engines.hf import HFEngine  # noqa: E402
+from es_ray.engines.hf_lowrank import LowRankTerms  # noqa: E402
+from es_ray.grpo.colocated import planned_engine_config  # noqa: E402
+from es_ray.grpo.config import GRPOConfig, GRPOEngineConfig, GRPOSamplingConfig, GRPOTrainConfig, to_grpo_config  # noqa: E402
+from es_ray.grpo.learner import GRPOLearner  # noqa: E402
+from es_ray.memory_plan import (CARD_NAMES, ES_SLACK_BYTES, PRESETS, GiB, ModelShape, Settings, card_bytes, plan_es,
+                                plan_for, plan_grpo, usable_bytes)  # noqa: E402
+from es_ray.noise import NoiseSource, counter_chunk, counter_noise, derive_seed  # noqa: E402
 from es_ray.replica import ReplicaSpec  # noqa: E402
+from es_ray.runtime.process_group import backend_kinds  # noqa: E402
 from es_ray.strategy import ask, shape_fitness  # noqa: E402
+
+# transformers and tokenizers are imported by the checks that use them: --help needs neither.
 
 QWEN_0_5B = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
@@ -269,8 +280,6 @@ def max_logit_gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float
 def prompt_logits(engine, enc: dict, factors=None, members: range | None = None) -> torch.Tensor:
     """Teacher-forced logits of the encoded rows: the base model's, or under ``LowRankTerms(factors)`` with the rows
     member-major over ``members``."""
-    from es_ray.engines.hf_lowrank import LowRankTerms
-
     with torch.no_grad():
         if factors is None:
             return engine.model(**enc).logits.float()
@@ -327,8 +336,6 @@ def time_noise_draws(smoke: Smoke, numel: int) -> dict:
     """Seconds to draw one member's noise for the whole model (``numel`` elements, through one reused fp32 buffer of
     at most 2^27): counter noise eager (the reference loop) and compiled (``noise.compiled_block``), and torch.randn
     (es.noise=per_tensor) beside them; medians of 3 after a warm-up pass."""
-    from es_ray.noise import counter_chunk
-
     buf = torch.empty(min(numel, 1 << 27), device=smoke.device)
     gen = torch.Generator(device=smoke.device).manual_seed(0)
 
@@ -366,8 +373,6 @@ def check_counter_noise(smoke: Smoke, shape: ModelShape, key: str, fig: dict) ->
     a = counter_noise(seed, start, torch.empty(numel, device=device), chunk).cpu()
     b = counter_noise(seed, start, torch.empty(numel))
     same = [torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in ((here, cpu), (a, b))]
-    from es_ray import noise
-
     compiled = sorted(d for d, _ in noise._COMPILED if d.startswith(device.type))
     fig["counter_noise"] = {"rows": [rows.start, rows.stop], "start": start, "numel": numel, "bit_exact": same,
                             "compiled_on": compiled, "compile_failed": noise._COMPILE_FAILED.get(device.type)}
@@ -379,9 +384,6 @@ def check_counter_noise(smoke: Smoke, shape: ModelShape, key: str, fig: dict) ->
 
 def check_grpo(smoke: Smoke, model_dir: Path, shape: ModelShape, args, key: str, fig: dict) -> None:
     """Two bf16_mixed GRPO steps on random token sequences: loss finite, weights moved, peak memory in the plan."""
-    from es_ray.grpo.config import GRPOConfig, GRPOEngineConfig, GRPOSamplingConfig, GRPOTrainConfig
-    from es_ray.grpo.learner import GRPOLearner
-
     mb, prompt_len, completion_len = args.grpo_micro_batch, args.grpo_prompt_tokens, args.grpo_completion_tokens
     g = GRPOConfig(dtype="bf16_mixed", micro_batch_size=mb, gradient_checkpointing=True, lr=1e-4)
     cfg = GRPOTrainConfig(model=ModelConfig(path=str(model_dir)), grpo=g,
@@ -437,11 +439,6 @@ def check_sharded_learner(smoke: Smoke, model_dir: Path, shape: ModelShape, args
     full_tensor() and a sharded save and load that gives the same weights back. A world of one runs every collective
     call but exchanges nothing: NCCL across GPUs, and vLLM beside the learner (grpo.colocate), are for a multi-GPU
     machine with vLLM."""
-    import torch.distributed as dist
-
-    from es_ray.grpo.config import GRPOConfig, GRPOEngineConfig, GRPOSamplingConfig, GRPOTrainConfig
-    from es_ray.grpo.learner import GRPOLearner
-
     if dist.is_initialized():
         smoke.check(f"{key}/sharded_learner_world_1", False, "a default process group already exists")
         return
@@ -505,10 +502,6 @@ def check_group_backends(smoke: Smoke, group, key: str, fig: dict) -> None:
     GPU: es_ray.runtime.process_group.backend_kinds): a host tensor and a device tensor each all-reduced on it. With
     grpo.offload=all FSDP2's shards and gradients are on the host, and clip_grad_norm_'s norm and full_tensor() are
     collectives of host tensors (at a world of one DTensor skips them; the group's dispatch by device does not)."""
-    import torch.distributed as dist
-
-    from es_ray.runtime.process_group import backend_kinds
-
     host, dev = torch.ones(1), torch.ones(1, device=smoke.device)
     dist.all_reduce(host, group=group.pg)  # "No backend type associated with device type cpu" without gloo
     dist.all_reduce(dev, group=group.pg)
@@ -524,10 +517,6 @@ def check_colocated_share(smoke: Smoke, model_dir: Path, shape: ModelShape, key:
     check adds, es_ray.memory_plan.engine_share) x the card + the learner's resident lines fit the usable card; on a
     GPU the card is torch.cuda.mem_get_info's total, the share is free now (vLLM refuses to start otherwise), and the
     two are allocated together. On CPU the arithmetic for an 80 GB card (no vLLM, no allocation)."""
-    from es_ray.grpo.colocated import planned_engine_config
-    from es_ray.grpo.config import to_grpo_config
-    from es_ray.memory_plan import CARD_NAMES, card_bytes, plan_for, usable_bytes
-
     cfg = to_grpo_config({"model": {"path": str(model_dir)},
                           "engine": {"name": "vllm", "device": "cuda", "max_model_len": 1024},
                           "cluster": {"num_actors": 1, "gpus_per_actor": 1},
@@ -562,8 +551,6 @@ def check_colocated_share(smoke: Smoke, model_dir: Path, shape: ModelShape, key:
 
 
 def run_model(smoke: Smoke, name: str, fields: dict, args, workdir: Path) -> dict:
-    from es_ray.engines.hf import HFEngine
-
     device, key = smoke.device, name
     shape = ModelShape.from_hf_config(fields, name=name)
     fig: dict = {"parameters": shape.parameters()}

@@ -39,6 +39,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+# pip's and packaging's specifiers are imported where a pin is checked: the lock's other commands need neither.
+
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "scripts" / "setup.sh"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
