@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
+from paths import REPO
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 def test_run_ab_expands_the_vllm_preload_to_the_libraries_vllm_would_preload():

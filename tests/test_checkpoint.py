@@ -20,8 +20,7 @@ from helpers import flip_byte
 from es_ray.es.state import SeedLog, list_checkpoints, load_es_state, save_es_checkpoint
 from es_ray.runtime.checkpoint import (MANIFEST, CheckpointError, checkpoint_dirs, publish_dir, staging_dir,
                                        verify_dir)
-
-REPO = Path(__file__).resolve().parents[1]
+from paths import REPO
 
 
 class Planted:

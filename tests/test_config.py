@@ -14,8 +14,9 @@ from es_ray.es.config import ESConfig, ESTrainConfig, register_configs, to_train
 
 from es_ray.core.config import ConfigError, HeldOutConfig, RunConfig, TaskConfig
 from es_ray.runtime.entry import run_or_exit
+from paths import REPO
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = REPO / "conf"
 PRIMARY = "es_train"
 
 

@@ -27,6 +27,7 @@ from es_ray.noise import NoiseSource
 from es_ray.core.config import ConfigError, EngineConfig, SamplingConfig
 from es_ray.core.dtypes import resolve_dtype
 from es_ray.strategy import ask, zscore
+from paths import TESTS
 
 ENGINES = ["hf", pytest.param("vllm", marks=SKIP_VLLM)]
 GREEDY = SamplingConfig(max_new_tokens=8, temperature=0.0)
@@ -285,7 +286,7 @@ def test_es_train_with_vllm_writes_loadable_checkpoint(tiny_model_dir, tmp_path)
          "run.progress=false", "run.trackers=[]", f"run.dir={run_dir}"],  # vLLM default: compiled
         capture_output=True, text=True, timeout=900,
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
-             "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])})
+             "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])})
     assert res.returncode == 0, res.stderr[-3000:]
     assert len((run_dir / "seed_log.jsonl").read_text().splitlines()) == 2
     final = run_dir / "checkpoints" / "final"

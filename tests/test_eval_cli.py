@@ -15,9 +15,9 @@ from es_ray.evaluation.config import DriftJobConfig, EvalJobConfig, register_con
 
 from es_ray.core.config import ConfigError, to_config
 from es_ray.tasks import EVAL_TASKS
+from paths import FIXTURES, REPO
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = REPO / "conf"
 ALL_TASKS = f"eval.tasks=[{','.join(EVAL_TASKS)}]"  # the paper's eight, gated GPQA included (local fixtures)
 TINY = ["eval.n=2", "eval.k=[1,2]", "eval.limit=2", "eval.max_new_tokens=8", f"eval.data_dir={FIXTURES}",
         "run.progress=false", ALL_TASKS]

@@ -13,6 +13,7 @@ from es_ray.es.config import validate
 from es_ray.core.config import ConfigError
 from es_ray.es.driver import run
 from es_ray.runtime.actors import once
+from paths import REPO
 
 pytestmark = pytest.mark.ray
 
@@ -168,7 +169,7 @@ def test_sigterm_ends_a_stuck_run_within_the_stop_timeout_and_a_second_one_at_on
     import time
 
     proc = subprocess.Popen([sys.executable, "-c", _GUARDED, str(stop_timeout_s)], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[1])
+                            cwd=REPO)
     assert proc.stdout.readline().strip() == "ready"
     t0 = time.monotonic()
     for _ in range(signals):
@@ -199,7 +200,7 @@ def test_no_ray_process_outlives_a_driver_stopped_by_two_signals():
     import time
 
     proc = subprocess.Popen([sys.executable, "-c", _LOCAL_RAY], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[1])
+                            cwd=REPO)
     session = Path(proc.stdout.readline().strip()).name
     assert session.startswith("session_")
     assert processes_of(session), "the local Ray's processes were not found by their session"

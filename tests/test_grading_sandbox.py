@@ -21,6 +21,7 @@ from es_ray.grading.code import build_program, extract_code, grade_programs
 import es_ray.grading.sandbox as sandbox
 from es_ray.grading.sandbox import (BLOCKED_MARK, SandboxLimits, SandboxUnavailable, isolation,
                                     network_isolation, run_many, run_python, sandbox_plan)
+from paths import FIXTURES
 
 LIMITS = SandboxLimits(wall_s=5.0, cpu_s=2.0, memory_mb=512, output_bytes=64 << 10)
 GOOD = "def add(a, b):\n    return a + b\n\nassert add(1, 2) == 3\n"
@@ -483,6 +484,6 @@ def test_mbpp_refuses_to_load_where_programs_cannot_be_confined(no_namespaces):
     from es_ray.tasks import load_task
     from es_ray.tasks.base import TaskLoadError
 
-    fixture = Path(__file__).parent / "fixtures" / "mbpp.jsonl"
+    fixture = FIXTURES / "mbpp.jsonl"
     with pytest.raises(TaskLoadError, match="task mbpp: the MBPP code sandbox cannot confine programs here"):
         load_task(TaskConfig(name="mbpp", path=str(fixture), eval_size=0))

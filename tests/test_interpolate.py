@@ -16,8 +16,6 @@ import torch
 
 from es_ray.metrics.interpolate import barrier, barrier_interval, mix, update_cosine
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
-
 
 def test_mix_end_points_are_exact_and_the_middle_is_the_average():
     g = torch.Generator().manual_seed(0)

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from es_ray.metrics.kl import completion_kl_sums, summarize_kl, token_kl
-
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+from paths import FIXTURES
 
 
 def brute_distribution(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from es_ray.launch.submit import check_overrides, expand_sweep
+from paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "launch"
 YAMLS = sorted(LAUNCH.rglob("*.yaml"))
 CLUSTER_YAMLS = sorted((LAUNCH / "cluster").glob("*.yaml"))

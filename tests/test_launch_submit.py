@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from es_ray.launch.submit import SubmitError, expand_sweep, parse_args, plan, split_values
-
-REPO = Path(__file__).resolve().parent.parent
+from paths import REPO
 
 
 def test_values_split_on_top_level_commas_only():

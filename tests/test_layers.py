@@ -8,7 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from paths import REPO
+
 PACKAGES = ("es_ray", "grpo", "launch")
 """The repository folders of the one installed package: es_ray, and grpo/ and launch/ as es_ray.grpo and
 es_ray.launch (setup.py's package_dir)."""

@@ -16,8 +16,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+from paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("tests", "benchmarks", "scripts")
 # A dotted quad standing alone: not inside a version ("==5.1.0.95", ">=1.2.3.4", "0.2.1.1.post7", a wheel's
 # "-4.10.0.84-") or a longer dotted name, but found after a plain "=" (cluster.address=..., --node-ip-address=...).

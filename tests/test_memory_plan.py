@@ -16,8 +16,7 @@ import yaml
 
 from es_ray.memory_plan import (GiB, LEARNER_VARIANTS, LLAMA_3_1_8B, LOGIT_COPIES, PRESETS, ModelShape, Settings,
                                 auto_gpu_memory_utilization, plan_es, plan_grpo, preset, vllm_batch_defaults)
-
-REPO = Path(__file__).resolve().parents[1]
+from paths import REPO
 
 
 def meta_shapes(cfg) -> dict[str, tuple[int, ...]]:

@@ -14,9 +14,9 @@ from helpers import tiny_cfg
 from safetensors.torch import load_file
 
 from es_ray.core.config import ClusterConfig
+from paths import TESTS as TESTS_DIR
 
 pytestmark = pytest.mark.ray
-TESTS_DIR = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from paths import REPO as ROOT
 
 
 def _pyproject() -> dict:

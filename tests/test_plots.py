@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +15,9 @@ matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 
 from es_ray.launch.compare.plots import figures, model_name, plots  # noqa: E402
+from paths import FIXTURES  # noqa: E402
 
-REPORT = Path(__file__).parent / "fixtures" / "compare_report.json"
+REPORT = FIXTURES / "compare_report.json"
 
 
 @pytest.fixture

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 from helpers import processes_of
+from paths import REPO as ROOT, TESTS
 
 pytestmark = pytest.mark.ray
 
-ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
 
 _DRIVER = """
 import time

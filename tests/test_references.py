@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from paths import REPO as ROOT
+
 SOURCES = ("es_ray", "grpo", "launch", "tests", "scripts", "benchmarks", "docs", "conf", "docker")
 OUTSIDE = re.compile(r"\.\./shared|\bDESIGN\b(?!\w)|DESIGN\.md|STYLE\.md|the README's \w+ section")
 # A cited file: a project folder, a path, an extension. Quoted literals are data the code reads (and fails on if

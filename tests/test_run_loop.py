@@ -16,6 +16,7 @@ from es_ray.es.config import ESTrainConfig
 from es_ray.runtime.loop import Training, due
 from es_ray.runtime.rundir import changed_settings
 from es_ray.runtime.signals import Interrupted
+from paths import REPO
 
 TOKENS = 100  # each stand-in step generates this many tokens
 
@@ -551,10 +552,9 @@ def test_a_stop_during_a_long_step_saves_the_step_once_it_returns(tmp_path):
     grace ran out during the checkpoint and nothing was saved)."""
     import subprocess
     import sys
-    from pathlib import Path
 
     proc = subprocess.run([sys.executable, "-c", _LONG_STEP, str(tmp_path)], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+                          timeout=120, cwd=REPO)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert (tmp_path / "checkpoints" / "step_000002" / "done").read_text() == "2", out[-3000:]

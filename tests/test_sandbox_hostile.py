@@ -17,8 +17,9 @@ import pytest
 import es_ray.grading.sandbox as sandbox
 from es_ray.grading.code import build_program, grade_programs
 from es_ray.grading.sandbox import SandboxLimits, run_python
+from paths import FIXTURES
 
-HOSTILE = Path(__file__).parent / "fixtures" / "hostile"
+HOSTILE = FIXTURES / "hostile"
 LIMITS = SandboxLimits(wall_s=5.0, cpu_s=2.0, memory_mb=512, output_bytes=64 << 10, check_s=2.0)
 GOOD = build_program("def add(a, b):\n    return a + b", ["assert add(1, 2) == 3"])
 MARGIN_S = 3.0  # process starts and teardown on a loaded 2-core machine

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("scripts_lock", ROOT / "scripts" / "lock.py")
 lock = sys.modules["scripts_lock"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
 _spec.loader.exec_module(lock)

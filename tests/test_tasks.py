@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 
@@ -17,9 +16,8 @@ from es_ray.tasks.arithmetic import ArithmeticTask
 from es_ray.tasks.base import Problem, TaskLoadError
 from es_ray.tasks.countdown import CountdownTask
 from es_ray.tasks.gsm8k import GSM8KTask
+from paths import FIXTURES, REPO
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
-REPO = Path(__file__).resolve().parents[1]
 
 # -- arithmetic -------------------------------------------------------------------------------------------
 

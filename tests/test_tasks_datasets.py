@@ -5,15 +5,14 @@ the right ids, configs and splits."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from es_ray.core.config import ConfigError, TaskConfig
 from es_ray.tasks import EVAL_TASKS, TASKS, load_task
 from es_ray.tasks.base import Problem, TaskLoadError
+from paths import FIXTURES
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 # name -> (valid rows in the fixture, malformed rows in it)
 FIXTURE_ROWS = {"deepscaler": (4, 2), "math500": (4, 1), "aime24": (3, 1), "aime25": (3, 1), "amc23": (3, 1),

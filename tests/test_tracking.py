@@ -14,8 +14,9 @@ from es_ray.es.config import ESTrainConfig
 from es_ray.core.config import ConfigError, RunConfig
 from es_ray.runtime.validation import validate_run
 from es_ray.runtime.tracking import TRACKERS, Tracker
+from paths import FIXTURES, REPO
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = REPO / "conf"
 STEPS = [0, 1, 2]
 
 
@@ -329,9 +330,8 @@ def test_eval_and_compare_summaries_use_names_every_backend_takes():
 def test_es_eval_logs_its_summary_once_with_the_config(tiny_model_dir, tmp_path):
     from es_ray.evaluation.es_eval import run
 
-    fixtures = Path(__file__).resolve().parent / "fixtures"
     cfg = _convert("es_eval", [f"model.path={tiny_model_dir}", "eval.tasks=[math500,csqa]", "eval.n=2",
-                               "eval.k=[1,2]", "eval.limit=2", "eval.max_new_tokens=4", f"eval.data_dir={fixtures}",
+                               "eval.k=[1,2]", "eval.limit=2", "eval.max_new_tokens=4", f"eval.data_dir={FIXTURES}",
                                "cluster.num_actors=0", "run.progress=false", "run.trackers=[wandb,mlflow]"])
     cfg.run.dir = str(tmp_path)
     results = run(cfg)
@@ -428,9 +428,8 @@ def test_es_eval_and_es_drift_show_progress(tiny_model_dir, tmp_path, capsys, mo
     from es_ray.evaluation.config import to_drift_config
     from es_ray.evaluation.es_eval import run
 
-    fixtures = Path(__file__).resolve().parent / "fixtures"
     cfg = _convert("es_eval", [f"model.path={tiny_model_dir}", "eval.tasks=[math500,csqa]", "eval.n=1",
-                               "eval.k=[1]", "eval.limit=2", "eval.max_new_tokens=2", f"eval.data_dir={fixtures}",
+                               "eval.k=[1]", "eval.limit=2", "eval.max_new_tokens=2", f"eval.data_dir={FIXTURES}",
                                "cluster.num_actors=0", "run.progress=true", "run.trackers=[]"])
     cfg.run.dir = str(tmp_path / "eval")
     run(cfg)

@@ -12,6 +12,7 @@ from es_ray.core.config import ConfigError, TaskConfig
 from es_ray.runtime.validation import validate_task
 from es_ray.tasks import load_task
 from es_ray.tasks.base import TaskLoadError, score
+from paths import REPO
 
 REWARDS = '''
 import time
@@ -133,9 +134,8 @@ def test_the_config_check_refuses_a_spec_that_is_not_module_function(spec):
 def test_the_examples_in_docs_tasks_md_run(tmp_path, monkeypatch):
     """The reward and the task class docs/tasks.md shows, as written there."""
     import re
-    from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "tasks.md").read_text()
+    text = (REPO / "docs" / "tasks.md").read_text()
     blocks = {m.group(1): m.group(0) for m in re.finditer(r"# my_pkg/(\w+)\.py\n.*?(?=```)", text, re.S)}
     pkg = tmp_path / "my_pkg"
     pkg.mkdir()

@@ -16,6 +16,7 @@ from es_ray.metrics.calibration import shift_for, simulate
 from es_ray.metrics.paired import power, t_test
 from es_ray.metrics.verdict import (PAPER_CLAIMS, claim_problems, claim_test, default_claims, family_verdict,
                                     one_sided, parse_claim)
+from paths import REPO
 
 
 def test_claims_parse_and_the_default_is_the_papers_three_for_the_methods_run():
@@ -185,11 +186,10 @@ def test_a_report_without_per_problem_scores_is_rerendered_without_a_verdict(tmp
     primary family first, gives the method-level estimates with their one-sided bounds, and calls no verdict."""
     import json
     import shutil
-    from pathlib import Path
 
     from es_ray.launch.compare.rerender import rerender
 
-    src = Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu-demo" / "report.json"
+    src = REPO / "docs" / "results" / "cpu-demo" / "report.json"
     shutil.copy(src, tmp_path / "report.json")
     rep = json.loads(src.read_text())
     for t in rep["comparisons"]["tests"]:  # as written before the primary family
@@ -214,11 +214,10 @@ def test_a_rerender_keeps_the_sensitivity_section_the_stage_appended(tmp_path):
     """The sensitivity stage appends sensitivity.md to report.md after report.json is written: a re-render from
     report.json alone would drop it."""
     import shutil
-    from pathlib import Path
 
     from es_ray.launch.compare.rerender import rerender
 
-    src = Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu-demo" / "report.json"
+    src = REPO / "docs" / "results" / "cpu-demo" / "report.json"
     shutil.copy(src, tmp_path / "report.json")
     section = "## Sensitivity to the step sizes\n\n| run | pass@1 |\n|---|---|\n| grpo.lr=3e-06 | 0.350 |\n"
     (tmp_path / "sensitivity.md").write_text(section)

@@ -28,8 +28,7 @@ from es_ray.core.config import EngineConfig  # noqa: E402
 from es_ray.engines import vllm as engine_mod  # noqa: E402
 from es_ray.engines import vllm_extension as vx  # noqa: E402
 from es_ray.lowrank import LowRankSlots  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+from paths import REPO  # noqa: E402
 
 
 def _vllm_source(relpath: str) -> str:
