@@ -182,10 +182,10 @@ def imports_of(source: str, names: set[str]) -> list[tuple[int, str]]:
 def test_no_test_module_imports_another():
     """Shared test code lives in tests/helpers.py (and es_test_tasks.py, strict_collectives.py, conftest.py): a
     test module importing another breaks when that one is moved or renamed, and runs its module-level code."""
-    tests = {p.stem: p for p in sorted((REPO / "tests").glob("test_*.py"))}
+    tests = {p.stem: p for p in sorted((REPO / "tests").rglob("test_*.py"))}
     sample = "import os\ndef f():\n    from test_a import x\nimport test_b.c\n"  # the check can fail
     assert imports_of(sample, {"test_a", "test_b"}) == [(3, "test_a"), (4, "test_b.c")]
-    bad = [f"tests/{p.name}:{line} imports {name}" for p in tests.values()
+    bad = [f"{p.relative_to(REPO)}:{line} imports {name}" for p in tests.values()
            for line, name in imports_of(p.read_text(), set(tests))]
     assert bad == [], "move what they share into tests/helpers.py"
 
