@@ -3,7 +3,7 @@
 ``ENGINES`` is the list of valid ``engine.name`` values, what each engine can do and needs (tensor parallelism,
 low-rank LoRA slots, sleep mode, in-process evaluation) for the checks and choices made before any engine is built
 (``es_ray.runtime.validation``, the ES config, GRPO's colocation, es-eval), and how it is built (``make_engine``), so
-no code outside this package names an engine or imports one (tests/test_layers.py checks it)."""
+no code outside this package names an engine or imports one (tests/repo/test_layers.py checks it)."""
 
 from __future__ import annotations
 

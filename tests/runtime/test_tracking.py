@@ -420,7 +420,7 @@ def test_the_bar_shows_the_members_done_within_an_iteration_and_plain_lines_do_n
 
 def test_es_eval_and_es_drift_show_progress(tiny_model_dir, tmp_path, capsys, monkeypatch):
     """On a terminal (stderr's isatty, which capsys replaces, taken as true) both draw their bars; a log file gets
-    none (tests/test_hints.py)."""
+    none (tests/runtime/test_hints.py)."""
     from es_ray.evaluation.es_drift import run_drift
     from es_ray.runtime import tracking
 

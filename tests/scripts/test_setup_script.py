@@ -106,7 +106,7 @@ def test_missing_constraints_file_is_refused_with_how_to_make_it(tmp_path):
 
 @pytest.mark.parametrize("device,smi", [("cpu", None), ("gpu", 'echo "580.95.05, NVIDIA H200"')])
 def test_setup_installs_exactly_the_set_the_resolver_test_resolves(tmp_path, device, smi):
-    """scripts/lock.py (and so tests/test_install_resolves.py) resolves what setup.sh installs: the same
+    """scripts/lock.py (and so tests/scripts/test_install_resolves.py) resolves what setup.sh installs: the same
     requirements, the same constraints file, the same --no-deps pins."""
     requirements, no_deps, files = [], [], set()
     for line in installs(dry_run(tmp_path, smi, ES_RAY_DEVICE=device)):

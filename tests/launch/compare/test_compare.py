@@ -375,7 +375,7 @@ def test_two_seeds_and_a_token_budget_give_paired_tests_budgets_as_reached_and_t
 def test_verdicts_name_one_seed_and_exploratory_comparisons():
     """A verdict is never a bare "higher" where the seeds cannot carry a method-level claim, and a comparison outside
     the primary family carries no verdict words (launch/compare/verdict.py; the tests themselves:
-    tests/test_verdict.py)."""
+    tests/launch/compare/test_verdict.py)."""
     from es_ray.launch.compare.markdown import _difference
     from es_ray.launch.compare.verdict import head_lines, verdict_line
 
