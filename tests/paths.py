@@ -1,6 +1,6 @@
 """The suite's places, named once: a test module in any folder of tests/ reads the repository, the shared fixtures
 and tests/ itself through these, never through its own depth (``Path(__file__).parents[n]``), so moving it to
-another folder changes nothing inside it."""
+another folder changes nothing inside it (tests/repo/test_suite_layout.py checks it)."""
 
 from __future__ import annotations
 
