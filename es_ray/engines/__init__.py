@@ -25,7 +25,7 @@ class EngineTraits:
 
     The methods import the engine's module where they run, not this one: it imports torch (hf) or vLLM (heavy, and
     vLLM optional), which listing the names and checking a config must not pay (the drivers import no torch). This
-    is the registries' one lazy mechanism (es_ray/core/registry.py); tests/test_registries.py checks that every
+    is the registries' one lazy mechanism (es_ray/core/registry.py); tests/repo/test_registries.py checks that every
     name these imports take is defined in its module."""
 
     package: str

@@ -15,8 +15,8 @@ from pathlib import Path
 from es_ray.core.registry import Registry
 from es_ray.engines import ENGINES, EngineTraits
 from es_ray.engines.base import Engine
+from paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 CODE = ("es_ray", "grpo", "launch", "scripts", "benchmarks")
 IMPORT_PATH = re.compile(r"^(es_ray|grpo|launch)(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 """A string that names the project's code as "module:attr"."""
