@@ -11,7 +11,7 @@ Weights leave the learner in the rollout engines' dtype, one chunk at a time (``
 layer, or one tensor outside the layers.
 
 What a rank allocates is stated beside it, without torch, in grpo/learner_memory.py (the memory plan's learner
-lines; tests/test_memory_plan_parts.py checks them against a learner built on the CPU).
+lines; tests/engines/test_memory_plan_parts.py checks them against a learner built on the CPU).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ COMMANDS = (("es-train", ESTrainConfig), ("grpo-train", GRPOTrainConfig), ("es-e
             ("es-drift", DriftJobConfig), ("es-interpolate", InterpolateJobConfig), ("es-compare", CompareConfig))
 REGISTRY_MODULES = (strategy, noise, perturbation, engines, tasks, countdown, boxed, dtypes, validation, tracking,
                     coverage, es_config, eval_config, grpo_config, loss_kinds, compare_run)
-"""The modules whose Registry tables are read for the keys' values (tests/test_registries.py checks that every
+"""The modules whose Registry tables are read for the keys' values (tests/repo/test_registries.py checks that every
 table is found)."""
 
 

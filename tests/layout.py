@@ -22,9 +22,10 @@ from paths import TESTS
 
 AREAS = {
     "es_ray.core": "core",
-    "es_ray.engines": "engines", "es_ray.memory_plan": "engines",
+    "es_ray.engines": "engines", "es_ray.memory_plan": "engines", "es_ray.model_shape": "engines",
     "es_ray.es": "es", "es_ray.strategy": "es", "es_ray.noise": "es", "es_ray.noise_kinds": "es",
     "es_ray.perturbation": "es", "es_ray.lowrank": "es", "es_ray.replica": "es", "es_ray.replica_spec": "es",
+    "es_ray.replica_memory": "es",
     "es_ray.evaluation": "evaluation",
     "es_ray.grading": "grading",
     "es_ray.metrics": "metrics",

@@ -12,7 +12,6 @@ import json
 import math
 import re
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +21,8 @@ from es_ray.memory_plan import (CARD_NAMES, LLAMA_3_1_8B, PLANNERS, PRESETS, SET
                                 plan_es, vllm_batch_defaults)
 from es_ray.replica import Replica, Shard
 from es_ray.strategy import Member
+from paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 BASELINE = REPO / "tests" / "fixtures" / "memory_plan_baseline.json"
 
 
