@@ -292,9 +292,8 @@ def _demo_with_counts(tmp_path, seed=4):
     """docs/results/cpu-demo/report.json with a per-problem record (launch.compare.report.per_problem_counts) of
     its methods, seeds, tasks and eval.n, drawn here: what report.json keeps from now on."""
     import json
-    from pathlib import Path
 
-    rep = json.loads((Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu-demo" / "report.json")
+    rep = json.loads((REPO / "docs" / "results" / "cpu-demo" / "report.json")
                      .read_text())
     rng = np.random.default_rng(seed)
     n, problems = rep["eval"]["n"], {t: list(range(24)) for t in rep["tasks"]}
@@ -351,11 +350,10 @@ def test_a_stored_summary_without_variance_supports_no_noninferiority_and_the_fl
     the sign-flip p."""
     import json
     import shutil
-    from pathlib import Path
 
     from es_ray.launch.compare.verdict import stored_section, verdict_line
 
-    src = Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu-demo" / "report.json"
+    src = REPO / "docs" / "results" / "cpu-demo" / "report.json"
     shutil.copy(src, tmp_path / "report.json")
     rep = json.loads(src.read_text())
     flat = {"se": 0.0, "df": None, "var_training": 0.0, "low": 0.0, "high": 0.0}
