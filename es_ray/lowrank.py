@@ -87,7 +87,7 @@ def gradient(factors: list[tuple[torch.Tensor, torch.Tensor]], coeffs: list[floa
              out: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k coeffs[k] * B_k A_k^T / sqrt(r) as one matmul of the factors side by side, in fp32, written into
     ``out`` (out x in) when given. The summation order is fixed by the member order, and replicas on one device
-    model with the same thread count get the same bits (tests/test_lowrank.py checks thread counts 1 and 2)."""
+    model with the same thread count get the same bits (tests/es/test_lowrank.py checks thread counts 1 and 2)."""
     rank = factors[0][0].shape[1]
     scale = 1.0 / math.sqrt(rank)
     bs = torch.cat([b * (c * scale) for (b, _), c in zip(factors, coeffs)], dim=1)

@@ -67,7 +67,7 @@ def _gguf_parsed_once() -> Iterator[None]:
     """transformers (5.19, scripts/constraints-cpu.txt) opens a GGUF file three times with ``gguf.GGUFReader`` for one
     conversion (the tokenizer's config, the model's config, the weights), each parse 4 s for the embedded model on
     a 2-core CPU, and builds llama.cpp's tensor-name map once per module of the model (``gguf.get_tensor_name_map``,
-    about 400 times, 4 s); tests/test_checkpoint.py counts both. Both are only read, so within the block each is
+    about 400 times, 4 s); tests/runtime/test_checkpoint.py counts both. Both are only read, so within the block each is
     built once per path (or architecture and depth) and shared: the same files come out, byte for byte, in half
     the time (the tokenizer's vocabulary is read by transformers' own reader, not shared). transformers imports
     both from ``gguf`` inside the functions that use them (transformers.modeling_gguf_pytorch_utils), so the

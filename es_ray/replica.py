@@ -277,7 +277,7 @@ class Replica:
     def memory(self, members: int = 0) -> list[Line]:
         """What this replica allocates on its device (``replica_lines`` of its own parts and settings; ``members``:
         members whose factors ``member_factors`` stacks at once). The memory plan states a GPU rank's replica with
-        the same function, and tests/test_memory_plan_parts.py checks it against the tensors a replica holds."""
+        the same function, and tests/engines/test_memory_plan_parts.py checks it against the tensors a replica holds."""
         spec = self.spec
         return replica_lines(self.parts(), optimizer=spec.optimizer, anchor_decay=spec.anchor_decay,
                              noise=self.noise_kind, noise_table_size=spec.noise_table_size,

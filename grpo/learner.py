@@ -11,7 +11,7 @@ Weights leave the learner in the rollout engines' dtype, one chunk at a time (``
 layer, or one tensor outside the layers.
 
 What a rank allocates is stated beside it, without torch, in grpo/learner_memory.py (the memory plan's learner
-lines; tests/test_memory_plan_parts.py checks them against a learner built on the CPU).
+lines; tests/engines/test_memory_plan_parts.py checks them against a learner built on the CPU).
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ class GRPOLearner(Actor):
     def _completion_hidden(self, model, samples: list[dict]):
         """[N, H]: the hidden states that predict the N completion tokens, row by row, each prompt run once for its
         rows in this micro-batch (``prefix.shared_prompt_hidden``); the same order as hidden[mask] of the padded
-        forward, and the same values to within rounding (tests/test_grpo_learner.py)."""
+        forward, and the same values to within rounding (tests/grpo/test_grpo_learner.py)."""
         import torch
 
         from es_ray.metrics.prefix import prompt_groups, shared_prompt_hidden
@@ -354,7 +354,7 @@ class GRPOLearner(Actor):
             import torch.distributed as dist
 
             keys = [k for k in totals if k != "grad_norm"]
-            # on the rank's device: NCCL serves no host tensor (tests/test_grpo_strict_collectives.py)
+            # on the rank's device: NCCL serves no host tensor (tests/grpo/test_grpo_strict_collectives.py)
             summed = torch.tensor([totals[k] for k in keys] + [float(backprop_tokens)], dtype=torch.float64,
                                   device=self.device)
             dist.all_reduce(summed, group=self.group.pg)

@@ -1,4 +1,4 @@
-"""TRL's GRPOTrainer as the peer the project's GRPO is checked and timed against (tests/test_peer_parity.py,
+"""TRL's GRPOTrainer as the peer the project's GRPO is checked and timed against (tests/grpo/test_peer_parity.py,
 benchmarks/grpo_step.py; docs/grpo.md "Parity and cost beside TRL"). Nothing here trains: it builds a trainer over a
 model directory and hands its own loss (``GRPOTrainer._compute_loss``) the learner's batch in TRL's layout.
 

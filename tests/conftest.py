@@ -59,11 +59,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    """One local Ray per test module (Ray's testing advice); test helpers importable by its workers."""
+def ray_local(request):
+    """One local Ray per test module (Ray's testing advice); test helpers and the module's own folder (what it
+    hands an actor by reference) importable by its workers."""
     import ray
 
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    ours = list(dict.fromkeys([str(TESTS_DIR), str(request.path.parent)]))
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in ours]
+    os.environ["PYTHONPATH"] = os.pathsep.join(ours + rest)
     # address="local": always a new Ray of the test's own, never one that `ray start` left running on this machine
     # (ray.init() without an address joins that one, and another test run's cluster would then serve this one)
     ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
@@ -83,7 +86,8 @@ def no_ray_left_running(request):
 
 
 # -- the fast tier: `pytest -m fast` --------------------------------------------------------------------------------
-# Marked here by rule, not test by test: a test that is neither slow nor ray is fast unless its module is listed below
+# Marked here by rule, not test by test: a test that is neither slow nor ray is fast unless its module (by name, in
+# whichever folder of tests/ it sits) is listed below
 # (its tests load a model or vLLM, or start CLIs and other processes, most of them) or the test itself asks for the
 # tiny model or a Ray, or its own code starts a process or a CLI.
 NOT_FAST_MODULES = {

@@ -1,4 +1,4 @@
-"""What several test modules share, in one place: no test module imports another (tests/test_layers.py checks it),
+"""What several test modules share, in one place: no test module imports another (tests/repo/test_layers.py checks it),
 so moving or renaming a test never breaks a second one.
 
 Tasks that Ray actors load by name live in ``es_test_tasks`` (actors import them by module name; tests/ is on their

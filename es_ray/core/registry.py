@@ -6,7 +6,7 @@ beside the definitions it lists (below them in their module, or in their package
 objects themselves, imported. A table reads as the whole list at once, and needs no module imported for its
 side effect, as a decorator registry would. Where an entry's module is heavy and must stay unimported until it is
 used (vLLM, or torch in the drivers), the entry is a small object whose methods import it (``es_ray.engines``),
-never a "module:attr" string (tests/test_registries.py checks both)."""
+never a "module:attr" string (tests/repo/test_registries.py checks both)."""
 
 from __future__ import annotations
 

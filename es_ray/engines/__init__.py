@@ -3,7 +3,7 @@
 ``ENGINES`` is the list of valid ``engine.name`` values, what each engine can do and needs (tensor parallelism,
 low-rank LoRA slots, sleep mode, in-process evaluation) for the checks and choices made before any engine is built
 (``es_ray.runtime.validation``, the ES config, GRPO's colocation, es-eval), and how it is built (``make_engine``), so
-no code outside this package names an engine or imports one (tests/test_layers.py checks it)."""
+no code outside this package names an engine or imports one (tests/repo/test_layers.py checks it)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class EngineTraits:
 
     The methods import the engine's module where they run, not this one: it imports torch (hf) or vLLM (heavy, and
     vLLM optional), which listing the names and checking a config must not pay (the drivers import no torch). This
-    is the registries' one lazy mechanism (es_ray/core/registry.py); tests/test_registries.py checks that every
+    is the registries' one lazy mechanism (es_ray/core/registry.py); tests/repo/test_registries.py checks that every
     name these imports take is defined in its module."""
 
     package: str

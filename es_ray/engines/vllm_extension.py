@@ -31,7 +31,7 @@ never runs (the tied LM head, a module of its own, has its own packed copy), whi
 
 Population batching (es.perturbation=lowrank; the engine enables LoRA, ``vllm.VLLMEngine``): ``es_fill_lora``
 writes member m's factors into the LoRA slot of adapter id m + 1 with each LoRA layer's ``set_lora``. What it
-relies on, vLLM 0.32.0's LoRA internals (they change between releases; tests/test_lowrank_vllm.py checks them):
+relies on, vLLM 0.32.0's LoRA internals (they change between releases; tests/engines/test_lowrank_vllm.py checks them):
 * ``model_runner.lora_manager`` (``LRUCacheWorkerLoRAManager``): ``add_dummy_lora`` registers an in-memory
   zero adapter under an int id, ``pin_adapter`` activates it into a slot and pins it (never evicted, never
   reactivated, so vLLM never copies the dummy's zeros back over a filled slot); ``list_adapters``;

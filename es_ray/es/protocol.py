@@ -1,6 +1,6 @@
 """Messages between the ES driver and its actors: integers and floats only, never a tensor.
 
-tests/test_protocol.py measures their serialized sizes, so a tensor smuggled in would fail it.
+tests/es/test_protocol.py measures their serialized sizes, so a tensor smuggled in would fail it.
 """
 
 from __future__ import annotations

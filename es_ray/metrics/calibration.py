@@ -6,7 +6,7 @@ independent seeds, as in docs/comparison.md ("Calibration").
     c ~ Binomial(n, sigmoid(logit)),   score = exact pass@k(n, c, k)
 
 u is the seed's training shift (sv = 0: no training variance), shift_m the method's effect (0 under the null).
-Used by tests/test_eval_paired.py (a subset that fits CI) and benchmarks/paired_calibration.py (the whole grid).
+Used by tests/metrics/test_eval_paired.py (a subset that fits CI) and benchmarks/paired_calibration.py (the whole grid).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ keys and values are computed once and indexed out to its rows (``Cache.batch_rep
 ``batch_select_indices``), which autograd follows, so gradients are the same as with the prompt repeated.
 
 What changes is the shape of the matrix products, not the arithmetic: results equal the repeated-prompt forward to
-within rounding (tests/test_prefix.py compares both in fp64).
+within rounding (tests/engines/test_prefix.py compares both in fp64).
 """
 
 from __future__ import annotations

@@ -131,8 +131,8 @@ SECTIONS = {
                    "eval", "drift_thresholds", "engine", "cluster", "curve_every", "grpo_rollout_actors", "run",
                    "faults", "sequence", "interpolate", "verdict", "sensitivity", "from_run"),
 }
-"""Each entry point's top-level keys (its schema's fields; tests/test_hints.py keeps them equal), so an override of
-another entry point's section says whose it is."""
+"""Each entry point's top-level keys (its schema's fields; tests/runtime/test_hints.py keeps them equal), so an
+override of another entry point's section says whose it is."""
 SECTION_INSTEAD = {
     ("es_eval", "task"): "it scores eval.tasks=[...], each read from eval.paths.<task>= or eval.data_dir=",
     ("es_eval", "sampling"): "its sampling keys are eval.temperature, eval.top_p, eval.max_new_tokens and eval.n",
