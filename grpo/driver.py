@@ -39,7 +39,7 @@ from es_ray.grpo.rollout import RolloutWorker
 from es_ray.tasks.base import epoch_prompts
 
 # Ray, torch and the GRPO loss (torch) are imported where a step needs them: the driver checks and prepares a run
-# without torch (tests/test_layers.py).
+# without torch (tests/repo/test_layers.py).
 
 
 class WeightSyncError(RuntimeError):

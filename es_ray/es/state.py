@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are read: the driver's seed
     import torch
 
 # torch, safetensors and the replica are imported where a checkpoint is written or read: the driver reads the seed log
-# and plans a resume without torch (tests/test_layers.py).
+# and plans a resume without torch (tests/repo/test_layers.py).
 
 DIGEST_KEY = "sha256"
 STATE_TENSORS = "es_state.tensors"

@@ -27,7 +27,7 @@ from es_ray.tasks import load_task
 from es_ray.tasks.base import score, templated_prompts
 
 # Ray, torch, the engine and the noise are imported inside the actor: the driver imports ESWorker (the class it starts)
-# without torch (tests/test_layers.py).
+# without torch (tests/repo/test_layers.py).
 
 
 class ESWorker(Actor):
