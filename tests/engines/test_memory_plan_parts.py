@@ -12,6 +12,7 @@ import json
 import math
 import re
 from dataclasses import replace
+from types import FunctionType, MethodType
 
 import pytest
 import torch
@@ -158,6 +159,40 @@ def test_a_replica_holds_what_it_states(spec_kw, sharded):
     for item, tensors in MEASURED.items():  # what it holds, and nothing of what it does not state
         assert sum(t.numel() * t.element_size() for t in tensors(replica, factors)) == stated.get(item, 0), item
     assert "update chunks" in stated and "allocator slack" in stated
+    held = sum(stated[item] for item in set(stated) - TRANSIENT - {"low-rank factors"})
+    assert held_bytes(replica) == held  # every tensor it keeps, named or not, is a stated line
+
+
+def held_bytes(obj, seen: dict | None = None, visited: set | None = None) -> int:
+    """Bytes of every tensor storage reachable from ``obj`` through the project's own objects (their attributes,
+    dicts, lists, tuples), each storage once: what it keeps, whatever the attribute is called."""
+    seen = {} if seen is None else seen
+    visited = set() if visited is None else visited
+    if id(obj) in visited:
+        return sum(seen.values())
+    visited.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    elif isinstance(obj, dict):
+        for v in [*obj.keys(), *obj.values()]:
+            held_bytes(v, seen, visited)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for v in obj:
+            held_bytes(v, seen, visited)
+    elif type(obj).__module__.startswith("es_ray") and not isinstance(obj, (type, FunctionType, MethodType)):
+        for v in [*getattr(obj, "__dict__", {}).values(),
+                  *(getattr(obj, k, None) for c in type(obj).__mro__ for k in getattr(c, "__slots__", ()))]:
+            held_bytes(v, seen, visited)
+    return sum(seen.values())
+
+
+def test_held_bytes_finds_a_tensor_under_any_name():
+    params = initial_params()
+    replica = Replica(params.items(), replica_spec(), lambda named: [None for _ in named])
+    before = held_bytes(replica)
+    replica.anything = {"x": [torch.empty(10)]}
+    assert held_bytes(replica) == before + 40
 
 
 def tp_shards(m: ModelShape, tp: int, rank: int) -> dict[str, Shard]:
