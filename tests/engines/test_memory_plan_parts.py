@@ -279,6 +279,14 @@ def private_names_used(source: str, own: set[str]) -> list[str]:
             and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls") and node.attr in own)]
     bad += [f"mentions {w}" for w in sorted(set(re.findall(r"(?<!\w)_[A-Za-z]\w*", source)) - own)
             if not w.endswith("__")]
+    # an attribute named by a computed or private string, or an object's namespace read whole, names anything
+    bad += [f"reads by name {ast.unparse(node)}" for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and not (len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                     and isinstance(node.args[1].value, str) and not private(node.args[1].value))]
+    bad += [f"reads a namespace {ast.unparse(node)}" for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr == "__dict__"
+            or isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars"]
     return bad
 
 
@@ -301,6 +309,9 @@ def test_the_plan_names_no_private_name_of_another_module():
     assert private_names_used(sample, own_names(sample)) == [
         "imports _Pairs", "imports es_ray._x", "reads ._buf", "mentions _Pairs", "mentions _buf", "mentions _nbuf",
         "mentions _x"]  # the check can fail
+    for evasion in ("n = getattr(replica, '_' + 'buf')\n", "_buf = 0\nn = getattr(replica, '_buf')\n",
+                    "n = replica.__dict__['_'.join(['', 'buf'])]\n", "n = vars(replica)[NAME]\n"):
+        assert private_names_used(evasion, own_names(evasion)), evasion  # nor by naming it in a string
     files = sorted((REPO / "es_ray" / "memory_plan").glob("*.py"))
     assert len(files) >= 4  # __init__, __main__, plan, startup, table
     for path in files:  # each module's own names are its own; a sibling's private name is another module's
