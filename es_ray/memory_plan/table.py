@@ -73,8 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     models = [preset(n) for n in (args.model or ([] if args.config else list(PRESETS)))]
     for path in args.config:
         p = Path(path)
-        models.append(ModelShape.from_dir(p) if p.is_dir() else
-                      ModelShape.from_hf_config(json.loads(p.read_text()), name=p.parent.name or p.stem))
+        try:
+            models.append(ModelShape.from_dir(p) if p.is_dir() else
+                          ModelShape.from_hf_config(json.loads(p.read_text()), name=p.parent.name or p.stem))
+        except KeyError as e:
+            ap.error(f"--config {path}: no {e} in the model's config")
+        except (OSError, ValueError) as e:  # unreadable, not JSON, or a model the plan does not count
+            ap.error(f"--config {path}: {e}")
     base = Settings(sequences=args.sequences, tokens_per_sequence=args.tokens,
                     completion_tokens=args.completion_tokens, micro_batch_size=args.micro_batch)
     print(table(models, tuple(args.cards), base))

@@ -291,6 +291,19 @@ def test_cli_prints_the_table_for_presets_and_a_config_file(tmp_path):
     assert "| ES, sgd | " in out and "| es | fp32 master |" in out and "qwen2.5" not in out
 
 
+def test_cli_names_a_config_it_cannot_read_in_one_line(tmp_path, capsys):
+    from es_ray.memory_plan.table import main
+
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "gpt2.json").write_text(json.dumps({"model_type": "gpt2"}))
+    for path, why in ((tmp_path / "missing.json", "No such file"), (tmp_path / "bad.json", "Expecting"),
+                      (tmp_path / "gpt2.json", "not Llama- or Qwen2-shaped"), (tmp_path, "No such file")):
+        with pytest.raises(SystemExit) as exit:
+            main(["--config", str(path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit.value.code == 2 and f"--config {path}: " in err[-1] and why in err[-1], err
+
+
 def test_docs_table_is_the_cli_output():
     section = (REPO / "docs" / "memory-plan.md").read_text()
     table = run_cli().split("\n\n")[0].strip()
