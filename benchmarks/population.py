@@ -44,10 +44,11 @@ Keys of the JSON object on the last line, per engine E in hf, vllm (where it ran
                                 (hf) with the calling thread's CPU seconds (evaluate vs the call), which other
                                 processes on the cores inflate less (hf's target reads it); each with _range, its
                                 lowest and highest repeat. The population does strictly more work than its
-                                reference, so a share above 100% in every repeat is a defect of the benchmark (a
-                                reference that is not the same work): E_lowrank_defect says so (on the target's
-                                figure), and the target is not met; a median above 100% with a repeat at or below it
-                                is within the noise (E_lowrank_above_within_noise)
+                                reference, so a share above 100% in more repeats than chance puts there (a sign
+                                test, 12.5% false alarms: 3 of 3, 5 of 5, 7 of 9; share_verdict) is a defect of the
+                                benchmark (a reference that is not the same work): E_lowrank_defect says so (on the
+                                target's figure), and the target is not met; a median above 100% short of that is
+                                within the noise (E_lowrank_above_within_noise)
   E_lowrank_same_work           every row of the iterations and of the reference generated --max-new-tokens tokens
                                 (false with --eos: the share and the target are then not judged)
   E_lowrank_share_of_limit      beside it, labelled "shared prefill": the limit prefills a repeated prompt once,
@@ -77,10 +78,9 @@ no_eos.
 rows each prefilled; hf per layer kind, prefill and decode; vLLM split into the CPU LoRA kernel of
 ``vllm_extension`` and vLLM's own LoRA path; JSON: machine, settings, hf_profile, vllm_profile (per engine run).
 
-Targets: hf lowrank >= 95% of its reference (d) in CPU seconds, at most 100% (above it in every repeat, a benchmark
-defect); hf full's
-fixed costs < 3% of the iteration; vllm full < 10% of the iteration outside generation; vllm lowrank is reported
-as measured (its target holds on a GPU only).
+Targets: hf lowrank >= 95% of its reference (d) in CPU seconds, at most 100% (above it in more repeats than chance
+puts there, a benchmark defect); hf full's fixed costs < 3% of the iteration; vllm full < 10% of the iteration
+outside generation; vllm lowrank is reported as measured (its target holds on a GPU only).
 """
 
 from __future__ import annotations
@@ -88,12 +88,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import statistics
 import subprocess
 import sys
 import time
 
 PERTURBATIONS = ("full", "lowrank")
+# the chance that the defect check flags a reference doing the same work (share_verdict's sign test)
+DEFECT_FALSE_ALARM = 0.125
 PHASES = ("iteration", "generate", "perturb", "restore", "reward", "update")
 TARGETS = {("hf", "lowrank"): ("cpu_share_of_base_loop", ">=", 0.95,
                                 "of its reference (the same loop, the low-rank term switched off), CPU seconds"),
@@ -263,13 +266,19 @@ def run_phase(args, engine_name: str, perturbation: str) -> dict:
 
 def share_verdict(repeats: list[float]) -> dict:
     """Paired shares of one figure (the population's tokens/s over its reference's, per repeat) against the bound
-    that the reference does strictly less work: their median, lowest and highest, and ``defect`` when every repeat
-    is above 100% (the population beat its reference each time: the reference is not the same work). A median above
-    100% with a repeat at or below it is within the repeats' spread: ``above_within_noise``, no defect."""
+    that the reference does strictly less work: their median, lowest and highest, and ``defect`` when so many repeats
+    are above 100% that a reference doing the same work puts them there by chance at most ``DEFECT_FALSE_ALARM`` of
+    the time (a sign test: each such repeat is above 100% with a chance of at most one half, so k of n above has the
+    binomial tail; at 3 repeats, all three above). Requiring every repeat above it instead would let one noisy repeat
+    veto a real defect, and more and more often as the repeats grow. A median above 100% short of that is within the
+    repeats' spread: ``above_within_noise``, no defect; below 3 repeats no count is a defect."""
     median = statistics.median(repeats)
     low, high = min(repeats), max(repeats)
-    return {"share": median, "low": low, "high": high, "defect": low > 1.0,
-            "above_within_noise": median > 1.0 and low <= 1.0}
+    n, above = len(repeats), sum(r > 1.0 for r in repeats)
+    by_chance = sum(math.comb(n, k) for k in range(above, n + 1)) / 2 ** n
+    defect = by_chance <= DEFECT_FALSE_ALARM
+    return {"share": median, "low": low, "high": high, "defect": defect,
+            "above_within_noise": median > 1.0 and not defect}
 
 
 def judge_reference(key: str, res: dict, engine_name: str) -> dict:
@@ -291,8 +300,9 @@ def judge_reference(key: str, res: dict, engine_name: str) -> dict:
     tokens = {*res["iteration_tokens"], *res["base_loop_tokens"]}
     out[f"{key}_same_work"] = same = tokens == {res["all_tokens"]}
     if same:
-        # the term only adds work to its reference: beating it in every repeat means the two did not measure the
-        # same work. Judged on the target's figure (hf: CPU seconds, which other processes on the cores inflate less)
+        # the term only adds work to its reference: beating it in more repeats than chance means the two did not
+        # measure the same work. Judged on the target's figure (hf: CPU seconds, which other processes on the cores
+        # inflate less)
         figure = TARGETS.get((engine_name, "lowrank"), ("share_of_base_loop",))[0]
         out[f"{key}_defect"] = verdicts[figure]["defect"]
         out[f"{key}_above_within_noise"] = verdicts[figure]["above_within_noise"]
@@ -364,10 +374,11 @@ def report(figures: dict, engines: list[str]) -> None:
                 print(f"{e}: lowrank and its reference generated other tokens (--eos: rows stop where each model "
                       "answers), so the share measures where rows stopped, not the term: not judged")
             elif figures.get(f"{e}_lowrank_defect"):
-                print(f"{e}: BENCHMARK DEFECT: lowrank beat its reference in every repeat, and the reference does "
-                      "strictly less work; the share is not a measurement of the term's cost (fix the reference)")
+                print(f"{e}: BENCHMARK DEFECT: lowrank beat its reference in more repeats than chance, and the "
+                      "reference does strictly less work; the share is not a measurement of the term's cost (fix the "
+                      "reference)")
             elif figures.get(f"{e}_lowrank_above_within_noise"):
-                print(f"{e}: lowrank's median share is above 100% but a repeat is at or below it: within the "
+                print(f"{e}: lowrank's median share is above 100% in too few repeats to rule out chance: within the "
                       "repeats' spread, the term's cost is below this machine's noise (more --repeats, a quieter "
                       "machine)")
         if f"{e}_full_fixed_s" in figures:
@@ -391,7 +402,7 @@ def report(figures: dict, engines: list[str]) -> None:
             value = figures.get(f"{key}_{figure}")
             verdict = "n/a (not measured)" if value is None else f"{value:.1%} -> n/a (not the same work)" if \
                 not figures.get(f"{key}_same_work", True) else f"{value:.1%} -> " + (
-                "DEFECT (above 100% in every repeat)" if figures.get(f"{key}_defect") else
+                "DEFECT (above 100% in more repeats than chance)" if figures.get(f"{key}_defect") else
                 "PASS" if figures[f"{key}_target_met"] else "FAIL")
             print(f"  {e} {mode}: {op} {bound:.0%} {words}: {verdict}")
 

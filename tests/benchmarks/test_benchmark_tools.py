@@ -118,3 +118,20 @@ def test_population_all_tokens_suppresses_eos_on_each_engine():
     all_tokens(vllm, 16)
     params = vllm._sampling_params(None, 7, 3)
     assert [(p.ignore_eos, p.min_tokens, p.seed) for p in params] == [(True, 16, (7, i)) for i in range(3)]
+
+
+def test_population_more_repeats_make_a_defect_easier_to_see_not_harder():
+    """The defect rule is a sign test at a fixed false-alarm rate: each repeat of a reference doing the same work is
+    above 100% by chance at most half the time, so k of n repeats above it happens by chance with the binomial tail;
+    requiring every repeat above it would make a real defect vanish as --repeats grows (one noisy repeat vetoes it)."""
+    from population import DEFECT_FALSE_ALARM, share_verdict
+
+    assert DEFECT_FALSE_ALARM == 0.125  # at the default 3 repeats: all three above, as before
+    assert share_verdict([1.04] * 8 + [0.98])["defect"]  # 8 of 9 above: 10 / 512 by chance
+    assert share_verdict([1.04] * 7 + [0.98] * 2)["defect"]  # 7 of 9: 46 / 512
+    assert not share_verdict([1.04] * 6 + [0.98] * 3)["defect"]  # 6 of 9: 130 / 512, within the noise
+    assert not share_verdict([1.05, 1.05])["defect"]  # two repeats cannot tell a defect from noise (1 / 4)
+    assert not share_verdict([1.2])["defect"]
+    for n in range(3, 13):  # a share above 100% in all but one repeat never gets less convincing with more repeats
+        flagged = [share_verdict([1.03] * (m - 1) + [0.97])["defect"] for m in range(n, 13)]
+        assert flagged == sorted(flagged)
