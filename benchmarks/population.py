@@ -218,7 +218,7 @@ def measure(args, engine_name: str, perturbation: str) -> dict:
         # (weights a step on): other tokens with --eos, the same work without it
         arms = [lambda: limits.append(limit()), *([lambda: bases.append(base_loop(r + 1))] if factored else []),
                 lambda: iters.append(iteration(r + 1))]
-        for arm in arms if r % 2 == 0 else arms[::-1]:
+        for arm in interleaved(arms, r):
             arm()
     worker.engine.close()
 
@@ -230,12 +230,7 @@ def measure(args, engine_name: str, perturbation: str) -> dict:
         out.update({"base_loop_s": med(s for s, _, _ in bases), "base_loop_tok_s": med(n / s for s, n, _ in bases),
                     "base_loop_cpu_tok_s": med(n / c for _, n, c in bases),
                     "base_loop_tokens": [n for _, n, _ in bases]})
-        # per repeat, the iteration over the reference run next to it: drift between repeats cancels in each ratio
-        out["share_repeats"] = [(it["tokens"] / it["generate"]) / (n / s) for it, (s, n, _) in zip(iters, bases)]
-        out["iteration_share_repeats"] = [(it["tokens"] / it["iteration"]) / (n / s)
-                                          for it, (s, n, _) in zip(iters, bases)]
-        out["cpu_share_repeats"] = [(it["tokens"] / it["evaluate_cpu"]) / (n / c)
-                                    for it, (_, n, c) in zip(iters, bases)]
+        out.update(paired_shares(iters, bases))
     out.update({f"{k}_s": med(it.get(k, 0.0) for it in iters) for k in (*PHASES, "checksum")})
     out["fixed_share"] = med((it["perturb"] + it["restore"] + it["update"]) / it["iteration"] for it in iters)
     out["tokens"] = med(it["tokens"] for it in iters)
@@ -245,6 +240,21 @@ def measure(args, engine_name: str, perturbation: str) -> dict:
     out["evaluate_cpu_tok_s"] = med(it["tokens"] / it["evaluate_cpu"] for it in iters)
     out["outside_generation"] = med(1 - it["generate"] / it["iteration"] for it in iters)
     return out
+
+
+def interleaved(arms: list, r: int) -> list:
+    """Repeat r's arms: in order on even repeats, reversed on odd ones (A B, B A, ...), so a drift of the machine's
+    load hits every arm alike."""
+    return arms if r % 2 == 0 else arms[::-1]
+
+
+def paired_shares(iters: list[dict], bases: list[tuple[float, int, float]]) -> dict:
+    """Per repeat, the lowrank iteration's tokens/s over the reference's (wall seconds, CPU seconds, tokens) run next
+    to it in the same repeat: a drift between repeats cancels in each ratio."""
+    pairs = list(zip(iters, bases, strict=True))
+    return {"share_repeats": [(it["tokens"] / it["generate"]) / (n / s) for it, (s, n, _) in pairs],
+            "iteration_share_repeats": [(it["tokens"] / it["iteration"]) / (n / s) for it, (s, n, _) in pairs],
+            "cpu_share_repeats": [(it["tokens"] / it["evaluate_cpu"]) / (n / c) for it, (_, n, c) in pairs]}
 
 
 def run_phase(args, engine_name: str, perturbation: str) -> dict:

@@ -135,3 +135,19 @@ def test_population_more_repeats_make_a_defect_easier_to_see_not_harder():
     for n in range(3, 13):  # a share above 100% in all but one repeat never gets less convincing with more repeats
         flagged = [share_verdict([1.03] * (m - 1) + [0.97])["defect"] for m in range(n, 13)]
         assert flagged == sorted(flagged)
+
+
+def test_population_repeats_alternate_and_pair_each_iteration_with_its_own_reference():
+    from population import interleaved, paired_shares
+
+    arms = ["limit", "reference", "iteration"]
+    assert [interleaved(arms, r) for r in range(3)] == [arms, arms[::-1], arms]
+    # the machine slows 2x then 4x between repeats; each repeat's arms alike: every paired ratio is 80%, while a
+    # ratio against another repeat's reference would be off by the drift
+    iters = [{"tokens": 80, "generate": g, "iteration": 2 * g, "evaluate_cpu": g} for g in (1.0, 2.0, 4.0)]
+    bases = [(g, 100, g) for g in (1.0, 2.0, 4.0)]
+    got = paired_shares(iters, bases)
+    assert got["share_repeats"] == got["cpu_share_repeats"] == [0.8] * 3
+    assert got["iteration_share_repeats"] == [0.4] * 3
+    with pytest.raises(ValueError):  # a repeat without its reference is no pair
+        paired_shares(iters, bases[:2])
