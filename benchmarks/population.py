@@ -704,6 +704,8 @@ def main() -> None:
         ap.error("--members, --prompts, --max-new-tokens, --threads and --repeats must be >= 1")
     if args.members < 2:
         ap.error("--members must be >= 2 (es.population >= 2)")
+    if args.eos and args.no_eos:
+        ap.error("--eos and --no-eos contradict each other: drop one (--no-eos is the default)")
     if args.child:
         import torch
 

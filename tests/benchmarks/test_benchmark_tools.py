@@ -151,3 +151,11 @@ def test_population_repeats_alternate_and_pair_each_iteration_with_its_own_refer
     assert got["iteration_share_repeats"] == [0.4] * 3
     with pytest.raises(ValueError):  # a repeat without its reference is no pair
         paired_shares(iters, bases[:2])
+
+
+def test_population_refuses_eos_and_no_eos_together():
+    import subprocess
+
+    script = REPO / "benchmarks" / "population.py"
+    proc = subprocess.run([sys.executable, str(script), "--eos", "--no-eos"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--eos and --no-eos contradict each other" in proc.stderr
