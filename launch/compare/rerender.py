@@ -66,6 +66,45 @@ def stored_config(rep: dict, margin: float | None, alpha: float | None):
                            eval=SimpleNamespace(k=rep["k"]), methods=list(rep["methods"]))
 
 
+def check_record(rep: dict) -> None:
+    """A stored report.json's per-problem record (launch.compare.report.per_problem_counts) is whole and consistent
+    before any test is recomputed from it: every task and method the report names, the same seed count for every
+    method (as launch.compare.verdict.check_seeds refuses before training) and as ``seeds``, one row of each seed per
+    stored problem, and correct counts in [0, eval.n]. ValueError naming the key otherwise."""
+    for key in ("k", "tasks", "methods", "seeds"):
+        if key not in rep:
+            raise ValueError(f"report.json has no {key!r}: not an es-compare report")
+    pp = rep["per_problem"]
+    if not isinstance(pp, dict) or not {"n", "problems", "methods"} <= set(pp):
+        raise ValueError("per_problem must hold 'n', 'problems' and 'methods' (launch.compare.report."
+                         "per_problem_counts); remove per_problem to keep the stored tests")
+    n, tasks = pp["n"], list(rep["tasks"])
+    if not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"per_problem.n={n!r}: give eval.n, the samples per problem (an integer >= 1)")
+    missing = [t for t in tasks if t not in pp["problems"]]
+    if missing:
+        raise ValueError(f"per_problem.problems lacks the task(s) {missing} the report names (tasks={tasks})")
+    seeds = len(rep["seeds"])
+    for m, by_task in pp["methods"].items():
+        for t in tasks:
+            rec, where = (by_task or {}).get(t), f"per_problem.methods.{m}.{t}"
+            if not isinstance(rec, dict):
+                raise ValueError(f"{where} is missing: every method with samples answers every task")
+            for key in ("correct", "entropy_sum", "entropy_tokens"):
+                rows = rec.get(key)
+                if not isinstance(rows, list) or len(rows) != seeds:
+                    raise ValueError(f"{where}.{key} has {len(rows) if isinstance(rows, list) else 'no'} seed rows, "
+                                     f"the report's seeds {rep['seeds']} need {seeds} (seeds must not differ between "
+                                     "methods)")
+                if any(not isinstance(r, list) or len(r) != len(pp["problems"][t]) for r in rows):
+                    raise ValueError(f"{where}.{key}: every seed's row needs one value per stored problem "
+                                     f"({len(pp['problems'][t])}, per_problem.problems.{t})")
+            bad = [c for r in rec["correct"] for c in r if not (isinstance(c, int) and 0 <= c <= n)]
+            if bad:
+                raise ValueError(f"{where}.correct holds {bad[0]!r}: a count of correct completions in [0, {n}] "
+                                 "(per_problem.n)")
+
+
 def rerender(folder: Path, margin: float | None = None, alpha: float | None = None) -> dict:
     from es_ray.launch.compare.markdown import markdown
     from es_ray.launch.compare.report import tested
@@ -75,8 +114,14 @@ def rerender(folder: Path, margin: float | None = None, alpha: float | None = No
     if is_run_dir(folder) and margin is None and alpha is None:
         rep = from_run_dir(folder)
     else:
-        rep = json.loads((folder / "report.json").read_text())
+        try:
+            rep = json.loads((folder / "report.json").read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{folder / 'report.json'} is not JSON ({e})") from None
+        if not isinstance(rep, dict):
+            raise ValueError(f"{folder / 'report.json'} holds no report object")
         if "per_problem" in rep:
+            check_record(rep)
             tested(rep, stored_config(rep, margin, alpha))
         elif "verdict" not in rep:
             for t in rep["comparisons"]["tests"]:
@@ -110,7 +155,11 @@ def main() -> None:
     if bad:
         print(f"rerender: {bad}", file=sys.stderr)
         sys.exit(2)
-    rerender(args.folder, args.margin, args.alpha)
+    try:
+        rerender(args.folder, args.margin, args.alpha)
+    except ValueError as e:
+        print(f"rerender: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"rerender: wrote {args.folder / 'report.md'} and report.json")
 
 

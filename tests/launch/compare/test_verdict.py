@@ -398,3 +398,57 @@ def test_the_seeds_a_claim_needs_are_said_at_the_estimated_spread_and_at_its_upp
     assert f"needs S >= {t['seeds_for_claim']} seeds at the estimated spread, if the estimate were the truth" in line
     assert f"at the spread's 95% upper bound from 3 seeds (sd {sd_hi})" in line
     assert (f"S >= {t['seeds_for_claim_bound']}" if t["seeds_for_claim_bound"] else "no seed count up to 200") in line
+
+
+def _drop_seed(rep):
+    rep["per_problem"]["methods"]["grpo"]["arithmetic"]["correct"].pop()
+
+
+def _negative_count(rep):
+    rep["per_problem"]["methods"]["es"]["arithmetic"]["correct"][0][0] = -1
+
+
+def _count_over_n(rep):
+    rep["per_problem"]["methods"]["es"]["arithmetic"]["correct"][0][0] = rep["per_problem"]["n"] + 1
+
+
+def _short_row(rep):
+    rep["per_problem"]["methods"]["es"]["countdown"]["entropy_sum"][1].pop()
+
+
+@pytest.mark.parametrize("spoil, names", [
+    (lambda rep: rep["per_problem"].pop("n"), "per_problem must hold 'n'"),
+    (lambda rep: rep.update(per_problem=None), "per_problem must hold 'n'"),
+    (lambda rep: rep["per_problem"]["methods"]["es"].pop("countdown"), "per_problem.methods.es.countdown is missing"),
+    (_drop_seed, "per_problem.methods.grpo.arithmetic.correct has 2 seed rows"),
+    (lambda rep: rep.update(seeds=[0, 1]), "seed rows, the report's seeds [0, 1] need 2"),
+    (_negative_count, "per_problem.methods.es.arithmetic.correct holds -1"),
+    (_count_over_n, "per_problem.methods.es.arithmetic.correct holds 9"),
+    (_short_row, "per_problem.methods.es.countdown.entropy_sum: every seed's row needs one value per stored problem"),
+    (lambda rep: rep.pop("k"), "report.json has no 'k'")])
+def test_a_malformed_per_problem_record_is_refused_in_one_line(tmp_path, spoil, names):
+    """rerender recomputes every test from report.json's per-problem record: a record cut short, with seeds that
+    differ between the methods (refused before training, launch.compare.verdict.check_seeds) or counts outside
+    [0, eval.n] is refused naming the key, not a traceback, nor a silent verdict (a count of -1 indexed the pass@k
+    table from its end: pass@k 1; a method with fewer seeds was tested at the fewer)."""
+    import json
+
+    from es_ray.launch.compare.rerender import rerender
+
+    rep = _demo_with_counts(tmp_path)
+    spoil(rep)
+    (tmp_path / "report.json").write_text(json.dumps(rep))
+    with pytest.raises(ValueError) as e:
+        rerender(tmp_path)
+    assert names in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "report.md").exists()
+
+
+def test_rerender_refuses_a_bad_report_json_with_exit_2(tmp_path):
+    import sys
+
+    (tmp_path / "report.json").write_text("{oops")
+    out = subprocess.run([sys.executable, "-m", "es_ray.launch.compare.rerender", str(tmp_path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 2 and out.stderr.startswith("rerender: ") and "is not JSON" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
