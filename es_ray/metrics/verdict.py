@@ -141,7 +141,15 @@ def size_and_needs(pairs, alpha: float, checkpoint: bool, gaps: Sequence[float],
     second, first = (float(np.mean([np.mean(x[i]) for x in pairs])) for i in (0, 1))
     room = max(1.0 - second, first) + shift
     beyond = det is not None and bounded_range and det > room
-    out = {"detectable": None if beyond else det, "beyond_range": beyond, "alpha": alpha,
+    # the size for each way the gap can be made, within the room that way leaves: the one above is the larger of
+    # the two, found with 80% power either way and 88-93% where the other way is the real one (near an end)
+    by_direction = {}
+    if bounded_range and pw.mean is not None and det is not None:
+        for key, moves, way_room in (("first_rises", 1, 1.0 - second + shift), ("second_falls", -1, first + shift)):
+            d = power(use, alpha=alpha, power=POWER, bound=False, sides=1, moves=moves).detectable
+            by_direction[key] = None if d is None or d > way_room else d
+    out = {"detectable": None if beyond else det, "beyond_range": beyond, "by_direction": by_direction,
+           "alpha": alpha,
            "var_seeds": pw.var_seeds, "var_problems": pw.var_problems, "var_residual": list(pw.var_residual),
            "mean": pw.mean, "needs": {}}
     # the method-level test's needs where the seeds give a spread; with one seed, the checkpoint test's problems

@@ -140,7 +140,16 @@ def verdict_line(t: dict) -> str:
 def _size(t: dict) -> str:
     if t["beyond_range"]:
         return "not detectable at any size"
-    return "-" if t["detectable"] is None else _u(t, t["detectable"]).lstrip("+")
+    if t["detectable"] is None:
+        return "-"
+    size, ways = _u(t, t["detectable"]).lstrip("+"), t.get("by_direction") or {}
+    said = {key: "beyond the range" if v is None else _u(t, v).lstrip("+") for key, v in ways.items()}
+    if len(set(said.values())) < 2:  # mid-range: both ways print alike
+        return size
+    # near an end the way that costs less is found with 80% power at its own, smaller size
+    # (es_ray.metrics.verdict.size_and_needs); the size above is the larger, found with 80% power either way
+    return (f"{size} ({LABELS.get(t['first'], t['first'])} rising {said['first_rises']}; "
+            f"{LABELS.get(t['second'], t['second'])} falling {said['second_falls']})")
 
 
 def _needs(t: dict) -> str:
@@ -180,7 +189,8 @@ def verdict_section(rep: dict) -> list[str]:
              "Each claim one-sided in its stated direction (non-inferiority against verdict.margin), Holm over the "
              "primary family only. Detectable: the smallest distance from the claim's null boundary the verdict's "
              "test finds with 80% power at Holm's first threshold, at the estimated variance (the test simulated; "
-             "not a bound). Needed: for a 2 and a 6 point gap beyond the null boundary, at 80% power and the same "
+             "not a bound; near either end of a pass@k each way the gap can be made gets its own, in brackets). "
+             "Needed: for a 2 and a 6 point gap beyond the null boundary, at 80% power and the same "
              "threshold.", "",
              "| claim | test | estimate [95% interval] | one-sided lower bound | p | Holm p | verdict | "
              "detectable | needed for 2 / 6 points |", "|---|---|---|---|---|---|---|---|---|"]

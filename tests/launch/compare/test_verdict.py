@@ -452,3 +452,30 @@ def test_rerender_refuses_a_bad_report_json_with_exit_2(tmp_path):
                          text=True)
     assert out.returncode == 2 and out.stderr.startswith("rerender: ") and "is not JSON" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_near_an_end_a_size_is_given_for_each_way_the_gap_can_be_made():
+    """Near the ceiling the headline size is the second falling's (the larger variance), found with 80% power either
+    way; the first rising by it is found 88-93% of the time (an independent check: pass@8 at 94%, P 200, S 3, 91.5%
+    +- 1.7). Each way also gets its own size (its own growth, its own room), which is found with 80% power where
+    that way is the real one; mid-range the two agree and one figure is printed."""
+    from es_ray.launch.compare.verdict import _size
+    from es_ray.metrics.verdict import size_and_needs
+
+    rng = np.random.default_rng(8)
+    u = rng.normal(0, 0.3, (2, 6, 1))  # seed shifts on the logit scale
+    theta = rng.normal(0.5, 1.5, 200)
+    second, first = (1.0 - (1.0 - 1 / (1 + np.exp(-(theta + u[i])))) ** 8 for i in (0, 1))  # pass@8 near 0.94
+    out = size_and_needs([(second, first)], 0.05 / 3, False, (), 0.0, True)
+    up, down = out["by_direction"]["first_rises"], out["by_direction"]["second_falls"]
+    assert 0.9 < out["mean"] < 0.97 and down == pytest.approx(out["detectable"]) and up < 0.8 * down
+    for moves, d in ((1, up), (-1, down)):
+        pw = power([(second, first)], alpha=0.05 / 3, bound=False, sides=1, moves=moves)
+        assert pw.reaches(d, pw.problems, pw.seeds) == pytest.approx(0.8, abs=0.01)
+    assert power([(second, first)], alpha=0.05 / 3, bound=False, sides=1, moves=1).reaches(
+        down, 200, 6) > 0.9  # the headline size, the first rising by it
+    t = {"metric": "pass@8", "first": "es", "second": "grpo", **out}
+    want = f"{100 * down:.1f} points (ES rising {100 * up:.1f} points; GRPO falling {100 * down:.1f} points)"
+    assert _size(t) == want
+    mid = size_and_needs([(0.5 * second, 0.5 * first)], 0.05 / 3, False, (), 0.0, True)  # mean 0.47
+    assert mid["by_direction"]["first_rises"] == pytest.approx(mid["by_direction"]["second_falls"], rel=0.05)
