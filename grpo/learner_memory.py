@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
-
-from es_ray.core.memory import ALLOCATOR_SLACK_BYTES, CUDA_CONTEXT_BYTES, Line
+from es_ray.core.memory import ALLOCATOR_SLACK_BYTES, CUDA_CONTEXT_BYTES, Line, Settings
 from es_ray.core.registry import Registry
 from es_ray.model_shape import ModelShape
-
-if TYPE_CHECKING:
-    from es_ray.memory_plan import Settings
 
 OFFLOADS = Registry("grpo.offload", {
     "none": "everything on the device", "optimizer": "AdamW moments and the step on the host",

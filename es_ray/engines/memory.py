@@ -6,15 +6,10 @@ learner's; the vLLM engine (es_ray/engines/vllm.py) sizes its share of the GPU f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from es_ray.core.memory import GiB, Line
+from es_ray.core.memory import GiB, Line, Settings
 from es_ray.model_shape import ModelShape
 from es_ray.perturbation import PERTURBATIONS
 from es_ray.replica_memory import factor_elements
-
-if TYPE_CHECKING:
-    from es_ray.memory_plan import Settings
 
 VLLM_FIXED_BYTES = 2 * GiB
 """vLLM memory no formula here gives: the CUDA context with cuBLAS/NCCL workspaces (0.5-1 GiB outside torch's

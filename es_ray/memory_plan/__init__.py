@@ -15,9 +15,9 @@ logits, a micro-batch's activations) and its build's; its rollout engines are vL
 grpo.colocate. Sizes are in bytes; GiB = 2**30, and an "N GB card" is what such a card reports (``CARD_GIB``; the
 plan is a bound to check against, not a measurement: the check in the engine reads ``torch.cuda.mem_get_info``).
 
-The package by role: ``plan`` (Settings, MemoryPlan, the planners, vLLM's share of the card), ``startup`` (the
-start-up check every trainer runs before it loads a model), ``table`` (the command line's table). Callers import
-from here.
+The package by role: ``plan`` (MemoryPlan, the planners, vLLM's share of the card; the run's ``Settings`` are
+es_ray/core/memory.py's), ``startup`` (the start-up check every trainer runs before it loads a model), ``table`` (the
+command line's table). Callers import from here.
 """
 
 from es_ray.core.memory import ALLOCATOR_SLACK_BYTES, CUDA_CONTEXT_BYTES, GiB, Line, gib  # noqa: F401
