@@ -95,7 +95,7 @@ def sample_seed(cfg: GRPOTrainConfig, step: int) -> int:
     return random.Random(f"{cfg.run.seed}/{step}/0/grpo-sampling").getrandbits(62)
 
 
-class Crew:
+class GRPOWorkers:
     """The learner ranks (bundles 0..fsdp_size-1 of the run's placement group; not replaceable: the optimizer state
     lives only there) and the rollout actors (the next bundles; a dead or silent one is replaced and re-synced from
     the learner), each an ActorGroup of the runtime. With grpo.colocate one group of grpo.fsdp_size actors is both:
@@ -136,7 +136,7 @@ class Crew:
                 joined = self.learner.gather(GRPOLearner.join, {r: (address,) for r in self.learner.ranks},
                                              slow=True)
                 infos = [joined[r] for r in self.learner.ranks]
-        except BaseException:  # the run's clean-up sees no crew yet: its actors and placement are ended here
+        except BaseException:  # the run's clean-up sees no GRPOWorkers yet: its actors and placement are ended here
             for group in (self.learner, self.rollouts):
                 if group is not None:
                     group.kill()
@@ -243,7 +243,7 @@ def resume_point(cfg: GRPOTrainConfig, run_dir: Path) -> tuple[int, Path | None,
 def run(cfg: GRPOTrainConfig) -> dict:
     """grpo-train: the runtime's run skeleton (``es_ray.runtime.loop``) around the GRPO step. A lost learner rank
     (its process killed by Ray's memory monitor, crashed, its node gone) holds the optimizer state no other actor
-    has, so it is not replaced alone: the whole crew is rebuilt from the last committed checkpoint (what
+    has, so it is not replaced alone: every worker is rebuilt from the last committed checkpoint (what
     run.resume=true loads; the initial weights at step 0 without one) and the steps since it run again, in this
     process, up to faults.max_replacements times. The steps redone are the same steps (each completion's sampling
     seed comes from the run seed, step, prompt and sample), so the run ends where an undisturbed one ends."""
@@ -276,7 +276,7 @@ def one_reason(lost: BaseException) -> str:
 
 
 class GRPORun(Training):
-    """GRPO on the run skeleton: the actors are the crew (learner ranks and rollout engines), a step is one
+    """GRPO on the run skeleton: the actors are the GRPOWorkers (learner ranks and rollout engines), a step is one
     ``step`` (generate, advantages, optimizer step, weight sync), checkpoints come from the learner."""
 
     method, unit, checkpoint_prefix = "grpo", "step", "step"
@@ -284,88 +284,89 @@ class GRPORun(Training):
 
     def __init__(self, cfg: GRPOTrainConfig, run_dir: Path, start: int, history: list[dict], ckpt: Path | None):
         super().__init__(cfg, run_dir, cfg.grpo.steps, start, history)
-        self.ckpt, self.crew, self.pool = ckpt, None, 0
+        self.ckpt, self.workers, self.pool = ckpt, None, 0
         self.learner_lost = False  # the run stopped because a learner rank was lost (``run`` restarts it)
 
     def start_actors(self, guard) -> None:
         """The learner loads the checkpoint to resume from, the rollouts get its weights (verified)."""
         tracker = self.tracker
-        self.crew = crew = Crew(self.cfg, tracker, self.run_dir, guard.check)
+        self.workers = workers = GRPOWorkers(self.cfg, tracker, self.run_dir, guard.check)
         if self.ckpt is not None:
-            crew.learn(GRPOLearner.load, str(self.ckpt), slow=True)
+            workers.learn(GRPOLearner.load, str(self.ckpt), slow=True)
             tracker.message(f"grpo: resumed from {self.ckpt} at step {self.start}")
-        self.pool = crew.infos[0]["train_size"]
-        tracker.message(f"grpo: learner + {len(crew.rollouts)} rollout actor(s), {crew.learner_info['trainable']} "
-                        f"trainable parameters, training pool {self.pool}, run dir {self.run_dir}")
-        for line in crew.infos[0].get("skipped_lines", ()):
+        self.pool = workers.infos[0]["train_size"]
+        tracker.message(f"grpo: learner + {len(workers.rollouts)} rollout actor(s), "
+                        f"{workers.learner_info['trainable']} trainable parameters, training pool {self.pool}, "
+                        f"run dir {self.run_dir}")
+        for line in workers.infos[0].get("skipped_lines", ()):
             tracker.message(line)
-        first = crew.sync(self.start - 1)
+        first = workers.sync(self.start - 1)
         tracker.message(f"grpo: initial weight sync verified (max |dlogp| {first['sync/max_logprob_diff']:.2e}, "
-                        f"tolerance {crew.tol:g})")
+                        f"tolerance {workers.tol:g})")
 
     def step(self, t: int, guard) -> dict:
-        return step(self.cfg, self.crew, t, self.pool, guard)
+        return step(self.cfg, self.workers, t, self.pool, guard)
 
     def evaluate_held_out(self) -> dict:
         """The current weights on the held-out set, greedy."""
-        return self.crew.rollouts.call(0, RolloutWorker.evaluate, "eval", held_out_seed(self.cfg.run.seed))
+        return self.workers.rollouts.call(0, RolloutWorker.evaluate, "eval", held_out_seed(self.cfg.run.seed))
 
     def save(self, path: Path, done: int) -> str:
-        return str(self.crew.learn(GRPOLearner.save, str(path), {"step": done}))
+        return str(self.workers.learn(GRPOLearner.save, str(path), {"step": done}))
 
     def save_at_stop(self, stop: BaseException, done: int) -> str:
         """Checkpoint the completed steps (an optimizer step and its sync are never split by a signal) after
         stopping the rollouts. A lost learner's error is raised as it is (nothing left to checkpoint from; ``run``
         restarts from the last checkpoint while faults.max_replacements allows)."""
-        crew = self.crew
-        if crew is not None and crew.learner.lost:  # its error says how to resume (``run`` may restart first)
+        workers = self.workers
+        if workers is not None and workers.learner.lost:  # its error says how to resume (``run`` may restart first)
             self.learner_lost = True
             raise stop
-        if crew is None or done <= self.start:
+        if workers is None or done <= self.start:
             return ""
-        crew.rollouts.replaceable = False  # stopping: a rollout failing now is not waited for
-        crew.rollouts.cancel_inflight()
+        workers.rollouts.replaceable = False  # stopping: a rollout failing now is not waited for
+        workers.rollouts.cancel_inflight()
         return self.save(self._checkpoint_dir(done), done)
 
     def events(self) -> dict:
         """Rollout actors replaced during the step."""
-        events = [e for g in self.crew.groups for e in g.drain_events()]
+        events = [e for g in self.workers.groups for e in g.drain_events()]
         if not events:
             return {}
         return {"recovery/replacements": len(events), "recovery/seconds": sum(e["seconds"] for e in events)}
 
     @property
     def groups(self) -> list:
-        return self.crew.groups if self.crew is not None else []
+        return self.workers.groups if self.workers is not None else []
 
     def summary(self) -> dict:
         return {"steps": self.done, "resumed_from": str(self.ckpt) if self.ckpt else None}
 
     def close(self) -> None:
-        if self.crew is not None:
-            self.crew.placement.release()
+        if self.workers is not None:
+            self.workers.placement.release()
 
 
-def step(cfg: GRPOTrainConfig, crew: Crew, t: int, pool: int, guard) -> dict:
+def step(cfg: GRPOTrainConfig, workers: GRPOWorkers, t: int, pool: int, guard) -> dict:
     import torch
 
     from es_ray.grpo.loss import objective_advantages
 
     g, timer, t0 = cfg.grpo, Timer(), time.perf_counter()
     ids = prompt_indices(cfg, t, pool)
-    parts = [list(map(int, p)) for p in np.array_split(ids, len(crew.rollouts))]
+    parts = [list(map(int, p)) for p in np.array_split(ids, len(workers.rollouts))]
     with timer("generate"):
-        out = crew.rollouts.gather(RolloutWorker.generate, {r: (parts[r], g.group_size, sample_seed(cfg, t))
-                                                for r in crew.rollouts.ranks})
-    results = [out[r] for r in crew.rollouts.ranks]
+        out = workers.rollouts.gather(RolloutWorker.generate, {r: (parts[r], g.group_size, sample_seed(cfg, t))
+                                                for r in workers.rollouts.ranks})
+    results = [out[r] for r in workers.rollouts.ranks]
     samples = [s for res in results for s in res["samples"]]  # prompt-major: P groups of G, in ids order
     rewards_pg = np.array([s["reward"] for s in samples], dtype=np.float64).reshape(len(ids), g.group_size)
     adv_b = objective_advantages(torch.from_numpy(rewards_pg), cfg.task.objective, cfg.task.objective_k, g.adv_scale,
                                  g.adv_eps).flatten().tolist()
     with guard.critical():  # an optimizer step and the sync that follows it are never split by a signal
         with timer("train"):
-            stats = crew.learn(GRPOLearner.train_step, samples, adv_b)
-        sync = crew.sync(t)
+            stats = workers.learn(GRPOLearner.train_step, samples, adv_b)
+        sync = workers.sync(t)
     lengths = [len(s["completion_ids"]) for s in samples]
     tokens = sum(res["tokens"] for res in results)
     row = {

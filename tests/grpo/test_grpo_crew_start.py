@@ -1,4 +1,4 @@
-"""GRPO's crew starts every actor before waiting on any (the rollout engines load while the learner does), with
+"""GRPOWorkers starts every actor before waiting on any (the rollout engines load while the learner does), with
 the ranks and bundles of one group after the other; a start that fails ends the actors already asked for. Stand-ins
 for the runtime's actor groups and placement: no Ray."""
 
@@ -57,41 +57,41 @@ def _cfg(rollouts: int) -> GRPOTrainConfig:
 
 
 def test_rollouts_are_asked_for_before_the_learner_is_waited_on(monkeypatch, tmp_path):
-    from es_ray.grpo.driver import Crew
+    from es_ray.grpo.driver import GRPOWorkers
     from es_ray.grpo.learner import GRPOLearner
     from es_ray.grpo.rollout import RolloutWorker
 
     events: list = []
     _stand_ins(monkeypatch, events)
     cfg = _cfg(rollouts=3)
-    crew = Crew(cfg, Tracker(), tmp_path, lambda: None)
+    workers = GRPOWorkers(cfg, Tracker(), tmp_path, lambda: None)
     assert events == [("place", 4), ("start", "learner", [0]), ("start", "rollout", [1, 2, 3]),
                       ("wait", "learner", "ready"), ("wait", "rollout", "ready")]
-    assert crew.learner.cls is GRPOLearner and crew.learner.args == [(cfg, 0, 1)]
-    assert crew.rollouts.cls is RolloutWorker and crew.rollouts.args == [(cfg, 0), (cfg, 1), (cfg, 2)]
-    assert [info["rank"] for info in crew.infos] == [0, 1, 2] and crew.learner_info["rank"] == 0
+    assert workers.learner.cls is GRPOLearner and workers.learner.args == [(cfg, 0, 1)]
+    assert workers.rollouts.cls is RolloutWorker and workers.rollouts.args == [(cfg, 0), (cfg, 1), (cfg, 2)]
+    assert [info["rank"] for info in workers.infos] == [0, 1, 2] and workers.learner_info["rank"] == 0
 
 
 @pytest.mark.parametrize("fails", ["learner", "rollout"])
 def test_a_failed_start_ends_every_actor_asked_for_and_the_placement(monkeypatch, tmp_path, fails):
-    from es_ray.grpo.driver import Crew
+    from es_ray.grpo.driver import GRPOWorkers
 
     events: list = []
     _stand_ins(monkeypatch, events, fail_ready=fails)
     with pytest.raises(RuntimeError, match=f"{fails} failed"):
-        Crew(_cfg(rollouts=1), Tracker(), tmp_path, lambda: None)
+        GRPOWorkers(_cfg(rollouts=1), Tracker(), tmp_path, lambda: None)
     assert events[-3:] == [("kill", "learner"), ("kill", "rollout"), ("release",)]
     assert ("start", "rollout", [1]) in events  # asked for before the learner was waited on
 
 
 def test_colocated_crew_is_one_group(monkeypatch, tmp_path):
     from es_ray.grpo.colocated import ColocatedWorker
-    from es_ray.grpo.driver import Crew
+    from es_ray.grpo.driver import GRPOWorkers
 
     events: list = []
     _stand_ins(monkeypatch, events)
     cfg = _cfg(rollouts=2)
     cfg.grpo.colocate = True
-    crew = Crew(cfg, Tracker(), tmp_path, lambda: None)
+    workers = GRPOWorkers(cfg, Tracker(), tmp_path, lambda: None)
     assert events == [("place", 1), ("start", "learner+rollout", [0]), ("wait", "learner+rollout", "ready")]
-    assert crew.rollouts is crew.learner and crew.learner.cls is ColocatedWorker
+    assert workers.rollouts is workers.learner and workers.learner.cls is ColocatedWorker

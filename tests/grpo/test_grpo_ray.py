@@ -72,12 +72,12 @@ def test_dead_rollout_is_replaced_and_a_stopped_run_resumes_bit_identical(ray_lo
     driver.run(tiny_cfg(peaked_model_dir, full, steps=3, run={"checkpoint_every": 2}))
     real_step = driver.step
 
-    def faulty_step(cfg, crew, t, pool, guard):
+    def faulty_step(cfg, workers, t, pool, guard):
         if t == 1:
-            ray.kill(crew.rollouts[0])  # dies before generating: replaced, re-synced, asked again
+            ray.kill(workers.rollouts[0])  # dies before generating: replaced, re-synced, asked again
         if t == 2:
             raise Stop  # after the step-2 checkpoint
-        return real_step(cfg, crew, t, pool, guard)
+        return real_step(cfg, workers, t, pool, guard)
 
     monkeypatch.setattr(driver, "step", faulty_step)
     with pytest.raises(Stop):
@@ -108,9 +108,9 @@ def test_dead_learner_stops_the_run_with_resume_advice(ray_local, peaked_model_d
 
     real_step = driver.step
 
-    def kill_learner(cfg, crew, t, pool, guard):
-        ray.kill(crew.learner[0])
-        return real_step(cfg, crew, t, pool, guard)
+    def kill_learner(cfg, workers, t, pool, guard):
+        ray.kill(workers.learner[0])
+        return real_step(cfg, workers, t, pool, guard)
 
     monkeypatch.setattr(driver, "step", kill_learner)
     cfg = tiny_cfg(peaked_model_dir, tmp_path, steps=2)
@@ -125,7 +125,7 @@ def test_dead_learner_stops_the_run_with_resume_advice(ray_local, peaked_model_d
 def test_a_lost_learner_restarts_from_the_last_checkpoint_and_ends_as_an_undisturbed_run(
         ray_local, peaked_model_dir, tmp_path, monkeypatch, capsys):
     """Deliverable 52.1 for GRPO: the learner killed mid-run (its worker process gone, as Ray's memory monitor or a
-    crash leaves it) restarts the crew in the same call from the last checkpoint, or from step 0 without one, and
+    crash leaves it) restarts GRPOWorkers in the same call from the last checkpoint, or from step 0 without one, and
     the run ends with the undisturbed run's rewards and final weights, bit for bit."""
     import ray
     from safetensors.torch import load_file
@@ -139,11 +139,11 @@ def test_a_lost_learner_restarts_from_the_last_checkpoint_and_ends_as_an_undistu
     def kill_learner_once_at(k):
         killed = []
 
-        def faulty_step(cfg, crew, t, pool, guard):
+        def faulty_step(cfg, workers, t, pool, guard):
             if t == k and not killed:
                 killed.append(t)
-                ray.kill(crew.learner[0])  # a worker gone: the step's learner call finds it lost
-            return real_step(cfg, crew, t, pool, guard)
+                ray.kill(workers.learner[0])  # a worker gone: the step's learner call finds it lost
+            return real_step(cfg, workers, t, pool, guard)
         return faulty_step
 
     monkeypatch.setattr(driver, "step", kill_learner_once_at(2))
@@ -176,15 +176,15 @@ def test_first_step_is_the_same_with_one_and_two_rollout_actors(ray_local, tiny_
     from es_ray.grpo.learner import GRPOLearner
 
     batches: dict[int, list] = {}
-    real_learn = driver.Crew.learn
+    real_learn = driver.GRPOWorkers.learn
 
-    def learn(crew, method, *args, slow=False):
+    def learn(workers, method, *args, slow=False):
         if method is GRPOLearner.train_step:  # the samples the learner trains on, as the driver sends them
-            batches.setdefault(len(crew.rollouts), []).append(
+            batches.setdefault(len(workers.rollouts), []).append(
                 [(s["prompt_index"], list(s["completion_ids"]), s["reward"]) for s in args[0]])
-        return real_learn(crew, method, *args, slow=slow)
+        return real_learn(workers, method, *args, slow=slow)
 
-    monkeypatch.setattr(driver.Crew, "learn", learn)
+    monkeypatch.setattr(driver.GRPOWorkers, "learn", learn)
     rows = {}
     for n in (1, 2):
         cfg = tiny_cfg(tiny_model_dir, tmp_path / f"actors{n}", steps=1, run={"seed": 5})

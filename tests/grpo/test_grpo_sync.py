@@ -120,7 +120,7 @@ class Handle:
 
 class Local:
     """An in-process stand-in for a runtime ActorGroup (gather / call / each / send_all with method references, and
-    ``actors[r]``), so that Crew.sync runs without Ray."""
+    ``actors[r]``), so that GRPOWorkers.sync runs without Ray."""
 
     def __init__(self, *objs):
         self.objs, self.actors, self.ranks = list(objs), [Handle(o) for o in objs], list(range(len(objs)))
@@ -142,26 +142,26 @@ def test_first_sync_to_a_bf16_engine_sets_the_tolerance_and_sends_bf16_layer_by_
     """An fp32 learner and a bf16 engine: the first sync measures their difference on a completion the engine
     samples, sets the tolerance to max(floor, 4x) it, sends half the fp32 bytes; a later sync verifies within it,
     and a wrong tensor is still caught."""
-    from es_ray.grpo.driver import Crew
+    from es_ray.grpo.driver import GRPOWorkers
     from es_ray.grpo.learner import GRPOLearner
     from es_ray.grpo.rollout import RolloutWorker
 
     cfg, learner, _ = pair
     bf16 = RolloutWorker(to_grpo_config({"model": {"path": str(tiny_model_dir)}, "sampling": {"max_new_tokens": 6},
                                          "engine": {"threads": 1, "dtype": "bfloat16"}}))
-    crew = Crew.__new__(Crew)
-    crew.cfg, crew.tol, crew.probe = cfg, sync_tolerance(cfg), None
-    crew.colocated, crew.learner_probe = False, GRPOLearner.probe_logprobs
-    crew.learner, crew.learner_info = Local(learner), learner.ready()
-    crew.rollouts, crew.infos = Local(bf16), [bf16.ready()]
-    first = crew.sync(-1)
-    assert crew.probe[1] and first["sync/max_logprob_diff"] > 0  # bf16 rounding, measured
-    assert first["sync/tolerance"] == crew.tol == max(SYNC_FLOOR, SYNC_MARGIN * first["sync/max_logprob_diff"])
+    workers = GRPOWorkers.__new__(GRPOWorkers)
+    workers.cfg, workers.tol, workers.probe = cfg, sync_tolerance(cfg), None
+    workers.colocated, workers.learner_probe = False, GRPOLearner.probe_logprobs
+    workers.learner, workers.learner_info = Local(learner), learner.ready()
+    workers.rollouts, workers.infos = Local(bf16), [bf16.ready()]
+    first = workers.sync(-1)
+    assert workers.probe[1] and first["sync/max_logprob_diff"] > 0  # bf16 rounding, measured
+    assert first["sync/tolerance"] == workers.tol == max(SYNC_FLOOR, SYNC_MARGIN * first["sync/max_logprob_diff"])
     fp32_bytes = sum(t.numel() * 4 for t in learner.weights().values())
     assert first["sync/bytes"] == fp32_bytes // 2 and first["timing_s/sync_write"] > 0
     out = bf16.generate([0, 1], 2, seed=2)
     learner.train_step(out["samples"], [1.0, -1.0, 0.5, -0.5])
-    assert crew.sync(0)["sync/max_logprob_diff"] <= crew.tol
+    assert workers.sync(0)["sync/max_logprob_diff"] <= workers.tol
     name = "model.layers.1.mlp.down_proj.weight"
     # 0.5, not 0.05: on the tiny random model a 0.05 error moved the probe's log-probs by 0.005, under the bf16
     # tolerance (~0.008), so it was caught only after some training draws; 0.5 moves them by ~0.07
@@ -169,5 +169,5 @@ def test_first_sync_to_a_bf16_engine_sets_the_tolerance_and_sends_bf16_layer_by_
                                                         generator=torch.Generator().manual_seed(0))
     bf16.write_weights({name: wrong})
     with pytest.raises(WeightSyncError, match="rollout engine 0"):
-        check_sync(learner.probe_logprobs(*crew.probe), [bf16.probe_logprobs(*crew.probe)], crew.tol, 1)
-    crew._resync(crew.rollouts, 0)  # a replacement's restore: every chunk again, verified
+        check_sync(learner.probe_logprobs(*workers.probe), [bf16.probe_logprobs(*workers.probe)], workers.tol, 1)
+    workers._resync(workers.rollouts, 0)  # a replacement's restore: every chunk again, verified
