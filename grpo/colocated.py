@@ -22,7 +22,7 @@ from dataclasses import replace
 from es_ray.engines import ENGINES
 from es_ray.grpo.config import GRPOTrainConfig
 from es_ray.grpo.learner import GRPOLearner
-from es_ray.grpo.rollout import RolloutWorker
+from es_ray.grpo.rollout import RolloutWorker, Sample
 from es_ray.memory_plan import colocated_engine_share
 
 # torch is imported inside the worker's methods: the driver imports ColocatedWorker (the class it starts) without torch.
@@ -57,7 +57,7 @@ class ColocatedWorker(RolloutWorker):
     def join(self, address: str) -> dict:
         return {**self.learner.join(address), **super().ready(), "colocated": True}
 
-    def train_step(self, samples: list[dict], advantages: list[float]) -> dict:
+    def train_step(self, samples: list[Sample], advantages: list[float]) -> dict:
         self._sleep()  # the engine's memory goes to the learner while it trains
         return self.learner.train_step(samples, advantages)
 

@@ -35,7 +35,7 @@ from es_ray.runtime.tracking import Timer, Tracker
 from es_ray.grpo.colocated import ColocatedWorker
 from es_ray.grpo.config import RESUME_FREE, GRPOTrainConfig
 from es_ray.grpo.learner import GRPOLearner
-from es_ray.grpo.rollout import RolloutWorker
+from es_ray.grpo.rollout import RolloutWorker, Sample
 from es_ray.tasks.base import epoch_prompts
 
 # Ray, torch and the GRPO loss (torch) are imported where a step needs them: the driver checks and prepares a run
@@ -359,7 +359,8 @@ def step(cfg: GRPOTrainConfig, workers: GRPOWorkers, t: int, pool: int, guard) -
         out = workers.rollouts.gather(RolloutWorker.generate, {r: (parts[r], g.group_size, sample_seed(cfg, t))
                                                 for r in workers.rollouts.ranks})
     results = [out[r] for r in workers.rollouts.ranks]
-    samples = [s for res in results for s in res["samples"]]  # prompt-major: P groups of G, in ids order
+    # prompt-major: P groups of G, in ids order
+    samples: list[Sample] = [s for res in results for s in res["samples"]]
     rewards_pg = np.array([s["reward"] for s in samples], dtype=np.float64).reshape(len(ids), g.group_size)
     adv_b = objective_advantages(torch.from_numpy(rewards_pg), cfg.task.objective, cfg.task.objective_k, g.adv_scale,
                                  g.adv_eps).flatten().tolist()

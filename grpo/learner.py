@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from es_ray.grpo.config import GRPOTrainConfig
+from es_ray.grpo.rollout import Sample
 from es_ray.grpo import shards
 from es_ray.grpo.shards import load_moments, save_moments
 
@@ -35,7 +36,7 @@ META_FILE = meta_file("grpo")
 LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
-def forwarded_tokens(samples: list[dict], shared: bool) -> int:
+def forwarded_tokens(samples: list[Sample], shared: bool) -> int:
     """Tokens one forward (and backward) pass over ``samples`` processes: every prompt + completion, or with shared
     prompts each distinct prompt once plus every completion but its last token (which predicts nothing)."""
     if not shared:
@@ -235,7 +236,7 @@ class GRPOLearner(Actor):
                 "weight_chunks": len(self.chunks)}
 
     # -- one batch -------------------------------------------------------------------------------------------
-    def _pad(self, samples: list[dict]):
+    def _pad(self, samples: list[Sample]):
         """Right-padded prompt + completion ids [B, L]; targets are ids shifted by one, and the mask is 1 where the
         target is a completion token."""
         import torch
@@ -251,14 +252,14 @@ class GRPOLearner(Actor):
             mask[b, len(s["prompt_ids"]) - 1 : len(x) - 1] = 1.0
         return ids.to(self.device), attn.to(self.device), mask.to(self.device)
 
-    def _shares_prompts(self, samples: list[dict]) -> bool:
+    def _shares_prompts(self, samples: list[Sample]) -> bool:
         """A micro-batch holding several completions of one prompt (a group) runs that prompt once, except under
         gradient checkpointing (which turns the model's key/value cache off)."""
         from es_ray.metrics.prefix import shares_prompts
 
         return not self.g.gradient_checkpointing and shares_prompts([tuple(s["prompt_ids"]) for s in samples])
 
-    def _completion_hidden(self, model, samples: list[dict]):
+    def _completion_hidden(self, model, samples: list[Sample]):
         """[N, H]: the hidden states that predict the N completion tokens, row by row, each prompt run once for its
         rows in this micro-batch (``prefix.shared_prompt_hidden``); the same order as hidden[mask] of the padded
         forward, and the same values to within rounding (tests/grpo/test_grpo_learner.py)."""
@@ -274,7 +275,7 @@ class GRPOLearner(Actor):
                 rows[i] = hidden[j, : len(c)]
         return torch.cat([rows[i] for i in range(len(samples))])
 
-    def _log_probs(self, model, ids, attn, mask, entropy: bool = False, samples: list[dict] | None = None):
+    def _log_probs(self, model, ids, attn, mask, entropy: bool = False, samples: list[Sample] | None = None):
         """[B, L-1] log-probs of ids[:, 1:] under softmax(logits / sampling.temperature) (0 off the mask), and the
         [N] entropies of the N masked positions when asked (else None).
 
@@ -293,7 +294,7 @@ class GRPOLearner(Actor):
                            device=mask.device)  # fp32 (fp64 in tests)
         return logp.masked_scatter(mask.bool(), logp_n.to(logp.dtype)), entropy_n
 
-    def _score(self, model, ids, attn, mask, entropy: bool, samples: list[dict] | None):
+    def _score(self, model, ids, attn, mask, entropy: bool, samples: list[Sample] | None):
         """[N] log-probs (and entropies) of the N masked positions: the body of ``_log_probs``."""
         from es_ray.metrics.entropy import chunked_token_scores
 
@@ -306,7 +307,7 @@ class GRPOLearner(Actor):
                                     self.g.logit_chunk_tokens, entropy)
 
     @once  # an optimizer step: never re-sent after a transient ActorUnavailableError (it may have run)
-    def train_step(self, samples: list[dict], advantages: list[float]) -> dict:
+    def train_step(self, samples: list[Sample], advantages: list[float]) -> dict:
         import torch
 
         from es_ray.grpo.loss import grpo_loss
@@ -367,7 +368,7 @@ class GRPOLearner(Actor):
                 "grpo/lr": self.scheduler.get_last_lr()[0], "tokens_backpropagated": backprop_tokens,
                 "seconds": time.perf_counter() - t0}
 
-    def _share(self, part: list[dict], adv: list[float]) -> tuple[list[dict], list[float]]:
+    def _share(self, part: list[Sample], adv: list[float]) -> tuple[list[Sample], list[float]]:
         """This rank's contiguous 1/world of a micro-batch (grpo.fsdp_size divides grpo.micro_batch_size and the
         batch, so every rank's share of every micro-batch is equal and no rank skips a collective)."""
         if self.world == 1:

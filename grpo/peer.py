@@ -8,6 +8,10 @@ trl is in the ``test`` extra, not a runtime dependency: it is imported inside th
 from __future__ import annotations
 
 import tempfile
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the annotation only: peer.py imports nothing of the run at its top
+    from es_ray.grpo.rollout import Sample
 
 
 def trl_trainer(model_dir: str, *, group_size: int, max_tokens: int, temperature: float = 1.0, beta: float = 0.0,
@@ -39,7 +43,7 @@ def trl_trainer(model_dir: str, *, group_size: int, max_tokens: int, temperature
     return trainer
 
 
-def trl_inputs(samples: list[dict], advantages: list[float], pad_id: int) -> dict:
+def trl_inputs(samples: list[Sample], advantages: list[float], pad_id: int) -> dict:
     """The learner's batch (``prompt_ids`` / ``completion_ids`` lists) in the layout ``_compute_loss`` reads: prompts
     left-padded, completions right-padded, their masks, the advantages [B], and the token count that TRL's dapo
     divides by (``num_items_in_batch``)."""

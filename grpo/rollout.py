@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import replace
+from typing import TypedDict
 
 from es_ray.core.dtypes import dtype_name
 from es_ray.held_out import held_out_scores
@@ -25,6 +26,19 @@ from es_ray.grpo.config import GRPOTrainConfig
 PROBE_TOKENS = 32
 """Longest sync probe completion (vLLM returns the whole vocabulary's log-probs per position at T != 1)."""
 PROBE_SEED = 0
+
+
+class Sample(TypedDict):
+    """One sampled completion, as ``RolloutWorker.generate`` returns it and the learner trains on it."""
+
+    prompt_index: int
+    """Index of its prompt in the task's training split."""
+    prompt_ids: list[int]
+    """The templated prompt's token ids."""
+    completion_ids: list[int]
+    """The completion's token ids (the positions the loss scores)."""
+    reward: float
+    """The task's reward of the completion (0 where the reward raised)."""
 
 
 def completion_seed(step_seed: int, prompt_index: int, sample_index: int) -> int:
@@ -72,7 +86,7 @@ class RolloutWorker(Actor):
         t1 = time.perf_counter()
         prompt_ids = {i: self._tokens(self._prompts["train"][i]) for i in set(index)}
         rewards, errors = score(self.task, [c.text for c in completions], problems)
-        samples = []
+        samples: list[Sample] = []
         for i, c, reward in zip(index, completions, rewards):
             samples.append({"prompt_index": i, "prompt_ids": prompt_ids[i], "completion_ids": self._ids(c),
                             "reward": reward})
