@@ -65,13 +65,14 @@ _GGUF_PATCHED = threading.RLock()
 @contextmanager
 def _gguf_parsed_once() -> Iterator[None]:
     """transformers (5.19, scripts/constraints-cpu.txt) opens a GGUF file three times with ``gguf.GGUFReader`` for one
-    conversion (the tokenizer's config, the model's config, the weights), each parse 4 s for the embedded model on
-    a 2-core CPU, and builds llama.cpp's tensor-name map once per module of the model (``gguf.get_tensor_name_map``,
-    about 400 times, 4 s); tests/runtime/test_checkpoint.py counts both. Both are only read, so within the block each is
-    built once per path (or architecture and depth) and shared: the same files come out, byte for byte, in half
-    the time (the tokenizer's vocabulary is read by transformers' own reader, not shared). transformers imports
-    both from ``gguf`` inside the functions that use them (transformers.modeling_gguf_pytorch_utils), so the
-    module's attributes are what it finds; gguf's own, from the submodules that define them, are put back after."""
+    conversion (the tokenizer's config, the model's config, the weights), each parse reading the whole file's metadata
+    and tensor index in Python, and builds llama.cpp's tensor-name map once per module of the model
+    (``gguf.get_tensor_name_map``, about 400 times); tests/runtime/test_checkpoint.py counts both. Both are only read,
+    so within the block each is built once per path (or architecture and depth) and shared: the same files come out,
+    byte for byte, in half the time (the tokenizer's vocabulary is read by transformers' own reader, not shared).
+    transformers imports both from ``gguf`` inside the functions that use them
+    (transformers.modeling_gguf_pytorch_utils), so the module's attributes are what it finds; gguf's own, from the
+    submodules that define them, are put back after."""
     import gguf
     from gguf.gguf_reader import GGUFReader
     from gguf.tensor_mapping import get_tensor_name_map
@@ -106,7 +107,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
         quantised = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype="float32")
     # The loaded model's config, not AutoConfig on the file: each from_pretrained with gguf_file parses the whole
-    # file's metadata again (4 s of a 36 s conversion on a 2-core CPU).
+    # file's metadata again, in Python (a parse is a large share of a conversion's time).
     config = copy.deepcopy(quantised.config)
     for key in ("quantization_config",):
         if hasattr(config, key):

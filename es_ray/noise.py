@@ -53,9 +53,10 @@ RADIUS_BITS, ANGLE_BITS = 19, 13
 def counter_chunk(device: torch.device) -> int:
     """Elements drawn per step of counter noise on ``device``: a speed knob only (the values do not depend on it).
     A GPU takes large steps (fewer launches). A CPU takes 2^18 with one thread (per-op overhead dominates below:
-    2.5-2.8 s a SmolLM2-135M pass against 5-6 s at 2^15, on the 2-core CI box), and 2^15 with more, so that every
-    op stays under torch's parallel grain (32768 elements) and runs without OpenMP barriers: when actors share
-    cores, those cost far more than they gain (same box, 2 threads: 7.5 s a pass at 2^15, 50-80 s at 2^16-2^18)."""
+    a SmolLM2-135M pass took about half the time of one at 2^15), and 2^15 with more, so that every op stays under
+    torch's parallel grain (32768 elements) and runs without OpenMP barriers: when actors share cores, those cost
+    far more than they gain (2 threads: a pass 7-10x slower at 2^16-2^18 than at 2^15). benchmarks/noise.py
+    times a pass (``--threads``)."""
     if device.type != "cpu":
         return 1 << 22
     return 1 << 18 if torch.get_num_threads() == 1 else 1 << 15
@@ -117,9 +118,9 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 COMPILE_ENV = "ES_RAY_NOISE_COMPILE"
 """Compiled counter noise (``compiled_block``): ``auto`` (the default) on CUDA only, ``1`` on every device, ``0``
-never. On a CPU the compiled pass is 3-10x faster (benchmarks/noise.py, SmolLM2-135M on the shared 2-core CI box:
-eager 6.9-18 s, compiled 1.8-2.3 s a pass), but the compile (C++, once per process) costs 20-30 s there, which every
-Ray actor and test process would pay: opt in with ES_RAY_NOISE_COMPILE=1 for long CPU runs with es.noise=counter."""
+never. On a CPU the compiled pass is 3-10x faster (benchmarks/noise.py times eager and compiled side by side), but
+the compile (C++, once per process) costs about ten compiled passes, which every Ray actor and test
+process would pay: opt in with ES_RAY_NOISE_COMPILE=1 for long CPU runs with es.noise=counter."""
 _COMPILED: dict[tuple[str, int], object] = {}
 _COMPILE_FAILED: dict[str, str] = {}
 _log = logging.getLogger(__name__)

@@ -122,7 +122,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """vLLM: GPUs per engine; noise stays per HF tensor, so it does not depend on this."""
     enforce_eager: bool = False
-    """vLLM: no torch.compile or CUDA graphs: starts in seconds (CPU: 11 s vs 88 s here), decodes slower."""
+    """vLLM: no torch.compile or CUDA graphs: starts without the compile (most of a CPU start), decodes slower."""
     batch_invariant: bool = False
     """vLLM on GPU: its batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so a sequence's output does not depend on
     what else is in the batch: low-rank members batched equal each alone, outputs equal a cold cache (README

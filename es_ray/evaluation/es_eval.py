@@ -53,7 +53,8 @@ def in_process_reason(cfg: EvalJobConfig, chunks: list[Chunk]) -> str:
     this machine would take every chunk (one chunk, or cluster.num_actors=1) on CPU with the transformers engine,
     the Ray being local (no cluster.address, no RAY_ADDRESS) and either not running yet or started by this process
     with no other node (es-compare's own Ray between its training stages): starting Ray, or an actor process and
-    its imports (about 5 s on 2 cores), would then only add to the same work done by one worker."""
+    its imports (torch and the engine's libraries loaded again in a fresh process: the ``ray_start`` and
+    ``actor_spawn`` phases of benchmarks/startup.py), would then only add to the same work done by one worker."""
     c = cfg.cluster
     if c.num_actors == 0:
         return "cluster.num_actors=0"

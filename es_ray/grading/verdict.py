@@ -220,8 +220,9 @@ grader's visitors recurse along it, so a bound set here, not the interpreter's r
 process may have raised), decides what is too deep to take apart."""
 MAX_TEST_NODES = 10_000
 """Syntax nodes in the tests taken apart, over all of them: MBPP's test lists have tens to a few hundred, and
-taking 10,000 apart costs the grader 1-3 s on a loaded 2-core machine. It matters where the caller passes no
-``n_tests`` (every trailing assert, the candidate's too, is then a test); with it, the tests are the task's."""
+taking 10,000 apart costs the grader seconds (its visitors are Python, one call per node). It matters where the caller
+passes no ``n_tests`` (every trailing assert, the candidate's too, is then a test); with it, the tests are the
+task's."""
 
 
 def _depth(node: ast.AST) -> int:

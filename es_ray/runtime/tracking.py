@@ -73,7 +73,8 @@ class TensorBoardBackend:
     install = "pip install es-ray (tensorboard is one of its dependencies)"
 
     def __init__(self, run_dir: Path, params: dict[str, Any], job: str):
-        # torch.utils.tensorboard imports torch (1.3 s on 2 cores), which an ES driver needs for nothing else: the
+        # torch.utils.tensorboard imports torch (its compiled libraries loaded and operators registered: the largest
+        # import of a start, benchmarks/startup.py), which an ES driver needs for nothing else: the
         # writer is opened in a thread while the run starts its actors, and waited for by the first row. Not a
         # daemon: an interpreter exiting mid-import could otherwise block on the import lock it holds.
         self._w = None
