@@ -30,7 +30,7 @@ from es_ray.runtime.actors import Actor, ActorLostError
 from es_ray.runtime.checkpoint import checkpoints_by_step, read_meta, verify_dir
 from es_ray.runtime.loop import Training, prepare
 from es_ray.runtime.names import REWARD_MEAN, REWARD_STD
-from es_ray.runtime.rundir import held, keep_metrics, lock_run_dir
+from es_ray.runtime.rundir import keep_metrics, lock_run_dir, releasing_run_dir
 from es_ray.runtime.tracking import Timer, Tracker
 from es_ray.grpo.colocated import ColocatedWorker
 from es_ray.grpo.config import RESUME_FREE, GRPOTrainConfig
@@ -249,7 +249,7 @@ def run(cfg: GRPOTrainConfig) -> dict:
     seed comes from the run seed, step, prompt and sample), so the run ends where an undisturbed one ends."""
     run_dir = prepare(cfg, "grpo", RESUME_FREE)
     restarts = 0
-    with held(run_dir):  # released however the run ends, a failure before its first step included
+    with releasing_run_dir(run_dir):  # released however the run ends, a failure before its first step included
         start, ckpt, history = resume_point(cfg, run_dir) if cfg.run.resume else (0, None, [])
         while True:
             training = GRPORun(cfg, run_dir, start, history, ckpt)

@@ -20,7 +20,7 @@ import numpy as np
 from es_ray.core.config import ConfigError
 from es_ray.es.config import ESTrainConfig, replica_spec
 from es_ray.es.protocol import EvalRequest, SeedRecord
-from es_ray.es.recovery import RESUME_FREE, ReplicaKeeper, ReplicaMismatchError, resume_point, seed_log_row
+from es_ray.es.recovery import RESUME_FREE, Replicas, ReplicaMismatchError, resume_point, seed_log_row
 from es_ray.es.state import SeedLog
 from es_ray.es.worker import ESWorker
 from es_ray.held_out import held_out_seed
@@ -32,7 +32,7 @@ from es_ray.runtime import actors
 from es_ray.runtime import placement as placements
 from es_ray.runtime.actors import POLL_S, ActorLostError, read_progress
 from es_ray.runtime.loop import Training, prepare
-from es_ray.runtime.rundir import held
+from es_ray.runtime.rundir import releasing_run_dir
 from es_ray.runtime.signals import interrupt_soon
 from es_ray.runtime.tracking import Timer
 from es_ray.strategy import Member, ask, shape_fitness
@@ -60,19 +60,19 @@ def sample_seed(cfg: ESTrainConfig, iteration: int) -> int:
     return random.Random(f"{cfg.run.seed}/{iteration}/sampling").getrandbits(62)
 
 
-def start_workers(cfg: ESTrainConfig, keeper, log=print, placement=None):
+def start_workers(cfg: ESTrainConfig, replicas, log=print, placement=None):
     """One ES actor per bundle of the run's placement group (the fit checked first); a replacement is rebuilt by
-    ``keeper.restore``. Returns the actor group and the actors' ready() answers."""
+    ``replicas.restore``. Returns the actor group and the actors' ready() answers."""
     # a replacement started during iteration t is immune to the injected faults of iterations up to t
     def make_args(rank: int) -> tuple:
-        return (cfg, rank, keeper.committed if keeper.group is not None else -1)
+        return (cfg, rank, replicas.committed if replicas.group is not None else -1)
 
     placement = placement or placements.place(cfg.cluster, "es")
     advice = (f"The seed log holds every committed iteration: continue later with run.resume=true "
-              f"run.dir={keeper.run_dir}")
+              f"run.dir={replicas.run_dir}")
     group, infos = actors.start_group("es", ESWorker, cfg.cluster.num_actors, make_args, placement, cfg.faults,
-                                      log=log, restore=keeper.restore, lost_advice=advice)
-    keeper.group = group
+                                      log=log, restore=replicas.restore, lost_advice=advice)
+    replicas.group = group
     return group, infos
 
 
@@ -112,13 +112,13 @@ def evaluate(group, iteration: int, members: list[Member], cfg: ESTrainConfig, i
     return [by_index[m.index] for m in members], timing
 
 
-def tell(keeper, record: SeedRecord, cfg: ESTrainConfig):
+def tell(replicas, record: SeedRecord, cfg: ESTrainConfig):
     """Every actor applies the update; the replicas' checksums are compared (es.checksum_every)."""
     t = record.iteration
     every = cfg.es.checksum_every
     want = bool(every) and ((t + 1) % every == 0 or t + 1 == cfg.es.iterations)
     req = record.update_request(want)
-    updates = keeper.group.each(ESWorker.update, req)
+    updates = replicas.group.each(ESWorker.update, req)
     sums = [u.checksum for u in updates]
     if want and len(set(sums)) > 1:
         if cfg.es.on_mismatch != "rebuild":
@@ -129,19 +129,19 @@ def tell(keeper, record: SeedRecord, cfg: ESTrainConfig):
                 "log: continue with run.resume=true (fresh actors replay it), or set es.on_mismatch=rebuild to "
                 "rebuild the odd actors from the log and go on"
             )
-        sums = keeper.repair(sums, record)
+        sums = replicas.repair(sums, record)
     return updates, sums[0]
 
 
 def run(cfg: ESTrainConfig) -> dict:
     """es-train: the runtime's run skeleton (``es_ray.runtime.loop``) around the ES iteration."""
     run_dir = prepare(cfg, "es", RESUME_FREE, lambda model_dir: preflight_perturbation(cfg, model_dir))
-    with held(run_dir):  # released however the run ends, a failure before its first iteration included
+    with releasing_run_dir(run_dir):  # released however the run ends, a failure before its first iteration included
         return ESRun(cfg, run_dir, resume_point(cfg, run_dir)).run()
 
 
 class ESRun(Training):
-    """ES on the run skeleton: the actors are the replicas (``ReplicaKeeper`` knows the state they must be in), a
+    """ES on the run skeleton: the actors are the replicas (``Replicas`` knows the state they must be in), a
     step is one ``iteration``, and every committed update is in the seed log before the next begins."""
 
     method, unit, checkpoint_prefix = "es", "iteration", "iter"
@@ -151,15 +151,15 @@ class ESRun(Training):
         self.rebuilt = point.rebuilt
         # a checkpoint: the fp32 master, Adam's two moments, theta_0 for anchored decay
         self.checkpoint_copies = 1 + 2 * (cfg.es.optimizer == "adam") + (cfg.es.anchor_decay > 0)
-        self.point, self.keeper, self.seed_log, self.placement, self.pool = point, None, None, None, 0
+        self.point, self.replicas, self.seed_log, self.placement, self.pool = point, None, None, None, 0
 
     def start_actors(self, guard) -> None:
         """Start the actors (models loaded), rebuild them to the resume point."""
         cfg, point, tracker = self.cfg, self.point, self.tracker
         self.seed_log = SeedLog(self.run_dir / "seed_log.jsonl")
-        self.keeper = ReplicaKeeper(self.run_dir, tracker, point)
+        self.replicas = Replicas(self.run_dir, tracker, point)
         self.placement = placements.place(cfg.cluster, "es")
-        group, infos = start_workers(cfg, self.keeper, tracker.message, self.placement)
+        group, infos = start_workers(cfg, self.replicas, tracker.message, self.placement)
         group.check_interrupt = guard.check
         check_noise_devices(cfg, infos)
         self.pool = infos[0]["train_size"]
@@ -170,27 +170,28 @@ class ESRun(Training):
         if point.note:
             tracker.message(point.note)
         if point.checkpoint or point.records:
-            self.keeper.rebuild_all()
+            self.replicas.rebuild_all()
 
     def step(self, t: int, guard) -> dict:
         show = (lambda done, total: self.tracker.position(done, total, "members")) if self.tracker.bar else None
-        return iteration(self.cfg, self.keeper, t, self.pool, self.seed_log, guard, self.record, show)
+        return iteration(self.cfg, self.replicas, t, self.pool, self.seed_log, guard, self.record, show)
 
     def evaluate_held_out(self) -> dict:
-        return self.keeper.group.call(0, ESWorker.evaluate_center, "eval", held_out_seed(self.cfg.run.seed))
+        return self.replicas.group.call(0, ESWorker.evaluate_center, "eval", held_out_seed(self.cfg.run.seed))
 
     def save(self, path: Path, done: int) -> str:
-        return str(self.keeper.save_checkpoint(path, done))
+        return str(self.replicas.save_checkpoint(path, done))
 
     def save_at_stop(self, stop: BaseException, done: int) -> str:
         """Stop the actors' work and checkpoint the committed iterations from a live actor. The seed log is already
         complete up to the last committed iteration (an update and its log line are never split by a signal), so
         resuming is exact even if a second signal cuts this checkpoint short."""
-        keeper = self.keeper
-        if keeper is None or keeper.group is None or done <= keeper.base_iteration or not keeper.group.live_ranks:
+        replicas = self.replicas
+        if (replicas is None or replicas.group is None or done <= replicas.base_iteration
+                or not replicas.group.live_ranks):
             return ""
-        keeper.group.replaceable = False  # stopping: an actor failing now is skipped, never waited for
-        keeper.group.cancel_inflight()
+        replicas.group.replaceable = False  # stopping: an actor failing now is skipped, never waited for
+        replicas.group.cancel_inflight()
         try:
             return self.save(self._checkpoint_dir(done), done)
         except ActorLostError as exc:
@@ -201,18 +202,18 @@ class ESRun(Training):
         return f"; seed log {self.run_dir / 'seed_log.jsonl'} (every committed iteration)"
 
     def events(self) -> dict:
-        return self.keeper.drain_events()
+        return self.replicas.drain_events()
 
     @property
     def groups(self) -> list:
-        return [self.keeper.group] if self.keeper is not None and self.keeper.group is not None else []
+        return [self.replicas.group] if self.replicas is not None and self.replicas.group is not None else []
 
     @property
     def done(self) -> int:
-        return self.keeper.committed if self.keeper is not None else self.start
+        return self.replicas.committed if self.replicas is not None else self.start
 
     def summary(self) -> dict:
-        return {"iterations": self.keeper.committed}
+        return {"iterations": self.replicas.committed}
 
     def close(self) -> None:
         if self.seed_log is not None:
@@ -253,7 +254,7 @@ def check_noise_devices(cfg: ESTrainConfig, infos: list[dict]) -> None:
                       + (" and es.perturbation=full (low rank's update depends on the device too)" if lowrank else ""))
 
 
-def iteration(cfg: ESTrainConfig, keeper, t: int, pool: int, seed_log, guard, record=None, show=None) -> dict:
+def iteration(cfg: ESTrainConfig, replicas, t: int, pool: int, seed_log, guard, record=None, show=None) -> dict:
     """One ES iteration; ``record(t, row)`` (the run skeleton's: held-out scoring, trackers, ledger) is called with
     its metrics row after the update and before the seed-log line that commits it, so every logged iteration has
     its row (a crash between the two leaves a row the resume drops and computes again); ``show(done, total)``: the
@@ -265,18 +266,19 @@ def iteration(cfg: ESTrainConfig, keeper, t: int, pool: int, seed_log, guard, re
     if cfg.faults.interrupt_at_iteration == t:
         interrupt_soon()
     with timer("evaluate"):
-        results, actor_timing = evaluate(keeper.group, t, members, cfg, ids, show)
+        results, actor_timing = evaluate(replicas.group, t, members, cfg, ids, show)
     rewards_n = np.array([r.reward for r in results], dtype=np.float64)
     fitness_n = shape_fitness(raw_fitness(results, cfg.es.fitness_baseline), cfg.es.shaping)
     seed_record = SeedRecord(t, cfg.es.sigma, cfg.es.lr, tuple(members), tuple(rewards_n.tolist()),
                          tuple(fitness_n.tolist()))
     with guard.critical():  # a signal waits until the update is applied, recorded and logged
         with timer("update"):
-            updates, checksum = tell(keeper, seed_record, cfg)
+            updates, checksum = tell(replicas, seed_record, cfg)
         seed_record = dataclasses.replace(seed_record, checksum=checksum)
         row = iteration_row(results, rewards_n, fitness_n, updates, checksum, len(ids) * cfg.es.samples_per_prompt,
                             timer, actor_timing, time.perf_counter() - t_start)
-        keeper.commit(seed_record)  # every replica holds it (a replacement during held-out scoring is rebuilt with it)
+        # every replica holds it (a replacement during held-out scoring is rebuilt with it)
+        replicas.commit(seed_record)
         if record is not None:
             record(t, row)
         seed_log.append(seed_record.to_json())

@@ -5,7 +5,7 @@ checkpoint before t plus the logged updates since it, replayed in order. So
 
 * resume (`run.resume=true`) starts every actor from the last checkpoint and replays the log since it;
 * a dead actor (its process killed, its node lost, or silent past `faults.actor_timeout_s`) is replaced by the
-  runtime's actor group (``es_ray.runtime.actors``); ``ReplicaKeeper.restore`` then has the new actor read the same
+  runtime's actor group (``es_ray.runtime.actors``); ``Replicas.restore`` then has the new actor read the same
   checkpoint from disk and replay the same records: only the records (integers and floats) cross the network,
   never a weight tensor; its checksum is checked against the log before its lost work is sent again;
 * a replica whose checksum disagrees is stopped on (`es.on_mismatch=stop`) or rebuilt the same way (`rebuild`).
@@ -144,10 +144,10 @@ def _shown(its: list[int]) -> str:
     return ", ".join(map(str, its[:8])) + (f" (and {len(its) - 8} more)" if len(its) > 8 else "")
 
 
-# -- the keeper ----------------------------------------------------------------------------------------------
+# -- the replicas --------------------------------------------------------------------------------------------
 
 
-class ReplicaKeeper:
+class Replicas:
     """Knows the state every replica must be in, and brings actors back to it.
 
     That state is the base checkpoint plus the committed log records since it (and the master checksum there,

@@ -171,7 +171,7 @@ def unlock_run_dir(run_dir: Path) -> None:
 
 
 @contextmanager
-def held(run_dir: Path):
+def releasing_run_dir(run_dir: Path):
     """The run dir's lock released however the block ends: a run that fails between opening its run dir and its
     first step (a resume refused, a checkpoint that fails its digest, a cluster or engine that does not start)
     leaves no hold behind, so a later driver in another process (es-compare's next attempt, a notebook's retry)
@@ -184,8 +184,8 @@ def held(run_dir: Path):
 
 def releases_run_dir(fn: Callable) -> Callable:
     """``fn`` (a program's run: es-eval, es-drift, es-interpolate) gives back every run dir lock it took
-    (``open_run_dir``) however it ends, as ``held`` does for the training drivers: es-compare runs them in its own
-    process, which lives on, as a notebook does. A hold this process had before the call is kept."""
+    (``open_run_dir``) however it ends, as ``releasing_run_dir`` does for the training drivers: es-compare runs them
+    in its own process, which lives on, as a notebook does. A hold this process had before the call is kept."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         before = set(_held_locks)

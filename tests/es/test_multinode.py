@@ -76,13 +76,13 @@ def _wait_all_cpus_free(timeout: float = 30.0) -> None:
 
 def test_es_actors_on_two_nodes_stay_bit_identical(two_nodes, tiny_model_dir, tmp_path):
     from es_ray.es.driver import run, start_workers
-    from es_ray.es.recovery import ReplicaKeeper, ResumePoint
+    from es_ray.es.recovery import Replicas, ResumePoint
     from es_ray.runtime.placement import place
 
     small = dict(es__iterations=2, es__prompts_per_iteration=4)
     cfg = tiny_cfg(tiny_model_dir, tmp_path / "spread", cluster__num_actors=2, cluster__placement="spread", **small)
     placement = place(cfg.cluster, "es")
-    workers, _ = start_workers(cfg, ReplicaKeeper(tmp_path, None, ResumePoint()), placement=placement)
+    workers, _ = start_workers(cfg, Replicas(tmp_path, None, ResumePoint()), placement=placement)
     assert sorted(_node_of(w) for w in workers) == sorted(two_nodes[1]), "the two actors share a node"
     workers.kill()
     placement.release()
