@@ -19,16 +19,28 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import shutil
+import socket
 import time
 from pathlib import Path
 
+from es_ray.core.config import ConfigError
+from es_ray.core.dtypes import resolve_dtype
+from es_ray.core.manifest import CheckpointError
 from es_ray.grpo.config import GRPOTrainConfig
 from es_ray.grpo.rollout import Sample
 from es_ray.grpo import shards
 from es_ray.grpo.shards import load_moments, save_moments
-
+from es_ray.memory_plan import startup_check
+from es_ray.models import read_tensor, resolve_model, safetensors_index
 from es_ray.runtime.actors import Actor, Tensors, actor_threads, once
-from es_ray.runtime.checkpoint import meta_file, state_file
+from es_ray.runtime.checkpoint import (load_state, meta_file, read_meta, save_checkpoint, staging_dir, state_file,
+                                       verify_dir)
+from es_ray.runtime.process_group import own_group
+
+# torch, transformers, accelerate, ray and the torch-backed es_ray modules (engines.base, metrics.*, grpo.loss) are
+# imported inside the methods that use them: the GRPO driver imports this module to name the actor's methods and
+# must start without torch (tests/repo/test_layers.py).
 
 STATE_FILE = state_file("grpo")
 """Optimizer, scheduler, RNG state and step, beside the HF weights of a GRPO checkpoint."""
@@ -66,7 +78,6 @@ class GRPOLearner(Actor):
         from transformers.utils import logging as hf_logging
 
         from es_ray.engines.base import resolve_device
-        from es_ray.models import resolve_model
 
         hf_logging.set_verbosity_error()
         g = cfg.grpo
@@ -84,7 +95,6 @@ class GRPOLearner(Actor):
 
     def address(self) -> str:
         """Rank 0: this node's address and a free port for the process group's rendezvous (tcp://host:port)."""
-        import socket
 
         import ray
 
@@ -96,7 +106,6 @@ class GRPOLearner(Actor):
     def join(self, address: str) -> dict:
         """Join the learner's process group at ``address`` (rank 0's) and build the sharded model. The group is the
         learner's own (es_ray.runtime.process_group), never torch's default one, which a colocated vLLM owns."""
-        from es_ray.runtime.process_group import own_group
 
         self.group = own_group(address, self.rank, self.world, self.device,
                                max(60.0, self.cfg.faults.actor_timeout_s), name=f"grpo-learner-{address}")
@@ -115,7 +124,6 @@ class GRPOLearner(Actor):
 
         g = self.g
         if str(self.device).startswith("cuda"):  # this rank's own card, before the model is loaded onto it
-            from es_ray.memory_plan import startup_check
 
             dev = torch.device(self.device)
             startup_check("grpo", self.cfg, gpu=True, reported=torch.cuda.get_device_properties(dev).total_memory,
@@ -178,7 +186,6 @@ class GRPOLearner(Actor):
             kw["offload_policy"] = CPUOffloadPolicy(pin_memory=str(self.device).startswith("cuda"))  # pinned: GPU
         layers = getattr(self.model.base_model, "layers", None)
         if layers is None:
-            from es_ray.core.config import ConfigError
 
             raise ConfigError(f"grpo.fsdp_size={self.g.fsdp_size}: {type(self.model).__name__} has no decoder layers "
                               "at model.layers to shard; set grpo.fsdp_size=1 and grpo.offload=none")
@@ -207,8 +214,6 @@ class GRPOLearner(Actor):
         "build" and "resume" lines)."""
         import torch
 
-        from es_ray.core.manifest import CheckpointError
-        from es_ray.models import read_tensor, safetensors_index
 
         index = safetensors_index(directory)
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
@@ -405,7 +410,6 @@ class GRPOLearner(Actor):
         ``Tensors``, which Ray moves without pickling each tensor's storage). ``on_device``: left where the learner
         holds them (a colocated engine in this process reads them there: no host copy; a tensor in the engine's
         dtype already may be the parameter itself, so the caller writes it before the next step)."""
-        from es_ray.core.dtypes import resolve_dtype
 
         dt = resolve_dtype(dtype, self.device)
         # sharded: every rank takes part in each gather (full_tensor, once per tensor); rank 0's copy is sent
@@ -436,7 +440,6 @@ class GRPOLearner(Actor):
         manifest of every file (es_ray.runtime.checkpoint)."""
         import torch
 
-        from es_ray.runtime.checkpoint import save_checkpoint
 
         rng = {"scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(), "step": meta.get("step")}
         meta = {**meta, "fsdp_size": self.world}
@@ -446,13 +449,10 @@ class GRPOLearner(Actor):
                             "grpo")
             return path
         if self.host_params is not None:
-            from es_ray.core.config import ConfigError
 
             raise ConfigError("grpo.offload=optimizer with grpo.fsdp_size>1 cannot be checkpointed yet; set "
                               "run.checkpoint_every=0 or grpo.offload=none")
-        import shutil
 
-        from es_ray.runtime.checkpoint import staging_dir
 
         where = self.group.broadcast(str(staging_dir(Path(path).parent / f"{Path(path).name}-shards"))
                                      if self.rank == 0 else None)
@@ -492,8 +492,6 @@ class GRPOLearner(Actor):
         them; a one-process learner refuses a sharded checkpoint (and the reverse), naming the key."""
         import torch
 
-        from es_ray.core.config import ConfigError
-        from es_ray.runtime.checkpoint import load_state, read_meta, verify_dir
 
         verify_dir(path)  # every file against its digest, before anything is read
         saved = read_meta(path, "grpo").get("fsdp_size", 1)
