@@ -89,10 +89,18 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
 import time
+
+from es_ray.core.config import ClusterConfig, EngineConfig, ModelConfig, RunConfig, SamplingConfig, TaskConfig
+from es_ray.perturbation import PERTURBATIONS as MODES
+from es_ray.tasks.base import templated_prompts
+
+# torch, vLLM and the ES worker, config and strategy (numpy, torch) are imported in the functions that run in the
+# measuring child process: the parent only starts children and prints their figures, and imports none of them.
 
 PERTURBATIONS = ("full", "lowrank")
 # the chance that the defect check flags a reference doing the same work (share_verdict's sign test)
@@ -107,15 +115,11 @@ TARGETS = {("hf", "lowrank"): ("cpu_share_of_base_loop", ">=", 0.95,
 
 def batch_size(args) -> int:
     """engine.batch_size: the default, raised to N x P so that the limit is one batch (and so is hf's population)."""
-    from es_ray.core.config import EngineConfig
-
     return max(EngineConfig.batch_size, args.members * args.prompts)
 
 
 def build_config(args, engine_name: str, perturbation: str):
     from es_ray.es.config import ESConfig, ESTrainConfig, validate
-    from es_ray.core.config import (ClusterConfig, EngineConfig, ModelConfig, RunConfig, SamplingConfig,
-                                    TaskConfig)
 
     engine = EngineConfig(name=engine_name, threads=args.threads, batch_size=batch_size(args),
                           enforce_eager=not args.vllm_compiled)
@@ -165,9 +169,7 @@ def measure(args, engine_name: str, perturbation: str) -> dict:
     machine's load hits every arm alike."""
     from es_ray.es.protocol import EvalRequest, UpdateRequest
     from es_ray.strategy import ask, shape_fitness
-    from es_ray.tasks.base import templated_prompts
     from es_ray.es.worker import ESWorker
-    from es_ray.perturbation import PERTURBATIONS as MODES
 
     cfg = build_config(args, engine_name, perturbation)
     factored = MODES.get(perturbation).factored  # a low-rank term to switch off for the reference loop
@@ -426,8 +428,6 @@ def share_range(figures: dict, key: str) -> str:
 def machine() -> dict:
     """The machine the figures are from: CPU model, the flags that decide matmul speed, cores, torch threads, the
     load average (other processes on the cores) before the run."""
-    import os
-
     import torch
 
     model, flags = "", set()
@@ -450,8 +450,6 @@ def machine() -> dict:
 
 def load_after() -> dict:
     """The load average (1, 5, 15 minutes) when the run ends: with the one before it, how busy the cores were."""
-    import os
-
     return {"load_average_end": list(os.getloadavg())}
 
 
@@ -476,7 +474,6 @@ def profile(args) -> dict:
 
     from es_ray.engines import hf_lowrank
     from es_ray.strategy import ask
-    from es_ray.tasks.base import templated_prompts
     from es_ray.es.worker import ESWorker
 
     cfg = build_config(args, "hf", "lowrank")
@@ -598,7 +595,6 @@ def profile_vllm(args) -> dict:
 
     from es_ray.es.worker import ESWorker
     from es_ray.strategy import ask
-    from es_ray.tasks.base import templated_prompts
 
     cfg = build_config(args, "vllm", "lowrank")
     worker = ESWorker(cfg)

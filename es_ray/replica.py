@@ -35,6 +35,7 @@ import torch
 
 from es_ray import lowrank
 from es_ray.core.memory import Line
+from es_ray.models import iter_hf_weights
 from es_ray.noise import NOISE_MEMORY, NoiseSource, resolve_kind
 from es_ray.replica_memory import CHUNK, TensorPart, buffer_elements, replica_lines
 from es_ray.replica_spec import ReplicaSpec  # noqa: F401 - the replica's settings, re-exported
@@ -260,7 +261,6 @@ class Replica:
         (or one rank's part of it) at a time, then written into the engine, so that it holds cast(master) from the
         start. A sharded replica's first write fills everything outside its parts with NaN: the engine holding a
         NaN afterwards (the caller checks) means the shards do not match what the engine's loader reads."""
-        from es_ray.models import iter_hf_weights
 
         names = [n for n in names if spec.selects(n)]
         shards = dict(shards or {})

@@ -36,6 +36,9 @@ from typing import Sequence
 import numpy as np
 from scipy import stats
 
+from es_ray.metrics.paired import holm as _holm
+from es_ray.metrics.paired import paired_difference_tasks, power
+
 METHOD_LEVEL_SEEDS = 5
 """The fewest seeds per method at which the verdict is the method-level test (below it: the checkpoint test)."""
 PAPER_CLAIMS = ("pass@max:es>grpo", "entropy:es>grpo", "pass@1:grpo>=es")
@@ -107,7 +110,6 @@ def claim_problems(claims: Sequence[str], methods: Sequence[str], ks: Sequence[i
 
 
 def holm(p: Sequence[float]) -> list[float]:
-    from es_ray.metrics.paired import holm as _holm
 
     return _holm(p)
 
@@ -128,7 +130,6 @@ def size_and_needs(pairs, alpha: float, checkpoint: bool, gaps: Sequence[float],
     """The verdict test's detectable size (80% power, one-sided at ``alpha``, the estimated variance; None past
     the metric's range) and the problems (at these seeds) and seeds (at these problems) each gap beyond the null
     boundary would need. ``checkpoint``: the t over problems on the seed-averaged scores."""
-    from es_ray.metrics.paired import power
 
     use = [(a.mean(0) if a.ndim == 2 else a, b.mean(0) if b.ndim == 2 else b) for a, b in pairs] if checkpoint \
         else pairs
@@ -171,7 +172,6 @@ def seeds_for_claim(pairs, alpha: float, effect: float) -> dict:
     four seeds per method estimate a spread on 2-6 degrees of freedom, so the estimate's N can be several times too
     few (its upper bound is 4-20x the estimate's variance); the pair says how far. None where the estimate is not in
     the claimed direction or no seed count up to 200 reaches it."""
-    from es_ray.metrics.paired import power
 
     pw = power(pairs, alpha=alpha, power=POWER, bound=False, sides=1)
     out = {"at_estimate": None, "at_bound": None, "var_seeds": pw.var_seeds, "var_seeds_bound": None}
@@ -194,7 +194,6 @@ def claim_test(claim: Claim, pairs, *, margin: float, alpha: float, family: int,
     pass@k: [0, 1]). Returns the verdict test's one-sided p (Holm is applied over the family by ``family_verdict``),
     its lower bound, the method-level estimate and interval, the detectable size and the seeds and problems the
     paper's gaps need."""
-    from es_ray.metrics.paired import paired_difference_tasks
 
     metric = claim.resolved(ks)
     shift = margin if claim.kind == "noninferiority" else 0.0

@@ -20,6 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+from es_ray.launch.compare.methods import TRAINED, budget_units
+from es_ray.launch.compare.verdict import claims
+from es_ray.metrics.calibration import simulate
+
+# es_ray.metrics.paired and es_ray.metrics.verdict (scipy) are imported where used: planning a comparison needs
+# scipy only for its power figures.
+
 PLAN_SEEDS = (5, 8, 10, 15, 20)
 """Seeds per method the plan prices (5: the fewest at which the verdict is the method-level test)."""
 DEFAULT_SV = 0.3
@@ -28,7 +35,6 @@ DEFAULT_SV = 0.3
 
 def default_power(k: int, n: int, alpha: float):
     """The calibration model's components for pass@k at n samples (one large simulated experiment, fixed seed)."""
-    from es_ray.metrics.calibration import simulate
     from es_ray.metrics.paired import power
 
     a, b = simulate(np.random.default_rng(49), 1, 1000, 12, DEFAULT_SV, n=max(n, k), ks=(k,))
@@ -70,8 +76,6 @@ def per_step_seconds(report: dict) -> dict[str, float]:
 def plan(cfg, log=print) -> dict:
     """The plan's table (also returned): per claim, seeds at the planned problems and problems at each seed count,
     then the family's choice and the training compute it costs."""
-    from es_ray.launch.compare.methods import TRAINED, budget_units
-    from es_ray.launch.compare.verdict import claims
     from es_ray.metrics.verdict import GAPS, parse_claim
 
     family = claims(cfg)

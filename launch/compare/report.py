@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from es_ray.metrics.bootstrap import interval, interval_of_task_means
+from es_ray.metrics.null_drift import null_drift, null_drift_from_log
 from es_ray.metrics.passk import pass_at_k
 from es_ray.held_out import BASE_POINT
 from es_ray.runtime.names import ES_ZERO_UPDATE, HELD_OUT_ENTROPY, HELD_OUT_PASS1, REWARD_MEAN
@@ -26,6 +28,8 @@ from es_ray.launch.compare.sensitivity import step_sizes
 from es_ray.launch.compare.plots import plots
 from es_ray.launch.compare.verdict import primary_section
 from es_ray.launch.compare.truncation import truncated_share
+
+# es_ray.metrics.paired (scipy) is imported where a test is computed: the report's other sections need no scipy.
 
 
 
@@ -206,7 +210,6 @@ def scores(counts: dict, ks: list[int]) -> dict:
 def intervals(pp: dict, ks: list[int]) -> dict:
     """95% bootstrap intervals over problems of each method's pass@k (a problem's pass@k averaged over the seeds
     first), per task and for the average over tasks: descriptive; differences are tested paired (``comparisons``)."""
-    from es_ray.metrics.bootstrap import interval, interval_of_task_means
 
     out = {}
     for method, m in pp["methods"].items():
@@ -292,7 +295,6 @@ def es_null(root: Path, stage: str, total: dict, thresholds) -> dict:
     """The null model's drift for an ES run (es_ray.metrics.null_drift): from the shaped fitness its updates used
     (the run's seed_log.jsonl), so it holds for every shaping, ties included; from config.json's settings where the
     log is missing (a run written before it was kept)."""
-    from es_ray.metrics.null_drift import null_drift, null_drift_from_log
 
     run_cfg = _read_json(root / "stages" / stage / "config.json")
     es = run_cfg["es"]

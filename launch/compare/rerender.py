@@ -26,6 +26,11 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from es_ray.core.config import to_config
+
+# The report, the comparison's config and the verdict (numpy, scipy) are imported where used: --help and a bad
+# argument answer without them.
+
 OLD_FIELDS = ("separable", "testable", "detectable", "alpha_power", "can_plan", "problems_needed", "seeds_needed")
 
 
@@ -36,7 +41,6 @@ def is_run_dir(folder: Path) -> bool:
 
 def from_run_dir(folder: Path) -> dict:
     """The report of an es-compare run.dir rebuilt from its stages' files with this code (write_report)."""
-    from es_ray.core.config import to_config
     from es_ray.launch.compare.report import write_report
     from es_ray.launch.compare.run import (CompareConfig, interpolation_plan, pool_size, stage_plan,
                                            training_tasks)

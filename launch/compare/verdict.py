@@ -12,6 +12,9 @@ import numpy as np
 from es_ray.core.config import ConfigError
 from es_ray.launch.compare.methods import LABELS
 
+# es_ray.metrics.verdict and es_ray.metrics.paired (scipy) are imported where used: the comparison's config
+# (VerdictConfig) is read from here and composes without scipy.
+
 
 @dataclass
 class VerdictConfig:
