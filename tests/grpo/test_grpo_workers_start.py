@@ -84,7 +84,7 @@ def test_a_failed_start_ends_every_actor_asked_for_and_the_placement(monkeypatch
     assert ("start", "rollout", [1]) in events  # asked for before the learner was waited on
 
 
-def test_colocated_crew_is_one_group(monkeypatch, tmp_path):
+def test_colocated_workers_are_one_group(monkeypatch, tmp_path):
     from es_ray.grpo.colocated import ColocatedWorker
     from es_ray.grpo.driver import GRPOWorkers
 
