@@ -16,7 +16,8 @@ CONF = ROOT / "conf"
 MAPPED = {"es_ray.grpo": "grpo", "es_ray.launch": "launch"}
 """Installed package -> the repository folder it is built from."""
 PACKAGES = find_packages(include=["es_ray", "es_ray.*"]) + [
-    name for pkg, folder in MAPPED.items() for name in [pkg] + [f"{pkg}.{sub}" for sub in find_packages(folder)]]
+    name for pkg, folder in MAPPED.items() for name in [pkg] + [f"{pkg}.{sub}" for sub in find_packages(folder)]
+]
 
 
 class BuildWithPresets(build_py):
@@ -32,5 +33,9 @@ class BuildWithPresets(build_py):
             shutil.copyfile(path, target)
 
 
-setup(packages=PACKAGES, package_dir=MAPPED, package_data={"es_ray.launch": ["runtime_env.yaml"]},
-      cmdclass={"build_py": BuildWithPresets})
+setup(
+    packages=PACKAGES,
+    package_dir=MAPPED,
+    package_data={"es_ray.launch": ["runtime_env.yaml"]},
+    cmdclass={"build_py": BuildWithPresets},
+)

@@ -47,8 +47,9 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(engine_name: str, dtype: str, batches: list[int], repeats: int, iterations: int, threads: int,
-            with_es: bool) -> dict:
+def measure(
+    engine_name: str, dtype: str, batches: list[int], repeats: int, iterations: int, threads: int, with_es: bool
+) -> dict:
     """Runs in the child process: everything for one (engine, dtype)."""
     import torch
 
@@ -78,7 +79,6 @@ def measure(engine_name: str, dtype: str, batches: list[int], repeats: int, iter
             rates.append(sum(c.num_tokens for c in done) / (time.perf_counter() - t0))
         out[f"tok_s/b{batch}"] = statistics.median(rates)
 
-
     host = engine.replica_host()
     host.setup(dataclasses.replace(replica_spec(ESTrainConfig()), run_seed=0, noise="table"))
     host.perturb(0, 0, 1, 1e-3)
@@ -91,9 +91,14 @@ def measure(engine_name: str, dtype: str, batches: list[int], repeats: int, iter
         return out
 
     # One ES actor's iteration, in-process: the same calls the driver makes through Ray.
-    cfg = validate(ESTrainConfig(engine=engine_cfg,
-                               es=ESConfig(), cluster=ClusterConfig(num_actors=1, cpus_per_actor=threads),
-                               run=RunConfig(dir="/tmp", seed=0)))
+    cfg = validate(
+        ESTrainConfig(
+            engine=engine_cfg,
+            es=ESConfig(),
+            cluster=ClusterConfig(num_actors=1, cpus_per_actor=threads),
+            run=RunConfig(dir="/tmp", seed=0),
+        )
+    )
     worker = ESWorker(cfg)
     rows = []
     for t in range(iterations + 1):
@@ -108,8 +113,9 @@ def measure(engine_name: str, dtype: str, batches: list[int], repeats: int, iter
             rows.append({**res.timing_s, "update": upd.seconds, "iteration": wall})
     for key in ("iteration", "generate", "reward", "perturb", "restore", "update"):
         out[f"es_s/{key}"] = statistics.median(r[key] for r in rows)
-    out["es/overhead_share"] = statistics.median((r["perturb"] + r["restore"] + r["update"]) / r["iteration"]
-                                                 for r in rows)
+    out["es/overhead_share"] = statistics.median(
+        (r["perturb"] + r["restore"] + r["update"]) / r["iteration"] for r in rows
+    )
     out["es/outside_generation_share"] = statistics.median(1 - r["generate"] / r["iteration"] for r in rows)
     worker.engine.close()
     return out
@@ -130,46 +136,83 @@ def main() -> None:
         ap.error("--iterations and --repeats must be >= 1 (medians need at least one measurement)")
     if args.child:
         engine_name, dtype = args.child.split(":")
-        res = measure(engine_name, dtype, args.batches, args.repeats, args.iterations, args.threads,
-                      dtype == args.es_dtype)
+        res = measure(
+            engine_name, dtype, args.batches, args.repeats, args.iterations, args.threads, dtype == args.es_dtype
+        )
         print("RESULT " + json.dumps(res), flush=True)
         return
 
     results = []
     for dtype in args.dtypes:
         for engine_name in args.engines:
-            cmd = [sys.executable, __file__, "--child", f"{engine_name}:{dtype}", "--repeats", str(args.repeats),
-                   "--iterations", str(args.iterations), "--threads", str(args.threads), "--es-dtype", args.es_dtype,
-                   "--batches", *map(str, args.batches)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                f"{engine_name}:{dtype}",
+                "--repeats",
+                str(args.repeats),
+                "--iterations",
+                str(args.iterations),
+                "--threads",
+                str(args.threads),
+                "--es-dtype",
+                args.es_dtype,
+                "--batches",
+                *map(str, args.batches),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode or not line:
                 sys.exit(f"{engine_name} {dtype} failed:\n{proc.stderr[-4000:]}")
-            results.append(json.loads(line[-1][len("RESULT "):]))
+            results.append(json.loads(line[-1][len("RESULT ") :]))
             print(f"done {engine_name} {dtype}", file=sys.stderr, flush=True)
     report(results, args.batches)
 
 
 def report(results: list[dict], batches: list[int]) -> None:
-    cols = [f"tok/s b{b}" for b in batches] + ["restore s", "perturb s", "ES iter s", "gen s", "ES ovh",
-                                               "outside gen", "load s"]
+    cols = [f"tok/s b{b}" for b in batches] + [
+        "restore s",
+        "perturb s",
+        "ES iter s",
+        "gen s",
+        "ES ovh",
+        "outside gen",
+        "load s",
+    ]
     print(f"{'engine':<7}{'dtype':<10}" + "".join(f"{c:>12}" for c in cols))
     for r in results:
         es = "es_s/iteration" in r
-        vals = [f"{r[f'tok_s/b{b}']:.1f}" for b in batches] + [
-            f"{r['write_s/restore']:.3f}", f"{r['write_s/perturb']:.3f}"] + (
-            [f"{r['es_s/iteration']:.2f}", f"{r['es_s/generate']:.2f}", f"{r['es/overhead_share']:.1%}",
-             f"{r['es/outside_generation_share']:.1%}"] if es else ["-"] * 4) + [f"{r['load_s']:.1f}"]
+        vals = (
+            [f"{r[f'tok_s/b{b}']:.1f}" for b in batches]
+            + [f"{r['write_s/restore']:.3f}", f"{r['write_s/perturb']:.3f}"]
+            + (
+                [
+                    f"{r['es_s/iteration']:.2f}",
+                    f"{r['es_s/generate']:.2f}",
+                    f"{r['es/overhead_share']:.1%}",
+                    f"{r['es/outside_generation_share']:.1%}",
+                ]
+                if es
+                else ["-"] * 4
+            )
+            + [f"{r['load_s']:.1f}"]
+        )
         print(f"{r['engine']:<7}{r['dtype']:<10}" + "".join(f"{v:>12}" for v in vals))
     by = {(r["engine"], r["dtype"]): r for r in results}
     for dtype in sorted({r["dtype"] for r in results}):
         hf, vl = by.get(("hf", dtype)), by.get(("vllm", dtype))
         if hf and vl:
             ratios = ", ".join(f"b{b} {vl[f'tok_s/b{b}'] / hf[f'tok_s/b{b}']:.2f}x" for b in batches)
-            es = (f"; ES iteration time hf / vllm: {hf['es_s/iteration'] / vl['es_s/iteration']:.2f}x"
-                  if "es_s/iteration" in hf and "es_s/iteration" in vl else "")
-            print(f"vllm / hf tokens/s, {dtype}: {ratios}; restore write hf / vllm: "
-                  f"{hf['write_s/restore'] / vl['write_s/restore']:.2f}x{es}")
+            es = (
+                f"; ES iteration time hf / vllm: {hf['es_s/iteration'] / vl['es_s/iteration']:.2f}x"
+                if "es_s/iteration" in hf and "es_s/iteration" in vl
+                else ""
+            )
+            print(
+                f"vllm / hf tokens/s, {dtype}: {ratios}; restore write hf / vllm: "
+                f"{hf['write_s/restore'] / vl['write_s/restore']:.2f}x{es}"
+            )
     print("targets (2-core CPU): vllm >= 2x hf at b64 bfloat16; ES overhead < 10% of an iteration on vllm")
 
 

@@ -23,21 +23,30 @@ def one_run(colocate: bool, steps: int, out: Path) -> dict:
     from es_ray.grpo.driver import run
 
     run_dir = out / ("colocated" if colocate else "separate")
-    cfg = to_grpo_config({"grpo": {"steps": steps, "colocate": colocate}, "eval": {"every": 0},
-                          "cluster": {"num_actors": 1, "cpus_per_actor": 1},
-                          "run": {"dir": str(run_dir), "progress": False, "trackers": [], "overwrite": True}})
+    cfg = to_grpo_config(
+        {
+            "grpo": {"steps": steps, "colocate": colocate},
+            "eval": {"every": 0},
+            "cluster": {"num_actors": 1, "cpus_per_actor": 1},
+            "run": {"dir": str(run_dir), "progress": False, "trackers": [], "overwrite": True},
+        }
+    )
     t0 = time.perf_counter()
     run(cfg)
     wall = time.perf_counter() - t0
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     ledger = json.loads((run_dir / "ledger.json").read_text())
-    return {"wall_s": round(wall, 1), "step_s": [round(r["timing_s/step"], 1) for r in rows],
-            "generate_s": [round(r["timing_s/generate"], 1) for r in rows],
-            "train_s": [round(r["timing_s/train"], 1) for r in rows],
-            "sync_s": [round(r["timing_s/sync"], 2) for r in rows],
-            "reward_mean": [r["reward/mean"] for r in rows],
-            "actors": len(ledger["actors"]), "device_s": round(ledger["device_seconds"], 1),
-            "device_s_training": round(ledger["device_seconds_training"], 1)}
+    return {
+        "wall_s": round(wall, 1),
+        "step_s": [round(r["timing_s/step"], 1) for r in rows],
+        "generate_s": [round(r["timing_s/generate"], 1) for r in rows],
+        "train_s": [round(r["timing_s/train"], 1) for r in rows],
+        "sync_s": [round(r["timing_s/sync"], 2) for r in rows],
+        "reward_mean": [r["reward/mean"] for r in rows],
+        "actors": len(ledger["actors"]),
+        "device_s": round(ledger["device_seconds"], 1),
+        "device_s_training": round(ledger["device_seconds_training"], 1),
+    }
 
 
 def main() -> None:

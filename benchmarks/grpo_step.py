@@ -78,13 +78,22 @@ def main(argv=None) -> dict:
     model_dir = str(resolve_model(args.model))
     samples, adv = make_batch(args.prompts, args.group, args.prompt_tokens, args.completion_tokens)
     batch = len(samples)
-    cfg = {"model": {"path": model_dir}, "engine": {"threads": args.threads},
-           "sampling": {"temperature": 1.0, "max_new_tokens": args.completion_tokens},
-           "grpo": {"lr": 1e-5, "micro_batch_size": batch, "loss_type": args.loss_type, "group_size": args.group,
-                    "prompts_per_step": args.prompts}}
+    cfg = {
+        "model": {"path": model_dir},
+        "engine": {"threads": args.threads},
+        "sampling": {"temperature": 1.0, "max_new_tokens": args.completion_tokens},
+        "grpo": {
+            "lr": 1e-5,
+            "micro_batch_size": batch,
+            "loss_type": args.loss_type,
+            "group_size": args.group,
+            "prompts_per_step": args.prompts,
+        },
+    }
     ours = GRPOLearner(to_grpo_config(cfg))
-    trainer = trl_trainer(model_dir, group_size=args.group, max_tokens=args.completion_tokens,
-                          loss_type=args.loss_type, lr=1e-5)
+    trainer = trl_trainer(
+        model_dir, group_size=args.group, max_tokens=args.completion_tokens, loss_type=args.loss_type, lr=1e-5
+    )
     torch.set_num_threads(args.threads)  # the learner sets its own; both sides run on the same count
     inputs = trl_inputs(samples, adv, trainer.processing_class.pad_token_id)
     initial = {n: p.detach().clone() for n, p in ours.named.items()}
@@ -107,19 +116,33 @@ def main(argv=None) -> dict:
         if rep:
             times["project"].append(a)
             times["trl"].append(b)
-        print(f"rep {rep}{' (warm-up)' if not rep else ''}: project {a[0]:.2f} CPU-s / {a[1]:.2f} s, "
-              f"TRL {b[0]:.2f} CPU-s / {b[1]:.2f} s", flush=True)
-    med = {side: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts))
-           for side, ts in times.items()}
-    out = {"batch": batch, "prompt_tokens": args.prompt_tokens, "completion_tokens_max": args.completion_tokens,
-           "loss_type": args.loss_type, "threads": args.threads, "reps": args.reps,
-           "project_cpu_s": round(med["project"][0], 3), "trl_cpu_s": round(med["trl"][0], 3),
-           "project_wall_s": round(med["project"][1], 3), "trl_wall_s": round(med["trl"][1], 3),
-           "cpu_ratio": round(med["project"][0] / med["trl"][0], 3),
-           "wall_ratio": round(med["project"][1] / med["trl"][1], 3)}
-    print(f"median of {args.reps}: project {out['project_cpu_s']} CPU-s / {out['project_wall_s']} s, TRL "
-          f"{out['trl_cpu_s']} CPU-s / {out['trl_wall_s']} s; project / TRL: {out['cpu_ratio']}x CPU, "
-          f"{out['wall_ratio']}x wall")
+        print(
+            f"rep {rep}{' (warm-up)' if not rep else ''}: project {a[0]:.2f} CPU-s / {a[1]:.2f} s, "
+            f"TRL {b[0]:.2f} CPU-s / {b[1]:.2f} s",
+            flush=True,
+        )
+    med = {
+        side: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)) for side, ts in times.items()
+    }
+    out = {
+        "batch": batch,
+        "prompt_tokens": args.prompt_tokens,
+        "completion_tokens_max": args.completion_tokens,
+        "loss_type": args.loss_type,
+        "threads": args.threads,
+        "reps": args.reps,
+        "project_cpu_s": round(med["project"][0], 3),
+        "trl_cpu_s": round(med["trl"][0], 3),
+        "project_wall_s": round(med["project"][1], 3),
+        "trl_wall_s": round(med["trl"][1], 3),
+        "cpu_ratio": round(med["project"][0] / med["trl"][0], 3),
+        "wall_ratio": round(med["project"][1] / med["trl"][1], 3),
+    }
+    print(
+        f"median of {args.reps}: project {out['project_cpu_s']} CPU-s / {out['project_wall_s']} s, TRL "
+        f"{out['trl_cpu_s']} CPU-s / {out['trl_wall_s']} s; project / TRL: {out['cpu_ratio']}x CPU, "
+        f"{out['wall_ratio']}x wall"
+    )
     print(json.dumps(out))
     return out
 

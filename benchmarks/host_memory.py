@@ -85,9 +85,12 @@ def _phase(fn) -> dict[str, float]:
     kids_peak = sum(_status(pid)["VmHWM"] for pid in kids)
     _trim()
     after = _status()["VmRSS"]
-    return {"kept_mib": (after - before) / MIB, "transient_mib": (peak - after) / MIB,
-            "peak_over_start_mib": (peak - before) / MIB,
-            "workers_peak_over_start_mib": (kids_peak - kids_before) / MIB}
+    return {
+        "kept_mib": (after - before) / MIB,
+        "transient_mib": (peak - after) / MIB,
+        "peak_over_start_mib": (peak - before) / MIB,
+        "workers_peak_over_start_mib": (kids_peak - kids_before) / MIB,
+    }
 
 
 def child(engine_name: str, model: str, dtype: str, tensor_parallel: int = 1, optimizer: str = "adam") -> dict:
@@ -101,14 +104,29 @@ def child(engine_name: str, model: str, dtype: str, tensor_parallel: int = 1, op
     from es_ray.strategy import ask, zscore
 
     torch.set_num_threads(1 if tensor_parallel > 1 else 2)
-    cfg = to_train_config({"model": {"path": model}, "es": {"optimizer": optimizer},
-                           "engine": {"name": engine_name, "dtype": dtype, "device": "cpu", "enforce_eager": True,
-                                      "tensor_parallel_size": tensor_parallel}})
+    cfg = to_train_config(
+        {
+            "model": {"path": model},
+            "es": {"optimizer": optimizer},
+            "engine": {
+                "name": engine_name,
+                "dtype": dtype,
+                "device": "cpu",
+                "enforce_eager": True,
+                "tensor_parallel_size": tensor_parallel,
+            },
+        }
+    )
     model_dir = str(resolve_model(cfg.model.path))
     held: dict = {}
     label = engine_name if tensor_parallel == 1 else f"{engine_name} tp={tensor_parallel}"
-    result = {"engine": label, "dtype": dtype, "optimizer": optimizer, "model": model_dir,
-              "start_rss_mib": _status()["VmRSS"] / MIB}
+    result = {
+        "engine": label,
+        "dtype": dtype,
+        "optimizer": optimizer,
+        "model": model_dir,
+        "start_rss_mib": _status()["VmRSS"] / MIB,
+    }
     result["engine_build"] = _phase(lambda: held.setdefault("engine", make_engine(model_dir, cfg.engine)))
     host = held["engine"].replica_host()
 
@@ -128,8 +146,9 @@ def child(engine_name: str, model: str, dtype: str, tensor_parallel: int = 1, op
         else:
             result["checkpoint"] = _phase(lambda: save_es_checkpoint(ckpt, host.state_dict(), model_dir, meta))
         # ... and the previous path, side by side: the state gathered into this process, then saved
-        result["checkpoint_gathered"] = _phase(lambda: save_es_checkpoint(Path(tmp) / "gathered", host.state_dict(),
-                                                                          model_dir, meta))
+        result["checkpoint_gathered"] = _phase(
+            lambda: save_es_checkpoint(Path(tmp) / "gathered", host.state_dict(), model_dir, meta)
+        )
         # resume / rebuild: the checkpoint verified, then read tensor by tensor into the replica ...
         result["resume"] = _phase(lambda: host.load_state_dict(load_es_state(ckpt)))
         # ... and the previous path, side by side: every tensor read into one dict first, then loaded
@@ -137,8 +156,9 @@ def child(engine_name: str, model: str, dtype: str, tensor_parallel: int = 1, op
     state = host.state_dict()
     sizes = [t.numel() * 4 for t in state["master"].values()]
     result["master_mib"] = sum(sizes) / MIB
-    result["state_mib"] = (sum(sizes) + sum(t.numel() * 4 for m in state["optimizer"]["state"].values()
-                                            for t in m.values())) / MIB
+    result["state_mib"] = (
+        sum(sizes) + sum(t.numel() * 4 for m in state["optimizer"]["state"].values() for t in m.values())
+    ) / MIB
     result["largest_mib"] = max(sizes) / MIB
     held["engine"].close()
     return result
@@ -153,9 +173,14 @@ def _whole_state(ckpt: Path) -> dict:
     if "lm_head.weight" not in master and "model.embed_tokens.weight" in master:
         master["lm_head.weight"] = master["model.embed_tokens.weight"]
     opt = load_es_state(ckpt)["optimizer"]
-    return {"master": master, "optimizer": {"t": opt["t"], "state": {n: {k: v.clone() for k, v in m.items()}
-                                                                      for n, m in opt["state"].items()}},
-            "theta0": None}
+    return {
+        "master": master,
+        "optimizer": {
+            "t": opt["t"],
+            "state": {n: {k: v.clone() for k, v in m.items()} for n, m in opt["state"].items()},
+        },
+        "theta0": None,
+    }
 
 
 def projection(results: list[dict], target: str, optimizer: str) -> str:
@@ -170,16 +195,20 @@ def projection(results: list[dict], target: str, optimizer: str) -> str:
     master = 4 * shape.parameters() / MIB
     state = master * (3 if optimizer == "adam" else 1)
     largest = 4 * max(math.prod(s) for s in shape.tensors().values()) / MIB
-    lines = [f"\nthe ES actor's peak projected to {target} (fp32 master {master / 1024:.1f} GiB, {optimizer} state "
-             f"{state / 1024:.1f} GiB, largest tensor {largest / 1024:.2f} GiB), GiB\n",
-             "| engine | phase | measured MiB | x state | x largest tensor | 7B if it holds the state | "
-             "7B if it streams |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"\nthe ES actor's peak projected to {target} (fp32 master {master / 1024:.1f} GiB, {optimizer} state "
+        f"{state / 1024:.1f} GiB, largest tensor {largest / 1024:.2f} GiB), GiB\n",
+        "| engine | phase | measured MiB | x state | x largest tensor | 7B if it holds the state | 7B if it streams |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         for phase in ("checkpoint", "checkpoint_gathered", "resume", "resume_whole"):
             peak = max(r[phase]["peak_over_start_mib"], 0.0)
-            lines.append(f"| {r['engine']} | {phase} | {peak:.0f} | {peak / r['state_mib']:.2f} | "
-                         f"{peak / r['largest_mib']:.2f} | {peak / r['state_mib'] * state / 1024:.1f} | "
-                         f"{peak / r['largest_mib'] * largest / 1024:.1f} |")
+            lines.append(
+                f"| {r['engine']} | {phase} | {peak:.0f} | {peak / r['state_mib']:.2f} | "
+                f"{peak / r['largest_mib']:.2f} | {peak / r['state_mib'] * state / 1024:.1f} | "
+                f"{peak / r['largest_mib'] * largest / 1024:.1f} |"
+            )
     return "\n".join(lines)
 
 
@@ -211,8 +240,11 @@ def es_actor_host_plan_gib(target: str) -> float:
 def plan_table() -> str:
     from es_ray.memory_plan import PRESETS
 
-    lines = ["\nhost RAM per ES actor on a GPU node (es_actor_host_plan_gib, any optimizer), GiB\n", "| model | plan |",
-             "|---|---|"]
+    lines = [
+        "\nhost RAM per ES actor on a GPU node (es_actor_host_plan_gib, any optimizer), GiB\n",
+        "| model | plan |",
+        "|---|---|",
+    ]
     lines += [f"| {name} | {es_actor_host_plan_gib(name):.1f} |" for name in PRESETS]
     return "\n".join(lines)
 
@@ -228,8 +260,11 @@ def copy_in_dtype(model_dir: Path, dtype: str, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for f in model_dir.iterdir():
         if f.suffix == ".safetensors":
-            save_file({k: v.to(getattr(torch, dtype)).contiguous() for k, v in load_file(f).items()}, out / f.name,
-                      metadata={"format": "pt"})
+            save_file(
+                {k: v.to(getattr(torch, dtype)).contiguous() for k, v in load_file(f).items()},
+                out / f.name,
+                metadata={"format": "pt"},
+            )
         elif f.is_file():
             shutil.copy2(f, out / f.name)
     cfg = json.loads((out / "config.json").read_text())
@@ -241,14 +276,19 @@ def copy_in_dtype(model_dir: Path, dtype: str, out: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="model.path (empty: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--engines", default="hf,vllm,vllm:3", help="engine.name[:tensor_parallel_size], comma-separated "
-                    "(SmolLM2-135M has 9 attention heads: tensor_parallel_size 3)")
+    ap.add_argument(
+        "--engines",
+        default="hf,vllm,vllm:3",
+        help="engine.name[:tensor_parallel_size], comma-separated "
+        "(SmolLM2-135M has 9 attention heads: tensor_parallel_size 3)",
+    )
     ap.add_argument("--dtype", default="float32", help="engine.dtype")
     ap.add_argument("--optimizer", default="adam", help="es.optimizer")
     ap.add_argument("--disk-dtype", default="bfloat16", help="dtype of the safetensors read (as released models)")
     ap.add_argument("--json", default="", help="also write the results here")
-    ap.add_argument("--project", default="qwen2.5-7b", help="memory-plan preset the save and resume peaks are "
-                    "projected to")
+    ap.add_argument(
+        "--project", default="qwen2.5-7b", help="memory-plan preset the save and resume peaks are projected to"
+    )
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -261,23 +301,49 @@ def main() -> None:
     model = str(copy_in_dtype(resolve_model(args.model), args.disk_dtype, Path(tmp.name) / "model"))
     results = []
     for name in [e for e in args.engines.split(",") if e]:
-        proc = subprocess.run([sys.executable, __file__, "--child", name, "--model", model, "--dtype", args.dtype,
-                               "--optimizer", args.optimizer], capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                name,
+                "--model",
+                model,
+                "--dtype",
+                args.dtype,
+                "--optimizer",
+                args.optimizer,
+            ],
+            capture_output=True,
+            text=True,
+        )
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode or line is None:
             raise SystemExit(f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-        results.append(json.loads(line[len("RESULT "):]))
-    print(f"\nhost RSS per phase, MiB (model {args.model or 'SmolLM2-135M'} stored in {args.disk_dtype}, engine "
-          f"{args.dtype}, es.optimizer={args.optimizer}: fp32 master {results[0]['master_mib']:.0f} MiB, state "
-          f"{results[0]['state_mib']:.0f} MiB, largest tensor {results[0]['largest_mib']:.0f} MiB)\n")
+        results.append(json.loads(line[len("RESULT ") :]))
+    print(
+        f"\nhost RSS per phase, MiB (model {args.model or 'SmolLM2-135M'} stored in {args.disk_dtype}, engine "
+        f"{args.dtype}, es.optimizer={args.optimizer}: fp32 master {results[0]['master_mib']:.0f} MiB, state "
+        f"{results[0]['state_mib']:.0f} MiB, largest tensor {results[0]['largest_mib']:.0f} MiB)\n"
+    )
     print("| engine | phase | kept | transient | peak over start | workers' peak over start |")
     print("|---|---|---|---|---|---|")
     for r in results:
-        for phase in ("engine_build", "master_load", "es_setup", "update", "checkpoint", "checkpoint_gathered",
-                      "resume", "resume_whole"):
+        for phase in (
+            "engine_build",
+            "master_load",
+            "es_setup",
+            "update",
+            "checkpoint",
+            "checkpoint_gathered",
+            "resume",
+            "resume_whole",
+        ):
             p = r[phase]
-            print(f"| {r['engine']} | {phase} | {p['kept_mib']:.0f} | {p['transient_mib']:.0f} | "
-                  f"{p['peak_over_start_mib']:.0f} | {p['workers_peak_over_start_mib']:.0f} |")
+            print(
+                f"| {r['engine']} | {phase} | {p['kept_mib']:.0f} | {p['transient_mib']:.0f} | "
+                f"{p['peak_over_start_mib']:.0f} | {p['workers_peak_over_start_mib']:.0f} |"
+            )
     print(projection(results, args.project, args.optimizer))
     print(plan_table())
     if args.json:

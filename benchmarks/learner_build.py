@@ -46,9 +46,13 @@ def rank_main(rank: int, world: int, address: str, model: str, checkpoint: str, 
     from es_ray.grpo.config import to_grpo_config
     from es_ray.grpo.learner import GRPOLearner
 
-    cfg = to_grpo_config({"model": {"path": model}, "engine": {"threads": 1, "device": "cpu"},
-                          "grpo": {"fsdp_size": world, "micro_batch_size": 2 * world, "prompts_per_step": world,
-                                   "group_size": 2}})
+    cfg = to_grpo_config(
+        {
+            "model": {"path": model},
+            "engine": {"threads": 1, "device": "cpu"},
+            "grpo": {"fsdp_size": world, "micro_batch_size": 2 * world, "prompts_per_step": world, "group_size": 2},
+        }
+    )
     learner = GRPOLearner(cfg, rank, world) if world > 1 else None
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = _status("VmRSS")
@@ -68,8 +72,15 @@ def rank_main(rank: int, world: int, address: str, model: str, checkpoint: str, 
 
     # AdamW's moments come into being at the resume and stay (on the device on a GPU): not the resume's transient
     state = sum(local(t).nbytes for st in learner.optimizer.state.values() for t in st.values() if hasattr(t, "nbytes"))
-    queue.put({"rank": rank, **built, "resume_rss_before": before, "resume_hwm_after": _status("VmHWM"),
-               "resume_optimizer_state": state})
+    queue.put(
+        {
+            "rank": rank,
+            **built,
+            "resume_rss_before": before,
+            "resume_hwm_after": _status("VmHWM"),
+            "resume_optimizer_state": state,
+        }
+    )
 
 
 def _ranks(world: int, model: str, checkpoint: str) -> list[dict]:
@@ -107,16 +118,20 @@ def main(argv: list[str] | None = None) -> dict:
     resume_rise = max(r["resume_hwm_after"] - r["resume_rss_before"] - r["resume_optimizer_state"] for r in ranks)
     resume_plan = planned.pop("learner resume (host)", 0)
     plan_bytes = sum(planned.values())
-    out = {"model": shape.name, "parameters": shape.parameters(), "fsdp_size": args.fsdp_size,
-           "whole_fp32_mib": round(shape.parameters() * 4 / MiB, 1),
-           "planned_build_mib": {k: round(v / MiB, 1) for k, v in planned.items()},
-           "planned_build_total_mib": round(plan_bytes / MiB, 1),
-           "measured_build_peak_rise_mib": round(rise / MiB, 1),
-           "measured_over_planned": round(rise / plan_bytes, 3),
-           "planned_resume_host_mib": round(resume_plan / MiB, 1),
-           "measured_resume_peak_rise_mib": round(resume_rise / MiB, 1),
-           "resume_over_build": round(resume_rise / max(rise, 1), 3),
-           "ranks": [{k: (round(v / MiB, 1) if k != "rank" else v) for k, v in r.items()} for r in ranks]}
+    out = {
+        "model": shape.name,
+        "parameters": shape.parameters(),
+        "fsdp_size": args.fsdp_size,
+        "whole_fp32_mib": round(shape.parameters() * 4 / MiB, 1),
+        "planned_build_mib": {k: round(v / MiB, 1) for k, v in planned.items()},
+        "planned_build_total_mib": round(plan_bytes / MiB, 1),
+        "measured_build_peak_rise_mib": round(rise / MiB, 1),
+        "measured_over_planned": round(rise / plan_bytes, 3),
+        "planned_resume_host_mib": round(resume_plan / MiB, 1),
+        "measured_resume_peak_rise_mib": round(resume_rise / MiB, 1),
+        "resume_over_build": round(resume_rise / max(rise, 1), 3),
+        "ranks": [{k: (round(v / MiB, 1) if k != "rank" else v) for k, v in r.items()} for r in ranks],
+    }
     print(json.dumps(out))
     return out
 

@@ -32,8 +32,13 @@ def shapes(row: dict) -> Counter:
     out: Counter = Counter()
     for test in split.tests:
         probes = [split.probes[i] for i in test["probes"]]
-        out["recorded" if any(isinstance(p, dict) for p in probes) else
-            "literal" if test["expected"] is not None else "check"] += 1
+        out[
+            "recorded"
+            if any(isinstance(p, dict) for p in probes)
+            else "literal"
+            if test["expected"] is not None
+            else "check"
+        ] += 1
     sources = Counter(t["source"] for t in split.tests)
     out["two_ways"] = sum(n - 1 for n in sources.values())
     if split.asserts != len(row["test_list"]):

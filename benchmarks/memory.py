@@ -42,25 +42,38 @@ def main() -> None:
     from es_ray.grpo.driver import run as grpo_run
 
     out = Path(args.out or tempfile.mkdtemp(prefix="memory-bench-")).resolve()
-    common = {"model": {"path": args.model}, "sampling": {"max_new_tokens": args.tokens, "temperature": 1.0},
-              "eval": {"every": 0}}
+    common = {
+        "model": {"path": args.model},
+        "sampling": {"max_new_tokens": args.tokens, "temperature": 1.0},
+        "eval": {"every": 0},
+    }
     engine = {"name": args.engine}
     run_opts = {"progress": False, "trackers": []}
-    es_cfg = to_train_config({**common, "engine": engine,
-                              "es": {"population": args.group, "prompts_per_iteration": args.prompts,
-                                     "iterations": args.steps},
-                              "cluster": {"num_actors": 1, "gpus_per_actor": args.gpus},
-                              "run": {"dir": str(out / "es"), **run_opts}})
-    grpo_cfg = to_grpo_config({**common, "engine": {**engine, "threads": 1},
-                               "grpo": {"group_size": args.group, "prompts_per_step": args.prompts,
-                                        "steps": args.steps},
-                               "cluster": {"num_actors": 1, "gpus_per_actor": args.gpus},
-                               "run": {"dir": str(out / "grpo"), **run_opts}})
+    es_cfg = to_train_config(
+        {
+            **common,
+            "engine": engine,
+            "es": {"population": args.group, "prompts_per_iteration": args.prompts, "iterations": args.steps},
+            "cluster": {"num_actors": 1, "gpus_per_actor": args.gpus},
+            "run": {"dir": str(out / "es"), **run_opts},
+        }
+    )
+    grpo_cfg = to_grpo_config(
+        {
+            **common,
+            "engine": {**engine, "threads": 1},
+            "grpo": {"group_size": args.group, "prompts_per_step": args.prompts, "steps": args.steps},
+            "cluster": {"num_actors": 1, "gpus_per_actor": args.gpus},
+            "run": {"dir": str(out / "grpo"), **run_opts},
+        }
+    )
     es_run(es_cfg)
     grpo_run(grpo_cfg)
     ledgers = {m: json.loads((out / m / "ledger.json").read_text()) for m in ("es", "grpo")}
-    print(f"\nbatch: {args.prompts} prompts x {args.group} (ES members / GRPO group) x {args.tokens} new tokens, "
-          f"{args.steps} iterations/steps, engine {args.engine}, runs in {out}\n")
+    print(
+        f"\nbatch: {args.prompts} prompts x {args.group} (ES members / GRPO group) x {args.tokens} new tokens, "
+        f"{args.steps} iterations/steps, engine {args.engine}, runs in {out}\n"
+    )
     print("| method | actor | peak RSS GiB | peak GPU GiB |")
     print("|---|---|---|---|")
     for m, led in ledgers.items():
@@ -71,10 +84,14 @@ def main() -> None:
     es_max = max(m["peak_rss_bytes"] for m in es_mem.values())
     es_sum = sum(m["peak_rss_bytes"] for m in es_mem.values())
     grpo_sum = sum(m["peak_rss_bytes"] for m in grpo_mem.values())
-    print(f"\nGRPO / ES peak RSS: largest actor {grpo_mem['learner_0']['peak_rss_bytes'] / es_max:.2f}x "
-          f"(learner vs ES actor), all actors {grpo_sum / es_sum:.2f}x")
-    gpu = {m: [x["peak_gpu_bytes"] for x in led["actors"].values() if x.get("peak_gpu_bytes")]
-           for m, led in ledgers.items()}
+    print(
+        f"\nGRPO / ES peak RSS: largest actor {grpo_mem['learner_0']['peak_rss_bytes'] / es_max:.2f}x "
+        f"(learner vs ES actor), all actors {grpo_sum / es_sum:.2f}x"
+    )
+    gpu = {
+        m: [x["peak_gpu_bytes"] for x in led["actors"].values() if x.get("peak_gpu_bytes")]
+        for m, led in ledgers.items()
+    }
     if gpu["es"] and gpu["grpo"]:
         print(f"GRPO / ES peak GPU memory (largest actor): {max(gpu['grpo']) / max(gpu['es']):.2f}x")
     print("\nThe two ledgers side by side (es_ray.runtime.ledger, the same code for both):\n")

@@ -84,9 +84,13 @@ def measure(kind: str, shapes: dict[str, tuple[int, ...]], repeats: int, seed: i
 
     noise = [one_pass(r, False) for r in range(repeats)]
     perturb = [one_pass(r, True) for r in range(repeats)]
-    row = {"kind": kind + ("_compiled" if os.environ[noise_module.COMPILE_ENV] == "1" else ""),
-           "median_s": statistics.median(noise), "min_s": min(noise), "with_add_s": statistics.median(perturb),
-           "setup_s": setup}
+    row = {
+        "kind": kind + ("_compiled" if os.environ[noise_module.COMPILE_ENV] == "1" else ""),
+        "median_s": statistics.median(noise),
+        "min_s": min(noise),
+        "with_add_s": statistics.median(perturb),
+        "setup_s": setup,
+    }
     if os.environ[noise_module.COMPILE_ENV] == "1" and failed:
         row["kind"] += f" (eager: compile failed, {failed})"
     return row
@@ -109,20 +113,36 @@ def main() -> None:
     rows = [measure(kind, shapes, args.repeats, args.seed) for kind in KINDS]
     base = rows[0]["median_s"]
     cpu = cpu_model()
-    print(f"{len(shapes)} tensors, {numel / 1e6:.1f}M values, {torch.get_num_threads()} thread(s), "
-          f"{args.repeats} repeats, CPU {cpu} ({torch.backends.cpu.get_cpu_capability()})")
+    print(
+        f"{len(shapes)} tensors, {numel / 1e6:.1f}M values, {torch.get_num_threads()} thread(s), "
+        f"{args.repeats} repeats, CPU {cpu} ({torch.backends.cpu.get_cpu_capability()})"
+    )
     print(f"{'noise':<18}{'median s':>10}{'min s':>9}{'x per_tensor':>14}{'+ add s':>9}{'setup s':>9}")
     for r in rows:
         r["ratio"] = r["median_s"] / base
-        print(f"{r['kind']:<18}{r['median_s']:>10.3f}{r['min_s']:>9.3f}{r['ratio']:>14.2f}{r['with_add_s']:>9.3f}"
-              f"{r['setup_s']:>9.2f}")
+        print(
+            f"{r['kind']:<18}{r['median_s']:>10.3f}{r['min_s']:>9.3f}{r['ratio']:>14.2f}{r['with_add_s']:>9.3f}"
+            f"{r['setup_s']:>9.2f}"
+        )
     eager, compiled = rows[KINDS.index("counter")], rows[KINDS.index("counter_compiled")]
     speedup = eager["median_s"] / compiled["median_s"]
-    print(f"counter eager {eager['median_s']:.3f} s vs compiled {compiled['median_s']:.3f} s a pass (medians): "
-          f"{speedup:.2f}x; the compile {compiled['setup_s'] - eager['setup_s']:.1f} s once per process")
-    print(json.dumps({"tensors": len(shapes), "values": numel, "threads": torch.get_num_threads(), "cpu": cpu,
-                      "repeats": args.repeats, "counter_compiled_speedup": round(speedup, 3),
-                      **{r["kind"]: {k: round(v, 4) for k, v in r.items() if k != "kind"} for r in rows}}))
+    print(
+        f"counter eager {eager['median_s']:.3f} s vs compiled {compiled['median_s']:.3f} s a pass (medians): "
+        f"{speedup:.2f}x; the compile {compiled['setup_s'] - eager['setup_s']:.1f} s once per process"
+    )
+    print(
+        json.dumps(
+            {
+                "tensors": len(shapes),
+                "values": numel,
+                "threads": torch.get_num_threads(),
+                "cpu": cpu,
+                "repeats": args.repeats,
+                "counter_compiled_speedup": round(speedup, 3),
+                **{r["kind"]: {k: round(v, 4) for k, v in r.items() if k != "kind"} for r in rows},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from es_ray.metrics.calibration import (SD_METHOD_PROBLEM, THETA, expected_passk, passk_table, shift_for,
-                                        simulate)
+from es_ray.metrics.calibration import SD_METHOD_PROBLEM, THETA, expected_passk, passk_table, shift_for, simulate
 from es_ray.metrics.paired import power, t_test, t_two_sided_p
 
 KS = (1, 16, 32)
@@ -50,19 +49,25 @@ def _null_shift(k: int, sd_a: float, sd_b: float, nodes: int = 120) -> float:
     return (lo + hi) / 2
 
 
-def simulate_hetero(rng, replicates: int, problems: int, seeds: int, *, n: int = 32, ks=KS, sv=HETERO["sv"],
-                    sb=HETERO["sb"]) -> tuple[np.ndarray, list]:
+def simulate_hetero(
+    rng, replicates: int, problems: int, seeds: int, *, n: int = 32, ks=KS, sv=HETERO["sv"], sb=HETERO["sb"]
+) -> tuple[np.ndarray, list]:
     """(a [R, S, P, len(ks)], [b_k [R, S, P] per k]): the calibration model with each method's own seed shift sd
     and seed x problem sd, under no effect on the pass@k scale (B's logits shifted per k)."""
     table = passk_table(n, ks)
     theta = rng.normal(*THETA, size=(replicates, 1, problems))
-    sds = [np.sqrt(THETA[1] ** 2 + SD_METHOD_PROBLEM ** 2 + sv[m] ** 2 + sb[m] ** 2) for m in (0, 1)]
-    logits = [theta + rng.normal(0, SD_METHOD_PROBLEM, size=(replicates, 1, problems))
-              + rng.normal(0, sv[m], size=(replicates, seeds, 1))
-              + rng.normal(0, sb[m], size=(replicates, seeds, problems)) for m in (0, 1)]
+    sds = [np.sqrt(THETA[1] ** 2 + SD_METHOD_PROBLEM**2 + sv[m] ** 2 + sb[m] ** 2) for m in (0, 1)]
+    logits = [
+        theta
+        + rng.normal(0, SD_METHOD_PROBLEM, size=(replicates, 1, problems))
+        + rng.normal(0, sv[m], size=(replicates, seeds, 1))
+        + rng.normal(0, sb[m], size=(replicates, seeds, problems))
+        for m in (0, 1)
+    ]
     a = table[rng.binomial(n, 1 / (1 + np.exp(-logits[0])))]
-    b = [table[rng.binomial(n, 1 / (1 + np.exp(-(logits[1] + _null_shift(k, *sds)))))][..., j]
-         for j, k in enumerate(ks)]
+    b = [
+        table[rng.binomial(n, 1 / (1 + np.exp(-(logits[1] + _null_shift(k, *sds)))))][..., j] for j, k in enumerate(ks)
+    ]
     return a, b
 
 
@@ -74,11 +79,11 @@ def previous_test(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     terms = [(q, p - 1)]
     for x in (a, b):
         res = x - x.mean(-1, keepdims=True) - x.mean(-2, keepdims=True) + x.mean((-2, -1), keepdims=True)
-        r = (res ** 2).sum((-2, -1)) / ((s - 1) * (p - 1))
+        r = (res**2).sum((-2, -1)) / ((s - 1) * (p - 1))
         terms += [(x.mean(-1).var(-1, ddof=1) / s, s - 1), (-r / (s * p), (s - 1) * (p - 1))]
     v_raw = sum(c for c, _ in terms)
     with np.errstate(divide="ignore", invalid="ignore"):
-        df = np.where(v_raw < q, p - 1, v_raw ** 2 / sum(c ** 2 / d for c, d in terms))
+        df = np.where(v_raw < q, p - 1, v_raw**2 / sum(c**2 / d for c, d in terms))
         t = (b.mean((-2, -1)) - a.mean((-2, -1))) / np.sqrt(np.maximum(v_raw, q))
     return np.clip(t_two_sided_p(np.nan_to_num(t), np.maximum(df, max(1, s - 1))), 2.0 ** (1 - p), 1.0)
 
@@ -93,8 +98,9 @@ def bootstrap_before(d: np.ndarray, rng: np.random.Generator, draws: int) -> np.
         c_s = rng.multinomial(s, np.full(s, 1.0 / s), size=draws).astype(np.float64) if s > 1 else np.ones((draws, 1))
         idx = rng.integers(0, p, size=(draws, p))
         boot = np.take_along_axis(c_s @ d[r], idx, axis=1).mean(axis=1) / s
-        out[r] = min(1.0, max(2.0 ** (1 - p), 1.0 / draws,
-                              2.0 * min(float(np.mean(boot <= 0)), float(np.mean(boot >= 0)))))
+        out[r] = min(
+            1.0, max(2.0 ** (1 - p), 1.0 / draws, 2.0 * min(float(np.mean(boot <= 0)), float(np.mean(boot >= 0))))
+        )
     return out
 
 
@@ -102,8 +108,9 @@ def _levels(p_values) -> dict:
     return {f"{alpha:g}": float(np.mean(p_values < alpha)) for alpha in ALPHAS}
 
 
-def level_grid(replicates: int, bootstrap_replicates: int, draws: int, seed: int, hetero: bool,
-               chunk: int = 4_000_000) -> list[dict]:
+def level_grid(
+    replicates: int, bootstrap_replicates: int, draws: int, seed: int, hetero: bool, chunk: int = 4_000_000
+) -> list[dict]:
     """Per cell and k, the no-effect rejection rate at each of ALPHAS: now, previous, bootstrap (optional)."""
     rows = []
     cells = [(p, s, sv, False) for p, s, sv in itertools.product(GRID["P"], GRID["S"], GRID["sv"])]
@@ -124,12 +131,26 @@ def level_grid(replicates: int, bootstrap_replicates: int, draws: int, seed: int
                 now[j].append(t_test([(a[..., j], bs[j])])[3])
                 prev[j].append(previous_test(a[..., j], bs[j]))
             if bootstrap_replicates and start == 0 and not het:
-                boot = [float(np.mean(bootstrap_before(bs[j][:bootstrap_replicates] - a[:bootstrap_replicates, ..., j],
-                                                       rng, draws) < 0.05)) for j in range(len(KS))]
-        row = {"P": p, "S": s, "sv": "hetero" if het else sv, "replicates": replicates,
-               "now": {str(k): _levels(np.concatenate(now[j])) for j, k in enumerate(KS)},
-               "previous": {str(k): _levels(np.concatenate(prev[j])) for j, k in enumerate(KS)},
-               "bootstrap": dict(zip(map(str, KS), boot)) if boot else None}
+                boot = [
+                    float(
+                        np.mean(
+                            bootstrap_before(
+                                bs[j][:bootstrap_replicates] - a[:bootstrap_replicates, ..., j], rng, draws
+                            )
+                            < 0.05
+                        )
+                    )
+                    for j in range(len(KS))
+                ]
+        row = {
+            "P": p,
+            "S": s,
+            "sv": "hetero" if het else sv,
+            "replicates": replicates,
+            "now": {str(k): _levels(np.concatenate(now[j])) for j, k in enumerate(KS)},
+            "previous": {str(k): _levels(np.concatenate(prev[j])) for j, k in enumerate(KS)},
+            "bootstrap": dict(zip(map(str, KS), boot)) if boot else None,
+        }
         rows.append(row)
         print(json.dumps(row), f"({time.perf_counter() - t0:.1f} s)", flush=True)
     return rows
@@ -176,10 +197,15 @@ def power_check(pilots: int, seed: int, cases, gaps=(0.06,)) -> list[dict]:
             v = [y for y in x if y is not None]
             return {"power": float(np.mean(v)) if v else None, "answered": len(v) / len(x)}
 
-        row = {"P": p, "S": s, "sv": sv, "k": k, "detectable": {"power": float(np.mean(det)) if det else None,
-                                                               "answered": len(det) / pilots},
-               "problems_needed": {f"{g:g}": rate(prob[g]) for g in gaps},
-               "seeds_needed": {f"{g:g}": rate(seeds[g]) for g in gaps}}
+        row = {
+            "P": p,
+            "S": s,
+            "sv": sv,
+            "k": k,
+            "detectable": {"power": float(np.mean(det)) if det else None, "answered": len(det) / pilots},
+            "problems_needed": {f"{g:g}": rate(prob[g]) for g in gaps},
+            "seeds_needed": {f"{g:g}": rate(seeds[g]) for g in gaps},
+        }
         out.append(row)
         print(f"power {row} ({time.perf_counter() - t0:.0f} s)", flush=True)
     return out
@@ -191,22 +217,36 @@ def _base(sv: float, k: int) -> float:
 
 def markdown(rows: list[dict], power_rows: list[dict]) -> str:
     a, b = (f"{x:g}" for x in ALPHAS)
-    lines = ["| P | S | sv | previous, 5%: pass@1 / 16 / 32 | now, 5% | previous, 5%/40 (nominal 0.125%) | "
-             "now, 5%/40 |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| P | S | sv | previous, 5%: pass@1 / 16 / 32 | now, 5% | previous, 5%/40 (nominal 0.125%) | now, 5%/40 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
+
         def cells(which, alpha, digits):
             return " / ".join(f"{100 * r[which][str(k)][alpha]:.{digits}f}" for k in KS)
+
         sv = r["sv"] if isinstance(r["sv"], str) else f"{r['sv']:g}"
-        lines.append(f"| {r['P']} | {r['S']} | {sv} | {cells('previous', a, 1)} | {cells('now', a, 1)} | "
-                     f"{cells('previous', b, 2)} | {cells('now', b, 2)} |")
+        lines.append(
+            f"| {r['P']} | {r['S']} | {sv} | {cells('previous', a, 1)} | {cells('now', a, 1)} | "
+            f"{cells('previous', b, 2)} | {cells('now', b, 2)} |"
+        )
     if power_rows:
-        lines += ["", "| P | S | sv | k | power at printed detectable (answered) | at problems_needed, 6 points | "
-                  "at seeds_needed, 6 points |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| P | S | sv | k | power at printed detectable (answered) | at problems_needed, 6 points | "
+            "at seeds_needed, 6 points |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in power_rows:
+
             def cell(x):
                 return "-" if x["power"] is None else f"{100 * x['power']:.0f}% ({100 * x['answered']:.0f}%)"
-            lines.append(f"| {r['P']} | {r['S']} | {r['sv']:g} | {r['k']} | {cell(r['detectable'])} | "
-                         f"{cell(r['problems_needed']['0.06'])} | {cell(r['seeds_needed']['0.06'])} |")
+
+            lines.append(
+                f"| {r['P']} | {r['S']} | {r['sv']:g} | {r['k']} | {cell(r['detectable'])} | "
+                f"{cell(r['problems_needed']['0.06'])} | {cell(r['seeds_needed']['0.06'])} |"
+            )
     return "\n".join(lines)
 
 
@@ -217,15 +257,22 @@ def main() -> None:
     ap.add_argument("--bootstrap-replicates", type=int, default=0, help="replicates per cell for the old bootstrap")
     ap.add_argument("--draws", type=int, default=1000, help="bootstrap draws of the old test")
     ap.add_argument("--pilots", type=int, default=200, help="pilots per power case")
-    ap.add_argument("--cases", default="100,3,0.15,16;100,5,0.3,16;198,3,0.15,32;500,3,0,1;100,2,0.15,16;100,5,0,1;"
-                    "500,5,0.15,1;100,10,0.15,16", help="power cases P,S,sv,k separated by ';'")
+    ap.add_argument(
+        "--cases",
+        default="100,3,0.15,16;100,5,0.3,16;198,3,0.15,32;500,3,0,1;100,2,0.15,16;100,5,0,1;"
+        "500,5,0.15,1;100,10,0.15,16",
+        help="power cases P,S,sv,k separated by ';'",
+    )
     ap.add_argument("--no-power", action="store_true")
     ap.add_argument("--no-levels", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args()
-    rows = [] if args.no_levels else level_grid(args.replicates, args.bootstrap_replicates, args.draws, args.seed,
-                                                args.hetero)
+    rows = (
+        []
+        if args.no_levels
+        else level_grid(args.replicates, args.bootstrap_replicates, args.draws, args.seed, args.hetero)
+    )
     cases = [(int(p), int(s), float(sv), int(k)) for p, s, sv, k in (c.split(",") for c in args.cases.split(";"))]
     power_rows = [] if args.no_power else power_check(args.pilots, args.seed + 1, cases)
     print(markdown(rows, power_rows))

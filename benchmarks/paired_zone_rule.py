@@ -68,10 +68,20 @@ def main() -> None:
             bs = [b[..., j] for j in range(len(KS))]
         for j, k in enumerate(KS):
             zone, now = zone_p(a[..., j], bs[j])
-            print(json.dumps({"P": p, "S": s, "sv": "hetero" if het else sv, "k": k,
-                              "alpha_%": [round(100 * al, 2) for al in ALPHAS],
-                              "zone_%": [round(100 * float(np.mean(zone < al)), 2) for al in ALPHAS],
-                              "now_%": [round(100 * float(np.mean(now < al)), 2) for al in ALPHAS]}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "P": p,
+                        "S": s,
+                        "sv": "hetero" if het else sv,
+                        "k": k,
+                        "alpha_%": [round(100 * al, 2) for al in ALPHAS],
+                        "zone_%": [round(100 * float(np.mean(zone < al)), 2) for al in ALPHAS],
+                        "now_%": [round(100 * float(np.mean(now < al)), 2) for al in ALPHAS],
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -106,10 +106,16 @@ PERTURBATIONS = ("full", "lowrank")
 # the chance that the defect check flags a reference doing the same work (share_verdict's sign test)
 DEFECT_FALSE_ALARM = 0.125
 PHASES = ("iteration", "generate", "perturb", "restore", "reward", "update")
-TARGETS = {("hf", "lowrank"): ("cpu_share_of_base_loop", ">=", 0.95,
-                                "of its reference (the same loop, the low-rank term switched off), CPU seconds"),
-           ("hf", "full"): ("fixed_share", "<", 0.03, "of the iteration in perturb + restore + update (checksum)"),
-           ("vllm", "full"): ("outside_generation", "<", 0.10, "of the iteration outside generation")}
+TARGETS = {
+    ("hf", "lowrank"): (
+        "cpu_share_of_base_loop",
+        ">=",
+        0.95,
+        "of its reference (the same loop, the low-rank term switched off), CPU seconds",
+    ),
+    ("hf", "full"): ("fixed_share", "<", 0.03, "of the iteration in perturb + restore + update (checksum)"),
+    ("vllm", "full"): ("outside_generation", "<", 0.10, "of the iteration outside generation"),
+}
 """(engine, perturbation) -> (figure, comparison, bound, words)."""
 
 
@@ -121,15 +127,22 @@ def batch_size(args) -> int:
 def build_config(args, engine_name: str, perturbation: str):
     from es_ray.es.config import ESConfig, ESTrainConfig, validate
 
-    engine = EngineConfig(name=engine_name, threads=args.threads, batch_size=batch_size(args),
-                          enforce_eager=not args.vllm_compiled)
-    return validate(ESTrainConfig(
-        model=ModelConfig(path=args.model), task=TaskConfig(name="arithmetic", train_size=args.prompts),
-        es=ESConfig(population=args.members, prompts_per_iteration=args.prompts, perturbation=perturbation,
-                    rank=args.rank),
-        sampling=SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=0.0),
-        engine=engine, cluster=ClusterConfig(num_actors=1, cpus_per_actor=args.threads),
-        run=RunConfig(dir="/tmp", seed=0, trackers=[], progress=False)))
+    engine = EngineConfig(
+        name=engine_name, threads=args.threads, batch_size=batch_size(args), enforce_eager=not args.vllm_compiled
+    )
+    return validate(
+        ESTrainConfig(
+            model=ModelConfig(path=args.model),
+            task=TaskConfig(name="arithmetic", train_size=args.prompts),
+            es=ESConfig(
+                population=args.members, prompts_per_iteration=args.prompts, perturbation=perturbation, rank=args.rank
+            ),
+            sampling=SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=0.0),
+            engine=engine,
+            cluster=ClusterConfig(num_actors=1, cpus_per_actor=args.threads),
+            run=RunConfig(dir="/tmp", seed=0, trackers=[], progress=False),
+        )
+    )
 
 
 def all_tokens(engine, max_new_tokens: int) -> None:
@@ -203,13 +216,22 @@ def measure(args, engine_name: str, perturbation: str) -> dict:
         res = worker.evaluate(EvalRequest(t, cfg.es.sigma, tuple(members), prompt_ids, sample_seed=t))
         evaluate_cpu = time.thread_time() - c0
         fitness_n = shape_fitness([m.reward for m in res.members], cfg.es.shaping)
-        upd = worker.update(UpdateRequest(t, cfg.es.sigma, tuple(members), tuple(map(float, fitness_n)),
-                                          bool(every) and (t + 1) % every == 0))
+        upd = worker.update(
+            UpdateRequest(
+                t, cfg.es.sigma, tuple(members), tuple(map(float, fitness_n)), bool(every) and (t + 1) % every == 0
+            )
+        )
         wall = time.perf_counter() - t0
         c0 = time.perf_counter()
         worker.replica.checksum()  # on its own, outside the iteration: what one checksum costs
-        return {**res.timing_s, "update": upd.seconds, "iteration": wall, "evaluate_cpu": evaluate_cpu,
-                "tokens": sum(m.tokens for m in res.members), "checksum": time.perf_counter() - c0}
+        return {
+            **res.timing_s,
+            "update": upd.seconds,
+            "iteration": wall,
+            "evaluate_cpu": evaluate_cpu,
+            "tokens": sum(m.tokens for m in res.members),
+            "checksum": time.perf_counter() - c0,
+        }
 
     limit(), iteration(0)  # warm-up
     if factored:
@@ -218,20 +240,31 @@ def measure(args, engine_name: str, perturbation: str) -> dict:
     for r in range(args.repeats):
         # the reference draws iteration r + 1's members and seed; reversed, it runs after that iteration's update
         # (weights a step on): other tokens with --eos, the same work without it
-        arms = [lambda: limits.append(limit()), *([lambda: bases.append(base_loop(r + 1))] if factored else []),
-                lambda: iters.append(iteration(r + 1))]
+        arms = [
+            lambda: limits.append(limit()),
+            *([lambda: bases.append(base_loop(r + 1))] if factored else []),
+            lambda: iters.append(iteration(r + 1)),
+        ]
         for arm in interleaved(arms, r):
             arm()
     worker.engine.close()
 
     med = statistics.median
-    out = {"limit_s": med(s for s, _, _ in limits), "limit_tokens": med(n for _, n, _ in limits),
-           "limit_tok_s": med(n / s for s, n, _ in limits),
-           "all_tokens": args.members * args.prompts * args.max_new_tokens}  # a call's tokens when EOS never stops
+    out = {
+        "limit_s": med(s for s, _, _ in limits),
+        "limit_tokens": med(n for _, n, _ in limits),
+        "limit_tok_s": med(n / s for s, n, _ in limits),
+        "all_tokens": args.members * args.prompts * args.max_new_tokens,
+    }  # a call's tokens when EOS never stops
     if bases:
-        out.update({"base_loop_s": med(s for s, _, _ in bases), "base_loop_tok_s": med(n / s for s, n, _ in bases),
-                    "base_loop_cpu_tok_s": med(n / c for _, n, c in bases),
-                    "base_loop_tokens": [n for _, n, _ in bases]})
+        out.update(
+            {
+                "base_loop_s": med(s for s, _, _ in bases),
+                "base_loop_tok_s": med(n / s for s, n, _ in bases),
+                "base_loop_cpu_tok_s": med(n / c for _, n, c in bases),
+                "base_loop_tokens": [n for _, n, _ in bases],
+            }
+        )
         out.update(paired_shares(iters, bases))
     out.update({f"{k}_s": med(it.get(k, 0.0) for it in iters) for k in (*PHASES, "checksum")})
     out["fixed_share"] = med((it["perturb"] + it["restore"] + it["update"]) / it["iteration"] for it in iters)
@@ -254,18 +287,37 @@ def paired_shares(iters: list[dict], bases: list[tuple[float, int, float]]) -> d
     """Per repeat, the lowrank iteration's tokens/s over the reference's (wall seconds, CPU seconds, tokens) run next
     to it in the same repeat: a drift between repeats cancels in each ratio."""
     pairs = list(zip(iters, bases, strict=True))
-    return {"share_repeats": [(it["tokens"] / it["generate"]) / (n / s) for it, (s, n, _) in pairs],
-            "iteration_share_repeats": [(it["tokens"] / it["iteration"]) / (n / s) for it, (s, n, _) in pairs],
-            "cpu_share_repeats": [(it["tokens"] / it["evaluate_cpu"]) / (n / c) for it, (_, n, c) in pairs]}
+    return {
+        "share_repeats": [(it["tokens"] / it["generate"]) / (n / s) for it, (s, n, _) in pairs],
+        "iteration_share_repeats": [(it["tokens"] / it["iteration"]) / (n / s) for it, (s, n, _) in pairs],
+        "cpu_share_repeats": [(it["tokens"] / it["evaluate_cpu"]) / (n / c) for it, (_, n, c) in pairs],
+    }
 
 
 def run_phase(args, engine_name: str, perturbation: str) -> dict:
     """One (engine, perturbation) in a fresh subprocess: its figures, or {"error": the last line of its error}."""
-    cmd = [sys.executable, __file__, "--child", f"{engine_name}:{perturbation}", "--model", args.model,
-           "--members", str(args.members), "--prompts", str(args.prompts), "--max-new-tokens",
-           str(args.max_new_tokens), "--threads", str(args.threads), "--rank", str(args.rank), "--repeats",
-           str(args.repeats), *(["--vllm-compiled"] if args.vllm_compiled else []),
-           *(["--eos"] if args.eos else [])]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        f"{engine_name}:{perturbation}",
+        "--model",
+        args.model,
+        "--members",
+        str(args.members),
+        "--prompts",
+        str(args.prompts),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--threads",
+        str(args.threads),
+        "--rank",
+        str(args.rank),
+        "--repeats",
+        str(args.repeats),
+        *(["--vllm-compiled"] if args.vllm_compiled else []),
+        *(["--eos"] if args.eos else []),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not line:
@@ -273,7 +325,7 @@ def run_phase(args, engine_name: str, perturbation: str) -> dict:
         last = [x for x in proc.stderr.strip().splitlines() if x.strip()]
         return {"error": last[-1] if last else f"exit status {proc.returncode}"}
     print(f"done {engine_name} {perturbation}", file=sys.stderr, flush=True)
-    return json.loads(line[-1][len("RESULT "):])
+    return json.loads(line[-1][len("RESULT ") :])
 
 
 def share_verdict(repeats: list[float]) -> dict:
@@ -287,10 +339,15 @@ def share_verdict(repeats: list[float]) -> dict:
     median = statistics.median(repeats)
     low, high = min(repeats), max(repeats)
     n, above = len(repeats), sum(r > 1.0 for r in repeats)
-    by_chance = sum(math.comb(n, k) for k in range(above, n + 1)) / 2 ** n
+    by_chance = sum(math.comb(n, k) for k in range(above, n + 1)) / 2**n
     defect = by_chance <= DEFECT_FALSE_ALARM
-    return {"share": median, "low": low, "high": high, "defect": defect,
-            "above_within_noise": median > 1.0 and not defect}
+    return {
+        "share": median,
+        "low": low,
+        "high": high,
+        "defect": defect,
+        "above_within_noise": median > 1.0 and not defect,
+    }
 
 
 def judge_reference(key: str, res: dict, engine_name: str) -> dict:
@@ -373,49 +430,78 @@ def report(figures: dict, engines: list[str]) -> None:
             vals += [f"{figures[f'{key}_{k}_s']:.3f}" for k in PHASES] + [f"{figures[f'{key}_outside_generation']:.1%}"]
             print(f"{e:<7}{mode:<9}" + "".join(f"{v:>12}" for v in vals))
         if f"{e}_base_loop_tok_s" in figures:
-            print(f"{e}: lowrank's reference, the same generation loop with the low-rank term off: "
-                  f"{figures[f'{e}_base_loop_tok_s']:.1f} tok/s; lowrank, medians of the paired repeats [lowest, "
-                  f"highest]: generation {share_range(figures, f'{e}_lowrank_share_of_base_loop')} of it, its "
-                  f"iteration {share_range(figures, f'{e}_lowrank_iteration_share_of_base_loop')}"
-                  + (f"; in CPU seconds, evaluate {share_range(figures, f'{e}_lowrank_cpu_share_of_base_loop')}"
-                     if f"{e}_lowrank_cpu_share_of_base_loop" in figures else ""))
+            print(
+                f"{e}: lowrank's reference, the same generation loop with the low-rank term off: "
+                f"{figures[f'{e}_base_loop_tok_s']:.1f} tok/s; lowrank, medians of the paired repeats [lowest, "
+                f"highest]: generation {share_range(figures, f'{e}_lowrank_share_of_base_loop')} of it, its "
+                f"iteration {share_range(figures, f'{e}_lowrank_iteration_share_of_base_loop')}"
+                + (
+                    f"; in CPU seconds, evaluate {share_range(figures, f'{e}_lowrank_cpu_share_of_base_loop')}"
+                    if f"{e}_lowrank_cpu_share_of_base_loop" in figures
+                    else ""
+                )
+            )
             if figures.get(f"{e}_lowrank_share_of_limit") is not None:
-                print(f"{e}: lowrank {figures[f'{e}_lowrank_share_of_limit']:.1%} of the shared-prefill limit (a "
-                      "repeated prompt prefilled once, which members cannot share: not a bound)")
+                print(
+                    f"{e}: lowrank {figures[f'{e}_lowrank_share_of_limit']:.1%} of the shared-prefill limit (a "
+                    "repeated prompt prefilled once, which members cannot share: not a bound)"
+                )
             if not figures.get(f"{e}_lowrank_same_work"):
-                print(f"{e}: lowrank and its reference generated other tokens (--eos: rows stop where each model "
-                      "answers), so the share measures where rows stopped, not the term: not judged")
+                print(
+                    f"{e}: lowrank and its reference generated other tokens (--eos: rows stop where each model "
+                    "answers), so the share measures where rows stopped, not the term: not judged"
+                )
             elif figures.get(f"{e}_lowrank_defect"):
-                print(f"{e}: BENCHMARK DEFECT: lowrank beat its reference in more repeats than chance, and the "
-                      "reference does strictly less work; the share is not a measurement of the term's cost (fix the "
-                      "reference)")
+                print(
+                    f"{e}: BENCHMARK DEFECT: lowrank beat its reference in more repeats than chance, and the "
+                    "reference does strictly less work; the share is not a measurement of the term's cost (fix the "
+                    "reference)"
+                )
             elif figures.get(f"{e}_lowrank_above_within_noise"):
-                print(f"{e}: lowrank's median share is above 100% in too few repeats to rule out chance: within the "
-                      "repeats' spread, the term's cost is below this machine's noise (more --repeats, a quieter "
-                      "machine)")
+                print(
+                    f"{e}: lowrank's median share is above 100% in too few repeats to rule out chance: within the "
+                    "repeats' spread, the term's cost is below this machine's noise (more --repeats, a quieter "
+                    "machine)"
+                )
         if f"{e}_full_fixed_s" in figures:
-            print(f"{e}: full rank's fixed costs (perturb + restore + update with its checksum): "
-                  f"{figures[f'{e}_full_fixed_s']:.3f} s = {figures[f'{e}_full_fixed_share']:.1%} of the iteration; "
-                  f"one checksum alone {figures[f'{e}_full_checksum_s']:.3f} s")
+            print(
+                f"{e}: full rank's fixed costs (perturb + restore + update with its checksum): "
+                f"{figures[f'{e}_full_fixed_s']:.3f} s = {figures[f'{e}_full_fixed_share']:.1%} of the iteration; "
+                f"one checksum alone {figures[f'{e}_full_checksum_s']:.3f} s"
+            )
         if f"{e}_limit_lowrank_engine_tok_s" in figures:
-            print(f"{e}: the limit call on the low-rank phase's engine: "
-                  f"{figures[f'{e}_limit_lowrank_engine_tok_s']:.1f} tok/s")
+            print(
+                f"{e}: the limit call on the low-rank phase's engine: "
+                f"{figures[f'{e}_limit_lowrank_engine_tok_s']:.1f} tok/s"
+            )
     print("targets:")
     for e in engines:
         for mode in PERTURBATIONS:
             key, target = f"{e}_{mode}", TARGETS.get((e, mode))
             if target is None:
                 if f"{key}_tok_s" in figures:
-                    print(f"  {e} {mode}: reported as measured ({figures.get(f'{key}_share_of_limit', 0):.1%} of the "
-                          f"limit, {figures[f'{key}_outside_generation']:.1%} outside generation); its target holds "
-                          "on a GPU only")
+                    print(
+                        f"  {e} {mode}: reported as measured ({figures.get(f'{key}_share_of_limit', 0):.1%} of the "
+                        f"limit, {figures[f'{key}_outside_generation']:.1%} outside generation); its target holds "
+                        "on a GPU only"
+                    )
                 continue
             figure, op, bound, words = target
             value = figures.get(f"{key}_{figure}")
-            verdict = "n/a (not measured)" if value is None else f"{value:.1%} -> n/a (not the same work)" if \
-                not figures.get(f"{key}_same_work", True) else f"{value:.1%} -> " + (
-                "DEFECT (above 100% in more repeats than chance)" if figures.get(f"{key}_defect") else
-                "PASS" if figures[f"{key}_target_met"] else "FAIL")
+            verdict = (
+                "n/a (not measured)"
+                if value is None
+                else f"{value:.1%} -> n/a (not the same work)"
+                if not figures.get(f"{key}_same_work", True)
+                else f"{value:.1%} -> "
+                + (
+                    "DEFECT (above 100% in more repeats than chance)"
+                    if figures.get(f"{key}_defect")
+                    else "PASS"
+                    if figures[f"{key}_target_met"]
+                    else "FAIL"
+                )
+            )
             print(f"  {e} {mode}: {op} {bound:.0%} {words}: {verdict}")
 
 
@@ -441,11 +527,15 @@ def machine() -> dict:
                     flags = set(value.split())
     except OSError:
         pass
-    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-              "amx_int8")
-    return {"cpu_model": model or "unknown", "cpu_flags": [f for f in wanted if f in flags],
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "load_average_1m": os.getloadavg()[0]}
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+    return {
+        "cpu_model": model or "unknown",
+        "cpu_flags": [f for f in wanted if f in flags],
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "load_average_1m": os.getloadavg()[0],
+    }
 
 
 def load_after() -> dict:
@@ -546,13 +636,20 @@ def profile(args) -> dict:
         t0 = clock()
         if mode == "lowrank":
             members = ask(cfg.es.population, cfg.es.estimator)
-            done = [c for m in worker.replica.generate_members(t, list(members), cfg.es.sigma, prompts,
-                                                               cfg.sampling, 0) for c in m]
+            done = [
+                c
+                for m in worker.replica.generate_members(t, list(members), cfg.es.sigma, prompts, cfg.sampling, 0)
+                for c in m
+            ]
         else:
             done = eng.generate(rows, cfg.sampling, seed=0, share_prompts=mode == "limit")
         cpu = clock() - t0
-        return {"generate": cpu, "tokens": sum(c.num_tokens for c in done),
-                "steps": max(c.num_tokens for c in done), **dict(acc)}
+        return {
+            "generate": cpu,
+            "tokens": sum(c.num_tokens for c in done),
+            "steps": max(c.num_tokens for c in done),
+            **dict(acc),
+        }
 
     modes = ("limit", "limit_rows", "lowrank")
     [run(m, 0) for m in modes]  # warm-up
@@ -570,8 +667,11 @@ def profile(args) -> dict:
             parts = sum(v for k, v in fig.items() if k.startswith(f"{ph}/linear/") or k.startswith(f"{ph}/term/"))
             glue = fig.get(f"{ph}/layer_forward", 0.0)
             if glue:  # the forward replacement's own time: its wall minus the linear and the term inside it
-                glue -= sum(v for k, v in fig.items() if k.startswith(f"{ph}/term/") or
-                            (k.startswith(f"{ph}/linear/") and k.split("/")[-1] in KINDS))
+                glue -= sum(
+                    v
+                    for k, v in fig.items()
+                    if k.startswith(f"{ph}/term/") or (k.startswith(f"{ph}/linear/") and k.split("/")[-1] in KINDS)
+                )
                 fig[f"{ph}/layer_forward"] = glue
             fig[f"{ph}/model"] = fig.get(f"{ph}/model", 0.0) + fig.get(f"{ph}/linear/lm_head", 0.0)
             fig[f"{ph}/rest"] = fig[f"{ph}/model"] - parts - max(glue, 0.0)
@@ -621,10 +721,17 @@ def profile_vllm(args) -> dict:
         if mode == "limit_rows":
             done = each_row(prompts * cfg.es.population, cfg.sampling, 0)
         else:
-            done = [c for m in worker.replica.generate_members(t, members, cfg.es.sigma, prompts, cfg.sampling, 0)
-                    for c in m]
-        return {"cpu": clock() - c0, "wall": time.perf_counter() - t0, "kernel_cpu": kernel_s[0],
-                "tokens": sum(c.num_tokens for c in done)}
+            done = [
+                c
+                for m in worker.replica.generate_members(t, members, cfg.es.sigma, prompts, cfg.sampling, 0)
+                for c in m
+            ]
+        return {
+            "cpu": clock() - c0,
+            "wall": time.perf_counter() - t0,
+            "kernel_cpu": kernel_s[0],
+            "tokens": sum(c.num_tokens for c in done),
+        }
 
     modes = ("limit_rows", "lowrank", "lowrank_no_kernel")
     [run(m, 0) for m in modes]  # warm-up
@@ -645,33 +752,48 @@ def profile_vllm(args) -> dict:
 
 
 def report_vllm_profile(prof: dict) -> None:
-    print("profile (vllm, seconds per generate call, medians): " + ", ".join(
-        f"{m}: {prof[m]['cpu']:.2f} CPU s, {prof[m]['wall']:.2f} wall s, {prof[m]['tokens']:.0f} tokens"
-        for m in ("limit_rows", "lowrank", "lowrank_no_kernel")))
-    print(f"lowrank: {prof['lowrank_cpu_share_of_rows_limit']:.1%} of limit_rows in CPU seconds "
-          f"({prof['lowrank_wall_share_of_rows_limit']:.1%} wall); its {prof['gap_cpu_s']:.2f} s more: the LoRA "
-          f"kernel {prof['kernel_cpu_s']:.2f} s, vLLM's own LoRA path {prof['vllm_lora_path_cpu_s']:.2f} s")
+    print(
+        "profile (vllm, seconds per generate call, medians): "
+        + ", ".join(
+            f"{m}: {prof[m]['cpu']:.2f} CPU s, {prof[m]['wall']:.2f} wall s, {prof[m]['tokens']:.0f} tokens"
+            for m in ("limit_rows", "lowrank", "lowrank_no_kernel")
+        )
+    )
+    print(
+        f"lowrank: {prof['lowrank_cpu_share_of_rows_limit']:.1%} of limit_rows in CPU seconds "
+        f"({prof['lowrank_wall_share_of_rows_limit']:.1%} wall); its {prof['gap_cpu_s']:.2f} s more: the LoRA "
+        f"kernel {prof['kernel_cpu_s']:.2f} s, vLLM's own LoRA path {prof['vllm_lora_path_cpu_s']:.2f} s"
+    )
 
 
 def report_profile(prof: dict) -> None:
     modes = [m for m in prof if isinstance(prof[m], dict)]
-    print("profile (hf, CPU seconds per generate call, medians): " + ", ".join(
-        f"{m}: {prof[m]['generate']:.2f} s, {prof[m]['tokens']:.0f} tokens, {prof[m]['steps']:.0f} steps"
-        for m in modes))
+    print(
+        "profile (hf, CPU seconds per generate call, medians): "
+        + ", ".join(
+            f"{m}: {prof[m]['generate']:.2f} s, {prof[m]['tokens']:.0f} tokens, {prof[m]['steps']:.0f} steps"
+            for m in modes
+        )
+    )
     rows = []
     for ph in ("prefill", "decode"):
         rows += [(f"{ph} linear {k}", f"{ph}/linear/{k}") for k in (*KINDS, "lm_head")]
         rows += [(f"{ph} term {k}", f"{ph}/term/{k}") for k in KINDS]
-        rows += [(f"{ph} forward replacement", f"{ph}/layer_forward"), (f"{ph} rest", f"{ph}/rest"),
-                 (f"{ph} total", f"{ph}/model")]
+        rows += [
+            (f"{ph} forward replacement", f"{ph}/layer_forward"),
+            (f"{ph} rest", f"{ph}/rest"),
+            (f"{ph} total", f"{ph}/model"),
+        ]
     rows += [("outside the forward", "outside_forward"), ("generate", "generate")]
     print(f"{'':<28}" + "".join(f"{m:>12}" for m in modes))
     for label, key in rows:
         vals = [prof[m].get(key, 0.0) for m in modes]
         if any(vals):
             print(f"{label:<28}" + "".join(f"{v:>12.3f}" for v in vals))
-    print(f"lowrank tok/s (CPU): {prof['lowrank_share_of_rows_limit']:.1%} of limit_rows (the same rows, each "
-          f"prefilled), {prof['lowrank_share_of_limit']:.1%} of limit (a repeated prompt prefilled once)")
+    print(
+        f"lowrank tok/s (CPU): {prof['lowrank_share_of_rows_limit']:.1%} of limit_rows (the same rows, each "
+        f"prefilled), {prof['lowrank_share_of_limit']:.1%} of limit (a repeated prompt prefilled once)"
+    )
 
 
 def main() -> None:
@@ -686,13 +808,18 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=8, help="es.rank of the low-rank phase")
     ap.add_argument("--repeats", type=int, default=3, help="measured repeats (after a warm-up); medians")
     ap.add_argument("--vllm-compiled", action="store_true", help="vLLM without engine.enforce_eager")
-    ap.add_argument("--profile", action="store_true",
-                    help="where the low-rank phase's generation time goes, beside the limit (see profile, "
-                         "profile_vllm)")
-    ap.add_argument("--eos", action="store_true",
-                    help="rows stop at EOS as a run's do (default: every row generates --max-new-tokens tokens, so "
-                         "every mode runs the same decode steps; see all_tokens); lowrank's share of its reference "
-                         "is then not judged")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="where the low-rank phase's generation time goes, beside the limit (see profile, profile_vllm)",
+    )
+    ap.add_argument(
+        "--eos",
+        action="store_true",
+        help="rows stop at EOS as a run's do (default: every row generates --max-new-tokens tokens, so "
+        "every mode runs the same decode steps; see all_tokens); lowrank's share of its reference "
+        "is then not judged",
+    )
     ap.add_argument("--no-eos", action="store_true", help="the default (kept for earlier commands)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -722,19 +849,39 @@ def main() -> None:
             if "error" in prof:
                 sys.exit(f"{e} profile failed: {prof['error']}")
             (report_profile if e == "hf" else report_vllm_profile)(prof)
-        print(json.dumps({"machine": {**host, "torch_threads": args.threads, **load_after()}, "members": args.members,
-                          "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "rank": args.rank,
-                          "no_eos": not args.eos, "repeats": args.repeats, **profiles}))
+        print(
+            json.dumps(
+                {
+                    "machine": {**host, "torch_threads": args.threads, **load_after()},
+                    "members": args.members,
+                    "prompts": args.prompts,
+                    "max_new_tokens": args.max_new_tokens,
+                    "rank": args.rank,
+                    "no_eos": not args.eos,
+                    "repeats": args.repeats,
+                    **profiles,
+                }
+            )
+        )
         return
 
     figures: dict = {}
     for e in engines:
         figures.update(collect(e, {mode: run_phase(args, e, mode) for mode in PERTURBATIONS}))
     report(figures, engines)
-    settings = {"model": args.model, "engines": engines, "members": args.members, "prompts": args.prompts,
-                "max_new_tokens": args.max_new_tokens, "threads": args.threads, "rank": args.rank,
-                "repeats": args.repeats, "batch_size": batch_size(args),
-                "vllm_enforce_eager": not args.vllm_compiled, "no_eos": not args.eos}
+    settings = {
+        "model": args.model,
+        "engines": engines,
+        "members": args.members,
+        "prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "threads": args.threads,
+        "rank": args.rank,
+        "repeats": args.repeats,
+        "batch_size": batch_size(args),
+        "vllm_enforce_eager": not args.vllm_compiled,
+        "no_eos": not args.eos,
+    }
     print(json.dumps({"machine": {**host, "torch_threads": args.threads, **load_after()}, **settings, **figures}))
     if any(k.endswith("_error") for k in figures):
         sys.exit(1)

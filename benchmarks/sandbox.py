@@ -32,9 +32,9 @@ from es_ray.grading.verdict import split_tests
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = {
     "literal": "def add(a, b):\n    return a + b\n\n"
-               "assert add(1, 2) == 3\nassert add(2, 2) == 4\nassert add(0, 0) == 0\n",
+    "assert add(1, 2) == 3\nassert add(2, 2) == 4\nassert add(0, 0) == 0\n",
     "check": "def pairs(xs):\n    return {(x, x * 2) for x in xs}\n\nassert pairs([1, 2]) == {(1, 2), (2, 4)}\n"
-             "assert set(pairs([3])) == set([(3, 6)])\nassert all(p in pairs([1]) for p in [(1, 2)])\n",
+    "assert set(pairs([3])) == set([(3, 6)])\nassert all(p in pairs([1]) for p in [(1, 2)])\n",
     "wrong": "def add(a, b):\n    return a - b\n\nassert add(1, 2) == 3\n",
 }
 
@@ -56,8 +56,14 @@ def _worker(shape: str, n: int) -> None:
 
 def _run(tree: Path, shape: str, n: int) -> list[float]:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    out = subprocess.run([sys.executable, __file__, "--worker", shape, "--n", str(n)], env=env, cwd=tree,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", shape, "--n", str(n)],
+        env=env,
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -72,8 +78,16 @@ def split_costs() -> None:
             split_tests(program, "", 30)
             xs.append(time.perf_counter() - t0)
         med = statistics.median(xs)
-        print(json.dumps({"split_kib": kib, "bytes": len(program), "median_ms": round(1e3 * med, 1),
-                          "ratio_per_doubling": round(med / last, 2) if last else None}))
+        print(
+            json.dumps(
+                {
+                    "split_kib": kib,
+                    "bytes": len(program),
+                    "median_ms": round(1e3 * med, 1),
+                    "ratio_per_doubling": round(med / last, 2) if last else None,
+                }
+            )
+        )
         last = med
 
 
@@ -94,8 +108,9 @@ def main() -> None:
     trees = {"this tree": ROOT}
     with tempfile.TemporaryDirectory(prefix="es-ray-bench-") as tmp:
         if args.ref:
-            archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.ref, "es_ray"], capture_output=True,
-                                     check=True).stdout
+            archive = subprocess.run(
+                ["git", "-C", str(ROOT), "archive", args.ref, "es_ray"], capture_output=True, check=True
+            ).stdout
             subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
             trees[args.ref] = Path(tmp)
         times: dict[tuple[str, str], list[float]] = {}
@@ -106,8 +121,18 @@ def main() -> None:
                     times.setdefault((name, shape), []).extend(_run(tree, shape, per_round))
     for (name, shape), xs in sorted(times.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         q = statistics.quantiles(xs, n=4) if len(xs) > 1 else xs * 3
-        print(json.dumps({"tree": name, "shape": shape, "programs": len(xs), "median_ms": round(1e3 * q[1], 1),
-                          "q1_ms": round(1e3 * q[0], 1), "q3_ms": round(1e3 * q[2], 1)}))
+        print(
+            json.dumps(
+                {
+                    "tree": name,
+                    "shape": shape,
+                    "programs": len(xs),
+                    "median_ms": round(1e3 * q[1], 1),
+                    "q1_ms": round(1e3 * q[0], 1),
+                    "q3_ms": round(1e3 * q[2], 1),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

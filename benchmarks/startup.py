@@ -60,8 +60,10 @@ SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"  # ray._private.ray_c
 COMMANDS = {
     "es-train": ("es_ray.es.train", ["es.iterations=1", "eval.every=0"]),
     "grpo-train": ("es_ray.grpo.train", ["grpo.steps=1", "eval.every=0"]),
-    "es-eval": ("es_ray.evaluation.es_eval", ["eval.tasks=[arithmetic]", "eval.limit=8", "eval.n=4", "eval.k=[1,4]",
-                                             "eval.max_new_tokens=32"]),
+    "es-eval": (
+        "es_ray.evaluation.es_eval",
+        ["eval.tasks=[arithmetic]", "eval.limit=8", "eval.n=4", "eval.k=[1,4]", "eval.max_new_tokens=32"],
+    ),
 }
 """command -> (its entry module, the overrides of its tiny budget); every command also gets run.dir and
 run.progress=false."""
@@ -74,8 +76,11 @@ TRACED = {
     "es_ray.engines.base": [("make_engine", "engine_build")],
     "transformers.modeling_utils": [("PreTrainedModel.from_pretrained", "model_load")],
     "es_ray.es.driver": [("ESRun.start_actors", "start_actors"), ("ESRun.step", "work"), ("ESRun.save", "checkpoint")],
-    "es_ray.grpo.driver": [("GRPORun.start_actors", "start_actors"), ("GRPORun.step", "work"),
-                           ("GRPORun.save", "checkpoint")],
+    "es_ray.grpo.driver": [
+        ("GRPORun.start_actors", "start_actors"),
+        ("GRPORun.step", "work"),
+        ("GRPORun.save", "checkpoint"),
+    ],
     "es_ray.evaluation.es_eval": [("_run_chunks", "start_actors")],
     "es_ray.evaluation.worker": [("EvalWorker.__init__", "actor_init"), ("EvalWorker.run_chunk", "work")],
     "es_ray.es.worker": [("ESWorker.__init__", "actor_init")],
@@ -197,6 +202,7 @@ def baseline(name: str) -> None:
     ray.init(address="local", include_dashboard=False, configure_logging=False, log_to_driver=True)
     _record("ray_start", "end")
     if name == "bare_ray_actor":
+
         @ray.remote(num_cpus=1)
         class One:
             def ping(self) -> int:
@@ -216,17 +222,19 @@ def run_once(name: str, workdir: Path, repeat: int) -> dict:
     # Every actor traces itself: Ray's worker_process_setup_hook, set where a job's runtime_env would set it (Ray's
     # WORKER_PROCESS_SETUP_HOOK_ENV_VAR) but in the environment the local raylet inherits, as connect() passes the
     # actors' variables: a runtime_env would keep the raylet from reusing its prestarted workers
-    env = {**os.environ, TRACE_ENV: str(trace), SETUP_HOOK_ENV: "startup.install", "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")]))}
+    env = {
+        **os.environ,
+        TRACE_ENV: str(trace),
+        SETUP_HOOK_ENV: "startup.install",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")])),
+    }
     if name in COMMANDS:
-        args = ["--child", name, f"run.dir={workdir / f'{name}-{repeat}'}", "run.progress=false",
-                *COMMANDS[name][1]]
+        args = ["--child", name, f"run.dir={workdir / f'{name}-{repeat}'}", "run.progress=false", *COMMANDS[name][1]]
     else:
         args = ["--baseline", name]
     trace.unlink(missing_ok=True)
     t0 = time.time()
-    proc = subprocess.run([sys.executable, str(HERE / "startup.py"), *args], env=env, capture_output=True,
-                          text=True)
+    proc = subprocess.run([sys.executable, str(HERE / "startup.py"), *args], env=env, capture_output=True, text=True)
     t_exit = time.time()
     if proc.returncode:
         raise SystemExit(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -251,17 +259,20 @@ def phases(events: list[dict], t0: float, t_exit: float) -> dict:
         return spans.get((pid, event), [[None, None]])[0]
 
     out = {"python_s": next(e["t"] for e in events if e["event"] == "process") - t0}
-    driver_begins = [e["t"] for e in events if e["pid"] == driver and e["edge"] == "begin"
-                     and e["event"] not in ("entry", "imports")]
+    driver_begins = [
+        e["t"] for e in events if e["pid"] == driver and e["edge"] == "begin" and e["event"] not in ("entry", "imports")
+    ]
     begins = [t for t in driver_begins] or [t_exit]
     harness = out["python_s"] + t0
     out["imports_s"] = (min(begins) - harness) if "imports" not in {k[1] for k in spans} else total(driver, "imports")
-    entry_end = max((e["t"] for e in events if e["pid"] == driver and e["event"] == "entry" and e["edge"] == "end"),
-                    default=None)
+    entry_end = max(
+        (e["t"] for e in events if e["pid"] == driver and e["event"] == "entry" and e["edge"] == "end"), default=None
+    )
     out["shutdown_s"] = t_exit - entry_end if entry_end is not None else 0.0
     out["ray_start_s"] = total(driver, "ray_start")
-    out["prepare_s"] = total(driver, "prepare") or (total(driver, "resolve_model") if
-                                                    (driver, "prepare") not in spans else 0.0)
+    out["prepare_s"] = total(driver, "prepare") or (
+        total(driver, "resolve_model") if (driver, "prepare") not in spans else 0.0
+    )
     out["checkpoint_s"] = total(driver, "checkpoint")
     actors = [pid for pid, ev in spans if ev == "actor_init" and pid != driver]
     in_process = (driver, "actor_init") in spans
@@ -302,8 +313,23 @@ def machine() -> dict:
     return {"cpu_model": model or "unknown", "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0]}
 
 
-ORDER = ("python", "imports", "prepare", "ray_start", "actor_spawn", "model_load", "engine_build", "actor_init",
-         "actors_ready", "checkpoint", "other", "shutdown", "fixed", "work", "total")
+ORDER = (
+    "python",
+    "imports",
+    "prepare",
+    "ray_start",
+    "actor_spawn",
+    "model_load",
+    "engine_build",
+    "actor_init",
+    "actors_ready",
+    "checkpoint",
+    "other",
+    "shutdown",
+    "fixed",
+    "work",
+    "total",
+)
 
 
 def report(figures: dict, names: list[str]) -> None:
@@ -312,9 +338,13 @@ def report(figures: dict, names: list[str]) -> None:
         vals = [figures.get(f"{n}/{phase}_s") for n in names]
         if any(v for v in vals if v is not None):
             print(f"{phase:<16}" + "".join(f"{v:>15.2f}" if v is not None else f"{'-':>15}" for v in vals))
-    print(f"{'fixed / bare_ray':<16}" + "".join(
-        f"{figures[f'{n}/fixed_over_bare_ray']:>15.2f}" if f"{n}/fixed_over_bare_ray" in figures else f"{'-':>15}"
-        for n in names))
+    print(
+        f"{'fixed / bare_ray':<16}"
+        + "".join(
+            f"{figures[f'{n}/fixed_over_bare_ray']:>15.2f}" if f"{n}/fixed_over_bare_ray" in figures else f"{'-':>15}"
+            for n in names
+        )
+    )
 
 
 def main() -> None:
@@ -322,8 +352,12 @@ def main() -> None:
     ap.add_argument("--commands", default=",".join(COMMANDS), help="comma-separated, of " + ", ".join(COMMANDS))
     ap.add_argument("--baselines", default=",".join(BASELINES), help="comma-separated, of " + ", ".join(BASELINES))
     ap.add_argument("--repeats", type=int, default=3, help="rounds; figures are medians over them")
-    ap.add_argument("--dir", default="", help="where the runs and traces go, kept (default: a temporary directory, "
-                    "removed at the end: each grpo-train run leaves a 1.6 GB checkpoint)")
+    ap.add_argument(
+        "--dir",
+        default="",
+        help="where the runs and traces go, kept (default: a temporary directory, "
+        "removed at the end: each grpo-train run leaves a 1.6 GB checkpoint)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--baseline", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
@@ -334,8 +368,11 @@ def main() -> None:
     names = [n for n in args.commands.split(",") if n] + [n for n in args.baselines.split(",") if n]
     unknown = [n for n in names if n not in COMMANDS and n not in BASELINES]
     if unknown or args.repeats < 1:
-        ap.error(f"unknown {unknown}: choose from {', '.join([*COMMANDS, *BASELINES])}" if unknown else
-                 "--repeats must be >= 1")
+        ap.error(
+            f"unknown {unknown}: choose from {', '.join([*COMMANDS, *BASELINES])}"
+            if unknown
+            else "--repeats must be >= 1"
+        )
     host = machine()
     workdir = Path(args.dir or tempfile.mkdtemp(prefix="startup-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -358,8 +395,16 @@ def main() -> None:
             if f"{n}/fixed_s" in figures:
                 figures[f"{n}/fixed_over_bare_ray"] = figures[f"{n}/fixed_s"] / bare
     report(figures, names)
-    print(json.dumps({"machine": {**host, "load_average_end": list(os.getloadavg())}, "repeats": args.repeats,
-                      "commands": {n: COMMANDS[n][1] for n in names if n in COMMANDS}, **figures}))
+    print(
+        json.dumps(
+            {
+                "machine": {**host, "load_average_end": list(os.getloadavg())},
+                "repeats": args.repeats,
+                "commands": {n: COMMANDS[n][1] for n in names if n in COMMANDS},
+                **figures,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

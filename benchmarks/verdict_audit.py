@@ -43,7 +43,7 @@ GH_W = GH_W / GH_W.sum()
 
 def mean_passk(k: int, seed_sd: float, a: float = 1.0, c: float = 0.0) -> float:
     """E[pass@k] in the population for logits a * x + c, x ~ N(B_MEAN, total sd) (Gauss-Hermite)."""
-    sd = math.sqrt(B_SD ** 2 + MB_SD ** 2 + seed_sd ** 2 + SP_SD ** 2)
+    sd = math.sqrt(B_SD**2 + MB_SD**2 + seed_sd**2 + SP_SD**2)
     p = special.expit(a * (B_MEAN + sd * GH_X) + c)
     return float(GH_W @ (1 - (1 - p) ** k))
 
@@ -64,8 +64,12 @@ def pass_at(c: np.ndarray, n: int, k: int) -> np.ndarray:
         return c / n
     out = np.ones(c.shape)
     ok = n - c >= k
-    out[ok] = 1 - np.exp(special.gammaln(n - c[ok] + 1) - special.gammaln(n - c[ok] - k + 1)
-                         + special.gammaln(n - k + 1) - special.gammaln(n + 1))
+    out[ok] = 1 - np.exp(
+        special.gammaln(n - c[ok] + 1)
+        - special.gammaln(n - c[ok] - k + 1)
+        + special.gammaln(n - k + 1)
+        - special.gammaln(n + 1)
+    )
     return out
 
 
@@ -75,13 +79,22 @@ def draw(rng, reps, problems, seeds, seed_sd, n, ks, shift=0.0, scale=1.0):
     b = rng.normal(B_MEAN, B_SD, (reps, 1, problems))
     out = []
     for m, (a, c) in enumerate(((1.0, 0.0), (scale, shift))):
-        x = (b + rng.normal(0, MB_SD, (reps, 1, problems)) + rng.normal(0, seed_sd, (reps, seeds, 1))
-             + rng.normal(0, SP_SD, (reps, seeds, problems)))
+        x = (
+            b
+            + rng.normal(0, MB_SD, (reps, 1, problems))
+            + rng.normal(0, seed_sd, (reps, seeds, 1))
+            + rng.normal(0, SP_SD, (reps, seeds, problems))
+        )
         cnt = rng.binomial(n, special.expit(a * x + c)).astype(float)
         d = {k: pass_at(cnt, n, k) for k in ks}
         # entropy: a problem effect shared by the methods, a seed shift, the samples' noise; equal means
-        d["entropy"] = (0.8 + 0.2 * np.tanh(b) + rng.normal(0, 0.05, (reps, 1, problems))
-                        + rng.normal(0, 0.3 * seed_sd, (reps, seeds, 1)) + rng.normal(0, 0.1, (reps, seeds, problems)))
+        d["entropy"] = (
+            0.8
+            + 0.2 * np.tanh(b)
+            + rng.normal(0, 0.05, (reps, 1, problems))
+            + rng.normal(0, 0.3 * seed_sd, (reps, seeds, 1))
+            + rng.normal(0, 0.1, (reps, seeds, problems))
+        )
         out.append(d)
     return out
 
@@ -93,8 +106,9 @@ def verdict_p(second: np.ndarray, first: np.ndarray, shift: float) -> np.ndarray
     if s < 5:
         second, first = second.mean(-2, keepdims=True), first.mean(-2, keepdims=True)
     diff, se, df, _ = t_test([(second, first)])
-    return np.array([one_sided(float(d), float(e), float(f), shift, problems, ALPHA)[0]
-                     for d, e, f in zip(diff, se, df)])
+    return np.array(
+        [one_sided(float(d), float(e), float(f), shift, problems, ALPHA)[0] for d, e, f in zip(diff, se, df)]
+    )
 
 
 def mc(p: float, n: int) -> float:
@@ -107,8 +121,9 @@ def check_equal(rng) -> None:
         es, grpo = draw(rng, 2, 40, s, 0.15, 16, (1,))
         ps = verdict_p(es[1], grpo[1], MARGIN)
         for r in range(2):
-            t = claim_test(parse_claim("pass@1:grpo>=es"), [(es[1][r], grpo[1][r])], margin=MARGIN, alpha=ALPHA,
-                           family=3, ks=[1])
+            t = claim_test(
+                parse_claim("pass@1:grpo>=es"), [(es[1][r], grpo[1][r])], margin=MARGIN, alpha=ALPHA, family=3, ks=[1]
+            )
             assert math.isclose(t["p"], ps[r], rel_tol=1e-9, abs_tol=1e-15), (s, t["p"], ps[r])
 
 
@@ -117,16 +132,21 @@ def level_table(rng, reps: int) -> list[str]:
     for sd in (0.0, 0.15, 0.3):
         for problems in (100, 500):
             for s in (1, 3, 5, 8):
-                for claim, k, n in (("pass@16:es>grpo", 16, 16), ("pass@16:es>grpo", 16, 32),
-                                    ("pass@1:grpo>=es", 1, 16)):
+                for claim, k, n in (
+                    ("pass@16:es>grpo", 16, 16),
+                    ("pass@16:es>grpo", 16, 32),
+                    ("pass@1:grpo>=es", 1, 16),
+                ):
                     shift = 0.0 if k == 16 else shift_to(-MARGIN, 1, sd)
                     es, grpo = draw(rng, reps, problems, s, sd, n, (k,), shift=shift)
                     first, second = (es, grpo) if claim.startswith("pass@16") else (grpo, es)
                     p = verdict_p(second[k], first[k], MARGIN if ">=" in claim else 0.0)
                     r = float(np.mean(p < ALPHA))
                     flag = "" if r <= ALPHA + 2 * mc(ALPHA, reps) else (" **over**" if s >= 5 else " (method null)")
-                    rows.append(f"| {claim} | {s} | {problems} | {sd} | {n} | {ALPHA} | {r:.3f} ± {mc(r, reps):.3f}"
-                                f"{flag} | {'method' if s >= 5 else 'checkpoint'} |")
+                    rows.append(
+                        f"| {claim} | {s} | {problems} | {sd} | {n} | {ALPHA} | {r:.3f} ± {mc(r, reps):.3f}"
+                        f"{flag} | {'method' if s >= 5 else 'checkpoint'} |"
+                    )
     return rows
 
 
@@ -146,8 +166,14 @@ def family_table(rng, reps: int) -> list[str]:
     for s, problems, sd in ((5, 100, 0.15), (8, 500, 0.3), (5, 500, 0.0), (3, 100, 0.0)):
         a, c = family_scale(16, sd)
         es, grpo = draw(rng, reps, problems, s, sd, 32, (1, 16), shift=c, scale=a)
-        ps = np.stack([verdict_p(grpo[16], es[16], 0.0), verdict_p(grpo["entropy"], es["entropy"], 0.0),
-                       verdict_p(es[1], grpo[1], MARGIN)], 1)
+        ps = np.stack(
+            [
+                verdict_p(grpo[16], es[16], 0.0),
+                verdict_p(grpo["entropy"], es["entropy"], 0.0),
+                verdict_p(es[1], grpo[1], MARGIN),
+            ],
+            1,
+        )
         hits = [any(t["holds"] for t in family_verdict([{"p": float(x)} for x in row], ALPHA)) for row in ps]
         r, raw = float(np.mean(hits)), float(np.mean((ps < ALPHA).any(1)))
         rows.append(f"| {s} | {problems} | {sd} | {ALPHA} | {r:.3f} ± {mc(r, reps):.3f} | {raw:.3f} |")
@@ -174,8 +200,11 @@ def size_table(rng, pilots: int, fresh: int, cells=SIZE_CELLS) -> list[str]:
     """The gap made real two ways: GRPO (second) falling by it, or ES (first) rising by it (near a ceiling the two
     differ: the falling one gains variance; a size past the room above the mean can only be GRPO falling, and is
     left out of the second column, which counts the pilots it covers)."""
-    rows = ["| cell | mean pass@k | pilots x fresh | printed size (median) | not detectable | power, GRPO falls "
-            "(± MC) | power, ES rises (± MC; pilots) | target |", "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| cell | mean pass@k | pilots x fresh | printed size (median) | not detectable | power, GRPO falls "
+        "(± MC) | power, ES rises (± MC; pilots) | target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for problems, s, sd, k in cells:
         n = max(k, 16)
         claim = parse_claim(f"pass@{k}:es>grpo")
@@ -193,10 +222,12 @@ def size_table(rng, pilots: int, fresh: int, cells=SIZE_CELLS) -> list[str]:
             if det < 0.98 * top:  # ES can rise by it
                 grpo, es = draw(rng, fresh, problems, s, sd, n, (k,), shift=shift_to(det, k, sd))
                 up.append(np.mean(verdict_p(grpo[k], es[k], 0.0) < ALPHA / 3))
-        ups = (f"{np.mean(up):.3f} ± {np.std(up) / math.sqrt(len(up)):.3f}; {len(up)}" if up else "-")
-        rows.append(f"| P={problems} S={s} sd={sd} pass@{k} n={n} | {100 * (1 - top):.1f}% | {pilots} x {fresh} | "
-                    f"{100 * np.median(sizes):.1f} points | {pilots - len(sizes)} | {np.mean(down):.3f} ± "
-                    f"{np.std(down) / math.sqrt(len(down)):.3f} | {ups} | 0.75-0.85 |")
+        ups = f"{np.mean(up):.3f} ± {np.std(up) / math.sqrt(len(up)):.3f}; {len(up)}" if up else "-"
+        rows.append(
+            f"| P={problems} S={s} sd={sd} pass@{k} n={n} | {100 * (1 - top):.1f}% | {pilots} x {fresh} | "
+            f"{100 * np.median(sizes):.1f} points | {pilots - len(sizes)} | {np.mean(down):.3f} ± "
+            f"{np.std(down) / math.sqrt(len(down)):.3f} | {ups} | 0.75-0.85 |"
+        )
     return rows
 
 
@@ -215,8 +246,10 @@ def seeds_table(rng, pilots: int, fresh: int) -> list[str]:
         for s in (need - 1, need):
             fe, fg = draw(rng, fresh, problems, s, sd, 16, (k,), shift=shift_to(-est, k, sd))
             power.append(float(np.mean(verdict_p(fg[k], fe[k], 0.0) < ALPHA / 3)) if s >= 5 else float("nan"))
-        rows.append(f"| {done} | {100 * est:+.1f} points | {need} | {power[0]:.3f} ± {mc(power[0], fresh):.3f} | "
-                    f"{power[1]:.3f} ± {mc(power[1], fresh):.3f} |")
+        rows.append(
+            f"| {done} | {100 * est:+.1f} points | {need} | {power[0]:.3f} ± {mc(power[0], fresh):.3f} | "
+            f"{power[1]:.3f} ± {mc(power[1], fresh):.3f} |"
+        )
         done += 1
         if done == pilots:
             break
@@ -233,12 +266,16 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     t0 = time.time()
     check_equal(rng)
-    for title, rows in (("Level (one-sided, alpha 5%)", level_table(rng, args.reps)),
-                        ("Holm over the paper's three claims, all at their boundaries", family_table(rng, args.reps)),
-                        ("Direction", direction_table(rng, args.reps)),
-                        ("Printed detectable size (80% at 5% / 3)", size_table(rng, args.pilots, args.fresh)),
-                        ("Seeds a method-level claim needs (S = 3 pilots, P 200, sd 0.15)",
-                         seeds_table(rng, max(4, args.pilots // 2), args.fresh))):
+    for title, rows in (
+        ("Level (one-sided, alpha 5%)", level_table(rng, args.reps)),
+        ("Holm over the paper's three claims, all at their boundaries", family_table(rng, args.reps)),
+        ("Direction", direction_table(rng, args.reps)),
+        ("Printed detectable size (80% at 5% / 3)", size_table(rng, args.pilots, args.fresh)),
+        (
+            "Seeds a method-level claim needs (S = 3 pilots, P 200, sd 0.15)",
+            seeds_table(rng, max(4, args.pilots // 2), args.fresh),
+        ),
+    ):
         print(f"\n### {title}\n")
         print("\n".join(rows), flush=True)
     print(f"\n{time.time() - t0:.0f} s")

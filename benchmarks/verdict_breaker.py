@@ -64,23 +64,32 @@ class Process:
     @property
     def symmetric(self) -> bool:
         """A and B drawn alike: the no-effect shift is 0 at every k."""
-        return (self.mb[0] == self.mb[1] and self.mb_dist[0] == self.mb_dist[1] and self.sv[0] == self.sv[1]
-                and self.u_dist[0] == self.u_dist[1] and self.sb[0] == self.sb[1] and not self.greedy_a)
+        return (
+            self.mb[0] == self.mb[1]
+            and self.mb_dist[0] == self.mb_dist[1]
+            and self.sv[0] == self.sv[1]
+            and self.u_dist[0] == self.u_dist[1]
+            and self.sb[0] == self.sb[1]
+            and not self.greedy_a
+        )
 
 
-PROCESSES = {p.name: p for p in [
-    Process("normal"),
-    Process("heavy_tails", mb_dist=("t3", "t3"), sv=(0.3, 0.3), u_dist=("t3", "t3")),
-    Process("skewed_effects", mb_dist=("normal", "skew")),
-    Process("seed_x_problem", sv=(0.3, 0.3), sb=(1.0, 1.0)),
-    Process("hetero_seeds", sv=(0.0, 0.5), sb=(0.2, 0.6)),
-    Process("seed_collapse", u_dist=("normal", "collapse")),
-    Process("floor", theta=(-5.0, 1.5)),
-    Process("ceiling", theta=(4.0, 1.5)),
-    Process("clustered", cluster=5),
-    Process("unequal_n", n=(32, 16), ks=(1, 16)),
-    Process("zero_variance", greedy_a=True),
-]}
+PROCESSES = {
+    p.name: p
+    for p in [
+        Process("normal"),
+        Process("heavy_tails", mb_dist=("t3", "t3"), sv=(0.3, 0.3), u_dist=("t3", "t3")),
+        Process("skewed_effects", mb_dist=("normal", "skew")),
+        Process("seed_x_problem", sv=(0.3, 0.3), sb=(1.0, 1.0)),
+        Process("hetero_seeds", sv=(0.0, 0.5), sb=(0.2, 0.6)),
+        Process("seed_collapse", u_dist=("normal", "collapse")),
+        Process("floor", theta=(-5.0, 1.5)),
+        Process("ceiling", theta=(4.0, 1.5)),
+        Process("clustered", cluster=5),
+        Process("unequal_n", n=(32, 16), ks=(1, 16)),
+        Process("zero_variance", greedy_a=True),
+    ]
+}
 
 
 def _draw(rng, dist: str, sd: float, size) -> np.ndarray:
@@ -104,8 +113,9 @@ def problems(rng, proc: Process, reps: int, n_problems: int) -> dict:
     if c == 1:
         theta = rng.normal(*proc.theta, size=(reps, 1, n_problems))
     else:
-        theta = (np.repeat(rng.normal(*proc.theta, size=(reps, 1, n_cl)), c, axis=-1)[..., :n_problems]
-                 + rng.normal(0, 0.3, size=(reps, 1, n_problems)))
+        theta = np.repeat(rng.normal(*proc.theta, size=(reps, 1, n_cl)), c, axis=-1)[..., :n_problems] + rng.normal(
+            0, 0.3, size=(reps, 1, n_problems)
+        )
     return {"theta": theta, "reps": reps, "P": n_problems, "n_cl": n_cl}
 
 
@@ -116,12 +126,17 @@ def logits(rng, proc: Process, shared: dict, seeds: int, side: int) -> np.ndarra
         mb = _draw(rng, proc.mb_dist[side], proc.mb[side], (r, 1, p))
     else:
         c = proc.cluster
-        mb = (np.repeat(_draw(rng, proc.mb_dist[side], proc.mb[side], (r, 1, shared["n_cl"])), c, axis=-1)[..., :p]
-              + rng.normal(0, 0.1, size=(r, 1, p)))
+        mb = np.repeat(_draw(rng, proc.mb_dist[side], proc.mb[side], (r, 1, shared["n_cl"])), c, axis=-1)[
+            ..., :p
+        ] + rng.normal(0, 0.1, size=(r, 1, p))
     if side == 0 and proc.greedy_a:
         return np.broadcast_to(np.where(shared["theta"] + mb > 0, np.inf, -np.inf), (r, seeds, p))
-    return (shared["theta"] + mb + _draw(rng, proc.u_dist[side], proc.sv[side], (r, seeds, 1))
-            + _draw(rng, "normal", proc.sb[side], (r, seeds, p)))
+    return (
+        shared["theta"]
+        + mb
+        + _draw(rng, proc.u_dist[side], proc.sv[side], (r, seeds, 1))
+        + _draw(rng, "normal", proc.sb[side], (r, seeds, p))
+    )
 
 
 def _sigmoid(x):
@@ -132,8 +147,9 @@ def _sigmoid(x):
 def passk_table(n: int, ks) -> np.ndarray:
     """[n + 1, len(ks)]: the unbiased pass@k, 1 - C(n - c, k) / C(n, k), of c correct of n (independent of
     es_ray.metrics.passk on purpose)."""
-    return np.array([[1.0 - math.comb(n - c, k) / math.comb(n, k) if k <= n else np.nan for k in ks]
-                     for c in range(n + 1)])
+    return np.array(
+        [[1.0 - math.comb(n - c, k) / math.comb(n, k) if k <= n else np.nan for k in ks] for c in range(n + 1)]
+    )
 
 
 def scores(rng, proc: Process, logit: np.ndarray, side: int) -> np.ndarray:
@@ -155,8 +171,10 @@ class EffectCurve:
         self.curves = {}
         for k in proc.ks:
             base = float(np.mean(1 - (1 - self.a) ** k))
-            self.curves[k] = (base, np.array([float(np.mean(1 - (1 - _sigmoid(self.b + x)) ** k)) - base
-                                               for x in self.grid]))
+            self.curves[k] = (
+                base,
+                np.array([float(np.mean(1 - (1 - _sigmoid(self.b + x)) ** k)) - base for x in self.grid]),
+            )
 
     def base(self, k: int) -> float:
         return self.curves[k][0]
@@ -205,8 +223,9 @@ def cell(proc: Process, curve: EffectCurve, n_problems: int, seeds: int, args, r
     groups = [proc.ks] if proc.symmetric else [(k,) for k in proc.ks]
     null = {}
     for g in groups:
-        a, b = experiments(rng, proc, args.replicates, n_problems, seeds, null_shift[g[0]] if not proc.symmetric
-                           else 0.0)
+        a, b = experiments(
+            rng, proc, args.replicates, n_problems, seeds, null_shift[g[0]] if not proc.symmetric else 0.0
+        )
         for k in g:
             j = proc.ks.index(k)
             null[k] = (a[..., j], b[..., j])
@@ -218,12 +237,28 @@ def cell(proc: Process, curve: EffectCurve, n_problems: int, seeds: int, args, r
         # power at a fixed effect: 5 points, or half the room to 100% where pass@k is near 1
         effect = min(args.effect, (1 - curve.base(k)) / 2)
         if effect < 0.005:  # pass@k at 100% on nearly every problem: no effect to find
-            rows.append({"process": proc.name, "P": n_problems, "S": seeds, "k": k, "alpha": alpha, "level": lvl,
-                         "level_se": lvl_se, "level_first": tail, "level_first_se": tail_se, "effect": effect,
-                         "power": float("nan"), "power_se": float("nan"), "stated_power": float("nan"),
-                         "testable": float("nan"), "power_at_printed": float("nan"),
-                         "power_at_printed_se": float("nan"), "printed_reachable": 0.0,
-                         "median_printed": float("nan")})
+            rows.append(
+                {
+                    "process": proc.name,
+                    "P": n_problems,
+                    "S": seeds,
+                    "k": k,
+                    "alpha": alpha,
+                    "level": lvl,
+                    "level_se": lvl_se,
+                    "level_first": tail,
+                    "level_first_se": tail_se,
+                    "effect": effect,
+                    "power": float("nan"),
+                    "power_se": float("nan"),
+                    "stated_power": float("nan"),
+                    "testable": float("nan"),
+                    "power_at_printed": float("nan"),
+                    "power_at_printed_se": float("nan"),
+                    "printed_reachable": 0.0,
+                    "median_printed": float("nan"),
+                }
+            )
             continue
         sh = float(curve.shift(k, effect))
         x, y = experiments(rng, proc, args.power_replicates, n_problems, seeds, sh)
@@ -250,13 +285,26 @@ def cell(proc: Process, curve: EffectCurve, n_problems: int, seeds: int, args, r
             u, v = experiments(rng, proc, int(reach.sum()), n_problems, seeds, shifts[reach])
             hits[reach] = t_test([(u[..., j], v[..., j])])[3] < first
         at_x, at_x_se, n_x = rate(hits)
-        row = {"process": proc.name, "P": n_problems, "S": seeds, "k": k, "alpha": alpha,
-               "level": lvl, "level_se": lvl_se, "level_first": tail, "level_first_se": tail_se,
-               "effect": effect, "power": real, "power_se": real_se,
-               "stated_power": float(np.mean(stated)) if stated else float("nan"),
-               "testable": float(np.mean(testable)), "power_at_printed": at_x, "power_at_printed_se": at_x_se,
-               "printed_reachable": n_x / args.pilots,
-               "median_printed": float(np.nanmedian(printed)) if np.isfinite(printed).any() else float("nan")}
+        row = {
+            "process": proc.name,
+            "P": n_problems,
+            "S": seeds,
+            "k": k,
+            "alpha": alpha,
+            "level": lvl,
+            "level_se": lvl_se,
+            "level_first": tail,
+            "level_first_se": tail_se,
+            "effect": effect,
+            "power": real,
+            "power_se": real_se,
+            "stated_power": float(np.mean(stated)) if stated else float("nan"),
+            "testable": float(np.mean(testable)),
+            "power_at_printed": at_x,
+            "power_at_printed_se": at_x_se,
+            "printed_reachable": n_x / args.pilots,
+            "median_printed": float(np.nanmedian(printed)) if np.isfinite(printed).any() else float("nan"),
+        }
         rows.append(row)
     return rows
 
@@ -269,15 +317,19 @@ def fmt(x, se=None, pct=True) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| process | S | P | k | level at 5% (± s.e.) | level at 5%/40 | effect (points) | realised power at "
-           "5%/40 (± s.e.) | stated power | testable | power at printed 80% size (± s.e.) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| process | S | P | k | level at 5% (± s.e.) | level at 5%/40 | effect (points) | realised power at "
+        "5%/40 (± s.e.) | stated power | testable | power at printed 80% size (± s.e.) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         flag = " **!**" if r["level"] - r["alpha"] > 3 * r["level_se"] else ""
-        out.append(f"| {r['process']} | {r['S']} | {r['P']} | {r['k']} | {fmt(r['level'], r['level_se'])}{flag} | "
-                   f"{fmt(r['level_first'], r['level_first_se'])} | {100 * r['effect']:.1f} | "
-                   f"{fmt(r['power'], r['power_se'])} | {fmt(r['stated_power'])} | {fmt(r['testable'])} | "
-                   f"{fmt(r['power_at_printed'], r['power_at_printed_se'])} |")
+        out.append(
+            f"| {r['process']} | {r['S']} | {r['P']} | {r['k']} | {fmt(r['level'], r['level_se'])}{flag} | "
+            f"{fmt(r['level_first'], r['level_first_se'])} | {100 * r['effect']:.1f} | "
+            f"{fmt(r['power'], r['power_se'])} | {fmt(r['stated_power'])} | {fmt(r['testable'])} | "
+            f"{fmt(r['power_at_printed'], r['power_at_printed_se'])} |"
+        )
     return "\n".join(out)
 
 

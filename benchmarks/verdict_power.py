@@ -28,10 +28,13 @@ from es_ray.metrics.paired import power, t_test
 
 PRIMARY = 3
 """The paper's three claims."""
-FAMILIES = {"primary, one-sided 5%/3": (0.05 / PRIMARY, 1), "today 3 methods, 5%/12": (0.05 / 12, 2),
-            "today 5 methods, 5%/40": (0.05 / 40, 2), "single test, two-sided 5%": (0.05, 2)}
-FAMILY_CELLS = ((500, 3, 0.3, 16, 0.06), (500, 5, 0.3, 16, 0.06), (100, 3, 0.15, 16, 0.06),
-                (100, 5, 0.15, 16, 0.06))
+FAMILIES = {
+    "primary, one-sided 5%/3": (0.05 / PRIMARY, 1),
+    "today 3 methods, 5%/12": (0.05 / 12, 2),
+    "today 5 methods, 5%/40": (0.05 / 40, 2),
+    "single test, two-sided 5%": (0.05, 2),
+}
+FAMILY_CELLS = ((500, 3, 0.3, 16, 0.06), (500, 5, 0.3, 16, 0.06), (100, 3, 0.15, 16, 0.06), (100, 5, 0.15, 16, 0.06))
 """(P, S, seed sd, k, gap): the audit's cells (issue 49)."""
 CHECK_CELLS = ((100, 5, 0.15, 16), (500, 5, 0.3, 16), (100, 10, 0.15, 16), (200, 5, 0.0, 1))
 
@@ -39,9 +42,10 @@ CHECK_CELLS = ((100, 5, 0.15, 16), (500, 5, 0.3, 16), (100, 10, 0.15, 16), (200,
 def one_sided_p(diff, se, df, problems: int) -> np.ndarray:
     """P(T_df >= diff / se), floored at 2^-problems, elementwise (es_ray.metrics.verdict.one_sided)."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(se > 0, stats.t.sf(diff / np.where(se > 0, se, 1.0), np.minimum(df, 1e12)),
-                     np.where(diff > 0, 0.0, 1.0))
-    return np.maximum(p, 2.0 ** -problems)
+        p = np.where(
+            se > 0, stats.t.sf(diff / np.where(se > 0, se, 1.0), np.minimum(df, 1e12)), np.where(diff > 0, 0.0, 1.0)
+        )
+    return np.maximum(p, 2.0**-problems)
 
 
 def rejections(a, b, alpha: float, sides: int) -> np.ndarray:
@@ -68,8 +72,17 @@ def fall_shift(effect: float, sv: float, k: int) -> float:
     return (lo + hi) / 2
 
 
-def printed_size_check(rng, problems: int, seeds: int, sv: float, k: int, pilots: int, fresh: int,
-                       alpha: float = 0.05 / PRIMARY, second_falls: bool = False) -> dict:
+def printed_size_check(
+    rng,
+    problems: int,
+    seeds: int,
+    sv: float,
+    k: int,
+    pilots: int,
+    fresh: int,
+    alpha: float = 0.05 / PRIMARY,
+    second_falls: bool = False,
+) -> dict:
     """Each pilot prints its detectable size (power(bound=False, sides=1)); ``fresh`` new experiments at that gap
     are tested one-sided at alpha. Returns the median printed size and the share of fresh experiments rejected.
     The gap is made by the first method rising, or with ``second_falls`` by the second falling (the direction the
@@ -89,10 +102,18 @@ def printed_size_check(rng, problems: int, seeds: int, sv: float, k: int, pilots
             continue
         fa, fb = simulate(rng, fresh, problems, seeds, sv, ks=(k,), shift=shift_for(det, sv, k))
         hits.append(float(np.mean(rejections(fa[..., 0], fb[..., 0], alpha, 1))))
-    return {"P": problems, "S": seeds, "sv": sv, "k": k, "pilots": pilots, "fresh": fresh,
-            "median_size": float(np.median(sizes)) if sizes else None,
-            "power": float(np.mean(hits)) if hits else None,
-            "se": float(np.std(hits) / np.sqrt(len(hits))) if len(hits) > 1 else None, "unsized": beyond}
+    return {
+        "P": problems,
+        "S": seeds,
+        "sv": sv,
+        "k": k,
+        "pilots": pilots,
+        "fresh": fresh,
+        "median_size": float(np.median(sizes)) if sizes else None,
+        "power": float(np.mean(hits)) if hits else None,
+        "se": float(np.std(hits) / np.sqrt(len(hits))) if len(hits) > 1 else None,
+        "unsized": beyond,
+    }
 
 
 def main() -> None:
@@ -102,8 +123,11 @@ def main() -> None:
     ap.add_argument("--fresh", type=int, default=50, help="fresh experiments at each pilot's printed size")
     ap.add_argument("--no-family", action="store_true")
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--second-falls", action="store_true",
-                    help="make each printed gap real by the second method falling, not the first rising")
+    ap.add_argument(
+        "--second-falls",
+        action="store_true",
+        help="make each printed gap real by the second method falling, not the first rising",
+    )
     ap.add_argument("--seed", type=int, default=49)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -113,22 +137,36 @@ def main() -> None:
         print("|---|---|---|---|" + "---|" * len(FAMILIES))
         for p, s, sv, k, gap in FAMILY_CELLS:
             t0 = time.perf_counter()
-            row = family_power(np.random.default_rng([args.seed, p, s, int(100 * sv)]), p, s, sv, k, gap,
-                               args.replicates)
+            row = family_power(
+                np.random.default_rng([args.seed, p, s, int(100 * sv)]), p, s, sv, k, gap, args.replicates
+            )
             out["family"].append({"P": p, "S": s, "sv": sv, "k": k, "gap": gap, **row})
-            print(f"| {p} | {s} | {sv} | {100 * gap:g} points at Pass@{k} | "
-                  + " | ".join(f"{100 * row[f]:.1f}%" for f in FAMILIES) + f" |  ({time.perf_counter() - t0:.0f} s)")
+            print(
+                f"| {p} | {s} | {sv} | {100 * gap:g} points at Pass@{k} | "
+                + " | ".join(f"{100 * row[f]:.1f}%" for f in FAMILIES)
+                + f" |  ({time.perf_counter() - t0:.0f} s)"
+            )
     if not args.no_check:
         print("\n| P | S | seed sd | k | median printed size | power delivered at it (target 75-85%) | unsized |")
         print("|---|---|---|---|---|---|---|")
         for p, s, sv, k in CHECK_CELLS:
             t0 = time.perf_counter()
-            row = printed_size_check(np.random.default_rng([args.seed, 1, p, s]), p, s, sv, k, args.pilots,
-                                     args.fresh, second_falls=args.second_falls)
+            row = printed_size_check(
+                np.random.default_rng([args.seed, 1, p, s]),
+                p,
+                s,
+                sv,
+                k,
+                args.pilots,
+                args.fresh,
+                second_falls=args.second_falls,
+            )
             out["check"].append(row)
-            print(f"| {p} | {s} | {sv} | {k} | {100 * row['median_size']:.1f} points | {100 * row['power']:.1f}% "
-                  f"(+- {100 * row['se']:.1f}) | {row['unsized']} of {row['pilots']} |  "
-                  f"({time.perf_counter() - t0:.0f} s)")
+            print(
+                f"| {p} | {s} | {sv} | {k} | {100 * row['median_size']:.1f} points | {100 * row['power']:.1f}% "
+                f"(+- {100 * row['se']:.1f}) | {row['unsized']} of {row['pilots']} |  "
+                f"({time.perf_counter() - t0:.0f} s)"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -64,8 +64,12 @@ def timed_write(times: dict, seen: dict):
                 layer.quant_method.process_weights_after_loading(layer)
                 per[f"{type(layer).__name__}_{'x'.join(map(str, layer.weight.shape))}"] += time.perf_counter() - a
             t2 = time.perf_counter()
-        for key, value in (("noise_and_add", gen[0]), ("load_weights", t1 - t0 - gen[0]), ("repack", t2 - t1),
-                           ("total", t2 - t0)):
+        for key, value in (
+            ("noise_and_add", gen[0]),
+            ("load_weights", t1 - t0 - gen[0]),
+            ("repack", t2 - t1),
+            ("total", t2 - t0),
+        ):
             times[key].append(value)
         for key, value in per.items():
             times[f"repack_{key}"].append(value)
@@ -97,15 +101,22 @@ def main() -> None:
     times: dict[str, list[float]] = collections.defaultdict(list)
     seen: dict = {}
     vx.ESExtension._es_write = timed_write(times, seen)
-    settings = argparse.Namespace(model=args.model, members=max(2, args.writes), prompts=16, max_new_tokens=4,
-                                  threads=args.threads, rank=8, repeats=1, vllm_compiled=False)
+    settings = argparse.Namespace(
+        model=args.model,
+        members=max(2, args.writes),
+        prompts=16,
+        max_new_tokens=4,
+        threads=args.threads,
+        rank=8,
+        repeats=1,
+        vllm_compiled=False,
+    )
     worker = ESWorker(population.build_config(settings, "vllm", "full"))
     times.clear()  # the setup's own write
     for member in range(args.writes):
         worker.replica.perturb(1, member, 1, 5e-3)
     worker.replica.restore()
-    out = {f"write_{k}_s" if not k.startswith("repack_") else f"{k}_s": statistics.median(v)
-           for k, v in times.items()}
+    out = {f"write_{k}_s" if not k.startswith("repack_") else f"{k}_s": statistics.median(v) for k, v in times.items()}
     print("one write (median over the perturbations and the restore):")
     for key, value in out.items():
         print(f"  {key:60s} {value:.4f}")
@@ -113,9 +124,17 @@ def main() -> None:
     from vllm import _custom_ops as ops
 
     torch.set_num_threads(args.threads)
-    shapes = sorted({tuple(m.weight.shape) for m in seen["model"].modules()
-                     if getattr(m, "quant_method", None) is not None and getattr(m, "weight", None) is not None
-                     and m.weight.dim() == 2 and m.weight.numel()}, reverse=True)
+    shapes = sorted(
+        {
+            tuple(m.weight.shape)
+            for m in seen["model"].modules()
+            if getattr(m, "quant_method", None) is not None
+            and getattr(m, "weight", None) is not None
+            and m.weight.dim() == 2
+            and m.weight.numel()
+        },
+        reverse=True,
+    )
     print("packed oneDNN GEMM vs F.linear on the unpacked weight (ms):")
     for n, k in shapes:
         w = torch.randn(n, k)
@@ -126,8 +145,10 @@ def main() -> None:
             packed = median_time(lambda: ops.onednn_mm(handler, x, None), args.gemm_repeats)
             plain = median_time(lambda: torch.nn.functional.linear(x, w), args.gemm_repeats)
             out[f"gemm_{n}x{k}_m{m}_flinear_over_onednn"] = plain / packed
-            print(f"  {n}x{k} M={m}: oneDNN {packed * 1e3:.3f}  F.linear {plain * 1e3:.3f}  ratio {plain / packed:.2f}"
-                  f"  (pack {out[f'pack_{n}x{k}_s'] * 1e3:.1f})")
+            print(
+                f"  {n}x{k} M={m}: oneDNN {packed * 1e3:.3f}  F.linear {plain * 1e3:.3f}  ratio {plain / packed:.2f}"
+                f"  (pack {out[f'pack_{n}x{k}_s'] * 1e3:.1f})"
+            )
     worker.engine.close()
     out.update(model=args.model or "embedded SmolLM2-135M-Instruct", writes=args.writes, threads=args.threads)
     print(json.dumps(out))

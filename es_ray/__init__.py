@@ -26,8 +26,9 @@ class _CheckoutFinder(importlib.abc.MetaPathFinder):
         folder = _MAPPED.get(fullname)
         if folder is None or not (folder / "__init__.py").is_file():
             return None
-        return importlib.util.spec_from_file_location(fullname, folder / "__init__.py",
-                                                      submodule_search_locations=[str(folder)])
+        return importlib.util.spec_from_file_location(
+            fullname, folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
 
 
 if not (_HERE / "grpo").is_dir() and not any(isinstance(f, _CheckoutFinder) for f in sys.meta_path):

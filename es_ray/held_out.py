@@ -32,8 +32,9 @@ def held_out_seed(run_seed: int) -> int:
     return random.Random(f"{run_seed}/held-out").getrandbits(62)
 
 
-def held_out_scores(engine, task, prompts: list[str], problems: list, cfg: HeldOutConfig, max_new_tokens: int,
-                    seed: int) -> dict:
+def held_out_scores(
+    engine, task, prompts: list[str], problems: list, cfg: HeldOutConfig, max_new_tokens: int, seed: int
+) -> dict:
     if not problems:
         return {"reward": None, "pass_at_1": None, "entropy": None, "tokens": 0, "errors": 0, "seconds": 0.0}
     t0 = time.perf_counter()
@@ -49,19 +50,27 @@ def held_out_scores(engine, task, prompts: list[str], problems: list, cfg: HeldO
         tok = engine.tokenizer
         pairs = [(tok(p, add_special_tokens=False)["input_ids"], list(c.token_ids)) for p, c in zip(prompts, sampled)]
         # the distribution sampled: the top_p nucleus renormalised (the last column) when top_p < 1
-        h = [np.asarray(x, dtype=np.float64).reshape(len(x), -1)[:, -1]
-             for x in engine.entropies_batch(pairs, (cfg.temperature,), top_p=cfg.top_p)]
+        h = [
+            np.asarray(x, dtype=np.float64).reshape(len(x), -1)[:, -1]
+            for x in engine.entropies_batch(pairs, (cfg.temperature,), top_p=cfg.top_p)
+        ]
         tokens = sum(x.size for x in h)
         entropy = float(sum(x.sum() for x in h) / tokens) if tokens else None
     n = len(problems)
-    return {"reward": sum(rewards) / n, "pass_at_1": sum(g.correct for g in grades) / n, "entropy": entropy,
-            "tokens": sum(c.num_tokens for c in greedy) + sum(c.num_tokens for c in sampled),
-            "errors": errors + sum(g.failure is not None for g in grades), "seconds": seconds}
+    return {
+        "reward": sum(rewards) / n,
+        "pass_at_1": sum(g.correct for g in grades) / n,
+        "entropy": entropy,
+        "tokens": sum(c.num_tokens for c in greedy) + sum(c.num_tokens for c in sampled),
+        "errors": errors + sum(g.failure is not None for g in grades),
+        "seconds": seconds,
+    }
 
 
 def write_base_point(run_dir: str | Path, res: dict, ledger) -> None:
     """The held-out scores of the weights before the first step (the curve's first point); its tokens are counted
     with the held-out scoring's, apart from training."""
     ledger.tokens_generated_eval += int(res["tokens"])
-    (Path(run_dir) / BASE_POINT).write_text(json.dumps(
-        {k: res[k] for k in ("reward", "pass_at_1", "entropy", "tokens", "errors", "seconds")}, indent=2))
+    (Path(run_dir) / BASE_POINT).write_text(
+        json.dumps({k: res[k] for k in ("reward", "pass_at_1", "entropy", "tokens", "errors", "seconds")}, indent=2)
+    )

@@ -49,12 +49,15 @@ def check_rank(rank: int, shapes: Mapping[str, Iterable[int]], key: str = "es.ra
         raise ConfigError(f"{key}={rank}: the rank of a low-rank perturbation must be >= 1 (e.g. {key}=8)")
     targets = {n: tuple(s) for n, s in shapes.items() if is_target(n, s)}
     if not targets:
-        raise ConfigError("es.perturbation=lowrank perturbs linear-layer weights, and model.trainable selects none; "
-                          "widen model.trainable or use es.perturbation=full")
+        raise ConfigError(
+            "es.perturbation=lowrank perturbs linear-layer weights, and model.trainable selects none; "
+            "widen model.trainable or use es.perturbation=full"
+        )
     name, shape = min(targets.items(), key=lambda kv: min(kv[1]))
     if rank > min(shape):
-        raise ConfigError(f"{key}={rank} exceeds min(out, in)={min(shape)} of {name} {shape}: set {key} <= "
-                          f"{min(shape)}")
+        raise ConfigError(
+            f"{key}={rank} exceeds min(out, in)={min(shape)} of {name} {shape}: set {key} <= {min(shape)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -83,8 +86,9 @@ def merged(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return (b @ a.T) / math.sqrt(b.shape[1])
 
 
-def gradient(factors: list[tuple[torch.Tensor, torch.Tensor]], coeffs: list[float],
-             out: torch.Tensor | None = None) -> torch.Tensor:
+def gradient(
+    factors: list[tuple[torch.Tensor, torch.Tensor]], coeffs: list[float], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """sum_k coeffs[k] * B_k A_k^T / sqrt(r) as one matmul of the factors side by side, in fp32, written into
     ``out`` (out x in) when given. The summation order is fixed by the member order, and replicas on one device
     model with the same thread count get the same bits (tests/es/test_lowrank.py checks thread counts 1 and 2)."""

@@ -34,20 +34,27 @@ class ModelShape:
     def from_hf_config(cls, cfg: dict, name: str = "") -> ModelShape:
         kind = cfg.get("model_type", "llama")
         if kind not in ("llama", "qwen2", "mistral"):
-            raise ValueError(f"{name or 'config'}: model_type {kind!r} is not Llama- or Qwen2-shaped; the memory "
-                             "plan counts llama, qwen2 and mistral tensors only")
+            raise ValueError(
+                f"{name or 'config'}: model_type {kind!r} is not Llama- or Qwen2-shaped; the memory "
+                "plan counts llama, qwen2 and mistral tensors only"
+            )
         heads = int(cfg["num_attention_heads"])
         bias = bool(cfg.get("attention_bias", False))
         return cls(
-            name=name or cfg.get("_name_or_path", "") or kind, hidden_size=int(cfg["hidden_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]), num_attention_heads=heads,
+            name=name or cfg.get("_name_or_path", "") or kind,
+            hidden_size=int(cfg["hidden_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            intermediate_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-            qkv_bias=kind == "qwen2" or bias, o_bias=kind != "qwen2" and bias,
+            qkv_bias=kind == "qwen2" or bias,
+            o_bias=kind != "qwen2" and bias,
             mlp_bias=kind != "qwen2" and bool(cfg.get("mlp_bias", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)))
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelShape:
@@ -58,10 +65,15 @@ class ModelShape:
         """HF parameter name -> shape, as ``named_parameters()`` lists them (a tied LM head once, as the embedding)."""
         h, inter = self.hidden_size, self.intermediate_size
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        projections = (("self_attn.q_proj", q, h, self.qkv_bias), ("self_attn.k_proj", kv, h, self.qkv_bias),
-                       ("self_attn.v_proj", kv, h, self.qkv_bias), ("self_attn.o_proj", h, q, self.o_bias),
-                       ("mlp.gate_proj", inter, h, self.mlp_bias), ("mlp.up_proj", inter, h, self.mlp_bias),
-                       ("mlp.down_proj", h, inter, self.mlp_bias))
+        projections = (
+            ("self_attn.q_proj", q, h, self.qkv_bias),
+            ("self_attn.k_proj", kv, h, self.qkv_bias),
+            ("self_attn.v_proj", kv, h, self.qkv_bias),
+            ("self_attn.o_proj", h, q, self.o_bias),
+            ("mlp.gate_proj", inter, h, self.mlp_bias),
+            ("mlp.up_proj", inter, h, self.mlp_bias),
+            ("mlp.down_proj", h, inter, self.mlp_bias),
+        )
         out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
         for i in range(self.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -116,24 +128,69 @@ class ModelShape:
 
 PRESETS: dict[str, dict] = {
     # The config.json numbers of the paper's models; the keys are conf/model/*.yaml's names, "hub" their path.
-    "qwen2.5-1.5b": dict(hub="Qwen/Qwen2.5-1.5B-Instruct", model_type="qwen2", hidden_size=1536, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
-                         tie_word_embeddings=True, max_position_embeddings=32768),
-    "llama3.2-3b": dict(hub="meta-llama/Llama-3.2-3B-Instruct", model_type="llama", hidden_size=3072,
-                        num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
-                        intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
-                        max_position_embeddings=131072),
-    "qwen2.5-7b": dict(hub="Qwen/Qwen2.5-7B-Instruct", model_type="qwen2", hidden_size=3584, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
-                       tie_word_embeddings=False, max_position_embeddings=32768),
-    "r1-distill-qwen-1.5b": dict(hub="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", model_type="qwen2",
-                                 hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=False,
-                                 max_position_embeddings=131072),
+    "qwen2.5-1.5b": dict(
+        hub="Qwen/Qwen2.5-1.5B-Instruct",
+        model_type="qwen2",
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    ),
+    "llama3.2-3b": dict(
+        hub="meta-llama/Llama-3.2-3B-Instruct",
+        model_type="llama",
+        hidden_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+    ),
+    "qwen2.5-7b": dict(
+        hub="Qwen/Qwen2.5-7B-Instruct",
+        model_type="qwen2",
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+    ),
+    "r1-distill-qwen-1.5b": dict(
+        hub="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+        model_type="qwen2",
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+    ),
 }
-LLAMA_3_1_8B = dict(hub="meta-llama/Llama-3.1-8B", model_type="llama", hidden_size=4096, num_hidden_layers=32,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
-                    vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=131072)
+LLAMA_3_1_8B = dict(
+    hub="meta-llama/Llama-3.1-8B",
+    model_type="llama",
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+    max_position_embeddings=131072,
+)
 """scripts/gpu_smoke.py's ~8B model (the issue's 7-8B case)."""
 
 

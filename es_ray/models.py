@@ -156,8 +156,14 @@ def resolve_model(path: str) -> Path:
     if local.is_dir():
         if (local / "config.json").is_file():
             if (local / "manifest.json").is_file():  # a checkpoint of a run: its files against their digests, once
-                _verified(str(local.resolve()), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns)
-                                                      for f in sorted(local.rglob("*")) if f.is_file()))
+                _verified(
+                    str(local.resolve()),
+                    tuple(
+                        (str(f), f.stat().st_size, f.stat().st_mtime_ns)
+                        for f in sorted(local.rglob("*"))
+                        if f.is_file()
+                    ),
+                )
             return local.resolve()
         tried.append(f"local directory {local} (no config.json in it)")
     else:
@@ -172,7 +178,8 @@ def resolve_model(path: str) -> Path:
     else:
         tried.append(f"hub id (not of the form org/name: {ref!r})")
     raise ModelNotFoundError(
-        f"model.path={ref!r} could not be resolved; tried: " + "; ".join(tried)
+        f"model.path={ref!r} could not be resolved; tried: "
+        + "; ".join(tried)
         + ". Use model.path= with an HF directory, an HF hub id, or leave it empty for the embedded SmolLM2-135M."
     )
 
@@ -208,8 +215,9 @@ def read_tensor(file: str, name: str, index: tuple[slice, ...] | None = None) ->
         return sf.get_tensor(name) if index is None else sf.get_slice(name)[index]
 
 
-def iter_hf_weights(model_dir: str | Path, names: Iterable[str] | None = None,
-                    parts: Mapping[str, tuple[slice, ...]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(
+    model_dir: str | Path, names: Iterable[str] | None = None, parts: Mapping[str, tuple[slice, ...]] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) from a directory's safetensors files, one tensor at a time, each read when it is asked for
     (``read_tensor``), in the file's dtype. ``parts``: for some names an index (``tensor[index]``) of which only
     that part is read (a tensor-parallel rank's shard). Every name in ``names`` must be there (ModelNotFoundError)."""

@@ -32,8 +32,11 @@ import numpy as np
 import torch
 
 from es_ray.core.registry import Registry
+
+# fmt: off
 from es_ray.noise_kinds import (ES_NOISE, NOISE_KINDS, NOISE_MEMORY, NOISE_SCOPES, PORTABLE_KINDS,  # noqa: F401
                                 NoiseMemory, derive_seed, resolve_kind, table_seed)
+# fmt: on
 
 # mpmath is imported where the CPU tables are built, the only place that needs it.
 
@@ -96,12 +99,15 @@ def _tables_cpu() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     u_minus_1 = (np.arange(n_r, dtype=np.float64) + 0.5 - n_r) / n_r  # exact
     k = np.arange(quarter, dtype=np.float64)
     with mpmath.workdps(40):
-        radius = _round_to_fp32(np.sqrt(-2.0 * np.log1p(u_minus_1)),
-                                lambda i: mpmath.sqrt(-2 * mpmath.log((mpmath.mpf(i) + 0.5) / n_r)))
+        radius = _round_to_fp32(
+            np.sqrt(-2.0 * np.log1p(u_minus_1)), lambda i: mpmath.sqrt(-2 * mpmath.log((mpmath.mpf(i) + 0.5) / n_r))
+        )
         # sin on the first quadrant only (full relative accuracy there; cos near pi/2 would lose it), the rest by
         # symmetry
-        q = _round_to_fp32(np.sin(np.pi / 2 * (k + 0.5) / quarter),
-                           lambda i: mpmath.sin(mpmath.pi / 2 * (mpmath.mpf(i) + 0.5) / quarter))
+        q = _round_to_fp32(
+            np.sin(np.pi / 2 * (k + 0.5) / quarter),
+            lambda i: mpmath.sin(mpmath.pi / 2 * (mpmath.mpf(i) + 0.5) / quarter),
+        )
     rev = q[::-1]  # cos of the first quadrant
     cos = np.concatenate([rev, -q, -rev, q])
     sin = np.concatenate([q, rev, -q, -rev])
@@ -126,8 +132,9 @@ _COMPILE_FAILED: dict[str, str] = {}
 _log = logging.getLogger(__name__)
 
 
-def counter_block(b0: torch.Tensor, key: torch.Tensor, radius: torch.Tensor, cos_sin: torch.Tensor,
-                  blocks: int) -> torch.Tensor:
+def counter_block(
+    b0: torch.Tensor, key: torch.Tensor, radius: torch.Tensor, cos_sin: torch.Tensor, blocks: int
+) -> torch.Tensor:
     """Elements [8 b0, 8 (b0 + blocks)) of the counter stream under ``key`` (2 int64 words), fp32: the body of
     ``counter_noise`` as one function of tensors (the block index and the key are tensors, so a new seed or offset
     never recompiles), which ``compiled_block`` hands to torch.compile: a fused C++ loop on a CPU, a Triton kernel on
@@ -154,12 +161,18 @@ def compiled_block(device: torch.device, blocks: int):
         compiled = torch.compile(counter_block, fullgraph=True, dynamic=False, options=options)
         radius, cos_sin = _tables(device)
         try:  # compile now, on a throwaway draw: a failure falls back to eager for good, with the reason logged
-            compiled(torch.zeros((), dtype=torch.int64, device=device),
-                     torch.zeros(2, dtype=torch.int64, device=device), radius, cos_sin, blocks)
+            compiled(
+                torch.zeros((), dtype=torch.int64, device=device),
+                torch.zeros(2, dtype=torch.int64, device=device),
+                radius,
+                cos_sin,
+                blocks,
+            )
         except Exception as err:  # noqa: BLE001 - any compiler failure means: use the eager reference
             _COMPILE_FAILED[device.type] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            _log.warning("counter noise on %s runs eager: torch.compile failed (%s)", device.type,
-                         _COMPILE_FAILED[device.type])
+            _log.warning(
+                "counter noise on %s runs eager: torch.compile failed (%s)", device.type, _COMPILE_FAILED[device.type]
+            )
             return None
         _COMPILED[key] = compiled
     return _COMPILED[key]
@@ -274,8 +287,15 @@ buffer; ``whole_tensor``: a part is cut from the whole tensor's draw). NOISE_MEM
 class NoiseSource:
     """Produces fp32 noise for (iteration, noise_id, name, shape): a per-tensor generator, a table or a counter."""
 
-    def __init__(self, run_seed: int, kind: str = "per_tensor", table_size: int = 1 << 25, device: str = "cpu",
-                 chunk: int | None = None, scope: str = "per_tensor"):
+    def __init__(
+        self,
+        run_seed: int,
+        kind: str = "per_tensor",
+        table_size: int = 1 << 25,
+        device: str = "cpu",
+        chunk: int | None = None,
+        scope: str = "per_tensor",
+    ):
         NOISE_KINDS.check(kind)
         NOISE_SCOPES.check(scope)
         self.scope = scope
@@ -307,8 +327,9 @@ class NoiseSource:
         reference implementation's, so equal-shaped tensors get identical noise: a parity mode, not a default)."""
         return derive_seed(self.run_seed, iteration, noise_id, name if self.scope == "per_tensor" else "")
 
-    def noise_slice(self, iteration: int, noise_id: int, name: str, shape: torch.Size, rows: slice,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+    def noise_slice(
+        self, iteration: int, noise_id: int, name: str, shape: torch.Size, rows: slice, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Rows [a:b) (``rows``, step 1) of the noise of the whole tensor of ``shape``, equal to
         ``noise(...)[a:b]`` bit for bit. counter and table draw only those rows; per_tensor draws the whole
         tensor (its generator cannot skip) and copies the rows out."""
@@ -321,8 +342,9 @@ class NoiseSource:
         sub = torch.Size([b - a, *shape[1:]])
         return self._span(self._seed(iteration, noise_id, name), name, shape, a * row, b * row, sub, out)
 
-    def _span(self, seed: int, name: str, whole: torch.Size, lo: int, hi: int, shape: torch.Size,
-              out: torch.Tensor | None) -> torch.Tensor:
+    def _span(
+        self, seed: int, name: str, whole: torch.Size, lo: int, hi: int, shape: torch.Size, out: torch.Tensor | None
+    ) -> torch.Tensor:
         """Elements [lo, hi) of tensor ``name``'s noise (``whole`` its shape), as ``shape``: into ``out`` (a new
         tensor when None), or a view where the source hands out views."""
         if self._draw.views:

@@ -10,15 +10,27 @@ from dataclasses import dataclass
 
 from es_ray.core.registry import Registry
 
-NOISE_SCOPES = Registry("es.noise_scope", {
-    "per_tensor": "every tensor of a member has its own stream (the textbook estimator)",
-    "reference": "one seed for every tensor of a member, as the reference ES implementation (equal shapes share "
-                 "noise): to reproduce the paper's own setting"})
-NOISE_KINDS = Registry("es.noise", {"per_tensor": "a generator per tensor", "table": "slices of one seeded table",
-                                    "counter": "Philox-4x32-10 of (tensor seed, element index)"})
+NOISE_SCOPES = Registry(
+    "es.noise_scope",
+    {
+        "per_tensor": "every tensor of a member has its own stream (the textbook estimator)",
+        "reference": "one seed for every tensor of a member, as the reference ES implementation (equal shapes share "
+        "noise): to reproduce the paper's own setting",
+    },
+)
+NOISE_KINDS = Registry(
+    "es.noise",
+    {
+        "per_tensor": "a generator per tensor",
+        "table": "slices of one seeded table",
+        "counter": "Philox-4x32-10 of (tensor seed, element index)",
+    },
+)
 """The noise sources."""
-ES_NOISE = Registry("es.noise", {"auto": "table on a CPU, per_tensor on a GPU (``resolve_kind``)",
-                                 **{k: NOISE_KINDS.get(k) for k in NOISE_KINDS}})
+ES_NOISE = Registry(
+    "es.noise",
+    {"auto": "table on a CPU, per_tensor on a GPU (``resolve_kind``)", **{k: NOISE_KINDS.get(k) for k in NOISE_KINDS}},
+)
 """es.noise's values: a source, or auto."""
 PORTABLE_KINDS = frozenset({"counter"})
 """Kinds whose numbers do not depend on the device: the others need every replica on the same device model."""
@@ -36,13 +48,16 @@ class NoiseMemory:
     """counter noise's Philox temporaries."""
 
 
-NOISE_MEMORY = Registry("es.noise", {
-    "per_tensor": NoiseMemory(table=False, whole_tensor=True, counter_chunks=False),
-    "table": NoiseMemory(table=True, whole_tensor=False, counter_chunks=False),
-    "counter": NoiseMemory(table=False, whole_tensor=False, counter_chunks=True),
-    # auto on a GPU is one of per_tensor and counter (the memory plan's docstring): planned for both
-    "auto": NoiseMemory(table=False, whole_tensor=True, counter_chunks=True),
-})
+NOISE_MEMORY = Registry(
+    "es.noise",
+    {
+        "per_tensor": NoiseMemory(table=False, whole_tensor=True, counter_chunks=False),
+        "table": NoiseMemory(table=True, whole_tensor=False, counter_chunks=False),
+        "counter": NoiseMemory(table=False, whole_tensor=False, counter_chunks=True),
+        # auto on a GPU is one of per_tensor and counter (the memory plan's docstring): planned for both
+        "auto": NoiseMemory(table=False, whole_tensor=True, counter_chunks=True),
+    },
+)
 """es.noise's values -> the memory each takes (``NoiseMemory``)."""
 COUNTER_NOISE_BYTES = 1 << 28
 """es.noise=counter on a GPU: es_ray.noise draws 2^22 elements per step (``counter_chunk``) with about 32 B of
@@ -64,9 +79,11 @@ def check_reference_noise(kind: str, scope: str) -> str | None:
     The reference draws ``torch.randn(shape, generator)`` from one generator seeded with the member's seed, which is
     es.noise=per_tensor's draw; a table slice or a counter gives other numbers, so the parity would not hold."""
     if scope == "reference" and kind not in ("per_tensor", "auto"):
-        return (f"es.noise_scope=reference needs es.noise=per_tensor (the reference's torch.randn per tensor from "
-                f"the member's seed); es.noise={kind} draws other numbers: set es.noise=per_tensor (auto picks it "
-                "under this scope)")
+        return (
+            f"es.noise_scope=reference needs es.noise=per_tensor (the reference's torch.randn per tensor from "
+            f"the member's seed); es.noise={kind} draws other numbers: set es.noise=per_tensor (auto picks it "
+            "under this scope)"
+        )
     return None
 
 

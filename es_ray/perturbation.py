@@ -66,9 +66,19 @@ class Perturbation:
             check_rank(rank, shapes())
 
 
-FULL = Perturbation("full", "every trainable tensor gets its own full-rank Gaussian noise, written into the weights "
-                    "per member (the paper's ES)", factored=False, batched=False)
-LOWRANK = Perturbation("lowrank", "each linear layer's weight gets sigma * B A^T / sqrt(es.rank); all members are "
-                       "generated in one batched pass (transformers: a per-member low-rank term; vLLM: one LoRA slot "
-                       "per member)", factored=True, batched=True)
+FULL = Perturbation(
+    "full",
+    "every trainable tensor gets its own full-rank Gaussian noise, written into the weights "
+    "per member (the paper's ES)",
+    factored=False,
+    batched=False,
+)
+LOWRANK = Perturbation(
+    "lowrank",
+    "each linear layer's weight gets sigma * B A^T / sqrt(es.rank); all members are "
+    "generated in one batched pass (transformers: a per-member low-rank term; vLLM: one LoRA slot "
+    "per member)",
+    factored=True,
+    batched=True,
+)
 PERTURBATIONS = Registry("es.perturbation", {p.name: p for p in (FULL, LOWRANK)})

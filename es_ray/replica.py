@@ -112,10 +112,16 @@ def _tiling(name: str, shards: Iterable[Shard]) -> list[Shard]:
         return parts
     dims = {s.dim for s in parts}
     stops = [0] + [s.stop for s in parts]
-    if len(dims) != 1 or None in dims or any(s.start != stop for s, stop in zip(parts, stops)) \
-            or stops[-1] != parts[0].shape[parts[0].dim]:
-        raise ValueError(f"the tensor-parallel parts of {name} ({', '.join(map(str, parts))} of shape "
-                         f"{parts[0].shape}) do not cover it exactly once")
+    if (
+        len(dims) != 1
+        or None in dims
+        or any(s.start != stop for s, stop in zip(parts, stops))
+        or stops[-1] != parts[0].shape[parts[0].dim]
+    ):
+        raise ValueError(
+            f"the tensor-parallel parts of {name} ({', '.join(map(str, parts))} of shape "
+            f"{parts[0].shape}) do not cover it exactly once"
+        )
     return parts
 
 
@@ -130,8 +136,10 @@ def combine_checksums(parts_by_rank: Iterable[Mapping[str, tuple[Shard, int]]]) 
             key = replace(shard, owner=True)
             seen_rank, seen = sums.setdefault(name, {}).setdefault(key, (rank, bits))
             if seen != bits:
-                raise RuntimeError(f"tensor-parallel ranks {seen_rank} and {rank} hold different weights for "
-                                   f"{name}{shard} (bit sums {seen} and {bits}): the ranks' masters diverged")
+                raise RuntimeError(
+                    f"tensor-parallel ranks {seen_rank} and {rank} hold different weights for "
+                    f"{name}{shard} (bit sums {seen} and {bits}): the ranks' masters diverged"
+                )
     totals = {}
     for name, by_part in sums.items():
         total = sum(by_part[s][1] for s in _tiling(name, by_part))
@@ -139,8 +147,9 @@ def combine_checksums(parts_by_rank: Iterable[Mapping[str, tuple[Shard, int]]]) 
     return _digest(totals)
 
 
-def gather_shards(per_rank: Iterable[tuple[Mapping[str, Shard], Mapping[str, torch.Tensor]]]
-                  ) -> dict[str, torch.Tensor]:
+def gather_shards(
+    per_rank: Iterable[tuple[Mapping[str, Shard], Mapping[str, torch.Tensor]]],
+) -> dict[str, torch.Tensor]:
     """Whole tensors from the parts the ranks sent ((shards, tensors) per rank; each part once): concatenated in
     order along their dim; a tensor one rank sent whole is returned as it is (no copy)."""
     parts: dict[str, dict[Shard, torch.Tensor]] = {}
@@ -210,9 +219,15 @@ def update_health(sums: Iterable[tuple[float, ...]]) -> dict:
 
 
 class Replica:
-    def __init__(self, named: Iterable[tuple[str, torch.Tensor]], spec: ReplicaSpec, write: Writer,
-                 read: Reader | None = None, device: str | torch.device = "cpu",
-                 shards: Mapping[str, Shard] | None = None):
+    def __init__(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        spec: ReplicaSpec,
+        write: Writer,
+        read: Reader | None = None,
+        device: str | torch.device = "cpu",
+        shards: Mapping[str, Shard] | None = None,
+    ):
         """``named``: (HF name, tensor) pairs, the tensor being this replica's part of the HF tensor where ``shards``
         names one (a tensor-parallel rank), else the whole tensor; each is copied to ``device`` in fp32 as it comes,
         so a lazily read source is never held whole."""
@@ -229,22 +244,28 @@ class Replica:
             shard = (shards or {}).get(name) or Shard(tuple(t.shape))
             if spec.selects(name, shard.shape):
                 if tuple(t.shape) != shard.local_shape:
-                    raise ValueError(f"{name}: got a tensor of shape {tuple(t.shape)} for the part {shard} of "
-                                     f"{shard.shape}")
+                    raise ValueError(
+                        f"{name}: got a tensor of shape {tuple(t.shape)} for the part {shard} of {shard.shape}"
+                    )
                 self.shards[name] = shard
                 self.master[name] = t.detach().to(device=self.device, dtype=torch.float32, copy=True)
         if not self.master:
-            raise ValueError(f"model.trainable={spec.trainable!r} matches no parameter"
-                             f"{spec.kind.target_note()}"
-                             "; fix the regex")
+            raise ValueError(
+                f"model.trainable={spec.trainable!r} matches no parameter{spec.kind.target_note()}; fix the regex"
+            )
         spec.kind.check_model(spec.rank, lambda: {n: s.shape for n, s in self.shards.items()})
         self.names = sorted(self.master)
         self.theta0 = {k: v.clone() for k, v in self.master.items()} if spec.anchor_decay else None
         kind = resolve_kind(spec.noise, self.device.type, spec.noise_scope)
-        self.noise = NoiseSource(spec.run_seed, kind, spec.noise_table_size, device=self.device,
-                                 scope=spec.noise_scope)
-        self.opt = Optimizer(spec.optimizer, spec.lr, (spec.adam_beta1, spec.adam_beta2), spec.adam_eps,
-                             spec.weight_decay, spec.anchor_decay)
+        self.noise = NoiseSource(spec.run_seed, kind, spec.noise_table_size, device=self.device, scope=spec.noise_scope)
+        self.opt = Optimizer(
+            spec.optimizer,
+            spec.lr,
+            (spec.adam_beta1, spec.adam_beta2),
+            spec.adam_eps,
+            spec.weight_decay,
+            spec.anchor_decay,
+        )
         # _buf holds a whole HF tensor (a sharded write hands the engine one); _nbuf the noise drawn for a part: the
         # part alone where noise_slice draws just its rows (counter, table), else the whole tensor it is cut from.
         # Sized by the statement of what the replica allocates (``memory``), so the plan and the buffers agree.
@@ -254,9 +275,16 @@ class Replica:
         self._nbuf = torch.empty(drawn, dtype=torch.float32, device=self.device) if drawn else None
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str, names: Iterable[str], spec: ReplicaSpec, write: Writer,
-                        read: Reader | None = None, device: str | torch.device = "cpu",
-                        shards: Mapping[str, Shard] | None = None) -> Replica:
+    def from_checkpoint(
+        cls,
+        model_dir: str,
+        names: Iterable[str],
+        spec: ReplicaSpec,
+        write: Writer,
+        read: Reader | None = None,
+        device: str | torch.device = "cpu",
+        shards: Mapping[str, Shard] | None = None,
+    ) -> Replica:
         """The master from the checkpoint's tensors in fp32 (never from the engine's cast weights), read one tensor
         (or one rank's part of it) at a time, then written into the engine, so that it holds cast(master) from the
         start. A sharded replica's first write fills everything outside its parts with NaN: the engine holding a
@@ -279,9 +307,16 @@ class Replica:
         members whose factors ``member_factors`` stacks at once). The memory plan states a GPU rank's replica with
         the same function, and tests/engines/test_memory_plan_parts.py checks it against the tensors a replica holds."""
         spec = self.spec
-        return replica_lines(self.parts(), optimizer=spec.optimizer, anchor_decay=spec.anchor_decay,
-                             noise=self.noise_kind, noise_table_size=spec.noise_table_size,
-                             perturbation=spec.perturbation, rank=spec.rank, members=members)
+        return replica_lines(
+            self.parts(),
+            optimizer=spec.optimizer,
+            anchor_decay=spec.anchor_decay,
+            noise=self.noise_kind,
+            noise_table_size=spec.noise_table_size,
+            perturbation=spec.perturbation,
+            rank=spec.rank,
+            members=members,
+        )
 
     # -- buffers -------------------------------------------------------------------------------------------
     def _view(self, flat: torch.Tensor, shape: Iterable[int]) -> torch.Tensor:
@@ -308,21 +343,26 @@ class Replica:
             a = a[shard.start : shard.stop]
         return b, a
 
-    def member_factors(self, iteration: int, members: list[Member], sigma: float
-                       ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def member_factors(
+        self, iteration: int, members: list[Member], sigma: float
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """es.perturbation=lowrank, for population batching: per perturbed HF tensor (whole, also on a
         tensor-parallel rank: vLLM's LoRA layers take their own slice), (A, B_s) stacked over ``members`` in order:
         A (M, in, r) and B_s (M, out, r) = sign * sigma / sqrt(r) * B, so member m's layer output is
         x W^T + (x A[m]) B_s[m]^T (``lowrank.lowrank_output``)."""
         if not self.spec.kind.factored:
-            raise RuntimeError(f"member_factors needs factored noise (es.perturbation=lowrank), not "
-                               f"es.perturbation={self.spec.perturbation}")
+            raise RuntimeError(
+                f"member_factors needs factored noise (es.perturbation=lowrank), not "
+                f"es.perturbation={self.spec.perturbation}"
+            )
         scale = sigma / math.sqrt(self.spec.rank)
         out = {}
         for name in self.names:
             pairs = [self.factors(iteration, m.noise_id, name) for m in members]
-            out[name] = (torch.stack([a for _, a in pairs]),
-                         torch.stack([b * (m.sign * scale) for (b, _), m in zip(pairs, members)]))
+            out[name] = (
+                torch.stack([a for _, a in pairs]),
+                torch.stack([b * (m.sign * scale) for (b, _), m in zip(pairs, members)]),
+            )
         return out
 
     def _eps(self, iteration: int, noise_id: int, name: str) -> torch.Tensor:
@@ -337,8 +377,9 @@ class Replica:
         if shard.dim is None:
             return self.noise.noise(iteration, noise_id, name, shard.shape, out=out)
         if shard.dim == 0 and not self.noise.whole_tensor:  # only these rows are drawn
-            return self.noise.noise_slice(iteration, noise_id, name, shard.shape, slice(shard.start, shard.stop),
-                                          out=out)
+            return self.noise.noise_slice(
+                iteration, noise_id, name, shard.shape, slice(shard.start, shard.stop), out=out
+            )
         return shard.take(self.noise.noise(iteration, noise_id, name, shard.shape, out=out))
 
     def _whole(self, name: str, fill: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -449,7 +490,8 @@ class Replica:
             raise RuntimeError(
                 f"after the update the engine does not hold cast(master) for {name}: {n} of {held.numel()} "
                 f"elements differ (engine dtype {held.dtype}); its write path lost or altered weights, so the "
-                "engine no longer generates from this replica's weights")
+                "engine no longer generates from this replica's weights"
+            )
 
     def _mismatches(self) -> dict[str, tuple[int, torch.Tensor]]:
         out = {}
@@ -479,10 +521,12 @@ class Replica:
         """Master, optimizer state and theta_0 of the parts this replica owns (every tensor, unsharded), with their
         shards: ``gather_states`` joins the ranks' into whole tensors."""
         owned = [n for n in self.names if self.shards[n].owner]
-        return {"shards": {n: self.shards[n] for n in owned},
-                "master": {n: self.master[n] for n in owned},
-                "optimizer": {"t": self.opt.t, "state": {n: st for n, st in self.opt.state.items() if n in owned}},
-                "theta0": None if self.theta0 is None else {n: self.theta0[n] for n in owned}}
+        return {
+            "shards": {n: self.shards[n] for n in owned},
+            "master": {n: self.master[n] for n in owned},
+            "optimizer": {"t": self.opt.t, "state": {n: st for n, st in self.opt.state.items() if n in owned}},
+            "theta0": None if self.theta0 is None else {n: self.theta0[n] for n in owned},
+        }
 
     def _local(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This replica's part of ``t``: ``t`` is either the whole HF tensor or already that part."""
@@ -491,8 +535,10 @@ class Replica:
             return shard.take(t)
         if tuple(t.shape) == shard.local_shape:
             return t
-        raise ValueError(f"{name}: a state tensor of shape {tuple(t.shape)} is neither the whole tensor "
-                         f"{shard.shape} nor this replica's part {shard.local_shape}")
+        raise ValueError(
+            f"{name}: a state tensor of shape {tuple(t.shape)} is neither the whole tensor "
+            f"{shard.shape} nor this replica's part {shard.local_shape}"
+        )
 
     def load_state_dict(self, sd: dict) -> None:
         """Whole tensors (a checkpoint, ``gather_states``) or this replica's own parts; each takes its part."""
@@ -543,6 +589,8 @@ def gather_states(states: Iterable[dict]) -> dict:
     for k in sorted({k for st in states for moments in st["optimizer"]["state"].values() for k in moments}):
         for name, t in gather(lambda st: {n: m[k] for n, m in st["optimizer"]["state"].items()}).items():
             opt_state.setdefault(name, {})[k] = t
-    return {"master": gather(lambda st: st["master"]),
-            "optimizer": {"t": states[0]["optimizer"]["t"], "state": opt_state},
-            "theta0": None if states[0]["theta0"] is None else gather(lambda st: st["theta0"])}
+    return {
+        "master": gather(lambda st: st["master"]),
+        "optimizer": {"t": states[0]["optimizer"]["t"], "state": opt_state},
+        "theta0": None if states[0]["theta0"] is None else gather(lambda st: st["theta0"]),
+    }

@@ -61,8 +61,17 @@ def factor_elements(shapes: Iterable[tuple[int, ...]], rank: int) -> int:
     return sum(rank * (s[0] + s[1]) for s in shapes if len(s) == 2)
 
 
-def replica_lines(parts: Mapping[str, TensorPart], *, optimizer: str, anchor_decay: float, noise: str,
-                  noise_table_size: int, perturbation: str = "full", rank: int = 0, members: int = 0) -> list[Line]:
+def replica_lines(
+    parts: Mapping[str, TensorPart],
+    *,
+    optimizer: str,
+    anchor_decay: float,
+    noise: str,
+    noise_table_size: int,
+    perturbation: str = "full",
+    rank: int = 0,
+    members: int = 0,
+) -> list[Line]:
     """Everything a replica holding ``parts`` (HF name -> its part) allocates, as part "es" lines. ``noise``: an
     es.noise value (auto: planned as the larger of the GPU kinds, ``NOISE_MEMORY``); ``members``: members whose
     factors ``Replica.member_factors`` stacks at once (es.perturbation=lowrank)."""
@@ -73,29 +82,61 @@ def replica_lines(parts: Mapping[str, TensorPart], *, optimizer: str, anchor_dec
     big = max(p.elements for p in parts.values())
     sharded = any(p.dim is not None for p in parts.values())
     write, drawn = buffer_elements(parts, memory, kind.factored)
-    lines = [Line("es", "fp32 master", FP32 * n, f"{n:,} trainable parameters x 4 B"
-                  + (" (this rank's shards)" if sharded else ""))]
+    lines = [
+        Line(
+            "es",
+            "fp32 master",
+            FP32 * n,
+            f"{n:,} trainable parameters x 4 B" + (" (this rank's shards)" if sharded else ""),
+        )
+    ]
     if optimizer == "adam":
         lines.append(Line("es", "Adam moments", 2 * FP32 * n, "m and v, fp32: 8 B per trainable parameter"))
     if anchor_decay:
         lines.append(Line("es", "theta_0 anchor", FP32 * n, "es.anchor_decay: the initial weights, fp32"))
     lines.append(Line("es", "write buffer", FP32 * write, f"fp32, the largest whole HF tensor ({write:,} elements)"))
     if memory.table:
-        lines.append(Line("es", "noise table", FP32 * noise_table_size,
-                          f"es.noise_table_size={noise_table_size} x 4 B"))
+        lines.append(
+            Line("es", "noise table", FP32 * noise_table_size, f"es.noise_table_size={noise_table_size} x 4 B")
+        )
     if drawn:
-        lines.append(Line("es", "noise buffer", FP32 * drawn,
-                          f"fp32, the largest noise drawn ({drawn:,} elements, es.noise={noise})"))
+        lines.append(
+            Line(
+                "es",
+                "noise buffer",
+                FP32 * drawn,
+                f"fp32, the largest noise drawn ({drawn:,} elements, es.noise={noise})",
+            )
+        )
     if memory.counter_chunks:
         lines.append(Line("es", "counter noise chunks", COUNTER_NOISE_BYTES, "es.noise=counter's Philox temporaries"))
     if optimizer == "adam" or anchor_decay:
         lines.append(Line("es", "step temporary", FP32 * big, "Adam's sqrt(v) or the anchor's theta - theta_0"))
-    lines.append(Line("es", "update chunks", FP32 * CHUNK_TEMPORARIES * min(CHUNK, big),
-                      f"{CHUNK_TEMPORARIES} fp32 temporaries of replica_memory.CHUNK={CHUNK} elements"))
+    lines.append(
+        Line(
+            "es",
+            "update chunks",
+            FP32 * CHUNK_TEMPORARIES * min(CHUNK, big),
+            f"{CHUNK_TEMPORARIES} fp32 temporaries of replica_memory.CHUNK={CHUNK} elements",
+        )
+    )
     if kind.factored:
         per = factor_elements((p.shape for p in parts.values()), rank)
-        lines.append(Line("es", "low-rank factors", FP32 * members * per,
-                          f"fp32 A and B of {members} members x {per:,} elements (rank {rank})"))
-    lines.append(Line("es", "allocator slack", ALLOCATOR_SLACK_BYTES, "caching-allocator rounding and fragmentation",
-                      gpu_only=True))
+        lines.append(
+            Line(
+                "es",
+                "low-rank factors",
+                FP32 * members * per,
+                f"fp32 A and B of {members} members x {per:,} elements (rank {rank})",
+            )
+        )
+    lines.append(
+        Line(
+            "es",
+            "allocator slack",
+            ALLOCATOR_SLACK_BYTES,
+            "caching-allocator rounding and fragmentation",
+            gpu_only=True,
+        )
+    )
     return lines

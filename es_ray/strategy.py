@@ -30,6 +30,7 @@ from es_ray.core.registry import Registry
 if TYPE_CHECKING:  # the optimizers' torch is imported where they run (the actors): the driver needs only numpy
     import torch
 
+
 @dataclass(frozen=True)
 class Member:
     """One population member: its index in the iteration, the noise it uses and the sign of that noise."""
@@ -119,8 +120,15 @@ class Optimizer:
     ``step`` turns ``g`` into the applied delta in place (so the caller can measure it) and adds it to theta.
     """
 
-    def __init__(self, kind: str, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 anchor_decay: float = 0.0):
+    def __init__(
+        self,
+        kind: str,
+        lr: float,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        anchor_decay: float = 0.0,
+    ):
         self._direction = OPTIMIZERS.get(kind)
         self.kind, self.lr, self.betas, self.eps = kind, lr, betas, eps
         self.weight_decay, self.anchor_decay = weight_decay, anchor_decay
@@ -150,8 +158,10 @@ class Optimizer:
 
         self.t = int(sd["t"])
         self.state = {}  # the old moments go before the new ones are made: a replica reloaded in place holds one set
-        self.state = {name: {k: v.detach().to(device=device, dtype=torch.float32, copy=True) for k, v in st.items()}
-                      for name, st in sd["state"].items()}
+        self.state = {
+            name: {k: v.detach().to(device=device, dtype=torch.float32, copy=True) for k, v in st.items()}
+            for name, st in sd["state"].items()
+        }
 
 
 def sgd(opt: Optimizer, name: str, theta: torch.Tensor, g: torch.Tensor) -> None:

@@ -120,9 +120,11 @@ class ColocatedWorker(RolloutWorker):
         (woken, vLLM maps back memory that holds whatever it holds) until a whole sync has rewritten them, e.g. after
         a sync that failed half-way."""
         if getattr(self, "discarded", False):
-            raise RuntimeError("the colocated vLLM engine's weights were discarded by its level-2 sleep "
-                               "(grpo/colocated.py SLEEP_LEVEL) and no complete sync_local has rewritten them since: "
-                               "generating now would read uninitialised memory; sync the learner's weights first")
+            raise RuntimeError(
+                "the colocated vLLM engine's weights were discarded by its level-2 sleep "
+                "(grpo/colocated.py SLEEP_LEVEL) and no complete sync_local has rewritten them since: "
+                "generating now would read uninitialised memory; sync the learner's weights first"
+            )
         for tag in list(self.sleeping):
             self._wake(tag)
 
@@ -166,8 +168,9 @@ def _with_planned_share(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
     import torch
 
     dev = torch.cuda.current_device()
-    return planned_engine_config(cfg, torch.cuda.get_device_properties(dev).total_memory,
-                                 torch.cuda.get_device_name(dev))
+    return planned_engine_config(
+        cfg, torch.cuda.get_device_properties(dev).total_memory, torch.cuda.get_device_name(dev)
+    )
 
 
 def planned_engine_config(cfg: GRPOTrainConfig, reported: int, device_name: str = "") -> GRPOTrainConfig:

@@ -7,8 +7,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, HeldOutConfig, ModelConfig,
-                                RunConfig, SamplingConfig, TaskConfig, check_positive, to_config)
+from es_ray.core.config import (
+    ClusterConfig,
+    ConfigError,
+    EngineConfig,
+    FaultPolicy,
+    HeldOutConfig,
+    ModelConfig,
+    RunConfig,
+    SamplingConfig,
+    TaskConfig,
+    check_positive,
+    to_config,
+)
 from es_ray.core.registry import Registry
 from es_ray.grpo.learner_memory import OFFLOADS  # the learner's memory statement holds grpo.offload's values
 from es_ray.grpo.loss_kinds import ADV_SCALES, LOSS_AGGREGATIONS
@@ -17,9 +28,13 @@ from es_ray.runtime.validation import validate_trainer
 
 # Hydra's ConfigStore is imported by register_configs only: the schema converts and checks without Hydra.
 
-LEARNER_DTYPES = Registry("grpo.dtype", {
-    "float32": "fp32 weights, gradients, AdamW and compute",
-    "bf16_mixed": "fp32 master weights, gradients and AdamW, bf16 compute (autocast; FSDP2's MixedPrecisionPolicy)"})
+LEARNER_DTYPES = Registry(
+    "grpo.dtype",
+    {
+        "float32": "fp32 weights, gradients, AdamW and compute",
+        "bf16_mixed": "fp32 master weights, gradients and AdamW, bf16 compute (autocast; FSDP2's MixedPrecisionPolicy)",
+    },
+)
 # Settings a resumed GRPO run may change besides the runtime's (es_ray.runtime.rundir.RESUME_FREE).
 RESUME_FREE = frozenset({"grpo.steps", "cluster.num_actors"})
 
@@ -134,20 +149,25 @@ class GRPOTrainConfig:
 def validate_grpo(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
     g = cfg.grpo
     if g.group_size < 2:
-        raise ConfigError(f"grpo.group_size={g.group_size}: a group needs at least 2 completions to have a mean to "
-                          "compare with; set grpo.group_size>=2")
+        raise ConfigError(
+            f"grpo.group_size={g.group_size}: a group needs at least 2 completions to have a mean to "
+            "compare with; set grpo.group_size>=2"
+        )
     check_objective(cfg.task.objective, cfg.task.objective_k, g.group_size, "grpo.group_size")
     if g.prompts_per_step < 1:
-        raise ConfigError(f"grpo.prompts_per_step={g.prompts_per_step} must be >= 1; set grpo.prompts_per_step=1 "
-                          "or more")
+        raise ConfigError(
+            f"grpo.prompts_per_step={g.prompts_per_step} must be >= 1; set grpo.prompts_per_step=1 or more"
+        )
     if g.beta < 0:
         raise ConfigError(f"grpo.beta={g.beta} must be >= 0 (0 disables the KL term and the reference model)")
     LOSS_AGGREGATIONS.check(g.loss_type)
     ADV_SCALES.check(g.adv_scale)
     if g.dtype == "bfloat16":
-        raise ConfigError("grpo.dtype=bfloat16 (bf16 weights under AdamW) loses small steps: an update of ~lr=1e-5 "
-                          "is below bf16's rounding of weights near 1 (2^-8) and vanishes; set grpo.dtype=bf16_mixed "
-                          "(fp32 master weights and AdamW, bf16 compute) or grpo.dtype=float32")
+        raise ConfigError(
+            "grpo.dtype=bfloat16 (bf16 weights under AdamW) loses small steps: an update of ~lr=1e-5 "
+            "is below bf16's rounding of weights near 1 (2^-8) and vanishes; set grpo.dtype=bf16_mixed "
+            "(fp32 master weights and AdamW, bf16 compute) or grpo.dtype=float32"
+        )
     LEARNER_DTYPES.check(g.dtype)
     check_positive("grpo.logit_chunk_tokens", g.logit_chunk_tokens)
     check_positive("grpo.steps", g.steps, allow_zero=True)
@@ -164,14 +184,18 @@ def validate_grpo(cfg: GRPOTrainConfig) -> GRPOTrainConfig:
     OFFLOADS.check(g.offload)
     check_fsdp(cfg)
     if cfg.sampling.temperature <= 0:
-        raise ConfigError(f"sampling.temperature={cfg.sampling.temperature}: GRPO samples its groups, and greedy "
-                          "decoding gives every completion of a group the same reward (advantage 0); set "
-                          "sampling.temperature>0, e.g. 1.0")
+        raise ConfigError(
+            f"sampling.temperature={cfg.sampling.temperature}: GRPO samples its groups, and greedy "
+            "decoding gives every completion of a group the same reward (advantage 0); set "
+            "sampling.temperature>0, e.g. 1.0"
+        )
     if cfg.sampling.top_p < 1:
-        raise ConfigError(f"sampling.top_p={cfg.sampling.top_p}: GRPO's ratio and KL are taken against the sampling "
-                          "distribution, and the learner scores the full softmax(logits / temperature), not a nucleus "
-                          "truncated by top_p; set sampling.top_p=1.0 (and shape the distribution with "
-                          "sampling.temperature)")
+        raise ConfigError(
+            f"sampling.top_p={cfg.sampling.top_p}: GRPO's ratio and KL are taken against the sampling "
+            "distribution, and the learner scores the full softmax(logits / temperature), not a nucleus "
+            "truncated by top_p; set sampling.top_p=1.0 (and shape the distribution with "
+            "sampling.temperature)"
+        )
     validate_trainer(cfg)
     return cfg
 
@@ -180,18 +204,26 @@ def check_fsdp(cfg: GRPOTrainConfig) -> None:
     """grpo.fsdp_size against the batch (the devices are checked once connected: grpo.driver.check_devices)."""
     g = cfg.grpo
     if g.fsdp_size < 1:
-        raise ConfigError(f"grpo.fsdp_size={g.fsdp_size}: the learner needs at least one rank; set grpo.fsdp_size=1 "
-                          "(one process) or more")
+        raise ConfigError(
+            f"grpo.fsdp_size={g.fsdp_size}: the learner needs at least one rank; set grpo.fsdp_size=1 "
+            "(one process) or more"
+        )
     if g.colocate and cfg.cluster.num_actors != g.fsdp_size:
-        raise ConfigError(f"grpo.colocate=true puts one rollout engine beside each learner rank: cluster.num_actors="
-                          f"{cfg.cluster.num_actors} rollout actors but grpo.fsdp_size={g.fsdp_size} ranks; set "
-                          f"cluster.num_actors={g.fsdp_size}")
+        raise ConfigError(
+            f"grpo.colocate=true puts one rollout engine beside each learner rank: cluster.num_actors="
+            f"{cfg.cluster.num_actors} rollout actors but grpo.fsdp_size={g.fsdp_size} ranks; set "
+            f"cluster.num_actors={g.fsdp_size}"
+        )
     batch = g.prompts_per_step * g.group_size
-    for key, n in (("grpo.micro_batch_size", g.micro_batch_size), ("the batch (grpo.prompts_per_step x "
-                                                                   "grpo.group_size)", batch)):
+    for key, n in (
+        ("grpo.micro_batch_size", g.micro_batch_size),
+        ("the batch (grpo.prompts_per_step x grpo.group_size)", batch),
+    ):
         if n % g.fsdp_size:
-            raise ConfigError(f"grpo.fsdp_size={g.fsdp_size} does not divide {key}={n}: every rank runs an equal "
-                              f"share of every micro-batch; set grpo.fsdp_size to a divisor of {n}, or change {key}")
+            raise ConfigError(
+                f"grpo.fsdp_size={g.fsdp_size} does not divide {key}={n}: every rank runs an equal "
+                f"share of every micro-batch; set grpo.fsdp_size to a divisor of {n}, or change {key}"
+            )
 
 
 def to_grpo_config(cfg: Any) -> GRPOTrainConfig:

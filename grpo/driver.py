@@ -78,7 +78,8 @@ def check_sync(learner_lp: list[float], engine_lps: list[list[float]], tol: floa
                 f"step {step}: after writing the learner's weights, rollout engine {rank} gives probe log-probs "
                 f"that differ from the learner's by up to {diff:.3g} (tolerance {tol:g}); the engine does not hold "
                 "the learner's weights (a tensor not written, a name mapping or dtype problem). Check engine.name / "
-                "engine.dtype, or set grpo.sync_tolerance if the engines legitimately differ more")
+                "engine.dtype, or set grpo.sync_tolerance if the engines legitimately differ more"
+            )
         worst = max(worst, diff)
     return worst
 
@@ -107,10 +108,13 @@ class GRPOWorkers:
         f = cfg.grpo.fsdp_size
         check_devices(cfg)
         self.colocated = cfg.grpo.colocate
-        self.placement = placements.place(cfg.cluster, "grpo",
-                                          count=f if self.colocated else cfg.cluster.num_actors + f)
-        advice = (f"the run cannot continue without it. Resume from the last checkpoint with run.resume=true "
-                  f"run.dir={run_dir} (set run.checkpoint_every to keep some)")
+        self.placement = placements.place(
+            cfg.cluster, "grpo", count=f if self.colocated else cfg.cluster.num_actors + f
+        )
+        advice = (
+            f"the run cannot continue without it. Resume from the last checkpoint with run.resume=true "
+            f"run.dir={run_dir} (set run.checkpoint_every to keep some)"
+        )
         common = dict(log=tracker.message, check_interrupt=check_interrupt)
         if self.colocated:
             role, cls = "learner+rollout", ColocatedWorker
@@ -119,22 +123,37 @@ class GRPOWorkers:
         # Every actor is asked for before any is waited on: the rollout engines start (their processes, imports and
         # models) while the learner ranks start, not after them. Ranks and bundles are those of one group after
         # the other: learner rank r in bundle r, rollout rank r in bundle f + r.
-        self.learner = actors.ActorGroup(role, cls, f, lambda rank: (cfg, rank, f), self.placement, cfg.faults,
-                                         replaceable=False, lost_advice=advice, **common)
+        self.learner = actors.ActorGroup(
+            role,
+            cls,
+            f,
+            lambda rank: (cfg, rank, f),
+            self.placement,
+            cfg.faults,
+            replaceable=False,
+            lost_advice=advice,
+            **common,
+        )
         self.rollouts = None
         try:
             if not self.colocated:
-                self.rollouts = actors.ActorGroup("rollout", RolloutWorker, cfg.cluster.num_actors,
-                                                  lambda rank: (cfg, rank), self.placement, cfg.faults,
-                                                  first_bundle=f, restore=self._resync,
-                                                  lost_advice=f"Resume with run.resume=true run.dir={run_dir}",
-                                                  **common)
+                self.rollouts = actors.ActorGroup(
+                    "rollout",
+                    RolloutWorker,
+                    cfg.cluster.num_actors,
+                    lambda rank: (cfg, rank),
+                    self.placement,
+                    cfg.faults,
+                    first_bundle=f,
+                    restore=self._resync,
+                    lost_advice=f"Resume with run.resume=true run.dir={run_dir}",
+                    **common,
+                )
             infos = self.learner.each(Actor.ready, slow=True)
             rollout_infos = self.rollouts.each(Actor.ready, slow=True) if self.rollouts is not None else None
             if not infos[0]["built"]:  # sharded: rank 0 picks the rendezvous, every rank joins and builds its shard
                 address = self.learner.call(0, GRPOLearner.address)
-                joined = self.learner.gather(GRPOLearner.join, {r: (address,) for r in self.learner.ranks},
-                                             slow=True)
+                joined = self.learner.gather(GRPOLearner.join, {r: (address,) for r in self.learner.ranks}, slow=True)
                 infos = [joined[r] for r in self.learner.ranks]
         except BaseException:  # the run's clean-up sees no GRPOWorkers yet: its actors and placement are ended here
             for group in (self.learner, self.rollouts):
@@ -143,8 +162,7 @@ class GRPOWorkers:
             self.placement.release()
             raise
         self.learner_info = infos[0]
-        self.learner_probe = (ColocatedWorker.learner_probe_logprobs if self.colocated
-                              else GRPOLearner.probe_logprobs)
+        self.learner_probe = ColocatedWorker.learner_probe_logprobs if self.colocated else GRPOLearner.probe_logprobs
         if self.colocated:
             self.rollouts, self.infos = self.learner, infos
         else:
@@ -174,9 +192,14 @@ class GRPOWorkers:
         worst = check_sync(learner_lp, engine_lps, FIRST_SYNC_CEILING if calibrate else self.tol, step)
         if calibrate:
             self.tol = sync_tolerance(self.cfg, worst)
-        return {"sync/max_logprob_diff": worst, "sync/tolerance": self.tol, "sync/bytes": nbytes,
-                "timing_s/sync": time.perf_counter() - t0, "timing_s/sync_write": t1 - t0,
-                "timing_s/sync_verify": time.perf_counter() - t1}
+        return {
+            "sync/max_logprob_diff": worst,
+            "sync/tolerance": self.tol,
+            "sync/bytes": nbytes,
+            "timing_s/sync": time.perf_counter() - t0,
+            "timing_s/sync_write": t1 - t0,
+            "timing_s/sync_verify": time.perf_counter() - t1,
+        }
 
     def _send_weights(self, ranks: list[int], group) -> int:
         """The learner's weights into the engines of ``ranks``, one chunk (a layer) at a time, cast by the learner to
@@ -211,13 +234,16 @@ def check_devices(cfg: GRPOTrainConfig) -> None:
     """grpo.fsdp_size ranks (one device each) must fit the connected cluster's GPUs (or CPUs)."""
     import ray
 
-    key, per = ("GPU", cfg.cluster.gpus_per_actor) if cfg.cluster.gpus_per_actor > 0 else ("CPU",
-                                                                                          cfg.cluster.cpus_per_actor)
+    key, per = (
+        ("GPU", cfg.cluster.gpus_per_actor) if cfg.cluster.gpus_per_actor > 0 else ("CPU", cfg.cluster.cpus_per_actor)
+    )
     have = ray.cluster_resources().get(key, 0.0)
     f = cfg.grpo.fsdp_size
     if f > 1 and per > 0 and f * per > have:  # one rank that does not fit: the placement's own message says so
-        raise ConfigError(f"grpo.fsdp_size={f} learner ranks x {per:g} {key}s each exceed the cluster's {have:g} "
-                          f"{key}s; set grpo.fsdp_size<={max(1, int(have // per))}")
+        raise ConfigError(
+            f"grpo.fsdp_size={f} learner ranks x {per:g} {key}s each exceed the cluster's {have:g} "
+            f"{key}s; set grpo.fsdp_size<={max(1, int(have // per))}"
+        )
 
 
 def last_checkpoint(run_dir: Path) -> Path | None:
@@ -235,8 +261,10 @@ def resume_point(cfg: GRPOTrainConfig, run_dir: Path) -> tuple[int, Path | None,
         verify_dir(ckpt)
         start = read_meta(ckpt, "grpo")["step"]
         if start > cfg.grpo.steps:
-            raise ConfigError(f"run.resume=true: {ckpt} holds {start} steps, more than grpo.steps="
-                              f"{cfg.grpo.steps}; raise grpo.steps to at least {start}")
+            raise ConfigError(
+                f"run.resume=true: {ckpt} holds {start} steps, more than grpo.steps="
+                f"{cfg.grpo.steps}; raise grpo.steps to at least {start}"
+            )
     return start, ckpt, keep_metrics(run_dir / "metrics.jsonl", start, "step")  # also cuts a torn last line
 
 
@@ -263,11 +291,17 @@ def run(cfg: GRPOTrainConfig) -> dict:
                 # the rest is a resume: the ledger keeps the lost attempt's segment, metrics.jsonl is cut back
                 cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True))
                 start, ckpt, history = resume_point(cfg, run_dir)
-                where = (f"its last checkpoint {ckpt} (step {start})" if ckpt is not None else
-                         "the initial weights (step 0; no checkpoint yet: set run.checkpoint_every to keep some)")
-                print(f"grpo: learner lost after {training.done} step(s) ({one_reason(lost)}); restart "
-                      f"{restarts} of at most faults.max_replacements={cfg.faults.max_replacements}: rebuilding the "
-                      f"learner and rollouts from {where} and redoing the steps since", flush=True)
+                where = (
+                    f"its last checkpoint {ckpt} (step {start})"
+                    if ckpt is not None
+                    else "the initial weights (step 0; no checkpoint yet: set run.checkpoint_every to keep some)"
+                )
+                print(
+                    f"grpo: learner lost after {training.done} step(s) ({one_reason(lost)}); restart "
+                    f"{restarts} of at most faults.max_replacements={cfg.faults.max_replacements}: rebuilding the "
+                    f"learner and rollouts from {where} and redoing the steps since",
+                    flush=True,
+                )
 
 
 def one_reason(lost: BaseException) -> str:
@@ -295,14 +329,18 @@ class GRPORun(Training):
             workers.learn(GRPOLearner.load, str(self.ckpt), slow=True)
             tracker.message(f"grpo: resumed from {self.ckpt} at step {self.start}")
         self.pool = workers.infos[0]["train_size"]
-        tracker.message(f"grpo: learner + {len(workers.rollouts)} rollout actor(s), "
-                        f"{workers.learner_info['trainable']} trainable parameters, training pool {self.pool}, "
-                        f"run dir {self.run_dir}")
+        tracker.message(
+            f"grpo: learner + {len(workers.rollouts)} rollout actor(s), "
+            f"{workers.learner_info['trainable']} trainable parameters, training pool {self.pool}, "
+            f"run dir {self.run_dir}"
+        )
         for line in workers.infos[0].get("skipped_lines", ()):
             tracker.message(line)
         first = workers.sync(self.start - 1)
-        tracker.message(f"grpo: initial weight sync verified (max |dlogp| {first['sync/max_logprob_diff']:.2e}, "
-                        f"tolerance {workers.tol:g})")
+        tracker.message(
+            f"grpo: initial weight sync verified (max |dlogp| {first['sync/max_logprob_diff']:.2e}, "
+            f"tolerance {workers.tol:g})"
+        )
 
     def step(self, t: int, guard) -> dict:
         return step(self.cfg, self.workers, t, self.pool, guard)
@@ -356,14 +394,20 @@ def step(cfg: GRPOTrainConfig, workers: GRPOWorkers, t: int, pool: int, guard) -
     ids = prompt_indices(cfg, t, pool)
     parts = [list(map(int, p)) for p in np.array_split(ids, len(workers.rollouts))]
     with timer("generate"):
-        out = workers.rollouts.gather(RolloutWorker.generate, {r: (parts[r], g.group_size, sample_seed(cfg, t))
-                                                for r in workers.rollouts.ranks})
+        out = workers.rollouts.gather(
+            RolloutWorker.generate, {r: (parts[r], g.group_size, sample_seed(cfg, t)) for r in workers.rollouts.ranks}
+        )
     results = [out[r] for r in workers.rollouts.ranks]
     # prompt-major: P groups of G, in ids order
     samples: list[Sample] = [s for res in results for s in res["samples"]]
     rewards_pg = np.array([s["reward"] for s in samples], dtype=np.float64).reshape(len(ids), g.group_size)
-    adv_b = objective_advantages(torch.from_numpy(rewards_pg), cfg.task.objective, cfg.task.objective_k, g.adv_scale,
-                                 g.adv_eps).flatten().tolist()
+    adv_b = (
+        objective_advantages(
+            torch.from_numpy(rewards_pg), cfg.task.objective, cfg.task.objective_k, g.adv_scale, g.adv_eps
+        )
+        .flatten()
+        .tolist()
+    )
     with guard.critical():  # an optimizer step and the sync that follows it are never split by a signal
         with timer("train"):
             stats = workers.learn(GRPOLearner.train_step, samples, adv_b)
@@ -371,13 +415,17 @@ def step(cfg: GRPOTrainConfig, workers: GRPOWorkers, t: int, pool: int, guard) -
     lengths = [len(s["completion_ids"]) for s in samples]
     tokens = sum(res["tokens"] for res in results)
     row = {
-        REWARD_MEAN: float(rewards_pg.mean()), REWARD_STD: float(rewards_pg.std()),
-        "reward/max": float(rewards_pg.max()), "reward/min": float(rewards_pg.min()),
+        REWARD_MEAN: float(rewards_pg.mean()),
+        REWARD_STD: float(rewards_pg.std()),
+        "reward/max": float(rewards_pg.max()),
+        "reward/min": float(rewards_pg.min()),
         "reward/errors": int(sum(res["reward_errors"] for res in results)),
         "reward/zero_std_groups": float(np.mean(rewards_pg.std(axis=1) == 0)),
         **{k: v for k, v in stats.items() if k.startswith("grpo/")},
-        "completions/mean_length": float(np.mean(lengths)), "completions/max_length": int(max(lengths)),
-        "perf/tokens": tokens, "perf/tokens_backpropagated": stats["tokens_backpropagated"],
+        "completions/mean_length": float(np.mean(lengths)),
+        "completions/max_length": int(max(lengths)),
+        "perf/tokens": tokens,
+        "perf/tokens_backpropagated": stats["tokens_backpropagated"],
         "perf/tokens_per_s": tokens / max(timer.seconds["generate"], 1e-9),
         **sync,
         "timing_s/generate_actor": max(res["generate_s"] for res in results),

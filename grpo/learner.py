@@ -34,8 +34,15 @@ from es_ray.grpo.shards import load_moments, save_moments
 from es_ray.memory_plan import startup_check
 from es_ray.models import read_tensor, resolve_model, safetensors_index
 from es_ray.runtime.actors import Actor, Tensors, actor_threads, once
-from es_ray.runtime.checkpoint import (load_state, meta_file, read_meta, save_checkpoint, staging_dir, state_file,
-                                       verify_dir)
+from es_ray.runtime.checkpoint import (
+    load_state,
+    meta_file,
+    read_meta,
+    save_checkpoint,
+    staging_dir,
+    state_file,
+    verify_dir,
+)
 from es_ray.runtime.process_group import own_group
 
 # torch, transformers, accelerate, ray and the torch-backed es_ray modules (engines.base, metrics.*, grpo.loss) are
@@ -107,8 +114,14 @@ class GRPOLearner(Actor):
         """Join the learner's process group at ``address`` (rank 0's) and build the sharded model. The group is the
         learner's own (es_ray.runtime.process_group), never torch's default one, which a colocated vLLM owns."""
 
-        self.group = own_group(address, self.rank, self.world, self.device,
-                               max(60.0, self.cfg.faults.actor_timeout_s), name=f"grpo-learner-{address}")
+        self.group = own_group(
+            address,
+            self.rank,
+            self.world,
+            self.device,
+            max(60.0, self.cfg.faults.actor_timeout_s),
+            name=f"grpo-learner-{address}",
+        )
         self._build()
         return self.ready()
 
@@ -124,17 +137,22 @@ class GRPOLearner(Actor):
 
         g = self.g
         if str(self.device).startswith("cuda"):  # this rank's own card, before the model is loaded onto it
-
             dev = torch.device(self.device)
-            startup_check("grpo", self.cfg, gpu=True, reported=torch.cuda.get_device_properties(dev).total_memory,
-                          device_name=torch.cuda.get_device_name(dev))
+            startup_check(
+                "grpo",
+                self.cfg,
+                gpu=True,
+                reported=torch.cuda.get_device_properties(dev).total_memory,
+                device_name=torch.cuda.get_device_name(dev),
+            )
         if self.sharded:  # no rank holds the whole fp32 model: built empty, sharded, then each rank reads its shard
             self.model = _empty_model(self.model_dir)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
         if g.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False} if self.sharded else None)
+                gradient_checkpointing_kwargs={"use_reentrant": False} if self.sharded else None
+            )
             self.model.config.use_cache = False
         self.model.train()
         self.ref = None
@@ -155,15 +173,23 @@ class GRPOLearner(Actor):
         cuda = str(self.device).startswith("cuda") and not self.sharded
         self.host_params = None
         if g.offload == "optimizer":  # AdamW's moments and its step on the host, over fp32 host copies
-            self.host_params = [shards.local(p).detach().to("cpu", torch.float32, copy=True).requires_grad_(True)
-                                for p in self.params]
+            self.host_params = [
+                shards.local(p).detach().to("cpu", torch.float32, copy=True).requires_grad_(True) for p in self.params
+            ]
             cuda = False
-        self.optimizer = torch.optim.AdamW(self.host_params or self.params, lr=g.lr, betas=(g.adam_beta1, g.adam_beta2),
-                                           eps=g.adam_eps, weight_decay=g.weight_decay, fused=cuda or None,
-                                           foreach=False)
+        self.optimizer = torch.optim.AdamW(
+            self.host_params or self.params,
+            lr=g.lr,
+            betas=(g.adam_beta1, g.adam_beta2),
+            eps=g.adam_eps,
+            weight_decay=g.weight_decay,
+            fused=cuda or None,
+            foreach=False,
+        )
         warmup = g.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) if warmup else 1.0)
+            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) if warmup else 1.0
+        )
         self.pad_id = self.model.config.pad_token_id or 0
         self.named = dict(self.model.named_parameters())  # a tied LM head appears once, as the embedding
         layer = lambda name: m.group(1) if (m := LAYER.search(name)) else name  # noqa: E731
@@ -186,9 +212,10 @@ class GRPOLearner(Actor):
             kw["offload_policy"] = CPUOffloadPolicy(pin_memory=str(self.device).startswith("cuda"))  # pinned: GPU
         layers = getattr(self.model.base_model, "layers", None)
         if layers is None:
-
-            raise ConfigError(f"grpo.fsdp_size={self.g.fsdp_size}: {type(self.model).__name__} has no decoder layers "
-                              "at model.layers to shard; set grpo.fsdp_size=1 and grpo.offload=none")
+            raise ConfigError(
+                f"grpo.fsdp_size={self.g.fsdp_size}: {type(self.model).__name__} has no decoder layers "
+                "at model.layers to shard; set grpo.fsdp_size=1 and grpo.offload=none"
+            )
         kw["mesh"] = self.group.mesh  # the learner's own group (``join``), not one over the default group
         for block in layers:
             fully_shard(block, **kw)
@@ -199,8 +226,9 @@ class GRPOLearner(Actor):
         """Storage for this rank's shards only (the model was built on the meta device), filled from the model's
         files: each tensor's rows of this rank read alone (``_read_rows``), so the build's transient is one tensor's
         shard, not the model (es_ray.memory_plan's "build transient")."""
-        buffers = [(m, k, b.detach().clone()) for m in self.model.modules() for k, b in m._buffers.items()
-                   if b is not None]  # real: built off the meta device
+        buffers = [
+            (m, k, b.detach().clone()) for m in self.model.modules() for k, b in m._buffers.items() if b is not None
+        ]  # real: built off the meta device
         # grpo.offload=all keeps the shards on the host (CPUOffloadPolicy); else on the rank's device
         self.model.to_empty(device="cpu" if self.g.offload == "all" else self.device)
         for module, key, b in buffers:  # on the rank's device, where the forward runs, offloaded or not
@@ -214,15 +242,15 @@ class GRPOLearner(Actor):
         "build" and "resume" lines)."""
         import torch
 
-
         index = safetensors_index(directory)
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 key = tied_key(name, index, tied)
                 if key not in index:
-                    raise CheckpointError(f"{directory}: no tensor {name!r}; move it aside to resume from an earlier "
-                                          "checkpoint")
+                    raise CheckpointError(
+                        f"{directory}: no tensor {name!r}; move it aside to resume from an earlier checkpoint"
+                    )
                 local = shards.local(p)
                 if local.numel() == 0:  # FSDP2's last ranks may hold no rows of a short tensor
                     continue
@@ -235,10 +263,16 @@ class GRPOLearner(Actor):
     def ready(self) -> dict:
         if not self.built:  # a sharded rank before ``join``
             return {"pid": os.getpid(), "device": self.device, "rank": self.rank, "built": False}
-        return {"pid": os.getpid(), "device": self.device, "rank": self.rank, "built": True,
-                "parameters": sum(p.numel() for p in self.model.parameters()),
-                "trainable": sum(p.numel() for p in self.params), "reference": self.ref is not None,
-                "weight_chunks": len(self.chunks)}
+        return {
+            "pid": os.getpid(),
+            "device": self.device,
+            "rank": self.rank,
+            "built": True,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "trainable": sum(p.numel() for p in self.params),
+            "reference": self.ref is not None,
+            "weight_chunks": len(self.chunks),
+        }
 
     # -- one batch -------------------------------------------------------------------------------------------
     def _pad(self, samples: list[Sample]):
@@ -292,11 +326,13 @@ class GRPOLearner(Actor):
         if self.scorer is not None and model is self.model:  # FSDP2: through the root, whose hooks gather
             logp_n, entropy_n = self.scorer(ids, attn, mask, entropy, samples)
         else:
-            with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.mixed,
-                                cache_enabled=False):  # no cache: it would hold a bf16 copy of every weight at once
+            with torch.autocast(
+                torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.mixed, cache_enabled=False
+            ):  # no cache: it would hold a bf16 copy of every weight at once
                 logp_n, entropy_n = self._score(model, ids, attn, mask, entropy, samples)
-        logp = torch.zeros(mask.shape, dtype=torch.float32 if logp_n.dtype == torch.bfloat16 else logp_n.dtype,
-                           device=mask.device)  # fp32 (fp64 in tests)
+        logp = torch.zeros(
+            mask.shape, dtype=torch.float32 if logp_n.dtype == torch.bfloat16 else logp_n.dtype, device=mask.device
+        )  # fp32 (fp64 in tests)
         return logp.masked_scatter(mask.bool(), logp_n.to(logp.dtype)), entropy_n
 
     def _score(self, model, ids, attn, mask, entropy: bool, samples: list[Sample] | None):
@@ -308,8 +344,14 @@ class GRPOLearner(Actor):
             hidden_n = self._completion_hidden(model, samples)
         else:
             hidden_n = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1][sel]
-        return chunked_token_scores(model.get_output_embeddings(), hidden_n, ids[:, 1:][sel], self.temperature,
-                                    self.g.logit_chunk_tokens, entropy)
+        return chunked_token_scores(
+            model.get_output_embeddings(),
+            hidden_n,
+            ids[:, 1:][sel],
+            self.temperature,
+            self.g.logit_chunk_tokens,
+            entropy,
+        )
 
     @once  # an optimizer step: never re-sent after a transient ActorUnavailableError (it may have run)
     def train_step(self, samples: list[Sample], advantages: list[float]) -> dict:
@@ -324,8 +366,15 @@ class GRPOLearner(Actor):
         n_seq = len(samples)
         n_tok = float(sum(len(s["completion_ids"]) for s in samples))
         old_logp, ref_logp = [], []
-        totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "ratio_sum": 0.0, "tokens": 0.0,
-                  "entropy_sum": 0.0, "grad_norm": 0.0}
+        totals = {
+            "loss": 0.0,
+            "clipped_tokens": 0.0,
+            "kl_sum": 0.0,
+            "ratio_sum": 0.0,
+            "tokens": 0.0,
+            "entropy_sum": 0.0,
+            "grad_norm": 0.0,
+        }
         backprop_tokens = 0
         for epoch in range(g.epochs_per_batch):
             self.optimizer.zero_grad(set_to_none=True)
@@ -338,10 +387,19 @@ class GRPOLearner(Actor):
                         with torch.no_grad():
                             ref_logp.append(self._log_probs(self.ref, ids, attn, mask, samples=part)[0])
                 loss, stats = grpo_loss(
-                    logp, old_logp[k], torch.tensor(adv, device=self.device), mask, loss_type=g.loss_type,
-                    clip_eps=g.clip_eps, clip_eps_high=g.clip_eps_high, beta=g.beta,
+                    logp,
+                    old_logp[k],
+                    torch.tensor(adv, device=self.device),
+                    mask,
+                    loss_type=g.loss_type,
+                    clip_eps=g.clip_eps,
+                    clip_eps_high=g.clip_eps_high,
+                    beta=g.beta,
                     ref_logp_bt=ref_logp[k] if self.ref is not None else None,
-                    max_tokens=self.cfg.sampling.max_new_tokens, num_sequences=n_seq, num_tokens=n_tok)
+                    max_tokens=self.cfg.sampling.max_new_tokens,
+                    num_sequences=n_seq,
+                    num_tokens=n_tok,
+                )
                 # each rank's loss is its part of the global batch's (N and M are the whole batch's); FSDP2 averages
                 # the gradients over the ranks, so x world makes them the sum of the parts
                 (loss * self.world if self.world > 1 else loss).backward()
@@ -361,17 +419,24 @@ class GRPOLearner(Actor):
 
             keys = [k for k in totals if k != "grad_norm"]
             # on the rank's device: NCCL serves no host tensor (tests/grpo/test_grpo_strict_collectives.py)
-            summed = torch.tensor([totals[k] for k in keys] + [float(backprop_tokens)], dtype=torch.float64,
-                                  device=self.device)
+            summed = torch.tensor(
+                [totals[k] for k in keys] + [float(backprop_tokens)], dtype=torch.float64, device=self.device
+            )
             dist.all_reduce(summed, group=self.group.pg)
             totals.update(zip(keys, summed.tolist()))
             backprop_tokens = int(summed[-1])
         e, tok = g.epochs_per_batch, max(totals["tokens"], 1.0)
-        return {"grpo/loss": totals["loss"] / e, "grpo/kl": totals["kl_sum"] / tok,
-                "grpo/clip_frac": totals["clipped_tokens"] / tok, "grpo/ratio_mean": totals["ratio_sum"] / tok,
-                "grpo/entropy": totals["entropy_sum"] / max(n_tok, 1.0), "grpo/grad_norm": totals["grad_norm"] / e,
-                "grpo/lr": self.scheduler.get_last_lr()[0], "tokens_backpropagated": backprop_tokens,
-                "seconds": time.perf_counter() - t0}
+        return {
+            "grpo/loss": totals["loss"] / e,
+            "grpo/kl": totals["kl_sum"] / tok,
+            "grpo/clip_frac": totals["clipped_tokens"] / tok,
+            "grpo/ratio_mean": totals["ratio_sum"] / tok,
+            "grpo/entropy": totals["entropy_sum"] / max(n_tok, 1.0),
+            "grpo/grad_norm": totals["grad_norm"] / e,
+            "grpo/lr": self.scheduler.get_last_lr()[0],
+            "tokens_backpropagated": backprop_tokens,
+            "seconds": time.perf_counter() - t0,
+        }
 
     def _share(self, part: list[Sample], adv: list[float]) -> tuple[list[Sample], list[float]]:
         """This rank's contiguous 1/world of a micro-batch (grpo.fsdp_size divides grpo.micro_batch_size and the
@@ -440,30 +505,34 @@ class GRPOLearner(Actor):
         manifest of every file (es_ray.runtime.checkpoint)."""
         import torch
 
-
         rng = {"scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(), "step": meta.get("step")}
         meta = {**meta, "fsdp_size": self.world}
         if not self.sharded:  # each parameter read as written (cast to fp32 there if it is not), never all copied
             weights = {n: p.detach() for n, p in self.named.items()}
-            save_checkpoint(path, weights, self.model_dir, {"optimizer": self.optimizer.state_dict(), **rng}, meta,
-                            "grpo")
+            save_checkpoint(
+                path, weights, self.model_dir, {"optimizer": self.optimizer.state_dict(), **rng}, meta, "grpo"
+            )
             return path
         if self.host_params is not None:
+            raise ConfigError(
+                "grpo.offload=optimizer with grpo.fsdp_size>1 cannot be checkpointed yet; set "
+                "run.checkpoint_every=0 or grpo.offload=none"
+            )
 
-            raise ConfigError("grpo.offload=optimizer with grpo.fsdp_size>1 cannot be checkpointed yet; set "
-                              "run.checkpoint_every=0 or grpo.offload=none")
-
-
-        where = self.group.broadcast(str(staging_dir(Path(path).parent / f"{Path(path).name}-shards"))
-                                     if self.rank == 0 else None)
+        where = self.group.broadcast(
+            str(staging_dir(Path(path).parent / f"{Path(path).name}-shards")) if self.rank == 0 else None
+        )
         save_moments(where, self._sharded_optimizer_state(), self.rank, self.world)
         self.group.barrier()  # every rank's moments are written before rank 0 publishes them
-        state = {"optimizer": {"moments": "shards", "lr": [group["lr"] for group in self.optimizer.param_groups]},
-                 **rng}
+        state = {
+            "optimizer": {"moments": "shards", "lr": [group["lr"] for group in self.optimizer.param_groups]},
+            **rng,
+        }
         if self.rank == 0:
             move = lambda tmp: shutil.move(where, tmp / "shards")  # noqa: E731
-            save_checkpoint(path, {n: _Gathered(p) for n, p in self.named.items()}, self.model_dir, state, meta,
-                            "grpo", extra=move)
+            save_checkpoint(
+                path, {n: _Gathered(p) for n, p in self.named.items()}, self.model_dir, state, meta, "grpo", extra=move
+            )
         else:  # the same gathers, in the order rank 0 writes them (sorted names)
             for name in sorted(self.named):
                 shards.full(self.named[name].detach())
@@ -480,8 +549,11 @@ class GRPOLearner(Actor):
             if not p.requires_grad:
                 continue
             if fresh or p not in self.optimizer.state:
-                out[name] = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
-                             "exp_avg_sq": torch.zeros_like(p)}
+                out[name] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
             else:
                 out[name] = self.optimizer.state[p]
         return out
@@ -492,14 +564,15 @@ class GRPOLearner(Actor):
         them; a one-process learner refuses a sharded checkpoint (and the reverse), naming the key."""
         import torch
 
-
         verify_dir(path)  # every file against its digest, before anything is read
         saved = read_meta(path, "grpo").get("fsdp_size", 1)
         sharded = (Path(path) / "shards").is_dir()
         if sharded != (self.sharded and self.host_params is None):
-            raise ConfigError(f"{path} was saved by a {'sharded' if sharded else 'one-process'} learner "
-                              f"(grpo.fsdp_size={saved}); resume with grpo.fsdp_size="
-                              f"{saved if sharded else 1}" + ("" if sharded else " grpo.offload=none"))
+            raise ConfigError(
+                f"{path} was saved by a {'sharded' if sharded else 'one-process'} learner "
+                f"(grpo.fsdp_size={saved}); resume with grpo.fsdp_size="
+                f"{saved if sharded else 1}" + ("" if sharded else " grpo.offload=none")
+            )
         self._read_rows(path)  # this rank's rows of each tensor, one tensor at a time: never the whole fp32 model
         if self.host_params is not None:  # grpo.offload=optimizer: AdamW steps the host copies, so they load too
             with torch.no_grad():

@@ -34,8 +34,9 @@ def pass_at_k_advantages(rewards_pg: torch.Tensor, k: int, scale: str = "group",
     return ADV_SCALES.get(scale)(r, torch.from_numpy(contributions(r.numpy(), k)), eps)
 
 
-def objective_advantages(rewards_pg: torch.Tensor, objective: str, k: int, scale: str = "group",
-                         eps: float = 1e-6) -> torch.Tensor:
+def objective_advantages(
+    rewards_pg: torch.Tensor, objective: str, k: int, scale: str = "group", eps: float = 1e-6
+) -> torch.Tensor:
     """The advantages of task.objective: group-relative for mean, pass@k contributions for pass_at_k."""
     if objective == "pass_at_k":
         return pass_at_k_advantages(rewards_pg, k, scale, eps)
@@ -48,8 +49,14 @@ def k3_kl(logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
-def aggregate(per_token_bt: torch.Tensor, mask_bt: torch.Tensor, loss_type: str, max_tokens: int,
-              num_sequences: float | None = None, num_tokens: float | None = None) -> torch.Tensor:
+def aggregate(
+    per_token_bt: torch.Tensor,
+    mask_bt: torch.Tensor,
+    loss_type: str,
+    max_tokens: int,
+    num_sequences: float | None = None,
+    num_tokens: float | None = None,
+) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar; L_i is sequence i's token count, N the sequences, M the tokens.
 
     grpo:    (1/N) sum_i (1/L_i) sum_t l_it                 mean over sequences of per-sequence token means
@@ -65,10 +72,21 @@ def aggregate(per_token_bt: torch.Tensor, mask_bt: torch.Tensor, loss_type: str,
     return LOSS_AGGREGATIONS.get(loss_type)(summed_b, mask, n, max_tokens, num_tokens)
 
 
-def grpo_loss(logp_bt: torch.Tensor, old_logp_bt: torch.Tensor, adv_b: torch.Tensor, mask_bt: torch.Tensor, *,
-              loss_type: str = "grpo", clip_eps: float = 0.2, clip_eps_high: float = 0.0, beta: float = 0.0,
-              ref_logp_bt: torch.Tensor | None = None, max_tokens: int = 1, num_sequences: float | None = None,
-              num_tokens: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def grpo_loss(
+    logp_bt: torch.Tensor,
+    old_logp_bt: torch.Tensor,
+    adv_b: torch.Tensor,
+    mask_bt: torch.Tensor,
+    *,
+    loss_type: str = "grpo",
+    clip_eps: float = 0.2,
+    clip_eps_high: float = 0.0,
+    beta: float = 0.0,
+    ref_logp_bt: torch.Tensor | None = None,
+    max_tokens: int = 1,
+    num_sequences: float | None = None,
+    num_tokens: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO objective for one (micro-)batch, to minimise.
 
     Per token, with rho = exp(logp - old_logp) and A the sequence's advantage:
@@ -93,7 +111,10 @@ def grpo_loss(logp_bt: torch.Tensor, old_logp_bt: torch.Tensor, adv_b: torch.Ten
     loss = aggregate(per_token, mask, loss_type, max_tokens, num_sequences, num_tokens)
     with torch.no_grad():
         is_clipped = ((ratio < 1.0 - clip_eps) & (adv_bt < 0)) | ((ratio > 1.0 + high) & (adv_bt > 0))
-        stats = {"clipped_tokens": (is_clipped.to(mask.dtype) * mask).sum(), "kl_sum": (kl * mask).sum(),
-                 "ratio_sum": (ratio * mask).sum(), "tokens": mask.sum()}
+        stats = {
+            "clipped_tokens": (is_clipped.to(mask.dtype) * mask).sum(),
+            "kl_sum": (kl * mask).sum(),
+            "ratio_sum": (ratio * mask).sum(),
+            "tokens": mask.sum(),
+        }
     return loss, stats
-

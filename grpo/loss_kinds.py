@@ -42,7 +42,8 @@ def token_mean(summed_b, mask_bt, n, max_tokens, num_tokens):
     return summed_b.sum() / m.clamp(min=1.0)
 
 
-LOSS_AGGREGATIONS = Registry("grpo.loss_type", {"grpo": per_sequence_mean, "dr_grpo": constant_normaliser,
-                                                 "dapo": token_mean})
+LOSS_AGGREGATIONS = Registry(
+    "grpo.loss_type", {"grpo": per_sequence_mean, "dr_grpo": constant_normaliser, "dapo": token_mean}
+)
 """How the per-token loss becomes a scalar (grpo, dr_grpo, dapo); each entry is fn(summed_b, mask_bt, N,
 max_tokens, M) with summed_b the per-sequence token sums (grpo/loss.py ``aggregate``)."""

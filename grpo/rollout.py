@@ -61,9 +61,13 @@ class RolloutWorker(Actor):
         self._prompts = templated_prompts(self.engine, self.task)
 
     def ready(self) -> dict:
-        return {**super().ready(), "train_size": len(self.task.train),
-                "eval_size": len(self.task.eval), "dtype": dtype_name(self.engine.dtype),
-                "skipped_lines": self.task.skipped_lines()}
+        return {
+            **super().ready(),
+            "train_size": len(self.task.train),
+            "eval_size": len(self.task.eval),
+            "dtype": dtype_name(self.engine.dtype),
+            "skipped_lines": self.task.skipped_lines(),
+        }
 
     def _tokens(self, text: str) -> list[int]:
         return list(self.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -88,24 +92,39 @@ class RolloutWorker(Actor):
         rewards, errors = score(self.task, [c.text for c in completions], problems)
         samples: list[Sample] = []
         for i, c, reward in zip(index, completions, rewards):
-            samples.append({"prompt_index": i, "prompt_ids": prompt_ids[i], "completion_ids": self._ids(c),
-                            "reward": reward})
-        return {"samples": samples, "reward_errors": errors, "generate_s": t1 - t0,
-                "reward_s": time.perf_counter() - t1, "tokens": sum(c.num_tokens for c in completions)}
+            samples.append(
+                {"prompt_index": i, "prompt_ids": prompt_ids[i], "completion_ids": self._ids(c), "reward": reward}
+            )
+        return {
+            "samples": samples,
+            "reward_errors": errors,
+            "generate_s": t1 - t0,
+            "reward_s": time.perf_counter() - t1,
+            "tokens": sum(c.num_tokens for c in completions),
+        }
 
     def evaluate(self, split: str, seed: int) -> dict:
         """The current weights on a whole split (the held-out curve, scored as ES scores it: es_ray.held_out)."""
         problems = self.task.eval if split == "eval" else self.task.train
-        return held_out_scores(self.engine, self.task, self._prompts[split], problems, self.cfg.eval,
-                               self.cfg.sampling.max_new_tokens, seed)
+        return held_out_scores(
+            self.engine,
+            self.task,
+            self._prompts[split],
+            problems,
+            self.cfg.eval,
+            self.cfg.sampling.max_new_tokens,
+            seed,
+        )
 
     def write_weights(self, weights: dict) -> dict:
         """Copy (HF name -> tensor) weights, the whole model or one chunk of it, into the engine; returns the bytes
         received and the seconds the write took."""
         t0 = time.perf_counter()
         self.engine.write_weights(weights.items())
-        return {"bytes": sum(t.numel() * t.element_size() for t in weights.values()),
-                "seconds": time.perf_counter() - t0}
+        return {
+            "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+            "seconds": time.perf_counter() - t0,
+        }
 
     def probe_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
         return self.engine.token_logprobs(prompt_ids, completion_ids, self.cfg.sampling.temperature)

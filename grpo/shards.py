@@ -83,24 +83,30 @@ def unreadable_moments(directory: Path, names: list[str]) -> Exception:
     checkpoint = directory.parent
     dcp = [n for n in names if n == ".metadata" or n.endswith(".distcp")]
     if dcp:
-        return CheckpointError(f"{directory}: AdamW's moments in the older torch.distributed.checkpoint (DCP) layout "
-                               f"({', '.join(dcp[:3])}{', ...' if len(dcp) > 3 else ''}), which this version no "
-                               f"longer reads: resume {checkpoint} with the es-ray version that wrote it, or start "
-                               "the run again in a new run.dir")
+        return CheckpointError(
+            f"{directory}: AdamW's moments in the older torch.distributed.checkpoint (DCP) layout "
+            f"({', '.join(dcp[:3])}{', ...' if len(dcp) > 3 else ''}), which this version no "
+            f"longer reads: resume {checkpoint} with the es-ray version that wrote it, or start "
+            "the run again in a new run.dir"
+        )
     ranks = moment_sets(directory, names)
-    found = "; ".join(f"{len(r)} rank{'s' * (len(r) != 1)} of world size {w}"
-                      for w, r in sorted(ranks.items())) or "no rank"
+    found = (
+        "; ".join(f"{len(r)} rank{'s' * (len(r) != 1)} of world size {w}" for w, r in sorted(ranks.items()))
+        or "no rank"
+    )
     missing = ""
     if len(ranks) == 1:
-        (world, have), = ranks.items()
+        ((world, have),) = ranks.items()
         absent = [r for r in range(world) if r not in have]
         extra = [r for r in sorted(have) if r >= world]
         gaps = [f"{len(absent)} missing, first {absent[:3]}"] if absent else []
         gaps += [f"beyond the world size: {extra[:3]}"] if extra else []
         missing = f" ({'; '.join(gaps)})" if gaps else ""
-    return CheckpointError(f"{directory}: moments-<rank>-of-<world>.safetensors found for {found}, where a sharded "
-                           f"learner's checkpoint has every rank of one world size{missing}; move {checkpoint} aside "
-                           "to resume from an earlier checkpoint")
+    return CheckpointError(
+        f"{directory}: moments-<rank>-of-<world>.safetensors found for {found}, where a sharded "
+        f"learner's checkpoint has every rank of one world size{missing}; move {checkpoint} aside "
+        "to resume from an earlier checkpoint"
+    )
 
 
 def load_moments(directory: str | Path, fresh: dict) -> dict:
@@ -128,7 +134,10 @@ def load_moments(directory: str | Path, fresh: dict) -> dict:
                 for r, file in files.items():
                     lo, hi = max(start, rows_start(rows, saved, r)), min(end, rows_start(rows, saved, r + 1))
                     if lo < hi:
-                        part = read_tensor(file, f"{name}/{key}", (slice(lo - rows_start(rows, saved, r),
-                                                                         hi - rows_start(rows, saved, r)),))
+                        part = read_tensor(
+                            file,
+                            f"{name}/{key}",
+                            (slice(lo - rows_start(rows, saved, r), hi - rows_start(rows, saved, r)),),
+                        )
                         mine[lo - start : hi - start].copy_(part)
     return fresh

@@ -1,6 +1,6 @@
 """`grpo-train`: GRPO on Ray, configured with Hydra over the typed schema in grpo.config.
 
-    grpo-train task.name=arithmetic grpo.steps=24 grpo.group_size=8 run.dir=/abs/path
+grpo-train task.name=arithmetic grpo.steps=24 grpo.group_size=8 run.dir=/abs/path
 """
 
 from __future__ import annotations

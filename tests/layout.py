@@ -22,17 +22,27 @@ from paths import TESTS
 
 AREAS = {
     "es_ray.core": "core",
-    "es_ray.engines": "engines", "es_ray.memory_plan": "engines", "es_ray.model_shape": "engines",
-    "es_ray.es": "es", "es_ray.strategy": "es", "es_ray.noise": "es", "es_ray.noise_kinds": "es",
-    "es_ray.perturbation": "es", "es_ray.lowrank": "es", "es_ray.replica": "es", "es_ray.replica_spec": "es",
+    "es_ray.engines": "engines",
+    "es_ray.memory_plan": "engines",
+    "es_ray.model_shape": "engines",
+    "es_ray.es": "es",
+    "es_ray.strategy": "es",
+    "es_ray.noise": "es",
+    "es_ray.noise_kinds": "es",
+    "es_ray.perturbation": "es",
+    "es_ray.lowrank": "es",
+    "es_ray.replica": "es",
+    "es_ray.replica_spec": "es",
     "es_ray.replica_memory": "es",
     "es_ray.evaluation": "evaluation",
     "es_ray.grading": "grading",
     "es_ray.metrics": "metrics",
-    "es_ray.runtime": "runtime", "es_ray.held_out": "runtime",
+    "es_ray.runtime": "runtime",
+    "es_ray.held_out": "runtime",
     "es_ray.tasks": "tasks",
     "es_ray.grpo": "grpo",
-    "es_ray.launch": "launch", "es_ray.launch.compare": "launch/compare",
+    "es_ray.launch": "launch",
+    "es_ray.launch.compare": "launch/compare",
 }
 """A module of the package (its installed name, or a prefix of it) -> its folder under tests/; the longest prefix
 naming a module wins. es_ray.models (the model a test loads) names no folder."""

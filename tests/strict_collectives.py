@@ -46,11 +46,37 @@ PROJECT = tuple(str(REPO / p) + "/" for p in ("grpo", "es_ray"))
 TORCH = str(Path(torch.__file__).parent) + "/"
 HERE = str(Path(__file__).resolve())
 OVERRIDES = TORCH + "overrides.py"
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
-               "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "scatter", "reduce", "all_to_all_single",
-               "all_gather_tensor", "all_gather_tensor_autograd", "reduce_scatter_tensor_autograd")
-FACTORIES = {torch.tensor, torch.as_tensor, torch.from_numpy, torch.zeros, torch.ones, torch.empty, torch.full,
-             torch.arange, torch.linspace, torch.rand, torch.randn, torch.randint, torch.eye}
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "broadcast",
+    "scatter",
+    "reduce",
+    "all_to_all_single",
+    "all_gather_tensor",
+    "all_gather_tensor_autograd",
+    "reduce_scatter_tensor_autograd",
+)
+FACTORIES = {
+    torch.tensor,
+    torch.as_tensor,
+    torch.from_numpy,
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.arange,
+    torch.linspace,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.eye,
+}
 HOST, DEVICE = "host", "device"
 
 
@@ -111,8 +137,13 @@ class StrictDevice(TorchFunctionMode):
         if local is None:
             return None
         found = self.where.get(local)
-        if found is None and self._offloaded and local.numel() and not local.is_meta \
-                and local.untyped_storage().data_ptr() in self._offloaded_storages():
+        if (
+            found is None
+            and self._offloaded
+            and local.numel()
+            and not local.is_meta
+            and local.untyped_storage().data_ptr() in self._offloaded_storages()
+        ):
             found = (HOST, "FSDP2's CPUOffloadPolicy (grpo.offload=all)")
         return found
 
@@ -130,8 +161,9 @@ class StrictDevice(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         moved = None
         if name == "to":
-            moved = next((a for a in list(args[1:]) + [kwargs.get("device")]
-                          if isinstance(a, (str, torch.device))), None)
+            moved = next(
+                (a for a in list(args[1:]) + [kwargs.get("device")] if isinstance(a, (str, torch.device))), None
+            )
             moved = None if moved is None else _placement(moved)
         elif name == "cpu":
             moved = HOST
@@ -187,7 +219,8 @@ class StrictDevice(TorchFunctionMode):
                 f"{collective} at {site} was handed a {t.dtype} tensor {tuple(t.shape)} on the host (made at "
                 f"{placed[1]}); NCCL serves only tensors on the rank's device (No backend type associated with "
                 f"device type cpu): create it with device=<the rank's device> or move it there first, or give the "
-                f"group a CPU backend beside NCCL")
+                f"group a CPU backend beside NCCL"
+            )
 
     def __enter__(self):
         import torch.distributed as dist

@@ -36,8 +36,9 @@ def check_positive(key: str, value: float, *, allow_zero: bool = False) -> None:
 def check_absolute(key: str, value: str) -> None:
     """Ray Jobs run the driver in a temporary directory: a relative output path would vanish with it."""
     if value and not os.path.isabs(value):
-        raise ConfigError(f"{key}={value!r} must be an absolute path (Ray Jobs run the driver in a temporary "
-                          "directory)")
+        raise ConfigError(
+            f"{key}={value!r} must be an absolute path (Ray Jobs run the driver in a temporary directory)"
+        )
 
 
 # -- sections -------------------------------------------------------------------------------------------------

@@ -21,7 +21,12 @@ def field_docs(cls) -> dict[str, str]:
             continue
         body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
         for node, after in zip(body, body[1:] + [None]):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr) \
-                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
     return docs

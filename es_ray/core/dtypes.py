@@ -6,8 +6,10 @@ from es_ray.core.registry import Registry
 
 # torch is imported by resolve_dtype only: the config's dtype names are checked without it.
 
-DTYPES = Registry("engine.dtype", {"auto": "bfloat16 on a GPU, float32 on a CPU", "bfloat16": "bfloat16",
-                                   "float16": "float16", "float32": "float32"})
+DTYPES = Registry(
+    "engine.dtype",
+    {"auto": "bfloat16 on a GPU, float32 on a CPU", "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"},
+)
 
 
 def resolve_dtype(name: str, device: str = "cpu", key: str = "engine.dtype"):

@@ -66,27 +66,33 @@ def sha256_file(file: Path) -> str:
 def _manifest(path: Path) -> dict[str, dict]:
     file = path / MANIFEST
     if not file.is_file():
-        raise CheckpointError(f"{file}: missing, so {path} is not a finished checkpoint (or predates checkpoint "
-                              "digests); move it aside to resume from an earlier checkpoint")
+        raise CheckpointError(
+            f"{file}: missing, so {path} is not a finished checkpoint (or predates checkpoint "
+            "digests); move it aside to resume from an earlier checkpoint"
+        )
     try:
         return dict(json.loads(file.read_text())["files"])
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{file}: unreadable ({exc}); move {path} aside to resume from an earlier "
-                              "checkpoint") from None
+        raise CheckpointError(
+            f"{file}: unreadable ({exc}); move {path} aside to resume from an earlier checkpoint"
+        ) from None
 
 
 def _check(path: Path, rel: str, want: dict) -> None:
     file = path / rel
     if not file.is_file():
-        raise CheckpointError(f"{file}: listed in {MANIFEST} but missing; move {path} aside to resume from an "
-                              "earlier checkpoint")
+        raise CheckpointError(
+            f"{file}: listed in {MANIFEST} but missing; move {path} aside to resume from an earlier checkpoint"
+        )
     size = file.stat().st_size
     got = sha256_file(file) if size == want.get("bytes") else ""
     if got != want.get("sha256"):
         found = f"sha256 {got[:16]}..." if got else f"{size} bytes"
         expected = f"sha256 {str(want.get('sha256'))[:16]}..." if got else f"{want.get('bytes')}"
-        raise CheckpointError(f"{file}: {found} where {MANIFEST} says {expected}: the file is corrupted; move "
-                              f"{path} aside to resume from an earlier checkpoint")
+        raise CheckpointError(
+            f"{file}: {found} where {MANIFEST} says {expected}: the file is corrupted; move "
+            f"{path} aside to resume from an earlier checkpoint"
+        )
 
 
 def verify_dir(path: str | Path) -> dict[str, dict]:
@@ -99,8 +105,7 @@ def verify_dir(path: str | Path) -> dict[str, dict]:
     listed = set(files) | {MANIFEST}
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
         if f.relative_to(path).as_posix() not in listed:
-            raise CheckpointError(f"{f}: not in {path / MANIFEST}; it was not written with this checkpoint: remove "
-                                  "it")
+            raise CheckpointError(f"{f}: not in {path / MANIFEST}; it was not written with this checkpoint: remove it")
     return files
 
 

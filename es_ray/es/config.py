@@ -11,8 +11,19 @@ import functools
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, HeldOutConfig, ModelConfig,
-                                RunConfig, SamplingConfig, TaskConfig, check_positive, to_config)
+from es_ray.core.config import (
+    ClusterConfig,
+    ConfigError,
+    EngineConfig,
+    FaultPolicy,
+    HeldOutConfig,
+    ModelConfig,
+    RunConfig,
+    SamplingConfig,
+    TaskConfig,
+    check_positive,
+    to_config,
+)
 from es_ray.core.registry import Registry
 from es_ray.engines import ENGINES, engines_that
 from es_ray.metrics.coverage import FITNESS_BASELINES, check_objective
@@ -27,18 +38,31 @@ if TYPE_CHECKING:
 
 # Hydra's ConfigStore is imported by register_configs only: the schema converts and checks without Hydra.
 
-ESTIMATORS = Registry("es.estimator", {
-    "one_point": "each member's own noise, the update sum_i f_i eps_i / (N sigma) (the paper's)",
-    "antithetic": "members in +/- pairs sharing one noise (es.population even): lower variance for the same draws"})
-ON_MISMATCH = Registry("es.on_mismatch", {
-    "stop": "a replica whose checksum differs from the others' stops the run",
-    "rebuild": "it is rebuilt from the last checkpoint and the seed log, and the run goes on"})
-KILL_PHASES = Registry("faults.kill_actor_phase", {"evaluate": "during a member evaluation",
-                                                   "update": "during the update"})
-KILL_WAYS = Registry("faults.kill_actor_by", {
-    "exit": "the actor's process exits",
-    "oom": "the call fails with Ray's OutOfMemoryError (what the caller gets when Ray's memory monitor kills the "
-           "worker), with the monitor's message"})
+ESTIMATORS = Registry(
+    "es.estimator",
+    {
+        "one_point": "each member's own noise, the update sum_i f_i eps_i / (N sigma) (the paper's)",
+        "antithetic": "members in +/- pairs sharing one noise (es.population even): lower variance for the same draws",
+    },
+)
+ON_MISMATCH = Registry(
+    "es.on_mismatch",
+    {
+        "stop": "a replica whose checksum differs from the others' stops the run",
+        "rebuild": "it is rebuilt from the last checkpoint and the seed log, and the run goes on",
+    },
+)
+KILL_PHASES = Registry(
+    "faults.kill_actor_phase", {"evaluate": "during a member evaluation", "update": "during the update"}
+)
+KILL_WAYS = Registry(
+    "faults.kill_actor_by",
+    {
+        "exit": "the actor's process exits",
+        "oom": "the call fails with Ray's OutOfMemoryError (what the caller gets when Ray's memory monitor kills the "
+        "worker), with the monitor's message",
+    },
+)
 
 
 @dataclass
@@ -145,8 +169,9 @@ class ESTrainConfig:
 def replica_spec(cfg: ESTrainConfig) -> ReplicaSpec:
     """The replica's settings from the ES config, the one place a ``ReplicaSpec`` is built: each field reads the key
     its metadata names (``es.sigma``, ``run.seed``, ...)."""
-    return ReplicaSpec(**{f.name: functools.reduce(getattr, f.metadata["config"].split("."), cfg)
-                          for f in fields(ReplicaSpec)})
+    return ReplicaSpec(
+        **{f.name: functools.reduce(getattr, f.metadata["config"].split("."), cfg) for f in fields(ReplicaSpec)}
+    )
 
 
 def validate(cfg: ESTrainConfig) -> ESTrainConfig:
@@ -195,19 +220,25 @@ def check_population_engine(cfg: ESTrainConfig) -> None:
     if cfg.es.rank < 1:
         raise ConfigError(f"es.rank={cfg.es.rank}: the rank of a low-rank perturbation must be >= 1 (e.g. es.rank=8)")
     if not traits.lowrank:
-        raise ConfigError(f"es.perturbation={cfg.es.perturbation} needs an engine that batches a population; "
-                          f"engine.name={cfg.engine.name} does not: use engine.name= one of "
-                          f"{', '.join(engines_that('lowrank'))}, or es.perturbation=full")
+        raise ConfigError(
+            f"es.perturbation={cfg.es.perturbation} needs an engine that batches a population; "
+            f"engine.name={cfg.engine.name} does not: use engine.name= one of "
+            f"{', '.join(engines_that('lowrank'))}, or es.perturbation=full"
+        )
     if cfg.engine.tensor_parallel_size > 1:
-        raise ConfigError(f"es.perturbation=lowrank with engine.tensor_parallel_size="
-                          f"{cfg.engine.tensor_parallel_size} is not supported yet: use tensor_parallel_size=1 or "
-                          "es.perturbation=full")
+        raise ConfigError(
+            f"es.perturbation=lowrank with engine.tensor_parallel_size="
+            f"{cfg.engine.tensor_parallel_size} is not supported yet: use tensor_parallel_size=1 or "
+            "es.perturbation=full"
+        )
     if cfg.engine.device != "auto":  # auto: checked where the engine starts
         traits.check_settings(cfg.engine.device, cfg.engine.dtype, True, cfg.engine.batch_invariant)
     ranks = traits.lowrank_ranks()
     if ranks is not None and cfg.es.rank not in ranks:
-        raise ConfigError(f"es.rank={cfg.es.rank}: engine.name={cfg.engine.name} serves low-rank members at ranks "
-                          f"{', '.join(map(str, ranks))} only; set es.rank= to one of them")
+        raise ConfigError(
+            f"es.rank={cfg.es.rank}: engine.name={cfg.engine.name} serves low-rank members at ranks "
+            f"{', '.join(map(str, ranks))} only; set es.rank= to one of them"
+        )
 
 
 def validate_injection(cfg: ESTrainConfig) -> None:
@@ -217,17 +248,26 @@ def validate_injection(cfg: ESTrainConfig) -> None:
     KILL_PHASES.check(f.kill_actor_phase)
     KILL_WAYS.check(f.kill_actor_by)
     if not 0 <= f.actor_rank < cfg.cluster.num_actors:
-        raise ConfigError(f"faults.actor_rank={f.actor_rank} is not an actor: set it in "
-                          f"[0, cluster.num_actors={cfg.cluster.num_actors})")
-    for key in ("kill_actor_at_iteration", "hang_actor_at_iteration", "corrupt_replica_at_iteration",
-                "interrupt_at_iteration"):
+        raise ConfigError(
+            f"faults.actor_rank={f.actor_rank} is not an actor: set it in "
+            f"[0, cluster.num_actors={cfg.cluster.num_actors})"
+        )
+    for key in (
+        "kill_actor_at_iteration",
+        "hang_actor_at_iteration",
+        "corrupt_replica_at_iteration",
+        "interrupt_at_iteration",
+    ):
         value = getattr(f, key)
         if value < -1 or value >= cfg.es.iterations:
-            raise ConfigError(f"faults.{key}={value} never fires: set it in [0, es.iterations={cfg.es.iterations}) "
-                              "or -1 (off)")
+            raise ConfigError(
+                f"faults.{key}={value} never fires: set it in [0, es.iterations={cfg.es.iterations}) or -1 (off)"
+            )
     if f.hang_actor_at_iteration >= 0 and not f.actor_timeout_s:
-        raise ConfigError("faults.hang_actor_at_iteration needs faults.actor_timeout_s > 0 (with 0 the driver "
-                          "would wait for the hung actor forever)")
+        raise ConfigError(
+            "faults.hang_actor_at_iteration needs faults.actor_timeout_s > 0 (with 0 the driver "
+            "would wait for the hung actor forever)"
+        )
 
 
 def to_train_config(cfg: Any) -> ESTrainConfig:

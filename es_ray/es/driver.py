@@ -63,28 +63,47 @@ def sample_seed(cfg: ESTrainConfig, iteration: int) -> int:
 def start_workers(cfg: ESTrainConfig, replicas, log=print, placement=None):
     """One ES actor per bundle of the run's placement group (the fit checked first); a replacement is rebuilt by
     ``replicas.restore``. Returns the actor group and the actors' ready() answers."""
+
     # a replacement started during iteration t is immune to the injected faults of iterations up to t
     def make_args(rank: int) -> tuple:
         return (cfg, rank, replicas.committed if replicas.group is not None else -1)
 
     placement = placement or placements.place(cfg.cluster, "es")
-    advice = (f"The seed log holds every committed iteration: continue later with run.resume=true "
-              f"run.dir={replicas.run_dir}")
-    group, infos = actors.start_group("es", ESWorker, cfg.cluster.num_actors, make_args, placement, cfg.faults,
-                                      log=log, restore=replicas.restore, lost_advice=advice)
+    advice = (
+        f"The seed log holds every committed iteration: continue later with run.resume=true run.dir={replicas.run_dir}"
+    )
+    group, infos = actors.start_group(
+        "es",
+        ESWorker,
+        cfg.cluster.num_actors,
+        make_args,
+        placement,
+        cfg.faults,
+        log=log,
+        restore=replicas.restore,
+        lost_advice=advice,
+    )
     replicas.group = group
     return group, infos
 
 
-def evaluate(group, iteration: int, members: list[Member], cfg: ESTrainConfig, ids: tuple[int, ...],
-             show: Callable[[int, int], None] | None = None):
+def evaluate(
+    group,
+    iteration: int,
+    members: list[Member],
+    cfg: ESTrainConfig,
+    ids: tuple[int, ...],
+    show: Callable[[int, int], None] | None = None,
+):
     """Score the members on the actors (member i on actor i % num_actors); a lost actor's members are scored
     again by its replacement. ``show(done, total)`` (a progress bar's) is told the members scored so far, as the
     actors report them (``report_progress``) and as their answers come."""
     seed = sample_seed(cfg, iteration)
     parts = assign(members, len(group))
-    calls = {r: (EvalRequest(iteration, cfg.es.sigma, tuple(part), ids, seed, show is not None),)
-             for r, part in enumerate(parts)}
+    calls = {
+        r: (EvalRequest(iteration, cfg.es.sigma, tuple(part), ids, seed, show is not None),)
+        for r, part in enumerate(parts)
+    }
     waiting = None
     if show is not None:
         shown, told, read_at = [-1], {}, [-math.inf]
@@ -163,8 +182,10 @@ class ESRun(Training):
         group.check_interrupt = guard.check
         check_noise_devices(cfg, infos)
         self.pool = infos[0]["train_size"]
-        tracker.message(f"es: {len(group)} actor(s), training pool {self.pool}, held-out {infos[0]['eval_size']}, "
-                        f"run dir {self.run_dir}")
+        tracker.message(
+            f"es: {len(group)} actor(s), training pool {self.pool}, held-out {infos[0]['eval_size']}, "
+            f"run dir {self.run_dir}"
+        )
         for line in infos[0].get("skipped_lines", ()):
             tracker.message(line)
         if point.note:
@@ -187,8 +208,12 @@ class ESRun(Training):
         complete up to the last committed iteration (an update and its log line are never split by a signal), so
         resuming is exact even if a second signal cuts this checkpoint short."""
         replicas = self.replicas
-        if (replicas is None or replicas.group is None or done <= replicas.base_iteration
-                or not replicas.group.live_ranks):
+        if (
+            replicas is None
+            or replicas.group is None
+            or done <= replicas.base_iteration
+            or not replicas.group.live_ranks
+        ):
             return ""
         replicas.group.replaceable = False  # stopping: an actor failing now is skipped, never waited for
         replicas.group.cancel_inflight()
@@ -227,8 +252,9 @@ def preflight_perturbation(cfg: ESTrainConfig, model_dir) -> None:
     trainable linear layers), read from the checkpoint's headers, before any actor starts (each replica checks it
     again)."""
     spec = replica_spec(cfg)
-    spec.kind.check_model(cfg.es.rank, lambda: {n: shape for n, (_, shape) in safetensors_index(model_dir).items()
-                                                if spec.selects(n)})
+    spec.kind.check_model(
+        cfg.es.rank, lambda: {n: shape for n, (_, shape) in safetensors_index(model_dir).items() if spec.selects(n)}
+    )
 
 
 def check_noise_devices(cfg: ESTrainConfig, infos: list[dict]) -> None:
@@ -244,14 +270,18 @@ def check_noise_devices(cfg: ESTrainConfig, infos: list[dict]) -> None:
         return
     shown = " and ".join(f"{name} ({sm} SMs)" if sm else name for name, sm in devices[:2])
     if set(kinds) <= PORTABLE_KINDS:
-        raise ConfigError(f"es.perturbation={cfg.es.perturbation} applies its update with one matmul of the factors, "
-                          f"whose rounding depends on the device, and the actors run on {shown}"
-                          f"{' and more' if len(devices) > 2 else ''}: their replicas would differ after the first "
-                          "update; run every actor on one GPU model, or set es.perturbation=full with es.noise=counter")
-    raise ConfigError(f"es.noise={cfg.es.noise} draws {'/'.join(kinds)} noise, whose numbers depend on the device, but "
-                      f"the actors run on {shown}{' and more' if len(devices) > 2 else ''}: their replicas would "
-                      "differ from the first iteration; set es.noise=counter (the same noise on every device)"
-                      + (" and es.perturbation=full (low rank's update depends on the device too)" if lowrank else ""))
+        raise ConfigError(
+            f"es.perturbation={cfg.es.perturbation} applies its update with one matmul of the factors, "
+            f"whose rounding depends on the device, and the actors run on {shown}"
+            f"{' and more' if len(devices) > 2 else ''}: their replicas would differ after the first "
+            "update; run every actor on one GPU model, or set es.perturbation=full with es.noise=counter"
+        )
+    raise ConfigError(
+        f"es.noise={cfg.es.noise} draws {'/'.join(kinds)} noise, whose numbers depend on the device, but "
+        f"the actors run on {shown}{' and more' if len(devices) > 2 else ''}: their replicas would "
+        "differ from the first iteration; set es.noise=counter (the same noise on every device)"
+        + (" and es.perturbation=full (low rank's update depends on the device too)" if lowrank else "")
+    )
 
 
 def iteration(cfg: ESTrainConfig, replicas, t: int, pool: int, seed_log, guard, record=None, show=None) -> dict:
@@ -269,14 +299,24 @@ def iteration(cfg: ESTrainConfig, replicas, t: int, pool: int, seed_log, guard, 
         results, actor_timing = evaluate(replicas.group, t, members, cfg, ids, show)
     rewards_n = np.array([r.reward for r in results], dtype=np.float64)
     fitness_n = shape_fitness(raw_fitness(results, cfg.es.fitness_baseline), cfg.es.shaping)
-    seed_record = SeedRecord(t, cfg.es.sigma, cfg.es.lr, tuple(members), tuple(rewards_n.tolist()),
-                         tuple(fitness_n.tolist()))
+    seed_record = SeedRecord(
+        t, cfg.es.sigma, cfg.es.lr, tuple(members), tuple(rewards_n.tolist()), tuple(fitness_n.tolist())
+    )
     with guard.critical():  # a signal waits until the update is applied, recorded and logged
         with timer("update"):
             updates, checksum = tell(replicas, seed_record, cfg)
         seed_record = dataclasses.replace(seed_record, checksum=checksum)
-        row = iteration_row(results, rewards_n, fitness_n, updates, checksum, len(ids) * cfg.es.samples_per_prompt,
-                            timer, actor_timing, time.perf_counter() - t_start)
+        row = iteration_row(
+            results,
+            rewards_n,
+            fitness_n,
+            updates,
+            checksum,
+            len(ids) * cfg.es.samples_per_prompt,
+            timer,
+            actor_timing,
+            time.perf_counter() - t_start,
+        )
         # every replica holds it (a replacement during held-out scoring is rebuilt with it)
         replicas.commit(seed_record)
         if record is not None:
@@ -293,21 +333,32 @@ def raw_fitness(results, baseline: str) -> np.ndarray:
     return member_fitness(np.array([r.prompt_values for r in results], dtype=np.float64), baseline)
 
 
-def iteration_row(results, rewards_n: np.ndarray, fitness_n: np.ndarray, updates, checksum: str, prompts: int,
-                  timer: Timer, actor_timing: dict, wall: float) -> dict:
+def iteration_row(
+    results,
+    rewards_n: np.ndarray,
+    fitness_n: np.ndarray,
+    updates,
+    checksum: str,
+    prompts: int,
+    timer: Timer,
+    actor_timing: dict,
+    wall: float,
+) -> dict:
     """An iteration's metrics row; ``prompts``: the completions each member generated (prompts x samples)."""
     tokens = sum(r.tokens for r in results)
     row = {
         **seed_log_row(rewards_n, fitness_n, checksum),
         "reward/errors": int(sum(r.reward_errors for r in results)),
-        "es/update_norm": updates[0].update_norm, "es/realised_cos": updates[0].realised_cos,
+        "es/update_norm": updates[0].update_norm,
+        "es/realised_cos": updates[0].realised_cos,
         "es/realised_norm": updates[0].realised_norm,
-        "perf/tokens": tokens, "perf/tokens_per_s": tokens / max(timer.seconds["evaluate"], 1e-9),
+        "perf/tokens": tokens,
+        "perf/tokens_per_s": tokens / max(timer.seconds["evaluate"], 1e-9),
         "completions/mean_length": tokens / max(1, len(results) * prompts),
         "perf/completions": len(results) * prompts,
-        "timing_s/iteration": wall, "timing_s/update_actor": max(u.seconds for u in updates),
+        "timing_s/iteration": wall,
+        "timing_s/update_actor": max(u.seconds for u in updates),
     }
     row.update({f"timing_s/{k}": v for k, v in timer.seconds.items()})
     row.update({f"timing_s/{k}": v for k, v in actor_timing.items()})
     return row
-

@@ -38,8 +38,7 @@ class FaultInjector:
 
     def member_done(self, iteration: int, done: int, total: int) -> None:
         """Called after each evaluated member: the kill lands after the first one, mid-iteration."""
-        if self.cfg.kill_actor_phase == "evaluate" and self._fires("kill_actor_at_iteration", iteration) \
-                and done == 1:
+        if self.cfg.kill_actor_phase == "evaluate" and self._fires("kill_actor_at_iteration", iteration) and done == 1:
             self._kill(f"evaluating iteration {iteration} ({done}/{total} members done)")
 
     def before_update(self, iteration: int) -> None:
@@ -50,7 +49,6 @@ class FaultInjector:
         if self._fires("corrupt_replica_at_iteration", iteration):
             corrupt_one_bit(replica)
 
-
     def _kill(self, where: str) -> None:
         if self.cfg.kill_actor_by == "oom":
             raise_memory_kill(where)
@@ -58,11 +56,13 @@ class FaultInjector:
 
 
 # Ray's memory monitor's message as the caller reads it (Ray 2.60's OutOfMemoryError), numbers of this process.
-MEMORY_KILL = ("Task was killed due to the node running out of memory.\nMemory on the node (IP: 127.0.0.1, ID: "
-               "faults) where the task (actor ID: faults, name=ESWorker.__init__, pid={pid}, memory used={rss:.2f}GB) "
-               "was running was 23.10GB / 24.00GB (0.9625), which exceeds the memory usage threshold of 0.95. Ray "
-               "killed this worker (ID: faults) because it was the most recently scheduled task.\nTop 10 memory "
-               "users:\nPID\tMEM(GB)\tCOMMAND\n{pid}\t{rss:.2f}\tray::ESWorker.evaluate\n")
+MEMORY_KILL = (
+    "Task was killed due to the node running out of memory.\nMemory on the node (IP: 127.0.0.1, ID: "
+    "faults) where the task (actor ID: faults, name=ESWorker.__init__, pid={pid}, memory used={rss:.2f}GB) "
+    "was running was 23.10GB / 24.00GB (0.9625), which exceeds the memory usage threshold of 0.95. Ray "
+    "killed this worker (ID: faults) because it was the most recently scheduled task.\nTop 10 memory "
+    "users:\nPID\tMEM(GB)\tCOMMAND\n{pid}\t{rss:.2f}\tray::ESWorker.evaluate\n"
+)
 
 
 def raise_memory_kill(where: str) -> None:
@@ -70,8 +70,11 @@ def raise_memory_kill(where: str) -> None:
     import ray
 
     rss = (process_peak_memory().get("peak_rss_bytes") or 0) / 2**30
-    print(f"faults: actor process {os.getpid()} fails with Ray's OutOfMemoryError {where} "
-          "(faults.kill_actor_at_iteration, faults.kill_actor_by=oom)", flush=True)
+    print(
+        f"faults: actor process {os.getpid()} fails with Ray's OutOfMemoryError {where} "
+        "(faults.kill_actor_at_iteration, faults.kill_actor_by=oom)",
+        flush=True,
+    )
     raise ray.exceptions.OutOfMemoryError(MEMORY_KILL.format(pid=os.getpid(), rss=rss))
 
 

@@ -90,13 +90,24 @@ class SeedRecord:
         return UpdateRequest(self.iteration, self.sigma, self.members, self.fitness, want_checksum)
 
     def to_json(self) -> dict:
-        out = {"iteration": self.iteration, "sigma": self.sigma, "lr": self.lr,
-               "members": [[m.index, m.noise_id, m.sign] for m in self.members],
-               "rewards": list(self.rewards), "fitness": list(self.fitness)}
+        out = {
+            "iteration": self.iteration,
+            "sigma": self.sigma,
+            "lr": self.lr,
+            "members": [[m.index, m.noise_id, m.sign] for m in self.members],
+            "rewards": list(self.rewards),
+            "fitness": list(self.fitness),
+        }
         return out if self.checksum is None else {**out, "checksum": self.checksum}
 
     @classmethod
     def from_json(cls, row: dict) -> SeedRecord:
-        return cls(int(row["iteration"]), float(row["sigma"]), float(row.get("lr", 0.0)),
-                   tuple(Member(*m) for m in row["members"]), tuple(row.get("rewards", ())), tuple(row["fitness"]),
-                   row.get("checksum"))
+        return cls(
+            int(row["iteration"]),
+            float(row["sigma"]),
+            float(row.get("lr", 0.0)),
+            tuple(Member(*m) for m in row["members"]),
+            tuple(row.get("rewards", ())),
+            tuple(row["fitness"]),
+            row.get("checksum"),
+        )

@@ -67,8 +67,10 @@ def resume_point(cfg: ESTrainConfig, run_dir: Path) -> ResumePoint:
         return ResumePoint()
     if not log_path.is_file():
         if list_checkpoints(run_dir):  # never start again from the initial weights past a checkpoint
-            raise ConfigError(f"run.resume=true: {run_dir} holds checkpoints but no seed_log.jsonl, which names the "
-                              "iterations they hold; restore seed_log.jsonl, or start a new run.dir")
+            raise ConfigError(
+                f"run.resume=true: {run_dir} holds checkpoints but no seed_log.jsonl, which names the "
+                "iterations they hold; restore seed_log.jsonl, or start a new run.dir"
+            )
         return ResumePoint(note=f"run.resume=true: nothing to resume in {run_dir}; starting a new run")
     try:
         records = SeedLog.recover(log_path)
@@ -76,27 +78,34 @@ def resume_point(cfg: ESTrainConfig, run_dir: Path) -> ResumePoint:
         raise ConfigError(f"run.resume=true: {exc}") from None
     start = len(records)
     if start > cfg.es.iterations:
-        raise ConfigError(f"run.resume=true: {run_dir} already holds {start} iterations, more than "
-                          f"es.iterations={cfg.es.iterations}; raise es.iterations to at least {start}")
+        raise ConfigError(
+            f"run.resume=true: {run_dir} already holds {start} iterations, more than "
+            f"es.iterations={cfg.es.iterations}; raise es.iterations to at least {start}"
+        )
     point = ResumePoint(start=start, checksum=records[-1].get("checksum", "") if records else "")
     for it, path, meta in list_checkpoints(run_dir):
         if it > start:
             continue
         logged = records[it - 1].get("checksum") if it else ""
         if logged and meta.get("checksum") and meta["checksum"] != logged:
-            raise ConfigError(f"run.resume=true: checkpoint {path} (checksum {meta['checksum']}) does not match the "
-                              f"seed log at iteration {it - 1} ({logged}); it is not from this run")
+            raise ConfigError(
+                f"run.resume=true: checkpoint {path} (checksum {meta['checksum']}) does not match the "
+                f"seed log at iteration {it - 1} ({logged}); it is not from this run"
+            )
         point.checkpoint, point.checkpoint_iteration = str(path), it
         if it == start and not point.checksum:
             point.checksum = meta.get("checksum", "")
-    point.records = records[point.checkpoint_iteration:]
-    point.history, point.rebuilt = rebuild_rows(records, keep_metrics(run_dir / "metrics.jsonl", start, "iteration"),
-                                                run_dir)
+    point.records = records[point.checkpoint_iteration :]
+    point.history, point.rebuilt = rebuild_rows(
+        records, keep_metrics(run_dir / "metrics.jsonl", start, "iteration"), run_dir
+    )
     if point.rebuilt:
         write_metrics(run_dir / "metrics.jsonl", point.history)
     src = point.checkpoint or "the initial weights"
-    point.note = (f"es: resuming at iteration {start} of {cfg.es.iterations} from {src} (iteration "
-                  f"{point.checkpoint_iteration}) plus {len(point.records)} logged update(s) replayed")
+    point.note = (
+        f"es: resuming at iteration {start} of {cfg.es.iterations} from {src} (iteration "
+        f"{point.checkpoint_iteration}) plus {len(point.records)} logged update(s) replayed"
+    )
     return point
 
 
@@ -104,9 +113,14 @@ def seed_log_row(rewards_n, fitness_n, checksum: str) -> dict:
     """The entries of an iteration's metrics row its seed-log line determines (rewards, shaped fitness, checksum):
     what a resume rebuilds a lost row from."""
     rewards_n, fitness_n = np.asarray(rewards_n, dtype=np.float64), np.asarray(fitness_n, dtype=np.float64)
-    return {REWARD_MEAN: float(rewards_n.mean()), REWARD_STD: float(rewards_n.std()),
-            "reward/max": float(rewards_n.max()), "reward/min": float(rewards_n.min()),
-            ES_ZERO_UPDATE: bool(not np.any(fitness_n)), "es/checksums_verified": bool(checksum)}
+    return {
+        REWARD_MEAN: float(rewards_n.mean()),
+        REWARD_STD: float(rewards_n.std()),
+        "reward/max": float(rewards_n.max()),
+        "reward/min": float(rewards_n.min()),
+        ES_ZERO_UPDATE: bool(not np.any(fitness_n)),
+        "es/checksums_verified": bool(checksum),
+    }
 
 
 def rebuild_rows(records: list[dict], rows: list[dict], run_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -118,23 +132,41 @@ def rebuild_rows(records: list[dict], rows: list[dict], run_dir: Path) -> tuple[
     for row in rows:
         by_it.setdefault(row.get("iteration"), []).append(row)
     twice = sorted(t for t, rs in by_it.items() if len(rs) > 1)
-    differ = [t for t, rs in sorted(by_it.items()) if t not in twice and REWARD_MEAN in rs[0]
-              and t < len(records) and not math.isclose(rs[0][REWARD_MEAN], float(np.mean(records[t]["rewards"])),
-                                                        rel_tol=1e-9, abs_tol=1e-12)]
+    differ = [
+        t
+        for t, rs in sorted(by_it.items())
+        if t not in twice
+        and REWARD_MEAN in rs[0]
+        and t < len(records)
+        and not math.isclose(rs[0][REWARD_MEAN], float(np.mean(records[t]["rewards"])), rel_tol=1e-9, abs_tol=1e-12)
+    ]
     if twice or differ:
-        why = "; ".join(x for x in (f"iterations {_shown(twice)} have two rows" if twice else "",
-                                    f"iterations {_shown(differ)} give a reward/mean their seed-log lines do not "
-                                    "(the mean of the logged rewards)" if differ else "") if x)
-        raise ConfigError(f"run.resume=true: {run_dir / 'metrics.jsonl'} disagrees with seed_log.jsonl: {why}; the "
-                          "files are not of one run. Restore the run's own metrics.jsonl, or move it aside (the "
-                          "resume then rebuilds every row the seed log holds)")
+        why = "; ".join(
+            x
+            for x in (
+                f"iterations {_shown(twice)} have two rows" if twice else "",
+                f"iterations {_shown(differ)} give a reward/mean their seed-log lines do not "
+                "(the mean of the logged rewards)"
+                if differ
+                else "",
+            )
+            if x
+        )
+        raise ConfigError(
+            f"run.resume=true: {run_dir / 'metrics.jsonl'} disagrees with seed_log.jsonl: {why}; the "
+            "files are not of one run. Restore the run's own metrics.jsonl, or move it aside (the "
+            "resume then rebuilds every row the seed log holds)"
+        )
     out, rebuilt = [], []
     for t, rec in enumerate(records):
         if t in by_it:
             out.append(by_it[t][0])
         else:
-            row = {"iteration": t, **seed_log_row(rec["rewards"], rec["fitness"], rec.get("checksum", "")),
-                   "resume/rebuilt": True}
+            row = {
+                "iteration": t,
+                **seed_log_row(rec["rewards"], rec["fitness"], rec.get("checksum", "")),
+                "resume/rebuilt": True,
+            }
             out.append(row)
             rebuilt.append(row)
     return out, rebuilt
@@ -217,10 +249,13 @@ class Replicas:
             raise ReplicaMismatchError(
                 f"resume: the replayed replicas' checksums {sorted(sums)} differ from each other or from the seed "
                 f"log's ({self.checksum}), though {self.base_checkpoint or 'the initial weights'} and the seed log "
-                "passed their digest checks: the replay itself differs; resume on the hardware type that wrote the log")
-        self.tracker.message(f"es: {len(out)} actor(s) rebuilt by replaying {len(self.records)} update(s) in "
-                             f"{time.perf_counter() - t0:.1f} s; checksum {sums.pop()} "
-                             f"{'matches the seed log' if self.checksum else '(not logged; checked next iteration)'}")
+                "passed their digest checks: the replay itself differs; resume on the hardware type that wrote the log"
+            )
+        self.tracker.message(
+            f"es: {len(out)} actor(s) rebuilt by replaying {len(self.records)} update(s) in "
+            f"{time.perf_counter() - t0:.1f} s; checksum {sums.pop()} "
+            f"{'matches the seed log' if self.checksum else '(not logged; checked next iteration)'}"
+        )
 
     def restore(self, group, rank: int) -> dict:
         """The actor group's hook: a replacement actor rebuilt to the committed state, its checksum checked."""
@@ -230,14 +265,21 @@ class Replicas:
             raise ReplicaMismatchError(
                 f"actor {rank}: the replacement rebuilt from the log has checksum {res['checksum']}, the replicas "
                 f"have {self.checksum}, though the files it read passed their digest checks: replay is exact only "
-                "on one hardware type")
+                "on one hardware type"
+            )
         self.tracker.message(
             f"es: actor {rank} rebuilt in {res['seconds']:.1f} s replaying {res['replayed']} update(s); "
             f"{sent[rank]} bytes sent against a {res['model_bytes']} byte model; checksum "
-            f"{'verified' if self.checksum else 'checked at the next comparison'}")
-        return {"rebuild_seconds": res["seconds"], "replayed": res["replayed"],
-                "bytes_sent": payload_bytes(group.make_args(rank)) + sent[rank], "model_bytes": res["model_bytes"],
-                "checksum_verified": bool(self.checksum), "iteration": self.committed}
+            f"{'verified' if self.checksum else 'checked at the next comparison'}"
+        )
+        return {
+            "rebuild_seconds": res["seconds"],
+            "replayed": res["replayed"],
+            "bytes_sent": payload_bytes(group.make_args(rank)) + sent[rank],
+            "model_bytes": res["model_bytes"],
+            "checksum_verified": bool(self.checksum),
+            "iteration": self.committed,
+        }
 
     def repair(self, checksums: list[str], pending: SeedRecord) -> list[str]:
         """es.on_mismatch=rebuild: rebuild the actors outside the majority (without one, actor 0 first and then
@@ -256,14 +298,24 @@ class Replicas:
             rebuilt.append(rank)
             truth = truth or sums[rank]
         if len(set(sums)) > 1:
-            raise ReplicaMismatchError(f"iteration {pending.iteration}: replicas rebuilt from the log still "
-                                       f"disagree ({sums}); the hardware is not deterministic")
-        event = {"kind": "rebuild", "ranks": rebuilt, "before": list(checksums), "after": sums[0],
-                 "seconds": time.perf_counter() - t0, "iteration": pending.iteration}
+            raise ReplicaMismatchError(
+                f"iteration {pending.iteration}: replicas rebuilt from the log still "
+                f"disagree ({sums}); the hardware is not deterministic"
+            )
+        event = {
+            "kind": "rebuild",
+            "ranks": rebuilt,
+            "before": list(checksums),
+            "after": sums[0],
+            "seconds": time.perf_counter() - t0,
+            "iteration": pending.iteration,
+        }
         self.events.append(event)
-        self.tracker.message(f"es: iteration {pending.iteration}: replica checksums differed {list(checksums)}; "
-                             f"rebuilt actor(s) {rebuilt} from the log in {event['seconds']:.1f} s (es.on_mismatch="
-                             f"rebuild); all now {sums[0]}")
+        self.tracker.message(
+            f"es: iteration {pending.iteration}: replica checksums differed {list(checksums)}; "
+            f"rebuilt actor(s) {rebuilt} from the log in {event['seconds']:.1f} s (es.on_mismatch="
+            f"rebuild); all now {sums[0]}"
+        )
         return sums
 
     def drain_events(self) -> dict[str, Any]:
@@ -273,9 +325,11 @@ class Replicas:
         if not ev:
             return {}
         replaced = [e for e in ev if e["kind"] == "replace"]
-        row: dict[str, Any] = {"recovery/replacements": len(replaced),
-                               "recovery/rebuilds": sum(len(e["ranks"]) for e in ev if e["kind"] == "rebuild"),
-                               "recovery/seconds": sum(e["seconds"] for e in ev)}
+        row: dict[str, Any] = {
+            "recovery/replacements": len(replaced),
+            "recovery/rebuilds": sum(len(e["ranks"]) for e in ev if e["kind"] == "rebuild"),
+            "recovery/seconds": sum(e["seconds"] for e in ev),
+        }
         if replaced:
             row["recovery/bytes_sent"] = sum(e["bytes_sent"] for e in replaced)
             row["recovery/model_bytes"] = replaced[0]["model_bytes"]

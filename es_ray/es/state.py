@@ -25,8 +25,17 @@ from typing import TYPE_CHECKING
 
 from es_ray.es.protocol import SeedRecord, UpdateRequest
 from es_ray.models import read_tensor, safetensors_index
-from es_ray.runtime.checkpoint import (MANIFEST, checkpoints_by_step, load_state, meta_file, save_checkpoint,
-                                       staging_dir, state_file, verify_dir, write_fp32_safetensors)
+from es_ray.runtime.checkpoint import (
+    MANIFEST,
+    checkpoints_by_step,
+    load_state,
+    meta_file,
+    save_checkpoint,
+    staging_dir,
+    state_file,
+    verify_dir,
+    write_fp32_safetensors,
+)
 
 if TYPE_CHECKING:  # torch is imported where tensors are read: the driver's seed log and checkpoint list need none
     import torch
@@ -83,16 +92,22 @@ class SeedLog:
             except ValueError:
                 row = want = None
             if not isinstance(row, dict) or (want is not None and want != _record_digest(row)):
-                raise ValueError(f"{path}: line {number} is corrupted ({'its digest differs' if row else 'not JSON'}); "
-                                 f"only a torn last line is cut. Restore the file, or keep lines 1-{number - 1} "
-                                 f"(head -n {number - 1}) to resume from iteration {len(rows)}")
+                raise ValueError(
+                    f"{path}: line {number} is corrupted ({'its digest differs' if row else 'not JSON'}); "
+                    f"only a torn last line is cut. Restore the file, or keep lines 1-{number - 1} "
+                    f"(head -n {number - 1}) to resume from iteration {len(rows)}"
+                )
             digested.add(want is not None)
             if len(digested) > 1:
-                raise ValueError(f"{path}: line {number} {'has' if want else 'lacks'} the digest other lines "
-                                 f"{'lack' if want else 'have'}; the log was edited")
+                raise ValueError(
+                    f"{path}: line {number} {'has' if want else 'lacks'} the digest other lines "
+                    f"{'lack' if want else 'have'}; the log was edited"
+                )
             if row.get("iteration") != len(rows):
-                raise ValueError(f"{path}: record {len(rows)} (line {number}) is for iteration "
-                                 f"{row.get('iteration')}; the seed log must hold iterations 0, 1, 2, ... in order")
+                raise ValueError(
+                    f"{path}: record {len(rows)} (line {number}) is for iteration "
+                    f"{row.get('iteration')}; the seed log must hold iterations 0, 1, 2, ... in order"
+                )
             rows.append(row)
         return rows, len(data) - len(tail)
 
@@ -177,8 +192,13 @@ def state_tensors_file(file: str | Path, prefix: str) -> FileTensors:
     from safetensors import safe_open
 
     with safe_open(str(file), framework="pt") as sf:
-        return FileTensors({key[len(prefix):]: (str(file), key, tuple(sf.get_slice(key).get_shape()))
-                            for key in sf.keys() if key.startswith(prefix)})
+        return FileTensors(
+            {
+                key[len(prefix) :]: (str(file), key, tuple(sf.get_slice(key).get_shape()))
+                for key in sf.keys()
+                if key.startswith(prefix)
+            }
+        )
 
 
 class MomentTensors(Mapping):
@@ -204,8 +224,9 @@ class MomentTensors(Mapping):
         return len(self.moments)
 
     def sliced(self, parts: Mapping) -> MomentTensors:
-        return MomentTensors(self.tensors.sliced({f"{k}/{n}": s for n, s in parts.items()
-                                                  for k in self.moments.get(n, ())}))
+        return MomentTensors(
+            self.tensors.sliced({f"{k}/{n}": s for n, s in parts.items() for k in self.moments.get(n, ())})
+        )
 
 
 def load_es_state(path: str | Path) -> dict:
@@ -225,9 +246,13 @@ def load_es_state(path: str | Path) -> dict:
         if extra.get("tensors"):
             file = path / extra["tensors"]
             theta0 = state_tensors_file(file, "theta0/")
-            extra = {"optimizer": {"t": extra["optimizer"]["t"],
-                                   "state": MomentTensors(state_tensors_file(file, "optimizer/"))},
-                     "theta0": theta0 if len(theta0) else None}
+            extra = {
+                "optimizer": {
+                    "t": extra["optimizer"]["t"],
+                    "state": MomentTensors(state_tensors_file(file, "optimizer/")),
+                },
+                "theta0": theta0 if len(theta0) else None,
+            }
     return {"master": LazyTensors(path), "optimizer": extra["optimizer"], "theta0": extra.get("theta0")}
 
 
@@ -254,12 +279,17 @@ def state_parts(state: dict) -> dict:
 
 def file_parts(part: dict) -> dict:
     """A part written to files (``write_state_part``: {"t", "tensors": key -> (file, shard)}) with readers."""
-    return {"t": int(part["t"]), "tensors": {key: (shard, functools.partial(read_tensor, file, key))
-                                             for key, (file, shard) in part["tensors"].items()}}
+    return {
+        "t": int(part["t"]),
+        "tensors": {
+            key: (shard, functools.partial(read_tensor, file, key)) for key, (file, shard) in part["tensors"].items()
+        },
+    }
 
 
-def save_es_checkpoint_parts(path: str | Path, write_parts: Callable[[str], list[dict]], model_dir: str | Path,
-                             meta: dict) -> Path:
+def save_es_checkpoint_parts(
+    path: str | Path, write_parts: Callable[[str], list[dict]], model_dir: str | Path, meta: dict
+) -> Path:
     """An ES checkpoint from the parts each tensor-parallel rank writes: ``write_parts(directory)`` has every rank
     write its part there (``es_ray.engines.vllm_extension.write_state_part``) and returns them; each whole tensor
     is then assembled from its parts and written (model.safetensors by HF name, the optimizer's moments and theta_0
@@ -295,7 +325,7 @@ def _save_parts(path: str | Path, parts: list[dict], model_dir: str | Path, meta
         return gather_shards(({key: shard}, {key: read()}) for shard, read in tiles[key])[key]
 
     entries = {key: (tiles[key][0][0].shape, functools.partial(whole, key)) for key in tiles}
-    weights = {key[len("master/"):]: _Assembled(*entries[key]) for key in entries if key.startswith("master/")}
+    weights = {key[len("master/") :]: _Assembled(*entries[key]) for key in entries if key.startswith("master/")}
     rest = {key: entry for key, entry in entries.items() if not key.startswith("master/")}
 
     def write_state(tmp: Path) -> None:

@@ -1,7 +1,7 @@
 """`es-train`: ES fine-tuning on Ray, configured with Hydra over the typed schema in es_ray.es.config.
 
-    es-train task.name=countdown es.population=8 es.iterations=5 run.dir=/abs/path
-    es-train experiment=es_reference_gsm8k
+es-train task.name=countdown es.population=8 es.iterations=5 run.dir=/abs/path
+es-train experiment=es_reference_gsm8k
 """
 
 from __future__ import annotations

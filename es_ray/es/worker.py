@@ -42,8 +42,11 @@ class ESWorker(Actor):
         self.faults = FaultInjector(cfg.faults, rank, immune_through)
         self.model_dir = resolve_model(cfg.model.path)
         self.perturbation = PERTURBATIONS.get(cfg.es.perturbation)
-        self.engine = make_engine(str(self.model_dir), cfg.engine, self.perturbation.slots(
-            cfg.es.population, cfg.cluster.num_actors, cfg.es.rank))
+        self.engine = make_engine(
+            str(self.model_dir),
+            cfg.engine,
+            self.perturbation.slots(cfg.es.population, cfg.cluster.num_actors, cfg.es.rank),
+        )
         self.replica = self.engine.replica_host()
         self.replica.setup(replica_spec(cfg))
         self.task = load_task(cfg.task)
@@ -66,11 +69,16 @@ class ESWorker(Actor):
             name, sm_count = props.name, props.multi_processor_count
         else:
             name, sm_count = device.type, 0
-        return {**super().ready(), "train_size": len(self.task.train),
-                "eval_size": len(self.task.eval), "skipped_rows": self.task.skipped_rows,
-                "skipped_lines": self.task.skipped_lines(),
-                "device": name, "sm_count": sm_count,
-                "noise": resolve_kind(self.cfg.es.noise, device.type, self.cfg.es.noise_scope)}
+        return {
+            **super().ready(),
+            "train_size": len(self.task.train),
+            "eval_size": len(self.task.eval),
+            "skipped_rows": self.task.skipped_rows,
+            "skipped_lines": self.task.skipped_lines(),
+            "device": name,
+            "sm_count": sm_count,
+            "noise": resolve_kind(self.cfg.es.noise, device.type, self.cfg.es.noise_scope),
+        }
 
     def _repeat(self, prompt_ids) -> list:
         """Each prompt es.samples_per_prompt times in a row, so one engine call samples them all (rows with equal
@@ -81,11 +89,18 @@ class ESWorker(Actor):
         problems, es, task = self.task.train, self.cfg.es, self.cfg.task
         rows = self._repeat(prompt_ids)
         rewards, errors = score(self.task, [c.text for c in completions], [problems[i] for i in rows])
-        values_p = prompt_values(np.asarray(rewards, dtype=np.float64).reshape(len(prompt_ids), -1), task.objective,
-                                 task.objective_k)
+        values_p = prompt_values(
+            np.asarray(rewards, dtype=np.float64).reshape(len(prompt_ids), -1), task.objective, task.objective_k
+        )
         per_prompt = tuple(float(v) for v in values_p) if es.fitness_baseline != "none" else ()
-        return MemberResult(index, sum(rewards) / max(1, len(rows)), sum(c.num_tokens for c in completions),
-                            errors, float(values_p.mean()), per_prompt)
+        return MemberResult(
+            index,
+            sum(rewards) / max(1, len(rows)),
+            sum(c.num_tokens for c in completions),
+            errors,
+            float(values_p.mean()),
+            per_prompt,
+        )
 
     def evaluate(self, req: EvalRequest) -> EvalResult:
         self.faults.before_evaluate(req.iteration)
@@ -119,8 +134,9 @@ class ESWorker(Actor):
         written: they hold cast(master) throughout)."""
         prompts = [self._prompts["train"][i] for i in self._repeat(req.prompt_ids)]
         t0 = time.perf_counter()
-        per_member = self.replica.generate_members(req.iteration, list(req.members), req.sigma, prompts,
-                                                   self.cfg.sampling, req.sample_seed)
+        per_member = self.replica.generate_members(
+            req.iteration, list(req.members), req.sigma, prompts, self.cfg.sampling, req.sample_seed
+        )
         t1 = time.perf_counter()
         results = []
         for m, completions in zip(req.members, per_member):
@@ -133,8 +149,15 @@ class ESWorker(Actor):
     def evaluate_center(self, split: str, seed: int) -> dict:
         """The unperturbed weights on a whole split (the held-out curve: es_ray.held_out)."""
         problems = self.task.eval if split == "eval" else self.task.train
-        return held_out_scores(self.engine, self.task, self._prompts[split], problems, self.cfg.eval,
-                               self.cfg.sampling.max_new_tokens, seed)
+        return held_out_scores(
+            self.engine,
+            self.task,
+            self._prompts[split],
+            problems,
+            self.cfg.eval,
+            self.cfg.sampling.max_new_tokens,
+            seed,
+        )
 
     def update(self, req: UpdateRequest) -> UpdateResult:
         """Apply iteration ``req.iteration``'s update; the same request again (re-sent after a transient
@@ -147,8 +170,9 @@ class ESWorker(Actor):
         self.faults.after_update(req.iteration, self.replica)
         digest = self.replica.checksum() if req.want_checksum else ""
         self.applied = req.iteration
-        result = UpdateResult(stats["update_norm"], stats["realised_cos"], stats["realised_norm"], digest,
-                              time.perf_counter() - t0)
+        result = UpdateResult(
+            stats["update_norm"], stats["realised_cos"], stats["realised_norm"], digest, time.perf_counter() - t0
+        )
         self._last_update = (req.iteration, result)
         return result
 
@@ -192,8 +216,13 @@ class ESWorker(Actor):
         for r in records:  # the updates as the driver sent them (SeedRecord.update_request)
             self.replica.update(r.iteration, list(r.members), r.fitness, r.sigma)
             self.applied = r.iteration
-        return {"checksum": self.replica.checksum(), "seconds": time.perf_counter() - t0,
-                "replayed": len(records), "model_bytes": model_bytes}
+        return {
+            "checksum": self.replica.checksum(),
+            "seconds": time.perf_counter() - t0,
+            "replayed": len(records),
+            "model_bytes": model_bytes,
+        }
+
 
 def _cancelled() -> bool:
     """True inside a Ray actor task the driver has cancelled (ray.cancel); False outside Ray."""

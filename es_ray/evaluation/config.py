@@ -5,8 +5,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, ModelConfig, RunConfig,
-                                check_positive, to_config, validate_faults)
+from es_ray.core.config import (
+    ClusterConfig,
+    ConfigError,
+    EngineConfig,
+    FaultPolicy,
+    ModelConfig,
+    RunConfig,
+    check_positive,
+    to_config,
+    validate_faults,
+)
 from es_ray.core.registry import Registry
 from es_ray.runtime.validation import validate_cluster, validate_engine, validate_run
 from es_ray.grading.boxed import ANSWER_MODES
@@ -19,9 +28,11 @@ from es_ray.tasks import EVAL_TASKS, TASKS
 GATED_TASKS = ("gpqa",)
 DEFAULT_EVAL_TASKS = tuple(t for t in EVAL_TASKS if t not in GATED_TASKS)
 
-CAST_DTYPES = Registry("cast_dtype", {"bfloat16": "what a bf16 GPU engine holds", "float16": "fp16",
-                                      "float32": "fp32 (no cast)"})
+CAST_DTYPES = Registry(
+    "cast_dtype", {"bfloat16": "what a bf16 GPU engine holds", "float16": "fp16", "float32": "fp32 (no cast)"}
+)
 """es-drift's cast_dtype (empty: fp32 only)."""
+
 
 @dataclass
 class BenchmarkConfig:
@@ -103,12 +114,16 @@ def validate_eval(cfg: EvalJobConfig) -> EvalJobConfig:
     if not ev.k or any(k < 1 for k in ev.k):
         raise ConfigError(f"eval.k={list(ev.k)} must be a non-empty list of integers >= 1, e.g. eval.k=[1,16,32]")
     if max(ev.k) > ev.n:
-        raise ConfigError(f"eval.k={list(ev.k)} needs eval.n >= {max(ev.k)} samples per problem (eval.n={ev.n}); "
-                          f"raise eval.n or drop k > {ev.n}")
+        raise ConfigError(
+            f"eval.k={list(ev.k)} needs eval.n >= {max(ev.k)} samples per problem (eval.n={ev.n}); "
+            f"raise eval.n or drop k > {ev.n}"
+        )
     check_positive("eval.temperature", ev.temperature, allow_zero=True)
     if ev.temperature == 0 and ev.n > 1:
-        raise ConfigError(f"eval.temperature=0 is greedy decoding: all eval.n={ev.n} samples would be identical; "
-                          "set eval.temperature > 0 or eval.n=1 eval.k=[1]")
+        raise ConfigError(
+            f"eval.temperature=0 is greedy decoding: all eval.n={ev.n} samples would be identical; "
+            "set eval.temperature > 0 or eval.n=1 eval.k=[1]"
+        )
     if not 0 < ev.top_p <= 1:
         raise ConfigError(f"eval.top_p={ev.top_p} must be in (0, 1]")
     check_positive("eval.max_new_tokens", ev.max_new_tokens)
@@ -120,8 +135,10 @@ def validate_eval(cfg: EvalJobConfig) -> EvalJobConfig:
     check_positive("eval.grader_workers", ev.grader_workers)
     check_positive("eval.kl_samples", ev.kl_samples)
     if ev.kl_base and ev.temperature == 0:
-        raise ConfigError("eval.kl_base=true compares sampled distributions, and eval.temperature=0 samples none; set "
-                          "eval.temperature > 0 (e.g. 0.6)")
+        raise ConfigError(
+            "eval.kl_base=true compares sampled distributions, and eval.temperature=0 samples none; set "
+            "eval.temperature > 0 (e.g. 0.6)"
+        )
     unknown = sorted(set(ev.paths) - set(ev.tasks))
     if unknown:
         raise ConfigError(f"eval.paths names tasks not in eval.tasks: {unknown}")
@@ -152,8 +169,9 @@ class DriftJobConfig:
 
 def validate_drift(cfg: DriftJobConfig) -> DriftJobConfig:
     if not cfg.tuned:
-        raise ConfigError("tuned= is required: the checkpoint to compare with base= "
-                          "(e.g. tuned=/abs/run/checkpoints/final)")
+        raise ConfigError(
+            "tuned= is required: the checkpoint to compare with base= (e.g. tuned=/abs/run/checkpoints/final)"
+        )
     if not cfg.thresholds or any(t <= 0 for t in cfg.thresholds):
         raise ConfigError(f"thresholds={list(cfg.thresholds)} must be a non-empty list of positive numbers")
     check_positive("top", cfg.top, allow_zero=True)
@@ -188,13 +206,21 @@ class InterpolateJobConfig:
 
 def validate_interpolate(cfg: InterpolateJobConfig) -> InterpolateJobConfig:
     grid = list(cfg.grid)
-    if not grid or any(not 0.0 <= t <= 1.0 for t in grid) or 0.0 not in grid or 1.0 not in grid \
-            or len(set(grid)) != len(grid):
-        raise ConfigError(f"grid={grid} must hold distinct values in [0, 1], 0 and 1 among them (the end points), "
-                          "e.g. grid=[0,0.25,0.5,0.75,1]")
+    if (
+        not grid
+        or any(not 0.0 <= t <= 1.0 for t in grid)
+        or 0.0 not in grid
+        or 1.0 not in grid
+        or len(set(grid)) != len(grid)
+    ):
+        raise ConfigError(
+            f"grid={grid} must hold distinct values in [0, 1], 0 and 1 among them (the end points), "
+            "e.g. grid=[0,0.25,0.5,0.75,1]"
+        )
     if cfg.a == cfg.b:
-        raise ConfigError(f"a={cfg.a!r} and b={cfg.b!r} are the same model: give two checkpoints (either may be "
-                          "empty for base=)")
+        raise ConfigError(
+            f"a={cfg.a!r} and b={cfg.b!r} are the same model: give two checkpoints (either may be empty for base=)"
+        )
     if cfg.eval.kl_base:
         raise ConfigError("eval.kl_base is es-eval's: es-interpolate scores reward and pass@k only; drop it")
     check_positive("draws", cfg.draws)

@@ -1,6 +1,6 @@
 """`es-drift`: compare two checkpoints' weights, one tensor pair at a time (es_ray.metrics.drift holds the metrics).
 
-    es-drift base=Qwen/Qwen2.5-1.5B-Instruct tuned=/abs/run/checkpoints/final run.dir=/abs/drift
+es-drift base=Qwen/Qwen2.5-1.5B-Instruct tuned=/abs/run/checkpoints/final run.dir=/abs/drift
 """
 
 from __future__ import annotations
@@ -52,13 +52,19 @@ def run_drift(cfg: DriftJobConfig) -> dict:
             from tqdm import tqdm
 
             names = tqdm(common, desc="es-drift", unit="tensor", dynamic_ncols=True, file=sys.stderr)
-        report = drift(((n, get(base_idx, n), get(tuned_idx, n)) for n in names),
-                       thresholds=cfg.thresholds, top=cfg.top, cast=cast)
+        report = drift(
+            ((n, get(base_idx, n), get(tuned_idx, n)) for n in names), thresholds=cfg.thresholds, top=cfg.top, cast=cast
+        )
         if bar:
             names.close()
-    report.update(base=str(base_dir), tuned=str(tuned_dir),
-                  missing={"base_only": sorted(set(base_idx) - set(tuned_idx)),
-                           "tuned_only": sorted(set(tuned_idx) - set(base_idx))})
+    report.update(
+        base=str(base_dir),
+        tuned=str(tuned_dir),
+        missing={
+            "base_only": sorted(set(base_idx) - set(tuned_idx)),
+            "tuned_only": sorted(set(tuned_idx) - set(base_idx)),
+        },
+    )
     (run_dir / "drift.json").write_text(json.dumps(report, indent=2))
     title = f"updates from base {checkpoint_label(base_dir)} to tuned {checkpoint_label(tuned_dir)}"
     plot_update_histograms(report, run_dir / "drift_hist.png", title=title)
@@ -72,15 +78,18 @@ def drift_summary(report: dict) -> str:
     views = [("fp32", report)] + ([(report["cast"]["dtype"], report["cast"])] if report.get("cast") else [])
     lines = []
     for label, view in views:
-        lines.append(f"{label + ' weights':<12} {'tensors':>7} {'L2':>10} {'rel L2':>9} {'nonzero':>8} "
-                     + " ".join(f"{'<' + format(x, 'g'):>8}" for x in t) + f" {'max |d|':>9}")
+        lines.append(
+            f"{label + ' weights':<12} {'tensors':>7} {'L2':>10} {'rel L2':>9} {'nonzero':>8} "
+            + " ".join(f"{'<' + format(x, 'g'):>8}" for x in t)
+            + f" {'max |d|':>9}"
+        )
         for kind, r in list(view["by_module_type"].items()) + [("total", view["total"])]:
             rel = "-" if r["relative_l2"] is None else f"{r['relative_l2']:.2e}"
-            share = " ".join("       -" if r["share_below"][f"{x:g}"] is None
-                             else f"{r['share_below'][f'{x:g}']:>8.1%}" for x in t)
+            share = " ".join(
+                "       -" if r["share_below"][f"{x:g}"] is None else f"{r['share_below'][f'{x:g}']:>8.1%}" for x in t
+            )
             nz = "-" if r["share_nonzero"] is None else f"{r['share_nonzero']:.1%}"
-            lines.append(f"{kind:<12} {r['tensors']:>7} {r['l2']:>10.3e} {rel:>9} {nz:>8} {share} "
-                         f"{r['max_abs']:>9.2e}")
+            lines.append(f"{kind:<12} {r['tensors']:>7} {r['l2']:>10.3e} {rel:>9} {nz:>8} {share} {r['max_abs']:>9.2e}")
     return "\n".join(lines)
 
 
@@ -92,8 +101,7 @@ def _main(dict_cfg) -> None:
 
 def main() -> None:
     # a comparison of two checkpoints: no seed, no trackers, nothing to resume or stop early
-    hydra_main("es_drift", _main, "es-drift", register_configs,
-               unread=(*TRAINING_RUN_KEYS, "run.seed", "run.trackers"))
+    hydra_main("es_drift", _main, "es-drift", register_configs, unread=(*TRAINING_RUN_KEYS, "run.seed", "run.trackers"))
 
 
 if __name__ == "__main__":

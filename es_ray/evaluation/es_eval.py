@@ -39,8 +39,15 @@ from es_ray.runtime import placement as placements
 from es_ray.runtime.cluster import LOCAL_ADDRESSES
 from es_ray.runtime.entry import TRAINING_RUN_KEYS, hydra_main, run_or_exit
 from es_ray.runtime.rundir import open_run_dir, releases_run_dir
-from es_ray.evaluation.worker import (Chunk, EvalWorker, entropy_temperatures, in_eval_keys, load_eval_task,
-                                      plan_chunks, task_config)
+from es_ray.evaluation.worker import (
+    Chunk,
+    EvalWorker,
+    entropy_temperatures,
+    in_eval_keys,
+    load_eval_task,
+    plan_chunks,
+    task_config,
+)
 from es_ray.runtime.signals import InterruptGuard
 from es_ray.runtime.tracking import log_summary, shows_bar
 
@@ -59,8 +66,13 @@ def in_process_reason(cfg: EvalJobConfig, chunks: list[Chunk]) -> str:
     if c.num_actors == 0:
         return "cluster.num_actors=0"
     busy = min(c.num_actors, len(chunks))
-    if (busy != 1 or c.address not in LOCAL_ADDRESSES or os.environ.get("RAY_ADDRESS") or c.gpus_per_actor > 0
-            or not ENGINES.get(cfg.engine.name).in_process):  # vLLM keeps its actor unless num_actors=0
+    if (
+        busy != 1
+        or c.address not in LOCAL_ADDRESSES
+        or os.environ.get("RAY_ADDRESS")
+        or c.gpus_per_actor > 0
+        or not ENGINES.get(cfg.engine.name).in_process
+    ):  # vLLM keeps its actor unless num_actors=0
         return ""
     what = "one chunk of work" if len(chunks) == 1 else "cluster.num_actors=1"
     ray = sys.modules.get("ray")
@@ -121,11 +133,17 @@ def _run_chunks(cfg: EvalJobConfig, chunks: list[Chunk], progress, in_process: b
     group = None
     try:
         with InterruptGuard() as guard:
-            group, _ = actors.start_group("eval", EvalWorker, cfg.cluster.num_actors, lambda rank: (cfg, rank),
-                                          placement, cfg.faults, check_interrupt=guard.check,
-                                          lost_advice="run es-eval again (its chunks are seeded, so results are "
-                                                      "the same)",
-                                          tokens_key="eval.max_new_tokens")
+            group, _ = actors.start_group(
+                "eval",
+                EvalWorker,
+                cfg.cluster.num_actors,
+                lambda rank: (cfg, rank),
+                placement,
+                cfg.faults,
+                check_interrupt=guard.check,
+                lost_advice="run es-eval again (its chunks are seeded, so results are the same)",
+                tokens_key="eval.max_new_tokens",
+            )
             out = []
             for (chunk,), res in group.map_unordered(EvalWorker.run_chunk, [(c,) for c in chunks]):
                 out.append(res)
@@ -137,8 +155,9 @@ def _run_chunks(cfg: EvalJobConfig, chunks: list[Chunk], progress, in_process: b
         placement.release()
 
 
-def summarize_task(task, n: int, ks: list[int], samples: list[dict], hist: np.ndarray, skipped: int,
-                   source: str) -> dict:
+def summarize_task(
+    task, n: int, ks: list[int], samples: list[dict], hist: np.ndarray, skipped: int, source: str
+) -> dict:
     from es_ray.metrics.entropy import summarize_stats
 
     by_problem: dict[int, list[dict]] = {}
@@ -155,16 +174,19 @@ def summarize_task(task, n: int, ks: list[int], samples: list[dict], hist: np.nd
     failures = Counter(s["failure"] for s in samples if s["failure"])
     tokens = sum(s["tokens"] for s in samples)
     return {
-        "problems": len(problems), "n": n, "source": source,
+        "problems": len(problems),
+        "n": n,
+        "source": source,
         "pass@k": {str(k): v for k, v in pass_k.items()},
         "maj@k": maj_k,
         "mean_reward": float(np.mean([s["score"] for s in samples])) if samples else None,
         "grader_failures": {kind: failures.get(kind, 0) for kind in FAILURE_KINDS}
-                           | {k: v for k, v in failures.items() if k not in FAILURE_KINDS},
+        | {k: v for k, v in failures.items() if k not in FAILURE_KINDS},
         "skipped_rows": skipped,
         "tokens": {"generated": tokens, "mean_per_completion": tokens / len(samples) if samples else None},
-        "entropy": summarize_stats([s["entropy_sum"] for s in samples], [s["entropy_tokens"] for s in samples],
-                                   hist) if samples and any(s["entropy_tokens"] for s in samples) else None,
+        "entropy": summarize_stats([s["entropy_sum"] for s in samples], [s["entropy_tokens"] for s in samples], hist)
+        if samples and any(s["entropy_tokens"] for s in samples)
+        else None,
         "entropy_t1": entropy_at_t1(samples),
         "entropy_untruncated": entropy_at_t1(samples, "entropy_sum_untruncated"),
         "answer_checks": answer_checks(problems, n, ks) if any(s.get("checks") for s in samples) else None,
@@ -183,14 +205,17 @@ def entropy_at_t1(samples: list[dict], key: str = "entropy_sum_t1") -> dict | No
 def answer_checks(problems: list[list[dict]], n: int, ks: list[int]) -> dict:
     """Correct samples with no final boxed answer and correct samples whose answer only restates the problem, and
     pass@k with those counted wrong (how much of pass@k they make)."""
+
     def flagged(s: dict) -> bool:
         return bool(s["correct"]) and (not s["checks"].get("boxed", True) or s["checks"].get("restated", False))
 
     correct = [s for ss in problems for s in ss if s["correct"]]
     strict_p = [sum(bool(s["correct"]) and not flagged(s) for s in ss) for ss in problems]
-    return {"correct_without_box": sum(not s["checks"].get("boxed", True) for s in correct),
-            "correct_restating": sum(bool(s["checks"].get("restated")) for s in correct),
-            "pass@k_without_them": {str(k): v for k, v in mean_pass_at_k(strict_p, n, ks).items()}}
+    return {
+        "correct_without_box": sum(not s["checks"].get("boxed", True) for s in correct),
+        "correct_restating": sum(bool(s["checks"].get("restated")) for s in correct),
+        "pass@k_without_them": {str(k): v for k, v in mean_pass_at_k(strict_p, n, ks).items()},
+    }
 
 
 @releases_run_dir
@@ -212,8 +237,11 @@ def run(cfg: EvalJobConfig) -> dict:
     if not local:  # a bad cluster.address fails here, before any output
         cluster.connect(cfg.cluster)
     elif cfg.cluster.num_actors:  # chosen here, not asked for: said, with how to keep the actors
-        print(f"es-eval: evaluating in this process ({local}); set cluster.address= to a running cluster to use "
-              "its actors", flush=True)
+        print(
+            f"es-eval: evaluating in this process ({local}); set cluster.address= to a running cluster to use "
+            "its actors",
+            flush=True,
+        )
     run_dir = open_run_dir(cfg, "eval")
     outputs = _run_with_progress(cfg, chunks, bool(local))
     samples: dict[str, list[dict]] = {name: [] for name in cfg.eval.tasks}
@@ -227,30 +255,54 @@ def run(cfg: EvalJobConfig) -> dict:
         hists[out["task"]] += np.asarray(out["entropy_hist"], dtype=np.int64)
         seconds.update(out["seconds"])
     ks = list(cfg.eval.k)
-    per_task = {name: summarize_task(tasks[name], cfg.eval.n, ks, samples[name], hists[name],
-                                     tasks[name].skipped_rows, task_config(cfg, name).path or "hub")
-                for name in cfg.eval.tasks}
+    per_task = {
+        name: summarize_task(
+            tasks[name],
+            cfg.eval.n,
+            ks,
+            samples[name],
+            hists[name],
+            tasks[name].skipped_rows,
+            task_config(cfg, name).path or "hub",
+        )
+        for name in cfg.eval.tasks
+    }
     if cfg.eval.kl_base:
         from es_ray.metrics.kl import summarize_kl
 
         for name in cfg.eval.tasks:
             parts = kl_parts[name]
-            per_task[name]["kl"] = summarize_kl([s for p in parts for s in p["sums"]],
-                                                [i for p in parts for i in p["problems"]])
+            per_task[name]["kl"] = summarize_kl(
+                [s for p in parts for s in p["sums"]], [i for p in parts for i in p["problems"]]
+            )
     everything = [s for name in cfg.eval.tasks for s in samples[name]]
     results = {
-        "model": cfg.model.path or "embedded SmolLM2-135M-Instruct", "model_dir": str(model_dir),
-        "settings": {"engine": cfg.engine.name, "n": cfg.eval.n, "k": ks, "temperature": cfg.eval.temperature,
-                     "answer": cfg.eval.answer,
-                     "entropy_temperatures": list(entropy_temperatures(cfg.eval.temperature)),
-                     "top_p": cfg.eval.top_p, "max_new_tokens": cfg.eval.max_new_tokens, "limit": cfg.eval.limit,
-                     "seed": cfg.run.seed, "actors": 0 if local else cfg.cluster.num_actors,
-                     "kl_reference": (cfg.eval.kl_reference or "embedded SmolLM2-135M-Instruct")
-                     if cfg.eval.kl_base else None, "kl_samples": cfg.eval.kl_samples if cfg.eval.kl_base else None},
+        "model": cfg.model.path or "embedded SmolLM2-135M-Instruct",
+        "model_dir": str(model_dir),
+        "settings": {
+            "engine": cfg.engine.name,
+            "n": cfg.eval.n,
+            "k": ks,
+            "temperature": cfg.eval.temperature,
+            "answer": cfg.eval.answer,
+            "entropy_temperatures": list(entropy_temperatures(cfg.eval.temperature)),
+            "top_p": cfg.eval.top_p,
+            "max_new_tokens": cfg.eval.max_new_tokens,
+            "limit": cfg.eval.limit,
+            "seed": cfg.run.seed,
+            "actors": 0 if local else cfg.cluster.num_actors,
+            "kl_reference": (cfg.eval.kl_reference or "embedded SmolLM2-135M-Instruct") if cfg.eval.kl_base else None,
+            "kl_samples": cfg.eval.kl_samples if cfg.eval.kl_base else None,
+        },
         "tasks": per_task,
-        "entropy": (summarize_stats([s["entropy_sum"] for s in everything],
-                                    [s["entropy_tokens"] for s in everything], sum(hists.values()))
-                    if cfg.eval.entropy and everything else None) or {},
+        "entropy": (
+            summarize_stats(
+                [s["entropy_sum"] for s in everything], [s["entropy_tokens"] for s in everything], sum(hists.values())
+            )
+            if cfg.eval.entropy and everything
+            else None
+        )
+        or {},
         "entropy_t1": entropy_at_t1(everything) if cfg.eval.entropy else None,
         "entropy_untruncated": entropy_at_t1(everything, "entropy_sum_untruncated") if cfg.eval.entropy else None,
         "tokens_generated": sum(s["tokens"] for s in everything),
@@ -269,8 +321,13 @@ def _run_with_progress(cfg: EvalJobConfig, chunks: list[Chunk], in_process: bool
         return _run_chunks(cfg, chunks, lambda chunk: None, in_process)
     from tqdm import tqdm
 
-    bar = tqdm(total=sum(len(c.problem_ids) for c in chunks), desc="es-eval", unit="problem", dynamic_ncols=True,
-               file=sys.stderr)
+    bar = tqdm(
+        total=sum(len(c.problem_ids) for c in chunks),
+        desc="es-eval",
+        unit="problem",
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
 
     def done(chunk: Chunk) -> None:
         bar.update(len(chunk.problem_ids))
@@ -296,15 +353,23 @@ def write_results(cfg: EvalJobConfig, run_dir: Path, results: dict, samples: dic
 
 def tracker_metrics(results: dict) -> dict[str, float]:
     """results.json's numbers under the names every tracker gets (no '@': MLflow refuses it in a name)."""
-    out = {"eval/entropy": results["entropy"].get("mean_per_token"), "eval/tokens": results["tokens_generated"],
-           "timing_s/total": results["timing_s"]["total"]}
+    out = {
+        "eval/entropy": results["entropy"].get("mean_per_token"),
+        "eval/tokens": results["tokens_generated"],
+        "timing_s/total": results["timing_s"]["total"],
+    }
     for name, t in results["tasks"].items():
         out.update({f"eval/{name}/pass_at_{k}": v for k, v in t["pass@k"].items()})
         out.update({f"eval/{name}/maj_at_{k}": v for k, v in (t["maj@k"] or {}).items()})
         out[f"eval/{name}/mean_reward"] = t["mean_reward"]
         out[f"eval/{name}/entropy"] = (t["entropy"] or {}).get("mean_per_token")
-        out.update({f"eval/{name}/kl_{key}": v for key, v in (t.get("kl") or {}).items()
-                    if key in ("base_tuned", "tuned_base", "nucleus_base_tuned", "nucleus_tuned_base")})
+        out.update(
+            {
+                f"eval/{name}/kl_{key}": v
+                for key, v in (t.get("kl") or {}).items()
+                if key in ("base_tuned", "tuned_base", "nucleus_base_tuned", "nucleus_tuned_base")
+            }
+        )
     return {k: v for k, v in out.items() if v is not None}
 
 

@@ -72,8 +72,11 @@ def run(cfg: InterpolateJobConfig) -> dict:
     # refused in one line before any model loads: different architectures, tokenizers or tensors
     check_same_architecture(a_dir, b_dir, "a", "b")
     check_same_architecture(base_dir, a_dir, "base", "a")
-    eval_cfg = EvalJobConfig(eval=dataclasses.replace(cfg.eval, entropy=False, save_samples=False, kl_base=False),
-                             engine=cfg.engine, run=cfg.run)
+    eval_cfg = EvalJobConfig(
+        eval=dataclasses.replace(cfg.eval, entropy=False, save_samples=False, kl_base=False),
+        engine=cfg.engine,
+        run=cfg.run,
+    )
     eval_cfg.model.path = str(a_dir)
     sizes = {name: len(load_eval_task(eval_cfg, name)[1]) for name in cfg.eval.tasks}
     run_dir = open_run_dir(cfg, "interpolate")
@@ -99,14 +102,33 @@ def run(cfg: InterpolateJobConfig) -> dict:
             curve = v_tp.mean(axis=1)
             height, at = barrier(curve, cfg.grid)
             lo, hi = barrier_interval(v_tp, cfg.grid, cfg.draws, seed=cfg.run.seed)
-            tasks[name][metric] = {"curve": curve.tolist(), "barrier": height, "barrier_at": at,
-                                   "barrier_interval": [lo, hi], "problems": int(v_tp.shape[1])}
-    results = {"a": cfg.a or "base", "b": cfg.b or "base", "base": cfg.base or "embedded SmolLM2-135M-Instruct",
-               "grid": list(cfg.grid), "tasks": tasks, "updates": cosines,
-               "settings": {"n": cfg.eval.n, "k": ks, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
-                            "max_new_tokens": cfg.eval.max_new_tokens, "limit": cfg.eval.limit, "seed": cfg.run.seed,
-                            "draws": cfg.draws},
-               "timing_s": {"total": time.perf_counter() - t_start}, "config": dataclasses.asdict(cfg)}
+            tasks[name][metric] = {
+                "curve": curve.tolist(),
+                "barrier": height,
+                "barrier_at": at,
+                "barrier_interval": [lo, hi],
+                "problems": int(v_tp.shape[1]),
+            }
+    results = {
+        "a": cfg.a or "base",
+        "b": cfg.b or "base",
+        "base": cfg.base or "embedded SmolLM2-135M-Instruct",
+        "grid": list(cfg.grid),
+        "tasks": tasks,
+        "updates": cosines,
+        "settings": {
+            "n": cfg.eval.n,
+            "k": ks,
+            "temperature": cfg.eval.temperature,
+            "top_p": cfg.eval.top_p,
+            "max_new_tokens": cfg.eval.max_new_tokens,
+            "limit": cfg.eval.limit,
+            "seed": cfg.run.seed,
+            "draws": cfg.draws,
+        },
+        "timing_s": {"total": time.perf_counter() - t_start},
+        "config": dataclasses.asdict(cfg),
+    }
     (run_dir / "interpolation.json").write_text(json.dumps(results, indent=2))
     (run_dir / "interpolation.md").write_text(markdown(results))
     results["run_dir"] = str(run_dir)
@@ -115,23 +137,37 @@ def run(cfg: InterpolateJobConfig) -> dict:
 
 def markdown(results: dict) -> str:
     grid = results["grid"]
-    lines = [f"# Interpolation a={results['a']} -> b={results['b']}", "",
-             "| task | metric | " + " | ".join(f"t={t:g}" for t in grid) + " | barrier [95% CI] |",
-             "|---|---|" + "---|" * len(grid) + "---|"]
+    lines = [
+        f"# Interpolation a={results['a']} -> b={results['b']}",
+        "",
+        "| task | metric | " + " | ".join(f"t={t:g}" for t in grid) + " | barrier [95% CI] |",
+        "|---|---|" + "---|" * len(grid) + "---|",
+    ]
     for name, metrics in results["tasks"].items():
         for metric, r in metrics.items():
             lo, hi = r["barrier_interval"]
             at = "no drop" if r["barrier_at"] is None else f"at t={r['barrier_at']:g}"
-            lines.append(f"| {name} | {metric} | " + " | ".join(f"{v:.3f}" for v in r["curve"])
-                         + f" | {r['barrier']:.3f} [{lo:.3f}, {hi:.3f}] {at} |")
-    lines += ["", "Barrier: the largest drop of the score m(t) below the straight line between the end points, "
-              "max over interior t of (1 - t) m(0) + t m(1) - m(t), with the t where it is largest; 0 with \"no drop\" "
-              "when no interior point lies below the line (the end points lie on it by construction). The 95% "
-              "interval resamples the problems, one draw shared by every t."]
+            lines.append(
+                f"| {name} | {metric} | "
+                + " | ".join(f"{v:.3f}" for v in r["curve"])
+                + f" | {r['barrier']:.3f} [{lo:.3f}, {hi:.3f}] {at} |"
+            )
+    lines += [
+        "",
+        "Barrier: the largest drop of the score m(t) below the straight line between the end points, "
+        "max over interior t of (1 - t) m(0) + t m(1) - m(t), with the t where it is largest; 0 with \"no drop\" "
+        "when no interior point lies below the line (the end points lie on it by construction). The 95% "
+        "interval resamples the problems, one draw shared by every t.",
+    ]
     u = results["updates"]
     show = lambda c: "n/a (an update is zero)" if c is None else f"{c:.4f}"  # noqa: E731
-    lines += ["", f"cosine(theta_a - theta_0, theta_b - theta_0): {show(u['cosine'])}", "",
-              "| module type | cosine |", "|---|---|"]
+    lines += [
+        "",
+        f"cosine(theta_a - theta_0, theta_b - theta_0): {show(u['cosine'])}",
+        "",
+        "| module type | cosine |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {show(c)} |" for k, c in u["by_module_type"].items()]
     return "\n".join(lines) + "\n"
 
@@ -143,8 +179,7 @@ def _main(dict_cfg) -> None:
 
 
 def main() -> None:
-    hydra_main("es_interpolate", _main, "es-interpolate", register_configs,
-               unread=(*TRAINING_RUN_KEYS, "run.trackers"))
+    hydra_main("es_interpolate", _main, "es-interpolate", register_configs, unread=(*TRAINING_RUN_KEYS, "run.trackers"))
 
 
 if __name__ == "__main__":

@@ -60,17 +60,19 @@ def task_config(cfg: EvalJobConfig, name: str) -> TaskConfig:
     # Dataset tasks and files are scored whole (eval_size 0 keeps every problem out of the held-out cut);
     # a generated task (countdown without a file) is scored on its generated held-out set.
     generated = not path and not issubclass(task_class(name), DatasetTask)
-    return TaskConfig(name=name, path=path, eval_size=TaskConfig.eval_size if generated else 0,
-                      answer=cfg.eval.answer)
+    return TaskConfig(name=name, path=path, eval_size=TaskConfig.eval_size if generated else 0, answer=cfg.eval.answer)
 
 
 def in_eval_keys(text: str, name: str) -> str:
     """A task's message in es-eval's keys: es-eval has no task.path (it reads eval.paths.<task> or
     eval.data_dir/<task>.jsonl), so a line telling the user to set task.path names those instead."""
-    return (text.replace("point task.path= at", f"point eval.paths.{name}= (or eval.data_dir= a folder with "
-                                                 f"{name}.jsonl) at")
-            .replace("task.path=", f"eval.paths.{name}=").replace("set task.name= to the task they fit",
-                                                                  "list the task they fit in eval.tasks="))
+    return (
+        text.replace(
+            "point task.path= at", f"point eval.paths.{name}= (or eval.data_dir= a folder with {name}.jsonl) at"
+        )
+        .replace("task.path=", f"eval.paths.{name}=")
+        .replace("set task.name= to the task they fit", "list the task they fit in eval.tasks=")
+    )
 
 
 def load_eval_task(cfg: EvalJobConfig, name: str):
@@ -122,8 +124,9 @@ class EvalWorker(Actor):
             task, problems = load_eval_task(self.cfg, name)
             if hasattr(task, "sandbox_limits"):
                 ev = self.cfg.eval
-                task.sandbox_limits = SandboxLimits(wall_s=ev.code_timeout_s, cpu_s=ev.code_timeout_s,
-                                                    memory_mb=ev.code_memory_mb)
+                task.sandbox_limits = SandboxLimits(
+                    wall_s=ev.code_timeout_s, cpu_s=ev.code_timeout_s, memory_mb=ev.code_memory_mb
+                )
                 task.sandbox_workers = ev.grader_workers
             prompts = [self.engine.apply_chat_template(task.messages(p)) for p in problems]
             self._tasks[name] = (task, problems, prompts)
@@ -140,8 +143,9 @@ class EvalWorker(Actor):
             else:
                 from es_ray.engines.base import make_engine
 
-                self._entropy_engine = make_engine(str(self.model_dir),
-                                                   dataclasses.replace(self.cfg.engine, name=SCORING_ENGINE))
+                self._entropy_engine = make_engine(
+                    str(self.model_dir), dataclasses.replace(self.cfg.engine, name=SCORING_ENGINE)
+                )
         return self._entropy_engine
 
     def run_chunk(self, chunk: Chunk) -> dict:
@@ -169,8 +173,10 @@ class EvalWorker(Actor):
             prompt_ids = {i: tok(prompts[i], add_special_tokens=False)["input_ids"] for i in chunk.problem_ids}
             # the generated token ids where the engine reports them; else the text re-tokenised (the same tokens
             # except where the tokenizer does not round-trip, as for random models' output)
-            pairs = [(prompt_ids[i], list(c.token_ids or tok(c.text, add_special_tokens=False)["input_ids"]))
-                     for i, c in zip(ids, completions)]
+            pairs = [
+                (prompt_ids[i], list(c.token_ids or tok(c.text, add_special_tokens=False)["input_ids"]))
+                for i, c in zip(ids, completions)
+            ]
             for j, h in enumerate(scorer.entropies_batch(pairs, temps, top_p=ev.top_p if nucleus else 1.0)):
                 h = np.asarray(h, dtype=np.float64).reshape(-1, len(temps) + nucleus)
                 sampled = h[:, -1] if nucleus else h[:, 0]
@@ -178,16 +184,40 @@ class EvalWorker(Actor):
                 ent_sum_full[j] = float(h[:, 0].sum())
                 hist += histogram(sampled)
         t3 = time.perf_counter()
-        samples = [{"problem": i, "sample": j % ev.n, "score": g.score, "correct": g.correct, "failure": g.failure,
-                    "answer": g.answer, "tokens": c.num_tokens, "entropy_sum": s, "entropy_sum_t1": s1,
-                    "entropy_sum_untruncated": full, "entropy_tokens": k,
-                    "checks": task.answer_checks(c.text, problems[i]), "text": c.text if ev.save_samples else None}
-                   for j, (i, c, g, s, s1, full, k) in enumerate(zip(ids, completions, grades, ent_sum, ent_sum_t1,
-                                                                      ent_sum_full, ent_cnt))]
+        samples = [
+            {
+                "problem": i,
+                "sample": j % ev.n,
+                "score": g.score,
+                "correct": g.correct,
+                "failure": g.failure,
+                "answer": g.answer,
+                "tokens": c.num_tokens,
+                "entropy_sum": s,
+                "entropy_sum_t1": s1,
+                "entropy_sum_untruncated": full,
+                "entropy_tokens": k,
+                "checks": task.answer_checks(c.text, problems[i]),
+                "text": c.text if ev.save_samples else None,
+            }
+            for j, (i, c, g, s, s1, full, k) in enumerate(
+                zip(ids, completions, grades, ent_sum, ent_sum_t1, ent_sum_full, ent_cnt)
+            )
+        ]
         kl = self._kl(chunk, prompts) if ev.kl_base else None
-        return {"task": chunk.task, "chunk": chunk.index, "samples": samples, "entropy_hist": hist.tolist(), "kl": kl,
-                "seconds": {"generate": t1 - t0, "grade": t2 - t1, "entropy": t3 - t2,
-                            **({"kl": time.perf_counter() - t3} if kl is not None else {})}}
+        return {
+            "task": chunk.task,
+            "chunk": chunk.index,
+            "samples": samples,
+            "entropy_hist": hist.tolist(),
+            "kl": kl,
+            "seconds": {
+                "generate": t1 - t0,
+                "grade": t2 - t1,
+                "entropy": t3 - t2,
+                **({"kl": time.perf_counter() - t3} if kl is not None else {}),
+            },
+        }
 
     def _reference(self):
         """eval.kl_base: a transformers engine on the reference model (engine.dtype and device): it samples and both
@@ -195,8 +225,10 @@ class EvalWorker(Actor):
         if self._reference_engine is None:
             from es_ray.engines.base import make_engine
 
-            self._reference_engine = make_engine(str(resolve_model(self.cfg.eval.kl_reference)),
-                                                 dataclasses.replace(self.cfg.engine, name=SCORING_ENGINE))
+            self._reference_engine = make_engine(
+                str(resolve_model(self.cfg.eval.kl_reference)),
+                dataclasses.replace(self.cfg.engine, name=SCORING_ENGINE),
+            )
         return self._reference_engine
 
     def _kl(self, chunk: Chunk, prompts: list[str]) -> dict:
@@ -221,8 +253,14 @@ class EvalWorker(Actor):
                 if not c_ids:
                     sums.append({"tokens": 0})
                     continue
-                sums.append(completion_kl_sums(completion_logits(ref.model, p_ids, c_ids),
-                                               completion_logits(tuned.model, p_ids, c_ids), ev.temperature, ev.top_p))
+                sums.append(
+                    completion_kl_sums(
+                        completion_logits(ref.model, p_ids, c_ids),
+                        completion_logits(tuned.model, p_ids, c_ids),
+                        ev.temperature,
+                        ev.top_p,
+                    )
+                )
         return {"problems": ids, "sums": sums}
 
 

@@ -97,10 +97,14 @@ def _die(mark, why):
 
 def _rlimits(lim):
     cpu = max(1, int(-(-lim["cpu_s"] // 1)))
-    for name, soft, hard in (("RLIMIT_CPU", cpu, cpu + 1), ("RLIMIT_AS", lim["memory_mb"] << 20, None),
-                             ("RLIMIT_FSIZE", lim["output_bytes"], None), ("RLIMIT_CORE", 0, None),
-                             ("RLIMIT_NOFILE", lim["max_open_files"], None),
-                             ("RLIMIT_NPROC", lim["max_processes"], None)):
+    for name, soft, hard in (
+        ("RLIMIT_CPU", cpu, cpu + 1),
+        ("RLIMIT_AS", lim["memory_mb"] << 20, None),
+        ("RLIMIT_FSIZE", lim["output_bytes"], None),
+        ("RLIMIT_CORE", 0, None),
+        ("RLIMIT_NOFILE", lim["max_open_files"], None),
+        ("RLIMIT_NPROC", lim["max_processes"], None),
+    ):
         resource.setrlimit(getattr(resource, name), (soft, soft if hard is None else hard))
 
 
@@ -114,8 +118,11 @@ def _jail(libc, check, jail):
     root = jail["root"]
 
     def mount(src, dst, fstype, flags, data):
-        check(libc.mount(src and src.encode(), dst.encode(), fstype and fstype.encode(), flags,
-                         data and data.encode()) == 0, "mount %s on %s" % (fstype or src, dst))
+        check(
+            libc.mount(src and src.encode(), dst.encode(), fstype and fstype.encode(), flags, data and data.encode())
+            == 0,
+            "mount %s on %s" % (fstype or src, dst),
+        )
 
     if root:  # else (only in the tests that switch the minimal root off) the mounts go over the host's tree
         mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=256k,nr_inodes=%d,mode=0755" % ROOT_INODES)
@@ -152,6 +159,7 @@ def _jail(libc, check, jail):
 def _confine(cfg):
     """Mounts, Landlock and privileges; returns the working directory. Raises on any failure."""
     import ctypes
+
     libc = ctypes.CDLL(None, use_errno=True)
     work = cfg["work"]
     try:  # read before Landlock, which leaves /proc unreadable where there is no PID namespace
@@ -168,6 +176,7 @@ def _confine(cfg):
     os.chdir(work)
     abi = cfg["landlock"]
     if abi:
+
         class Attr(ctypes.Structure):
             _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
 
@@ -214,8 +223,10 @@ def _confine(cfg):
     elif os.geteuid() == 0:  # root of a user namespace without capabilities: no mount, no DAC override
         header = (ctypes.c_uint32 * 2)(0x20080522, 0)
         data = (ctypes.c_uint32 * 6)()
-        check(cfg["capset"] is not None and libc.syscall(cfg["capset"], ctypes.byref(header), ctypes.byref(data)) == 0,
-              "capset")
+        check(
+            cfg["capset"] is not None and libc.syscall(cfg["capset"], ctypes.byref(header), ctypes.byref(data)) == 0,
+            "capset",
+        )
     return os.path.realpath(os.getcwd())
 
 
@@ -224,14 +235,52 @@ def _audit_hook(root, mark_nonce):
     boundary. Its mark carries a nonce of its own: the program can read it, so a forged mark only changes which
     reason a failing program is counted under."""
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-    blocked_prefixes = ("socket.", "ctypes.", "subprocess.", "os.fork", "os.forkpty", "os.system", "os.exec",
-                        "os.posix_spawn", "os.spawn", "os.kill", "os.killpg", "signal.pthread_kill",
-                        "resource.setrlimit", "resource.prlimit", "gc.get_referrers",
-                        "gc.get_referents", "gc.get_objects", "urllib.", "http.client.", "ftplib.", "smtplib.",
-                        "poplib.", "imaplib.", "nntplib.", "telnetlib.", "webbrowser.", "pty.")
-    path_events = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1, "os.chown": 1, "os.truncate": 1,
-                   "os.utime": 1, "os.chflags": 1, "os.lchflags": 1, "os.setxattr": 1, "os.removexattr": 1,
-                   "shutil.rmtree": 1, "os.rename": 2, "os.link": 2, "os.symlink": 2}
+    blocked_prefixes = (
+        "socket.",
+        "ctypes.",
+        "subprocess.",
+        "os.fork",
+        "os.forkpty",
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.kill",
+        "os.killpg",
+        "signal.pthread_kill",
+        "resource.setrlimit",
+        "resource.prlimit",
+        "gc.get_referrers",
+        "gc.get_referents",
+        "gc.get_objects",
+        "urllib.",
+        "http.client.",
+        "ftplib.",
+        "smtplib.",
+        "poplib.",
+        "imaplib.",
+        "nntplib.",
+        "telnetlib.",
+        "webbrowser.",
+        "pty.",
+    )
+    path_events = {
+        "os.remove": 1,
+        "os.rmdir": 1,
+        "os.mkdir": 1,
+        "os.chmod": 1,
+        "os.chown": 1,
+        "os.truncate": 1,
+        "os.utime": 1,
+        "os.chflags": 1,
+        "os.lchflags": 1,
+        "os.setxattr": 1,
+        "os.removexattr": 1,
+        "shutil.rmtree": 1,
+        "os.rename": 2,
+        "os.link": 2,
+        "os.symlink": 2,
+    }
     said = set()
     realpath, join, fspath, getcwd = os.path.realpath, os.path.join, os.fspath, os.getcwd
 
@@ -257,7 +306,7 @@ def _audit_hook(root, mark_nonce):
             if args[2] & write_flags and not inside(args[0]):
                 deny("write outside the working directory")
         elif event in path_events:
-            for p in args[:path_events[event]]:
+            for p in args[: path_events[event]]:
                 if not inside(p):
                     deny(event + " outside the working directory")
         elif event == "import" and args[0] in ("_ctypes", "ctypes", "_posixsubprocess"):
@@ -270,14 +319,27 @@ def _audit_hook(root, mark_nonce):
 
 # -- values as plain data ---------------------------------------------------------------------------------------
 
-_DUNDERS = ("__eq__", "__ne__", "__hash__", "__iter__", "__len__", "__getitem__", "__lt__", "__le__", "__gt__",
-            "__ge__", "__bool__", "__contains__")
+_DUNDERS = (
+    "__eq__",
+    "__ne__",
+    "__hash__",
+    "__iter__",
+    "__len__",
+    "__getitem__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__bool__",
+    "__contains__",
+)
 
 
 def _encode(v, depth=0, budget=None):
     """Exact builtin types (and the collections/iterator types tests compare against) as tagged JSON."""
     import collections
     import itertools
+
     budget = budget if budget is not None else [ITEMS]
     budget[0] -= 1
     if depth > 64 or budget[0] < 0:
@@ -316,8 +378,9 @@ def _encode(v, depth=0, budget=None):
         if len(items) > ITEMS:
             raise ValueError("iterator longer than %d items" % ITEMS)
         return ["I", [enc(x) for x in items]]
-    raise TypeError("a test value of type %s.%s cannot be compared outside the program" % (t.__module__,
-                                                                                        t.__qualname__))
+    raise TypeError(
+        "a test value of type %s.%s cannot be compared outside the program" % (t.__module__, t.__qualname__)
+    )
 
 
 def _int(x):
@@ -328,16 +391,23 @@ def _int(x):
 
 def _decode(x, depth=0):
     import collections
+
     if depth > 70 or type(x) is not list or not x or type(x[0]) is not str:
         raise ValueError("malformed value")
     tag, args, dec = x[0], x[1:], (lambda y: _decode(y, depth + 1))
-    scalar = {"n": lambda: None, "b": lambda: bool(args[0]) if type(args[0]) is bool else None,
-              "s": lambda: args[0] if type(args[0]) is str else None, "i": lambda: int(args[0], 16),
-              "f": lambda: float(args[0]), "c": lambda: complex(float(args[0]), float(args[1])),
-              "y": lambda: bytes.fromhex(args[0]), "Y": lambda: bytearray.fromhex(args[0]),
-              "r": lambda: range(_int(args[0]), _int(args[1]), _int(args[2])),
-              "Dec": lambda: __import__("decimal").Decimal(args[0]),  # imported only when used: fractions costs 40 ms
-              "Frac": lambda: __import__("fractions").Fraction(int(args[0], 16), int(args[1], 16))}
+    scalar = {
+        "n": lambda: None,
+        "b": lambda: bool(args[0]) if type(args[0]) is bool else None,
+        "s": lambda: args[0] if type(args[0]) is str else None,
+        "i": lambda: int(args[0], 16),
+        "f": lambda: float(args[0]),
+        "c": lambda: complex(float(args[0]), float(args[1])),
+        "y": lambda: bytes.fromhex(args[0]),
+        "Y": lambda: bytearray.fromhex(args[0]),
+        "r": lambda: range(_int(args[0]), _int(args[1]), _int(args[2])),
+        "Dec": lambda: __import__("decimal").Decimal(args[0]),  # imported only when used: fractions costs 40 ms
+        "Frac": lambda: __import__("fractions").Fraction(int(args[0], 16), int(args[1], 16)),
+    }
     if tag in scalar:
         out = scalar[tag]()
         if out is None and tag != "n":
@@ -345,13 +415,25 @@ def _decode(x, depth=0):
         return out
     if type(args[0]) is not list:
         raise ValueError("malformed value")
-    seqs = {"l": list, "t": tuple, "S": set, "F": frozenset, "Q": collections.deque, "I": lambda xs: iter(list(xs)),
-            "dict_keys": lambda xs: dict.fromkeys(xs).keys(),
-            "dict_values": lambda xs: dict(enumerate(xs)).values()}
+    seqs = {
+        "l": list,
+        "t": tuple,
+        "S": set,
+        "F": frozenset,
+        "Q": collections.deque,
+        "I": lambda xs: iter(list(xs)),
+        "dict_keys": lambda xs: dict.fromkeys(xs).keys(),
+        "dict_values": lambda xs: dict(enumerate(xs)).values(),
+    }
     if tag in seqs:
         return seqs[tag](dec(y) for y in args[0])
-    maps = {"d": dict, "C": lambda kv: collections.Counter(dict(kv)), "O": collections.OrderedDict,
-            "D": lambda kv: collections.defaultdict(None, kv), "dict_items": lambda kv: dict(kv).items()}
+    maps = {
+        "d": dict,
+        "C": lambda kv: collections.Counter(dict(kv)),
+        "O": collections.OrderedDict,
+        "D": lambda kv: collections.defaultdict(None, kv),
+        "dict_items": lambda kv: dict(kv).items(),
+    }
     if tag in maps:
         pairs = [(dec(k), dec(v)) for k, v in args[0]]
         return maps[tag](pairs)
@@ -359,6 +441,7 @@ def _decode(x, depth=0):
 
 
 # -- the two modes ----------------------------------------------------------------------------------------------
+
 
 def _run(cfg, out):
     """The candidate's code, then its probes; only values leave this process."""
@@ -462,6 +545,7 @@ def _seccomp(program, nr, sock):
     listener for the calls it refuses; the listener goes to the init over ``sock`` and is closed here before any
     program code runs (a program holding it could answer its own refused calls)."""
     import ctypes
+
     libc = ctypes.CDLL(None, use_errno=True)
 
     class Prog(ctypes.Structure):
@@ -474,6 +558,7 @@ def _seccomp(program, nr, sock):
     if listener < 0:
         _die(CONFINE_MARK, "seccomp listener: %s" % os.strerror(ctypes.get_errno()))
     import _socket
+
     try:
         sock.sendmsg([b"L"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, listener.to_bytes(4, sys.byteorder))])
     finally:
@@ -514,20 +599,25 @@ def _notification(listener):
     """(system call number, notification id, first argument) of a seccomp notification, or None where the
     notifying thread is already gone."""
     import fcntl
+
     buf = bytearray(80)  # struct seccomp_notif, zeroed as the kernel requires
     try:
         fcntl.ioctl(listener, 0xC0502100, buf, True)  # SECCOMP_IOCTL_NOTIF_RECV
     except OSError:
         return None
     # id (8), pid and flags (4+4), then seccomp_data: nr (4), arch (4), instruction pointer (8), args (8 each)
-    return (int.from_bytes(buf[16:20], sys.byteorder, signed=True), int.from_bytes(buf[0:8], sys.byteorder),
-            int.from_bytes(buf[32:40], sys.byteorder))
+    return (
+        int.from_bytes(buf[16:20], sys.byteorder, signed=True),
+        int.from_bytes(buf[0:8], sys.byteorder),
+        int.from_bytes(buf[32:40], sys.byteorder),
+    )
 
 
 def _let_go(listener, nid):
     """Let a notified call (the exit) run as the filter would have allowed it; False where the kernel cannot
     (SECCOMP_USER_NOTIF_FLAG_CONTINUE needs Linux 5.5)."""
     import fcntl
+
     resp = nid.to_bytes(8, sys.byteorder) + bytes(12) + (1).to_bytes(4, sys.byteorder)  # id, val, error, flags
     try:
         fcntl.ioctl(listener, 0xC0182101, bytearray(resp), True)  # SECCOMP_IOCTL_NOTIF_SEND
@@ -581,7 +671,7 @@ def _collect(read_fd, child, cap, listener, exit_nr=None):
             poller.unregister(read_fd)
             pipe_open = False
         elif size < cap:
-            chunks.append(block[:cap - size])
+            chunks.append(block[: cap - size])
         size += len(block)
 
     while not ended and refused is None:
@@ -657,10 +747,12 @@ def main():
     try:
         root = _confine(cfg)
         import ctypes
+
         if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: the program cannot read this one
             raise OSError("PR_SET_DUMPABLE")
         read_fd, write_fd = os.pipe()
         import _socket  # not socket.py: 10-20 ms of imports per run
+
         mine, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)  # the seccomp listener comes back
         child = os.fork()
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - never run the program half-confined
@@ -691,13 +783,22 @@ def main():
             pass
     mine.close()
     lim = cfg["limits"]
-    text, over, status, usage, refused, peak = _collect(read_fd, child, lim["output_bytes"], listener,
-                                                        cfg.get("exit_nr"))
+    text, over, status, usage, refused, peak = _collect(
+        read_fd, child, lim["output_bytes"], listener, cfg.get("exit_nr")
+    )
     code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
-    report(stage="done", exit=code, signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-           result=text, over=over, refused=refused, listener=listener is not None,
-           cpu_s=usage.ru_utime + usage.ru_stime, peak_kb=max(peak, usage.ru_maxrss),
-           file_at_cap=code != 0 and _file_at_cap(lim["output_bytes"]))
+    report(
+        stage="done",
+        exit=code,
+        signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+        result=text,
+        over=over,
+        refused=refused,
+        listener=listener is not None,
+        cpu_s=usage.ru_utime + usage.ru_stime,
+        peak_kb=max(peak, usage.ru_maxrss),
+        file_at_cap=code != 0 and _file_at_cap(lim["output_bytes"]),
+    )
 
 
 if __name__ == "__main__":  # run with -c; the grader imports this file only for _decode

@@ -13,8 +13,10 @@ import re
 
 from es_ray.core.registry import Registry
 
-ANSWER_MODES = Registry("task.answer", {"boxed": "the last \\boxed{...} of the completion",
-                                        "last": "the last number (or choice) of the completion"})
+ANSWER_MODES = Registry(
+    "task.answer",
+    {"boxed": "the last \\boxed{...} of the completion", "last": "the last number (or choice) of the completion"},
+)
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _SPACE = re.compile(r"\s+|\\[,;!: ]|\\left|\\right|\$")
 

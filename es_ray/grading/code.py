@@ -16,9 +16,15 @@ from es_ray.grading.sandbox import SandboxLimits, SandboxResult, run_many
 # the language tag owns the spaces after it (linear: "```" + spaces without a newline backtracked as n^2)
 _FENCE = re.compile(r"```[ \t]*(?:([\w+-]+)[ \t]*)?\n(.*?)(?:```|\Z)", re.S)
 # sandbox statuses that are grading failures (counted by kind); "failed" is an ordinary wrong answer
-SANDBOX_FAILURES = {"timeout": "timeout", "memory": "memory", "output_limit": "output_limit",
-                    "escape_attempt": "escape_attempt", "unparseable_result": "unparseable_result",
-                    "too_long": "too_long", "error": "unavailable"}
+SANDBOX_FAILURES = {
+    "timeout": "timeout",
+    "memory": "memory",
+    "output_limit": "output_limit",
+    "escape_attempt": "escape_attempt",
+    "unparseable_result": "unparseable_result",
+    "too_long": "too_long",
+    "error": "unavailable",
+}
 
 
 def extract_code(completion: str) -> str:
@@ -29,8 +35,11 @@ def extract_code(completion: str) -> str:
     blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(completion)]
     if not blocks:
         return completion.strip()
-    for want in (lambda lang, body: lang in ("python", "py", "python3") and "def " in body,
-                 lambda lang, body: "def " in body, lambda lang, body: True):
+    for want in (
+        lambda lang, body: lang in ("python", "py", "python3") and "def " in body,
+        lambda lang, body: "def " in body,
+        lambda lang, body: True,
+    ):
         for lang, body in blocks:
             if want(lang, body):
                 return body.strip()
@@ -63,7 +72,12 @@ def grade_results(results: Sequence[SandboxResult]) -> list[Grade]:
     return [Grade(1.0 if r.passed else 0.0, r.passed, SANDBOX_FAILURES.get(r.status)) for r in results]
 
 
-def grade_programs(programs: Sequence[str], limits: SandboxLimits = SandboxLimits(), workers: int = 2,
-                   n_tests: Sequence[int | None] | None = None, setups: Sequence[str] | None = None,
-                   entries: Sequence[Sequence[str]] | None = None) -> list[Grade]:
+def grade_programs(
+    programs: Sequence[str],
+    limits: SandboxLimits = SandboxLimits(),
+    workers: int = 2,
+    n_tests: Sequence[int | None] | None = None,
+    setups: Sequence[str] | None = None,
+    entries: Sequence[Sequence[str]] | None = None,
+) -> list[Grade]:
     return grade_results(run_many(programs, limits, workers, n_tests, setups, entries))

@@ -13,8 +13,12 @@ from collections import Counter
 from fractions import Fraction
 
 MAX_EXPR_CHARS = 200
-_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-        ast.Div: lambda a, b: a / b}
+_OPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+}
 
 
 class ExpressionError(ValueError):
@@ -60,7 +64,7 @@ def _answer_tags(text: str) -> list[str]:
         end = text.find("</answer>", start + 8)
         if end < 0:
             break
-        found.append(text[start + 8:end])
+        found.append(text[start + 8 : end])
         i = end + 9
     return found
 

@@ -20,8 +20,12 @@ GRADE_TIMEOUT_S = 10.0
 
 @contextmanager
 def time_limit(seconds: float | None):
-    if (not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer")
-            or signal.getitimer(signal.ITIMER_REAL)[0] > 0):  # someone else's alarm is running: leave it alone
+    if (
+        not seconds
+        or threading.current_thread() is not threading.main_thread()
+        or not hasattr(signal, "setitimer")
+        or signal.getitimer(signal.ITIMER_REAL)[0] > 0
+    ):  # someone else's alarm is running: leave it alone
         yield
         return
 

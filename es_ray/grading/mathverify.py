@@ -37,15 +37,19 @@ def gold_latex(answer: str) -> str:
 
 class _Worker:
     def __init__(self, command: list[str], startup_s: float):
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         self.buf = b""
         os.set_blocking(self.proc.stdout.fileno(), False)
         ready = self.read(time.monotonic() + startup_s)
         if not (isinstance(ready, dict) and ready.get("ready")):
             self.kill()
-            raise GraderFailure("unavailable", f"math-verify worker did not start ({command[:3]}...); "
-                                "is math-verify installed (pip install math-verify)?")
+            raise GraderFailure(
+                "unavailable",
+                f"math-verify worker did not start ({command[:3]}...); "
+                "is math-verify installed (pip install math-verify)?",
+            )
 
     def send(self, obj: dict) -> None:
         self.proc.stdin.write((json.dumps(obj) + "\n").encode())
@@ -101,8 +105,14 @@ class _Worker:
 class MathVerifyPool:
     """``check([(gold, completion), ...])`` -> one Grade per pair (score 1/0, the parsed answer for voting)."""
 
-    def __init__(self, workers: int = 2, timeout_s: float = 10.0, memory_mb: int = 4096, startup_s: float = 120.0,
-                 command: list[str] | None = None):
+    def __init__(
+        self,
+        workers: int = 2,
+        timeout_s: float = 10.0,
+        memory_mb: int = 4096,
+        startup_s: float = 120.0,
+        command: list[str] | None = None,
+    ):
         if workers < 1 or timeout_s <= 0:
             raise ValueError("MathVerifyPool needs workers >= 1 and timeout_s > 0")
         self.size, self.timeout_s, self.startup_s = workers, timeout_s, startup_s

@@ -20,8 +20,17 @@ from dataclasses import dataclass
 #   crash         the grader's worker process died
 #   unavailable   the grader could not be started (e.g. math-verify not installed)
 #   error         the grader raised (a bug or an input it cannot handle)
-FAILURE_KINDS = ("timeout", "memory", "output_limit", "escape_attempt", "unparseable_result", "too_long", "crash",
-                 "unavailable", "error")
+FAILURE_KINDS = (
+    "timeout",
+    "memory",
+    "output_limit",
+    "escape_attempt",
+    "unparseable_result",
+    "too_long",
+    "crash",
+    "unavailable",
+    "error",
+)
 
 
 class GraderFailure(RuntimeError):

@@ -89,9 +89,11 @@ _CHILD = (Path(__file__).with_name("_sandbox_child.py")).read_text()
 CAPSET_SYSCALL = {"x86_64": 126, "aarch64": 91}
 _NAMESPACES = ("--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--net", "--ipc", "--uts")
 # fractions: a module the bootstrap has not imported, so importing it shows that the jail holds the stdlib
-_PROBE = ("import os, sys\nassert 'fractions' not in sys.modules\nimport fractions\n"
-          "print(*os.getresuid(), *os.getresgid())\n"
-          "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('Seccomp:')][0])\n")
+_PROBE = (
+    "import os, sys\nassert 'fractions' not in sys.modules\nimport fractions\n"
+    "print(*os.getresuid(), *os.getresgid())\n"
+    "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('Seccomp:')][0])\n"
+)
 # the grader's own bounds on a result record (before and while it parses one)
 RESULT_READ_FACTOR = 8  # a record holds at most output_bytes of the program's pipe, JSON-escaped (6x at worst)
 MAX_PROGRAM_BYTES = 128 << 10
@@ -155,6 +157,7 @@ class SandboxResult:
 @dataclass(frozen=True)
 class Plan:
     """What confines programs on this machine (chosen once per interpreter)."""
+
     prefix: tuple[str, ...]
     mount_ns: bool
     pid_ns: bool
@@ -201,12 +204,14 @@ network_isolation = namespaces  # the same namespaces carry the network one
 
 
 def _refusal(why: str) -> str:
-    return (f"the MBPP code sandbox cannot confine programs here ({why}). Grading needs Linux namespaces "
-            "(util-linux unshare, run as root or with unprivileged user namespaces: sysctl "
-            "kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0; in Docker a seccomp profile that "
-            "allows unshare, mount and pivot_root), seccomp with user notification (Linux >= 5.0) on x86_64 or "
-            "aarch64, and an interpreter whose files "
-            "are world-readable; Landlock (Linux >= 5.13, 'landlock' in the lsm= boot list) is used where present")
+    return (
+        f"the MBPP code sandbox cannot confine programs here ({why}). Grading needs Linux namespaces "
+        "(util-linux unshare, run as root or with unprivileged user namespaces: sysctl "
+        "kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0; in Docker a seccomp profile that "
+        "allows unshare, mount and pivot_root), seccomp with user notification (Linux >= 5.0) on x86_64 or "
+        "aarch64, and an interpreter whose files "
+        "are world-readable; Landlock (Linux >= 5.13, 'landlock' in the lsm= boot list) is used where present"
+    )
 
 
 SMALL_TMPFS = "size=64k,nr_inodes=16,mode=1777"
@@ -216,9 +221,18 @@ SMALL_TMPFS = "size=64k,nr_inodes=16,mode=1777"
 def _jail_ops(python: str) -> tuple:
     """The minimal root for ``python``: its prefix and the system libraries read-only, four device files, a fresh
     /proc, small private /tmp and /dev/shm (the working directory is added per run)."""
-    info = subprocess.run([python, "-I", "-S", "-c", "import os, sys; print(sys.base_prefix); "
-                           "print(os.path.dirname(os.path.realpath(sys.executable)))"],
-                          capture_output=True, text=True, timeout=30).stdout.split("\n")
+    info = subprocess.run(
+        [
+            python,
+            "-I",
+            "-S",
+            "-c",
+            "import os, sys; print(sys.base_prefix); print(os.path.dirname(os.path.realpath(sys.executable)))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout.split("\n")
     dirs = sorted({os.path.realpath(p) for p in ("/usr", *info[:2]) if p and os.path.isdir(p)})
     ops: list = []
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -229,8 +243,9 @@ def _jail_ops(python: str) -> tuple:
     for d in sorted(set(dirs)):
         if not any(d != o and d.startswith(o.rstrip("/") + "/") for o in dirs):
             ops.append(("bind", d, 1))  # MS_RDONLY
-    ops += [("file", dev, 0) for dev in ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
-            if os.path.exists(dev)]
+    ops += [
+        ("file", dev, 0) for dev in ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random") if os.path.exists(dev)
+    ]
     if os.path.islink("/etc/localtime"):
         ops.append(("symlink", "/etc/localtime", os.readlink("/etc/localtime")))
     ops += [("proc", "/proc"), ("tmpfs", "/tmp", SMALL_TMPFS), ("tmpfs", "/dev/shm", SMALL_TMPFS)]
@@ -255,8 +270,9 @@ def sandbox_plan(python: str = sys.executable) -> Plan:
     if res.passed and ids_ok and out[6] == "2":
         return probe
     last = (res.stderr.strip().splitlines() or [res.status])[-1][:300]
-    return Plan(ns, True, True, abi, drop, _refusal(f"a probe program did not run confined here: {last}"), bpf,
-                probe.jail)
+    return Plan(
+        ns, True, True, abi, drop, _refusal(f"a probe program did not run confined here: {last}"), bpf, probe.jail
+    )
 
 
 def require_sandbox(python: str = sys.executable) -> Plan:
@@ -273,20 +289,24 @@ def isolation(python: str = sys.executable) -> dict:
     return {
         "refused": plan.refused,
         "syscalls": "seccomp-bpf: no second process, no exec, no socket of any family, no ptrace, mount, "
-                    "namespaces, bpf, io_uring, userfaultfd, perf_event_open, keyctl (the init holds the filter's "
-                    "listener: a refused call is not run, the process is killed, escape_attempt); xattrs and SysV "
-                    "IPC refused",
+        "namespaces, bpf, io_uring, userfaultfd, perf_event_open, keyctl (the init holds the filter's "
+        "listener: a refused call is not run, the process is killed, escape_attempt); xattrs and SysV "
+        "IPC refused",
         "network": "network namespace (loopback down) + seccomp (no socket)"
-                   + (" + Landlock TCP" if plan.landlock >= 4 else "") + " + audit hook",
-        "user": (f"a dedicated uid from {UID_BASE} (one per concurrent program), checked by a probe run"
-                 if plan.drop_to is not None else "root of a user namespace without capabilities"),
+        + (" + Landlock TCP" if plan.landlock >= 4 else "")
+        + " + audit hook",
+        "user": (
+            f"a dedicated uid from {UID_BASE} (one per concurrent program), checked by a probe run"
+            if plan.drop_to is not None
+            else "root of a user namespace without capabilities"
+        ),
         "limits": "one process (seccomp), so rlimit cpu, address space, file size, open files are the whole "
-                  "program's; wall clock kills the PID namespace; tmpfs disk quota with nr_inodes (kernel memory)",
+        "program's; wall clock kills the PID namespace; tmpfs disk quota with nr_inodes (kernel memory)",
         "filesystem": "mount namespace with a minimal read-only root (interpreter, system libraries), private "
-                      f"/tmp and /dev/shm; {ll}" + (": writes only in its own directory" if plan.landlock else ""),
+        f"/tmp and /dev/shm; {ll}" + (": writes only in its own directory" if plan.landlock else ""),
         "signals": "PID namespace" + (" + Landlock signal scope" if plan.landlock >= 6 else ""),
         "verdict": "checked outside the program's process over plain values; the record comes from the "
-                   "namespace's init with a per-run nonce, bounded before it is parsed",
+        "namespace's init with a per-run nonce, bounded before it is parsed",
     }
 
 
@@ -381,25 +401,45 @@ def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
         os.mkdir(root, 0o700)
         with _uid_slot(plan) as uid:
             owner = "" if uid is None else f",uid={uid},gid={uid}"
-            ops = [*(plan.jail or [("tmpfs", "/dev/shm", SMALL_TMPFS)]),
-                   ("tmpfs", work, f"size={limits.disk_mb << 10}k,nr_inodes={limits.disk_inodes},mode=0700{owner}")]
+            ops = [
+                *(plan.jail or [("tmpfs", "/dev/shm", SMALL_TMPFS)]),
+                ("tmpfs", work, f"size={limits.disk_mb << 10}k,nr_inodes={limits.disk_inodes},mode=0700{owner}"),
+            ]
             env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
             cmd = [*_pdeath_prefix(), *plan.prefix, python, "-I", "-S", "-B", "-c", _CHILD]
             files = [open(os.path.join(outer, n), "w+b") for n in ("stdout", "stderr", "result")]
             out, err, res = files
             try:
                 machine = os.uname().machine
-                payload = json.dumps({
-                    **cfg, "limits": asdict(limits), "work": work, "nonce": nonce,
-                    "mark_nonce": mark if plan.hook else None,
-                    "pid_ns": plan.pid_ns, "landlock": plan.landlock, "drop_to": uid, "result_fd": res.fileno(),
-                    "capset": CAPSET_SYSCALL.get(machine), "seccomp": plan.seccomp,
-                    "seccomp_nr": _syscall_nr(machine, "seccomp"), "exit_nr": _syscall_nr(machine, "exit_group"),
-                    "jail": {"root": root if plan.jail else "", "ops": ops, "pivot_root": _pivot_root_nr(machine)},
-                }).encode()
+                payload = json.dumps(
+                    {
+                        **cfg,
+                        "limits": asdict(limits),
+                        "work": work,
+                        "nonce": nonce,
+                        "mark_nonce": mark if plan.hook else None,
+                        "pid_ns": plan.pid_ns,
+                        "landlock": plan.landlock,
+                        "drop_to": uid,
+                        "result_fd": res.fileno(),
+                        "capset": CAPSET_SYSCALL.get(machine),
+                        "seccomp": plan.seccomp,
+                        "seccomp_nr": _syscall_nr(machine, "seccomp"),
+                        "exit_nr": _syscall_nr(machine, "exit_group"),
+                        "jail": {"root": root if plan.jail else "", "ops": ops, "pivot_root": _pivot_root_nr(machine)},
+                    }
+                ).encode()
                 try:
-                    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=outer, env=env,
-                                            start_new_session=True, pass_fds=(res.fileno(),))
+                    proc = subprocess.Popen(
+                        cmd,
+                        stdin=subprocess.PIPE,
+                        stdout=out,
+                        stderr=err,
+                        cwd=outer,
+                        env=env,
+                        start_new_session=True,
+                        pass_fds=(res.fileno(),),
+                    )
                 except OSError as exc:
                     return _Raw(None, False, False, "", "", None, f"could not start the sandbox: {exc}")
                 timed_out = False
@@ -418,8 +458,9 @@ def _launch(cfg: dict, limits: SandboxLimits, python: str, plan: Plan) -> _Raw:
                 # Python ignores SIGXFSZ: past the cap its writes fail with EFBIG, so the size tells
                 over = _reached(out, limits.output_bytes) or _reached(err, limits.output_bytes)
                 record = _record(_read_capped(res, RESULT_READ_FACTOR * limits.output_bytes + 4096), nonce)
-                raw = _Raw(None, timed_out, over, _read_capped(out, limits.output_bytes),
-                           _read_capped(err, 64 << 10), None)
+                raw = _Raw(
+                    None, timed_out, over, _read_capped(out, limits.output_bytes), _read_capped(err, 64 << 10), None
+                )
                 if record is None:
                     raw.error = None if timed_out else f"the sandbox ended without its record (rc {proc.returncode})"
                 elif record.get("stage") == "confine":
@@ -514,13 +555,18 @@ def _run_split(split: Split, limits: SandboxLimits, python: str, plan: Plan) -> 
     verdicts = _compare_literals(split, values)
     if None in verdicts:  # some tests need the check process: the value holds something hashed, or the test is
         check_limits = replace(limits, wall_s=limits.check_s, cpu_s=min(limits.cpu_s, limits.check_s))
-        check = _launch({"mode": "verify", "imports": split.imports, "tests": split.tests, "values": values},
-                        check_limits, python, plan)
+        check = _launch(
+            {"mode": "verify", "imports": split.imports, "tests": split.tests, "values": values},
+            check_limits,
+            python,
+            plan,
+        )
         checked = (check.result or {}).get("verdicts")
         if check.error and not check.timed_out:  # the sandbox itself broke (a grader failure, not the program's)
-            return SandboxResult("error", raw.returncode, raw.stdout, stderr + "\n" + check.error,
-                                 time.monotonic() - t0)
-        if (_status(check)[0] != "passed" or not isinstance(checked, list) or len(checked) != len(split.tests)):
+            return SandboxResult(
+                "error", raw.returncode, raw.stdout, stderr + "\n" + check.error, time.monotonic() - t0
+            )
+        if _status(check)[0] != "passed" or not isinstance(checked, list) or len(checked) != len(split.tests):
             # its values could not be rebuilt or compared within the check's budget: the program's failure
             stderr += f"\nits values could not be checked within {limits.check_s:g} s: {check.stderr[-2000:]}"
             return SandboxResult("unparseable_result", raw.returncode, raw.stdout, stderr, time.monotonic() - t0)
@@ -528,8 +574,9 @@ def _run_split(split: Split, limits: SandboxLimits, python: str, plan: Plan) -> 
         stderr += check.stderr[-2000:]
     if not all(v is True for v in verdicts):
         status, reason = "failed", "wrong"
-        stderr += "AssertionError: " + "; ".join(t["source"][:200] for t, v in zip(split.tests, verdicts)
-                                                 if v is not True)
+        stderr += "AssertionError: " + "; ".join(
+            t["source"][:200] for t, v in zip(split.tests, verdicts) if v is not True
+        )
     return SandboxResult(status, raw.returncode, raw.stdout, stderr, time.monotonic() - t0, reason)
 
 
@@ -539,8 +586,7 @@ def _hash_free(x, budget: list[int]) -> bool:
     budget[0] -= 1
     if budget[0] < 0 or type(x) is not list or not x or x[0] not in _FAST_TAGS and x[0] not in ("l", "t"):
         return False
-    return x[0] not in ("l", "t") or (len(x) == 2 and type(x[1]) is list
-                                      and all(_hash_free(y, budget) for y in x[1]))
+    return x[0] not in ("l", "t") or (len(x) == 2 and type(x[1]) is list and all(_hash_free(y, budget) for y in x[1]))
 
 
 def _compare_literals(split: Split, values: list) -> list[bool | None]:
@@ -568,8 +614,14 @@ def _compare_literals(split: Split, values: list) -> list[bool | None]:
     return verdicts
 
 
-def run_python(program: str, limits: SandboxLimits = SandboxLimits(), python: str = sys.executable,
-               n_tests: int | None = None, setup: str = "", entry: Sequence[str] = ()) -> SandboxResult:
+def run_python(
+    program: str,
+    limits: SandboxLimits = SandboxLimits(),
+    python: str = sys.executable,
+    n_tests: int | None = None,
+    setup: str = "",
+    entry: Sequence[str] = (),
+) -> SandboxResult:
     """Run ``program`` (Python source) confined; ``passed`` only if it ran to its end, exited 0 and every
     trailing top-level assert holds when checked outside its process. ``n_tests``: how many trailing asserts the
     program must end with (the task's tests; fewer means the code swallowed some, which fails); only those are
@@ -581,33 +633,52 @@ def run_python(program: str, limits: SandboxLimits = SandboxLimits(), python: st
     boundary."""
     plan = require_sandbox(python)
     if len(program) > MAX_PROGRAM_BYTES or len(program.encode("utf-8", "surrogatepass")) > MAX_PROGRAM_BYTES:
-        return SandboxResult("too_long", None, "", f"the program is over {MAX_PROGRAM_BYTES} bytes: not graded",
-                             0.0)
+        return SandboxResult("too_long", None, "", f"the program is over {MAX_PROGRAM_BYTES} bytes: not graded", 0.0)
     try:
         split = split_tests(program, setup, n_tests, entry)
     except TestsTooLarge as exc:
         return SandboxResult("failed", None, "", str(exc), 0.0, "tests_too_large")
     if n_tests is not None and split.asserts < n_tests:
-        return SandboxResult("failed", None, "", f"the program ends with {split.asserts} of its {n_tests} tests "
-                             "as separate asserts (its code swallowed the rest)", 0.0, "tests_swallowed")
+        return SandboxResult(
+            "failed",
+            None,
+            "",
+            f"the program ends with {split.asserts} of its {n_tests} tests "
+            "as separate asserts (its code swallowed the rest)",
+            0.0,
+            "tests_swallowed",
+        )
     return _run_split(split, limits, python, plan)
 
 
-def run_many(programs: Sequence[str], limits: SandboxLimits = SandboxLimits(), workers: int = 2,
-             n_tests: Sequence[int | None] | None = None, setups: Sequence[str] | None = None,
-             entries: Sequence[Sequence[str]] | None = None) -> list[SandboxResult]:
+def run_many(
+    programs: Sequence[str],
+    limits: SandboxLimits = SandboxLimits(),
+    workers: int = 2,
+    n_tests: Sequence[int | None] | None = None,
+    setups: Sequence[str] | None = None,
+    entries: Sequence[Sequence[str]] | None = None,
+) -> list[SandboxResult]:
     """Run several programs, ``workers`` at a time (each is its own process; threads only wait on them)."""
     require_sandbox()
-    jobs = list(zip(programs, n_tests or [None] * len(programs), setups or [""] * len(programs),
-                    entries or [()] * len(programs)))
+    jobs = list(
+        zip(
+            programs, n_tests or [None] * len(programs), setups or [""] * len(programs), entries or [()] * len(programs)
+        )
+    )
 
     def one(job):
         t0 = time.monotonic()
         try:
             return run_python(job[0], limits, n_tests=job[1], setup=job[2], entry=job[3])
         except Exception as exc:  # noqa: BLE001 - one program never takes its batch down: a grader failure, counted
-            return SandboxResult("error", None, "", f"the grader failed on this program: {type(exc).__name__}: "
-                                 f"{str(exc)[:300]}", time.monotonic() - t0)
+            return SandboxResult(
+                "error",
+                None,
+                "",
+                f"the grader failed on this program: {type(exc).__name__}: {str(exc)[:300]}",
+                time.monotonic() - t0,
+            )
 
     if workers <= 1 or len(jobs) <= 1:
         return [one(job) for job in jobs]

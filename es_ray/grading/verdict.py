@@ -100,8 +100,9 @@ def _line_start(text: str, lineno: int) -> int:
 
 def _bound_names(node: ast.AST) -> set[str]:
     """Names a comprehension or lambda binds for its body (loop targets, parameters)."""
-    return ({n.id for n in ast.walk(node) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
-            | {a.arg for a in ast.walk(node) if isinstance(a, ast.arg)})
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)} | {
+        a.arg for a in ast.walk(node) if isinstance(a, ast.arg)
+    }
 
 
 def _program_bindings(body: list[ast.stmt]) -> set[str]:
@@ -151,15 +152,27 @@ program binds no name of theirs anywhere (else the two-way check reads them)."""
 
 def _whole(node: ast.expr, is_program, reducers: frozenset = frozenset()) -> bool:
     """Whether a program subexpression is taken whole (its value crosses) rather than looked into."""
-    return (isinstance(node, (ast.Name, ast.NamedExpr))
-            # the program's own function: its result (a lambda's call is looked into: its body has the sites)
-            or isinstance(node, ast.Call) and is_program(node.func) and not isinstance(node.func, _SCOPED)
-            or isinstance(node, (ast.Attribute, ast.Subscript)) and is_program(node.value)  # Point(1, 2).x
-            # the builtin len (or bool) of a program value: its length crosses, not a value of 250,000 items
-            or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in reducers
-                and not is_program(node.func) and len(node.args) == 1 and not node.keywords
-                and not isinstance(node.args[0], ast.Starred) and not isinstance(node.args[0], _SCOPED)
-                and not any(isinstance(sub, _SCOPED) for sub in ast.walk(node.args[0]))))
+    return (
+        isinstance(node, (ast.Name, ast.NamedExpr))
+        # the program's own function: its result (a lambda's call is looked into: its body has the sites)
+        or isinstance(node, ast.Call)
+        and is_program(node.func)
+        and not isinstance(node.func, _SCOPED)
+        or isinstance(node, (ast.Attribute, ast.Subscript))
+        and is_program(node.value)  # Point(1, 2).x
+        # the builtin len (or bool) of a program value: its length crosses, not a value of 250,000 items
+        or (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in reducers
+            and not is_program(node.func)
+            and len(node.args) == 1
+            and not node.keywords
+            and not isinstance(node.args[0], ast.Starred)
+            and not isinstance(node.args[0], _SCOPED)
+            and not any(isinstance(sub, _SCOPED) for sub in ast.walk(node.args[0]))
+        )
+    )
 
 
 def _call(name: str, *args: ast.expr) -> ast.expr:
@@ -206,8 +219,12 @@ def task_functions(reference: str) -> tuple[str, ...]:
         body = ast.parse(reference).body if isinstance(reference, str) else []
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return ()
-    return tuple(sorted({n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-                        & set(dir(builtins))))
+    return tuple(
+        sorted(
+            {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+            & set(dir(builtins))
+        )
+    )
 
 
 class TestsTooLarge(ValueError):
@@ -255,8 +272,8 @@ def split_tests(program: str, setup: str = "", n_tests: int | None = None, entry
     if not trailing:
         return Split(program)
     keep = len(trailing) if n_tests is None else max(0, min(n_tests, len(trailing)))
-    body += trailing[:len(trailing) - keep]
-    tail = trailing[len(trailing) - keep:]
+    body += trailing[: len(trailing) - keep]
+    tail = trailing[len(trailing) - keep :]
     if not tail:
         return Split(program, asserts=len(trailing))
     if sum(1 for t in tail for _ in ast.walk(t)) > MAX_TEST_NODES:
@@ -269,8 +286,9 @@ def split_tests(program: str, setup: str = "", n_tests: int | None = None, entry
         raise TestsTooLarge(f"the tests are nested too deep to take apart ({type(exc).__name__})") from None
 
 
-def _split(program: str, setup: str, body: list[ast.stmt], tail: list[ast.Assert], asserts: int,
-           entry: set[str]) -> Split:
+def _split(
+    program: str, setup: str, body: list[ast.stmt], tail: list[ast.Assert], asserts: int, entry: set[str]
+) -> Split:
     try:
         names, imports = _imported_names(ast.parse(setup), True)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -278,13 +296,20 @@ def _split(program: str, setup: str, body: list[ast.stmt], tail: list[ast.Assert
     more, stmts = _imported_names(ast.Module(body=body, type_ignores=[]), False)
     names, imports = names | more, imports + stmts
     first = tail[0]
-    code = (program[:_line_start(program, first.lineno)] if first.col_offset == 0
-            else ast.unparse(ast.Module(body=body, type_ignores=[])) + "\n")
+    code = (
+        program[: _line_start(program, first.lineno)]
+        if first.col_offset == 0
+        else ast.unparse(ast.Module(body=body, type_ignores=[])) + "\n"
+    )
     split = Split(code, imports=imports, asserts=asserts)
     # a standard-library module a test reads an attribute of (math.isclose) is the check's own even when the
     # program binds that name itself (math = <anything with an isclose>): the check imports the real module
-    modules = {n.value.id for t in tail for n in ast.walk(t.test) if isinstance(n, ast.Attribute)
-               and isinstance(n.value, ast.Name) and n.value.id in sys.stdlib_module_names} - names
+    modules = {
+        n.value.id
+        for t in tail
+        for n in ast.walk(t.test)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in sys.stdlib_module_names
+    } - names
     split.imports += [f"import {m}" for m in sorted(modules)]
     trusted = names | modules | set(dir(builtins))
     bindings = _program_bindings(body)
@@ -302,8 +327,14 @@ def _split(program: str, setup: str, body: list[ast.stmt], tail: list[ast.Assert
         for reading in readings:
             prober = _Prober(reading, split.probes, reducers)
             expr = prober.visit(_truth(copy.deepcopy(node.test), reading, reducers))
-            split.tests.append({"source": source, "expr": ast.unparse(expr), "probes": prober.used,
-                                "expected": _literal_expected(expr)})
+            split.tests.append(
+                {
+                    "source": source,
+                    "expr": ast.unparse(expr),
+                    "probes": prober.used,
+                    "expected": _literal_expected(expr),
+                }
+            )
     return split
 
 
@@ -313,12 +344,16 @@ def _truth(test: ast.expr, trusted: set[str], reducers: frozenset) -> ast.expr:
     wrong truth is the same as computing one). Only where the program binds no ``bool``."""
     if "bool" not in reducers:
         return test
+
     def is_program(node: ast.AST) -> bool:
         return bool(_free_names(node) - trusted)
 
     inner = test.operand if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) else test
-    if (not is_program(inner) or not _whole(inner, is_program, reducers)
-            or any(isinstance(sub, _SCOPED) for sub in ast.walk(inner))):
+    if (
+        not is_program(inner)
+        or not _whole(inner, is_program, reducers)
+        or any(isinstance(sub, _SCOPED) for sub in ast.walk(inner))
+    ):
         return test
     wrapped = ast.copy_location(_call("bool", inner), inner)
     return ast.copy_location(ast.UnaryOp(ast.Not(), wrapped), test) if inner is not test else wrapped
@@ -327,8 +362,13 @@ def _truth(test: ast.expr, trusted: set[str], reducers: frozenset) -> ast.expr:
 def _literal_expected(expr: ast.expr) -> str | None:
     """For ``__probe_i == <literal>`` (most MBPP tests) the literal's source: the grader compares that one by value
     itself, with no check process."""
-    if not (isinstance(expr, ast.Compare) and len(expr.ops) == 1 and isinstance(expr.ops[0], ast.Eq)
-            and isinstance(expr.left, ast.Name) and expr.left.id.startswith("__probe_")):
+    if not (
+        isinstance(expr, ast.Compare)
+        and len(expr.ops) == 1
+        and isinstance(expr.ops[0], ast.Eq)
+        and isinstance(expr.left, ast.Name)
+        and expr.left.id.startswith("__probe_")
+    ):
         return None
     source = ast.unparse(expr.comparators[0])
     try:

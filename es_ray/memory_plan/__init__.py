@@ -20,6 +20,7 @@ es_ray/core/memory.py's), ``startup`` (the start-up check every trainer runs bef
 command line's table). Callers import from here.
 """
 
+# fmt: off
 from es_ray.core.memory import ALLOCATOR_SLACK_BYTES, CUDA_CONTEXT_BYTES, GiB, Line, gib  # noqa: F401
 from es_ray.engines.memory import MAX_SHARE, vllm_batch_defaults  # noqa: F401
 from es_ray.grpo.learner_memory import LEARNER_VARIANTS, LOGIT_COPIES, OFFLOADS, LearnerVariant  # noqa: F401
@@ -32,6 +33,7 @@ from es_ray.memory_plan.startup import (HOST_SHARE, colocated_engine_share, gpu_
                                         startup_check)
 from es_ray.memory_plan.table import SETUPS, cell, main, table  # noqa: F401
 from es_ray.model_shape import LLAMA_3_1_8B, PRESETS, ModelShape, preset  # noqa: F401
+# fmt: on
 
 ES_SLACK_BYTES = ALLOCATOR_SLACK_BYTES
 """The allocator's slack beside a part's tensors (es_ray/core/memory.py); scripts/gpu_smoke.py's tolerance."""

@@ -55,8 +55,13 @@ class MemoryPlan:
             return {"engine": self.part("vllm")}
         if self.settings.colocate:  # rollouts with the learner's state resident; training beside a sleeping vLLM
             awake = self.vllm_mapped
-            return {"colocated": max(self.part("learner") + SLEEPING_BYTES, self.learner_resident + awake,
-                                     self.item_bytes("build", "learner build (device)") + awake)}
+            return {
+                "colocated": max(
+                    self.part("learner") + SLEEPING_BYTES,
+                    self.learner_resident + awake,
+                    self.item_bytes("build", "learner build (device)") + awake,
+                )
+            }
         return {"learner": self.part("learner"), "rollout": self.part("vllm")}
 
     @property
@@ -91,8 +96,9 @@ class MemoryPlan:
     def tp_needed(self, card_bytes: int) -> int | None:
         """The smallest engine.tensor_parallel_size with which the plan fits (None: none does)."""
         for tp in TP_DEGREES:
-            if self.model.num_attention_heads % tp == 0 and \
-                    self.with_settings(tensor_parallel_size=tp).fits(card_bytes):
+            if self.model.num_attention_heads % tp == 0 and self.with_settings(tensor_parallel_size=tp).fits(
+                card_bytes
+            ):
                 return tp
         return None
 
@@ -106,30 +112,49 @@ class MemoryPlan:
             if self.fits(card_bytes):
                 return None
             tp = self.tp_needed(card_bytes)
-            return (f"{self.model.name}: the evaluation engine needs {gib(self.part('vllm'))} on a "
-                    f"{gib(card_bytes)} GPU: " + (f"set engine.tensor_parallel_size={tp}" if tp else
-                                                    "set a shorter engine.max_model_len or use a larger card"))
+            return (
+                f"{self.model.name}: the evaluation engine needs {gib(self.part('vllm'))} on a "
+                f"{gib(card_bytes)} GPU: "
+                + (
+                    f"set engine.tensor_parallel_size={tp}"
+                    if tp
+                    else "set a shorter engine.max_model_len or use a larger card"
+                )
+            )
         need = self.part("es")
         free = card_bytes - self.part("vllm") if free_bytes is None else free_bytes
         if need <= free:
             return None
         items = ", ".join(f"{line.item} {gib(line.nbytes)}" for line in self.lines if line.part == "es")
-        where = (f"{gib(free)} are free beside vLLM (engine.gpu_memory_utilization={share:.2f} of {gib(card_bytes)})"
-                 if share is not None else f"a {gib(card_bytes)} card leaves {gib(free)} beside vLLM's "
-                 f"{gib(self.part('vllm'))}")
+        where = (
+            f"{gib(free)} are free beside vLLM (engine.gpu_memory_utilization={share:.2f} of {gib(card_bytes)})"
+            if share is not None
+            else f"a {gib(card_bytes)} card leaves {gib(free)} beside vLLM's {gib(self.part('vllm'))}"
+        )
         room, floor = (card_bytes - need) / card_bytes, self.gpu_memory_utilization(card_bytes)
         if room < floor:
             fixes = [f"(no engine.gpu_memory_utilization leaves room: vLLM needs at least {floor:.2f} of the card)"]
         else:
-            fixes = [f"engine.gpu_memory_utilization={math.floor(room * 100) / 100:.2f} (the most that leaves room "
-                     f"for ES; vLLM needs at least {floor:.2f})"]
+            fixes = [
+                f"engine.gpu_memory_utilization={math.floor(room * 100) / 100:.2f} (the most that leaves room "
+                f"for ES; vLLM needs at least {floor:.2f})"
+            ]
         tp = self.tp_needed(card_bytes) or max(t for t in TP_DEGREES if self.model.num_attention_heads % t == 0)
-        changes = [("es.optimizer=sgd", {"optimizer": "sgd"}, ""), ("es.anchor_decay=0", {"anchor_decay": 0.0}, ""),
-                   ("es.noise=per_tensor", {"noise": "per_tensor" if NOISE_MEMORY.get(self.settings.noise).table else
-                                            self.settings.noise}, ""),
-                   (f"engine.tensor_parallel_size={tp}", {"tensor_parallel_size": tp},
-                    "; it splits vLLM's part" + (" and the master" if self.settings.master_sharded else
-                                                 ", every rank keeps the whole master"))]
+        changes = [
+            ("es.optimizer=sgd", {"optimizer": "sgd"}, ""),
+            ("es.anchor_decay=0", {"anchor_decay": 0.0}, ""),
+            (
+                "es.noise=per_tensor",
+                {"noise": "per_tensor" if NOISE_MEMORY.get(self.settings.noise).table else self.settings.noise},
+                "",
+            ),
+            (
+                f"engine.tensor_parallel_size={tp}",
+                {"tensor_parallel_size": tp},
+                "; it splits vLLM's part"
+                + (" and the master" if self.settings.master_sharded else ", every rank keeps the whole master"),
+            ),
+        ]
         for key, change, why in changes:
             alt = self.with_settings(**change)
             # a change of the ES part meets the same free memory; tensor parallelism shrinks vLLM's part
@@ -138,13 +163,17 @@ class MemoryPlan:
                 fixes.append(f"{key} ({'fits' if short <= 0 else gib(short) + ' short still'}{why})")
         kv = self.item_bytes("vllm", "KV cache")
         if kv >= need - free:
-            fixes.append(f"a shorter engine.max_model_len (vLLM keeps {gib(kv)} of KV cache for "
-                         f"{self.settings.sequences} x {self.settings.tokens_per_sequence} tokens)")
+            fixes.append(
+                f"a shorter engine.max_model_len (vLLM keeps {gib(kv)} of KV cache for "
+                f"{self.settings.sequences} x {self.settings.tokens_per_sequence} tokens)"
+            )
         fixes.append("model.trainable=REGEX (perturb and update a subset of the tensors)")
         fixes.append(f"a GPU with at least {gib(self.part('vllm') + need)}")
-        return (f"{self.model.name}: the ES replica needs {gib(need)} on this GPU ({items}) but {where}; it would run "
-                f"out of memory at its first update, after a whole iteration of generation. Change one of: "
-                + "; ".join(fixes))
+        return (
+            f"{self.model.name}: the ES replica needs {gib(need)} on this GPU ({items}) but {where}; it would run "
+            f"out of memory at its first update, after a whole iteration of generation. Change one of: "
+            + "; ".join(fixes)
+        )
 
     def _grpo_refusal(self, card_bytes: int) -> str | None:
         if self.fits(card_bytes):
@@ -154,17 +183,28 @@ class MemoryPlan:
         if self.gpus[where] > card_bytes:
             items = ", ".join(f"{line.item} {gib(line.nbytes)}" for line in self.lines if line.part == "learner")
             if s.colocate and s.card_bytes:
-                items += (f"; awake beside it, vLLM's engine.gpu_memory_utilization={engine_share(self):.2f} of the "
-                          f"card: {gib(self.vllm_mapped)}")
+                items += (
+                    f"; awake beside it, vLLM's engine.gpu_memory_utilization={engine_share(self):.2f} of the "
+                    f"card: {gib(self.vllm_mapped)}"
+                )
             # the first (smallest) change of each kind that fits on its own
             offloads = OFFLOADS.names()
-            groups = [[(f"grpo.fsdp_size>={f}", {"fsdp_size": f}) for f in FSDP_DEGREES if f > s.fsdp_size],
-                      [(f"grpo.offload={o}", {"offload": o}) for o in offloads[offloads.index(s.offload) + 1:]]]
+            groups = [
+                [(f"grpo.fsdp_size>={f}", {"fsdp_size": f}) for f in FSDP_DEGREES if f > s.fsdp_size],
+                [(f"grpo.offload={o}", {"offload": o}) for o in offloads[offloads.index(s.offload) + 1 :]],
+            ]
             if not s.gradient_checkpointing:
-                groups[:0] = [[("grpo.gradient_checkpointing=true", {"gradient_checkpointing": True})],
-                              [(f"grpo.gradient_checkpointing=true grpo.fsdp_size>={f}",
-                                {"gradient_checkpointing": True, "fsdp_size": f})
-                               for f in FSDP_DEGREES if f > s.fsdp_size]]
+                groups[:0] = [
+                    [("grpo.gradient_checkpointing=true", {"gradient_checkpointing": True})],
+                    [
+                        (
+                            f"grpo.gradient_checkpointing=true grpo.fsdp_size>={f}",
+                            {"gradient_checkpointing": True, "fsdp_size": f},
+                        )
+                        for f in FSDP_DEGREES
+                        if f > s.fsdp_size
+                    ],
+                ]
             if s.colocate:
                 groups.append([("grpo.colocate=false", {"colocate": False})])
                 if s.gpu_memory_utilization and s.card_bytes:  # the share set by hand, larger than fits
@@ -172,24 +212,39 @@ class MemoryPlan:
                     most = math.floor(100 * room / s.card_bytes) / 100
                     least = self.gpu_memory_utilization(s.card_bytes)
                     if least <= most:
-                        groups.insert(0, [(f"engine.gpu_memory_utilization={most:.2f} or lower (vLLM needs at least "
-                                           f"{least:.2f}; 0 takes the plan's {least:.2f})",
-                                           {"gpu_memory_utilization": most})])
-            fixes = [next((key for key, change in group if self.with_settings(**change).fits(card_bytes)), None)
-                     for group in groups]
+                        groups.insert(
+                            0,
+                            [
+                                (
+                                    f"engine.gpu_memory_utilization={most:.2f} or lower (vLLM needs at least "
+                                    f"{least:.2f}; 0 takes the plan's {least:.2f})",
+                                    {"gpu_memory_utilization": most},
+                                )
+                            ],
+                        )
+            fixes = [
+                next((key for key, change in group if self.with_settings(**change).fits(card_bytes)), None)
+                for group in groups
+            ]
             fixes = list(dict.fromkeys(f for f in fixes if f))
-            what = f"a GRPO learner rank (grpo.fsdp_size={s.fsdp_size})" + (" beside its colocated rollout engine"
-                                                                             if s.colocate else "")
+            what = f"a GRPO learner rank (grpo.fsdp_size={s.fsdp_size})" + (
+                " beside its colocated rollout engine" if s.colocate else ""
+            )
             on = " (grpo.gradient_checkpointing is on)" if s.gradient_checkpointing else ""
-            out.append(f"{what} needs {gib(self.gpus[where])} ({items}) on a {gib(card_bytes)} GPU{on}: set "
-                       + (" or ".join(fixes) + "; or " if fixes else "")
-                       + "a smaller grpo.micro_batch_size or grpo.logit_chunk_tokens, model.trainable=REGEX "
-                       "(gradients and AdamW for those tensors only), or a larger GPU (grpo.gradient_checkpointing and "
-                       "grpo.fsdp_size shrink the learner; engine.tensor_parallel_size does not)")
+            out.append(
+                f"{what} needs {gib(self.gpus[where])} ({items}) on a {gib(card_bytes)} GPU{on}: set "
+                + (" or ".join(fixes) + "; or " if fixes else "")
+                + "a smaller grpo.micro_batch_size or grpo.logit_chunk_tokens, model.trainable=REGEX "
+                "(gradients and AdamW for those tensors only), or a larger GPU (grpo.gradient_checkpointing and "
+                "grpo.fsdp_size shrink the learner; engine.tensor_parallel_size does not)"
+            )
         if not s.colocate and self.part("vllm") > card_bytes:
             tp = self.tp_needed(card_bytes)
-            out.append(f"a rollout engine needs {gib(self.part('vllm'))}: set engine.tensor_parallel_size={tp}"
-                       if tp else f"a rollout engine needs {gib(self.part('vllm'))}: use a larger card")
+            out.append(
+                f"a rollout engine needs {gib(self.part('vllm'))}: set engine.tensor_parallel_size={tp}"
+                if tp
+                else f"a rollout engine needs {gib(self.part('vllm'))}: use a larger card"
+            )
         return f"{self.model.name}: " + "; ".join(out)
 
     def item_bytes(self, part: str, prefix: str) -> int:
@@ -199,16 +254,26 @@ class MemoryPlan:
     def markdown(self) -> str:
         rows = [f"| {line.part} | {line.item} | {gib(line.nbytes)} | {line.note} |" for line in self.lines]
         per_gpu = ", ".join(f"{k} {gib(v)}" for k, v in self.gpus.items())
-        return "\n".join([f"{self.model.name}, {self.method} ({per_gpu}):", "", "| part | item | size | how |",
-                          "|---|---|---:|---|", *rows])
+        return "\n".join(
+            [
+                f"{self.model.name}, {self.method} ({per_gpu}):",
+                "",
+                "| part | item | size | how |",
+                "|---|---|---:|---|",
+                *rows,
+            ]
+        )
 
 
 def replica_parts(m: ModelShape, s: Settings) -> dict[str, TensorPart]:
     """The parts of the tensors the ES replica of one GPU rank holds: those it trains (model.trainable, and what
     es.perturbation perturbs: ``replica_spec.selects``), each the rank's shard under tensor parallelism."""
     tp = s.tensor_parallel_size if s.master_sharded else 1
-    parts = {k: TensorPart(v, *m.tp_part(k, v, tp)) for k, v in m.tensors().items()
-             if selects(s.trainable, s.perturbation, k, v)}
+    parts = {
+        k: TensorPart(v, *m.tp_part(k, v, tp))
+        for k, v in m.tensors().items()
+        if selects(s.trainable, s.perturbation, k, v)
+    }
     if not parts:
         raise ValueError(f"model.trainable={s.trainable!r} selects no tensor of {m.name}")
     return parts
@@ -217,9 +282,16 @@ def replica_parts(m: ModelShape, s: Settings) -> dict[str, TensorPart]:
 def plan_es(m: ModelShape, s: Settings = Settings()) -> MemoryPlan:
     """vLLM and the ES replica on one GPU (one rank under tensor parallelism): the engine's lines and the replica's
     (``replica_lines`` of the parts it would hold)."""
-    es = replica_lines(replica_parts(m, s), optimizer=s.optimizer, anchor_decay=s.anchor_decay, noise=s.noise,
-                       noise_table_size=s.noise_table_size, perturbation=s.perturbation, rank=s.rank,
-                       members=s.members)
+    es = replica_lines(
+        replica_parts(m, s),
+        optimizer=s.optimizer,
+        anchor_decay=s.anchor_decay,
+        noise=s.noise,
+        noise_table_size=s.noise_table_size,
+        perturbation=s.perturbation,
+        rank=s.rank,
+        members=s.members,
+    )
     return MemoryPlan(m, "es", s, tuple(engine_lines(m, s) + es))
 
 
@@ -247,6 +319,8 @@ def engine_share(plan: MemoryPlan) -> float:
     if s.gpu_memory_utilization:
         return s.gpu_memory_utilization
     return plan.gpu_memory_utilization(s.card_bytes) if s.card_bytes else 0.0
+
+
 ES_CANDIDATES = ({"optimizer": "adam", "anchor_decay": 1.0}, {"optimizer": "adam"}, {"optimizer": "sgd"})
 """From the largest ES part to the smallest: the settings vLLM's automatic share leaves room for."""
 

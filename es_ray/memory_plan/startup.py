@@ -13,8 +13,15 @@ from pathlib import Path
 from es_ray.core.config import ConfigError
 from es_ray.core.memory import CUDA_CONTEXT_BYTES, GiB, gib
 from es_ray.engines.memory import vllm_batch_defaults
-from es_ray.memory_plan.plan import (PLAN_MARGIN, PLANNERS, PROMPT_TOKENS, MemoryPlan, Settings, engine_share,
-                                     usable_bytes)
+from es_ray.memory_plan.plan import (
+    PLAN_MARGIN,
+    PLANNERS,
+    PROMPT_TOKENS,
+    MemoryPlan,
+    Settings,
+    engine_share,
+    usable_bytes,
+)
 from es_ray.model_shape import PRESETS, ModelShape, preset
 from es_ray.models import EMBEDDED_NAMES, cache_root
 from es_ray.perturbation import PERTURBATIONS
@@ -55,9 +62,15 @@ def _engine(cfg, shape: ModelShape, sequences: int, new_tokens: int, card: int, 
     e = cfg.engine
     tokens = e.max_model_len or PROMPT_TOKENS + new_tokens
     floor = (e.max_model_len or shape.max_position_embeddings) if e.name == "vllm" else 0
-    return dict(engine_dtype_bytes=_dtype_bytes(e.dtype), tensor_parallel_size=e.tensor_parallel_size,
-                sequences=max(1, sequences), tokens_per_sequence=tokens, kv_floor_tokens=floor,
-                trainable=cfg.model.trainable, **vllm_batch_defaults(card, device_name))
+    return dict(
+        engine_dtype_bytes=_dtype_bytes(e.dtype),
+        tensor_parallel_size=e.tensor_parallel_size,
+        sequences=max(1, sequences),
+        tokens_per_sequence=tokens,
+        kv_floor_tokens=floor,
+        trainable=cfg.model.trainable,
+        **vllm_batch_defaults(card, device_name),
+    )
 
 
 def settings_for(kind: str, cfg, shape: ModelShape, card: int = 80 * GiB, device_name: str = "") -> Settings:
@@ -67,19 +80,34 @@ def settings_for(kind: str, cfg, shape: ModelShape, card: int = 80 * GiB, device
     if kind == "grpo":
         g = cfg.grpo
         per_engine = -(-g.prompts_per_step * g.group_size // max(1, cfg.cluster.num_actors))
-        return Settings(**_engine(cfg, shape, per_engine, cfg.sampling.max_new_tokens, card, device_name),
-                        card_bytes=card, gpu_memory_utilization=cfg.engine.gpu_memory_utilization, learner=g.dtype,
-                        micro_batch_size=g.micro_batch_size, completion_tokens=cfg.sampling.max_new_tokens,
-                        logit_chunk_tokens=g.logit_chunk_tokens, gradient_checkpointing=g.gradient_checkpointing,
-                        reference_model=g.beta > 0, fsdp_size=g.fsdp_size, offload=g.offload, colocate=g.colocate)
+        return Settings(
+            **_engine(cfg, shape, per_engine, cfg.sampling.max_new_tokens, card, device_name),
+            card_bytes=card,
+            gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
+            learner=g.dtype,
+            micro_batch_size=g.micro_batch_size,
+            completion_tokens=cfg.sampling.max_new_tokens,
+            logit_chunk_tokens=g.logit_chunk_tokens,
+            gradient_checkpointing=g.gradient_checkpointing,
+            reference_model=g.beta > 0,
+            fsdp_size=g.fsdp_size,
+            offload=g.offload,
+            colocate=g.colocate,
+        )
     if kind == "es":
         es = cfg.es
         members = PERTURBATIONS.get(es.perturbation).members_at_once(es.population, cfg.cluster.num_actors)
         sequences = es.prompts_per_iteration * max(1, members)
-        return Settings(**_engine(cfg, shape, sequences, cfg.sampling.max_new_tokens, card, device_name),
-                        optimizer=es.optimizer,
-                        anchor_decay=es.anchor_decay, noise=es.noise, noise_table_size=es.noise_table_size,
-                        perturbation=es.perturbation, rank=es.rank, members=members)
+        return Settings(
+            **_engine(cfg, shape, sequences, cfg.sampling.max_new_tokens, card, device_name),
+            optimizer=es.optimizer,
+            anchor_decay=es.anchor_decay,
+            noise=es.noise,
+            noise_table_size=es.noise_table_size,
+            perturbation=es.perturbation,
+            rank=es.rank,
+            members=members,
+        )
     if kind == "eval":
         return Settings(**_engine(cfg, shape, cfg.engine.batch_size, cfg.eval.max_new_tokens, card, device_name))
     raise ValueError(f"no memory plan for {kind!r}; one of {', '.join(PLANNERS)}")
@@ -107,8 +135,13 @@ def gpu_reported_bytes() -> int | None:
     if not shutil.which("nvidia-smi"):
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
         sizes = [int(x) for x in out.split() if x.strip().isdigit()]
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
@@ -120,8 +153,13 @@ def gpu_name() -> str:
     if not shutil.which("nvidia-smi"):
         return ""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
     return (out.splitlines() or [""])[0].strip()
@@ -134,22 +172,31 @@ def host_bytes() -> int:
 def host_plan_bytes(kind: str, plan: MemoryPlan, cfg) -> tuple[int, str]:
     """A CPU run's processes all on this host: (bytes, how) summed over them, the GPU-only lines left out (the
     transformers engine has no vLLM allowance, KV pool or CUDA context)."""
-    per = {p: sum(line.nbytes for line in plan.lines if line.part == p and not line.gpu_only)
-           for p in ("vllm", "es", "learner", "host")}
+    per = {
+        p: sum(line.nbytes for line in plan.lines if line.part == p and not line.gpu_only)
+        for p in ("vllm", "es", "learner", "host")
+    }
     n = max(1, cfg.cluster.num_actors)
     if kind == "grpo":
         f = max(1, cfg.grpo.fsdp_size)
         total = f * (per["learner"] + per["host"]) + n * per["vllm"]
-        return total, (f"{f} learner rank(s) x {gib(per['learner'] + per['host'])} + {n} rollout(s) x "
-                       f"{gib(per['vllm'])}")
+        return total, (
+            f"{f} learner rank(s) x {gib(per['learner'] + per['host'])} + {n} rollout(s) x {gib(per['vllm'])}"
+        )
     if kind == "es":
         return n * (per["vllm"] + per["es"]), f"{n} ES actor(s) x {gib(per['vllm'] + per['es'])}"
     return n * per["vllm"], f"{n} engine(s) x {gib(per['vllm'])}"
 
 
-def startup_check(kind: str, cfg, reported: int | None = None, host: int | None = None,
-                  shape: ModelShape | None = None, gpu: bool | None = None,
-                  device_name: str | None = None) -> MemoryPlan | None:
+def startup_check(
+    kind: str,
+    cfg,
+    reported: int | None = None,
+    host: int | None = None,
+    shape: ModelShape | None = None,
+    gpu: bool | None = None,
+    device_name: str | None = None,
+) -> MemoryPlan | None:
     """Refuse (ConfigError: the numbers and the keys that would make it fit) a run whose plan does not fit the
     device it will run on, before any model is loaded. GPU: each GPU's plan against ``reported`` bytes (default: this
     machine's smallest GPU; unknown: no check here), less usable_bytes's margin; CPU with a local Ray (cluster.address
@@ -170,9 +217,11 @@ def startup_check(kind: str, cfg, reported: int | None = None, host: int | None 
         else:
             message = plan.refusal(usable)
         if message:
-            raise ConfigError(f"{message} [memory plan: {gib(usable)} usable of the {gib(reported)} the GPU reports "
-                              f"(less {PLAN_MARGIN:.0%} margin and {gib(CUDA_CONTEXT_BYTES)} CUDA context); every "
-                              "line: python -m es_ray.memory_plan --detail]")
+            raise ConfigError(
+                f"{message} [memory plan: {gib(usable)} usable of the {gib(reported)} the GPU reports "
+                f"(less {PLAN_MARGIN:.0%} margin and {gib(CUDA_CONTEXT_BYTES)} CUDA context); every "
+                "line: python -m es_ray.memory_plan --detail]"
+            )
         return plan
     plan = plan_for(kind, cfg, shape)
     if cfg.cluster.address:  # the actors run on the cluster's nodes, not on this host: each is sized by its node
@@ -180,11 +229,15 @@ def startup_check(kind: str, cfg, reported: int | None = None, host: int | None 
     need, how = host_plan_bytes(kind, plan, cfg)
     have = int(HOST_SHARE * (host_bytes() if host is None else host))
     if need > have:
-        fixes = {"grpo": "grpo.fsdp_size (the learner's state is split over the ranks, which a CPU host holds all of: "
-                         "only more hosts help), grpo.gradient_checkpointing=true, a smaller grpo.micro_batch_size, "
-                         "model.trainable=REGEX or a smaller model",
-                 "es": "fewer cluster.num_actors, es.optimizer=sgd, model.trainable=REGEX or a smaller model",
-                 "eval": "fewer cluster.num_actors or a smaller model"}[kind]
-        raise ConfigError(f"{shape.name}: this CPU run needs {gib(need)} of host memory ({how}) but "
-                          f"{gib(have)} ({HOST_SHARE:.0%} of the host's RAM) is available; change {fixes}")
+        fixes = {
+            "grpo": "grpo.fsdp_size (the learner's state is split over the ranks, which a CPU host holds all of: "
+            "only more hosts help), grpo.gradient_checkpointing=true, a smaller grpo.micro_batch_size, "
+            "model.trainable=REGEX or a smaller model",
+            "es": "fewer cluster.num_actors, es.optimizer=sgd, model.trainable=REGEX or a smaller model",
+            "eval": "fewer cluster.num_actors or a smaller model",
+        }[kind]
+        raise ConfigError(
+            f"{shape.name}: this CPU run needs {gib(need)} of host memory ({how}) but "
+            f"{gib(have)} ({HOST_SHARE:.0%} of the host's RAM) is available; change {fixes}"
+        )
     return plan

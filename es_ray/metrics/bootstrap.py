@@ -21,8 +21,9 @@ def interval(values_p: Sequence[float], draws: int = DRAWS, level: float = 0.95,
     return interval_of_task_means([values_p], draws, level, seed)
 
 
-def interval_of_task_means(values_tp: Sequence[Sequence[float]], draws: int = DRAWS, level: float = 0.95,
-                           seed: int = 0) -> tuple[float, float]:
+def interval_of_task_means(
+    values_tp: Sequence[Sequence[float]], draws: int = DRAWS, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
     """Percentile interval of mean_t(mean_p values[t][p]), problems resampled within each task."""
     rng = np.random.default_rng(seed)
     means = np.zeros(draws)

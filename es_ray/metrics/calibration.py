@@ -25,17 +25,31 @@ def passk_table(n: int, ks) -> np.ndarray:
     return np.array([[pass_at_k(n, c, k) for k in ks] for c in range(n + 1)])
 
 
-def simulate(rng: np.random.Generator, replicates: int, problems: int, seeds: int, sv: float, *, n: int = 32,
-             ks=(1, 16, 32), shift: float = 0.0, seeds_b: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def simulate(
+    rng: np.random.Generator,
+    replicates: int,
+    problems: int,
+    seeds: int,
+    sv: float,
+    *,
+    n: int = 32,
+    ks=(1, 16, 32),
+    shift: float = 0.0,
+    seeds_b: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """(a, b): [replicates, seeds, problems, len(ks)] pass@k of methods A and B on the same problems; B's logits are
     shifted by ``shift``; ``seeds_b`` seeds of B (default ``seeds``)."""
     table = passk_table(n, ks)
     theta = rng.normal(*THETA, size=(replicates, 1, problems))
     out = []
     for s, sh in ((seeds, 0.0), (seeds_b or seeds, shift)):
-        logit = (theta + rng.normal(0, SD_METHOD_PROBLEM, size=(replicates, 1, problems))
-                 + rng.normal(0, sv, size=(replicates, s, 1))
-                 + rng.normal(0, SD_SEED_PROBLEM, size=(replicates, s, problems)) + sh)
+        logit = (
+            theta
+            + rng.normal(0, SD_METHOD_PROBLEM, size=(replicates, 1, problems))
+            + rng.normal(0, sv, size=(replicates, s, 1))
+            + rng.normal(0, SD_SEED_PROBLEM, size=(replicates, s, problems))
+            + sh
+        )
         out.append(table[rng.binomial(n, 1.0 / (1.0 + np.exp(-logit)))])
     return out[0], out[1]
 
@@ -44,7 +58,7 @@ def expected_passk(shift: float, sv: float, k: int, nodes: int = 80) -> float:
     """E[pass@k] of one method at logit shift ``shift`` (Gauss-Hermite over the logit's normal distribution;
     the unbiased estimator's expectation is 1 - (1 - p)^k)."""
     x, wts = np.polynomial.hermite_e.hermegauss(nodes)
-    sd = np.sqrt(THETA[1] ** 2 + SD_METHOD_PROBLEM ** 2 + sv ** 2 + SD_SEED_PROBLEM ** 2)
+    sd = np.sqrt(THETA[1] ** 2 + SD_METHOD_PROBLEM**2 + sv**2 + SD_SEED_PROBLEM**2)
     p = 1.0 / (1.0 + np.exp(-(THETA[0] + shift + sd * x)))
     return float(np.sum(wts * (1.0 - (1.0 - p) ** k)) / np.sum(wts))
 

@@ -28,9 +28,13 @@ import numpy as np
 from es_ray.core.config import ConfigError
 from es_ray.core.registry import Registry
 
-OBJECTIVES = Registry("task.objective", {
-    "mean": "the mean reward over a prompt's samples (the paper's objective)",
-    "pass_at_k": "the unbiased pass@k over a prompt's samples (task.objective_k; needs that many samples)"})
+OBJECTIVES = Registry(
+    "task.objective",
+    {
+        "mean": "the mean reward over a prompt's samples (the paper's objective)",
+        "pass_at_k": "the unbiased pass@k over a prompt's samples (task.objective_k; needs that many samples)",
+    },
+)
 
 
 def check_objective(objective: str, k: int, samples: int, samples_key: str) -> None:
@@ -40,9 +44,11 @@ def check_objective(objective: str, k: int, samples: int, samples_key: str) -> N
     if k < 1:
         raise ConfigError(f"task.objective_k={k} must be >= 1")
     if objective == "pass_at_k" and samples < k:
-        raise ConfigError(f"task.objective=pass_at_k with task.objective_k={k} needs at least {k} samples per "
-                          f"prompt, but {samples_key}={samples}; raise {samples_key} to >= {k} or lower "
-                          "task.objective_k")
+        raise ConfigError(
+            f"task.objective=pass_at_k with task.objective_k={k} needs at least {k} samples per "
+            f"prompt, but {samples_key}={samples}; raise {samples_key} to >= {k} or lower "
+            "task.objective_k"
+        )
 
 
 def pass_at_k_weights(s: int, k: int) -> np.ndarray:

@@ -102,11 +102,16 @@ class _Acc:
         l2 = math.sqrt(self.sq_delta)
         base = math.sqrt(self.sq_base)
         out = {
-            "tensors": self.tensors, "numel": self.numel, "nonzero": self.nonzero,
-            "l2": l2, "relative_l2": l2 / base if base > 0 else None, "base_l2": base,
+            "tensors": self.tensors,
+            "numel": self.numel,
+            "nonzero": self.nonzero,
+            "l2": l2,
+            "relative_l2": l2 / base if base > 0 else None,
+            "base_l2": base,
             "share_nonzero": self.nonzero / self.numel if self.numel else None,
-            "share_below": {f"{t:g}": (b / self.nonzero if self.nonzero else None)
-                            for t, b in zip(self.thresholds, self.below)},
+            "share_below": {
+                f"{t:g}": (b / self.nonzero if self.nonzero else None) for t, b in zip(self.thresholds, self.below)
+            },
             "max_abs": self.largest[0][0] if self.largest else 0.0,
             "largest": [{"name": n, "index": i, "delta": d} for _, n, i, d in self.largest],
         }
@@ -115,9 +120,13 @@ class _Acc:
         return out
 
 
-def drift(pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
-          thresholds: Sequence[float] = DEFAULT_THRESHOLDS, top: int = 5,
-          edges: np.ndarray | None = LOG10_EDGES, cast: torch.dtype | None = None) -> dict:
+def drift(
+    pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
+    thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
+    top: int = 5,
+    edges: np.ndarray | None = LOG10_EDGES,
+    cast: torch.dtype | None = None,
+) -> dict:
     """Drift from (name, base tensor, tuned tensor) triples; see the module docstring for every field.
 
     Returns {"total": {...}, "by_module_type": {type: {...}}, "thresholds": [...], "histogram_edges": [...],
@@ -144,10 +153,16 @@ def drift(pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
         total = _Acc(thresholds, edges, top)
         for acc in per_type[view].values():
             total.merge(acc)
-        out[view] = {"total": total.report(),
-                     "by_module_type": {k: per_type[view][k].report() for k in MODULE_TYPES if k in per_type[view]}}
-    report = {**out["fp32"], "thresholds": list(thresholds),
-              "histogram_edges": None if edges is None else [float(x) for x in edges], "shape_mismatch": mismatch}
+        out[view] = {
+            "total": total.report(),
+            "by_module_type": {k: per_type[view][k].report() for k in MODULE_TYPES if k in per_type[view]},
+        }
+    report = {
+        **out["fp32"],
+        "thresholds": list(thresholds),
+        "histogram_edges": None if edges is None else [float(x) for x in edges],
+        "shape_mismatch": mismatch,
+    }
     if cast is not None:
         report["cast"] = {"dtype": str(cast).removeprefix("torch."), **out["cast"]}
     return report

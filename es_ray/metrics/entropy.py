@@ -45,8 +45,14 @@ def nucleus_entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, 
     return -torch.where(q > 0, q * torch.log(q), torch.zeros_like(q)).sum(dim=-1)
 
 
-def chunked_token_scores(head, hidden_nh: torch.Tensor, tokens_n: torch.Tensor, temperature: float = 1.0,
-                         chunk: int = 1024, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunked_token_scores(
+    head,
+    hidden_nh: torch.Tensor,
+    tokens_n: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[N, H] hidden states and the [N] tokens they predict -> ([N] log p(token), [N] entropy or None) under
     softmax(head(hidden) / temperature), in fp32 at least, ``chunk`` positions at a time.
 
@@ -55,6 +61,7 @@ def chunked_token_scores(head, hidden_nh: torch.Tensor, tokens_n: torch.Tensor, 
     chunk at a time (the head's forward runs twice; keeping every chunk's graph instead would hold every chunk's
     [chunk, V] log-softmax until the backward, N x V again). Gradients flow to ``hidden_nh`` and the head's weights.
     The entropy is a statistic and comes back detached."""
+
     def score(h: torch.Tensor, tok: torch.Tensor):
         z = head(h)
         logp = torch.log_softmax((z.float() if z.element_size() < 4 else z) / temperature, dim=-1)
@@ -69,8 +76,9 @@ def chunked_token_scores(head, hidden_nh: torch.Tensor, tokens_n: torch.Tensor, 
     parts = []
     for i in range(0, hidden_nh.shape[0], chunk) or [0]:  # N = 0: one empty chunk, so the graph still exists
         h, tok = hidden_nh[i : i + chunk], tokens_n[i : i + chunk]
-        parts.append(checkpoint(score, h, tok, use_reentrant=False, preserve_rng_state=False) if grad else
-                     score(h, tok))
+        parts.append(
+            checkpoint(score, h, tok, use_reentrant=False, preserve_rng_state=False) if grad else score(h, tok)
+        )
     lp = torch.cat([p[0] for p in parts])
     return lp, (torch.cat([p[1] for p in parts]).detach() if entropy else None)
 
@@ -86,8 +94,9 @@ def _completion_logits(model, prompt_ids: Sequence[int], completion_ids: Sequenc
 
 
 @torch.no_grad()
-def completion_entropies(model, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float = 1.0,
-                         chunk: int = 512) -> torch.Tensor:
+def completion_entropies(
+    model, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float = 1.0, chunk: int = 512
+) -> torch.Tensor:
     """[len(completion_ids)] entropies for one completion, by one forward pass over prompt + completion; the
     fp32 softmax runs in chunks of ``chunk`` positions, so its memory is chunk x vocabulary."""
     L = len(completion_ids)
@@ -98,8 +107,9 @@ def completion_entropies(model, prompt_ids: Sequence[int], completion_ids: Seque
 
 
 @torch.no_grad()
-def completion_log_probs(model, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float = 1.0,
-                         chunk: int = 512) -> torch.Tensor:
+def completion_log_probs(
+    model, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float = 1.0, chunk: int = 512
+) -> torch.Tensor:
     """[len(completion_ids)] log p(token | prefix) of softmax(logits / temperature) in fp32, one forward pass (the
     GRPO sync probe: the learner and a transformers engine compute it the same way)."""
     L = len(completion_ids)
@@ -107,14 +117,25 @@ def completion_log_probs(model, prompt_ids: Sequence[int], completion_ids: Seque
         return torch.zeros(0)
     logits = _completion_logits(model, prompt_ids, completion_ids)
     target = torch.tensor(list(completion_ids), device=logits.device).unsqueeze(-1)
-    return torch.cat([torch.log_softmax(logits[i : i + chunk].float() / temperature, dim=-1)
-                      .gather(-1, target[i : i + chunk]).squeeze(-1) for i in range(0, L, chunk)]).cpu()
+    return torch.cat(
+        [
+            torch.log_softmax(logits[i : i + chunk].float() / temperature, dim=-1)
+            .gather(-1, target[i : i + chunk])
+            .squeeze(-1)
+            for i in range(0, L, chunk)
+        ]
+    ).cpu()
 
 
 @torch.no_grad()
-def batched_completion_entropies(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
-                                 temperatures: Sequence[float], max_batch_tokens: int = 8192,
-                                 chunk: int = 512, top_p: float = 1.0) -> list[np.ndarray]:
+def batched_completion_entropies(
+    model,
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    temperatures: Sequence[float],
+    max_batch_tokens: int = 8192,
+    chunk: int = 512,
+    top_p: float = 1.0,
+) -> list[np.ndarray]:
     """[L_i, len(temperatures)] entropies per completion of ``pairs`` ((prompt ids, completion ids)), teacher-forced
     in batches of at most ``max_batch_tokens`` padded tokens (longest first, right-padded, attention-masked): one
     forward pass per batch instead of one per completion, and every temperature from the same logits. With
@@ -130,12 +151,15 @@ def batched_completion_entropies(model, pairs: Sequence[tuple[Sequence[int], Seq
     def store(batch: list[int], h: torch.Tensor) -> None:
         """[N, H] hidden states predicting the completion tokens of ``batch``'s rows, in order -> each row's
         [L_i, len(temperatures)] entropies in ``out``, the LM head ``chunk`` rows at a time."""
+
         def columns(z: torch.Tensor) -> list[torch.Tensor]:
             cols = [entropy_from_logits(z, t) for t in temperatures]
             return cols + ([nucleus_entropy_from_logits(z, temperatures[0], top_p)] if top_p < 1.0 else [])
 
-        cols = [torch.stack(columns(z), dim=-1)
-                for z in (head(h[k : k + chunk]).float() for k in range(0, h.shape[0], chunk))]
+        cols = [
+            torch.stack(columns(z), dim=-1)
+            for z in (head(h[k : k + chunk]).float() for k in range(0, h.shape[0], chunk))
+        ]
         width = len(temperatures) + (1 if top_p < 1.0 else 0)
         scores = (torch.cat(cols) if cols else torch.zeros((0, width))).cpu().numpy()
         for i, piece in zip(batch, np.split(scores, np.cumsum([len(pairs[i][1]) for i in batch])[:-1])):
@@ -154,8 +178,10 @@ def batched_completion_entropies(model, pairs: Sequence[tuple[Sequence[int], Seq
             batch = group[start : start + rows]
             start += len(batch)
             completions = [pairs[i][1] for i in batch]
-            store(batch, valid_rows(shared_prompt_hidden(model.base_model, prompt, completions),
-                                    [len(c) for c in completions]))
+            store(
+                batch,
+                valid_rows(shared_prompt_hidden(model.base_model, prompt, completions), [len(c) for c in completions]),
+            )
     order = sorted(single, key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
     start = 0
     while start < len(order):
@@ -171,8 +197,12 @@ def batched_completion_entropies(model, pairs: Sequence[tuple[Sequence[int], Seq
             attn[b, : len(seq)] = 1
         hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
         # position j predicts token j + 1: each row's completion tokens, all rows through the head together
-        store(batch, torch.cat([hidden[b, len(p) - 1 : len(p) + len(c) - 1]
-                                for b, (p, c) in enumerate(pairs[i] for i in batch)]))
+        store(
+            batch,
+            torch.cat(
+                [hidden[b, len(p) - 1 : len(p) + len(c) - 1] for b, (p, c) in enumerate(pairs[i] for i in batch)]
+            ),
+        )
     return out
 
 
@@ -193,8 +223,9 @@ def hist_quantile(counts: np.ndarray, edges: np.ndarray, q: float) -> float:
     return float(edges[i] + frac * (edges[i + 1] - edges[i]))
 
 
-def summarize_stats(sums: Sequence[float], counts: Sequence[int], hist_counts: np.ndarray,
-                    edges: np.ndarray = HIST_EDGES) -> dict:
+def summarize_stats(
+    sums: Sequence[float], counts: Sequence[int], hist_counts: np.ndarray, edges: np.ndarray = HIST_EDGES
+) -> dict:
     """Summary from per-completion (sum of entropies, token count) and the pooled per-token histogram.
 
     This is what crosses from the actors: two numbers per completion and one histogram, not every token's

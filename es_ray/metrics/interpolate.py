@@ -47,8 +47,9 @@ def barrier(scores_t: Sequence[float], grid: Sequence[float]) -> tuple[float, fl
     return float(gap[j]), float(g[j])
 
 
-def barrier_interval(values_tp: np.ndarray, grid: Sequence[float], draws: int = 2000, level: float = 0.95,
-                     seed: int = 0) -> tuple[float, float]:
+def barrier_interval(
+    values_tp: np.ndarray, grid: Sequence[float], draws: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap interval of the barrier: [T, P] per-problem scores along the grid, the P problems
     resampled with replacement (one draw shared by every t)."""
     v = np.asarray(values_tp, dtype=np.float64)
@@ -84,10 +85,15 @@ class UpdateCosine:
 
     def result(self) -> dict:
         total = self._cos(sum(self.dot.values()), sum(self.sq_a.values()), sum(self.sq_b.values()))
-        by_type = {k: self._cos(self.dot[k], self.sq_a[k], self.sq_b[k]) for k in MODULE_TYPES
-                   if self.sq_a[k] or self.sq_b[k]}
-        return {"cosine": total, "by_module_type": by_type,
-                "norm_a": math.sqrt(sum(self.sq_a.values())), "norm_b": math.sqrt(sum(self.sq_b.values()))}
+        by_type = {
+            k: self._cos(self.dot[k], self.sq_a[k], self.sq_b[k]) for k in MODULE_TYPES if self.sq_a[k] or self.sq_b[k]
+        }
+        return {
+            "cosine": total,
+            "by_module_type": by_type,
+            "norm_a": math.sqrt(sum(self.sq_a.values())),
+            "norm_b": math.sqrt(sum(self.sq_b.values())),
+        }
 
 
 def update_cosine(triples: Iterable[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict:

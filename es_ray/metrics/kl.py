@@ -41,13 +41,16 @@ def kl_from_log_probs(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     return (p * diff).sum(dim=-1)
 
 
-def token_kl(base_logits: torch.Tensor, tuned_logits: torch.Tensor, temperature: float = 1.0,
-             top_p: float = 1.0) -> dict[str, torch.Tensor]:
+def token_kl(
+    base_logits: torch.Tensor, tuned_logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0
+) -> dict[str, torch.Tensor]:
     """[N, V] logits of the two models at the same N positions -> per position KL both ways at T untruncated
     (``base_tuned``, ``tuned_base``) and, with top_p < 1, of the two nuclei (``nucleus_base_tuned``, ...)."""
     if base_logits.shape != tuned_logits.shape:
-        raise ValueError(f"the two models' logits differ in shape: {tuple(base_logits.shape)} vs "
-                         f"{tuple(tuned_logits.shape)} (different vocabularies?)")
+        raise ValueError(
+            f"the two models' logits differ in shape: {tuple(base_logits.shape)} vs "
+            f"{tuple(tuned_logits.shape)} (different vocabularies?)"
+        )
     lp, lq = log_probs(base_logits, temperature), log_probs(tuned_logits, temperature)
     out = {"base_tuned": kl_from_log_probs(lp, lq), "tuned_base": kl_from_log_probs(lq, lp)}
     if top_p < 1.0:
@@ -57,8 +60,9 @@ def token_kl(base_logits: torch.Tensor, tuned_logits: torch.Tensor, temperature:
     return out
 
 
-def completion_kl_sums(base_logits: torch.Tensor, tuned_logits: torch.Tensor, temperature: float = 1.0,
-                       top_p: float = 1.0, chunk: int = 64) -> dict[str, float]:
+def completion_kl_sums(
+    base_logits: torch.Tensor, tuned_logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, chunk: int = 64
+) -> dict[str, float]:
     """One completion's [L, V] logits from each model -> the sums over its L tokens of each direction's KL (nucleus:
     over the finite positions, with ``<key>_infinite`` counting the others), and ``tokens`` = L. Chunks of
     ``chunk`` positions keep the fp64 work at chunk x V."""
@@ -89,8 +93,11 @@ def summarize_kl(per_sample: Sequence[dict], problems: Sequence[int]) -> dict:
     for p, s in zip(problems, per_sample):
         by_problem.setdefault(int(p), []).append(s)
     out["per_problem"] = {
-        str(p): {key: (sum(s.get(key, 0.0) for s in ss) / max(1, sum(s["tokens"] - s.get(f"{key}_infinite", 0)
-                                                                      for s in ss)))
-                 for key in keys if not key.startswith("nucleus_")}
-        for p, ss in sorted(by_problem.items())}
+        str(p): {
+            key: (sum(s.get(key, 0.0) for s in ss) / max(1, sum(s["tokens"] - s.get(f"{key}_infinite", 0) for s in ss)))
+            for key in keys
+            if not key.startswith("nucleus_")
+        }
+        for p, ss in sorted(by_problem.items())
+    }
     return out

@@ -34,10 +34,21 @@ def sum_z_squared(shaping: str, population: int) -> float | None:
     return None
 
 
-def null_drift(*, lr: float, sigma: float, population: int, iterations: int, parameters: int,
-               thresholds: Sequence[float], shaping: str = "zscore", optimizer: str = "sgd",
-               estimator: str = "one_point", weight_decay: float = 0.0, anchor_decay: float = 0.0,
-               zero_steps: int = 0) -> dict:
+def null_drift(
+    *,
+    lr: float,
+    sigma: float,
+    population: int,
+    iterations: int,
+    parameters: int,
+    thresholds: Sequence[float],
+    shaping: str = "zscore",
+    optimizer: str = "sgd",
+    estimator: str = "one_point",
+    weight_decay: float = 0.0,
+    anchor_decay: float = 0.0,
+    zero_steps: int = 0,
+) -> dict:
     """The null prediction for a run's settings: {"l2", "step_std", "share_below": {t: share}} or
     {"l2": None, "why": ...} where the model does not apply."""
     why = []
@@ -51,18 +62,35 @@ def null_drift(*, lr: float, sigma: float, population: int, iterations: int, par
     if sz is None:
         why.append(f"es.shaping={shaping}: sum z^2 is not fixed")
     if why:
-        return {"l2": None, "step_std": None, "share_below": {f"{t:g}": None for t in thresholds},
-                "why": "; ".join(why)}
+        return {
+            "l2": None,
+            "step_std": None,
+            "share_below": {f"{t:g}": None for t in thresholds},
+            "why": "; ".join(why),
+        }
     steps = max(0, iterations - zero_steps)
     s1 = lr / (population * sigma) * math.sqrt(sz)
     total_std = s1 * math.sqrt(steps)
     share = {f"{t:g}": (math.erf(t / (math.sqrt(2.0) * total_std)) if total_std > 0 else None) for t in thresholds}
-    return {"l2": total_std * math.sqrt(parameters), "step_std": s1, "total_std": total_std, "steps": steps,
-            "share_below": share, "why": None}
+    return {
+        "l2": total_std * math.sqrt(parameters),
+        "step_std": s1,
+        "total_std": total_std,
+        "steps": steps,
+        "share_below": share,
+        "why": None,
+    }
 
 
-def null_drift_from_log(records: Sequence[dict], *, parameters: int, thresholds: Sequence[float],
-                        optimizer: str = "sgd", weight_decay: float = 0.0, anchor_decay: float = 0.0) -> dict:
+def null_drift_from_log(
+    records: Sequence[dict],
+    *,
+    parameters: int,
+    thresholds: Sequence[float],
+    optimizer: str = "sgd",
+    weight_decay: float = 0.0,
+    anchor_decay: float = 0.0,
+) -> dict:
     """The null prediction from the seed log's rows (dicts with lr, sigma, members, fitness), as ``null_drift``."""
     why = []
     if optimizer != "sgd":
@@ -70,8 +98,12 @@ def null_drift_from_log(records: Sequence[dict], *, parameters: int, thresholds:
     if weight_decay or anchor_decay:
         why.append("es.weight_decay / es.anchor_decay pull the weights back")
     if why:
-        return {"l2": None, "step_std": None, "share_below": {f"{t:g}": None for t in thresholds},
-                "why": "; ".join(why)}
+        return {
+            "l2": None,
+            "step_std": None,
+            "share_below": {f"{t:g}": None for t in thresholds},
+            "why": "; ".join(why),
+        }
     var, steps = 0.0, 0
     for row in records:
         coeff: dict[int, float] = {}
@@ -82,5 +114,12 @@ def null_drift_from_log(records: Sequence[dict], *, parameters: int, thresholds:
         steps += sum_c2 > 0
     total_std = math.sqrt(var)
     share = {f"{t:g}": (math.erf(t / (math.sqrt(2.0) * total_std)) if total_std > 0 else None) for t in thresholds}
-    return {"l2": total_std * math.sqrt(parameters), "step_std": total_std / math.sqrt(steps) if steps else 0.0,
-            "total_std": total_std, "steps": steps, "share_below": share, "why": None, "source": "seed log"}
+    return {
+        "l2": total_std * math.sqrt(parameters),
+        "step_std": total_std / math.sqrt(steps) if steps else 0.0,
+        "total_std": total_std,
+        "steps": steps,
+        "share_below": share,
+        "why": None,
+        "source": "seed log",
+    }

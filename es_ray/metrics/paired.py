@@ -59,6 +59,7 @@ from typing import Sequence
 import numpy as np
 from scipy import stats
 
+
 def t_two_sided_p(t, df):
     """P(|T| >= |t|) for Student's T with ``df`` (any positive real) degrees of freedom, elementwise (scipy.stats)."""
     return 2.0 * stats.t.sf(np.abs(np.asarray(t, dtype=np.float64)), np.asarray(df, dtype=np.float64))
@@ -112,8 +113,10 @@ def _as_pair(a, b, where: str = "") -> tuple[np.ndarray, np.ndarray]:
     """(a, b) as (seeds_a, problems) and (seeds_b, problems) float arrays, refusing what cannot be paired."""
     a, b = _as_scores(a, where), _as_scores(b, where)
     if a.shape[1] != b.shape[1]:
-        raise ValueError(f"paired scores need the same problems{where}: got {a.shape[1]} and {b.shape[1]} problems "
-                         f"(shapes {a.shape} and {b.shape})")
+        raise ValueError(
+            f"paired scores need the same problems{where}: got {a.shape[1]} and {b.shape[1]} problems "
+            f"(shapes {a.shape} and {b.shape})"
+        )
     if a.shape[1] < 2:
         raise ValueError(f"a paired difference needs at least two common problems{where}, got {a.shape[1]}")
     return a, b
@@ -130,7 +133,7 @@ def _residual_ms(x: np.ndarray) -> np.ndarray:
     """[..., S, P] -> [...] the seed x problem residual mean square (two-way ANOVA without replication)."""
     s, p = x.shape[-2:]
     res = x - x.mean(-1, keepdims=True) - x.mean(-2, keepdims=True) + x.mean((-2, -1), keepdims=True)
-    return (res ** 2).sum((-2, -1)) / ((s - 1) * (p - 1))
+    return (res**2).sum((-2, -1)) / ((s - 1) * (p - 1))
 
 
 def components(pairs: Sequence[tuple], w: np.ndarray) -> dict:
@@ -141,8 +144,8 @@ def components(pairs: Sequence[tuple], w: np.ndarray) -> dict:
     s_a, s_b = pairs[0][0].shape[-2], pairs[0][1].shape[-2]
     diff = sum(wt * (b.mean((-2, -1)) - a.mean((-2, -1))) for wt, (a, b) in zip(w, pairs))
     q = [(b.mean(-2) - a.mean(-2)).var(-1, ddof=1) for a, b in pairs]
-    problem_part = sum(wt ** 2 * qt / a.shape[-1] for wt, qt, (a, _) in zip(w, q, pairs))
-    terms = [(wt ** 2 * qt / a.shape[-1], a.shape[-1] - 1) for wt, qt, (a, _) in zip(w, q, pairs)]  # (c_i MS_i, df_i)
+    problem_part = sum(wt**2 * qt / a.shape[-1] for wt, qt, (a, _) in zip(w, q, pairs))
+    terms = [(wt**2 * qt / a.shape[-1], a.shape[-1] - 1) for wt, qt, (a, _) in zip(w, q, pairs)]  # (c_i MS_i, df_i)
     df_terms = list(terms)  # the same with each seed term at its upper bound
     seed_terms, seed_ms, resid = [], [], []
     for side, s in ((0, s_a), (1, s_b)):
@@ -152,8 +155,10 @@ def components(pairs: Sequence[tuple], w: np.ndarray) -> dict:
         per_seed = sum(wt * x[side].mean(-1) for wt, x in zip(w, pairs))
         a_m = per_seed.var(-1, ddof=1) / s
         r_mt = [_residual_ms(x[side]) for x in pairs]
-        r_terms = [(-wt ** 2 * r / (s * x[side].shape[-1]), (s - 1) * (x[side].shape[-1] - 1))
-                   for wt, r, x in zip(w, r_mt, pairs)]
+        r_terms = [
+            (-(wt**2) * r / (s * x[side].shape[-1]), (s - 1) * (x[side].shape[-1] - 1))
+            for wt, r, x in zip(w, r_mt, pairs)
+        ]
         seed_terms.append(a_m + sum(c for c, _ in r_terms))
         seed_ms.append((a_m, -sum(c for c, _ in r_terms)))
         resid.append(r_mt)
@@ -163,13 +168,21 @@ def components(pairs: Sequence[tuple], w: np.ndarray) -> dict:
     v_raw = sum(c for c, _ in terms)
     v = np.maximum(v_raw, problem_part)
     v_bound = sum(c for c, _ in df_terms)
-    den = sum(c ** 2 / d for c, d in df_terms)
+    den = sum(c**2 / d for c, d in df_terms)
     with np.errstate(divide="ignore", invalid="ignore"):
-        df = np.where(den > 0, v_bound ** 2 / np.where(den > 0, den, 1.0), np.inf)
+        df = np.where(den > 0, v_bound**2 / np.where(den > 0, den, 1.0), np.inf)
     df = np.maximum(np.where(v_bound > 0, df, 1.0), max(1, min(s_a, s_b) - 1))
     training = sum(seed_terms) if seed_terms else 0.0 * v
-    return {"diff": diff, "v": v, "df": df, "training": np.maximum(training, 0.0), "q": q, "resid": resid,
-            "seed_ms": seed_ms, "seeds": (s_a, s_b)}
+    return {
+        "diff": diff,
+        "v": v,
+        "df": df,
+        "training": np.maximum(training, 0.0),
+        "q": q,
+        "resid": resid,
+        "seed_ms": seed_ms,
+        "seeds": (s_a, s_b),
+    }
 
 
 def t_test(pairs: Sequence[tuple], weights=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -200,16 +213,29 @@ def paired_difference_tasks(pairs: Sequence[tuple], weights=None, *, level: floa
     arr = [_as_pair(a, b, f" (task {i})" if len(pairs) > 1 else "") for i, (a, b) in enumerate(pairs)]
     for side, name in ((0, "first"), (1, "second")):
         if len({x[side].shape[0] for x in arr}) > 1:
-            raise ValueError(f"every task needs the same seeds of the {name} method, got "
-                             f"{[x[side].shape[0] for x in arr]} seeds per task")
+            raise ValueError(
+                f"every task needs the same seeds of the {name} method, got "
+                f"{[x[side].shape[0] for x in arr]} seeds per task"
+            )
     w = _weights(weights, len(arr))
     diff, se, df, p = (float(v) for v in t_test(arr, w))
     half = t_quantile(0.5 + level / 2, df) * se
     c = components(arr, w)
     s_a, s_b = arr[0][0].shape[0], arr[0][1].shape[0]
-    return Paired(diff=diff, low=diff - half, high=diff + half, p=p, level=level,
-                  problems=sum(x[0].shape[1] for x in arr), seeds=min(s_a, s_b), seeds_a=s_a, seeds_b=s_b, se=se,
-                  df=df, var_training=float(c["training"]))
+    return Paired(
+        diff=diff,
+        low=diff - half,
+        high=diff + half,
+        p=p,
+        level=level,
+        problems=sum(x[0].shape[1] for x in arr),
+        seeds=min(s_a, s_b),
+        seeds_a=s_a,
+        seeds_b=s_b,
+        se=se,
+        df=df,
+        var_training=float(c["training"]),
+    )
 
 
 def welch(a, b, *, level: float = 0.95) -> Paired:
@@ -220,12 +246,24 @@ def welch(a, b, *, level: float = 0.95) -> Paired:
     va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
     v = va + vb
     diff = float(b.mean() - a.mean())
-    df = v ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1)) if v > 0 else math.inf
+    df = v**2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1)) if v > 0 else math.inf
     se = math.sqrt(v)
     p = float(t_two_sided_p(diff / se, min(df, 1e12))) if se > 0 else (1.0 if diff == 0 else 0.0)
     half = t_quantile(0.5 + level / 2, min(df, 1e12)) * se
-    return Paired(diff=diff, low=diff - half, high=diff + half, p=p, level=level, problems=0,
-                  seeds=min(a.size, b.size), seeds_a=a.size, seeds_b=b.size, se=se, df=float(df), var_training=v)
+    return Paired(
+        diff=diff,
+        low=diff - half,
+        high=diff + half,
+        p=p,
+        level=level,
+        problems=0,
+        seeds=min(a.size, b.size),
+        seeds_a=a.size,
+        seeds_b=b.size,
+        se=se,
+        df=float(df),
+        var_training=v,
+    )
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:
@@ -310,8 +348,11 @@ class Power:
     @property
     def can_plan(self) -> bool:
         """Whether the training variance is estimated from enough seeds (PLAN_SEEDS) to plan problems or seeds."""
-        return (self.var_seeds is not None and self.detectable is not None
-                and (self.seeds >= PLAN_SEEDS or not self.bounded))
+        return (
+            self.var_seeds is not None
+            and self.detectable is not None
+            and (self.seeds >= PLAN_SEEDS or not self.bounded)
+        )
 
     def _plan(self, problems: float, seeds: int) -> tuple[float, float]:
         """(se, df) expected at ``problems`` per task and ``seeds`` per method, from the components."""
@@ -323,9 +364,12 @@ class Power:
         # the df the test will use: its seed terms at their upper bound (``components``)
         bound = [t * _seed_bound(seeds - 1) for t in seed_terms] if seeds > 1 else []
         v_bound = p_term + sum(bound) - sum(res_terms)
-        den = p_term ** 2 / (problems - 1) + sum(t ** 2 / (seeds - 1) for t in bound) + sum(
-            t ** 2 / ((seeds - 1) * (problems - 1)) for t in res_terms)
-        return math.sqrt(max(v, p_term)), max(seeds - 1, v_bound ** 2 / den if den > 0 else math.inf)
+        den = (
+            p_term**2 / (problems - 1)
+            + sum(t**2 / (seeds - 1) for t in bound)
+            + sum(t**2 / ((seeds - 1) * (problems - 1)) for t in res_terms)
+        )
+        return math.sqrt(max(v, p_term)), max(seeds - 1, v_bound**2 / den if den > 0 else math.inf)
 
     def _reach(self, problems: float, seeds: int):
         """effect -> the probability that the test (its own V, df and threshold) rejects at ``alpha`` with
@@ -337,8 +381,11 @@ class Power:
                 se = self.se * math.sqrt(self.problems / problems)
                 df = max(1.0, self.df * (problems - 1) / max(1, self.problems - 1))
             crit = t_quantile(1 - self.alpha / self.sides, min(df, 1e12))
-            return lambda effect: (_reach_t(effect / (se * math.sqrt((1 + self._growth(effect)) / 2)), crit, df,
-                                            self.sides) if se > 0 else float(effect != 0))
+            return lambda effect: (
+                _reach_t(effect / (se * math.sqrt((1 + self._growth(effect)) / 2)), crit, df, self.sides)
+                if se > 0
+                else float(effect != 0)
+            )
         r_a, r_b = self.var_residual
 
         def reach(effect: float) -> float:
@@ -349,10 +396,21 @@ class Power:
             g2 = g * g
             # which method carries the training variance is not known (a base model's seeds vary by sampling
             # alone): the split of the same total that the test finds least often
-            return min(_test_power(float(self.var_problems * (1 + g2) / 2), float(r_a), float(r_b * g),
-                                   float(self.var_seeds * w_a), float(self.var_seeds * (2 - w_a) * g2), float(problems),
-                                   int(seeds), float(self.alpha), self.sides)(effect)
-                       for w_a in ((1.0, 0.0, 2.0) if self.bounded else (1.0,)))
+            return min(
+                _test_power(
+                    float(self.var_problems * (1 + g2) / 2),
+                    float(r_a),
+                    float(r_b * g),
+                    float(self.var_seeds * w_a),
+                    float(self.var_seeds * (2 - w_a) * g2),
+                    float(problems),
+                    int(seeds),
+                    float(self.alpha),
+                    self.sides,
+                )(effect)
+                for w_a in ((1.0, 0.0, 2.0) if self.bounded else (1.0,))
+            )
+
         return reach
 
     def reaches(self, effect: float, problems: float, seeds: int) -> float:
@@ -362,7 +420,7 @@ class Power:
     def _detects(self, effect: float, problems: float, seeds: int) -> bool:
         return self._reach(problems, seeds)(abs(effect)) >= self.power
 
-    def problems_needed(self, effect: float, limit: int = 10 ** 7) -> int | None:
+    def problems_needed(self, effect: float, limit: int = 10**7) -> int | None:
         """Problems per task (scaled like this run's) that find ``effect`` with this power at the run's seeds; None
         where the training variance is unknown (one seed) or alone keeps it out of reach at these seeds."""
         checkpoint = not self.bounded and self.var_seeds is None and self.detectable is not None
@@ -401,8 +459,9 @@ def _reach_t(lam: float, crit: float, df: float, sides: int = 2) -> float:
 
 
 @lru_cache(maxsize=1024)
-def _test_power(mb: float, r_a: float, r_b: float, u_a: float, u_b: float, problems: float, seeds: int,
-                alpha: float, sides: int = 2):
+def _test_power(
+    mb: float, r_a: float, r_b: float, u_a: float, u_b: float, problems: float, seeds: int, alpha: float, sides: int = 2
+):
     """effect -> the probability that the paired test rejects at ``alpha`` (two-sided) in a fresh experiment with
     ``problems`` per task and ``seeds`` per method, where 2 sigma_mb^2 = ``mb``, sigma_e,m^2 = ``r_a``, ``r_b`` and
     sigma_u,m^2 = ``u_a``, ``u_b``: the test's own mean squares drawn POWER_DRAWS times from their scaled chi-square
@@ -412,15 +471,15 @@ def _test_power(mb: float, r_a: float, r_b: float, u_a: float, u_b: float, probl
     d_q, d_s, d_r = problems - 1, seeds - 1, (seeds - 1) * (problems - 1)
     q = (mb + (r_a + r_b) / seeds) / problems * rng.chisquare(d_q, POWER_DRAWS) / d_q
     true_v = (mb + (r_a + r_b) / seeds) / problems + (u_a + u_b) / seeds
-    v_raw, v_bound, den = q.copy(), q.copy(), q ** 2 / d_q
+    v_raw, v_bound, den = q.copy(), q.copy(), q**2 / d_q
     for r, u in ((r_a, u_a), (r_b, u_b)):
         a_m = (u + r / problems) / seeds * rng.chisquare(d_s, POWER_DRAWS) / d_s
         r_m = r / (seeds * problems) * rng.chisquare(d_r, POWER_DRAWS) / d_r
         b_m = np.maximum(a_m, r_m) * _seed_bound(d_s)
         v_raw, v_bound = v_raw + a_m - r_m, v_bound + b_m - r_m
-        den = den + b_m ** 2 / d_s + r_m ** 2 / d_r
+        den = den + b_m**2 / d_s + r_m**2 / d_r
     with np.errstate(divide="ignore", invalid="ignore"):
-        df = np.where((den > 0) & (v_bound > 0), v_bound ** 2 / np.where(den > 0, den, 1.0), 1.0)
+        df = np.where((den > 0) & (v_bound > 0), v_bound**2 / np.where(den > 0, den, 1.0), 1.0)
     df = np.maximum(df, max(1, d_s))
     threshold = _t_crit(alpha * (2 if sides == 1 else 1), df) * np.sqrt(np.maximum(v_raw, q))
     sd = math.sqrt(true_v)
@@ -428,8 +487,9 @@ def _test_power(mb: float, r_a: float, r_b: float, u_a: float, u_b: float, probl
         return lambda effect: float(effect != 0)
     if sides == 1:  # the claimed direction only
         return lambda effect: float(np.mean(stats.norm.cdf((effect - threshold) / sd)))
-    return lambda effect: float(np.mean(stats.norm.cdf((effect - threshold) / sd)
-                                        + stats.norm.cdf((-effect - threshold) / sd)))
+    return lambda effect: float(
+        np.mean(stats.norm.cdf((effect - threshold) / sd) + stats.norm.cdf((-effect - threshold) / sd))
+    )
 
 
 def _detectable(reach, power: float, scale: float) -> float:
@@ -445,8 +505,16 @@ def _detectable(reach, power: float, scale: float) -> float:
     return hi
 
 
-def power(pairs: Sequence[tuple], weights=None, *, alpha: float = 0.05, power: float = 0.8, bound: bool = True,
-          sides: int = 2, moves: int = 0) -> Power:
+def power(
+    pairs: Sequence[tuple],
+    weights=None,
+    *,
+    alpha: float = 0.05,
+    power: float = 0.8,
+    bound: bool = True,
+    sides: int = 2,
+    moves: int = 0,
+) -> Power:
     """The smallest difference the test finds with ``power`` at level ``alpha`` (pass the threshold the verdict
     uses: alpha / m under Holm), and the components ``problems_needed``/``seeds_needed`` plan from; ``pairs`` as for
     ``paired_difference_tasks``. ``bound``: the training variance at its upper bound (``Power.bounded``), else at its
@@ -459,9 +527,11 @@ def power(pairs: Sequence[tuple], weights=None, *, alpha: float = 0.05, power: f
     s_a, s_b = c["seeds"]
     mean_p = sum(x[0].shape[1] for x in arr) / len(arr)
     # Per problem of a task of average size, so the plan scales every task alike.
-    resid = [0.0 if r is None else float(sum(wt ** 2 * rt * mean_p / x[0].shape[1] for wt, rt, x in zip(w, r, arr)))
-             for r in c["resid"]]
-    q = float(sum(wt ** 2 * qt * mean_p / x[0].shape[1] for wt, qt, x in zip(w, c["q"], arr)))
+    resid = [
+        0.0 if r is None else float(sum(wt**2 * rt * mean_p / x[0].shape[1] for wt, rt, x in zip(w, r, arr)))
+        for r in c["resid"]
+    ]
+    q = float(sum(wt**2 * qt * mean_p / x[0].shape[1] for wt, qt, x in zip(w, c["q"], arr)))
     mb = max(0.0, q - resid[0] / s_a - resid[1] / s_b)
     if min(s_a, s_b) < 2:
         var_seeds = None
@@ -471,15 +541,30 @@ def power(pairs: Sequence[tuple], weights=None, *, alpha: float = 0.05, power: f
         # the test's df) at its upper confidence bound on Satterthwaite's df (S_A + S_B - 2 when the two are alike,
         # S - 1 when one method carries it all), less the residual parts
         ms = [max(float(a_m), float(r_m)) for a_m, r_m in c["seed_ms"]]
-        dof = max(min(s_a, s_b) - 1, sum(ms) ** 2 / (ms[0] ** 2 / (s_a - 1) + ms[1] ** 2 / (s_b - 1))
-                  if sum(ms) > 0 else s_a + s_b - 2)
+        dof = max(
+            min(s_a, s_b) - 1,
+            sum(ms) ** 2 / (ms[0] ** 2 / (s_a - 1) + ms[1] ** 2 / (s_b - 1)) if sum(ms) > 0 else s_a + s_b - 2,
+        )
         seed_ms = sum(ms) * _seed_bound(dof)
         var_seeds = max(0.0, seed_ms - sum(float(r_m) for _, r_m in c["seed_ms"])) / (1 / s_a + 1 / s_b)
     bounded = all(((a >= 0) & (a <= 1)).all() and ((b >= 0) & (b <= 1)).all() for a, b in arr)
     mean = float(sum(wt * (a.mean() + b.mean()) / 2 for wt, (a, b) in zip(w, arr))) if bounded else None
-    out = Power(se=se, df=df, detectable=None, var_problems=mb, var_residual=(resid[0], resid[1]),
-                var_seeds=var_seeds, problems=round(mean_p), seeds=min(s_a, s_b), alpha=alpha, power=power, mean=mean,
-                sides=sides, bounded=bound, moves=moves)
+    out = Power(
+        se=se,
+        df=df,
+        detectable=None,
+        var_problems=mb,
+        var_residual=(resid[0], resid[1]),
+        var_seeds=var_seeds,
+        problems=round(mean_p),
+        seeds=min(s_a, s_b),
+        alpha=alpha,
+        power=power,
+        mean=mean,
+        sides=sides,
+        bounded=bound,
+        moves=moves,
+    )
     if se <= 0:
         return out
     # With seeds: at the planning variance (training variance at its upper bound), so the printed size is one the

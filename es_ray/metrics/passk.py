@@ -32,7 +32,8 @@ def check_k(n: int, ks: Sequence[int]) -> None:
     if ks and n < max(ks):
         raise NotEnoughSamplesError(
             f"pass@{max(ks)} needs at least {max(ks)} samples per problem, but n={n}; "
-            f"raise eval.n to >= {max(ks)} or drop k > {n} from eval.k")
+            f"raise eval.n to >= {max(ks)} or drop k > {n} from eval.k"
+        )
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -78,7 +78,7 @@ def update_histogram_figure(report: dict, title: str = ""):
         ax.set_ylim(bottom=0)
         ax.yaxis.set_major_formatter(EngFormatter(sep=""))
         ax.legend(fontsize=6)
-    for ax in list(axes.flat)[len(types):]:
+    for ax in list(axes.flat)[len(types) :]:
         ax.axis("off")
     if title:
         fig.suptitle(title, fontsize=10)

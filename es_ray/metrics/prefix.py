@@ -29,8 +29,9 @@ def shares_prompts(prompts: Sequence[Hashable]) -> bool:
     return len(prompt_groups(prompts)) < len(prompts)
 
 
-def shared_prompt_hidden(base_model, prompt: Sequence[int], completions: Sequence[Sequence[int]],
-                         pad_id: int = 0) -> torch.Tensor:
+def shared_prompt_hidden(
+    base_model, prompt: Sequence[int], completions: Sequence[Sequence[int]], pad_id: int = 0
+) -> torch.Tensor:
     """[n, L, H] final hidden states for n completions of one prompt (L the longest completion): row i, position j
     is the state that predicts completions[i][j] (valid for j < len(completions[i])). The prompt runs once (batch
     1, no padding); its cache is repeated n times; the completions, right-padded, run against it. The last token of
@@ -45,8 +46,10 @@ def shared_prompt_hidden(base_model, prompt: Sequence[int], completions: Sequenc
         return first[:, :L]
     cache = out.past_key_values
     if cache is None:  # e.g. gradient checkpointing in training mode turns the cache off
-        raise RuntimeError("the model returned no key/value cache (gradient checkpointing?): score these rows "
-                           "with the prompt repeated instead")
+        raise RuntimeError(
+            "the model returned no key/value cache (gradient checkpointing?): score these rows "
+            "with the prompt repeated instead"
+        )
     cache.batch_repeat_interleave(n)
     ids = torch.full((n, L - 1), pad_id, dtype=torch.long, device=device)
     for i, c in enumerate(completions):
@@ -79,7 +82,8 @@ def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     ids, mask = input_ids[first, :-1], attention_mask[first, :-1]
     position_ids = mask.long().cumsum(-1) - 1
     position_ids.masked_fill_(mask == 0, 1)
-    cache = model.base_model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
-                             use_cache=True).past_key_values
+    cache = model.base_model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True
+    ).past_key_values
     cache.batch_select_indices(row_group)
     return cache

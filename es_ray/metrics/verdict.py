@@ -47,8 +47,10 @@ Pass@1, GRPO not below ES by more than verdict.margin."""
 GAPS = (0.02, 0.06)
 """The paper's Pass@16 gaps (2 and 6 points): the seeds and problems each would need are printed beside the sizes."""
 POWER = 0.8
-NO_VARIANCE = ("every paired difference is equal (e.g. every completion wrong or every one right): no variance to "
-               "test non-inferiority against; more problems or samples (eval.n)")
+NO_VARIANCE = (
+    "every paired difference is equal (e.g. every completion wrong or every one right): no variance to "
+    "test non-inferiority against; more problems or samples (eval.n)"
+)
 """Why a non-inferiority claim with se 0 is not tested (claim_test, launch.compare.verdict.stored_section)."""
 _CLAIM = re.compile(r"^\s*(pass@(?:\d+|max)|entropy)\s*:\s*([a-z_]+)\s*(>=|>)\s*([a-z_]+)\s*$")
 
@@ -75,9 +77,11 @@ def parse_claim(text: str) -> Claim:
     """``METRIC:A>B`` or ``METRIC:A>=B`` -> Claim; ValueError naming the form otherwise."""
     m = _CLAIM.match(str(text))
     if not m:
-        raise ValueError(f"{text!r} is not a claim: write METRIC:FIRST>SECOND (superiority) or METRIC:FIRST>=SECOND "
-                         "(non-inferiority within verdict.margin), METRIC one of pass@K, pass@max, entropy, e.g. "
-                         "pass@max:es>grpo")
+        raise ValueError(
+            f"{text!r} is not a claim: write METRIC:FIRST>SECOND (superiority) or METRIC:FIRST>=SECOND "
+            "(non-inferiority within verdict.margin), METRIC one of pass@K, pass@max, entropy, e.g. "
+            "pass@max:es>grpo"
+        )
     metric, first, op, second = m.groups()
     if first == second:
         raise ValueError(f"{text!r} compares {first} with itself")
@@ -122,17 +126,19 @@ def one_sided(diff: float, se: float, df: float, shift: float, problems: int, al
         lower = diff - float(stats.t.ppf(1 - alpha, df)) * se
     else:
         p, lower = (0.0 if diff + shift > 0 else 1.0), diff
-    return max(p, 2.0 ** -problems), lower
+    return max(p, 2.0**-problems), lower
 
 
-def size_and_needs(pairs, alpha: float, checkpoint: bool, gaps: Sequence[float], shift: float,
-                   bounded_range: bool) -> dict:
+def size_and_needs(
+    pairs, alpha: float, checkpoint: bool, gaps: Sequence[float], shift: float, bounded_range: bool
+) -> dict:
     """The verdict test's detectable size (80% power, one-sided at ``alpha``, the estimated variance; None past
     the metric's range) and the problems (at these seeds) and seeds (at these problems) each gap beyond the null
     boundary would need. ``checkpoint``: the t over problems on the seed-averaged scores."""
 
-    use = [(a.mean(0) if a.ndim == 2 else a, b.mean(0) if b.ndim == 2 else b) for a, b in pairs] if checkpoint \
-        else pairs
+    use = (
+        [(a.mean(0) if a.ndim == 2 else a, b.mean(0) if b.ndim == 2 else b) for a, b in pairs] if checkpoint else pairs
+    )
     pw = power(use, alpha=alpha, power=POWER, bound=False, sides=1)
     det = pw.detectable
     # the room the metric leaves, one method moving and the other where it is (as the size's variance assumes,
@@ -149,17 +155,26 @@ def size_and_needs(pairs, alpha: float, checkpoint: bool, gaps: Sequence[float],
         for key, moves, way_room in (("first_rises", 1, 1.0 - second + shift), ("second_falls", -1, first + shift)):
             d = power(use, alpha=alpha, power=POWER, bound=False, sides=1, moves=moves).detectable
             by_direction[key] = None if d is None or d > way_room else d
-    out = {"detectable": None if beyond else det, "beyond_range": beyond, "by_direction": by_direction,
-           "alpha": alpha,
-           "var_seeds": pw.var_seeds, "var_problems": pw.var_problems, "var_residual": list(pw.var_residual),
-           "mean": pw.mean, "needs": {}}
+    out = {
+        "detectable": None if beyond else det,
+        "beyond_range": beyond,
+        "by_direction": by_direction,
+        "alpha": alpha,
+        "var_seeds": pw.var_seeds,
+        "var_problems": pw.var_problems,
+        "var_residual": list(pw.var_residual),
+        "mean": pw.mean,
+        "needs": {},
+    }
     # the method-level test's needs where the seeds give a spread; with one seed, the checkpoint test's problems
     full = power(pairs, alpha=alpha, power=POWER, bound=False, sides=1) if checkpoint else pw
     plan = full if full.var_seeds is not None else pw
     for g in gaps:
-        out["needs"][f"{g:g}"] = {"problems": plan.problems_needed(g + shift),
-                                  "seeds": full.seeds_needed(g + shift) if full.var_seeds is not None else None,
-                                  "of": "method" if full.var_seeds is not None else "checkpoint"}
+        out["needs"][f"{g:g}"] = {
+            "problems": plan.problems_needed(g + shift),
+            "seeds": full.seeds_needed(g + shift) if full.var_seeds is not None else None,
+            "of": "method" if full.var_seeds is not None else "checkpoint",
+        }
     out["method_var_seeds"] = full.var_seeds
     return out
 
@@ -188,8 +203,9 @@ def seeds_for_claim(pairs, alpha: float, effect: float) -> dict:
     return out
 
 
-def claim_test(claim: Claim, pairs, *, margin: float, alpha: float, family: int, ks: Sequence[int],
-               level: float = 0.95) -> dict:
+def claim_test(
+    claim: Claim, pairs, *, margin: float, alpha: float, family: int, ks: Sequence[int], level: float = 0.95
+) -> dict:
     """One primary claim: ``pairs`` [(second_t, first_t)] per task, (seeds, problems_t) arrays (entropy: nats;
     pass@k: [0, 1]). Returns the verdict test's one-sided p (Holm is applied over the family by ``family_verdict``),
     its lower bound, the method-level estimate and interval, the detectable size and the seeds and problems the
@@ -212,21 +228,50 @@ def claim_test(claim: Claim, pairs, *, margin: float, alpha: float, family: int,
     p, lower = one_sided(test.diff, test.se, test.df, shift, problems, alpha)
     alpha_first = alpha / family
     is_pass = metric.startswith("pass@")
-    sizes = size_and_needs([(np.atleast_2d(a), np.atleast_2d(b)) for a, b in pairs], alpha_first, checkpoint,
-                           GAPS if is_pass else (), shift, is_pass)
-    out = {"claim": claim.text, "metric": metric, "first": claim.first, "second": claim.second, "kind": claim.kind,
-           "margin": shift, "seeds": seeds, "problems": problems,
-           "level": "checkpoint" if checkpoint else "method",
-           "diff": test.diff, "se": test.se, "df": test.df if math.isfinite(test.df) else None, "p": p,
-           "lower": lower, "alpha": alpha,
-           "method": {"diff": method.diff, "low": method.low, "high": method.high, "se": method.se,
-                      "df": method.df if math.isfinite(method.df) else None},
-           "checkpoint": {"diff": ckpt.diff, "low": ckpt.low, "high": ckpt.high, "se": ckpt.se,
-                          "df": ckpt.df if math.isfinite(ckpt.df) else None},
-           **sizes}
+    sizes = size_and_needs(
+        [(np.atleast_2d(a), np.atleast_2d(b)) for a, b in pairs],
+        alpha_first,
+        checkpoint,
+        GAPS if is_pass else (),
+        shift,
+        is_pass,
+    )
+    out = {
+        "claim": claim.text,
+        "metric": metric,
+        "first": claim.first,
+        "second": claim.second,
+        "kind": claim.kind,
+        "margin": shift,
+        "seeds": seeds,
+        "problems": problems,
+        "level": "checkpoint" if checkpoint else "method",
+        "diff": test.diff,
+        "se": test.se,
+        "df": test.df if math.isfinite(test.df) else None,
+        "p": p,
+        "lower": lower,
+        "alpha": alpha,
+        "method": {
+            "diff": method.diff,
+            "low": method.low,
+            "high": method.high,
+            "se": method.se,
+            "df": method.df if math.isfinite(method.df) else None,
+        },
+        "checkpoint": {
+            "diff": ckpt.diff,
+            "low": ckpt.low,
+            "high": ckpt.high,
+            "se": ckpt.se,
+            "df": ckpt.df if math.isfinite(ckpt.df) else None,
+        },
+        **sizes,
+    }
     if 2 <= seeds < METHOD_LEVEL_SEEDS:
-        need = seeds_for_claim([(np.atleast_2d(a), np.atleast_2d(b)) for a, b in pairs], alpha_first,
-                               method.diff + shift)
+        need = seeds_for_claim(
+            [(np.atleast_2d(a), np.atleast_2d(b)) for a, b in pairs], alpha_first, method.diff + shift
+        )
         out["seeds_for_claim"], out["seeds_for_claim_bound"] = need["at_estimate"], need["at_bound"]
         out["method_var_seeds_bound"] = need["var_seeds_bound"]
     return out

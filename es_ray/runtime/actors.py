@@ -64,8 +64,9 @@ def is_lost_actor(exc: BaseException) -> bool:
     import ray
 
     e = ray.exceptions
-    return isinstance(exc, (e.RayActorError, e.OutOfMemoryError, e.NodeDiedError, e.WorkerCrashedError,
-                            e.ObjectLostError)) and not init_failure(exc)
+    return isinstance(
+        exc, (e.RayActorError, e.OutOfMemoryError, e.NodeDiedError, e.WorkerCrashedError, e.ObjectLostError)
+    ) and not init_failure(exc)
 
 
 def init_failure(exc: BaseException) -> str:
@@ -80,10 +81,11 @@ def init_failure(exc: BaseException) -> str:
 def memory_advice(tokens_key: str = "sampling.max_new_tokens") -> str:
     """What lowers a memory kill, naming the keys of the command whose actors were killed (``tokens_key``: its
     completion length, e.g. es-eval's eval.max_new_tokens)."""
-    return (f"lower it with cluster.num_actors= (each actor holds its own model copy) or a shorter {tokens_key}=, "
-            "or free memory on that node (Ray kills a worker above RAY_memory_usage_threshold, 0.95 of the node's "
-            "memory by default)")
-
+    return (
+        f"lower it with cluster.num_actors= (each actor holds its own model copy) or a shorter {tokens_key}=, "
+        "or free memory on that node (Ray kills a worker above RAY_memory_usage_threshold, 0.95 of the node's "
+        "memory by default)"
+    )
 
 
 def memory_kill_note(text: str) -> str:
@@ -104,8 +106,11 @@ def memory_kill_note(text: str) -> str:
     table = text.split("Top 10 memory users:", 1)
     if len(table) == 2:
         rows = [r.split("\t") if "\t" in r else r.split(None, 2) for r in table[1].strip().splitlines()[1:4]]
-        top = [f"pid {r[0].strip()} {r[1].strip()} GB {r[2].strip()[:40]}" for r in rows
-               if len(r) >= 3 and r[0].strip().isdigit()]
+        top = [
+            f"pid {r[0].strip()} {r[1].strip()} GB {r[2].strip()[:40]}"
+            for r in rows
+            if len(r) >= 3 and r[0].strip().isdigit()
+        ]
         if top:
             parts.append("largest: " + "; ".join(top))
     return "; ".join(parts)
@@ -119,8 +124,10 @@ def lost_reason(exc: BaseException, method: str, tokens_key: str = "sampling.max
     name = type(exc).__name__.replace("RayTaskError(", "").rstrip(")")
     if isinstance(exc, ray.exceptions.OutOfMemoryError):
         note = memory_kill_note(str(getattr(exc, "cause", None) or exc))
-        return (f"killed by Ray's memory monitor during {method} ({note or 'OutOfMemoryError'}); "
-                f"{memory_advice(tokens_key)}")
+        return (
+            f"killed by Ray's memory monitor during {method} ({note or 'OutOfMemoryError'}); "
+            f"{memory_advice(tokens_key)}"
+        )
     return f"{name} during {method}"
 
 
@@ -150,9 +157,12 @@ class Tensors(dict):
 
         names = list(self)
         tensors = [self[n].detach().to("cpu").resolve_conj().resolve_neg().contiguous() for n in names]
-        return _tensors_from_bytes, (names, [dtype_name(t.dtype) for t in tensors],
-                                     [tuple(t.shape) for t in tensors],
-                                     [t.reshape(-1).view(torch.uint8).numpy() for t in tensors])
+        return _tensors_from_bytes, (
+            names,
+            [dtype_name(t.dtype) for t in tensors],
+            [tuple(t.shape) for t in tensors],
+            [t.reshape(-1).view(torch.uint8).numpy() for t in tensors],
+        )
 
 
 def _tensors_from_bytes(names: list, dtypes: list, shapes: list, arrays: list) -> Tensors:
@@ -278,11 +288,23 @@ class ActorGroup:
     actor cannot be replaced; ``tokens_key``: the command's completion-length key, named by a memory kill's advice.
     """
 
-    def __init__(self, role: str, cls: type, size: int, make_args: Callable[[int], tuple], placement,
-                 policy: FaultPolicy, *, first_bundle: int = 0, log: Callable[[str], None] = print,
-                 restore: Callable[["ActorGroup", int], dict | None] | None = None, replaceable: bool = True,
-                 lost_advice: str = "", check_interrupt: Callable[[], None] = lambda: None,
-                 tokens_key: str = "sampling.max_new_tokens"):
+    def __init__(
+        self,
+        role: str,
+        cls: type,
+        size: int,
+        make_args: Callable[[int], tuple],
+        placement,
+        policy: FaultPolicy,
+        *,
+        first_bundle: int = 0,
+        log: Callable[[str], None] = print,
+        restore: Callable[["ActorGroup", int], dict | None] | None = None,
+        replaceable: bool = True,
+        lost_advice: str = "",
+        check_interrupt: Callable[[], None] = lambda: None,
+        tokens_key: str = "sampling.max_new_tokens",
+    ):
         import ray
 
         sweep_progress()  # the keys of drivers that were killed before they could clear theirs
@@ -333,23 +355,37 @@ class ActorGroup:
         worker, which exposes the learner's methods under their names)."""
         name = getattr(method, "__name__", None)
         if isinstance(method, str) or not callable(method) or name is None:
-            raise TypeError(f"{self.role} actors are called with a method of their class (e.g. "
-                            f"{self.cls.__name__}.ready), not {method!r}")
+            raise TypeError(
+                f"{self.role} actors are called with a method of their class (e.g. "
+                f"{self.cls.__name__}.ready), not {method!r}"
+            )
         if not callable(getattr(self.cls, name, None)):
-            raise TypeError(f"{getattr(method, '__qualname__', name)}: the {self.role} actors' class "
-                            f"{self.cls.__name__} has no method {name}")
+            raise TypeError(
+                f"{getattr(method, '__qualname__', name)}: the {self.role} actors' class "
+                f"{self.cls.__name__} has no method {name}"
+            )
         return name
 
-    def gather(self, method: Callable, calls: dict[int, tuple], slow: bool = False,
-               waiting: Callable[[dict[int, Any]], None] | None = None) -> dict[int, Any]:
+    def gather(
+        self,
+        method: Callable,
+        calls: dict[int, tuple],
+        slow: bool = False,
+        waiting: Callable[[dict[int, Any]], None] | None = None,
+    ) -> dict[int, Any]:
         """Call ``method`` on the actors named by ``calls`` (rank -> args); results by rank. A dead or silent
         actor is replaced, restored and called again (for a slow call the timeout is at least SLOW_CALL_FLOOR_S).
         ``waiting(results so far)`` is called as each result comes and while the driver waits (every POLL_S): a
         progress display's hook."""
         todo, name = dict(calls), self.method_name(method)
         out: dict[int, Any] = {}
-        for rank, _, res in self._drive(name, lambda rank: todo.pop(rank, None), list(calls), slow,
-                                        (lambda: waiting(out)) if waiting is not None else None):
+        for rank, _, res in self._drive(
+            name,
+            lambda rank: todo.pop(rank, None),
+            list(calls),
+            slow,
+            (lambda: waiting(out)) if waiting is not None else None,
+        ):
             out[rank] = res
             if waiting is not None:
                 waiting(out)
@@ -362,8 +398,14 @@ class ActorGroup:
         for _, args, res in self._drive(name, lambda rank: queue.pop() if queue else None, self.ranks, slow):
             yield args, res
 
-    def _drive(self, method: str, take: Callable[[int], tuple | None], ranks: list[int], slow: bool,
-               tick: Callable[[], None] | None = None):
+    def _drive(
+        self,
+        method: str,
+        take: Callable[[int], tuple | None],
+        ranks: list[int],
+        slow: bool,
+        tick: Callable[[], None] | None = None,
+    ):
         """The one wait loop: ``take(rank)`` gives a free actor its next arguments (None: nothing more for it);
         ``tick()`` once a poll while waiting."""
         import ray
@@ -403,11 +445,16 @@ class ActorGroup:
                 except ray.exceptions.ActorUnavailableError as exc:
                     tries = unavailable[rank] = unavailable.get(rank, 0) + 1
                     if tries > self.policy.unavailable_retries or method in self._once:
-                        self.replace(rank, f"{type(exc).__name__} during {method}" + (
-                            f", {tries - 1} retries" if method not in self._once else " (not safe to send again)"))
+                        self.replace(
+                            rank,
+                            f"{type(exc).__name__} during {method}"
+                            + (f", {tries - 1} retries" if method not in self._once else " (not safe to send again)"),
+                        )
                     else:
-                        self.log(f"{self.role}: actor {rank} unavailable during {method}; retry {tries} of "
-                                 f"{self.policy.unavailable_retries} (faults.unavailable_retries)")
+                        self.log(
+                            f"{self.role}: actor {rank} unavailable during {method}; retry {tries} of "
+                            f"{self.policy.unavailable_retries} (faults.unavailable_retries)"
+                        )
                         self._sleep(2.0 ** (tries - 1))
                     send(rank, args)
                     continue
@@ -487,8 +534,10 @@ class ActorGroup:
         self.replacements += 1
         if self.replacements > self.policy.max_replacements:
             self.lost.add(rank)
-            raise ActorLostError(f"{self.role} actor {rank}: {reason}; faults.max_replacements="
-                                 f"{self.policy.max_replacements} actors were already replaced. {self.lost_advice}")
+            raise ActorLostError(
+                f"{self.role} actor {rank}: {reason}; faults.max_replacements="
+                f"{self.policy.max_replacements} actors were already replaced. {self.lost_advice}"
+            )
         t0 = time.perf_counter()
         self.log(f"{self.role}: actor {rank} lost ({reason}); starting a replacement")
         self._kill_one(rank)
@@ -525,17 +574,20 @@ class ActorGroup:
                     raise PlacementTimeoutError(
                         f"{self.role} actor {rank}: its replacement could not be placed within "
                         f"faults.placement_timeout_s={limit:g} s (the placement group stays {state}: no node has its "
-                        f"resources free). {self.lost_advice}")
-                raise ActorLostError(f"{self.role} actor {rank}: its replacement did not start within {slow:g} s. "
-                                     f"{self.lost_advice}")
+                        f"resources free). {self.lost_advice}"
+                    )
+                raise ActorLostError(
+                    f"{self.role} actor {rank}: its replacement did not start within {slow:g} s. {self.lost_advice}"
+                )
         try:
             ray.get(ref)
         except ray.exceptions.RayError as exc:
             why = init_failure(exc)
             if why:  # the run stops (its steps saved) rather than start the same failure again
                 self._retire(rank)
-                raise ActorLostError(f"{self.role} actor {rank}: its replacement raised while starting "
-                                     f"({why}). {self.lost_advice}") from None
+                raise ActorLostError(
+                    f"{self.role} actor {rank}: its replacement raised while starting ({why}). {self.lost_advice}"
+                ) from None
             if not is_lost_actor(exc):
                 raise
             self.replace(rank, lost_reason(exc, "start", self.tokens_key))
@@ -563,8 +615,9 @@ class ActorGroup:
         clear_progress(self.ranks)
 
 
-def start_group(role: str, cls: type, size: int, make_args: Callable[[int], tuple], placement, policy: FaultPolicy,
-                **kw: Any) -> tuple[ActorGroup, list[dict]]:
+def start_group(
+    role: str, cls: type, size: int, make_args: Callable[[int], tuple], placement, policy: FaultPolicy, **kw: Any
+) -> tuple[ActorGroup, list[dict]]:
     """An ActorGroup whose actors have all answered ``ready()`` (a slow call: they load their models)."""
     group = ActorGroup(role, cls, size, make_args, placement, policy, **kw)
     infos = group.each(Actor.ready, slow=True)

@@ -30,8 +30,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from es_ray.core.manifest import (MANIFEST, CheckpointError, open_to_umask, sha256_file, verify_dir,  # noqa: F401
-                                  verify_file)
+from es_ray.core.manifest import (
+    MANIFEST,
+    CheckpointError,
+    open_to_umask,
+    sha256_file,
+    verify_dir,  # noqa: F401
+    verify_file,
+)
 from es_ray.models import read_tensor, safetensors_index
 
 if TYPE_CHECKING:  # imported where tensors are read or written: a driver that lists checkpoints needs none
@@ -39,8 +45,17 @@ if TYPE_CHECKING:  # imported where tensors are read or written: a driver that l
 
 # torch is imported where tensors are saved or loaded: the driver lists and prunes checkpoints without it.
 
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
 _STAGING, _ASIDE = ".tmp-", ".old-"
 
 
@@ -155,15 +170,23 @@ def load_state(path: str | Path, method: str) -> dict:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - the unpickler's refusals come in several types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{file}: refused by torch.load(weights_only=True) ({first[:200]}); it is not a "
-                              "state this project wrote") from None
+        raise CheckpointError(
+            f"{file}: refused by torch.load(weights_only=True) ({first[:200]}); it is not a state this project wrote"
+        ) from None
 
 
 # -- writing -----------------------------------------------------------------------------------------------------
 
 
-def save_checkpoint(path: str | Path, weights: Mapping[str, torch.Tensor], model_dir: str | Path, state: dict,
-                    meta: dict, method: str, extra: Callable[[Path], None] | None = None) -> Path:
+def save_checkpoint(
+    path: str | Path,
+    weights: Mapping[str, torch.Tensor],
+    model_dir: str | Path,
+    state: dict,
+    meta: dict,
+    method: str,
+    extra: Callable[[Path], None] | None = None,
+) -> Path:
     """``weights`` (HF name -> tensor, saved in fp32 over the model directory's own tensors), ``state`` (torch.save'd
     as <method>_state.pt) and ``meta`` (<method>_meta.json) into the directory ``path``. The weights file is
     written one tensor at a time (``write_fp32_safetensors``): the model directory's other tensors are read one by
@@ -195,8 +218,9 @@ def save_checkpoint(path: str | Path, weights: Mapping[str, torch.Tensor], model
     return path
 
 
-def write_fp32_safetensors(file: Path, entries: Mapping[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]],
-                           metadata: dict[str, str]) -> str:
+def write_fp32_safetensors(
+    file: Path, entries: Mapping[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]], metadata: dict[str, str]
+) -> str:
     """A safetensors file of fp32 tensors (name -> (shape, reader)), streamed: the format's header holds only names,
     shapes and byte offsets, all known from the shapes, so it is written first and each tensor is then read, cast
     and appended on its own (safetensors' own ``save_file`` takes every tensor at once, in a dict). Returns the

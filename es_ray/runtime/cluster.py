@@ -30,8 +30,10 @@ def _or_else(key: str) -> str:
     """What else the key takes: cluster.address empty starts a local Ray; es-submit's --address has no empty
     value (its default is the job server of a Ray started on this machine)."""
     if key == "--address":
-        return ("or leave --address out for a Ray started on this machine (`ray start --head`; the default is "
-                "http://127.0.0.1:8265)")
+        return (
+            "or leave --address out for a Ray started on this machine (`ray start --head`; the default is "
+            "http://127.0.0.1:8265)"
+        )
     return f"or leave {key} empty to start a local Ray"
 
 
@@ -42,8 +44,10 @@ def _host_port(address: str, key: str) -> tuple[str, int]:
     except ValueError:  # a port that is not a number or out of range
         port = None
     if url.scheme not in DEFAULT_PORTS or not url.hostname or port is None:
-        raise ConfigError(f"{key}={address!r} is not host:port, ray://host:port or http://host:port; set {key}= "
-                          f"to the head node's address, {_or_else(key)}")
+        raise ConfigError(
+            f"{key}={address!r} is not host:port, ray://host:port or http://host:port; set {key}= "
+            f"to the head node's address, {_or_else(key)}"
+        )
     return url.hostname, port
 
 
@@ -61,8 +65,10 @@ def check_address(address: str, key: str = "cluster.address", timeout: float = C
         with socket.create_connection((host, port), timeout=timeout):
             pass
     except OSError as exc:
-        raise ConfigError(f"{key}={address!r} is unreachable: nothing answers at {host}:{port} ({exc}); check the "
-                          f"head node's address and port, {_or_else(key)}") from None
+        raise ConfigError(
+            f"{key}={address!r} is unreachable: nothing answers at {host}:{port} ({exc}); check the "
+            f"head node's address and port, {_or_else(key)}"
+        ) from None
 
 
 @contextmanager
@@ -86,8 +92,12 @@ def _stderr_kept_unless_failed():
                 os.write(2, tmp.read())
 
 
-QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "VLLM_LOGGING_LEVEL": "ERROR",
-             QUIET_FLAG: "1"}
+QUIET_ENV = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    QUIET_FLAG: "1",
+}
 """What keeps the actors' third-party output out of the log unless run.verbose=true: transformers' and the hub's
 progress bars ("Loading weights"), their info and warning lines, vLLM's info and warning lines once vLLM has
 configured its logging, and (``quiet_third_party``) what vLLM prints before it has."""
@@ -110,6 +120,8 @@ def quiet_third_party() -> bool:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning, module=QUIET_WARNINGS)
     return True
+
+
 QUIET_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
 """Driver-side loggers held to errors unless run.verbose=true (Ray's token-auth banner at every ray.init)."""
 
@@ -154,15 +166,22 @@ def connect(cluster: ClusterConfig, verbose: bool = False) -> None:
                 ray.init(address=cluster.address, runtime_env=runtime_env(verbose), log_to_driver=True)
         except (ConnectionError, RuntimeError, TimeoutError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            raise ConfigError(f"cluster.address={cluster.address!r} answers but is not a Ray cluster this driver "
-                              f"can join ({first}); point cluster.address at the head's GCS port (6379) or its "
-                              "client server (ray://host:10001)") from None
+            raise ConfigError(
+                f"cluster.address={cluster.address!r} answers but is not a Ray cluster this driver "
+                f"can join ({first}); point cluster.address at the head's GCS port (6379) or its "
+                "client server (ray://host:10001)"
+            ) from None
         return
     # A new local Ray, never a session someone else started on this machine (RAY_ADDRESS=local starts one too);
     # under Ray Jobs, RAY_ADDRESS names the job's cluster and wins, and its job runtime_env carries the variables
     starts = os.environ.get("RAY_ADDRESS", "") in ("", "local")
-    options = dict(address="local" if starts else None, num_cpus=cluster.num_cpus or None, include_dashboard=False,
-                   configure_logging=False, log_to_driver=True)
+    options = dict(
+        address="local" if starts else None,
+        num_cpus=cluster.num_cpus or None,
+        include_dashboard=False,
+        configure_logging=False,
+        log_to_driver=True,
+    )
     if not starts:
         ray.init(**options, runtime_env=runtime_env(verbose))
         return
@@ -294,10 +313,13 @@ def start_local(init: Callable[[], None], log: Callable[[str], None] = print) ->
             timed_out = "timed out" in first
             if attempt == 1 and timed_out:
                 waited, wait = wait, max(wait * 2, LOADED_WAIT_S)
-                log(f"the local Ray did not start within {waited:g} s (load average {load:.1f} on {cpus} CPUs); "
-                    f"trying once more, waiting up to {wait:g} s")
+                log(
+                    f"the local Ray did not start within {waited:g} s (load average {load:.1f} on {cpus} CPUs); "
+                    f"trying once more, waiting up to {wait:g} s"
+                )
                 continue
             raise ClusterStartError(
                 f"the local Ray did not start ({first}); this machine: load average {load:.1f} on {cpus} CPUs, "
                 f"{free:.1f} GiB memory available. Retry when it is less busy, set cluster.num_cpus= lower (fewer "
-                f"Ray workers), or free memory; or point cluster.address= at a running Ray") from None
+                f"Ray workers), or free memory; or point cluster.address= at a running Ray"
+            ) from None

@@ -49,14 +49,20 @@ def run_or_exit(prog: str, fn: Callable[[], Any]) -> Any:
         raise SystemExit(2) from None
 
 
-TRAINING_RUN_KEYS = ("run.checkpoint_every", "run.keep_checkpoints", "run.resume", "run.stop_at_tokens",
-                     "run.stop_at_device_seconds")
+TRAINING_RUN_KEYS = (
+    "run.checkpoint_every",
+    "run.keep_checkpoints",
+    "run.resume",
+    "run.stop_at_tokens",
+    "run.stop_at_device_seconds",
+)
 """The keys of the shared run section that only a trainer reads: es-eval's and es-drift's --help leave them out."""
 HELP_FLAGS = frozenset({"--help", "-h"})
 
 
-def hydra_main(config_name: str, fn: Callable[[Any], None], prog: str, register: Callable[[], None],
-               unread: tuple[str, ...] = ()) -> None:
+def hydra_main(
+    config_name: str, fn: Callable[[Any], None], prog: str, register: Callable[[], None], unread: tuple[str, ...] = ()
+) -> None:
     """Run ``fn(composed DictConfig)`` as a Hydra application over conf/<config_name>.yaml, after ``register()``
     has stored the entry point's schema in Hydra's ConfigStore. ``--help`` (after overrides too) lists the presets
     that compose with this entry point and every key it reads (``unread``: keys of its schema it never reads) with
@@ -65,8 +71,10 @@ def hydra_main(config_name: str, fn: Callable[[Any], None], prog: str, register:
 
     register()
     if not CONF_DIR.is_dir():
-        raise SystemExit(f"{prog}: Hydra presets not found at {CONF_DIR}; reinstall the project (`pip install .`, or "
-                         "`pip install -e .` in a checkout)")
+        raise SystemExit(
+            f"{prog}: Hydra presets not found at {CONF_DIR}; reinstall the project (`pip install .`, or "
+            "`pip install -e .` in a checkout)"
+        )
     args = sys.argv[1:]
     if HELP_FLAGS & set(args) and not any(a.startswith("-") for a in args if a not in HELP_FLAGS):
         overrides = [a for a in args if a not in HELP_FLAGS]
@@ -76,9 +84,12 @@ def hydra_main(config_name: str, fn: Callable[[Any], None], prog: str, register:
         print(help_text(prog, config_name, overrides, unread))
         return
     if MULTIRUN_FLAGS & set(args):
-        exit_with(prog, "-m/--multirun is not supported: the jobs would share one run.dir and run one after another. "
-                        f"Sweep with `es-submit --sweep es.sigma=1e-3,2e-3 -- {prog} ...` (one job and run dir per "
-                        "value; docs/running.md), or start one command per value")
+        exit_with(
+            prog,
+            "-m/--multirun is not supported: the jobs would share one run.dir and run one after another. "
+            f"Sweep with `es-submit --sweep es.sigma=1e-3,2e-3 -- {prog} ...` (one job and run dir per "
+            "value; docs/running.md), or start one command per value",
+        )
     plain = without_cfg_flags(args)  # `--cfg job` (es-submit's local check) gets the same one-line errors
     if not any(a.startswith("-") for a in plain):  # Hydra's other flags (--info, ...) go to Hydra unchecked
         problem = check_overrides(config_name, plain)
@@ -127,9 +138,30 @@ SECTIONS = {
     "es_eval": ("model", "eval", "engine", "cluster", "run", "faults"),
     "es_drift": ("base", "tuned", "thresholds", "cast_dtype", "top", "run"),
     "es_interpolate": ("a", "b", "base", "grid", "draws", "eval", "engine", "run"),
-    "es_compare": ("model", "task", "es", "es_sampling", "grpo", "grpo_sampling", "budget", "methods", "seeds",
-                   "eval", "drift_thresholds", "engine", "cluster", "curve_every", "grpo_rollout_actors", "run",
-                   "faults", "sequence", "interpolate", "verdict", "sensitivity", "from_run"),
+    "es_compare": (
+        "model",
+        "task",
+        "es",
+        "es_sampling",
+        "grpo",
+        "grpo_sampling",
+        "budget",
+        "methods",
+        "seeds",
+        "eval",
+        "drift_thresholds",
+        "engine",
+        "cluster",
+        "curve_every",
+        "grpo_rollout_actors",
+        "run",
+        "faults",
+        "sequence",
+        "interpolate",
+        "verdict",
+        "sensitivity",
+        "from_run",
+    ),
 }
 """Each entry point's top-level keys (its schema's fields; tests/runtime/test_hints.py keeps them equal), so an
 override of another entry point's section says whose it is."""
@@ -183,8 +215,13 @@ def check_overrides(config_name: str, args: list[str]) -> str | None:
         return f"cannot read the override {bad!r}: {_first_line(exc)} (write key=value, lists as key=[a,b])"
     groups = {p.name: sorted(f.stem for f in p.glob("*.yaml")) for p in CONF_DIR.iterdir() if p.is_dir()}
     for o in overrides:  # an optional group (experiment) composes without a preset that does not exist
-        if o.key_or_group in groups and not o.is_add() and not isinstance(o.value(), (list, dict)) \
-                and o.value() is not None and str(o.value()) not in groups[o.key_or_group]:
+        if (
+            o.key_or_group in groups
+            and not o.is_add()
+            and not isinstance(o.value(), (list, dict))
+            and o.value() is not None
+            and str(o.value()) not in groups[o.key_or_group]
+        ):
             return f"{o.key_or_group}={o.value()}: no such preset; choose one of {', '.join(groups[o.key_or_group])}"
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         # the common case first: overrides that compose need no diagnosis (one compose, not two, per command;
@@ -208,8 +245,14 @@ def check_overrides(config_name: str, args: list[str]) -> str | None:
             cause = exc
             while cause.__cause__ is not None:
                 cause = cause.__cause__
-            culprit = next((t for t, o in zip(ours, overrides) if f"override {t}" in str(exc)
-                            or f"'{o.key_or_group}/{o.value()}'" in str(exc)), None)
+            culprit = next(
+                (
+                    t
+                    for t, o in zip(ours, overrides)
+                    if f"override {t}" in str(exc) or f"'{o.key_or_group}/{o.value()}'" in str(exc)
+                ),
+                None,
+            )
             culprit = culprit or _full_key(cause) or ""
             what = _one_line(cause)
             if culprit and "=" in culprit and culprit.split("=")[0] in groups:
@@ -233,9 +276,14 @@ def _unparsable(text: str) -> bool:
 
 def _one_line(exc: BaseException) -> str:
     """Hydra's message without its indented details, its 'where' preamble and its pointers to docs."""
-    lines = [line.strip() for line in str(exc).splitlines()
-             if line.strip() and not line[0].isspace() and "HYDRA_FULL_ERROR" not in line
-             and not line.startswith(("See https", "Error merging override", "Could not override"))]
+    lines = [
+        line.strip()
+        for line in str(exc).splitlines()
+        if line.strip()
+        and not line[0].isspace()
+        and "HYDRA_FULL_ERROR" not in line
+        and not line.startswith(("See https", "Error merging override", "Could not override"))
+    ]
     text = re.sub(r"In '[^']*': \w+ raised while composing config:\s*", "", " ".join(lines)).strip()
     return text or type(exc).__name__
 
@@ -271,8 +319,9 @@ def composable_presets(config_name: str) -> dict[str, list[str]]:
     return out
 
 
-def help_text(prog: str, config_name: str, overrides: list[str] | tuple[str, ...] = (),
-              unread: tuple[str, ...] = ()) -> str:
+def help_text(
+    prog: str, config_name: str, overrides: list[str] | tuple[str, ...] = (), unread: tuple[str, ...] = ()
+) -> str:
     """The presets that compose with this command, then every key it reads with its value after ``overrides`` and
     the docstring under its field (the text docs/config.md shows)."""
     from hydra import compose, initialize_config_dir
@@ -280,8 +329,12 @@ def help_text(prog: str, config_name: str, overrides: list[str] | tuple[str, ...
     groups = composable_presets(config_name)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name=config_name, overrides=list(overrides))
-    lines = [f"{prog}: Hydra application; override any key as key=value, pick presets as group=option.", "",
-             "== Configuration groups (the presets that compose with this command) ==", ""]
+    lines = [
+        f"{prog}: Hydra application; override any key as key=value, pick presets as group=option.",
+        "",
+        "== Configuration groups (the presets that compose with this command) ==",
+        "",
+    ]
     lines += [f"{group}: {', '.join(options)}" for group, options in groups.items()] or ["(none)"]
     given = f" after {' '.join(overrides)}" if overrides else " (defaults)"
     lines += ["", f"== Keys{given}: key=value, then what it does (docs/config.md) ==", ""]
@@ -302,12 +355,18 @@ def key_lines(cfg: Any, unread: tuple[str, ...] = (), prefix: str = "") -> list[
         if any(fnmatch.fnmatchcase(name, p) for p in unread):
             continue
         node = cfg._get_node(key)
-        if isinstance(node, DictConfig) and isinstance(OmegaConf.get_type(node), type) \
-                and OmegaConf.get_type(node) is not dict:
+        if (
+            isinstance(node, DictConfig)
+            and isinstance(OmegaConf.get_type(node), type)
+            and OmegaConf.get_type(node) is not dict
+        ):
             sections += key_lines(node, unread, f"{name}.")
             continue
-        value = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) or OmegaConf.is_list(
-            node) else node._value()
+        value = (
+            OmegaConf.to_container(node, resolve=False)
+            if isinstance(node, DictConfig) or OmegaConf.is_list(node)
+            else node._value()
+        )
         leaves.append(f"{name}={_override_text(value)}")
         doc = docs.get(str(key), "")
         if doc:

@@ -58,19 +58,50 @@ from es_ray.runtime.tracking import Timer
 
 # torch is imported to read the device's peak memory only: the ledger is written without it.
 
-FIELDS = ("method", "finished", "start_step", "steps", "steps_computed", "wall_s", "startup_s", "phase_seconds",
-          "tokens_generated", "tokens_generated_eval", "tokens_backpropagated", "device_kind", "device_seconds",
-          "device_seconds_training", "device_seconds_apart", "stop_reason", "actors", "peak_rss_bytes_max",
-          "peak_gpu_bytes_max", "replacements", "segments", "redone")
-SUMMED = ("wall_s", "startup_s", "tokens_generated", "tokens_generated_eval", "tokens_backpropagated",
-          "device_seconds", "device_seconds_training", "replacements")
+FIELDS = (
+    "method",
+    "finished",
+    "start_step",
+    "steps",
+    "steps_computed",
+    "wall_s",
+    "startup_s",
+    "phase_seconds",
+    "tokens_generated",
+    "tokens_generated_eval",
+    "tokens_backpropagated",
+    "device_kind",
+    "device_seconds",
+    "device_seconds_training",
+    "device_seconds_apart",
+    "stop_reason",
+    "actors",
+    "peak_rss_bytes_max",
+    "peak_gpu_bytes_max",
+    "replacements",
+    "segments",
+    "redone",
+)
+SUMMED = (
+    "wall_s",
+    "startup_s",
+    "tokens_generated",
+    "tokens_generated_eval",
+    "tokens_backpropagated",
+    "device_seconds",
+    "device_seconds_training",
+    "replacements",
+)
 """The figures a run's total adds up over its segments."""
 
 
 def process_peak_memory() -> dict:
     """Peak memory of the calling process: resident set (bytes) and, with CUDA, peak GPU allocation (bytes)."""
-    out: dict = {"pid": os.getpid(), "peak_rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
-                 "peak_gpu_bytes": None}
+    out: dict = {
+        "pid": os.getpid(),
+        "peak_rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
+        "peak_gpu_bytes": None,
+    }
     try:
         import torch
 
@@ -93,8 +124,9 @@ def _utc() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def earlier_segments(run_dir: str | Path, start: int = 0, rows: list[dict] = (),
-                     step_key: str = "step") -> tuple[list[dict], str]:
+def earlier_segments(
+    run_dir: str | Path, start: int = 0, rows: list[dict] = (), step_key: str = "step"
+) -> tuple[list[dict], str]:
     """The segments of the run in run_dir before this start (a ledger written before segments were kept is one
     segment); a segment that never recorded its stop ended without a word (SIGKILL, a lost head node). Steps
     before ``start`` (the resume point) that no segment holds (ledger.json lost or torn, or a kill between a step's
@@ -111,11 +143,31 @@ def earlier_segments(run_dir: str | Path, start: int = 0, rows: list[dict] = (),
         why = f"{path} is unreadable ({type(exc).__name__}: {str(exc)[:80]})"
     if old is not None and not isinstance(old, dict):
         old, why = None, f"{path} holds no ledger"
-    segments = [] if old is None else old.get("segments") or [
-        {k: old.get(k) for k in (*SUMMED, "start_step", "steps", "stop_reason", "finished", "phase_seconds",
-                                 "peak_rss_bytes_max", "peak_gpu_bytes_max", "device_seconds_apart")}
-        | {"end_step": (old.get("start_step") or 0) + (old.get("steps") or 0),
-           "stop": "finished" if old.get("finished") else (old.get("stop_reason") or "stopped")}]
+    segments = (
+        []
+        if old is None
+        else old.get("segments")
+        or [
+            {
+                k: old.get(k)
+                for k in (
+                    *SUMMED,
+                    "start_step",
+                    "steps",
+                    "stop_reason",
+                    "finished",
+                    "phase_seconds",
+                    "peak_rss_bytes_max",
+                    "peak_gpu_bytes_max",
+                    "device_seconds_apart",
+                )
+            }
+            | {
+                "end_step": (old.get("start_step") or 0) + (old.get("steps") or 0),
+                "stop": "finished" if old.get("finished") else (old.get("stop_reason") or "stopped"),
+            }
+        ]
+    )
     for seg in segments:
         if seg.get("stop") == "running":
             seg["stop"] = "killed (the driver ended without recording its stop)"
@@ -125,8 +177,10 @@ def earlier_segments(run_dir: str | Path, start: int = 0, rows: list[dict] = (),
     why = why or f"its last segment ends at step {end}, the run resumes at {start} (killed before its ledger write)"
     seg = rebuilt_segment(end, start, [r for r in rows if end <= r.get(step_key, -1) < start], why)
     blind = f", {seg['steps_without_tokens']} step(s) without a token count" if seg["steps_without_tokens"] else ""
-    return [*segments, seg], (f"{why}: steps {end}-{start - 1} are in the ledger from their metrics rows "
-                              f"({seg['tokens_generated']} tokens{blind}; device-seconds unknown)")
+    return [*segments, seg], (
+        f"{why}: steps {end}-{start - 1} are in the ledger from their metrics rows "
+        f"({seg['tokens_generated']} tokens{blind}; device-seconds unknown)"
+    )
 
 
 def rebuilt_segment(first: int, end: int, rows: list[dict], why: str) -> dict:
@@ -138,13 +192,19 @@ def rebuilt_segment(first: int, end: int, rows: list[dict], why: str) -> dict:
         for k, v in r.items():
             if k.startswith("timing_s/") and isinstance(v, (int, float)):
                 phases[k.removeprefix("timing_s/")] = phases.get(k.removeprefix("timing_s/"), 0.0) + float(v)
-    return {"start_step": first, "end_step": end, "steps": len(rows), "stop": "unknown",
-            "rebuilt": f"from metrics.jsonl: {why}",
-            "steps_without_tokens": (end - first) - sum(1 for r in rows if r.get("perf/tokens") is not None),
-            "tokens_generated": sum(tokens),
-            "tokens_generated_eval": sum(int(r.get("eval/tokens") or 0) for r in rows),
-            "tokens_backpropagated": sum(int(r.get("perf/tokens_backpropagated") or 0) for r in rows),
-            "phase_seconds": dict(sorted(phases.items())), "step_tokens": tokens}
+    return {
+        "start_step": first,
+        "end_step": end,
+        "steps": len(rows),
+        "stop": "unknown",
+        "rebuilt": f"from metrics.jsonl: {why}",
+        "steps_without_tokens": (end - first) - sum(1 for r in rows if r.get("perf/tokens") is not None),
+        "tokens_generated": sum(tokens),
+        "tokens_generated_eval": sum(int(r.get("eval/tokens") or 0) for r in rows),
+        "tokens_backpropagated": sum(int(r.get("perf/tokens_backpropagated") or 0) for r in rows),
+        "phase_seconds": dict(sorted(phases.items())),
+        "step_tokens": tokens,
+    }
 
 
 class Ledger:
@@ -181,8 +241,12 @@ class Ledger:
         total = now - created_at
         startup = min(total, max(0.0, (self.started_at or now) - created_at))
         apart = {k: min(v, total - startup) for k, v in self.apart_s.items()}
-        return {"total": total, "startup": startup, **apart,
-                "training": max(0.0, total - startup - sum(apart.values()))}
+        return {
+            "total": total,
+            "startup": startup,
+            **apart,
+            "training": max(0.0, total - startup - sum(apart.values())),
+        }
 
     def training_used(self, groups: list, cluster) -> float:
         """Training device-seconds the actors of ``groups`` have held so far in this segment."""
@@ -190,8 +254,15 @@ class Ledger:
         now = time.perf_counter()
         return sum(len(g) * devices * self._held(g.created_at, now)["training"] for g in groups)
 
-    def add_step(self, row: dict, generated: int, backpropagated: int = 0, generated_eval: int = 0,
-                 groups: list = (), cluster=None) -> None:
+    def add_step(
+        self,
+        row: dict,
+        generated: int,
+        backpropagated: int = 0,
+        generated_eval: int = 0,
+        groups: list = (),
+        cluster=None,
+    ) -> None:
         """One step's (iteration's) metrics row: its ``timing_s/<phase>`` entries are summed per phase; with the
         actor ``groups``, the training device-seconds the step took are kept beside its tokens."""
         used = self.training_used(groups, cluster) if groups else self._used_training
@@ -216,16 +287,25 @@ class Ledger:
         kind, devices = actor_devices(cluster)
         held = self._held(group.created_at, time.perf_counter())
         blank = {"peak_rss_bytes": None, "peak_gpu_bytes": None}
-        reports = ([r or {**blank, "unanswered": True} for r in group.ask_all(group.cls.peak_memory, timeout_s)]
-                   if ask else [blank] * len(group.ranks))  # every actor class has it (runtime.actors.Actor)
+        reports = (
+            [r or {**blank, "unanswered": True} for r in group.ask_all(group.cls.peak_memory, timeout_s)]
+            if ask
+            else [blank] * len(group.ranks)
+        )  # every actor class has it (runtime.actors.Actor)
         for rank, report in zip(group.ranks, reports):
             key = f"{group.role}_{rank}"
             report = dict(report)
             for field in blank:  # the largest read so far (a rank's replacement keeps the larger)
                 seen = [v for v in (report.get(field), (self.actors.get(key) or {}).get(field)) if v is not None]
                 report[field] = max(seen) if seen else None
-            self.actors[key] = {"role": group.role, "device_kind": kind, "devices": devices,
-                                "seconds_held": held["total"], "seconds_split": held, **report}
+            self.actors[key] = {
+                "role": group.role,
+                "device_kind": kind,
+                "devices": devices,
+                "seconds_held": held["total"],
+                "seconds_split": held,
+                **report,
+            }
         self.replaced[group.role] = group.replacements
 
     def stop_reason(self, run, groups: list, cluster, tokens_so_far: int) -> str:
@@ -237,16 +317,21 @@ class Ledger:
         step_tokens = self._last_step["tokens"]
         reason = ""
         if run.stop_at_tokens and tokens_so_far + step_tokens / 2 >= run.stop_at_tokens:
-            reason = (f"run.stop_at_tokens={run.stop_at_tokens}: {tokens_so_far} tokens generated, the next step "
-                      f"(~{step_tokens}) would land farther from it")
+            reason = (
+                f"run.stop_at_tokens={run.stop_at_tokens}: {tokens_so_far} tokens generated, the next step "
+                f"(~{step_tokens}) would land farther from it"
+            )
         if run.stop_at_device_seconds:  # the earlier segments' training time counts too
-            used = self.training_used(groups, cluster) + sum(s.get("device_seconds_training") or 0.0
-                                                             for s in self.earlier)
+            used = self.training_used(groups, cluster) + sum(
+                s.get("device_seconds_training") or 0.0 for s in self.earlier
+            )
             step_s = used - (self._last_step["device_s"] or 0.0)
             self._last_step["device_s"] = used
             if not reason and used + step_s / 2 >= run.stop_at_device_seconds:
-                reason = (f"run.stop_at_device_seconds={run.stop_at_device_seconds:g}: {used:.1f} training "
-                          f"device-s used, the next step (~{step_s:.1f}) would land farther from it")
+                reason = (
+                    f"run.stop_at_device_seconds={run.stop_at_device_seconds:g}: {used:.1f} training "
+                    f"device-s used, the next step (~{step_s:.1f}) would land farther from it"
+                )
         self.stopped = reason or self.stopped
         return reason
 
@@ -254,9 +339,14 @@ class Ledger:
         """This start's own figures (the fields above), with its span, its stop and its per-step costs."""
         out = self._own(finished)
         out.pop("actors")
-        out.update(end_step=self.start_step + self.steps if end_step is None else end_step,
-                   started_at=self.started_utc, ended_at=_utc(), stop=self.stop,
-                   step_tokens=self.step_tokens, step_device_s=[round(x, 3) for x in self.step_device_s])
+        out.update(
+            end_step=self.start_step + self.steps if end_step is None else end_step,
+            started_at=self.started_utc,
+            ended_at=_utc(),
+            stop=self.stop,
+            step_tokens=self.step_tokens,
+            step_device_s=[round(x, 3) for x in self.step_device_s],
+        )
         return out
 
     def to_dict(self, finished: bool, extra: dict | None = None, end_step: int | None = None) -> dict:
@@ -288,27 +378,38 @@ class Ledger:
         gpu = [a["peak_gpu_bytes"] for a in self.actors.values() if a.get("peak_gpu_bytes")]
         kinds = {a["device_kind"] for a in self.actors.values()}
         out = {
-            "method": self.method, "finished": finished, "start_step": self.start_step, "steps": self.steps,
-            "wall_s": time.perf_counter() - self.t0, "startup_s": self.startup_s,
+            "method": self.method,
+            "finished": finished,
+            "start_step": self.start_step,
+            "steps": self.steps,
+            "wall_s": time.perf_counter() - self.t0,
+            "startup_s": self.startup_s,
             "phase_seconds": dict(sorted(self.phase_seconds.items())),
-            "tokens_generated": self.tokens_generated, "tokens_generated_eval": self.tokens_generated_eval,
+            "tokens_generated": self.tokens_generated,
+            "tokens_generated_eval": self.tokens_generated_eval,
             "tokens_backpropagated": self.tokens_backpropagated,
             "device_kind": "gpu" if "gpu" in kinds else "cpu",
             "device_seconds": sum(a["devices"] * a["seconds_held"] for a in self.actors.values()),
-            "device_seconds_training": sum(a["devices"] * a["seconds_split"]["training"]
-                                           for a in self.actors.values() if "seconds_split" in a),
-            "device_seconds_apart": {k: sum(a["devices"] * a["seconds_split"].get(k, 0.0)
-                                            for a in self.actors.values() if "seconds_split" in a)
-                                     for k in ("startup", *sorted(self.apart_s))},
+            "device_seconds_training": sum(
+                a["devices"] * a["seconds_split"]["training"] for a in self.actors.values() if "seconds_split" in a
+            ),
+            "device_seconds_apart": {
+                k: sum(
+                    a["devices"] * a["seconds_split"].get(k, 0.0) for a in self.actors.values() if "seconds_split" in a
+                )
+                for k in ("startup", *sorted(self.apart_s))
+            },
             "stop_reason": self.stopped,
             "actors": self.actors,
-            "peak_rss_bytes_max": max(rss) if rss else None, "peak_gpu_bytes_max": max(gpu) if gpu else None,
+            "peak_rss_bytes_max": max(rss) if rss else None,
+            "peak_gpu_bytes_max": max(gpu) if gpu else None,
             "replacements": sum(self.replaced.values()),
         }
         return out
 
-    def write(self, run_dir: str | Path, finished: bool, extra: dict | None = None,
-              end_step: int | None = None) -> Path:
+    def write(
+        self, run_dir: str | Path, finished: bool, extra: dict | None = None, end_step: int | None = None
+    ) -> Path:
         """ledger.json, replaced whole (written to a sibling first: a kill mid-write leaves the previous one)."""
         path = Path(run_dir) / "ledger.json"
         tmp = path.with_name(".ledger.json.tmp")
@@ -342,5 +443,9 @@ def redone(segments: list[dict]) -> dict:
     for seg in segments:
         if seg.get("step_device_s") is not None and seg.get("device_seconds_training") is not None:
             unrecorded += max(0.0, seg["device_seconds_training"] - sum(seg["step_device_s"]))
-    return {"steps": steps, "tokens_generated": tokens, "device_seconds_training": round(device_s, 3),
-            "unrecorded_device_seconds": round(unrecorded, 3)}
+    return {
+        "steps": steps,
+        "tokens_generated": tokens,
+        "device_seconds_training": round(device_s, 3),
+        "unrecorded_device_seconds": round(unrecorded, 3),
+    }

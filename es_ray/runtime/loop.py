@@ -43,8 +43,9 @@ from es_ray.runtime.tracking import Tracker
 from es_ray.tasks import load_task
 
 
-def prepare(cfg: Any, method: str, resume_free: Iterable[str] = (),
-            preflight: Callable[[Path], None] | None = None) -> Path:
+def prepare(
+    cfg: Any, method: str, resume_free: Iterable[str] = (), preflight: Callable[[Path], None] | None = None
+) -> Path:
     """Everything a run checks before it starts an actor; returns the opened run dir. ``preflight`` is the method's
     own check against the converted model (e.g. low rank's es.rank against the layers)."""
     startup_check(method, cfg)  # the memory plan against the device, before any model is fetched or loaded
@@ -155,26 +156,41 @@ class Training:
             return finished_before
         tokens_before = sum(h.get("perf/tokens", 0) for h in self.history)
         # one ledger per run: a resume adds its segment to those of the starts before it
-        earlier, ledger_note = (earlier_segments(self.run_dir, self.start, self.history[:self._history_before],
-                                                 self.unit) if cfg.run.resume else ([], ""))
+        earlier, ledger_note = (
+            earlier_segments(self.run_dir, self.start, self.history[: self._history_before], self.unit)
+            if cfg.run.resume
+            else ([], "")
+        )
         self.ledger = ledger = Ledger(self.method, self.start, earlier)
         disk_note = self.check_disk()  # refused here, before the cluster starts, when the checkpoints cannot fit
         cluster.connect(cfg.cluster, cfg.run.verbose)
-        self.tracker = Tracker(self.run_dir, self.total, cfg, cfg.run.trackers, cfg.run.progress, desc=self.method,
-                               start=self.start, unit=self.unit)
+        self.tracker = Tracker(
+            self.run_dir,
+            self.total,
+            cfg,
+            cfg.run.trackers,
+            cfg.run.progress,
+            desc=self.method,
+            start=self.start,
+            unit=self.unit,
+        )
         if disk_note:
             self.tracker.message(f"{self.method}: {disk_note}")
         if ledger_note:  # never silently: the run's cost lacks what the lost ledger held
             self.tracker.message(f"{self.method}: ledger: {ledger_note}")
         if self.rebuilt:  # rows metrics.jsonl lacked, rebuilt on resume: the other trackers get them too
             self.tracker.backfill(self.rebuilt, step_key=self.unit)
-            self.tracker.message(f"{self.method}: {self.unit}(s) {_spans([r[self.unit] for r in self.rebuilt])} "
-                                 "had no metrics row; rebuilt from the seed log (resume/rebuilt=true)")
+            self.tracker.message(
+                f"{self.method}: {self.unit}(s) {_spans([r[self.unit] for r in self.rebuilt])} "
+                "had no metrics row; rebuilt from the seed log (resume/rebuilt=true)"
+            )
         missing = sorted(set(range(self.start)) - {h.get(self.unit) for h in self.history})
         if missing:  # never silently: a curve with holes says where and why
-            self.tracker.message(f"{self.method}: {self.unit}(s) {_spans(missing)} before the resume point have no "
-                                 f"metrics row and nothing to rebuild one from (metrics.jsonl lost them, and "
-                                 f"{self.method} keeps no per-step log); the curves skip them")
+            self.tracker.message(
+                f"{self.method}: {self.unit}(s) {_spans(missing)} before the resume point have no "
+                f"metrics row and nothing to rebuild one from (metrics.jsonl lost them, and "
+                f"{self.method} keeps no per-step log); the curves skip them"
+            )
         summary: dict = {"run_dir": str(self.run_dir)}
         finished, failed = False, None
         with InterruptGuard(cfg.faults.stop_timeout_s) as guard:
@@ -199,8 +215,9 @@ class Training:
                     for group in self.groups:  # peak memory read between steps, while every actor is idle: a
                         ledger.add_group(group, cfg.cluster, timeout_s=5.0)  # stop mid-step keeps the peak so far
                     ledger.write(self.run_dir, False, end_step=self.done)  # what a kill without warning keeps
-                    stop = ledger.stop_reason(cfg.run, self.groups, cfg.cluster,
-                                              tokens_before + ledger.tokens_generated)
+                    stop = ledger.stop_reason(
+                        cfg.run, self.groups, cfg.cluster, tokens_before + ledger.tokens_generated
+                    )
                     if stop:
                         self.tracker.message(f"{self.method}: stopping after {self.unit} {self.done}: {stop}")
                         break
@@ -216,9 +233,12 @@ class Training:
                 self.prune()
                 finished = True
                 ledger.stop = f"budget: {ledger.stopped}" if ledger.stopped else "finished"
-                summary.update(final_checkpoint=str(final), **self.summary(),
-                               reward_mean=[h[REWARD_MEAN] for h in self.history if REWARD_MEAN in h],
-                               eval_reward=[h["eval/reward"] for h in self.history if "eval/reward" in h])
+                summary.update(
+                    final_checkpoint=str(final),
+                    **self.summary(),
+                    reward_mean=[h[REWARD_MEAN] for h in self.history if REWARD_MEAN in h],
+                    eval_reward=[h["eval/reward"] for h in self.history if "eval/reward" in h],
+                )
                 if final_eval is not None:
                     summary["held_out_final"] = final_eval
                 (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -265,13 +285,19 @@ class Training:
         except (OSError, ValueError):
             return None  # stopped after its last step but before the end: the final checkpoint is still to write
         final = summary.get("final_checkpoint")
-        if not final or not Path(final).is_dir() or (summary.get("held_out_final") or {}).get("after",
-                                                                                              self.done) != self.done:
+        if (
+            not final
+            or not Path(final).is_dir()
+            or (summary.get("held_out_final") or {}).get("after", self.done) != self.done
+        ):
             return None
         key = {"iteration": "es.iterations", "step": "grpo.steps"}.get(self.unit, "the step count")
         units = f"{self.total} {self.unit}{'s' * (self.total != 1)}"
-        print(f"{self.method}: nothing to do: {self.run_dir} already ran all {units} and holds its "
-              f"final checkpoint {final}; raise {key}= to extend it", flush=True)
+        print(
+            f"{self.method}: nothing to do: {self.run_dir} already ran all {units} and holds its "
+            f"final checkpoint {final}; raise {key}= to extend it",
+            flush=True,
+        )
         return summary
 
     ledger = None
@@ -290,8 +316,14 @@ class Training:
             eval_tokens = self._held_out(t, row)
         row.update(self.events())
         self.tracker.log(t, row, step_key=self.unit)
-        ledger.add_step(row, row["perf/tokens"], row.get("perf/tokens_backpropagated", 0), eval_tokens,
-                        self.groups, self.cfg.cluster)
+        ledger.add_step(
+            row,
+            row["perf/tokens"],
+            row.get("perf/tokens_backpropagated", 0),
+            eval_tokens,
+            self.groups,
+            self.cfg.cluster,
+        )
         for group in self.groups:  # the time held so far, for the ledger written after every step
             ledger.add_group(group, self.cfg.cluster, ask=False)
         self.history.append(row)
@@ -305,8 +337,10 @@ class Training:
         """run.keep_checkpoints: the numbered checkpoints beyond the newest k are deleted (final never)."""
         gone = prune_checkpoints(self.run_dir / "checkpoints", self.checkpoint_prefix, self.cfg.run.keep_checkpoints)
         if gone:
-            self.tracker.message(f"{self.method}: removed {', '.join(d.name for d in gone)} (run.keep_checkpoints="
-                                 f"{self.cfg.run.keep_checkpoints} keeps the newest and final)")
+            self.tracker.message(
+                f"{self.method}: removed {', '.join(d.name for d in gone)} (run.keep_checkpoints="
+                f"{self.cfg.run.keep_checkpoints} keeps the newest and final)"
+            )
 
     def keep_earlier_final(self, final: Path) -> None:
         """A finished run extended: its earlier final is kept as <prefix>_<its steps> (hard links: no second copy
@@ -340,13 +374,17 @@ class Training:
         at_once = kept + 2  # the numbered ones kept, final, and the one being written before the old one goes
         need = per * max(1, at_once - len(present))
         free = shutil.disk_usage(self.run_dir).free
-        line = (f"a checkpoint takes {_gb(per)} ({how}); {kept} numbered (run.keep_checkpoints="
-                f"{run.keep_checkpoints}) + final + one being written need {_gb(need)} more, {_gb(free)} free in "
-                f"{self.run_dir}")
+        line = (
+            f"a checkpoint takes {_gb(per)} ({how}); {kept} numbered (run.keep_checkpoints="
+            f"{run.keep_checkpoints}) + final + one being written need {_gb(need)} more, {_gb(free)} free in "
+            f"{self.run_dir}"
+        )
         if need > free:
-            raise ConfigError(f"{self.method}: {line}: the checkpoints cannot fit; free space there, keep fewer "
-                              "(run.keep_checkpoints=1), write fewer (run.checkpoint_every=0), or choose another "
-                              "run.dir")
+            raise ConfigError(
+                f"{self.method}: {line}: the checkpoints cannot fit; free space there, keep fewer "
+                "(run.keep_checkpoints=1), write fewer (run.checkpoint_every=0), or choose another "
+                "run.dir"
+            )
         return line
 
     def estimate_bytes(self) -> int:
@@ -383,17 +421,18 @@ class Training:
                 self.ledger.tokens_generated_eval += int(res["tokens"])
             last = held_out_row(res)
             self.tracker.held_out(self.done - 1, last)
-        return {"after": self.done, **{k.removeprefix("eval/"): v for k, v in last.items()
-                                       if k.startswith("eval/")}}
+        return {"after": self.done, **{k.removeprefix("eval/"): v for k, v in last.items() if k.startswith("eval/")}}
 
     def _write_failed(self, err: OSError):
         """A write into the run dir failed (no space, a quota, read-only): the error to raise, one line naming the
         fix and the resume command (what is committed stays: every file is replaced whole or cut back on resume)."""
         where = err.filename or "a file of the run (a checkpoint, or a log)"
-        return RunDirError(f"{self.method}: writing into run.dir={self.run_dir} failed: {err.strerror} ({where}); "
-                           f"{self.done} {self.unit}(s) are committed{self.stop_note()}. Free space on that file "
-                           f"system or make it writable, then continue with: "
-                           f"{resume_command(self.method, self.run_dir)}")
+        return RunDirError(
+            f"{self.method}: writing into run.dir={self.run_dir} failed: {err.strerror} ({where}); "
+            f"{self.done} {self.unit}(s) are committed{self.stop_note()}. Free space on that file "
+            f"system or make it writable, then continue with: "
+            f"{resume_command(self.method, self.run_dir)}"
+        )
 
     def _stop_cleanly(self, stop) -> None:
         """After SIGTERM / Ctrl-C, or an actor lost for good (its node gone and no room for a replacement): a
@@ -406,9 +445,11 @@ class Training:
         if saved:
             self.prune()
         cause = stop if not isinstance(stop, ActorLostError) else f"a lost actor ({stop})"
-        self.tracker.message(f"{self.method}: stopped by {cause} after {done} {self.unit}(s); "
-                             f"{'checkpoint ' + saved if saved else 'no new checkpoint'}{self.stop_note()}. "
-                             f"Continue with: {resume_command(self.method, self.run_dir)}")
+        self.tracker.message(
+            f"{self.method}: stopped by {cause} after {done} {self.unit}(s); "
+            f"{'checkpoint ' + saved if saved else 'no new checkpoint'}{self.stop_note()}. "
+            f"Continue with: {resume_command(self.method, self.run_dir)}"
+        )
         raise SystemExit(stop.exit_code)
 
     def stop_note(self) -> str:

@@ -58,14 +58,18 @@ def fit_problem(need: Needs, nodes: list[dict[str, float]]) -> str:
         want = need.total.get(key, 0.0)
         have = sum(n.get(key, 0.0) for n in nodes)
         if want > have:
-            return (f"{who} x cluster.{field}={_num(need.bundle[key])} needs "
-                    f"{_num(want)} {label}; the cluster has {_num(have)} on {len(nodes)} node(s). Lower "
-                    f"cluster.num_actors or cluster.{field}, add nodes with {label}, or on an autoscaling cluster "
-                    "set cluster.wait_for_resources_s= to wait for them")
+            return (
+                f"{who} x cluster.{field}={_num(need.bundle[key])} needs "
+                f"{_num(want)} {label}; the cluster has {_num(have)} on {len(nodes)} node(s). Lower "
+                f"cluster.num_actors or cluster.{field}, add nodes with {label}, or on an autoscaling cluster "
+                "set cluster.wait_for_resources_s= to wait for them"
+            )
         largest = max((n.get(key, 0.0) for n in nodes), default=0.0)
         if need.bundle.get(key, 0.0) > largest:
-            return (f"cluster.{field}={_num(need.bundle[key])}: each actor needs that many {label} on one node; the "
-                    f"largest node has {_num(largest)}. Lower cluster.{field} or add bigger nodes")
+            return (
+                f"cluster.{field}={_num(need.bundle[key])}: each actor needs that many {label} on one node; the "
+                f"largest node has {_num(largest)}. Lower cluster.{field} or add bigger nodes"
+            )
     return ""
 
 
@@ -118,8 +122,11 @@ def place(cluster: ClusterConfig, name: str = "es", count: int | None = None) ->
     if not cluster.wait_for_resources_s:
         check_fit(cluster, count)
     strategy = {"pack": "PACK", "spread": "SPREAD"}[cluster.placement]
-    group = placement_group([dict(need.bundle) for _ in range(need.num_actors)], strategy=strategy,
-                            name=f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    group = placement_group(
+        [dict(need.bundle) for _ in range(need.num_actors)],
+        strategy=strategy,
+        name=f"{name}-{time.strftime('%Y%m%d-%H%M%S')}",
+    )
     timeout = cluster.wait_for_resources_s or BUSY_WAIT_S
     ready, _ = ray.wait([group.ready()], timeout=timeout)
     if not ready:
@@ -129,7 +136,8 @@ def place(cluster: ClusterConfig, name: str = "es", count: int | None = None) ->
         nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
         problem = fit_problem(need, nodes) or (
             f"the cluster holds the {_describe(need.total)} the actors need, but they stayed in use by "
-            "other jobs or actors (see `ray status`)")
+            "other jobs or actors (see `ray status`)"
+        )
         raise ConfigError(f"the actors' resources were not reserved within {timeout:g} s: {problem}")
     return Placement(cluster, group, need.num_actors)
 
@@ -148,7 +156,8 @@ def actor_options(placement: Placement, rank: int) -> dict[str, Any]:
         if not 0 <= rank < placement.count:
             raise ValueError(f"rank {rank} is outside the placement group's {placement.count} bundles")
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            placement.group, placement_group_bundle_index=rank, placement_group_capture_child_tasks=False)
+            placement.group, placement_group_bundle_index=rank, placement_group_capture_child_tasks=False
+        )
     return opts
 
 

@@ -22,19 +22,43 @@ from es_ray.core.config import ConfigError, flatten
 
 # Settings that never change what a run computes (display, logging, where the cluster is, the cadence of extra
 # checkpoints): es-compare ignores them when it checks a finished stage against the command.
-RESULT_NEUTRAL = frozenset({
-    "run.progress", "run.verbose", "run.trackers", "run.resume", "run.overwrite", "run.checkpoint_every",
-    "run.keep_checkpoints",
-    "cluster.address", "cluster.placement", "cluster.wait_for_resources_s", "cluster.worker_niceness",
-})
+RESULT_NEUTRAL = frozenset(
+    {
+        "run.progress",
+        "run.verbose",
+        "run.trackers",
+        "run.resume",
+        "run.overwrite",
+        "run.checkpoint_every",
+        "run.keep_checkpoints",
+        "cluster.address",
+        "cluster.placement",
+        "cluster.wait_for_resources_s",
+        "cluster.worker_niceness",
+    }
+)
 # Settings a resume may change: the neutral ones, and where the run lives, its budget and the held-out cadence
 # (continuing a run under a new budget is what a resume is for; the steps it computes stay the same).
-RESUME_FREE = RESULT_NEUTRAL | {"run.dir", "run.root", "cluster.num_cpus", "eval.every", "run.stop_at_tokens",
-                                "run.stop_at_device_seconds"}
+RESUME_FREE = RESULT_NEUTRAL | {
+    "run.dir",
+    "run.root",
+    "cluster.num_cpus",
+    "eval.every",
+    "run.stop_at_tokens",
+    "run.stop_at_device_seconds",
+}
 
 # What a run writes into run.dir first (config.json) or appends to: a directory holding any of them holds a run.
-RUN_FILES = ("config.json", "metrics.jsonl", "seed_log.jsonl", "summary.json", "ledger.json", "checkpoints",
-             "results.json", "drift.json")
+RUN_FILES = (
+    "config.json",
+    "metrics.jsonl",
+    "seed_log.jsonl",
+    "summary.json",
+    "ledger.json",
+    "checkpoints",
+    "results.json",
+    "drift.json",
+)
 
 # The console script of each method, for the messages that name a command.
 PROGRAMS = {"es": "es-train", "grpo": "grpo-train", "eval": "es-eval", "drift": "es-drift", "compare": "es-compare"}
@@ -90,8 +114,10 @@ def claim_run_dir(run_dir: Path, overwrite: bool, method: str, record: dict | No
         except (OSError, ValueError, AttributeError):
             pass
         resume = f"continue that run with `{resume_command(method, run_dir)}`, " if method in RESUMABLE else ""
-        raise ConfigError(f"run.dir={run_dir} holds another run ({', '.join(found)}); a new run never writes into "
-                          f"it: {resume}choose another run.dir, or set run.overwrite=true to move the old run aside")
+        raise ConfigError(
+            f"run.dir={run_dir} holds another run ({', '.join(found)}); a new run never writes into "
+            f"it: {resume}choose another run.dir, or set run.overwrite=true to move the old run aside"
+        )
     return move_aside(run_dir)
 
 
@@ -122,8 +148,10 @@ def check_same_run(old: dict, new: Any, free: Iterable[str] = ()) -> None:
     diff = changed_settings(a, b, RESUME_FREE | set(free))
     if diff:
         shown = "; ".join(f"{k}={b[k]!r} (the run used {a[k]!r})" for k in diff[:6])
-        raise ConfigError(f"run.resume=true: these settings differ from the stopped run's config.json and would "
-                          f"change its result: {shown}. Set them back, or start a new run.dir")
+        raise ConfigError(
+            f"run.resume=true: these settings differ from the stopped run's config.json and would "
+            f"change its result: {shown}. Set them back, or start a new run.dir"
+        )
 
 
 def changed_settings(old: dict, new: dict, free: Iterable[str] = (), missing: bool = False) -> list[str]:
@@ -132,8 +160,11 @@ def changed_settings(old: dict, new: dict, free: Iterable[str] = (), missing: bo
     version lacks the newer keys), unless ``missing``: then a key only one side has counts as changed."""
     free = set(free)
     keys = old.keys() | new.keys() if missing else old.keys() & new.keys()
-    return sorted(k for k in keys if k not in free and not k.startswith("faults.")
-                  and (k not in old or k not in new or old[k] != new[k]))
+    return sorted(
+        k
+        for k in keys
+        if k not in free and not k.startswith("faults.") and (k not in old or k not in new or old[k] != new[k])
+    )
 
 
 _held_locks: dict[Path, Any] = {}  # run dir -> its config.json, open, that this process holds an flock on
@@ -154,9 +185,11 @@ def lock_run_dir(run_dir: Path, method: str) -> None:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
-        raise ConfigError(f"run.dir={run_dir} is in use: another driver is running there (its process holds "
-                          f"{path.name}'s lock) and one run dir takes one driver at a time; wait for it to end (or "
-                          f"stop it), then `{resume_command(method, run_dir)}`") from None
+        raise ConfigError(
+            f"run.dir={run_dir} is in use: another driver is running there (its process holds "
+            f"{path.name}'s lock) and one run dir takes one driver at a time; wait for it to end (or "
+            f"stop it), then `{resume_command(method, run_dir)}`"
+        ) from None
     except OSError:  # no flock on this file system
         f.close()
         return
@@ -186,6 +219,7 @@ def releases_run_dir(fn: Callable) -> Callable:
     """``fn`` (a program's run: es-eval, es-drift, es-interpolate) gives back every run dir lock it took
     (``open_run_dir``) however it ends, as ``releasing_run_dir`` does for the training drivers: es-compare runs them
     in its own process, which lives on, as a notebook does. A hold this process had before the call is kept."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         before = set(_held_locks)
@@ -215,8 +249,9 @@ def write_error(exc: BaseException) -> OSError | None:
     return None
 
 
-def open_run_dir(cfg: Any, method: str, resume_free: Iterable[str] = (),
-                 note: Callable[[str], None] | None = None) -> Path:
+def open_run_dir(
+    cfg: Any, method: str, resume_free: Iterable[str] = (), note: Callable[[str], None] | None = None
+) -> Path:
     """Create run.dir (or <run.root>/<method>-<timestamp>) and write config.json with the method's name in it.
 
     With run.resume=true and a config.json there, the stopped run's settings are checked first (``check_same_run``,
@@ -235,8 +270,10 @@ def open_run_dir(cfg: Any, method: str, resume_free: Iterable[str] = (),
             moved = claim_run_dir(run_dir, getattr(cfg.run, "overwrite", False), method, record)
             if moved is not None:
                 unlock_run_dir(run_dir)  # the lock went with the old run's config.json
-                (note or print)(f"{PROGRAMS.get(method, method)}: run.overwrite=true: the run that was in {run_dir} "
-                                f"is now in {moved}")
+                (note or print)(
+                    f"{PROGRAMS.get(method, method)}: run.overwrite=true: the run that was in {run_dir} "
+                    f"is now in {moved}"
+                )
         run_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=2))
         lock_run_dir(run_dir, method)
@@ -289,8 +326,9 @@ def command_line_keys(dict_cfg: Any) -> set[str]:
             keys.add(override.key_or_group)
     if groups:
         base = flatten(OmegaConf.to_container(compose(config_name=hc.job.config_name), resolve=True))
-        chosen = flatten(OmegaConf.to_container(compose(config_name=hc.job.config_name, overrides=groups),
-                                                resolve=True))
+        chosen = flatten(
+            OmegaConf.to_container(compose(config_name=hc.job.config_name, overrides=groups), resolve=True)
+        )
         keys |= {k for k in chosen.keys() | base.keys() if chosen.get(k) != base.get(k)}
     return keys
 
@@ -309,9 +347,11 @@ def resumed_config(dict_cfg: Any, method: str, free: Iterable[str] = (), given: 
     saved_method = saved.pop("method", method)
     if saved_method != method:
         prog = PROGRAMS.get(saved_method, saved_method)
-        raise ConfigError(f"run.dir={run_dir} holds a run of {prog}, not of {PROGRAMS.get(method, method)}: continue "
-                          f"it with `{resume_command(saved_method, run_dir)}`, or choose another "
-                          "run.dir")
+        raise ConfigError(
+            f"run.dir={run_dir} holds a run of {prog}, not of {PROGRAMS.get(method, method)}: continue "
+            f"it with `{resume_command(saved_method, run_dir)}`, or choose another "
+            "run.dir"
+        )
     given = command_line_keys(dict_cfg) if given is None else given
     now = flatten(dict_cfg if isinstance(dict_cfg, dict) else OmegaConf.to_container(dict_cfg, resolve=True))
     old = flatten(saved)
@@ -320,9 +360,11 @@ def resumed_config(dict_cfg: Any, method: str, free: Iterable[str] = (), given: 
     changed = changed_settings({k: old.get(k) for k in asked}, {k: now[k] for k in asked}, free)
     if changed:
         shown = "; ".join(f"{k}={now[k]!r} (the run used {old.get(k)!r})" for k in changed[:6])
-        raise ConfigError(f"run.resume=true continues the run with its saved config.json; these settings given with "
-                          f"it would change its result: {shown}. Drop them (a resume may change only "
-                          f"{', '.join(sorted(free))} and faults.*), or start a new run.dir")
+        raise ConfigError(
+            f"run.resume=true continues the run with its saved config.json; these settings given with "
+            f"it would change its result: {shown}. Drop them (a resume may change only "
+            f"{', '.join(sorted(free))} and faults.*), or start a new run.dir"
+        )
     # the saved settings, those given here over them; the faults group (a rehearsal) is this command's own
     merged = {k: v for k, v in old.items() if not k.startswith("faults.")}
     merged.update({k: v for k, v in now.items() if k in given or k.startswith("faults.")})

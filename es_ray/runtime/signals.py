@@ -64,8 +64,9 @@ class InterruptGuard:
         if self._watchdog is not None:  # the second signal: end now
             force_exit(signum, "a second signal")
         self._pending = self._signum = signum
-        self._watchdog = threading.Timer(self.stop_timeout_s, force_exit,
-                                         (signum, f"faults.stop_timeout_s={self.stop_timeout_s:g} s passed"))
+        self._watchdog = threading.Timer(
+            self.stop_timeout_s, force_exit, (signum, f"faults.stop_timeout_s={self.stop_timeout_s:g} s passed")
+        )
         self._watchdog.daemon = True
         self._watchdog.start()
 
@@ -77,9 +78,14 @@ class InterruptGuard:
             return
         self._watchdog.cancel()
         signum = self._pending or self._signum
-        self._watchdog = threading.Timer(self.stop_timeout_s, force_exit,
-                                         (signum, f"faults.stop_timeout_s={self.stop_timeout_s:g} s passed while the "
-                                                  "stop-time checkpoint was written"))
+        self._watchdog = threading.Timer(
+            self.stop_timeout_s,
+            force_exit,
+            (
+                signum,
+                f"faults.stop_timeout_s={self.stop_timeout_s:g} s passed while the stop-time checkpoint was written",
+            ),
+        )
         self._watchdog.daemon = True
         self._watchdog.start()
 
@@ -126,8 +132,11 @@ def interrupt_soon(delay_s: float = 0.2) -> None:
 def force_exit(signum: int, why: str, shutdown_s: float = 10.0) -> None:
     """End this process now with 128 + signum, after shutting down Ray (at most ``shutdown_s``; Ray's own atexit
     hook does not run on ``os._exit``)."""
-    print(f"stopping now ({why} after {signal.Signals(signum).name}); the last checkpoint and the logs written so far "
-          "are what resume starts from", flush=True)
+    print(
+        f"stopping now ({why} after {signal.Signals(signum).name}); the last checkpoint and the logs written so far "
+        "are what resume starts from",
+        flush=True,
+    )
     try:
         import ray
 

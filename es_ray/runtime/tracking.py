@@ -61,8 +61,11 @@ def ranked_metrics(params: dict[str, Any], job: str) -> list[str]:
     the jobs log them (es_ray.runtime.names, es_eval.tracker_metrics, compare.run.tracker_metrics)."""
     ks = params.get("eval.k") or []
     if job == "es-eval":
-        return [f"eval/{t}/{what}" for t in params.get("eval.tasks") or []
-                for what in [*(f"pass_at_{k}" for k in ks), "mean_reward"]]
+        return [
+            f"eval/{t}/{what}"
+            for t in params.get("eval.tasks") or []
+            for what in [*(f"pass_at_{k}" for k in ks), "mean_reward"]
+        ]
     if job == "es-compare":
         return [f"compare/{m}/pass_at_{k}" for m in params.get("methods") or [] for k in ks]
     return [REWARD_MEAN, HELD_OUT_REWARD, HELD_OUT_PASS1]
@@ -123,9 +126,15 @@ class WandbBackend:
     def __init__(self, run_dir: Path, params: dict[str, Any], job: str):
         import wandb
 
-        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "es-ray"), name=run_dir.name, job_type=job,
-                               dir=str(run_dir), config=params, mode=self.mode(),
-                               reinit="create_new")  # es-compare's stages are runs of their own
+        self._run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "es-ray"),
+            name=run_dir.name,
+            job_type=job,
+            dir=str(run_dir),
+            config=params,
+            mode=self.mode(),
+            reinit="create_new",
+        )  # es-compare's stages are runs of their own
 
     @staticmethod
     def mode() -> str | None:
@@ -165,11 +174,12 @@ class MlflowBackend:
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "es-ray")
         exp = self._client.get_experiment_by_name(name)
         exp_id = exp.experiment_id if exp is not None else self._client.create_experiment(name)
-        self.run_id = self._client.create_run(exp_id, run_name=run_dir.name,
-                                              tags={"job_type": job, "run_dir": str(run_dir)}).info.run_id
-        items = [Param(self._key(k), str(v)[:self._MAX_VALUE]) for k, v in params.items()]
+        self.run_id = self._client.create_run(
+            exp_id, run_name=run_dir.name, tags={"job_type": job, "run_dir": str(run_dir)}
+        ).info.run_id
+        items = [Param(self._key(k), str(v)[: self._MAX_VALUE]) for k, v in params.items()]
         for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per call
-            self._client.log_batch(self.run_id, params=items[i:i + 100])
+            self._client.log_batch(self.run_id, params=items[i : i + 100])
 
     def _key(self, key: str) -> str:
         return self._BAD_KEY.sub("_", key)
@@ -178,15 +188,15 @@ class MlflowBackend:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._client.log_batch(self.run_id, metrics=[Metric(self._key(k), v, now, step)
-                                                     for k, v in _scalars(metrics).items()])
+        self._client.log_batch(
+            self.run_id, metrics=[Metric(self._key(k), v, now, step) for k, v in _scalars(metrics).items()]
+        )
 
     def close(self) -> None:
         self._client.set_terminated(self.run_id)
 
 
-TRACKERS = Registry("run.trackers", {"tensorboard": TensorBoardBackend, "wandb": WandbBackend,
-                                     "mlflow": MlflowBackend})
+TRACKERS = Registry("run.trackers", {"tensorboard": TensorBoardBackend, "wandb": WandbBackend, "mlflow": MlflowBackend})
 """Metric backends by name; metrics.jsonl is always written besides them."""
 
 
@@ -231,8 +241,18 @@ class Tracker:
     run.progress=false) one line per step (step, reward, held-out score, tokens/s, elapsed, ETA) and one per
     held-out scoring, for log readers."""
 
-    def __init__(self, run_dir: str | Path, total: int, config: Any, trackers: list[str], progress: bool = True,
-                 desc: str = "es", start: int = 0, unit: str = "iteration", console: bool = True):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        total: int,
+        config: Any,
+        trackers: list[str],
+        progress: bool = True,
+        desc: str = "es",
+        start: int = 0,
+        unit: str = "iteration",
+        console: bool = True,
+    ):
         self.run_dir = Path(run_dir)
         params = flatten(dataclasses.asdict(config))
         self._backends = [JsonlBackend(self.run_dir)]
@@ -268,8 +288,13 @@ class Tracker:
         for backend in self._backends:
             backend.log(step, metrics, step_key)
         self._steps += 1
-        self._shown.update({name: f"{metrics[k]:.3f}" for k, name in self.shown.items()
-                            if isinstance(metrics.get(k), numbers.Real) and math.isfinite(metrics[k])})
+        self._shown.update(
+            {
+                name: f"{metrics[k]:.3f}"
+                for k, name in self.shown.items()
+                if isinstance(metrics.get(k), numbers.Real) and math.isfinite(metrics[k])
+            }
+        )
         self._position = {}
         if self._bar is not None:
             self._bar.update(1)
@@ -284,11 +309,17 @@ class Tracker:
         elapsed, stepping = now - self._t0, now - (self._t_steps or self._t0)
         eta = _duration(stepping / self._steps * (self.total - step - 1)) if self._steps else "?"
         rate = metrics.get("perf/tokens_per_s")
-        parts = [f"{self.desc} {self.unit} {step + 1}/{self.total}",
-                 *(f"{name.removeprefix('train_')} {self._shown[name]}" for name in self.shown.values()
-                   if name in self._shown),
-                 f"tokens/s {rate:.0f}" if isinstance(rate, numbers.Real) else "",
-                 f"elapsed {_duration(elapsed)}", f"eta {eta}"]
+        parts = [
+            f"{self.desc} {self.unit} {step + 1}/{self.total}",
+            *(
+                f"{name.removeprefix('train_')} {self._shown[name]}"
+                for name in self.shown.values()
+                if name in self._shown
+            ),
+            f"tokens/s {rate:.0f}" if isinstance(rate, numbers.Real) else "",
+            f"elapsed {_duration(elapsed)}",
+            f"eta {eta}",
+        ]
         return " ".join(p for p in parts if p)
 
     def begin(self) -> None:
@@ -299,16 +330,23 @@ class Tracker:
         """A held-out scoring's line (without a bar; with one, its postfix shows the metric): step -1 is the base
         weights; after step index t it says "after iteration t + 1", the count the step line ("iteration t + 1/N")
         and summary.json's "after" use."""
-        self._shown.update({name: f"{row[k]:.3f}" for k, name in self.shown.items()
-                            if k != REWARD_MEAN and isinstance(row.get(k), numbers.Real) and math.isfinite(row[k])})
+        self._shown.update(
+            {
+                name: f"{row[k]:.3f}"
+                for k, name in self.shown.items()
+                if k != REWARD_MEAN and isinstance(row.get(k), numbers.Real) and math.isfinite(row[k])
+            }
+        )
         if self._bar is not None or not self.console:
             if self._bar is not None:
                 self._bar.set_postfix({**self._shown, **self._position})
             return
         where = "base weights" if step < 0 else f"after {self.unit} {step + 1}"  # counted as the step line counts
-        shown = " ".join(f"{k.removeprefix('eval/')} {row[k]:.3f}" for k in (HELD_OUT_REWARD, HELD_OUT_PASS1,
-                                                                               HELD_OUT_ENTROPY)
-                         if isinstance(row.get(k), numbers.Real))
+        shown = " ".join(
+            f"{k.removeprefix('eval/')} {row[k]:.3f}"
+            for k in (HELD_OUT_REWARD, HELD_OUT_PASS1, HELD_OUT_ENTROPY)
+            if isinstance(row.get(k), numbers.Real)
+        )
         self.message(f"{self.desc} held-out ({where}): {shown or 'no problems scored'}")
 
     def backfill(self, rows: list[dict], step_key: str) -> None:

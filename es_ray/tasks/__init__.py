@@ -19,19 +19,22 @@ from es_ray.tasks.gsm8k import GSM8KTask
 from es_ray.tasks.math500 import Math500Task
 from es_ray.tasks.mbpp import MBPPTask
 
-TASKS = Registry("task.name", {
-    "arithmetic": ArithmeticTask,
-    "countdown": CountdownTask,
-    "gsm8k": GSM8KTask,
-    "deepscaler": DeepScaleRTask,
-    "math500": Math500Task,
-    "aime24": AIME24Task,
-    "aime25": AIME25Task,
-    "amc23": AMC23Task,
-    "gpqa": GPQATask,
-    "csqa": CSQATask,
-    "mbpp": MBPPTask,
-})
+TASKS = Registry(
+    "task.name",
+    {
+        "arithmetic": ArithmeticTask,
+        "countdown": CountdownTask,
+        "gsm8k": GSM8KTask,
+        "deepscaler": DeepScaleRTask,
+        "math500": Math500Task,
+        "aime24": AIME24Task,
+        "aime25": AIME25Task,
+        "amc23": AMC23Task,
+        "gpqa": GPQATask,
+        "csqa": CSQATask,
+        "mbpp": MBPPTask,
+    },
+)
 EVAL_TASKS = ("gpqa", "mbpp", "csqa", "countdown", "aime24", "aime25", "amc23", "math500")
 """The paper's evaluation suite (es-eval's default eval.tasks)."""
 
@@ -46,8 +49,10 @@ def task_class(name: str):
             "(or an import path package.module:TaskClass)"
         )
     if not is_import_path(name):
-        raise TaskLoadError(f"task.name={name!r} is not package.module:TaskClass; set task.name= to one of "
-                            f"{', '.join(sorted(TASKS))} or to package.module:TaskClass")
+        raise TaskLoadError(
+            f"task.name={name!r} is not package.module:TaskClass; set task.name= to one of "
+            f"{', '.join(sorted(TASKS))} or to package.module:TaskClass"
+        )
     module, cls = name.split(":")
     try:
         found = getattr(importlib.import_module(module), cls)
@@ -55,8 +60,10 @@ def task_class(name: str):
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise TaskLoadError(f"task.name={name!r}: cannot import {name} ({type(exc).__name__}: {first})") from exc
     if not (isinstance(found, type) and issubclass(found, Task)):
-        raise TaskLoadError(f"task.name={name!r} is a {type(found).__name__}, not a Task class: set task.name= to a "
-                            "subclass of es_ray.tasks.base.Task (docs/tasks.md)")
+        raise TaskLoadError(
+            f"task.name={name!r} is a {type(found).__name__}, not a Task class: set task.name= to a "
+            "subclass of es_ray.tasks.base.Task (docs/tasks.md)"
+        )
     return found
 
 

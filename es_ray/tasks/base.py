@@ -25,6 +25,7 @@ LINE_KEY = "__line__"
 @dataclass
 class SkippedRows:
     """The rows of one source (a file, a hub split) a task read, and the ones it skipped, per reason."""
+
     source: str
     read: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
@@ -92,9 +93,11 @@ class Task(ABC):
         if not self.train:
             every = [s for s in self.skipped if s.read and s.count == s.read]
             if every:
-                raise TaskLoadError(f"task {self.name}: every row was skipped, {every[0].line()}: the rows do not fit "
-                                    f"{self.name}'s schema; fix the file at task.path=, or set task.name= to the task "
-                                    "they fit")
+                raise TaskLoadError(
+                    f"task {self.name}: every row was skipped, {every[0].line()}: the rows do not fit "
+                    f"{self.name}'s schema; fix the file at task.path=, or set task.name= to the task "
+                    "they fit"
+                )
             raise TaskLoadError(f"task {self.name}: the training pool is empty; check task.path / task.train_size")
         self.user_reward = None
         """task.reward's callable (es_ray.tasks.user_reward), which ``score`` calls instead of ``reward``."""
@@ -173,14 +176,19 @@ def read_rows(path: str | Path) -> list[dict]:
         try:
             data = json.loads(p.read_text(encoding="utf-8-sig"))  # -sig: a byte-order mark is dropped
         except ValueError as exc:
-            raise TaskLoadError(f"task.path={path} is not JSON ({str(exc).splitlines()[0]}); fix the file, or write "
-                                "one row per line as .jsonl, where a bad line skips that row only") from None
-        rows = data if isinstance(data, list) else data.get("data", data.get("rows")) if isinstance(data, dict) \
-            else None
+            raise TaskLoadError(
+                f"task.path={path} is not JSON ({str(exc).splitlines()[0]}); fix the file, or write "
+                "one row per line as .jsonl, where a bad line skips that row only"
+            ) from None
+        rows = (
+            data if isinstance(data, list) else data.get("data", data.get("rows")) if isinstance(data, dict) else None
+        )
         if not isinstance(rows, list):
             keys = ", ".join(map(str, data)) if isinstance(data, dict) else type(data).__name__
-            raise TaskLoadError(f'task.path={path} holds no "data" or "rows" list (keys: {keys}); make it a list of '
-                                "rows, or an object with the rows under data")
+            raise TaskLoadError(
+                f'task.path={path} holds no "data" or "rows" list (keys: {keys}); make it a list of '
+                "rows, or an object with the rows under data"
+            )
         return rows
     if suffix in (".parquet", ".csv"):
         import pandas as pd
@@ -195,9 +203,12 @@ def hub_rows(hub_id: str, config: str | None, split: str, task: str) -> list[dic
     try:
         import datasets
     except ImportError as exc:
-        raise TaskLoadError(f"task {task}: could not load {hub_id}" + (f" ({config})" if config else "")
-                            + f" split {split!r}: the datasets package is not installed: pip install 'es-ray[data]', "
-                            "or point task.path= at a local JSONL file in the same schema") from exc
+        raise TaskLoadError(
+            f"task {task}: could not load {hub_id}"
+            + (f" ({config})" if config else "")
+            + f" split {split!r}: the datasets package is not installed: pip install 'es-ray[data]', "
+            "or point task.path= at a local JSONL file in the same schema"
+        ) from exc
     try:
         return list(datasets.load_dataset(hub_id, config, split=split))
     except Exception as exc:  # no network, gated, unknown split
@@ -228,5 +239,7 @@ def score(task: Task, completions: list[str], problems: list[Problem]) -> tuple[
 
 def templated_prompts(engine, task: Task) -> dict[str, list[str]]:
     """The task's training pool and held-out set as prompt texts in the engine's chat template, by split."""
-    return {split: [engine.apply_chat_template(task.messages(p)) for p in problems]
-            for split, problems in (("train", task.train), ("eval", task.eval))}
+    return {
+        split: [engine.apply_chat_template(task.messages(p)) for p in problems]
+        for split, problems in (("train", task.train), ("eval", task.eval))
+    }

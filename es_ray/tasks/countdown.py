@@ -21,8 +21,10 @@ from es_ray.core.registry import Registry
 from es_ray.tasks.dataset import RowError, list_field, parse_rows
 
 HUB_ID = "Jiayi-Pan/Countdown-Tasks-3to4"
-SOURCES = Registry("task.countdown_source", {
-    "generated": "puzzles generated here, seeded (every one solvable)", "hub": "the paper's hub dataset"})
+SOURCES = Registry(
+    "task.countdown_source",
+    {"generated": "puzzles generated here, seeded (every one solvable)", "hub": "the paper's hub dataset"},
+)
 """task.countdown_source values (task.path= overrides either)."""
 
 PROMPT = (

@@ -27,5 +27,8 @@ class CSQATask(ChoiceTask):
         answer = str(row.get("answerKey") or "").strip().upper()
         if answer not in labels:
             raise RowError("answerKey missing or not among the labels")
-        return Problem(question=choice_question(question, texts, letters), answer=answer,
-                       meta={"letters": letters, "id": row.get("id")})
+        return Problem(
+            question=choice_question(question, texts, letters),
+            answer=answer,
+            meta={"letters": letters, "id": row.get("id")},
+        )

@@ -40,8 +40,9 @@ class RowError(ValueError):
     """A row that does not fit the task's schema (skipped and counted)."""
 
 
-def parse_rows(rows: list, parse, skipped: SkippedRows | None = None,
-               keep_rows: bool = False) -> tuple[list[Problem], int]:
+def parse_rows(
+    rows: list, parse, skipped: SkippedRows | None = None, keep_rows: bool = False
+) -> tuple[list[Problem], int]:
     """``parse`` over each row: (the problems, how many rows were malformed and skipped); ``skipped`` also counts
     them per reason (``skip_reason``) and notes where the first one is; ``keep_rows``: each problem keeps its row
     (``meta["row"]``, the columns task.reward's function is given; kept only then: a large file's rows cost memory
@@ -150,13 +151,13 @@ class DatasetTask(Task):
             split = cfg.split if cfg.split != "train" else self.eval_split
             self._all = self.problems(self.rows(split), split)
             held = self._all[: cfg.eval_size] if cfg.eval_size else list(self._all)
-            train = self._all[len(held):] or list(held)
+            train = self._all[len(held) :] or list(held)
             self.check_split(len(self._all), len(held), len(train))
         elif cfg.path or cfg.split != self.train_split or self.test_split is None:
             pool = self.problems(self.rows(cfg.split), cfg.split)
             self._all = list(pool)
             random.Random(cfg.seed).shuffle(pool)  # one file or split: a fixed shuffle splits it
-            held, train = pool[: cfg.eval_size], pool[cfg.eval_size:]
+            held, train = pool[: cfg.eval_size], pool[cfg.eval_size :]
             self.check_split(len(pool), len(held), len(train))
         else:
             train = self.problems(self.rows(self.train_split), self.train_split)
@@ -170,11 +171,16 @@ class DatasetTask(Task):
         """A file of the user's whose training pool the default task.eval_size would leave smaller than the held-out
         set (40 rows: 32 held out, 8 to train) is refused with the numbers; a task.eval_size the user set is theirs."""
         if self.cfg.path and usable and self.cfg.eval_size == TaskConfig.eval_size and train < held:
-            raise TaskLoadError(f"task.path={self.cfg.path} has {usable} usable rows, and the default task.eval_size="
-                                f"{self.cfg.eval_size} holds out {held} of them and leaves {train} to train: set "
-                                f"task.eval_size= to fewer (e.g. task.eval_size={max(1, usable // 5)}), "
-                                + ("or 0 to score every row" if self.train_split is None else
-                                   "or 0 for no held-out set (es-eval scores every row either way)"))
+            raise TaskLoadError(
+                f"task.path={self.cfg.path} has {usable} usable rows, and the default task.eval_size="
+                f"{self.cfg.eval_size} holds out {held} of them and leaves {train} to train: set "
+                f"task.eval_size= to fewer (e.g. task.eval_size={max(1, usable // 5)}), "
+                + (
+                    "or 0 to score every row"
+                    if self.train_split is None
+                    else "or 0 for no held-out set (es-eval scores every row either way)"
+                )
+            )
 
     def eval_problems(self) -> list[Problem]:
         return list(self._all)
@@ -182,6 +188,7 @@ class DatasetTask(Task):
 
 class MathTask(DatasetTask):
     """Free-form math: the prompt asks for \\boxed{}; math-verify (in its worker pool) decides equivalence."""
+
     majority_vote = True
     grade_timeout_s = None  # math-verify's worker pool holds its own per-check timeout
 
@@ -193,8 +200,11 @@ class MathTask(DatasetTask):
         if not any(k in row for k in self.answer_keys):
             raise RowError("missing " + " or ".join(f'"{k}"' for k in self.answer_keys))
         value = next(row[k] for k in self.answer_keys if k in row)
-        return Problem(question=f"{question}\n\n{MATH_INSTRUCTION}", answer=answer_text(value),
-                       meta={"id": row.get("id", row.get("unique_id"))})
+        return Problem(
+            question=f"{question}\n\n{MATH_INSTRUCTION}",
+            answer=answer_text(value),
+            meta={"id": row.get("id", row.get("unique_id"))},
+        )
 
     def reward(self, completion: str, problem: Problem) -> float:
         pred = self.prediction(completion)
@@ -260,6 +270,7 @@ def choice_question(question: str, options: list[str], letters: str) -> str:
 
 class ChoiceTask(DatasetTask):
     """Multiple choice: the answer is a letter; ``problem.meta['letters']`` holds the valid ones."""
+
     majority_vote = True
 
     def reward(self, completion: str, problem: Problem) -> float:

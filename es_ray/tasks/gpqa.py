@@ -28,5 +28,8 @@ class GPQATask(ChoiceTask):
             raise RowError("options are not distinct: the right letter would be ambiguous")
         random.Random(f"gpqa/{self.cfg.seed}/{question}").shuffle(options)
         answer = LETTERS[options.index(correct)]
-        return Problem(question=choice_question(question, options, LETTERS), answer=answer,
-                       meta={"letters": LETTERS, "id": row.get("Record ID")})
+        return Problem(
+            question=choice_question(question, options, LETTERS),
+            answer=answer,
+            meta={"letters": LETTERS, "id": row.get("Record ID")},
+        )

@@ -19,8 +19,10 @@ from es_ray.grading.verdict import task_functions
 from es_ray.tasks.base import Problem, TaskLoadError
 from es_ray.tasks.dataset import DatasetTask, RowError, list_field, text_field
 
-PROMPT = ("You are an expert Python programmer, and here is your task: {text} Your code should pass these tests:"
-          "\n\n{tests}\n\nWrite the complete solution in a single ```python code block.")
+PROMPT = (
+    "You are an expert Python programmer, and here is your task: {text} Your code should pass these tests:"
+    "\n\n{tests}\n\nWrite the complete solution in a single ```python code block."
+)
 
 
 def _is_one_assert(test: str) -> bool:
@@ -62,24 +64,41 @@ class MBPPTask(DatasetTask):
         if not isinstance(setup_code, str) or not all(isinstance(x, str) for x in imports):
             raise RowError("test_setup_code or test_imports holds a non-string")
         setup = "\n".join([setup_code] + imports)
-        return Problem(question=PROMPT.format(text=text, tests="\n".join(tests)), answer=tuple(tests),
-                       meta={"setup": setup.strip(), "task_id": row.get("task_id"),
-                             "entry": task_functions(row.get("code") or "")})
+        return Problem(
+            question=PROMPT.format(text=text, tests="\n".join(tests)),
+            answer=tuple(tests),
+            meta={
+                "setup": setup.strip(),
+                "task_id": row.get("task_id"),
+                "entry": task_functions(row.get("code") or ""),
+            },
+        )
 
     def program(self, completion: str, problem: Problem) -> str:
         return build_program(extract_code(completion), problem.answer, problem.meta["setup"])
 
     def reward(self, completion: str, problem: Problem) -> float:
-        result = run_python(self.program(completion, problem), self.sandbox_limits, n_tests=len(problem.answer),
-                            setup=problem.meta["setup"], entry=problem.meta.get("entry", ()))
+        result = run_python(
+            self.program(completion, problem),
+            self.sandbox_limits,
+            n_tests=len(problem.answer),
+            setup=problem.meta["setup"],
+            entry=problem.meta.get("entry", ()),
+        )
         if result.status in SANDBOX_FAILURES:
             raise GraderFailure(SANDBOX_FAILURES[result.status], "mbpp sandbox")
         return 1.0 if result.passed else 0.0
 
     def grade_batch(self, completions: list[str], problems: list[Problem]) -> list[Grade]:
         programs = [self.program(c, p) for c, p in zip(completions, problems)]
-        return grade_programs(programs, self.sandbox_limits, self.sandbox_workers, [len(p.answer) for p in problems],
-                              [p.meta["setup"] for p in problems], [p.meta.get("entry", ()) for p in problems])
+        return grade_programs(
+            programs,
+            self.sandbox_limits,
+            self.sandbox_workers,
+            [len(p.answer) for p in problems],
+            [p.meta["setup"] for p in problems],
+            [p.meta.get("entry", ()) for p in problems],
+        )
 
     def grade(self, completion: str, problem: Problem) -> Grade:
         return self.grade_batch([completion], [problem])[0]

@@ -41,21 +41,30 @@ def import_reward(spec: str) -> RewardFn:
     """The callable that ``task.reward=module:function`` names; TaskLoadError in one line when it cannot be."""
     module, _, name = spec.partition(":")
     if not module or not name:
-        raise TaskLoadError(f"task.reward={spec!r} is not module:function; set task.reward=package.module:function "
-                            "(a callable over prompts, completions and the row's columns), or '' for the task's own")
+        raise TaskLoadError(
+            f"task.reward={spec!r} is not module:function; set task.reward=package.module:function "
+            "(a callable over prompts, completions and the row's columns), or '' for the task's own"
+        )
     if module.startswith("."):
-        raise TaskLoadError(f"task.reward={spec!r}: a relative module; name it absolute (package.module:function), "
-                            "with its package on PYTHONPATH")
+        raise TaskLoadError(
+            f"task.reward={spec!r}: a relative module; name it absolute (package.module:function), "
+            "with its package on PYTHONPATH"
+        )
     try:
         fn = getattr(importlib.import_module(module), name)
     except Exception as exc:  # noqa: BLE001 - not found, a SyntaxError, whatever the module raises at import
         first = str(exc).splitlines()[0] if str(exc) else ""
         top = module.split(".")[0]
         here = isinstance(exc, ModuleNotFoundError) and (Path(f"{top}.py").is_file() or Path(top).is_dir())
-        where = ("it is in the current directory, which an installed command does not search: run with "
-                 "PYTHONPATH=$PWD" if here else "put its module on PYTHONPATH")
-        raise TaskLoadError(f"task.reward={spec!r}: cannot import it ({type(exc).__name__}: {first}); {where} (on a "
-                            "cluster: the job's working_dir or py_modules) and check it imports") from None
+        where = (
+            "it is in the current directory, which an installed command does not search: run with PYTHONPATH=$PWD"
+            if here
+            else "put its module on PYTHONPATH"
+        )
+        raise TaskLoadError(
+            f"task.reward={spec!r}: cannot import it ({type(exc).__name__}: {first}); {where} (on a "
+            "cluster: the job's working_dir or py_modules) and check it imports"
+        ) from None
     if not callable(fn):
         raise TaskLoadError(f"task.reward={spec!r} is a {type(fn).__name__}, not a function")
     return fn
@@ -95,13 +104,16 @@ def check_reward(spec: str, fn: RewardFn, problem) -> None:
             call_reward(fn, ["", ""], [problem, problem])
     except Exception as exc:  # noqa: BLE001 - whatever the user's function raises is reported in one line
         first = str(exc).splitlines()[0] if str(exc) else ""
-        raise TaskLoadError(f"task.reward={spec!r} failed on the first training problem ({type(exc).__name__}: "
-                            f"{first}); it is called as f(prompts=[...], completions=[...], **columns) and must "
-                            "return one float per completion") from None
+        raise TaskLoadError(
+            f"task.reward={spec!r} failed on the first training problem ({type(exc).__name__}: "
+            f"{first}); it is called as f(prompts=[...], completions=[...], **columns) and must "
+            "return one float per completion"
+        ) from None
 
 
-def user_rewards(fn: RewardFn, completions: list[str], problems: list,
-                 per_completion_s: float | None) -> tuple[list[float], int]:
+def user_rewards(
+    fn: RewardFn, completions: list[str], problems: list, per_completion_s: float | None
+) -> tuple[list[float], int]:
     """(rewards, errors) of one batch: the batch all 0 and all counted when ``fn`` fails."""
     try:
         with time_limit(per_completion_s * max(1, len(completions)) if per_completion_s else None):

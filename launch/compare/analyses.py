@@ -42,11 +42,24 @@ def _interval(values_sp: np.ndarray) -> dict:
     from es_ray.metrics.paired import paired_difference
 
     if values_sp.shape[1] < 2:
-        return {"mean": float(values_sp.mean()) if values_sp.size else None, "low": None, "high": None, "p": None,
-                "problems": int(values_sp.shape[1]), "seeds": int(values_sp.shape[0])}
+        return {
+            "mean": float(values_sp.mean()) if values_sp.size else None,
+            "low": None,
+            "high": None,
+            "p": None,
+            "problems": int(values_sp.shape[1]),
+            "seeds": int(values_sp.shape[0]),
+        }
     r = paired_difference(np.zeros_like(values_sp), values_sp)
-    return {"mean": r.diff, "low": r.low, "high": r.high, "p": r.p, "problems": r.problems, "seeds": r.seeds_b,
-            "df": r.df if np.isfinite(r.df) else None}
+    return {
+        "mean": r.diff,
+        "low": r.low,
+        "high": r.high,
+        "p": r.p,
+        "problems": r.problems,
+        "seeds": r.seeds_b,
+        "df": r.df if np.isfinite(r.df) else None,
+    }
 
 
 # -- objectives ---------------------------------------------------------------------------------------------------
@@ -64,11 +77,21 @@ def objectives(root: Path, stages_by_method: dict) -> dict:
             run_cfg = _read(s.dir(root) / "config.json") or {}
             task = run_cfg.get("task") or {}
             part = "es" if s.kind == "train_es" else "grpo"
-            samples = ((run_cfg.get("es") or {}).get("samples_per_prompt") if part == "es" else
-                       (run_cfg.get("grpo") or {}).get("group_size"))
-            runs.append({"stage": s.name, "part": part, "task": task.get("name", s.task),
-                         "objective": task.get("objective", "mean"), "k": task.get("objective_k"),
-                         "samples_per_prompt": samples})
+            samples = (
+                (run_cfg.get("es") or {}).get("samples_per_prompt")
+                if part == "es"
+                else (run_cfg.get("grpo") or {}).get("group_size")
+            )
+            runs.append(
+                {
+                    "stage": s.name,
+                    "part": part,
+                    "task": task.get("name", s.task),
+                    "objective": task.get("objective", "mean"),
+                    "k": task.get("objective_k"),
+                    "samples_per_prompt": samples,
+                }
+            )
         out[method] = runs
     return out
 
@@ -81,19 +104,27 @@ def objective_text(run: dict) -> str:
 
 def objectives_markdown(rep: dict) -> list[str]:
     obj = rep.get("objectives") or {}
-    rows = [(rep["methods"][m]["label"], "; ".join(objective_text(r) for r in runs))
-            for m, runs in obj.items() if runs and m in rep["methods"]]
+    rows = [
+        (rep["methods"][m]["label"], "; ".join(objective_text(r) for r in runs))
+        for m, runs in obj.items()
+        if runs and m in rep["methods"]
+    ]
     if not rows:
         return []
-    return ["", "## Training objective (task.objective, from each training run's config.json)", "",
-            "| method | what each training run maximised |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
+    return [
+        "",
+        "## Training objective (task.objective, from each training run's config.json)",
+        "",
+        "| method | what each training run maximised |",
+        "|---|---|",
+    ] + [f"| {a} | {b} |" for a, b in rows]
 
 
 # -- off-task KL ----------------------------------------------------------------------------------------------------
 
 
 def _kl_problems(results: dict, task: str, direction: str) -> dict[str, float]:
-    per = ((results["tasks"][task].get("kl") or {}).get("per_problem") or {})
+    per = (results["tasks"][task].get("kl") or {}).get("per_problem") or {}
     return {p: v[direction] for p, v in per.items() if v.get(direction) is not None}
 
 
@@ -117,13 +148,12 @@ def kl_section(root: Path, cfg, plan: dict, eval_stage) -> dict | None:
             for d in KL_DIRECTIONS:
                 seeds = [_kl_problems(r, t, d) for r in res]
                 common = sorted(set.intersection(*[set(s) for s in seeds]), key=int)
-                per[method][t][d] = (np.array([[s[p] for p in common] for s in seeds]).reshape(len(seeds), -1),
-                                     common)
+                per[method][t][d] = (np.array([[s[p] for p in common] for s in seeds]).reshape(len(seeds), -1), common)
     table = {m: {t: {d: _interval(per[m][t][d][0]) for d in KL_DIRECTIONS} for t in tasks} for m in per}
     trained = [m for m in per if m != "base"]
     tests = []
     for i, a in enumerate(trained):
-        for b in trained[i + 1:]:
+        for b in trained[i + 1 :]:
             for d in KL_DIRECTIONS:
                 pairs = []
                 for t in tasks:  # the problems both methods' every seed scored
@@ -133,12 +163,30 @@ def kl_section(root: Path, cfg, plan: dict, eval_stage) -> dict | None:
                 if min(x.shape[1] for x, _ in pairs) < 2:
                     continue
                 r = paired_difference_tasks(pairs)
-                tests.append({"a": a, "b": b, "direction": d, "diff": r.diff, "low": r.low, "high": r.high, "p": r.p,
-                              "problems": r.problems, "seeds_a": r.seeds_b, "seeds_b": r.seeds_a})
+                tests.append(
+                    {
+                        "a": a,
+                        "b": b,
+                        "direction": d,
+                        "diff": r.diff,
+                        "low": r.low,
+                        "high": r.high,
+                        "p": r.p,
+                        "problems": r.problems,
+                        "seeds_a": r.seeds_b,
+                        "seeds_b": r.seeds_a,
+                    }
+                )
     for t, adj in zip(tests, holm([t["p"] for t in tests])):
         t["p_holm"] = adj
-    return {"reference": cfg.eval.kl_reference or "the embedded base model", "samples": cfg.eval.kl_samples,
-            "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p, "methods": table, "tests": tests}
+    return {
+        "reference": cfg.eval.kl_reference or "the embedded base model",
+        "samples": cfg.eval.kl_samples,
+        "temperature": cfg.eval.temperature,
+        "top_p": cfg.eval.top_p,
+        "methods": table,
+        "tests": tests,
+    }
 
 
 def _nats(x) -> str:
@@ -150,28 +198,42 @@ def kl_markdown(rep: dict) -> list[str]:
     if not kl:
         return []
     tasks = rep["tasks"]
-    lines = ["", f"## Off-task KL to the base model (nats per token; eval.kl_base, reference {kl['reference']})", "",
-             f"Over {kl['samples']} of the reference's own samples per problem (T = {kl['temperature']}, top_p "
-             f"{kl['top_p']}), both models teacher-forced on the same tokens, summed over the whole vocabulary "
-             "(es_ray/metrics/kl.py). Mean over the seeds [95% interval over problems and seeds, the seeds a random "
-             "effect]; KL(base || tuned) first, then KL(tuned || base).", "",
-             "| method | direction | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
+    lines = [
+        "",
+        f"## Off-task KL to the base model (nats per token; eval.kl_base, reference {kl['reference']})",
+        "",
+        f"Over {kl['samples']} of the reference's own samples per problem (T = {kl['temperature']}, top_p "
+        f"{kl['top_p']}), both models teacher-forced on the same tokens, summed over the whole vocabulary "
+        "(es_ray/metrics/kl.py). Mean over the seeds [95% interval over problems and seeds, the seeds a random "
+        "effect]; KL(base || tuned) first, then KL(tuned || base).",
+        "",
+        "| method | direction | " + " | ".join(tasks) + " |",
+        "|---|---|" + "---|" * len(tasks),
+    ]
     for method, by_task in kl["methods"].items():
         for d in KL_DIRECTIONS:
             cells = []
             for t in tasks:
                 c = by_task[t][d]
-                cells.append(_nats(c["mean"]) + ("" if c["low"] is None else
-                                                 f" [{_nats(c['low'])}, {_nats(c['high'])}]"))
+                cells.append(
+                    _nats(c["mean"]) + ("" if c["low"] is None else f" [{_nats(c['low'])}, {_nats(c['high'])}]")
+                )
             name = "KL(base \\|\\| tuned)" if d == "base_tuned" else "KL(tuned \\|\\| base)"
             lines.append(f"| {LABELS[method]} | {name} | " + " | ".join(cells) + " |")
     if kl["tests"]:
-        lines += ["", "Paired differences of the KL averaged over the tasks (first minus second; Holm over these "
-                  f"{len(kl['tests'])} tests):", "",
-                  "| compared | direction | difference [95% interval] | p | Holm p |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Paired differences of the KL averaged over the tasks (first minus second; Holm over these "
+            f"{len(kl['tests'])} tests):",
+            "",
+            "| compared | direction | difference [95% interval] | p | Holm p |",
+            "|---|---|---|---|---|",
+        ]
         for t in kl["tests"]:
-            lines.append(f"| {LABELS[t['a']]} - {LABELS[t['b']]} | {t['direction']} | {t['diff']:+.4g} "
-                         f"[{t['low']:+.4g}, {t['high']:+.4g}] | {t['p']:.2g} | {t['p_holm']:.2g} |")
+            lines.append(
+                f"| {LABELS[t['a']]} - {LABELS[t['b']]} | {t['direction']} | {t['diff']:+.4g} "
+                f"[{t['low']:+.4g}, {t['high']:+.4g}] | {t['p']:.2g} | {t['p_holm']:.2g} |"
+            )
     return lines
 
 
@@ -186,15 +248,22 @@ def interpolation_section(root: Path, paths: dict) -> dict | None:
         for s in stages:
             res = _read(s.dir(root) / "interpolation.json")
             if res is None:
-                raise FileNotFoundError(f"{s.dir(root) / 'interpolation.json'} is missing: delete "
-                                        f"{s.dir(root) / 'done.json'} to run that stage again")
+                raise FileNotFoundError(
+                    f"{s.dir(root) / 'interpolation.json'} is missing: delete "
+                    f"{s.dir(root) / 'done.json'} to run that stage again"
+                )
             entry = out.setdefault(s.task, {"grid": res["grid"], "seeds": {}})
-            entry["seeds"][str(seed)] = {"tasks": res["tasks"], "cosine": res["updates"]["cosine"],
-                                         "by_module_type": res["updates"]["by_module_type"]}
+            entry["seeds"][str(seed)] = {
+                "tasks": res["tasks"],
+                "cosine": res["updates"]["cosine"],
+                "by_module_type": res["updates"]["by_module_type"],
+            }
     for entry in out.values():
         runs = list(entry["seeds"].values())
-        entry["mean_curve"] = {t: {m: np.mean([r["tasks"][t][m]["curve"] for r in runs], axis=0).tolist()
-                                   for m in metrics} for t, metrics in runs[0]["tasks"].items()}
+        entry["mean_curve"] = {
+            t: {m: np.mean([r["tasks"][t][m]["curve"] for r in runs], axis=0).tolist() for m in metrics}
+            for t, metrics in runs[0]["tasks"].items()
+        }
     return out or None
 
 
@@ -211,28 +280,42 @@ def interpolation_markdown(rep: dict) -> list[str]:
     paths = rep.get("interpolation")
     if not paths:
         return []
-    lines = ["", "## Paths between solutions (es-interpolate)", "",
-             "theta(t) = (1 - t) theta_first + t theta_second, scored at each t as the evaluation scores (the same "
-             "problems and sampling seeds, so t = 0 and t = 1 are the two end points' own scores). Barrier: the "
-             "largest drop of the curve below the straight line between its end points, with its 95% bootstrap "
-             "interval over problems (es_ray/metrics/interpolate.py). Cosine: between the two updates from the base "
-             "weights (n/a where one end is the base). Plot: `interpolation.png`.", ""]
+    lines = [
+        "",
+        "## Paths between solutions (es-interpolate)",
+        "",
+        "theta(t) = (1 - t) theta_first + t theta_second, scored at each t as the evaluation scores (the same "
+        "problems and sampling seeds, so t = 0 and t = 1 are the two end points' own scores). Barrier: the "
+        "largest drop of the curve below the straight line between its end points, with its 95% bootstrap "
+        "interval over problems (es_ray/metrics/interpolate.py). Cosine: between the two updates from the base "
+        "weights (n/a where one end is the base). Plot: `interpolation.png`.",
+        "",
+    ]
     for pair, entry in paths.items():
         grid = entry["grid"]
-        lines += [f"### {_pair_label(pair)}", "",
-                  "| seed | task | metric | " + " | ".join(f"t={t:g}" for t in grid) + " | barrier [95% interval] |",
-                  "|---|---|---|" + "---|" * len(grid) + "---|"]
+        lines += [
+            f"### {_pair_label(pair)}",
+            "",
+            "| seed | task | metric | " + " | ".join(f"t={t:g}" for t in grid) + " | barrier [95% interval] |",
+            "|---|---|---|" + "---|" * len(grid) + "---|",
+        ]
         for seed, run in entry["seeds"].items():
             for t, metrics in run["tasks"].items():
                 for m, r in metrics.items():
                     lo, hi = r["barrier_interval"]
-                    lines.append(f"| {seed} | {t} | {m} | " + " | ".join(f"{v:.3f}" for v in r["curve"])
-                                 + f" | {r['barrier']:.3f} [{lo:.3f}, {hi:.3f}] at t={r['barrier_at']:g} |")
+                    lines.append(
+                        f"| {seed} | {t} | {m} | "
+                        + " | ".join(f"{v:.3f}" for v in r["curve"])
+                        + f" | {r['barrier']:.3f} [{lo:.3f}, {hi:.3f}] at t={r['barrier_at']:g} |"
+                    )
         types = sorted({k for run in entry["seeds"].values() for k in run["by_module_type"]})
         lines += ["", "| seed | cosine of the updates | " + " | ".join(types) + " |", "|---|---|" + "---|" * len(types)]
         for seed, run in entry["seeds"].items():
-            lines.append(f"| {seed} | {_cos(run['cosine'])} | "
-                         + " | ".join(_cos(run["by_module_type"].get(k)) for k in types) + " |")
+            lines.append(
+                f"| {seed} | {_cos(run['cosine'])} | "
+                + " | ".join(_cos(run["by_module_type"].get(k)) for k in types)
+                + " |"
+            )
         lines.append("")
     return lines
 
@@ -250,8 +333,13 @@ def interpolation_figure(plt, rep: dict, title):
             curves = entry["mean_curve"].get(task, {})
             for k, style in ((ks[0], "-"), (ks[-1], "--")):
                 if f"pass@{k}" in curves:
-                    ax.plot(entry["grid"], [100 * v for v in curves[f"pass@{k}"]], style, marker=".",
-                            label=f"{_pair_label(pair)}: pass@{k}")
+                    ax.plot(
+                        entry["grid"],
+                        [100 * v for v in curves[f"pass@{k}"]],
+                        style,
+                        marker=".",
+                        label=f"{_pair_label(pair)}: pass@{k}",
+                    )
         ax.set_ylim(0, 100)
         ax.set_xlabel("t (0: the first end, 1: the second)")
         ax.set_ylabel("pass@k (%), axis from 0")
@@ -294,8 +382,10 @@ def forgetting_section(root: Path, cfg, plan: dict, eval_stage) -> dict | None:
 
     out: dict = {"sequence": seq, "k": ks, "methods": {}, "tests": []}
     if "base" in plan:
-        before = {t: [_problem_passk(eval_stage(st).dir(root) / "samples.jsonl", t, n, ks)
-                      for st in plan["base"].values()] for t in seq}
+        before = {
+            t: [_problem_passk(eval_stage(st).dir(root) / "samples.jsonl", t, n, ks) for st in plan["base"].values()]
+            for t in seq
+        }
         out["before"] = {t: _mean_over(v) for t, v in before.items()}
     for method, by_seed in plan.items():
         if method == "base":
@@ -332,11 +422,16 @@ def forgetting_markdown(rep: dict) -> list[str]:
         return []
     seq, ks = f["sequence"], f["k"]
     kk = "/".join(f"Pass@{k}" for k in ks)
-    lines = ["", f"## Task sequence: {' -> '.join(seq)} (forgetting)", "",
-             f"{kk} (%) on each task of the sequence after each training stage (mean over the seeds; 'before': the "
-             "base model). Each task's held-out problems are scored as the final evaluation scores them.", "",
-             "| method | task | before | " + " | ".join(f"after {t}" for t in seq) + " |",
-             "|---|---|---|" + "---|" * len(seq)]
+    lines = [
+        "",
+        f"## Task sequence: {' -> '.join(seq)} (forgetting)",
+        "",
+        f"{kk} (%) on each task of the sequence after each training stage (mean over the seeds; 'before': the "
+        "base model). Each task's held-out problems are scored as the final evaluation scores them.",
+        "",
+        "| method | task | before | " + " | ".join(f"after {t}" for t in seq) + " |",
+        "|---|---|---|" + "---|" * len(seq),
+    ]
     before = f.get("before") or {}
     for method, table in f["methods"].items():
         for task in seq:
@@ -344,15 +439,19 @@ def forgetting_markdown(rep: dict) -> list[str]:
             b = " / ".join(_p(v) for v in before.get(task, [])) or "-"
             lines.append(f"| {LABELS[method]} | {task} | {b} | " + " | ".join(cells) + " |")
     if f["tests"]:
-        lines += ["", f"Change on each earlier task from just after it was trained to after {seq[-1]} (negative: "
-                  "forgotten), paired over problems and seeds (each seed's run before and after; "
-                  "es_ray/metrics/paired.py), Holm-corrected over these tests:", "",
-                  "| method | task | k | change [95% interval] | p | Holm p |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Change on each earlier task from just after it was trained to after {seq[-1]} (negative: "
+            "forgotten), paired over problems and seeds (each seed's run before and after; "
+            "es_ray/metrics/paired.py), Holm-corrected over these tests:",
+            "",
+            "| method | task | k | change [95% interval] | p | Holm p |",
+            "|---|---|---|---|---|---|",
+        ]
         for t in f["tests"]:
             iv = "-" if t["low"] is None else f"[{100 * t['low']:+.1f}, {100 * t['high']:+.1f}]"
             p = "-" if t["p"] is None else f"{t['p']:.2g}"
             ph = "-" if t.get("p_holm") is None else f"{t['p_holm']:.2g}"
             mean = "-" if t["mean"] is None else f"{100 * t['mean']:+.1f} points"
-            lines.append(f"| {LABELS[t['method']]} | {t['task']} | {t['k']} | {mean} {iv} | "
-                         f"{p} | {ph} |")
+            lines.append(f"| {LABELS[t['method']]} | {t['task']} | {t['k']} | {mean} {iv} | {p} | {ph} |")
     return lines

@@ -10,8 +10,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, FaultPolicy, ModelConfig, RunConfig,
-                                SamplingConfig, TaskConfig, check_positive)
+from es_ray.core.config import (
+    ClusterConfig,
+    ConfigError,
+    EngineConfig,
+    FaultPolicy,
+    ModelConfig,
+    RunConfig,
+    SamplingConfig,
+    TaskConfig,
+    check_positive,
+)
 from es_ray.core.registry import Registry
 from es_ray.es.config import ESConfig
 from es_ray.evaluation.config import BenchmarkConfig
@@ -22,9 +31,14 @@ from es_ray.launch.compare.stages import interpolation_plan, stage_plan
 from es_ray.launch.compare.verdict import VerdictConfig, validate_verdict
 from es_ray.tasks import load_task
 
-BUDGET_UNITS = Registry("budget.unit", {
-    "epochs": "prompts seen: passes over the training pool", "tokens": "tokens generated in training",
-    "device_seconds": "the ledger's device-seconds of training"})
+BUDGET_UNITS = Registry(
+    "budget.unit",
+    {
+        "epochs": "prompts seen: passes over the training pool",
+        "tokens": "tokens generated in training",
+        "device_seconds": "the ledger's device-seconds of training",
+    },
+)
 
 
 @dataclass
@@ -127,15 +141,19 @@ def validate_compare(cfg: CompareConfig) -> CompareConfig:
     check_positive("grpo_rollout_actors", cfg.grpo_rollout_actors)
     check_positive("curve_every", cfg.curve_every, allow_zero=True)
     if cfg.curve_every and cfg.eval.temperature == 0:  # the curves sample as the evaluation does (``_held_out``)
-        raise ConfigError(f"eval.temperature=0 (greedy) leaves the training runs' held-out curves nothing to sample "
-                          f"(their pass@1 and entropy, every curve_every={cfg.curve_every} steps, are of sampled "
-                          "completions at eval.temperature): set eval.temperature > 0, or curve_every=0 for no "
-                          "curves")
+        raise ConfigError(
+            f"eval.temperature=0 (greedy) leaves the training runs' held-out curves nothing to sample "
+            f"(their pass@1 and entropy, every curve_every={cfg.curve_every} steps, are of sampled "
+            "completions at eval.temperature): set eval.temperature > 0, or curve_every=0 for no "
+            "curves"
+        )
     if not cfg.seeds or len(set(cfg.seeds)) != len(cfg.seeds):
         raise ConfigError(f"seeds={list(cfg.seeds)}: give one or more distinct run seeds, e.g. seeds=[0,1,2]")
     if cfg.run.seed:
-        raise ConfigError(f"run.seed={cfg.run.seed}: es-compare takes its run seeds from seeds=[...]; set "
-                          f"seeds=[{cfg.run.seed}] instead")
+        raise ConfigError(
+            f"run.seed={cfg.run.seed}: es-compare takes its run seeds from seeds=[...]; set "
+            f"seeds=[{cfg.run.seed}] instead"
+        )
     validate_sequence(cfg)
     validate_verdict(cfg)
     sensitivity.validate_sensitivity(cfg)
@@ -153,17 +171,23 @@ def validate_sequence(cfg: CompareConfig) -> None:
     seq = list(cfg.sequence)
     if seq:
         if len(seq) < 2 or len(set(seq)) != len(seq) or not all(isinstance(t, str) and t.strip() for t in seq):
-            raise ConfigError(f"sequence={seq}: give two or more distinct task names in training order, e.g. "
-                              "sequence=[countdown,gsm8k] (or sequence=[] for one training task, task.name)")
+            raise ConfigError(
+                f"sequence={seq}: give two or more distinct task names in training order, e.g. "
+                "sequence=[countdown,gsm8k] (or sequence=[] for one training task, task.name)"
+            )
         missing = [t for t in seq if t not in cfg.eval.tasks]
         if missing:
-            raise ConfigError(f"sequence={seq}: {missing} not in eval.tasks={list(cfg.eval.tasks)}; the final "
-                              f"evaluation must score every task of the sequence: add them to eval.tasks")
+            raise ConfigError(
+                f"sequence={seq}: {missing} not in eval.tasks={list(cfg.eval.tasks)}; the final "
+                f"evaluation must score every task of the sequence: add them to eval.tasks"
+            )
     for pair in cfg.interpolate.pairs:
         ends = str(pair).split("-")
         if len(ends) != 2 or ends[0] == ends[1] or not all(e in cfg.methods or e == "base" for e in ends):
-            raise ConfigError(f"interpolate.pairs: {pair!r} is not first-second of two different methods run "
-                              f"(methods={list(cfg.methods)}, or base), e.g. interpolate.pairs=[base-es,es-grpo]")
+            raise ConfigError(
+                f"interpolate.pairs: {pair!r} is not first-second of two different methods run "
+                f"(methods={list(cfg.methods)}, or base), e.g. interpolate.pairs=[base-es,es-grpo]"
+            )
 
 
 def training_tasks(cfg: CompareConfig) -> list[str]:
@@ -177,7 +201,9 @@ def pool_size(cfg: CompareConfig, name: str = "") -> int:
     task_cfg = dataclasses.replace(cfg.task, name=name or cfg.task.name)
     task = load_task(task_cfg)
     if cfg.curve_every and not task.eval:
-        raise ConfigError(f"task.name={task_cfg.name} with task.eval_size={cfg.task.eval_size} leaves no held-out "
-                          "problems, and curve_every asks for held-out curves: set task.eval_size > 0, or "
-                          "curve_every=0 for no curves")
+        raise ConfigError(
+            f"task.name={task_cfg.name} with task.eval_size={cfg.task.eval_size} leaves no held-out "
+            "problems, and curve_every asks for held-out curves: set task.eval_size > 0, or "
+            "curve_every=0 for no curves"
+        )
     return len(task.train)

@@ -17,8 +17,13 @@ class Method:
     """The training parts, in order ("es", "grpo"); none: the base model, evaluated as it is."""
 
 
-ALL = (Method("base", "Base", ()), Method("es", "ES", ("es",)), Method("grpo", "GRPO", ("grpo",)),
-       Method("es_grpo", "ES->GRPO", ("es", "grpo")), Method("grpo_es", "GRPO->ES", ("grpo", "es")))
+ALL = (
+    Method("base", "Base", ()),
+    Method("es", "ES", ("es",)),
+    Method("grpo", "GRPO", ("grpo",)),
+    Method("es_grpo", "ES->GRPO", ("es", "grpo")),
+    Method("grpo_es", "GRPO->ES", ("grpo", "es")),
+)
 BY_NAME = {m.name: m for m in ALL}
 METHODS = tuple(m.name for m in ALL)
 """Every method, in the order the report lists them."""
@@ -27,8 +32,14 @@ TRAINED = {m.name: m.parts for m in ALL if m.parts}
 """The trained methods and their parts."""
 PARTS = ("es", "grpo")
 """The training parts a method can be made of (``stages.PART_STAGES`` builds each)."""
-COMPARED = (("es", "base"), ("grpo", "base"), ("es", "grpo"), ("es_grpo", "grpo"), ("grpo_es", "es"),
-            ("es_grpo", "grpo_es"))
+COMPARED = (
+    ("es", "base"),
+    ("grpo", "base"),
+    ("es", "grpo"),
+    ("es_grpo", "grpo"),
+    ("grpo_es", "es"),
+    ("es_grpo", "grpo_es"),
+)
 """The pairs the verdict reads first, as (first, second) with difference first - second."""
 
 
@@ -49,12 +60,16 @@ def grpo_placement(cfg) -> tuple[bool, int]:
 def grpo_placement_text(cfg) -> str:
     colocate, rollouts = grpo_placement(cfg)
     if colocate:
-        return (f"GRPO ran colocated: {rollouts} actor(s), each holding a learner rank and a rollout engine "
-                f"(grpo.colocate; cluster.num_actors={cfg.cluster.num_actors} has no spare devices for "
-                f"grpo.fsdp_size={cfg.grpo.fsdp_size} learner ranks beside "
-                f"grpo_rollout_actors={cfg.grpo_rollout_actors})")
-    return (f"GRPO ran on separate devices: {cfg.grpo.fsdp_size} learner rank(s) (grpo.fsdp_size) and {rollouts} "
-            "rollout actor(s) (grpo_rollout_actors)")
+        return (
+            f"GRPO ran colocated: {rollouts} actor(s), each holding a learner rank and a rollout engine "
+            f"(grpo.colocate; cluster.num_actors={cfg.cluster.num_actors} has no spare devices for "
+            f"grpo.fsdp_size={cfg.grpo.fsdp_size} learner ranks beside "
+            f"grpo_rollout_actors={cfg.grpo_rollout_actors})"
+        )
+    return (
+        f"GRPO ran on separate devices: {cfg.grpo.fsdp_size} learner rank(s) (grpo.fsdp_size) and {rollouts} "
+        "rollout actor(s) (grpo_rollout_actors)"
+    )
 
 
 def budget_units(epochs: float, pool: int, per_unit: int) -> int:

@@ -45,13 +45,24 @@ def pilot_power(test: dict, alpha: float):
     """A claim's components from a pilot report's verdict test (report.json "verdict")."""
     from es_ray.metrics.paired import Power
 
-    return Power(se=test["se"], df=test["df"] or math.inf, detectable=test.get("detectable"),
-                 var_problems=test["var_problems"], var_residual=tuple(test["var_residual"]),
-                 var_seeds=test.get("method_var_seeds"), problems=test["problems"], seeds=test["seeds"], alpha=alpha,
-                 power=0.8, mean=test.get("mean"), sides=1, bounded=False)
+    return Power(
+        se=test["se"],
+        df=test["df"] or math.inf,
+        detectable=test.get("detectable"),
+        var_problems=test["var_problems"],
+        var_residual=tuple(test["var_residual"]),
+        var_seeds=test.get("method_var_seeds"),
+        problems=test["problems"],
+        seeds=test["seeds"],
+        alpha=alpha,
+        power=0.8,
+        mean=test.get("mean"),
+        sides=1,
+        bounded=False,
+    )
 
 
-def _problems_at(pw, effect: float, seeds: int, limit: int = 10 ** 6) -> int | None:
+def _problems_at(pw, effect: float, seeds: int, limit: int = 10**6) -> int | None:
     """The fewest problems per task at which the one-sided test finds ``effect`` with 80% power at ``seeds``."""
     if pw.reaches(effect, limit, seeds) < pw.power:
         return None
@@ -67,7 +78,7 @@ def per_step_seconds(report: dict) -> dict[str, float]:
     out: dict[str, list[float]] = {}
     for by_method in report.get("per_seed", {}).values():
         for m, e in by_method.items():
-            for part in ((e.get("ledger") or {}).get("parts") or []):
+            for part in (e.get("ledger") or {}).get("parts") or []:
                 if part.get("steps"):
                     out.setdefault(part["method"], []).append(part["device_s"] / part["steps"])
     return {m: float(np.mean(v)) for m, v in out.items()}
@@ -84,10 +95,15 @@ def plan(cfg, log=print) -> dict:
     pilot = json.loads((Path(cfg.verdict.pilot) / "report.json").read_text()) if cfg.verdict.pilot else None
     tests = {t["claim"]: t for t in ((pilot or {}).get("verdict") or {}).get("tests", []) if "p" in t}
     problems = int(cfg.eval.limit or 0) or (max((pilot or {}).get("problems", {}).values(), default=0) or 100)
-    source = f"pilot {cfg.verdict.pilot}" if pilot else (f"defaults: the calibration model, seed sd {DEFAULT_SV} "
-                                                         "logit (docs/comparison.md)")
-    log(f"es-compare --plan: primary family {'; '.join(family) or 'none'}; 80% power one-sided at "
-        f"{cfg.verdict.alpha:g} / {len(family)} = {alpha:.3g}; {problems} problems per task; from {source}")
+    source = (
+        f"pilot {cfg.verdict.pilot}"
+        if pilot
+        else (f"defaults: the calibration model, seed sd {DEFAULT_SV} logit (docs/comparison.md)")
+    )
+    log(
+        f"es-compare --plan: primary family {'; '.join(family) or 'none'}; 80% power one-sided at "
+        f"{cfg.verdict.alpha:g} / {len(family)} = {alpha:.3g}; {problems} problems per task; from {source}"
+    )
     rows = []
     for text in family:
         c = parse_claim(text)
@@ -101,8 +117,13 @@ def plan(cfg, log=print) -> dict:
             log(f"  {text}: {rows[-1]['why']}")
             continue
         shift = cfg.verdict.margin if c.kind == "noninferiority" else 0.0
-        gaps = [0.0] if c.kind == "noninferiority" else list(GAPS) if metric.startswith("pass@") else [
-            abs(tests[text]["method"]["diff"])]
+        gaps = (
+            [0.0]
+            if c.kind == "noninferiority"
+            else list(GAPS)
+            if metric.startswith("pass@")
+            else [abs(tests[text]["method"]["diff"])]
+        )
         for g in gaps:
             effect = g + shift
             seeds = next((s for s in range(5, 201) if pw.reaches(effect, problems, s) >= pw.power), None)
@@ -110,8 +131,10 @@ def plan(cfg, log=print) -> dict:
             rows.append({"claim": text, "gap": g, "effect": effect, "seeds": seeds, "problems_at_seeds": at})
             unit = (lambda x: f"{100 * x:g} points") if metric.startswith("pass@") else (lambda x: f"{x:.3g} nats")
             what = "true difference 0, margin " + unit(shift) if c.kind == "noninferiority" else "gap " + unit(g)
-            log(f"  {text} ({what}): {seeds if seeds else 'more than 200'} seeds at {problems} problems; problems "
-                "at " + ", ".join(f"{s} seeds {n:,}" if n else f"{s} seeds out of reach" for s, n in at.items()))
+            log(
+                f"  {text} ({what}): {seeds if seeds else 'more than 200'} seeds at {problems} problems; problems "
+                "at " + ", ".join(f"{s} seeds {n:,}" if n else f"{s} seeds out of reach" for s, n in at.items())
+            )
     need = [r["seeds"] for r in rows if r.get("seeds") and r.get("gap", 0) != GAPS[0]]
     chosen = max(need) if need else None
     cost = None
@@ -121,15 +144,31 @@ def plan(cfg, log=print) -> dict:
         per_unit = {"es": cfg.es.prompts_per_iteration, "grpo": cfg.grpo.prompts_per_step}
         for m in cfg.methods:
             for part in TRAINED.get(m, ()):
-                steps[part] = steps.get(part, 0) + budget_units(cfg.budget.epochs / len(TRAINED[m]), pool,
-                                                                per_unit[part])
+                steps[part] = steps.get(part, 0) + budget_units(
+                    cfg.budget.epochs / len(TRAINED[m]), pool, per_unit[part]
+                )
         sec = per_step_seconds(pilot) if pilot else {}
         if sec and all(p in sec for p in steps):
             cost = sum(n * sec[p] for p, n in steps.items()) * chosen
-    log(f"es-compare --plan: the family needs {chosen if chosen else 'an unreachable number of'} seeds per method at "
+    log(
+        f"es-compare --plan: the family needs {chosen if chosen else 'an unreachable number of'} seeds per method at "
         f"{problems} problems (the largest over its claims, the 2-point gaps left out)"
-        + (f"; training {sum(steps.values())} steps per seed, {cost:,.0f} device-s in all from the pilot's ledger"
-           if cost is not None else f"; training {sum(steps.values())} steps per seed (device-s: give verdict.pilot= "
-                                    "for the ledger's per-step figures)" if steps else ""))
-    return {"family": family, "alpha": alpha, "problems": problems, "rows": rows, "seeds": chosen,
-            "steps_per_seed": steps, "device_s": cost, "source": source}
+        + (
+            f"; training {sum(steps.values())} steps per seed, {cost:,.0f} device-s in all from the pilot's ledger"
+            if cost is not None
+            else f"; training {sum(steps.values())} steps per seed (device-s: give verdict.pilot= "
+            "for the ledger's per-step figures)"
+            if steps
+            else ""
+        )
+    )
+    return {
+        "family": family,
+        "alpha": alpha,
+        "problems": problems,
+        "rows": rows,
+        "seeds": chosen,
+        "steps_per_seed": steps,
+        "device_s": cost,
+        "source": source,
+    }

@@ -30,8 +30,11 @@ def model_name(rep: dict) -> str:
 
 def _budget(rep: dict) -> str:
     b = rep["budget"]
-    return {"epochs": f"{b['epochs']:g} epochs", "tokens": f"{b['tokens']:,} tokens",
-            "device_seconds": f"{b['device_seconds']:g} device-s"}[b["unit"]]
+    return {
+        "epochs": f"{b['epochs']:g} epochs",
+        "tokens": f"{b['tokens']:,} tokens",
+        "device_seconds": f"{b['device_seconds']:g} device-s",
+    }[b["unit"]]
 
 
 def title(rep: dict, what: str, first_seed: bool = False) -> str:
@@ -41,8 +44,9 @@ def title(rep: dict, what: str, first_seed: bool = False) -> str:
         shown = f"seed {seeds[0]}"
     else:
         shown = f"mean of {len(seeds)} seeds" if len(seeds) > 1 else f"seed {seeds[0]}" if seeds else "seed ?"
-    return (f"{what}\n{model_name(rep)} trained on {rep.get('train_task', '?')}, {shown}, "
-            f"budget {_budget(rep)} per method")
+    return (
+        f"{what}\n{model_name(rep)} trained on {rep.get('train_task', '?')}, {shown}, budget {_budget(rep)} per method"
+    )
 
 
 def _from_zero(ax, values: list[float], scale: float = 1.0, floor: float = 0.05) -> None:
@@ -64,9 +68,14 @@ def _legend(ax) -> None:
         ax.legend(fontsize=8)
 
 
-METHOD_STYLES = ({"marker": "o", "linestyle": "-"}, {"marker": "s", "linestyle": "--"},
-                 {"marker": "^", "linestyle": ":"}, {"marker": "D", "linestyle": "-."},
-                 {"marker": "v", "linestyle": (0, (5, 1, 1, 1))}, {"marker": "P", "linestyle": (0, (1, 2))})
+METHOD_STYLES = (
+    {"marker": "o", "linestyle": "-"},
+    {"marker": "s", "linestyle": "--"},
+    {"marker": "^", "linestyle": ":"},
+    {"marker": "D", "linestyle": "-."},
+    {"marker": "v", "linestyle": (0, (5, 1, 1, 1))},
+    {"marker": "P", "linestyle": (0, (1, 2))},
+)
 """One marker and dash per method in the pass@k figure, so methods with equal curves stay visible."""
 
 
@@ -82,13 +91,27 @@ def passk_figure(plt, rep: dict, task: str):
         style = METHOD_STYLES[i % len(METHOD_STYLES)]
         shift = 2 ** (0.04 * (i - (len(drawn) - 1) / 2))
         ks = [k * shift for k in range(1, len(curve) + 1)]
-        line, = ax.plot(ks, [100 * v for v in curve], label=m["label"], zorder=2 + i,
-                        markersize=8 - 1.5 * (i % 3), fillstyle="none" if i % 2 else "full", **style)
+        (line,) = ax.plot(
+            ks,
+            [100 * v for v in curve],
+            label=m["label"],
+            zorder=2 + i,
+            markersize=8 - 1.5 * (i % 3),
+            fillstyle="none" if i % 2 else "full",
+            **style,
+        )
         band = (intervals.get(name) or {}).get("tasks", {}).get(task) or {}
         ks = sorted(int(k) for k in band)
         if ks:
-            ax.fill_between(ks, [100 * band[str(k)][0] for k in ks], [100 * band[str(k)][1] for k in ks],
-                            color=line.get_color(), alpha=0.2, lw=0, label=f"{m['label']}: 95% interval")
+            ax.fill_between(
+                ks,
+                [100 * band[str(k)][0] for k in ks],
+                [100 * band[str(k)][1] for k in ks],
+                color=line.get_color(),
+                alpha=0.2,
+                lw=0,
+                label=f"{m['label']}: 95% interval",
+            )
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 100)
     ax.set_xlabel("k (samples per problem)")
@@ -98,8 +121,10 @@ def passk_figure(plt, rep: dict, task: str):
     return fig
 
 
-REWARD_KINDS = {"es": "ES: mean reward of the perturbed members\n(training prompts, es_sampling)",
-                "grpo": "GRPO: mean reward of the sampled groups\n(training prompts, grpo_sampling)"}
+REWARD_KINDS = {
+    "es": "ES: mean reward of the perturbed members\n(training prompts, es_sampling)",
+    "grpo": "GRPO: mean reward of the sampled groups\n(training prompts, grpo_sampling)",
+}
 
 
 def reward_figure(plt, rep: dict):
@@ -191,8 +216,11 @@ def entropy_figure(plt, rep: dict):
 def update_figure(plt, rep: dict):
     """Counts of log10 |delta| of the changed parameters per trained method, the drift thresholds as labelled
     lines; None when no drift was measured."""
-    drifted = [m for m in rep["methods"].values()
-               if (m.get("drift") or {}).get("histogram_log10") and m["drift"].get("histogram_edges")]
+    drifted = [
+        m
+        for m in rep["methods"].values()
+        if (m.get("drift") or {}).get("histogram_log10") and m["drift"].get("histogram_edges")
+    ]
     if not drifted:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.4))
@@ -230,9 +258,15 @@ def figures(rep: dict) -> dict:
     import matplotlib.pyplot as plt
 
     out = {f"passk_{task}": passk_figure(plt, rep, task) for task in rep["tasks"]}
-    out.update({"reward_curves": reward_figure(plt, rep), "training_curves": training_figure(plt, rep),
-                "entropy": entropy_figure(plt, rep), "update_histograms": update_figure(plt, rep),
-                "interpolation": interpolation_figure(plt, rep, title)})
+    out.update(
+        {
+            "reward_curves": reward_figure(plt, rep),
+            "training_curves": training_figure(plt, rep),
+            "entropy": entropy_figure(plt, rep),
+            "update_histograms": update_figure(plt, rep),
+            "interpolation": interpolation_figure(plt, rep, title),
+        }
+    )
     return {k: v for k, v in out.items() if v is not None}
 
 

@@ -32,7 +32,6 @@ from es_ray.launch.compare.truncation import truncated_share
 # es_ray.metrics.paired (scipy) is imported where a test is computed: the report's other sections need no scipy.
 
 
-
 def _read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -49,8 +48,10 @@ def passk_curves(samples: list[dict], n: int) -> dict[str, list[float]]:
     for s in samples:
         per = correct.setdefault(s["task"], {})
         per[s["problem"]] = per.get(s["problem"], 0) + int(bool(s["correct"]))
-    return {task: [float(np.mean([pass_at_k(n, c, k) for c in per.values()])) for k in range(1, n + 1)]
-            for task, per in correct.items()}
+    return {
+        task: [float(np.mean([pass_at_k(n, c, k) for c in per.values()])) for k in range(1, n + 1)]
+        for task, per in correct.items()
+    }
 
 
 def method_ledger(cfg, root: Path, parts: list[tuple[str, str]]) -> dict | None:
@@ -58,14 +59,27 @@ def method_ledger(cfg, root: Path, parts: list[tuple[str, str]]) -> dict | None:
     ``device_s`` counts the training steps only; start-up, checkpoint writes and held-out scoring are apart."""
     if not parts:
         return None
-    out = {"tokens_generated": 0, "tokens_backpropagated": 0, "wall_s": 0.0, "startup_s": 0.0, "device_s": 0.0,
-           "device_s_held": 0.0, "device_s_apart": {}, "device": None, "peak_rss_bytes_max": 0,
-           "peak_gpu_bytes_max": None, "phase_seconds": {}, "parts": []}
+    out = {
+        "tokens_generated": 0,
+        "tokens_backpropagated": 0,
+        "wall_s": 0.0,
+        "startup_s": 0.0,
+        "device_s": 0.0,
+        "device_s_held": 0.0,
+        "device_s_apart": {},
+        "device": None,
+        "peak_rss_bytes_max": 0,
+        "peak_gpu_bytes_max": None,
+        "phase_seconds": {},
+        "parts": [],
+    }
     for stage, kind in parts:
         led = _read_json(root / "stages" / stage / "ledger.json")
         if led is None:
-            raise FileNotFoundError(f"{root / 'stages' / stage / 'ledger.json'} is missing: the training stage "
-                                    f"{stage} did not write its ledger; delete its done.json to run it again")
+            raise FileNotFoundError(
+                f"{root / 'stages' / stage / 'ledger.json'} is missing: the training stage "
+                f"{stage} did not write its ledger; delete its done.json to run it again"
+            )
         # measured by the runtime's ledger, the same way for every method (a ledger written before training
         # device-seconds were kept apart counts everything held)
         training = led.get("device_seconds_training", led["device_seconds"])
@@ -83,12 +97,21 @@ def method_ledger(cfg, root: Path, parts: list[tuple[str, str]]) -> dict | None:
             out["peak_gpu_bytes_max"] = max(out["peak_gpu_bytes_max"] or 0, led["peak_gpu_bytes_max"])
         for phase, sec in led["phase_seconds"].items():
             out["phase_seconds"][phase] = out["phase_seconds"].get(phase, 0.0) + sec
-        out["parts"].append({"stage": stage, "method": kind, "steps": led["steps"], "wall_s": led["wall_s"],
-                             "tokens_generated": led["tokens_generated"], "device_s": training,
-                             "tokens_backpropagated": led["tokens_backpropagated"],
-                             "stop_reason": led.get("stop_reason"), "finished": led["finished"],
-                             "peak_rss_bytes_max": led["peak_rss_bytes_max"],
-                             "peak_gpu_bytes_max": led.get("peak_gpu_bytes_max")})
+        out["parts"].append(
+            {
+                "stage": stage,
+                "method": kind,
+                "steps": led["steps"],
+                "wall_s": led["wall_s"],
+                "tokens_generated": led["tokens_generated"],
+                "device_s": training,
+                "tokens_backpropagated": led["tokens_backpropagated"],
+                "stop_reason": led.get("stop_reason"),
+                "finished": led["finished"],
+                "peak_rss_bytes_max": led["peak_rss_bytes_max"],
+                "peak_gpu_bytes_max": led.get("peak_gpu_bytes_max"),
+            }
+        )
     return out
 
 
@@ -104,14 +127,22 @@ def budget_reached(cfg, ledger: dict | None, parts: int) -> dict | None:
     for part in ledger["parts"]:
         used = part[key]
         ratio = used / budget if budget else None
-        rows.append({"stage": part["stage"], "used": used, "budget": budget, "ratio": ratio,
-                     "matched": ratio is not None and abs(ratio - 1) <= b.tolerance,
-                     "epoch_cap": part["finished"] and part["stop_reason"] == ""})  # None: not recorded
+        rows.append(
+            {
+                "stage": part["stage"],
+                "used": used,
+                "budget": budget,
+                "ratio": ratio,
+                "matched": ratio is not None and abs(ratio - 1) <= b.tolerance,
+                "epoch_cap": part["finished"] and part["stop_reason"] == "",
+            }
+        )  # None: not recorded
     return {"unit": b.unit, "tolerance": b.tolerance, "parts": rows, "matched": all(r["matched"] for r in rows)}
 
 
-def training_rows(root: Path, parts: list[tuple[str, str]], pool: int | dict[str, int],
-                  cfg) -> list[tuple[float, dict, str]]:
+def training_rows(
+    root: Path, parts: list[tuple[str, str]], pool: int | dict[str, int], cfg
+) -> list[tuple[float, dict, str]]:
     """(epochs seen, metrics row, es|grpo) per iteration/step of a method's training run(s), the parts of a
     sequential method (and the tasks of a sequence) end to end: read once, for both curves. ``pool``: the training
     pool, or per stage name (a sequence's tasks may differ in size)."""
@@ -135,8 +166,9 @@ def held_out_curve(rows: list[tuple[float, dict, str]], base: dict | None = None
     """(epochs seen, held-out pass@1, held-out entropy) at each eval.every row, from the base weights' point (the
     first training run's held_out_base.json) on; the same scoring for every method."""
     first = [(0.0, float(base["pass_at_1"]), base.get("entropy"))] if base and base.get("pass_at_1") is not None else []
-    return first + [(x, float(r[HELD_OUT_PASS1]), r.get(HELD_OUT_ENTROPY)) for x, r, _ in rows
-                    if r.get(HELD_OUT_PASS1) is not None]
+    return first + [
+        (x, float(r[HELD_OUT_PASS1]), r.get(HELD_OUT_ENTROPY)) for x, r, _ in rows if r.get(HELD_OUT_PASS1) is not None
+    ]
 
 
 def across_seeds(per_seed: dict, ks: list[int]) -> dict:
@@ -147,12 +179,17 @@ def across_seeds(per_seed: dict, ks: list[int]) -> dict:
 
         def stat(values):
             v = [x for x in values if x is not None]
-            return {"mean": float(np.mean(v)) if v else None, "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
-                    "values": values}
+            return {
+                "mean": float(np.mean(v)) if v else None,
+                "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
+                "values": values,
+            }
 
-        out[method] = {"average": {str(k): stat([e["average"][str(k)] for e in entries]) for k in ks},
-                       "entropy": stat([e["entropy"]["mean_per_token"] for e in entries]),
-                       "drift_l2": stat([(e.get("drift") or {}).get("l2") for e in entries])}
+        out[method] = {
+            "average": {str(k): stat([e["average"][str(k)] for e in entries]) for k in ks},
+            "entropy": stat([e["entropy"]["mean_per_token"] for e in entries]),
+            "drift_l2": stat([(e.get("drift") or {}).get("l2") for e in entries]),
+        }
     return out
 
 
@@ -178,12 +215,25 @@ def per_problem_counts(root: Path, cfg, plan: dict) -> dict:
             seeds.append(per)
         if all(seed[t] for seed in seeds for t in tasks):  # else samples.jsonl not kept (eval.save_samples=false)
             raw[method] = seeds
-    common = {t: sorted(set.intersection(*[set(seed[t]) for seeds in raw.values() for seed in seeds]))
-              for t in tasks} if raw else {t: [] for t in tasks}
-    return {"n": int(cfg.eval.n), "problems": common,
-            "methods": {method: {t: {key: [[seed[t][p][i] for p in common[t]] for seed in seeds]
-                                     for i, key in enumerate(("correct", "entropy_sum", "entropy_tokens"))}
-                                 for t in tasks} for method, seeds in raw.items()}}
+    common = (
+        {t: sorted(set.intersection(*[set(seed[t]) for seeds in raw.values() for seed in seeds])) for t in tasks}
+        if raw
+        else {t: [] for t in tasks}
+    )
+    return {
+        "n": int(cfg.eval.n),
+        "problems": common,
+        "methods": {
+            method: {
+                t: {
+                    key: [[seed[t][p][i] for p in common[t]] for seed in seeds]
+                    for i, key in enumerate(("correct", "entropy_sum", "entropy_tokens"))
+                }
+                for t in tasks
+            }
+            for method, seeds in raw.items()
+        },
+    }
 
 
 def scores(counts: dict, ks: list[int]) -> dict:
@@ -216,10 +266,12 @@ def intervals(pp: dict, ks: list[int]) -> dict:
         values = {t: v.mean(axis=0) for t, v in m["pass"].items()}
         if not all(len(v) for v in values.values()):
             continue
-        out[method] = {"tasks": {t: {str(k): list(interval(v[:, j])) for j, k in enumerate(ks)}
-                                 for t, v in values.items()},
-                       "average": {str(k): list(interval_of_task_means([v[:, j] for v in values.values()]))
-                                   for j, k in enumerate(ks)}}
+        out[method] = {
+            "tasks": {t: {str(k): list(interval(v[:, j])) for j, k in enumerate(ks)} for t, v in values.items()},
+            "average": {
+                str(k): list(interval_of_task_means([v[:, j] for v in values.values()])) for j, k in enumerate(ks)
+            },
+        }
     return out
 
 
@@ -231,7 +283,7 @@ def method_pairs(methods: list[str]) -> list[tuple[str, str]]:
     reads first (COMPARED), then the rest in METHODS order (later minus earlier)."""
     pairs = [p for p in COMPARED if p[0] in methods and p[1] in methods]
     for i, x in enumerate(methods):
-        for y in methods[i + 1:]:
+        for y in methods[i + 1 :]:
             if (x, y) not in pairs and (y, x) not in pairs:
                 pairs.append((y, x))
     return pairs
@@ -246,8 +298,12 @@ def comparisons(pp: dict, ks: list[int], tasks: list[str]) -> dict:
 
     methods = list(pp["methods"])
     if min((len(v) for v in pp["problems"].values()), default=0) < 2:
-        return {"family": [], "tests": [], "why": "fewer than two problems answered by every method and seed of "
-                "some task (or eval.save_samples=false): no paired test"}
+        return {
+            "family": [],
+            "tests": [],
+            "why": "fewer than two problems answered by every method and seed of "
+            "some task (or eval.save_samples=false): no paired test",
+        }
     planned = []
     for x, y in method_pairs(methods):
         mx, my = pp["methods"][x], pp["methods"][y]
@@ -260,8 +316,12 @@ def comparisons(pp: dict, ks: list[int], tasks: list[str]) -> dict:
         if all(a.shape[1] >= 2 for a, _ in pairs):
             planned.append((x, y, "entropy", None, pairs))
     if not planned:  # one method (methods=[es], say, or one left with samples.jsonl): there is no pair to test
-        return {"family": [], "tests": [], "why": f"one method with samples of every task ({', '.join(methods)}; "
-                "eval.save_samples=false leaves a method out): no pair to compare"}
+        return {
+            "family": [],
+            "tests": [],
+            "why": f"one method with samples of every task ({', '.join(methods)}; "
+            "eval.save_samples=false leaves a method out): no pair to compare",
+        }
     tests = [_test(x, y, metric, k, paired_difference_tasks(pairs)) for x, y, metric, k, pairs in planned]
     for t, adj in zip(tests, holm([t["p"] for t in tests])):
         t["p_holm"] = adj
@@ -270,25 +330,46 @@ def comparisons(pp: dict, ks: list[int], tasks: list[str]) -> dict:
 
 
 def _test(x: str, y: str, metric: str, k, r) -> dict:
-    return {"a": x, "b": y, "metric": metric, "k": k, "diff": r.diff, "low": r.low, "high": r.high, "p": r.p,
-            "problems": r.problems, "seeds": r.seeds, "seeds_a": r.seeds_b, "seeds_b": r.seeds_a,
-            "df": r.df if np.isfinite(r.df) else None,  # no variance at all: no finite df
-            "se": r.se, "var_training": r.var_training}
+    return {
+        "a": x,
+        "b": y,
+        "metric": metric,
+        "k": k,
+        "diff": r.diff,
+        "low": r.low,
+        "high": r.high,
+        "p": r.p,
+        "problems": r.problems,
+        "seeds": r.seeds,
+        "seeds_a": r.seeds_b,
+        "seeds_b": r.seeds_a,
+        "df": r.df if np.isfinite(r.df) else None,  # no variance at all: no finite df
+        "se": r.se,
+        "var_training": r.var_training,
+    }
 
 
 def drift_comparison(per_seed: dict) -> dict | None:
     """ES vs GRPO L2 drift over the seeds (one L2 per seed's run; Welch's t: the two methods' runs are independent)."""
     from es_ray.metrics.paired import welch
 
-    l2 = {m: [(rep["methods"].get(m, {}).get("drift") or {}).get("l2") for rep in per_seed.values()]
-          for m in ("es", "grpo")}
+    l2 = {
+        m: [(rep["methods"].get(m, {}).get("drift") or {}).get("l2") for rep in per_seed.values()]
+        for m in ("es", "grpo")
+    }
     if any(v is None for vals in l2.values() for v in vals) or not all(l2.values()):
         return None
     if len(l2["es"]) < 2:
         return {"seeds": 1, "why": "one seed: the seeds' spread is unknown, no test"}
     r = welch(np.array(l2["grpo"]), np.array(l2["es"]))  # the runs of ES and GRPO are independent, not paired
-    return {"seeds": len(l2["es"]), "diff": r.diff, "low": r.low, "high": r.high, "p": r.p,
-            "df": r.df if np.isfinite(r.df) else None}
+    return {
+        "seeds": len(l2["es"]),
+        "diff": r.diff,
+        "low": r.low,
+        "high": r.high,
+        "p": r.p,
+        "df": r.df if np.isfinite(r.df) else None,
+    }
 
 
 def es_null(root: Path, stage: str, total: dict, thresholds) -> dict:
@@ -300,15 +381,30 @@ def es_null(root: Path, stage: str, total: dict, thresholds) -> dict:
     es = run_cfg["es"]
     log = _read_jsonl(root / "stages" / stage / "seed_log.jsonl")
     if log:
-        return null_drift_from_log(log, parameters=total["nonzero"], thresholds=thresholds,
-                                   optimizer=es["optimizer"], weight_decay=es["weight_decay"],
-                                   anchor_decay=es["anchor_decay"])
+        return null_drift_from_log(
+            log,
+            parameters=total["nonzero"],
+            thresholds=thresholds,
+            optimizer=es["optimizer"],
+            weight_decay=es["weight_decay"],
+            anchor_decay=es["anchor_decay"],
+        )
     rows = _read_jsonl(root / "stages" / stage / "metrics.jsonl")
     zero = sum(1 for r in rows if r.get(ES_ZERO_UPDATE))
-    return null_drift(lr=es["lr"], sigma=es["sigma"], population=es["population"], iterations=len(rows),
-                      parameters=total["nonzero"], thresholds=thresholds, shaping=es["shaping"],
-                      optimizer=es["optimizer"], estimator=es["estimator"], weight_decay=es["weight_decay"],
-                      anchor_decay=es["anchor_decay"], zero_steps=zero)
+    return null_drift(
+        lr=es["lr"],
+        sigma=es["sigma"],
+        population=es["population"],
+        iterations=len(rows),
+        parameters=total["nonzero"],
+        thresholds=thresholds,
+        shaping=es["shaping"],
+        optimizer=es["optimizer"],
+        estimator=es["estimator"],
+        weight_decay=es["weight_decay"],
+        anchor_decay=es["anchor_decay"],
+        zero_steps=zero,
+    )
 
 
 def collect(root: Path, cfg, plan: dict, pool: int, paths: dict | None = None) -> dict:
@@ -323,22 +419,36 @@ def collect(root: Path, cfg, plan: dict, pool: int, paths: dict | None = None) -
     if runs_grpo(plan):
         rep["grpo_placement"] = grpo_placement_text(cfg)
     rep["across_seeds"] = across_seeds(per_seed, rep["k"])
-    rep["per_seed"] = {str(s): {m: {"average": e["average"], "entropy": e["entropy"]["mean_per_token"],
-                                    "drift_l2": (e.get("drift") or {}).get("l2"), "ledger": e["ledger"],
-                                    "budget_reached": e["budget_reached"]}
-                                for m, e in r["methods"].items()} for s, r in per_seed.items()}
+    rep["per_seed"] = {
+        str(s): {
+            m: {
+                "average": e["average"],
+                "entropy": e["entropy"]["mean_per_token"],
+                "drift_l2": (e.get("drift") or {}).get("l2"),
+                "ledger": e["ledger"],
+                "budget_reached": e["budget_reached"],
+            }
+            for m, e in r["methods"].items()
+        }
+        for s, r in per_seed.items()
+    }
     for method, entry in rep["methods"].items():  # the tables' point estimates: means over the seeds
         entries = [r["methods"][method] for r in per_seed.values()]
-        entry["pass@k"] = {t: {k: _mean([e["pass@k"][t][k] for e in entries]) for k in v}
-                           for t, v in entry["pass@k"].items()}
+        entry["pass@k"] = {
+            t: {k: _mean([e["pass@k"][t][k] for e in entries]) for k in v} for t, v in entry["pass@k"].items()
+        }
         entry["average"] = {k: _mean([e["average"][k] for e in entries]) for k in entry["average"]}
         entry["hit_max_new_tokens"] = _mean([e.get("hit_max_new_tokens") for e in entries])
-        entry["passk_curve"] = {t: np.mean([e["passk_curve"][t] for e in entries], axis=0).tolist()
-                                for t in entry["passk_curve"] if all(t in e["passk_curve"] for e in entries)}
+        entry["passk_curve"] = {
+            t: np.mean([e["passk_curve"][t] for e in entries], axis=0).tolist()
+            for t in entry["passk_curve"]
+            if all(t in e["passk_curve"] for e in entries)
+        }
         for key in ("mean_per_token", "untruncated", "t1"):
             entry["entropy"][key] = _mean([e["entropy"][key] for e in entries])
-        entry["entropy"]["per_task"] = {t: _mean([e["entropy"]["per_task"][t] for e in entries])
-                                        for t in entry["entropy"]["per_task"]}
+        entry["entropy"]["per_task"] = {
+            t: _mean([e["entropy"]["per_task"][t] for e in entries]) for t in entry["entropy"]["per_task"]
+        }
     base = rep["methods"].get("base")
     rep["entropy_before"] = base["entropy"]["mean_per_token"] if base else None
     l2 = {m: rep["across_seeds"][m]["drift_l2"]["mean"] for m in ("es", "grpo") if m in rep["across_seeds"]}
@@ -395,34 +505,50 @@ def collect_seed(root: Path, cfg, plan: dict, pool: int) -> dict:
         average = {str(k): float(np.mean([per_task[t][str(k)] for t in tasks])) for k in ks}
         ent = ev.get("entropy") or {}
         entry = {
-            "label": LABELS[method], "pass@k": per_task, "average": average,
-            "entropy": {"mean_per_token": ent.get("mean_per_token"),
-                        "per_task": {t: (ev["tasks"][t].get("entropy") or {}).get("mean_per_token") for t in tasks},
-                        "histogram": ent.get("histogram"),
-                        "untruncated": (ev.get("entropy_untruncated") or {}).get("mean_per_token"),
-                        "t1": (ev.get("entropy_t1") or {}).get("mean_per_token")},
+            "label": LABELS[method],
+            "pass@k": per_task,
+            "average": average,
+            "entropy": {
+                "mean_per_token": ent.get("mean_per_token"),
+                "per_task": {t: (ev["tasks"][t].get("entropy") or {}).get("mean_per_token") for t in tasks},
+                "histogram": ent.get("histogram"),
+                "untruncated": (ev.get("entropy_untruncated") or {}).get("mean_per_token"),
+                "t1": (ev.get("entropy_t1") or {}).get("mean_per_token"),
+            },
             "mean_reward": {t: ev["tasks"][t]["mean_reward"] for t in tasks},
             "ledger": ledger,
             # each task of a sequence gets the whole budget, split over the method's parts
             "budget_reached": budget_reached(cfg, ledger, max(1, len(parts) // max(1, len(cfg.sequence)))),
             "reward_curve": reward_curve(rows),
-            "held_out_curve": held_out_curve(rows, _read_json(root / "stages" / parts[0][0] / BASE_POINT)
-                                             if parts else None),
+            "held_out_curve": held_out_curve(
+                rows, _read_json(root / "stages" / parts[0][0] / BASE_POINT) if parts else None
+            ),
             "checkpoint": ev["model_dir"],
         }
         if dr is not None:
             tot = dr["total"]
-            entry["drift"] = {"l2": tot["l2"], "relative_l2": tot["relative_l2"],
-                              "share_nonzero": tot["share_nonzero"], "share_below": tot["share_below"],
-                              "max_abs": tot["max_abs"],
-                              "by_module_type": {k: {"l2": v["l2"], "relative_l2": v["relative_l2"]}
-                                                 for k, v in dr["by_module_type"].items()},
-                              "histogram_log10": tot.get("histogram_log10"), "histogram_edges": dr["histogram_edges"]}
+            entry["drift"] = {
+                "l2": tot["l2"],
+                "relative_l2": tot["relative_l2"],
+                "share_nonzero": tot["share_nonzero"],
+                "share_below": tot["share_below"],
+                "max_abs": tot["max_abs"],
+                "by_module_type": {
+                    k: {"l2": v["l2"], "relative_l2": v["relative_l2"]} for k, v in dr["by_module_type"].items()
+                },
+                "histogram_log10": tot.get("histogram_log10"),
+                "histogram_edges": dr["histogram_edges"],
+            }
             if dr.get("cast"):  # what a GPU engine would hold: updates below bf16's resolution vanish there
                 ct = dr["cast"]["total"]
-                entry["drift"]["cast"] = {"dtype": dr["cast"]["dtype"], "l2": ct["l2"],
-                                          "relative_l2": ct["relative_l2"], "share_nonzero": ct["share_nonzero"],
-                                          "share_below": ct["share_below"], "max_abs": ct["max_abs"]}
+                entry["drift"]["cast"] = {
+                    "dtype": dr["cast"]["dtype"],
+                    "l2": ct["l2"],
+                    "relative_l2": ct["relative_l2"],
+                    "share_nonzero": ct["share_nonzero"],
+                    "share_below": ct["share_below"],
+                    "max_abs": ct["max_abs"],
+                }
             if [kind for _, kind in parts] == ["es"]:
                 entry["drift"]["null"] = es_null(root, parts[0][0], tot, cfg.drift_thresholds)
             drift_l2[method] = tot["l2"]
@@ -433,14 +559,32 @@ def collect_seed(root: Path, cfg, plan: dict, pool: int) -> dict:
     ratio = (drift_l2["es"] / drift_l2["grpo"]) if drift_l2.get("grpo") and "es" in drift_l2 else None
     base_entropy = methods.get("base", {}).get("entropy", {}).get("mean_per_token")
     return {
-        "run_dir": str(root), "pool": pool, "budget_epochs": cfg.budget.epochs, "tasks": tasks, "k": ks,
-        "model": cfg.model.path or "embedded default model", "train_task": cfg.task.name,
-        "budget": {"unit": cfg.budget.unit, "epochs": cfg.budget.epochs, "tokens": cfg.budget.tokens,
-                   "device_seconds": cfg.budget.device_seconds, "tolerance": cfg.budget.tolerance},
-        "eval": {"n": cfg.eval.n, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
-                 "max_new_tokens": cfg.eval.max_new_tokens, "limit": cfg.eval.limit, "seed": cfg.run.seed},
-        "thresholds": list(cfg.drift_thresholds), "entropy_before": base_entropy,
-        "drift_l2_ratio_es_over_grpo": ratio, "methods": methods,
+        "run_dir": str(root),
+        "pool": pool,
+        "budget_epochs": cfg.budget.epochs,
+        "tasks": tasks,
+        "k": ks,
+        "model": cfg.model.path or "embedded default model",
+        "train_task": cfg.task.name,
+        "budget": {
+            "unit": cfg.budget.unit,
+            "epochs": cfg.budget.epochs,
+            "tokens": cfg.budget.tokens,
+            "device_seconds": cfg.budget.device_seconds,
+            "tolerance": cfg.budget.tolerance,
+        },
+        "eval": {
+            "n": cfg.eval.n,
+            "temperature": cfg.eval.temperature,
+            "top_p": cfg.eval.top_p,
+            "max_new_tokens": cfg.eval.max_new_tokens,
+            "limit": cfg.eval.limit,
+            "seed": cfg.run.seed,
+        },
+        "thresholds": list(cfg.drift_thresholds),
+        "entropy_before": base_entropy,
+        "drift_l2_ratio_es_over_grpo": ratio,
+        "methods": methods,
     }
 
 

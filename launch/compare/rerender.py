@@ -42,19 +42,25 @@ def is_run_dir(folder: Path) -> bool:
 def from_run_dir(folder: Path) -> dict:
     """The report of an es-compare run.dir rebuilt from its stages' files with this code (write_report)."""
     from es_ray.launch.compare.report import write_report
-    from es_ray.launch.compare.run import (CompareConfig, interpolation_plan, pool_size, stage_plan,
-                                           training_tasks)
+    from es_ray.launch.compare.run import CompareConfig, interpolation_plan, pool_size, stage_plan, training_tasks
 
     cfg = to_config(json.loads((folder / "compare_config.json").read_text()), CompareConfig)
     root = folder.resolve()
     pools = {t: pool_size(cfg, t) for t in training_tasks(cfg)}
     plan = {m: {s: stage_plan(cfg, m, root, pools, s) for s in cfg.seeds} for m in cfg.methods}
     paths = {s: interpolation_plan(cfg, root, s) for s in cfg.seeds}
-    missing = [st.name for by_seed in plan.values() for stages in by_seed.values() for st in stages
-               if not (st.dir(root) / "done.json").is_file()]
+    missing = [
+        st.name
+        for by_seed in plan.values()
+        for stages in by_seed.values()
+        for st in stages
+        if not (st.dir(root) / "done.json").is_file()
+    ]
     if missing:
-        raise SystemExit(f"rerender: {folder} has unfinished stages ({', '.join(missing[:4])}); finish them with "
-                         "the es-compare command (same run.dir) first")
+        raise SystemExit(
+            f"rerender: {folder} has unfinished stages ({', '.join(missing[:4])}); finish them with "
+            "the es-compare command (same run.dir) first"
+        )
     return write_report(root, cfg, plan, pools[training_tasks(cfg)[0]], paths)
 
 
@@ -64,10 +70,15 @@ def stored_config(rep: dict, margin: float | None, alpha: float | None):
     from es_ray.launch.compare.verdict import VerdictConfig
 
     v = rep.get("verdict") or {}
-    return SimpleNamespace(verdict=VerdictConfig(primary=list(v.get("claims", [])) if v.get("declared") else [],
-                                                 margin=v.get("margin", 0.02) if margin is None else margin,
-                                                 alpha=v.get("alpha", 0.05) if alpha is None else alpha),
-                           eval=SimpleNamespace(k=rep["k"]), methods=list(rep["methods"]))
+    return SimpleNamespace(
+        verdict=VerdictConfig(
+            primary=list(v.get("claims", [])) if v.get("declared") else [],
+            margin=v.get("margin", 0.02) if margin is None else margin,
+            alpha=v.get("alpha", 0.05) if alpha is None else alpha,
+        ),
+        eval=SimpleNamespace(k=rep["k"]),
+        methods=list(rep["methods"]),
+    )
 
 
 def check_record(rep: dict) -> None:
@@ -80,8 +91,10 @@ def check_record(rep: dict) -> None:
             raise ValueError(f"report.json has no {key!r}: not an es-compare report")
     pp = rep["per_problem"]
     if not isinstance(pp, dict) or not {"n", "problems", "methods"} <= set(pp):
-        raise ValueError("per_problem must hold 'n', 'problems' and 'methods' (launch.compare.report."
-                         "per_problem_counts); remove per_problem to keep the stored tests")
+        raise ValueError(
+            "per_problem must hold 'n', 'problems' and 'methods' (launch.compare.report."
+            "per_problem_counts); remove per_problem to keep the stored tests"
+        )
     n, tasks = pp["n"], list(rep["tasks"])
     if not (isinstance(n, int) and n >= 1):
         raise ValueError(f"per_problem.n={n!r}: give eval.n, the samples per problem (an integer >= 1)")
@@ -97,16 +110,21 @@ def check_record(rep: dict) -> None:
             for key in ("correct", "entropy_sum", "entropy_tokens"):
                 rows = rec.get(key)
                 if not isinstance(rows, list) or len(rows) != seeds:
-                    raise ValueError(f"{where}.{key} has {len(rows) if isinstance(rows, list) else 'no'} seed rows, "
-                                     f"the report's seeds {rep['seeds']} need {seeds} (seeds must not differ between "
-                                     "methods)")
+                    raise ValueError(
+                        f"{where}.{key} has {len(rows) if isinstance(rows, list) else 'no'} seed rows, "
+                        f"the report's seeds {rep['seeds']} need {seeds} (seeds must not differ between "
+                        "methods)"
+                    )
                 if any(not isinstance(r, list) or len(r) != len(pp["problems"][t]) for r in rows):
-                    raise ValueError(f"{where}.{key}: every seed's row needs one value per stored problem "
-                                     f"({len(pp['problems'][t])}, per_problem.problems.{t})")
+                    raise ValueError(
+                        f"{where}.{key}: every seed's row needs one value per stored problem "
+                        f"({len(pp['problems'][t])}, per_problem.problems.{t})"
+                    )
             bad = [c for r in rec["correct"] for c in r if not (isinstance(c, int) and 0 <= c <= n)]
             if bad:
-                raise ValueError(f"{where}.correct holds {bad[0]!r}: a count of correct completions in [0, {n}] "
-                                 "(per_problem.n)")
+                raise ValueError(
+                    f"{where}.correct holds {bad[0]!r}: a count of correct completions in [0, {n}] (per_problem.n)"
+                )
 
 
 def rerender(folder: Path, margin: float | None = None, alpha: float | None = None) -> dict:
@@ -132,8 +150,12 @@ def rerender(folder: Path, margin: float | None = None, alpha: float | None = No
                 for key in OLD_FIELDS:
                     t.pop(key, None)
             rep["comparisons"].pop("alpha_first", None)
-            rep["verdict"] = stored_section(rep, default_claims(list(rep["methods"]), rep["k"]),
-                                            0.02 if margin is None else margin, 0.05 if alpha is None else alpha)
+            rep["verdict"] = stored_section(
+                rep,
+                default_claims(list(rep["methods"]), rep["k"]),
+                0.02 if margin is None else margin,
+                0.05 if alpha is None else alpha,
+            )
         (folder / "report.json").write_text(json.dumps(rep, indent=2))
         (folder / "report.md").write_text(markdown(rep))
     if (folder / "sensitivity.md").is_file():  # the sensitivity stage appends its section after report.json is written
@@ -145,17 +167,24 @@ def rerender(folder: Path, margin: float | None = None, alpha: float | None = No
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder", type=Path, help="an es-compare run.dir, or a folder holding its report.json")
-    ap.add_argument("--margin", type=float, default=None,
-                    help="verdict.margin to test at (default: the one report.json recorded, else 0.02); with a "
-                         "run.dir, the report.json there is recomputed at it instead of rebuilt from the stages")
+    ap.add_argument(
+        "--margin",
+        type=float,
+        default=None,
+        help="verdict.margin to test at (default: the one report.json recorded, else 0.02); with a "
+        "run.dir, the report.json there is recomputed at it instead of rebuilt from the stages",
+    )
     ap.add_argument("--alpha", type=float, default=None, help="verdict.alpha, likewise (default: recorded, else 0.05)")
     args = ap.parse_args()
-    bad = (f"{args.folder / 'report.json'} not found; give an es-compare run.dir or the folder holding report.json"
-           if not (args.folder / "report.json").is_file() and not is_run_dir(args.folder) else
-           f"--margin={args.margin}: give a non-inferiority margin > 0, e.g. --margin 0.02"
-           if args.margin is not None and not args.margin > 0 else
-           f"--alpha={args.alpha}: give a family-wise error rate in (0, 1), e.g. --alpha 0.05"
-           if args.alpha is not None and not 0 < args.alpha < 1 else None)
+    bad = (
+        f"{args.folder / 'report.json'} not found; give an es-compare run.dir or the folder holding report.json"
+        if not (args.folder / "report.json").is_file() and not is_run_dir(args.folder)
+        else f"--margin={args.margin}: give a non-inferiority margin > 0, e.g. --margin 0.02"
+        if args.margin is not None and not args.margin > 0
+        else f"--alpha={args.alpha}: give a family-wise error rate in (0, 1), e.g. --alpha 0.05"
+        if args.alpha is not None and not 0 < args.alpha < 1
+        else None
+    )
     if bad:
         print(f"rerender: {bad}", file=sys.stderr)
         sys.exit(2)

@@ -35,8 +35,16 @@ from typing import Any, Callable
 
 from es_ray.core.config import ConfigError, to_config
 from es_ray.launch.compare import sensitivity
-from es_ray.launch.compare.config import (BUDGET_UNITS, BudgetConfig, CompareConfig, InterpolationConfig, pool_size,
-                                          training_tasks, validate_compare, validate_sequence)
+from es_ray.launch.compare.config import (
+    BUDGET_UNITS,
+    BudgetConfig,
+    CompareConfig,
+    InterpolationConfig,
+    pool_size,
+    training_tasks,
+    validate_compare,
+    validate_sequence,
+)
 from es_ray.launch.compare.methods import METHODS, TRAINED, budget_units
 from es_ray.launch.compare.stages import PART_STAGES, Stage, final_weights, interpolation_plan, stage_plan
 from es_ray.models import resolve_model
@@ -45,11 +53,32 @@ from es_ray.runtime.entry import hydra_main, run_or_exit
 from es_ray.runtime.rundir import RESULT_NEUTRAL, changed_settings, claim_run_dir, move_aside
 from es_ray.runtime.tracking import log_summary
 
-__all__ = ["BUDGET_UNITS", "METHODS", "BudgetConfig", "CompareConfig", "InterpolationConfig", "Stage",
-           "budget_units", "check_stage_memory", "claim_compare_dir", "done_record", "final_weights",
-           "interpolation_plan", "main", "pool_size", "register_configs", "run", "run_stage", "stage_plan",
-           "stage_settings", "to_compare_config", "tracker_metrics", "training_tasks", "validate_compare",
-           "validate_sequence"]
+__all__ = [
+    "BUDGET_UNITS",
+    "METHODS",
+    "BudgetConfig",
+    "CompareConfig",
+    "InterpolationConfig",
+    "Stage",
+    "budget_units",
+    "check_stage_memory",
+    "claim_compare_dir",
+    "done_record",
+    "final_weights",
+    "interpolation_plan",
+    "main",
+    "pool_size",
+    "register_configs",
+    "run",
+    "run_stage",
+    "stage_plan",
+    "stage_settings",
+    "to_compare_config",
+    "tracker_metrics",
+    "training_tasks",
+    "validate_compare",
+    "validate_sequence",
+]
 """The run's own names and, re-exported, the config's and the stages' that callers and tests import from here."""
 
 # The memory plan, the report and the --plan estimate (and Hydra) are imported where they run: es-compare's --help
@@ -96,9 +125,14 @@ def run_stage(stage: Stage, root: Path, log: Callable[[str], None]) -> dict:
     log(f"{stage.name}: running")
     t0 = time.perf_counter()
     out = stage.run(stage.config())
-    record = {"stage": stage.name, "kind": stage.kind, "seconds": time.perf_counter() - t0,
-              "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "result": _json_safe(_stage_result(stage, out)),
-              "settings": settings}
+    record = {
+        "stage": stage.name,
+        "kind": stage.kind,
+        "seconds": time.perf_counter() - t0,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "result": _json_safe(_stage_result(stage, out)),
+        "settings": settings,
+    }
     tmp = d / "done.json.tmp"
     tmp.write_text(json.dumps(record, indent=2))
     tmp.replace(done)
@@ -121,7 +155,8 @@ def done_record(stage: Stage, root: Path, settings: dict | None = None) -> dict 
         raise ConfigError(
             f"{stage.name} in {root} was done with other settings ({', '.join(changed[:8])}); its results would "
             f"not match this command. Use a new run.dir (or run.overwrite=true to move this comparison aside), or "
-            f"delete {stage.dir(root)} to redo that stage (and the stages after it that use its checkpoint)")
+            f"delete {stage.dir(root)} to redo that stage (and the stages after it that use its checkpoint)"
+        )
     return record
 
 
@@ -160,8 +195,10 @@ def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
     from es_ray.launch.compare.report import write_report
 
     if not cfg.run.dir:
-        raise ConfigError("run.dir= is required: the comparison's absolute directory (repeat the command with the "
-                          "same run.dir to resume it)")
+        raise ConfigError(
+            "run.dir= is required: the comparison's absolute directory (repeat the command with the "
+            "same run.dir to resume it)"
+        )
     root = Path(cfg.run.dir).expanduser().resolve()
     check_stage_memory(cfg)
     claim_compare_dir(root, cfg, log)
@@ -189,8 +226,10 @@ def run(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict:
     for i, stage in enumerate(order):
         if stage.kind.startswith("train") and not checked:
             measured = check_reach_measured(cfg, root, plan, pools)
-            log(f"es-compare: budget.tokens={cfg.budget.tokens} reachable by every method at the base model's "
-                f"measured {measured:.1f} tokens per completion")
+            log(
+                f"es-compare: budget.tokens={cfg.budget.tokens} reachable by every method at the base model's "
+                f"measured {measured:.1f} tokens per completion"
+            )
             checked = True
         run_stage(stage, root, lambda line, i=i: log(f"es-compare: stage {i + 1}/{len(order)} {line}"))
     report = write_report(root, cfg, plan, pool, paths)
@@ -211,13 +250,28 @@ def check_reach_measured(cfg: CompareConfig, root: Path, plan: dict, pools: dict
         for part in parts:
             make = PART_STAGES[part][0]
             for task in cfg.sequence or [""]:
-                make(cfg, cfg.model.path, root / "stages" / "check", cfg.budget.epochs / len(parts),
-                     pools[task or cfg.task.name], cfg.seeds[0], measured, task=task)
+                make(
+                    cfg,
+                    cfg.model.path,
+                    root / "stages" / "check",
+                    cfg.budget.epochs / len(parts),
+                    pools[task or cfg.task.name],
+                    cfg.seeds[0],
+                    measured,
+                    task=task,
+                )
     return measured
 
 
-_LEDGER_METRICS = ("tokens_generated", "tokens_backpropagated", "wall_s", "startup_s", "device_s",
-                   "peak_rss_bytes_max", "peak_gpu_bytes_max")
+_LEDGER_METRICS = (
+    "tokens_generated",
+    "tokens_backpropagated",
+    "wall_s",
+    "startup_s",
+    "device_s",
+    "peak_rss_bytes_max",
+    "peak_gpu_bytes_max",
+)
 
 
 def tracker_metrics(report: dict) -> dict[str, float]:

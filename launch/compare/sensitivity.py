@@ -89,17 +89,21 @@ def validate_sensitivity(cfg) -> None:
         raise ConfigError(f"sensitivity.share={s.share} must be in (0, 1]: each short run's share of the budget")
     if enabled(cfg) and not {"es", "grpo"} <= set(cfg.methods):
         named = ", ".join(key for key, values in lists if values)
-        raise ConfigError(f"sensitivity.* needs methods to include es and grpo (methods={list(cfg.methods)}; set: "
-                          f"{named}): each value is judged against the other method; add them or clear those lists")
+        raise ConfigError(
+            f"sensitivity.* needs methods to include es and grpo (methods={list(cfg.methods)}; set: "
+            f"{named}): each value is judged against the other method; add them or clear those lists"
+        )
 
 
 def _short(cfg, **sections):
     b = cfg.budget
     share = cfg.sensitivity.share
-    budget = dataclasses.replace(b, epochs=b.epochs * share, tokens=int(b.tokens * share),
-                                 device_seconds=b.device_seconds * share)
-    return dataclasses.replace(cfg, budget=budget, seeds=[cfg.seeds[0]], interpolate=dataclasses.replace(
-        cfg.interpolate, pairs=[]), **sections)
+    budget = dataclasses.replace(
+        b, epochs=b.epochs * share, tokens=int(b.tokens * share), device_seconds=b.device_seconds * share
+    )
+    return dataclasses.replace(
+        cfg, budget=budget, seeds=[cfg.seeds[0]], interpolate=dataclasses.replace(cfg.interpolate, pairs=[]), **sections
+    )
 
 
 def variants(cfg) -> list[Variant]:
@@ -110,8 +114,9 @@ def variants(cfg) -> list[Variant]:
     alpha = es.lr / es.sigma
     out = [Variant(m, "preset", None, _short(cfg)) for m in ("es", "grpo")]
     out += [Variant("grpo", "grpo.lr", v, _short(cfg, grpo=dataclasses.replace(cfg.grpo, lr=v))) for v in s.grpo.lr]
-    out += [Variant("es", "es.sigma", v, _short(cfg, es=dataclasses.replace(es, sigma=v, lr=alpha * v)))
-            for v in s.es.sigma]
+    out += [
+        Variant("es", "es.sigma", v, _short(cfg, es=dataclasses.replace(es, sigma=v, lr=alpha * v))) for v in s.es.sigma
+    ]
     out += [Variant("es", "es.lr", v, _short(cfg, es=dataclasses.replace(es, lr=v))) for v in s.es.lr]
     return out
 
@@ -126,8 +131,7 @@ def plan(cfg, root: Path, pools: dict[str, int], stage_plan: Callable) -> list[t
     return out
 
 
-def run(cfg, planned: list, report: dict, root: Path, log: Callable[[str], None],
-        run_stage: Callable) -> dict | None:
+def run(cfg, planned: list, report: dict, root: Path, log: Callable[[str], None], run_stage: Callable) -> dict | None:
     """Run the short runs not done yet (each stage resumes as a main stage does: es-compare's ``run_stage``), then
     write sensitivity.json and sensitivity.md and append the latter to report.md. Returns the summary (None when no
     sweep is set)."""
@@ -135,8 +139,11 @@ def run(cfg, planned: list, report: dict, root: Path, log: Callable[[str], None]
         return None
     for i, (v, vroot, stages) in enumerate(planned):
         for stage in stages:
-            run_stage(stage, vroot, lambda line, i=i: log(f"es-compare: sensitivity {i + 1}/{len(planned)} "
-                                                         f"{v.method} {v.name}: {line}"))
+            run_stage(
+                stage,
+                vroot,
+                lambda line, i=i: log(f"es-compare: sensitivity {i + 1}/{len(planned)} {v.method} {v.name}: {line}"),
+            )
     summary = summarise(cfg, planned, report)
     (root / "sensitivity.json").write_text(json.dumps(summary, indent=2))
     text = "\n".join(markdown(summary)) + "\n"
@@ -152,9 +159,16 @@ def _outcome(cfg, v: Variant, vroot: Path, stages: list) -> dict:
     tasks = list(cfg.eval.tasks)
     drift = next((s for s in stages if s.kind == "drift"), None)
     l2 = json.loads((drift.dir(vroot) / "drift.json").read_text())["total"]["l2"] if drift else None
-    return {"method": v.method, "key": v.key, "value": v.value, "name": v.name, "k": int(k),
-            "pass_at_k": sum(ev["tasks"][t]["pass@k"][k] for t in tasks) / len(tasks), "drift_l2": l2,
-            "step_sizes": step_sizes(v.cfg)}
+    return {
+        "method": v.method,
+        "key": v.key,
+        "value": v.value,
+        "name": v.name,
+        "k": int(k),
+        "pass_at_k": sum(ev["tasks"][t]["pass@k"][k] for t in tasks) / len(tasks),
+        "drift_l2": l2,
+        "step_sizes": step_sizes(v.cfg),
+    }
 
 
 def summarise(cfg, planned: list, report: dict) -> dict:
@@ -173,12 +187,26 @@ def summarise(cfg, planned: list, report: dict) -> dict:
         es, grpo = (r, preset["grpo"]) if r["method"] == "es" else (preset["es"], r)
         diff = es["pass_at_k"] - grpo["pass_at_k"]
         ratio = es["drift_l2"] / grpo["drift_l2"] if es["drift_l2"] and grpo["drift_l2"] else None
-        rows.append({**r, "es_minus_grpo": diff, "same_sign_as_main": _same_sign(diff, main_diff),
-                     "same_sign_as_preset_pair": _same_sign(diff, short_diff), "l2_ratio_es_over_grpo": ratio,
-                     "es_step_sizes": es["step_sizes"]["es"], "grpo_step_sizes": grpo["step_sizes"]["grpo"]})
-    return {"k": int(k), "share": cfg.sensitivity.share, "seed": cfg.seeds[0], "main_es_minus_grpo": main_diff,
-            "preset_pair": {"es_minus_grpo": short_diff, "es": preset["es"], "grpo": preset["grpo"]}, "rows": rows,
-            "survives": all(r["same_sign_as_preset_pair"] is not False for r in rows)}
+        rows.append(
+            {
+                **r,
+                "es_minus_grpo": diff,
+                "same_sign_as_main": _same_sign(diff, main_diff),
+                "same_sign_as_preset_pair": _same_sign(diff, short_diff),
+                "l2_ratio_es_over_grpo": ratio,
+                "es_step_sizes": es["step_sizes"]["es"],
+                "grpo_step_sizes": grpo["step_sizes"]["grpo"],
+            }
+        )
+    return {
+        "k": int(k),
+        "share": cfg.sensitivity.share,
+        "seed": cfg.seeds[0],
+        "main_es_minus_grpo": main_diff,
+        "preset_pair": {"es_minus_grpo": short_diff, "es": preset["es"], "grpo": preset["grpo"]},
+        "rows": rows,
+        "survives": all(r["same_sign_as_preset_pair"] is not False for r in rows),
+    }
 
 
 def _same_sign(a: float, b: float | None) -> bool | None:
@@ -191,9 +219,16 @@ def step_sizes(cfg) -> dict:
     """Both methods' step sizes as a report states them beside the L2 ratio: ES's lr, sigma and alpha = lr / sigma
     (the reference's convention) and optimizer; GRPO's AdamW lr, clip and aggregation."""
     es, g = cfg.es, cfg.grpo
-    return {"es": {"lr": es.lr, "sigma": es.sigma, "alpha": es.lr / es.sigma, "optimizer": es.optimizer,
-                   "population": es.population},
-            "grpo": {"lr": g.lr, "optimizer": "adamw", "max_grad_norm": g.max_grad_norm, "loss_type": g.loss_type}}
+    return {
+        "es": {
+            "lr": es.lr,
+            "sigma": es.sigma,
+            "alpha": es.lr / es.sigma,
+            "optimizer": es.optimizer,
+            "population": es.population,
+        },
+        "grpo": {"lr": g.lr, "optimizer": "adamw", "max_grad_norm": g.max_grad_norm, "loss_type": g.loss_type},
+    }
 
 
 def step_size_text(sizes: dict | None) -> str:
@@ -201,10 +236,12 @@ def step_size_text(sizes: dict | None) -> str:
     if not sizes:
         return ""
     es, g = sizes["es"], sizes["grpo"]
-    return (f"Step sizes: ES lr {es['lr']:.3g} with sigma {es['sigma']:.3g} (alpha = lr / sigma = {es['alpha']:.3g}, "
-            f"{es['optimizer']}, population {es['population']}); GRPO AdamW lr {g['lr']:.3g} (grad-norm clip "
-            f"{g['max_grad_norm']:g}, {g['loss_type']} aggregation). With AdamW GRPO's per-step move scales with its "
-            "lr, so the ratio moves with these; sensitivity.* shows how far.")
+    return (
+        f"Step sizes: ES lr {es['lr']:.3g} with sigma {es['sigma']:.3g} (alpha = lr / sigma = {es['alpha']:.3g}, "
+        f"{es['optimizer']}, population {es['population']}); GRPO AdamW lr {g['lr']:.3g} (grad-norm clip "
+        f"{g['max_grad_norm']:g}, {g['loss_type']} aggregation). With AdamW GRPO's per-step move scales with its "
+        "lr, so the ratio moves with these; sensitivity.* shows how far."
+    )
 
 
 def _f(x, fmt="{:.3f}") -> str:
@@ -213,19 +250,30 @@ def _f(x, fmt="{:.3f}") -> str:
 
 def markdown(summary: dict) -> list[str]:
     k, p = summary["k"], summary["preset_pair"]
-    lines = ["## Sensitivity to the step sizes", "",
-             f"Short runs ({summary['share']:g} of the budget, seed {summary['seed']}), one per value, each against "
-             f"the other method's short run at the preset. Preset pair: ES - GRPO pass@{k} "
-             f"{_f(p['es_minus_grpo'], '{:+.3f}')} (main report: {_f(summary['main_es_minus_grpo'], '{:+.3f}')}). "
-             "One seed per value: a direction, not a test; the verdict is the main report's paired tests.", "",
-             f"| value | pass@{k} | ES - GRPO | same sign as the preset pair | as the main report | L2 ES / GRPO "
-             "| ES lr / sigma | GRPO lr |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Sensitivity to the step sizes",
+        "",
+        f"Short runs ({summary['share']:g} of the budget, seed {summary['seed']}), one per value, each against "
+        f"the other method's short run at the preset. Preset pair: ES - GRPO pass@{k} "
+        f"{_f(p['es_minus_grpo'], '{:+.3f}')} (main report: {_f(summary['main_es_minus_grpo'], '{:+.3f}')}). "
+        "One seed per value: a direction, not a test; the verdict is the main report's paired tests.",
+        "",
+        f"| value | pass@{k} | ES - GRPO | same sign as the preset pair | as the main report | L2 ES / GRPO "
+        "| ES lr / sigma | GRPO lr |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     yes = {True: "yes", False: "**no**", None: "-"}
     for r in summary["rows"]:
-        lines.append(f"| {r['key']}={r['value']:g} | {_f(r['pass_at_k'])} | {_f(r['es_minus_grpo'], '{:+.3f}')} | "
-                     f"{yes[r['same_sign_as_preset_pair']]} | {yes[r['same_sign_as_main']]} | "
-                     f"{_f(r['l2_ratio_es_over_grpo'], '{:.2f}')} | {r['es_step_sizes']['lr']:.3g} / "
-                     f"{r['es_step_sizes']['sigma']:.3g} | {r['grpo_step_sizes']['lr']:.3g} |")
-    lines += ["", "The direction survives every value swept." if summary["survives"] else
-              "The direction does **not** survive every value swept: the verdict depends on the step sizes."]
+        lines.append(
+            f"| {r['key']}={r['value']:g} | {_f(r['pass_at_k'])} | {_f(r['es_minus_grpo'], '{:+.3f}')} | "
+            f"{yes[r['same_sign_as_preset_pair']]} | {yes[r['same_sign_as_main']]} | "
+            f"{_f(r['l2_ratio_es_over_grpo'], '{:.2f}')} | {r['es_step_sizes']['lr']:.3g} / "
+            f"{r['es_step_sizes']['sigma']:.3g} | {r['grpo_step_sizes']['lr']:.3g} |"
+        )
+    lines += [
+        "",
+        "The direction survives every value swept."
+        if summary["survives"]
+        else "The direction does **not** survive every value swept: the verdict depends on the step sizes.",
+    ]
     return lines

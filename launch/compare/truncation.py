@@ -24,7 +24,10 @@ def truncation_markdown(rep: dict) -> list[str]:
         return []
     limit = rep["eval"]["max_new_tokens"]
     shares = ", ".join(f"{label} {share:.0%}" for label, share in over.items())
-    return ["", f"**Warning: most completions hit max_new_tokens.** Share of evaluation completions that used all "
-                f"{limit} tokens: {shares}. They were cut before they could finish, so their answers (and pass@k) "
-                f"mostly measure the limit, not the method: raise eval.max_new_tokens= (or shorten the prompt's "
-                f"expected answer) before reading the tables below."]
+    return [
+        "",
+        f"**Warning: most completions hit max_new_tokens.** Share of evaluation completions that used all "
+        f"{limit} tokens: {shares}. They were cut before they could finish, so their answers (and pass@k) "
+        f"mostly measure the limit, not the method: raise eval.max_new_tokens= (or shorten the prompt's "
+        f"expected answer) before reading the tables below.",
+    ]

@@ -54,14 +54,18 @@ def validate_verdict(cfg) -> None:
 
     v = cfg.verdict
     if not v.margin > 0:
-        raise ConfigError(f"verdict.margin={v.margin}: give a non-inferiority margin > 0 in the metric's units, e.g. "
-                          "verdict.margin=0.02 (2 points of pass@k)")
+        raise ConfigError(
+            f"verdict.margin={v.margin}: give a non-inferiority margin > 0 in the metric's units, e.g. "
+            "verdict.margin=0.02 (2 points of pass@k)"
+        )
     if not 0 < v.alpha < 1:
         raise ConfigError(f"verdict.alpha={v.alpha}: give a family-wise error rate in (0, 1), e.g. 0.05")
     bad = claim_problems(list(v.primary), list(cfg.methods), [int(k) for k in cfg.eval.k])
     if bad:
-        raise ConfigError(f"verdict.primary: {bad[0]}; set verdict.primary=[...] to claims the run can test, or [] "
-                          "for the paper's claims")
+        raise ConfigError(
+            f"verdict.primary: {bad[0]}; set verdict.primary=[...] to claims the run can test, or [] "
+            "for the paper's claims"
+        )
     check_seeds(seeds_by_method(cfg))
 
 
@@ -69,8 +73,11 @@ def check_seeds(by_method: dict[str, list[int]]) -> None:
     """Every method trained on the same seeds (the primary family compares them seed count for seed count)."""
     sets = {m: sorted(s) for m, s in by_method.items() if m != "base"}
     if len({tuple(s) for s in sets.values()}) > 1:
-        raise ConfigError("seeds differ between the methods (" + ", ".join(f"{m} {s}" for m, s in sets.items())
-                          + "): give every method the same seeds=[...]")
+        raise ConfigError(
+            "seeds differ between the methods ("
+            + ", ".join(f"{m} {s}" for m, s in sets.items())
+            + "): give every method the same seeds=[...]"
+        )
 
 
 def primary_section(pp: dict, cfg, ks: list[int], tasks: list[str]) -> dict:
@@ -79,8 +86,14 @@ def primary_section(pp: dict, cfg, ks: list[int], tasks: list[str]) -> dict:
 
     family = claims(cfg)
     v = cfg.verdict
-    out = {"claims": family, "alpha": v.alpha, "margin": v.margin, "tests": [], "method_level_seeds":
-           METHOD_LEVEL_SEEDS, "declared": bool(cfg.verdict.primary)}
+    out = {
+        "claims": family,
+        "alpha": v.alpha,
+        "margin": v.margin,
+        "tests": [],
+        "method_level_seeds": METHOD_LEVEL_SEEDS,
+        "declared": bool(cfg.verdict.primary),
+    }
     for text in family:
         c = parse_claim(text)
         m1, m2 = pp["methods"].get(c.first), pp["methods"].get(c.second)
@@ -116,8 +129,11 @@ def _u(t: dict, x) -> str:
 
 def claim_words(t: dict) -> str:
     first, second = LABELS.get(t["first"], t["first"]), LABELS.get(t["second"], t["second"])
-    rel = (f"{first} above {second}" if t["kind"] == "superiority" else
-           f"{first} not below {second} by more than {_u(t, t['margin']).lstrip('+')}")
+    rel = (
+        f"{first} above {second}"
+        if t["kind"] == "superiority"
+        else f"{first} not below {second} by more than {_u(t, t['margin']).lstrip('+')}"
+    )
     return f"{t['metric']}: {rel}"
 
 
@@ -135,9 +151,12 @@ def verdict_line(t: dict) -> str:
     if "p" not in t:
         return f"not tested: {t['why']}"
     if t["level"] == "method":
-        return ("holds (method level)" if t["holds"] else "not shown (method level)")
-    return (f"holds for {_subject(t)} (checkpoint test; no method claim)" if t["holds"] else
-            f"not shown for {_subject(t)} (checkpoint test; no method claim)")
+        return "holds (method level)" if t["holds"] else "not shown (method level)"
+    return (
+        f"holds for {_subject(t)} (checkpoint test; no method claim)"
+        if t["holds"]
+        else f"not shown for {_subject(t)} (checkpoint test; no method claim)"
+    )
 
 
 def _size(t: dict) -> str:
@@ -151,16 +170,21 @@ def _size(t: dict) -> str:
         return size
     # near an end the way that costs less is found with 80% power at its own, smaller size
     # (es_ray.metrics.verdict.size_and_needs); the size above is the larger, found with 80% power either way
-    return (f"{size} ({LABELS.get(t['first'], t['first'])} rising {said['first_rises']}; "
-            f"{LABELS.get(t['second'], t['second'])} falling {said['second_falls']})")
+    return (
+        f"{size} ({LABELS.get(t['first'], t['first'])} rising {said['first_rises']}; "
+        f"{LABELS.get(t['second'], t['second'])} falling {said['second_falls']})"
+    )
 
 
 def _needs(t: dict) -> str:
     out = []
     for g, n in t["needs"].items():
         p = f"{n['problems']:,} problems" if n["problems"] is not None else "more seeds first"
-        s = f"{n['seeds']} seeds" if n["seeds"] is not None else ("unknown seeds (one seed: no spread)"
-                                                                  if t["seeds"] == 1 else "no seed count")
+        s = (
+            f"{n['seeds']} seeds"
+            if n["seeds"] is not None
+            else ("unknown seeds (one seed: no spread)" if t["seeds"] == 1 else "no seed count")
+        )
         out.append(f"{100 * float(g):g} points: {p} at {t['seeds']} seed(s), or {s} at {t['problems']} problems")
     return "; ".join(out) or "-"
 
@@ -173,13 +197,20 @@ def head_lines(rep: dict) -> list[str]:
     fam = "; ".join(v.get("claims", [])) or "none (the run lacks es or grpo)"
     how = "declared in verdict.primary" if v.get("declared") else "the paper's claims (verdict.primary default)"
     s = len(seeds)
-    level = ("one seed: checkpoint tests only (this run vs that run), no method claim" if s == 1 else
-             f"{s} seeds: checkpoint tests on the seed-averaged scores, no method claim (the method-level test needs "
-             f"at least {v.get('method_level_seeds', 5)})" if s < v.get("method_level_seeds", 5) else
-             f"{s} seeds: the method-level test")
-    return [f"**Primary family** ({how}; one-sided, Holm at {v.get('alpha', 0.05):g} over these "
-            f"{len(v.get('claims', []))} only): {fam}.", "",
-            f"**Seeds** per method: {s} ({seeds}); {level}. **Problems** per task: {probs}."]
+    level = (
+        "one seed: checkpoint tests only (this run vs that run), no method claim"
+        if s == 1
+        else f"{s} seeds: checkpoint tests on the seed-averaged scores, no method claim (the method-level test needs "
+        f"at least {v.get('method_level_seeds', 5)})"
+        if s < v.get("method_level_seeds", 5)
+        else f"{s} seeds: the method-level test"
+    )
+    return [
+        f"**Primary family** ({how}; one-sided, Holm at {v.get('alpha', 0.05):g} over these "
+        f"{len(v.get('claims', []))} only): {fam}.",
+        "",
+        f"**Seeds** per method: {s} ({seeds}); {level}. **Problems** per task: {probs}.",
+    ]
 
 
 def verdict_section(rep: dict) -> list[str]:
@@ -188,35 +219,51 @@ def verdict_section(rep: dict) -> list[str]:
     tests = v.get("tests") or []
     if not tests:
         return []
-    lines = ["", "## Verdict on the primary family", "",
-             "Each claim one-sided in its stated direction (non-inferiority against verdict.margin), Holm over the "
-             "primary family only. Detectable: the smallest distance from the claim's null boundary the verdict's "
-             "test finds with 80% power at Holm's first threshold, at the estimated variance (the test simulated; "
-             "not a bound; near either end of a pass@k each way the gap can be made gets its own, in brackets). "
-             "Needed: for a 2 and a 6 point gap beyond the null boundary, at 80% power and the same "
-             "threshold.", "",
-             "| claim | test | estimate [95% interval] | one-sided lower bound | p | Holm p | verdict | "
-             "detectable | needed for 2 / 6 points |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Verdict on the primary family",
+        "",
+        "Each claim one-sided in its stated direction (non-inferiority against verdict.margin), Holm over the "
+        "primary family only. Detectable: the smallest distance from the claim's null boundary the verdict's "
+        "test finds with 80% power at Holm's first threshold, at the estimated variance (the test simulated; "
+        "not a bound; near either end of a pass@k each way the gap can be made gets its own, in brackets). "
+        "Needed: for a 2 and a 6 point gap beyond the null boundary, at 80% power and the same "
+        "threshold.",
+        "",
+        "| claim | test | estimate [95% interval] | one-sided lower bound | p | Holm p | verdict | "
+        "detectable | needed for 2 / 6 points |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for t in tests:
         if "p" not in t and "method" in t:  # from a report's summaries: the method-level estimate, no verdict
             m = t["method"]
-            lines.append(f"| {claim_words(t)} | method level (estimate only) | {_u(t, m['diff'])} [{_u(t, m['low'])}, "
-                         f"{_u(t, m['high'])}] | {_u(t, t['lower'])} | {t['method_p']:.2g} (method level) | - | "
-                         f"{verdict_line(t)} | - | - |")
+            lines.append(
+                f"| {claim_words(t)} | method level (estimate only) | {_u(t, m['diff'])} [{_u(t, m['low'])}, "
+                f"{_u(t, m['high'])}] | {_u(t, t['lower'])} | {t['method_p']:.2g} (method level) | - | "
+                f"{verdict_line(t)} | - | - |"
+            )
             continue
         if "p" not in t:
             lines.append(f"| {t['claim']} | - | - | - | - | - | {verdict_line(t)} | - | - |")
             continue
         test = t["checkpoint"] if t["level"] == "checkpoint" else t["method"]
-        kind = ("checkpoint: t over problems" + (" on seed-averaged scores" if t["seeds"] > 1 else "")
-                if t["level"] == "checkpoint" else "method level: problems and seeds")
-        lines.append(f"| {claim_words(t)} | {kind} | {_u(t, test['diff'])} [{_u(t, test['low'])}, "
-                     f"{_u(t, test['high'])}] | {_u(t, t['lower'])} | {t['p']:.2g} | {t['p_holm']:.2g} | "
-                     f"{verdict_line(t)} | {_size(t)} | {_needs(t)} |")
+        kind = (
+            "checkpoint: t over problems" + (" on seed-averaged scores" if t["seeds"] > 1 else "")
+            if t["level"] == "checkpoint"
+            else "method level: problems and seeds"
+        )
+        lines.append(
+            f"| {claim_words(t)} | {kind} | {_u(t, test['diff'])} [{_u(t, test['low'])}, "
+            f"{_u(t, test['high'])}] | {_u(t, t['lower'])} | {t['p']:.2g} | {t['p_holm']:.2g} | "
+            f"{verdict_line(t)} | {_size(t)} | {_needs(t)} |"
+        )
     why = next((t["why"] for t in tests if "p" not in t and "method" in t), None)
     if why:
-        lines += ["", f"Not kept: {why}. The estimates, intervals and one-sided bounds are the method-level test's "
-                  "(valid at every seed count); at fewer than 5 seeds they are no verdict."]
+        lines += [
+            "",
+            f"Not kept: {why}. The estimates, intervals and one-sided bounds are the method-level test's "
+            "(valid at every seed count); at fewer than 5 seeds they are no verdict.",
+        ]
     lines += [""] + seeds_lines(rep, tests)
     return lines
 
@@ -227,13 +274,17 @@ def seeds_lines(rep: dict, tests: list[dict]) -> list[str]:
     for t in (x for x in tests if "method" in x):
         s, m = t["seeds"], t["method"]
         if s == 1:
-            out.append(f"- {claim_words(t)}: one seed per method, this run vs that run only; a method-level claim "
-                       "needs at least 5 seeds per method and their spread.")
+            out.append(
+                f"- {claim_words(t)}: one seed per method, this run vs that run only; a method-level claim "
+                "needs at least 5 seeds per method and their spread."
+            )
         elif t["level"] == "checkpoint":
             sd = (t.get("method_var_seeds") or 0.0) ** 0.5
-            out.append(f"- {claim_words(t)}: method-level estimate {_u(t, m['diff'])} [{_u(t, m['low'])}, "
-                       f"{_u(t, m['high'])}] over {s} seeds, between-seed sd {_u(t, sd).lstrip('+')} (per method, "
-                       f"estimated from {s} seeds per method); {seeds_needed_words(t, s, sd)}.")
+            out.append(
+                f"- {claim_words(t)}: method-level estimate {_u(t, m['diff'])} [{_u(t, m['low'])}, "
+                f"{_u(t, m['high'])}] over {s} seeds, between-seed sd {_u(t, sd).lstrip('+')} (per method, "
+                f"estimated from {s} seeds per method); {seeds_needed_words(t, s, sd)}."
+            )
     return out + ([""] if out else [])
 
 
@@ -244,22 +295,32 @@ def seeds_needed_words(t: dict, s: int, sd: float) -> str:
     m, need = t["method"], t.get("seeds_for_claim")
     if m["diff"] + t["margin"] <= 0:
         return "the method-level estimate is not in the claimed direction: no seed count makes it a claim"
-    est = (f"S >= {need} seeds at the estimated spread" if need is not None else
-           f"no seed count up to 200 at {t['problems']} problems at the estimated spread (more problems first)")
+    est = (
+        f"S >= {need} seeds at the estimated spread"
+        if need is not None
+        else f"no seed count up to 200 at {t['problems']} problems at the estimated spread (more problems first)"
+    )
     words = f"a method-level claim needs {est}, if the estimate were the truth"
     var_hi = t.get("method_var_seeds_bound")
     if var_hi is None:
-        return (words + f"; a spread from {s} seeds can be several times larger (its bound needs the per-problem "
-                "scores, not kept here)")
-    hi, sd_hi = t.get("seeds_for_claim_bound"), _u(t, var_hi ** 0.5).lstrip("+")
-    return words + (f"; at the spread's 95% upper bound from {s} seeds (sd {sd_hi}) S >= {hi}" if hi is not None else
-                    f"; at the spread's 95% upper bound from {s} seeds (sd {sd_hi}) no seed count up to 200 at "
-                    f"{t['problems']} problems")
+        return (
+            words + f"; a spread from {s} seeds can be several times larger (its bound needs the per-problem "
+            "scores, not kept here)"
+        )
+    hi, sd_hi = t.get("seeds_for_claim_bound"), _u(t, var_hi**0.5).lstrip("+")
+    return words + (
+        f"; at the spread's 95% upper bound from {s} seeds (sd {sd_hi}) S >= {hi}"
+        if hi is not None
+        else f"; at the spread's 95% upper bound from {s} seeds (sd {sd_hi}) no seed count up to 200 at "
+        f"{t['problems']} problems"
+    )
 
 
 def exploratory_note() -> str:
-    return ("Exploratory: every pair of methods at every k and on entropy, with estimates and 95% intervals only; "
-            "nothing here is a verdict (the verdict is the primary family's, above).")
+    return (
+        "Exploratory: every pair of methods at every k and on entropy, with estimates and 95% intervals only; "
+        "nothing here is a verdict (the verdict is the primary family's, above)."
+    )
 
 
 # -- a report.json written before the primary family, without per-problem scores ------------------------------------
@@ -281,9 +342,15 @@ def stored_section(rep: dict, family: list[str], margin: float, alpha: float) ->
     from es_ray.metrics.paired import Power
     from es_ray.metrics.verdict import METHOD_LEVEL_SEEDS, NO_VARIANCE, one_sided, parse_claim
 
-
-    out = {"claims": family, "alpha": alpha, "margin": margin, "tests": [], "method_level_seeds": METHOD_LEVEL_SEEDS,
-           "declared": False, "from_summaries": True}
+    out = {
+        "claims": family,
+        "alpha": alpha,
+        "margin": margin,
+        "tests": [],
+        "method_level_seeds": METHOD_LEVEL_SEEDS,
+        "declared": False,
+        "from_summaries": True,
+    }
     for text in family:
         c = parse_claim(text)
         metric = c.resolved(rep["k"])
@@ -298,20 +365,46 @@ def stored_section(rep: dict, family: list[str], margin: float, alpha: float) ->
         s, per_task = t["seeds_a"], t["problems"] / len(rep["tasks"])
         p, lower = one_sided(t["diff"], t["se"], t["df"] or math.inf, shift, t["problems"], alpha)
         u = t["var_training"] * s / 2  # sum_m sigma_u^2 / S over two methods of S seeds each, pooled
-        pw = Power(se=t["se"], df=t["df"] or math.inf, detectable=None,
-                   var_problems=max(0.0, t["se"] ** 2 - t["var_training"]) * per_task, var_residual=(0.0, 0.0),
-                   var_seeds=u if s > 1 else None, problems=round(per_task), seeds=s, alpha=alpha / len(family),
-                   power=0.8, sides=1, bounded=False)
+        pw = Power(
+            se=t["se"],
+            df=t["df"] or math.inf,
+            detectable=None,
+            var_problems=max(0.0, t["se"] ** 2 - t["var_training"]) * per_task,
+            var_residual=(0.0, 0.0),
+            var_seeds=u if s > 1 else None,
+            problems=round(per_task),
+            seeds=s,
+            alpha=alpha / len(family),
+            power=0.8,
+            sides=1,
+            bounded=False,
+        )
         effect = t["diff"] + shift
-        need = (next((n for n in range(METHOD_LEVEL_SEEDS, 201) if pw.reaches(effect, per_task, n) >= 0.8), None)
-                if effect > 0 and s > 1 else None)
-        out["tests"].append({
-            "claim": text, "metric": metric, "first": c.first, "second": c.second, "kind": c.kind, "margin": shift,
-            "seeds": s, "problems": t["problems"], "level": "checkpoint" if s < METHOD_LEVEL_SEEDS else "method",
-            "method": {"diff": t["diff"], "low": t["low"], "high": t["high"], "se": t["se"], "df": t["df"]},
-            "method_p": p, "lower": lower, "method_var_seeds": u if s > 1 else None, "seeds_for_claim": need,
-            "why": "the per-problem scores were not kept in this report.json (each evaluation's samples.jsonl "
-                   "stayed in the run directory): the checkpoint test and the detectable sizes need them"})
+        need = (
+            next((n for n in range(METHOD_LEVEL_SEEDS, 201) if pw.reaches(effect, per_task, n) >= 0.8), None)
+            if effect > 0 and s > 1
+            else None
+        )
+        out["tests"].append(
+            {
+                "claim": text,
+                "metric": metric,
+                "first": c.first,
+                "second": c.second,
+                "kind": c.kind,
+                "margin": shift,
+                "seeds": s,
+                "problems": t["problems"],
+                "level": "checkpoint" if s < METHOD_LEVEL_SEEDS else "method",
+                "method": {"diff": t["diff"], "low": t["low"], "high": t["high"], "se": t["se"], "df": t["df"]},
+                "method_p": p,
+                "lower": lower,
+                "method_var_seeds": u if s > 1 else None,
+                "seeds_for_claim": need,
+                "why": "the per-problem scores were not kept in this report.json (each evaluation's samples.jsonl "
+                "stayed in the run directory): the checkpoint test and the detectable sizes need them",
+            }
+        )
     return out
 
 
@@ -321,6 +414,14 @@ def find_test(rep: dict, a: str, b: str, metric: str) -> dict | None:
         if t["metric"] == metric and (t["a"], t["b"]) in ((a, b), (b, a)):
             if t["a"] == a:
                 return t
-            return {**t, "a": a, "b": b, "diff": -t["diff"], "low": -t["high"], "high": -t["low"],
-                    "seeds_a": t.get("seeds_b", t["seeds"]), "seeds_b": t.get("seeds_a", t["seeds"])}
+            return {
+                **t,
+                "a": a,
+                "b": b,
+                "diff": -t["diff"],
+                "low": -t["high"],
+                "high": -t["low"],
+                "seeds_a": t.get("seeds_b", t["seeds"]),
+                "seeds_b": t.get("seeds_a", t["seeds"]),
+            }
     return None

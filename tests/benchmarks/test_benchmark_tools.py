@@ -28,13 +28,26 @@ def test_startup_phases_read_off_a_trace_split_the_command_and_count_only_the_wo
     from startup import phases
 
     t = 100.0
-    ev = [(1, "process", "up", t + 0.5), (1, "entry", "begin", t + 0.6), (1, "ray_start", "begin", t + 2.0),
-          (1, "ray_start", "end", t + 6.0), (1, "start_actors", "begin", t + 6.0), (2, "process", "up", t + 7.0),
-          (2, "actor_init", "begin", t + 8.0), (2, "engine_build", "begin", t + 8.5),
-          (2, "model_load", "begin", t + 9.0), (2, "model_load", "end", t + 10.0),
-          (2, "engine_build", "end", t + 12.0), (2, "actor_init", "end", t + 13.0),
-          (1, "start_actors", "end", t + 13.5), (1, "work", "begin", t + 13.5), (1, "work", "end", t + 20.0),
-          (1, "checkpoint", "begin", t + 20.0), (1, "checkpoint", "end", t + 22.0), (1, "entry", "end", t + 22.0)]
+    ev = [
+        (1, "process", "up", t + 0.5),
+        (1, "entry", "begin", t + 0.6),
+        (1, "ray_start", "begin", t + 2.0),
+        (1, "ray_start", "end", t + 6.0),
+        (1, "start_actors", "begin", t + 6.0),
+        (2, "process", "up", t + 7.0),
+        (2, "actor_init", "begin", t + 8.0),
+        (2, "engine_build", "begin", t + 8.5),
+        (2, "model_load", "begin", t + 9.0),
+        (2, "model_load", "end", t + 10.0),
+        (2, "engine_build", "end", t + 12.0),
+        (2, "actor_init", "end", t + 13.0),
+        (1, "start_actors", "end", t + 13.5),
+        (1, "work", "begin", t + 13.5),
+        (1, "work", "end", t + 20.0),
+        (1, "checkpoint", "begin", t + 20.0),
+        (1, "checkpoint", "end", t + 22.0),
+        (1, "entry", "end", t + 22.0),
+    ]
     got = phases([{"pid": p, "event": e, "edge": g, "t": x} for p, e, g, x in ev], t, t + 25.0)
     assert got["python_s"] == pytest.approx(0.5)
     assert got["ray_start_s"] == pytest.approx(4.0)
@@ -46,24 +59,44 @@ def test_startup_phases_read_off_a_trace_split_the_command_and_count_only_the_wo
     assert got["total_s"] == pytest.approx(25.0) and got["fixed_s"] == pytest.approx(25.0 - 6.5)
 
 
-def _population_phase(tokens: list[int], base_tokens: list[int] | None = None, shares: list[float] = (),
-                      cpu_shares: list[float] = ()) -> dict:
+def _population_phase(
+    tokens: list[int], base_tokens: list[int] | None = None, shares: list[float] = (), cpu_shares: list[float] = ()
+) -> dict:
     """One phase's figures as ``population.measure`` returns them (seconds arbitrary)."""
-    res = {"limit_tok_s": 40.0, "limit_s": 10.0, "limit_tokens": 400, "tok_s": 38.0, "fixed_share": 0.01,
-           "checksum_s": 0.1, "outside_generation": 0.02, "tokens": tokens[0], "iteration_tokens": tokens,
-           "all_tokens": 400, **{f"{k}_s": 1.0 for k in ("iteration", "generate", "perturb", "restore", "reward",
-                                                            "update")}}
+    res = {
+        "limit_tok_s": 40.0,
+        "limit_s": 10.0,
+        "limit_tokens": 400,
+        "tok_s": 38.0,
+        "fixed_share": 0.01,
+        "checksum_s": 0.1,
+        "outside_generation": 0.02,
+        "tokens": tokens[0],
+        "iteration_tokens": tokens,
+        "all_tokens": 400,
+        **{f"{k}_s": 1.0 for k in ("iteration", "generate", "perturb", "restore", "reward", "update")},
+    }
     if base_tokens is not None:
-        res.update(base_loop_tok_s=39.0, base_loop_tokens=base_tokens, share_repeats=list(shares),
-                   iteration_share_repeats=list(shares), cpu_share_repeats=list(cpu_shares))
+        res.update(
+            base_loop_tok_s=39.0,
+            base_loop_tokens=base_tokens,
+            share_repeats=list(shares),
+            iteration_share_repeats=list(shares),
+            cpu_share_repeats=list(cpu_shares),
+        )
     return res
 
 
 def test_population_share_is_a_defect_only_when_every_repeat_beats_its_reference():
     from population import share_verdict
 
-    assert share_verdict([1.02, 1.05, 1.11]) == {"share": 1.05, "low": 1.02, "high": 1.11, "defect": True,
-                                                 "above_within_noise": False}
+    assert share_verdict([1.02, 1.05, 1.11]) == {
+        "share": 1.05,
+        "low": 1.02,
+        "high": 1.11,
+        "defect": True,
+        "above_within_noise": False,
+    }
     noisy = share_verdict([0.99, 1.01, 1.03])  # the median above 100%, a repeat below it: the machine's noise
     assert not noisy["defect"] and noisy["above_within_noise"] and noisy["share"] == 1.01
     quiet = share_verdict([0.95, 0.97, 0.96])
@@ -75,26 +108,30 @@ def test_population_judges_lowrank_against_its_reference_only_on_the_same_work(c
     from population import collect, report
 
     full = _population_phase([400, 400, 400])
-    same = collect("hf", {"full": full, "lowrank": _population_phase([400] * 3, [400] * 3, [0.97, 0.98, 0.96],
-                                                                      [0.95, 0.97, 0.96])})
+    same = collect(
+        "hf", {"full": full, "lowrank": _population_phase([400] * 3, [400] * 3, [0.97, 0.98, 0.96], [0.95, 0.97, 0.96])}
+    )
     assert same["hf_lowrank_same_work"] and not same["hf_lowrank_defect"] and same["hf_lowrank_target_met"]
     assert same["hf_lowrank_cpu_share_of_base_loop"] == 0.96
     assert same["hf_lowrank_cpu_share_of_base_loop_range"] == [0.95, 0.97]
 
-    beaten = collect("hf", {"full": full, "lowrank": _population_phase([400] * 3, [400] * 3, [1.1] * 3,
-                                                                        [1.04, 1.08, 1.11])})
+    beaten = collect(
+        "hf", {"full": full, "lowrank": _population_phase([400] * 3, [400] * 3, [1.1] * 3, [1.04, 1.08, 1.11])}
+    )
     assert beaten["hf_lowrank_defect"] and beaten["hf_lowrank_target_met"] is False
     report(beaten, ["hf"])
     assert "BENCHMARK DEFECT" in capsys.readouterr().out
 
-    noisy = collect("hf", {"full": full, "lowrank": _population_phase([400] * 3, [400] * 3, [1.0] * 3,
-                                                                       [0.99, 1.02, 1.01])})
+    noisy = collect(
+        "hf", {"full": full, "lowrank": _population_phase([400] * 3, [400] * 3, [1.0] * 3, [0.99, 1.02, 1.01])}
+    )
     assert not noisy["hf_lowrank_defect"] and noisy["hf_lowrank_above_within_noise"]
     assert noisy["hf_lowrank_target_met"]
 
     # --eos: the reference's rows (all the base model) stopped at other steps: its share is printed, never judged
-    eos = collect("hf", {"full": full, "lowrank": _population_phase([371, 380, 366], [352, 352, 352], [1.1] * 3,
-                                                                     [1.1] * 3)})
+    eos = collect(
+        "hf", {"full": full, "lowrank": _population_phase([371, 380, 366], [352, 352, 352], [1.1] * 3, [1.1] * 3)}
+    )
     assert eos["hf_lowrank_same_work"] is False
     assert "hf_lowrank_defect" not in eos and "hf_lowrank_target_met" not in eos
     report(eos, ["hf"])

@@ -29,24 +29,27 @@ def test_defaults_validate():
     assert cfg.es.population >= 2 and cfg.es.sigma > 0
 
 
-@pytest.mark.parametrize("cfg,key", [
-    (_cfg(es=ESConfig(population=1)), "es.population"),
-    (_cfg(es=ESConfig(population=0)), "es.population"),
-    (_cfg(es=ESConfig(population=7, estimator="antithetic")), "es.population"),
-    (_cfg(es=ESConfig(sigma=0.0)), "es.sigma"),
-    (_cfg(es=ESConfig(sigma=-1e-3)), "es.sigma"),
-    (_cfg(es=ESConfig(lr=-1.0)), "es.lr"),
-    (_cfg(es=ESConfig(shaping="softmax")), "es.shaping"),
-    (_cfg(es=ESConfig(estimator="two_point")), "es.estimator"),
-    (_cfg(es=ESConfig(optimizer="rmsprop")), "es.optimizer"),
-    (_cfg(es=ESConfig(noise="uniform")), "es.noise"),
-    (_cfg(task=TaskConfig(name="not_a_task")), "task.name"),
-    (_cfg(run=RunConfig(dir="runs/relative")), "run.dir"),
-    (_cfg(eval=HeldOutConfig(top_p=0.0)), "eval.top_p"),
-    (_cfg(eval=HeldOutConfig(top_p=1.5)), "eval.top_p"),
-    (_cfg(eval=HeldOutConfig(temperature=0.0)), "eval.temperature"),
-    (_cfg(eval=HeldOutConfig(max_new_tokens=-1)), "eval.max_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "cfg,key",
+    [
+        (_cfg(es=ESConfig(population=1)), "es.population"),
+        (_cfg(es=ESConfig(population=0)), "es.population"),
+        (_cfg(es=ESConfig(population=7, estimator="antithetic")), "es.population"),
+        (_cfg(es=ESConfig(sigma=0.0)), "es.sigma"),
+        (_cfg(es=ESConfig(sigma=-1e-3)), "es.sigma"),
+        (_cfg(es=ESConfig(lr=-1.0)), "es.lr"),
+        (_cfg(es=ESConfig(shaping="softmax")), "es.shaping"),
+        (_cfg(es=ESConfig(estimator="two_point")), "es.estimator"),
+        (_cfg(es=ESConfig(optimizer="rmsprop")), "es.optimizer"),
+        (_cfg(es=ESConfig(noise="uniform")), "es.noise"),
+        (_cfg(task=TaskConfig(name="not_a_task")), "task.name"),
+        (_cfg(run=RunConfig(dir="runs/relative")), "run.dir"),
+        (_cfg(eval=HeldOutConfig(top_p=0.0)), "eval.top_p"),
+        (_cfg(eval=HeldOutConfig(top_p=1.5)), "eval.top_p"),
+        (_cfg(eval=HeldOutConfig(temperature=0.0)), "eval.temperature"),
+        (_cfg(eval=HeldOutConfig(max_new_tokens=-1)), "eval.max_new_tokens"),
+    ],
+)
 def test_validate_refuses_naming_the_key(cfg, key):
     with pytest.raises(ConfigError) as info:
         validate(cfg)
@@ -73,8 +76,14 @@ def _hydra_entry_points() -> dict[str, str]:
 
 
 def test_the_hydra_entry_points_are_the_expected_ones():
-    assert set(_hydra_entry_points()) == {"es-train", "es-eval", "es-drift", "es-interpolate", "grpo-train",
-                                          "es-compare"}
+    assert set(_hydra_entry_points()) == {
+        "es-train",
+        "es-eval",
+        "es-drift",
+        "es-interpolate",
+        "grpo-train",
+        "es-compare",
+    }
 
 
 @pytest.mark.parametrize("script", sorted(_hydra_entry_points()))
@@ -108,8 +117,9 @@ def test_a_config_error_raised_in_an_actor_is_one_line_too(capsys):
     with pytest.raises(SystemExit) as info:
         run_or_exit("grpo-train", resume)
     assert info.value.code == 2
-    assert capsys.readouterr().err == ("grpo-train: ConfigError: step_000004/shards: an old layout; start the run "
-                                       "again in a new run.dir\n")
+    assert capsys.readouterr().err == (
+        "grpo-train: ConfigError: step_000004/shards: an old layout; start the run again in a new run.dir\n"
+    )
 
 
 def test_a_bug_is_not_passed_off_as_a_user_error():
@@ -124,24 +134,33 @@ def test_a_bug_is_not_passed_off_as_a_user_error():
 
 
 def test_to_config_builds_nested_dataclasses_from_a_dict(tmp_path):
-    cfg = to_train_config({"es": {"population": 4, "sigma": 0.01}, "task": {"name": "gsm8k"},
-                           "run": {"dir": str(tmp_path)}, "hydra": {"ignored": True}})
+    cfg = to_train_config(
+        {
+            "es": {"population": 4, "sigma": 0.01},
+            "task": {"name": "gsm8k"},
+            "run": {"dir": str(tmp_path)},
+            "hydra": {"ignored": True},
+        }
+    )
     assert isinstance(cfg, ESTrainConfig)
     assert cfg.es.population == 4 and cfg.es.sigma == 0.01 and cfg.task.name == "gsm8k"
     assert cfg.es.lr == ESConfig().lr  # untouched fields keep their defaults
 
 
-@pytest.mark.parametrize("data,key", [
-    ({"es": {"population": 1}}, "es.population"),
-    ({"es": {"population": 5, "estimator": "antithetic"}}, "es.population"),
-    ({"es": {"sigma": 0}}, "es.sigma"),
-    ({"task": {"name": "unknown"}}, "task.name"),
-    ({"engine": {"name": "llamacpp"}}, "engine.name"),
-    ({"run": {"dir": "relative/dir"}}, "run.dir"),
-    ({"es": {"popsize": 8}}, "es.popsize"),
-    ({"nonsense": 1}, "nonsense"),
-    ({"engine": {"dtype": "bfloat16", "gpu_memory": 0.5}}, "engine.gpu_memory"),
-])
+@pytest.mark.parametrize(
+    "data,key",
+    [
+        ({"es": {"population": 1}}, "es.population"),
+        ({"es": {"population": 5, "estimator": "antithetic"}}, "es.population"),
+        ({"es": {"sigma": 0}}, "es.sigma"),
+        ({"task": {"name": "unknown"}}, "task.name"),
+        ({"engine": {"name": "llamacpp"}}, "engine.name"),
+        ({"run": {"dir": "relative/dir"}}, "run.dir"),
+        ({"es": {"popsize": 8}}, "es.popsize"),
+        ({"nonsense": 1}, "nonsense"),
+        ({"engine": {"dtype": "bfloat16", "gpu_memory": 0.5}}, "engine.gpu_memory"),
+    ],
+)
 def test_to_config_refuses_naming_the_key(data, key):
     with pytest.raises(ConfigError) as info:
         to_train_config(data)
@@ -246,8 +265,13 @@ def test_compose_every_preset(group, option):
     pytest.fail(f"experiment={option} composes with no entry point:\n" + "\n".join(errors))
 
 
-ENTRY_POINTS = {"es_train": "es-train", "grpo_train": "grpo-train", "es_compare": "es-compare",
-                "es_eval": "es-eval", "es_drift": "es-drift"}
+ENTRY_POINTS = {
+    "es_train": "es-train",
+    "grpo_train": "grpo-train",
+    "es_compare": "es-compare",
+    "es_eval": "es-eval",
+    "es_drift": "es-drift",
+}
 
 
 def test_help_lists_only_presets_that_compose_and_each_one_converts():

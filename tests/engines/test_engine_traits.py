@@ -19,8 +19,9 @@ from es_ray.grpo.colocated import check_sleep_mode
 
 def colocated_cfg(engine: str, gpus: int = 1, device: str = "auto"):
     """What check_sleep_mode reads of a GRPOTrainConfig."""
-    return SimpleNamespace(engine=SimpleNamespace(name=engine, device=device),
-                           cluster=SimpleNamespace(gpus_per_actor=gpus))
+    return SimpleNamespace(
+        engine=SimpleNamespace(name=engine, device=device), cluster=SimpleNamespace(gpus_per_actor=gpus)
+    )
 
 
 def stand_in_vllm(monkeypatch, sleeps: bool) -> None:

@@ -31,8 +31,11 @@ SAMPLED = SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=1.0)
 
 def build(model_dir, dtype: str = "float32", perturbation: str = "lowrank", batch_size: int = 8):
     torch.set_num_threads(2)
-    eng = make_engine(str(model_dir), EngineConfig(name="hf", dtype=dtype, device="cpu", batch_size=batch_size),
-                      LowRankSlots(members=len(MEMBERS), rank=RANK))
+    eng = make_engine(
+        str(model_dir),
+        EngineConfig(name="hf", dtype=dtype, device="cpu", batch_size=batch_size),
+        LowRankSlots(members=len(MEMBERS), rank=RANK),
+    )
     eng.replica_host().setup(replica_spec(7, perturbation=perturbation, rank=RANK))
     return eng
 
@@ -52,12 +55,15 @@ def _ids(completions) -> list[tuple[int, ...]]:
     return [c.token_ids for c in completions]
 
 
-@pytest.mark.parametrize("prompts, members, batch_size, want", [
-    (4, 3, 8, [(0, 4, [0, 1]), (0, 4, [2])]),
-    (4, 3, 64, [(0, 4, [0, 1, 2])]),
-    (4, 2, 3, [(0, 3, [0]), (0, 3, [1]), (3, 4, [0, 1])]),
-    (5, 2, 5, [(0, 5, [0]), (0, 5, [1])]),
-])
+@pytest.mark.parametrize(
+    "prompts, members, batch_size, want",
+    [
+        (4, 3, 8, [(0, 4, [0, 1]), (0, 4, [2])]),
+        (4, 3, 64, [(0, 4, [0, 1, 2])]),
+        (4, 2, 3, [(0, 3, [0]), (0, 3, [1]), (3, 4, [0, 1])]),
+        (5, 2, 5, [(0, 5, [0]), (0, 5, [1])]),
+    ],
+)
 def test_population_calls_cut_prompts_as_generate_does(prompts, members, batch_size, want):
     calls = population_calls(prompts, members, batch_size)
     assert [(c.start, c.stop, list(m)) for c, m in calls] == want
@@ -116,10 +122,12 @@ def test_sampled_members_are_seeded(engine):
     host = engine.replica_host()
     prompts = _prompts(engine)
     first = host.generate_members(ITERATION, MEMBERS, SIGMA, prompts, SAMPLED, seed=11)
-    assert [_ids(c) for c in host.generate_members(ITERATION, MEMBERS, SIGMA, prompts, SAMPLED, seed=11)] == \
-        [_ids(c) for c in first]
-    assert [_ids(c) for c in host.generate_members(ITERATION, MEMBERS, SIGMA, prompts, SAMPLED, seed=12)] != \
-        [_ids(c) for c in first]
+    assert [_ids(c) for c in host.generate_members(ITERATION, MEMBERS, SIGMA, prompts, SAMPLED, seed=11)] == [
+        _ids(c) for c in first
+    ]
+    assert [_ids(c) for c in host.generate_members(ITERATION, MEMBERS, SIGMA, prompts, SAMPLED, seed=12)] != [
+        _ids(c) for c in first
+    ]
 
 
 def test_weights_stay_cast_master_and_hooks_are_removed(engine):
@@ -187,11 +195,18 @@ def test_term_and_base_gemm_equal_the_merged_layer_with_and_without_bias(bias):
     """The forward replacement writes the term (plus the bias) first and accumulates x W^T into it: each member's rows
     equal x (W + B_s A^T)^T + b, for a layer with a bias (Qwen's q, k, v) and without, grouped siblings included."""
     torch.manual_seed(0)
-    model = nn.ModuleDict({"q_proj": nn.Linear(12, 10, bias=bias), "k_proj": nn.Linear(12, 6, bias=bias),
-                           "o_proj": nn.Linear(12, 12, bias=bias)}).requires_grad_(False)
+    model = nn.ModuleDict(
+        {
+            "q_proj": nn.Linear(12, 10, bias=bias),
+            "k_proj": nn.Linear(12, 6, bias=bias),
+            "o_proj": nn.Linear(12, 12, bias=bias),
+        }
+    ).requires_grad_(False)
     members, rows, rank = 3, 4, 2
-    factors = {f"{n}.weight": (torch.randn(members, 12, rank), torch.randn(members, m.out_features, rank))
-               for n, m in model.items()}
+    factors = {
+        f"{n}.weight": (torch.randn(members, 12, rank), torch.randn(members, m.out_features, rank))
+        for n, m in model.items()
+    }
     x = torch.randn(members * rows, 5, 12)
     with torch.inference_mode(), LowRankTerms(model, factors) as terms:
         terms.select(range(members))

@@ -38,8 +38,11 @@ SAMPLED = SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=1.0)
 def engine(tiny_model_dir):
     env = dict(os.environ)  # vLLM's engine sets process environment variables; later tests get them back
     torch.set_num_threads(2)
-    eng = make_engine(str(tiny_model_dir), EngineConfig(name="vllm", dtype="float32", device="cpu",
-                                                        enforce_eager=True), LowRankSlots(len(MEMBERS), RANK))
+    eng = make_engine(
+        str(tiny_model_dir),
+        EngineConfig(name="vllm", dtype="float32", device="cpu", enforce_eager=True),
+        LowRankSlots(len(MEMBERS), RANK),
+    )
     eng.replica_host().setup(replica_spec(7, perturbation="lowrank", rank=RANK))
     yield eng
     eng.close()
@@ -160,8 +163,9 @@ def test_cpu_lora_kernel_equals_the_per_token_formula(order):
     for t, slot in enumerate(index.tolist()):
         if slot >= 0:
             expected[t] += torch.cat([(x[t] @ a[s][slot, 0].T) @ b[s][slot, 0].T for s in range(len(sizes))])
-    wrapper = SimpleNamespace(token_lora_indices=index, is_prefill=True, no_lora=False,
-                              prefill_metadata=compute_meta(index)[:3])
+    wrapper = SimpleNamespace(
+        token_lora_indices=index, is_prefill=True, no_lora=False, prefill_metadata=compute_meta(index)[:3]
+    )
     assert (len(wrapper.prefill_metadata[0]) > 4 * slots) == (order == "interleaved")  # the dense path
     _add_lora_linear(wrapper, y, x, a, b, 1.0, sizes)
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
@@ -177,8 +181,11 @@ def test_lowrank_ranks_are_vllms():
 def test_unsupported_rank_is_refused(tiny_model_dir):
     """(d) before any engine is built, naming es.rank and the ranks vLLM serves."""
     with pytest.raises(ConfigError, match=r"es\.rank=3: vLLM serves LoRA ranks 1, 8, 16"):
-        make_engine(str(tiny_model_dir), EngineConfig(name="vllm", dtype="float32", device="cpu",
-                                                      enforce_eager=True), LowRankSlots(2, 3))
+        make_engine(
+            str(tiny_model_dir),
+            EngineConfig(name="vllm", dtype="float32", device="cpu", enforce_eager=True),
+            LowRankSlots(2, 3),
+        )
 
 
 @pytest.mark.parametrize("counts", [{0: 5, 1: 5, 2: 5}, {1: 3, 2: 3}, {0: 5, 1: 4, 2: 5}])
@@ -203,8 +210,9 @@ def test_cpu_lora_kernel_batches_equal_runs(counts, monkeypatch):
     expected = y.clone()
     for t, slot in enumerate(index.tolist()):
         expected[t] += 0.5 * torch.cat([(x[t] @ a[s][slot, 0].T) @ b[s][slot, 0].T for s in range(len(sizes))])
-    wrapper = SimpleNamespace(token_lora_indices=index, is_prefill=True, no_lora=False,
-                              prefill_metadata=compute_meta(index)[:3])
+    wrapper = SimpleNamespace(
+        token_lora_indices=index, is_prefill=True, no_lora=False, prefill_metadata=compute_meta(index)[:3]
+    )
     vllm_extension._add_lora_linear(wrapper, y, x, a, b, 0.5, sizes)
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
     assert len(batched) == (len(set(counts.values())) == 1)

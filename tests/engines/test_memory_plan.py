@@ -14,8 +14,20 @@ import pytest
 import torch
 import yaml
 
-from es_ray.memory_plan import (GiB, LEARNER_VARIANTS, LLAMA_3_1_8B, LOGIT_COPIES, PRESETS, ModelShape, Settings,
-                                auto_gpu_memory_utilization, plan_es, plan_grpo, preset, vllm_batch_defaults)
+from es_ray.memory_plan import (
+    GiB,
+    LEARNER_VARIANTS,
+    LLAMA_3_1_8B,
+    LOGIT_COPIES,
+    PRESETS,
+    ModelShape,
+    Settings,
+    auto_gpu_memory_utilization,
+    plan_es,
+    plan_grpo,
+    preset,
+    vllm_batch_defaults,
+)
 from paths import REPO
 
 
@@ -35,15 +47,49 @@ def hf_config(fields: dict):
 
 
 SMALL = {
-    "llama": dict(model_type="llama", hidden_size=96, intermediate_size=160, num_hidden_layers=3,
-                  num_attention_heads=6, num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False),
-    "llama_bias_headdim": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=1, head_dim=24, vocab_size=200,
-                               attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
-    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True),
-    "qwen2_untied": dict(model_type="qwen2", hidden_size=48, intermediate_size=80, num_hidden_layers=3,
-                         num_attention_heads=6, num_key_value_heads=3, vocab_size=128, tie_word_embeddings=False),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=300,
+        tie_word_embeddings=False,
+    ),
+    "llama_bias_headdim": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=24,
+        vocab_size=200,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=True,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=True,
+    ),
+    "qwen2_untied": dict(
+        model_type="qwen2",
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        vocab_size=128,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -69,8 +115,13 @@ def test_tensors_equal_the_embedded_smollm2_and_its_published_size():
 
 @pytest.mark.parametrize("name", [*PRESETS, "llama3.1-8b"])
 def test_presets_equal_transformers_models_and_the_published_sizes(name):
-    published = {"qwen2.5-1.5b": 1_543_714_304, "llama3.2-3b": 3_212_749_824, "qwen2.5-7b": 7_615_616_512,
-                 "r1-distill-qwen-1.5b": 1_777_088_000, "llama3.1-8b": 8_030_261_248}
+    published = {
+        "qwen2.5-1.5b": 1_543_714_304,
+        "llama3.2-3b": 3_212_749_824,
+        "qwen2.5-7b": 7_615_616_512,
+        "r1-distill-qwen-1.5b": 1_777_088_000,
+        "llama3.1-8b": 8_030_261_248,
+    }
     fields = LLAMA_3_1_8B if name == "llama3.1-8b" else PRESETS[name]
     shape = ModelShape.from_hf_config(fields, name=name)
     assert shape.tensors() == meta_shapes(hf_config(fields))
@@ -137,8 +188,9 @@ def test_auto_noise_is_planned_as_the_larger_of_the_gpu_kinds():
     m = preset("qwen2.5-7b")
     for tp in (1, 4):
         auto = plan_es(m, Settings(tensor_parallel_size=tp)).part("es")
-        assert auto >= max(plan_es(m, Settings(tensor_parallel_size=tp, noise=k)).part("es")
-                           for k in ("per_tensor", "counter"))
+        assert auto >= max(
+            plan_es(m, Settings(tensor_parallel_size=tp, noise=k)).part("es") for k in ("per_tensor", "counter")
+        )
     if hasattr(noise, "resolve_kind"):
         assert noise.resolve_kind("auto", "cuda") in ("per_tensor", "counter")
 
@@ -148,13 +200,23 @@ def test_grpo_learner_variants_and_the_logits_chunk():
     n = m.parameters()
     for variant in LEARNER_VARIANTS:  # every precision holds 16 B per trainable parameter
         plan = plan_grpo(m, Settings(learner=variant))
-        assert sum(line.nbytes for line in plan.lines
-                   if line.item in ("weights", "gradients", "fp32 master", "AdamW moments")) == 16 * n, variant
+        assert (
+            sum(
+                line.nbytes
+                for line in plan.lines
+                if line.item in ("weights", "gradients", "fp32 master", "AdamW moments")
+            )
+            == 16 * n
+        ), variant
     assert 16 * n / 1e9 == pytest.approx(122, abs=0.5)  # the issue's "about 122 GB" for fp32 + grads + AdamW
-    assert plan_grpo(m, Settings(micro_batch_size=4, completion_tokens=512)).item_bytes("learner", "logits") \
-        == 1024 * 152_064 * 4 * LOGIT_COPIES  # grpo.logit_chunk_tokens positions at once, not 4 x 512
-    assert plan_grpo(m, Settings(micro_batch_size=2, completion_tokens=256)).item_bytes("learner", "logits") \
+    assert (
+        plan_grpo(m, Settings(micro_batch_size=4, completion_tokens=512)).item_bytes("learner", "logits")
+        == 1024 * 152_064 * 4 * LOGIT_COPIES
+    )  # grpo.logit_chunk_tokens positions at once, not 4 x 512
+    assert (
+        plan_grpo(m, Settings(micro_batch_size=2, completion_tokens=256)).item_bytes("learner", "logits")
         == 512 * 152_064 * 4 * LOGIT_COPIES
+    )
     plan = plan_grpo(m)
     assert not plan.fits(80 * GiB) and plan.fits(141 * GiB)  # an H200 holds the 7B learner
     assert "grpo.gradient_checkpointing" in plan.refusal(80 * GiB)
@@ -164,8 +226,14 @@ def test_a_7b_plan_does_not_fit_24gb_and_says_what_to_change():
     plan = plan_es(preset("qwen2.5-7b"), Settings(optimizer="adam"))
     assert not plan.fits(24 * GiB) and plan.tp_needed(24 * GiB) is None
     msg = plan.refusal(24 * GiB)
-    for key in ("engine.gpu_memory_utilization", "es.optimizer=sgd", "engine.tensor_parallel_size",
-                "a GPU with at least", "Adam moments 56.7 GiB", "fp32 master 28.4 GiB"):
+    for key in (
+        "engine.gpu_memory_utilization",
+        "es.optimizer=sgd",
+        "engine.tensor_parallel_size",
+        "a GPU with at least",
+        "Adam moments 56.7 GiB",
+        "fp32 master 28.4 GiB",
+    ):
         assert key in msg, key
     assert plan.refusal(200 * GiB) is None
 
@@ -198,9 +266,16 @@ def fake_engine(tmp_path, share: float, **cfg):
     from es_ray.engines.vllm import VLLMEngine
 
     (tmp_path / "config.json").write_text(json.dumps(PRESETS["qwen2.5-1.5b"]))
-    engine = types.SimpleNamespace(model_dir=str(tmp_path), cfg=EngineConfig(name="vllm", **cfg), dtype=torch.bfloat16,
-                                   _gpu_share=share, device="cuda", _weights_changed=lambda: None, lowrank=None,
-                                   _reset_prefix_cache=lambda: None)
+    engine = types.SimpleNamespace(
+        model_dir=str(tmp_path),
+        cfg=EngineConfig(name="vllm", **cfg),
+        dtype=torch.bfloat16,
+        _gpu_share=share,
+        device="cuda",
+        _weights_changed=lambda: None,
+        lowrank=None,
+        _reset_prefix_cache=lambda: None,
+    )
     engine._plan_settings = lambda **es: VLLMEngine._plan_settings(engine, **es)
     engine.check_es_memory = lambda spec: VLLMEngine.check_es_memory(engine, spec)
     return engine, VLLMEngine
@@ -209,10 +284,22 @@ def fake_engine(tmp_path, share: float, **cfg):
 def replica_spec(**changes):
     from es_ray.replica import ReplicaSpec
 
-    base = dict(run_seed=0, noise="auto", noise_table_size=1 << 25, noise_scope="per_tensor", trainable="",
-                optimizer="adam", lr=1e-3,
-                adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0, anchor_decay=0.0,
-                perturbation="full", rank=8)
+    base = dict(
+        run_seed=0,
+        noise="auto",
+        noise_table_size=1 << 25,
+        noise_scope="per_tensor",
+        trainable="",
+        optimizer="adam",
+        lr=1e-3,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_eps=1e-8,
+        weight_decay=0.0,
+        anchor_decay=0.0,
+        perturbation="full",
+        rank=8,
+    )
     return ReplicaSpec(**{**base, **changes})
 
 
@@ -224,8 +311,9 @@ def test_the_replica_host_refuses_before_setup_when_the_gpu_is_too_full(tmp_path
     engine, _ = fake_engine(tmp_path, share=0.7, max_model_len=2048)
     calls = []
     # every vLLM worker measures its own device (es_device_memory): 10 GiB free of 40
-    engine._rpc = lambda method, *args: [(10 * GiB, 40 * GiB)] if method is ESExtension.es_device_memory else \
-        calls.append(method)
+    engine._rpc = lambda method, *args: (
+        [(10 * GiB, 40 * GiB)] if method is ESExtension.es_device_memory else calls.append(method)
+    )
     host = VLLMReplicaHost(engine)
     with pytest.raises(ConfigError) as err:  # adam on 1.5B: ~21 GiB beside vLLM, 10 free
         host.setup(replica_spec())
@@ -251,8 +339,9 @@ def test_the_replica_host_plans_a_lowrank_replica_as_the_replica_states_it(tmp_p
     assert lowrank.item_bytes("es", "low-rank factors") > 0 and lowrank.part("es") < full.part("es") - GiB
     free = (lowrank.part("es") + full.part("es")) // 2
     calls = []
-    engine._rpc = lambda method, *args: [(free, 40 * GiB)] if method is ESExtension.es_device_memory else \
-        calls.append(method)
+    engine._rpc = lambda method, *args: (
+        [(free, 40 * GiB)] if method is ESExtension.es_device_memory else calls.append(method)
+    )
     host = VLLMReplicaHost(engine)
     with pytest.raises(ConfigError):
         host.setup(replica_spec())
@@ -274,8 +363,9 @@ def test_the_engine_share_comes_from_the_plan(tmp_path):
 
 
 def run_cli(*args: str) -> str:
-    res = subprocess.run([sys.executable, "-m", "es_ray.memory_plan", *args], capture_output=True, text=True,
-                         timeout=60, cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-m", "es_ray.memory_plan", *args], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
     assert res.returncode == 0, res.stderr
     return res.stdout
 
@@ -296,8 +386,12 @@ def test_cli_names_a_config_it_cannot_read_in_one_line(tmp_path, capsys):
 
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "gpt2.json").write_text(json.dumps({"model_type": "gpt2"}))
-    for path, why in ((tmp_path / "missing.json", "No such file"), (tmp_path / "bad.json", "Expecting"),
-                      (tmp_path / "gpt2.json", "not Llama- or Qwen2-shaped"), (tmp_path, "No such file")):
+    for path, why in (
+        (tmp_path / "missing.json", "No such file"),
+        (tmp_path / "bad.json", "Expecting"),
+        (tmp_path / "gpt2.json", "not Llama- or Qwen2-shaped"),
+        (tmp_path, "No such file"),
+    ):
         with pytest.raises(SystemExit) as exit:
             main(["--config", str(path)])
         err = capsys.readouterr().err.strip().splitlines()
@@ -350,11 +444,16 @@ def test_paper_presets_fit_8_x_80gb_at_every_stage(experiment, model):
             if kind == "grpo":
                 g = stage.grpo
                 assert g.gradient_checkpointing and g.dtype == "bf16_mixed"
-                ranks = max(g.fsdp_size, stage.cluster.num_actors) if g.colocate else \
-                    g.fsdp_size + stage.cluster.num_actors
+                ranks = (
+                    max(g.fsdp_size, stage.cluster.num_actors) if g.colocate else g.fsdp_size + stage.cluster.num_actors
+                )
                 assert ranks * stage.cluster.gpus_per_actor <= 8, spec.name
-                assert not plan_grpo(shape, replace(plan.settings, fsdp_size=1, gradient_checkpointing=False)) \
-                    .fits(usable_bytes(card)) or model != "qwen2.5-7b"  # what the presets' sharding is for
+                assert (
+                    not plan_grpo(shape, replace(plan.settings, fsdp_size=1, gradient_checkpointing=False)).fits(
+                        usable_bytes(card)
+                    )
+                    or model != "qwen2.5-7b"
+                )  # what the presets' sharding is for
     assert kinds == {"es", "grpo", "eval"}
 
 
@@ -366,8 +465,9 @@ def qwen7b_dir(tmp_path) -> Path:
 def grpo_cfg(model_dir, **grpo):
     from es_ray.grpo.config import to_grpo_config
 
-    return to_grpo_config({"model": {"path": str(model_dir)}, "grpo": grpo,
-                           "cluster": {"gpus_per_actor": 1, "num_actors": 1}})
+    return to_grpo_config(
+        {"model": {"path": str(model_dir)}, "grpo": grpo, "cluster": {"gpus_per_actor": 1, "num_actors": 1}}
+    )
 
 
 def test_startup_check_refuses_the_unsharded_7b_learner_and_names_the_keys(tmp_path):
@@ -379,15 +479,22 @@ def test_startup_check_refuses_the_unsharded_7b_learner_and_names_the_keys(tmp_p
     with pytest.raises(ConfigError) as err:
         startup_check("grpo", cfg, reported=card_bytes(80))
     msg = str(err.value)
-    assert "grpo.fsdp_size>=" in msg and "grpo.gradient_checkpointing=true" in msg and "79.6 GiB the GPU reports" \
-        in msg and "AdamW moments" in msg
+    assert (
+        "grpo.fsdp_size>=" in msg
+        and "grpo.gradient_checkpointing=true" in msg
+        and "79.6 GiB the GPU reports" in msg
+        and "AdamW moments" in msg
+    )
     ok = grpo_cfg(model, gradient_checkpointing=True, dtype="bf16_mixed", fsdp_size=4)
     assert startup_check("grpo", ok, reported=card_bytes(80)).gpus["learner"] < 60 * GiB
     assert startup_check("grpo", ok, reported=card_bytes(141)) is not None
     # 2 ranks on 40 GB cards
     with pytest.raises(ConfigError, match=r"set grpo.fsdp_size>=4 or grpo.offload=optimizer;"):
-        startup_check("grpo", grpo_cfg(model, gradient_checkpointing=True, dtype="bf16_mixed", fsdp_size=2),
-                      reported=card_bytes(40))
+        startup_check(
+            "grpo",
+            grpo_cfg(model, gradient_checkpointing=True, dtype="bf16_mixed", fsdp_size=2),
+            reported=card_bytes(40),
+        )
 
 
 def test_startup_check_on_cpu_counts_every_process_against_host_ram(tmp_path):
@@ -420,8 +527,11 @@ def test_offload_names_agree_and_bad_fsdp_settings_are_refused(tmp_path):
     from es_ray.grpo.config import OFFLOADS as GRPO_OFFLOADS, to_grpo_config
 
     assert OFFLOADS is GRPO_OFFLOADS  # one registry: the learner's memory statement's, which the config checks
-    for grpo, key in (({"fsdp_size": 0}, "grpo.fsdp_size=0"), ({"fsdp_size": 3}, "does not divide"),
-                      ({"offload": "gpu"}, "grpo.offload")):
+    for grpo, key in (
+        ({"fsdp_size": 0}, "grpo.fsdp_size=0"),
+        ({"fsdp_size": 3}, "does not divide"),
+        ({"offload": "gpu"}, "grpo.offload"),
+    ):
         with pytest.raises(ConfigError, match=key):
             to_grpo_config({"grpo": grpo})
 
@@ -431,11 +541,13 @@ def test_fsdp_offload_and_colocation_arithmetic():
     one, four = plan_grpo(m, Settings(learner="bf16_mixed")), plan_grpo(m, Settings(learner="bf16_mixed", fsdp_size=4))
     state = ("weights", "gradients", "AdamW moments")
     assert sum(four.item_bytes("learner", k) for k in state) == pytest.approx(
-        sum(one.item_bytes("learner", k) for k in state) / 4, abs=8)
+        sum(one.item_bytes("learner", k) for k in state) / 4, abs=8
+    )
     assert four.item_bytes("learner", "activations") == one.item_bytes("learner", "activations") // 4
     opt = plan_grpo(m, Settings(learner="bf16_mixed", fsdp_size=4, offload="optimizer"))
-    assert opt.item_bytes("host", "AdamW") == four.item_bytes("learner", "AdamW") and \
-        opt.part("learner") == four.part("learner") - four.item_bytes("learner", "AdamW")
+    assert opt.item_bytes("host", "AdamW") == four.item_bytes("learner", "AdamW") and opt.part("learner") == four.part(
+        "learner"
+    ) - four.item_bytes("learner", "AdamW")
     colo = plan_grpo(m, Settings(learner="bf16_mixed", fsdp_size=8, colocate=True))
     assert set(colo.gpus) == {"colocated"} and colo.total >= colo.part("vllm") + colo.item_bytes("learner", "AdamW")
     floor = plan_es(m, Settings(sequences=1, tokens_per_sequence=1024, kv_floor_tokens=32768))
@@ -471,8 +583,14 @@ def test_es_train_refuses_before_any_model_loads(tmp_path, monkeypatch):
 
     monkeypatch.setattr("es_ray.memory_plan.startup.host_bytes", lambda: 24 * GiB)
     monkeypatch.setattr("es_ray.runtime.cluster.connect", lambda *a: pytest.fail("Ray started"))
-    cfg = to_train_config({"model": {"path": str(qwen7b_dir(tmp_path))}, "es": {"optimizer": "adam"},
-                           "cluster": {"num_actors": 2}, "run": {"dir": str(tmp_path / "run")}})
+    cfg = to_train_config(
+        {
+            "model": {"path": str(qwen7b_dir(tmp_path))},
+            "es": {"optimizer": "adam"},
+            "cluster": {"num_actors": 2},
+            "run": {"dir": str(tmp_path / "run")},
+        }
+    )
     with pytest.raises(ConfigError, match="host memory .* cluster.num_actors"):
         driver.run(cfg)
     assert not (tmp_path / "run").exists()

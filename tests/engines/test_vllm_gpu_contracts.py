@@ -149,8 +149,9 @@ def test_request_seeds_fit_the_v2_runners_int64_seed_table():
         for index in (0, 1, 4095):
             s = engine_mod._request_seed(seed, index)
             assert 0 <= s < 2**63, (seed, index, s)
-    params = engine_mod.VLLMEngine._sampling_params(None, SimpleNamespace(
-        temperature=0.7, top_p=0.9, max_new_tokens=4), seed=2**64 + 5, n=3)
+    params = engine_mod.VLLMEngine._sampling_params(
+        None, SimpleNamespace(temperature=0.7, top_p=0.9, max_new_tokens=4), seed=2**64 + 5, n=3
+    )
     assert all(0 <= p.seed < 2**63 for p in params) and len({p.seed for p in params}) == 3
 
 
@@ -180,9 +181,13 @@ def test_the_gpu_model_runners_expose_what_the_extension_reaches():
     assert "self.lora_manager = LRUCacheWorkerLoRAManager(" in ast.unparse(_method(mixin, "load_lora_model"))
     v1 = _class(_vllm_source("v1/worker/gpu_model_runner.py"), "GPUModelRunner")
     assert "self.model.unwrap()" in ast.unparse(_method(v1, "get_model"))
-    reads = [f"{p.relative_to(REPO)}:{n}" for d in ("es_ray", "grpo", "benchmarks", "scripts")
-             for p in (REPO / d).rglob("*.py") for n, line in enumerate(p.read_text().splitlines(), 1)
-             if re.search(r"model_runner\.model\b", line)]
+    reads = [
+        f"{p.relative_to(REPO)}:{n}"
+        for d in ("es_ray", "grpo", "benchmarks", "scripts")
+        for p in (REPO / d).rglob("*.py")
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"model_runner\.model\b", line)
+    ]
     assert not reads, f"read model_runner.get_model() instead (a CUDA-graph wrapper on a GPU): {reads}"
 
 
@@ -290,8 +295,9 @@ def test_colocation_calls_match_vllms_sleep_and_wake_up():
     assert "self.llm.sleep(level=level)" in source and "self.llm.wake_up(tags=tags)" in source
     assert SLEEP_LEVEL == 2 and "self.engine.sleep(SLEEP_LEVEL)" in (REPO / "grpo" / "colocated.py").read_text()
     worker = _vllm_source("v1/worker/gpu_worker.py")
-    assert "if level == 2:" in worker and "name: buffer.cpu().clone() for name, buffer in model.named_buffers()" \
-        in worker
+    assert (
+        "if level == 2:" in worker and "name: buffer.cpu().clone() for name, buffer in model.named_buffers()" in worker
+    )
     assert 'wake_weights = tags is None or "weights" in tags' in worker and "buffer.data.copy_(" in worker
     core = _vllm_source("v1/engine/core.py")
     assert "clear_prefix_cache = level >= 1" in core
@@ -324,8 +330,10 @@ def test_a_tp1_write_reaches_the_worker_by_reference_with_the_engine_core_in_pro
     uni = _method(_class(_vllm_source("v1/executor/uniproc_executor.py"), "UniProcExecutor"), "collective_rpc")
     assert "run_method(self.driver_worker, method, args, kwargs)" in ast.unparse(uni)
     parallel = _vllm_source("config/parallel.py")
-    assert 'if self.distributed_executor_backend is None and self.world_size == 1:\n' \
-           '            self.distributed_executor_backend = "uni"' in parallel
+    assert (
+        'if self.distributed_executor_backend is None and self.world_size == 1:\n'
+        '            self.distributed_executor_backend = "uni"' in parallel
+    )
     source = (REPO / "es_ray" / "engines" / "vllm.py").read_text()
     assert 'os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")' in source
 
@@ -335,8 +343,9 @@ class _SleepyLLM:
 
     def __init__(self):
         self.asleep, self.calls = True, []
-        self.llm_engine = SimpleNamespace(is_sleeping=lambda: self.asleep,
-                                          model_config=SimpleNamespace(max_model_len=64))
+        self.llm_engine = SimpleNamespace(
+            is_sleeping=lambda: self.asleep, model_config=SimpleNamespace(max_model_len=64)
+        )
 
     def wake_up(self, tags=None):
         self.calls.append(("wake_up", tags))
@@ -362,8 +371,11 @@ def test_a_sleeping_engine_refuses_to_generate_or_write():
     engine._asleep = set()  # put to sleep by another hand than engine.sleep: refused all the same
     engine.cfg = SimpleNamespace(tensor_parallel_size=1)
     sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
-    for call in (lambda: engine.generate(["p"], sampling, seed=0), lambda: engine.token_logprobs([1], [2]),
-                 lambda: engine.write_weights([("w", torch.zeros(1))])):
+    for call in (
+        lambda: engine.generate(["p"], sampling, seed=0),
+        lambda: engine.token_logprobs([1], [2]),
+        lambda: engine.write_weights([("w", torch.zeros(1))]),
+    ):
         with pytest.raises(RuntimeError, match=r"asleep.*llm\.wake_up\(\) before"):
             call()
     assert engine.llm.calls == []
@@ -412,8 +424,13 @@ def test_weights_wake_before_the_kv_cache_and_a_write_needs_only_the_weights():
         engine.generate(["p"], sampling, seed=0)
     engine.wake_up(["kv_cache"])
     engine.generate(["p"], sampling, seed=0)
-    assert engine.llm.calls == [("sleep", 1), ("wake_up", ["weights"]), "es_write_weights", ("wake_up", ["kv_cache"]),
-                                "generate"]
+    assert engine.llm.calls == [
+        ("sleep", 1),
+        ("wake_up", ["weights"]),
+        "es_write_weights",
+        ("wake_up", ["kv_cache"]),
+        "generate",
+    ]
 
 
 def test_a_colocated_actor_frees_the_learners_cache_then_wakes_weights_syncs_and_wakes_the_kv_cache(monkeypatch):
@@ -422,12 +439,17 @@ def test_a_colocated_actor_frees_the_learners_cache_then_wakes_weights_syncs_and
     from es_ray.grpo import colocated
 
     calls = []
-    engine = SimpleNamespace(sleep=lambda level: calls.append(("sleep", level)),
-                             wake_up=lambda tags: calls.append(("wake", *tags)),
-                             write_weights=lambda items: calls.append(("write", [n for n, _ in items])),
-                             generate=lambda *a: calls.append("generate") or [])
-    learner = SimpleNamespace(chunks=[0, 1], train_step=lambda s, a: calls.append("train") or {},
-                              weight_chunk=lambda k, dtype, everywhere, on_device: {f"w{k}": torch.zeros(1)})
+    engine = SimpleNamespace(
+        sleep=lambda level: calls.append(("sleep", level)),
+        wake_up=lambda tags: calls.append(("wake", *tags)),
+        write_weights=lambda items: calls.append(("write", [n for n, _ in items])),
+        generate=lambda *a: calls.append("generate") or [],
+    )
+    learner = SimpleNamespace(
+        chunks=[0, 1],
+        train_step=lambda s, a: calls.append("train") or {},
+        weight_chunk=lambda k, dtype, everywhere, on_device: {f"w{k}": torch.zeros(1)},
+    )
     worker = object.__new__(colocated.ColocatedWorker)
     worker.cfg, worker.engine, worker.learner, worker.sleeping = None, engine, learner, []
     monkeypatch.setattr(colocated, "_on_gpu", lambda cfg: True)
@@ -437,8 +459,17 @@ def test_a_colocated_actor_frees_the_learners_cache_then_wakes_weights_syncs_and
     worker.train_step([], [])  # asleep already: not put to sleep twice
     worker.sync_local("bfloat16")
     worker.generate([0], 2, 0)
-    assert calls == [("sleep", 2), "train", "train", "empty_cache", ("wake", "weights"), ("write", ["w0"]),
-                     ("write", ["w1"]), ("wake", "kv_cache"), "generate"]
+    assert calls == [
+        ("sleep", 2),
+        "train",
+        "train",
+        "empty_cache",
+        ("wake", "weights"),
+        ("write", ["w0"]),
+        ("write", ["w1"]),
+        ("wake", "kv_cache"),
+        "generate",
+    ]
 
 
 def test_unshared_rows_each_get_a_salt_no_other_row_or_call_shares():

@@ -38,8 +38,11 @@ def test_float32_lowrank_on_a_gpu_is_refused_naming_engine_dtype():
 
 
 def test_batch_invariant_is_refused_where_vllm_has_no_gpu_kernels():
-    with pytest.raises(ConfigError, match=r"engine\.batch_invariant=true needs an engine with a batch-invariant mode.*"
-                       r"engine\.name=hf has none: set engine\.name= one of vllm"):
+    with pytest.raises(
+        ConfigError,
+        match=r"engine\.batch_invariant=true needs an engine with a batch-invariant mode.*"
+        r"engine\.name=hf has none: set engine\.name= one of vllm",
+    ):
         validate(_cfg(name="hf", batch_invariant=True))
     with pytest.raises(ConfigError, match="set engine.batch_invariant=false"):
         validate(_cfg(name="vllm", device="cpu", batch_invariant=True))
@@ -61,8 +64,7 @@ def test_batch_invariance_refused_once_vllm_read_it_as_off(monkeypatch):
     # batch-invariant softmax then fails)
     monkeypatch.setenv(BATCH_INVARIANT_ENV, "0")
     monkeypatch.delenv(BATCH_INVARIANT_ENV)
-    monkeypatch.setitem(sys.modules, "vllm.lora.ops.triton_ops.utils",
-                        types.SimpleNamespace(is_batch_invariant=False))
+    monkeypatch.setitem(sys.modules, "vllm.lora.ops.triton_ops.utils", types.SimpleNamespace(is_batch_invariant=False))
     with pytest.raises(RuntimeError, match="start the engine in a fresh process"):
         enable_batch_invariance()
     monkeypatch.setitem(sys.modules, "vllm.lora.ops.triton_ops.utils", types.SimpleNamespace(is_batch_invariant=True))

@@ -13,8 +13,7 @@ import torch
 from helpers import FITNESS, RUN_SEED, SKIP_VLLM, replica_spec
 
 from es_ray.engines.vllm_extension import ESExtension, write_state_part
-from es_ray.es.state import (STATE_TENSORS, LazyTensors, load_es_state, save_es_checkpoint,
-                             save_es_checkpoint_parts)
+from es_ray.es.state import STATE_TENSORS, LazyTensors, load_es_state, save_es_checkpoint, save_es_checkpoint_parts
 from es_ray.replica import Shard
 from es_ray.strategy import ask
 
@@ -34,12 +33,21 @@ def _two_ranks(whole: dict) -> tuple[list[dict], dict[str, list[Shard]]]:
     ranks = []
     for r in range(2):
         owned = {n: s[r] for n, s in shards.items() if s[r].owner}
-        ranks.append({"shards": owned,
-                      "master": {n: s.take(whole["master"][n]).clone() for n, s in owned.items()},
-                      "optimizer": {"t": whole["optimizer"]["t"],
-                                    "state": {n: {k: owned[n].take(v).clone() for k, v in m.items()}
-                                              for n, m in whole["optimizer"]["state"].items() if n in owned}},
-                      "theta0": {n: s.take(whole["theta0"][n]).clone() for n, s in owned.items()}})
+        ranks.append(
+            {
+                "shards": owned,
+                "master": {n: s.take(whole["master"][n]).clone() for n, s in owned.items()},
+                "optimizer": {
+                    "t": whole["optimizer"]["t"],
+                    "state": {
+                        n: {k: owned[n].take(v).clone() for k, v in m.items()}
+                        for n, m in whole["optimizer"]["state"].items()
+                        if n in owned
+                    },
+                },
+                "theta0": {n: s.take(whole["theta0"][n]).clone() for n, s in owned.items()},
+            }
+        )
     return ranks, shards
 
 
@@ -48,13 +56,14 @@ def whole_state(tiny_model_dir) -> dict:
     gen = torch.Generator().manual_seed(0)
     master = {n: t + 0.01 * torch.randn(t.shape, generator=gen) for n, t in LazyTensors(tiny_model_dir).items()}
     del master["lm_head.weight"]  # tied: the embedding
-    opt = {n: {"m": torch.randn(t.shape, generator=gen), "v": torch.rand(t.shape, generator=gen)}
-           for n, t in master.items()}
+    opt = {
+        n: {"m": torch.randn(t.shape, generator=gen), "v": torch.rand(t.shape, generator=gen)}
+        for n, t in master.items()
+    }
     return {"master": master, "optimizer": {"t": 5, "state": opt}, "theta0": {n: t * 0.5 for n, t in master.items()}}
 
 
-def test_parts_assemble_the_bytes_of_a_whole_save_and_ranks_read_only_their_part(whole_state, tiny_model_dir,
-                                                                                  tmp_path):
+def test_parts_assemble_the_bytes_of_a_whole_save_and_ranks_read_only_their_part(whole_state, tiny_model_dir, tmp_path):
     ranks, shards = _two_ranks(whole_state)
     whole = save_es_checkpoint(tmp_path / "whole", whole_state, tiny_model_dir, {"iteration": 1})
     written = []
@@ -83,8 +92,11 @@ def test_parts_assemble_the_bytes_of_a_whole_save_and_ranks_read_only_their_part
     assert len(sent) < 20_000 < sum(4 * t.numel() for t in whole_state["master"].values())
     rank1 = pickle.loads(sent)
     mine = {n: s[1] for n, s in shards.items()}
-    master, moments, theta0 = (rank1["master"].sliced(mine), rank1["optimizer"]["state"].sliced(mine),
-                               rank1["theta0"].sliced(mine))
+    master, moments, theta0 = (
+        rank1["master"].sliced(mine),
+        rank1["optimizer"]["state"].sliced(mine),
+        rank1["theta0"].sliced(mine),
+    )
     for n, s in mine.items():
         assert tuple(master[n].shape) == s.local_shape and torch.equal(master[n], s.take(whole_state["master"][n]))
         assert torch.equal(theta0[n], s.take(whole_state["theta0"][n]))
@@ -95,9 +107,14 @@ def test_a_checkpoint_with_the_moments_in_es_state_pt_still_loads(whole_state, t
     """The layout written before es_state.tensors: the moments and theta_0 torch.save'd inside es_state.pt."""
     from es_ray.runtime.checkpoint import save_checkpoint
 
-    path = save_checkpoint(tmp_path / "old", whole_state["master"], tiny_model_dir,
-                           {"optimizer": whole_state["optimizer"], "theta0": whole_state["theta0"]},
-                           {"iteration": 1}, "es")
+    path = save_checkpoint(
+        tmp_path / "old",
+        whole_state["master"],
+        tiny_model_dir,
+        {"optimizer": whole_state["optimizer"], "theta0": whole_state["theta0"]},
+        {"iteration": 1},
+        "es",
+    )
     assert not (path / STATE_TENSORS).exists()
     state = load_es_state(path)
     assert state["optimizer"]["t"] == 5
@@ -108,8 +125,12 @@ def test_a_checkpoint_with_the_moments_in_es_state_pt_still_loads(whole_state, t
 
 def test_a_state_without_moments_writes_no_state_tensors(tiny_model_dir, tmp_path):
     master = dict(LazyTensors(tiny_model_dir).items())
-    path = save_es_checkpoint(tmp_path / "sgd", {"master": master, "optimizer": {"t": 2, "state": {}}, "theta0": None},
-                              tiny_model_dir, {"iteration": 2})
+    path = save_es_checkpoint(
+        tmp_path / "sgd",
+        {"master": master, "optimizer": {"t": 2, "state": {}}, "theta0": None},
+        tiny_model_dir,
+        {"iteration": 2},
+    )
     assert not (path / STATE_TENSORS).exists()
     state = load_es_state(path)
     assert state["optimizer"] == {"t": 2, "state": {}} and state["theta0"] is None
@@ -128,8 +149,10 @@ def test_tensor_parallel_ranks_save_and_resume_their_own_parts(tiny_model_dir, t
     torch.set_num_threads(1)
     env = dict(os.environ)
     spec = replica_spec(RUN_SEED, noise="counter", optimizer="adam", anchor_decay=0.1)
-    tp = make_engine(str(tiny_model_dir), EngineConfig(name="vllm", dtype="float32", device="cpu", enforce_eager=True,
-                                                        tensor_parallel_size=2))
+    tp = make_engine(
+        str(tiny_model_dir),
+        EngineConfig(name="vllm", dtype="float32", device="cpu", enforce_eager=True, tensor_parallel_size=2),
+    )
     ref = make_engine(str(tiny_model_dir), EngineConfig(name="hf", dtype="float32", device="cpu"))
     try:
         host = tp.replica_host()

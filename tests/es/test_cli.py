@@ -37,8 +37,13 @@ def test_bad_input_is_refused_with_a_message(override, expected, tmp_path):
 
 
 def test_pass_at_k_with_fewer_samples_than_k_is_refused_in_one_line(tmp_path):
-    res = es_train("task.objective=pass_at_k", "task.objective_k=4", "es.samples_per_prompt=2",
-                   f"run.dir={tmp_path / 'run'}", timeout=300)
+    res = es_train(
+        "task.objective=pass_at_k",
+        "task.objective_k=4",
+        "es.samples_per_prompt=2",
+        f"run.dir={tmp_path / 'run'}",
+        timeout=300,
+    )
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-2000:]
     assert "es.samples_per_prompt=2" in res.stderr and not (tmp_path / "run").exists()
 
@@ -53,8 +58,16 @@ def test_es_train_on_default_model_writes_loadable_checkpoint(tmp_path):
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "run"
-    res = es_train("es.population=2", "es.iterations=2", "es.prompts_per_iteration=2", "sampling.max_new_tokens=4",
-                   "cluster.num_actors=2", "eval.every=0", "run.progress=false", f"run.dir={run_dir}")
+    res = es_train(
+        "es.population=2",
+        "es.iterations=2",
+        "es.prompts_per_iteration=2",
+        "sampling.max_new_tokens=4",
+        "cluster.num_actors=2",
+        "eval.every=0",
+        "run.progress=false",
+        f"run.dir={run_dir}",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1]
@@ -74,11 +87,31 @@ def test_the_printed_continue_command_resumes_the_run_as_printed(ray_local, tiny
     run_dir = tmp_path / "run dir"  # a space: the printed command must quote it
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
     first = subprocess.run(
-        ["es-train", f"model.path={tiny_model_dir}", "task.name=es_test_tasks:VowelTask", "task.train_size=8",
-         "es.population=2", "es.sigma=0.02", "es.iterations=4", "es.prompts_per_iteration=4",
-         "sampling.max_new_tokens=4", "engine.dtype=float32", "cluster.num_actors=1", "cluster.cpus_per_actor=1",
-         "eval.every=0", "run.progress=false", "run.trackers=[]", "faults.interrupt_at_iteration=1",
-         "faults.actor_delay_s=1", f"run.dir={run_dir}"], capture_output=True, text=True, timeout=600, env=env)
+        [
+            "es-train",
+            f"model.path={tiny_model_dir}",
+            "task.name=es_test_tasks:VowelTask",
+            "task.train_size=8",
+            "es.population=2",
+            "es.sigma=0.02",
+            "es.iterations=4",
+            "es.prompts_per_iteration=4",
+            "sampling.max_new_tokens=4",
+            "engine.dtype=float32",
+            "cluster.num_actors=1",
+            "cluster.cpus_per_actor=1",
+            "eval.every=0",
+            "run.progress=false",
+            "run.trackers=[]",
+            "faults.interrupt_at_iteration=1",
+            "faults.actor_delay_s=1",
+            f"run.dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     out = first.stdout + first.stderr
     assert first.returncode == 128 + signal.SIGTERM, out[-3000:]
     command = out.split("Continue with: ", 1)[1].splitlines()[0]
@@ -90,16 +123,19 @@ def test_the_printed_continue_command_resumes_the_run_as_printed(ray_local, tiny
     assert json.loads((run_dir / "config.json").read_text())["es"]["population"] == 2
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["es.populaton=2"], r"^unknown key es\.populaton in 'es\.populaton=2': did you mean es\.population\?"),
-    (["modle=x"], r"^unknown key modle .*did you mean model\?"),
-    (["es.population=abc"], r"^es\.population=abc: Value 'abc' of type 'str' could not be converted to Integer$"),
-    (["eval.every=1.5"], r"^eval\.every=1\.5: .*Integer$"),
-    (["run.trackers=wandb"], r"^run\.trackers=wandb: .*key=\[a,b\]"),
-    (["es.population=[1"], r"^cannot read the override 'es\.population=\[1'"),
-    (["experiment=nope"], r"^experiment=nope: no such preset; choose one of coverage, cpu_demo, "),
-    (["experiment=cpu_demo"], r"^experiment=cpu_demo: Key 'budget' not in 'ESTrainConfig'; the preset is not for"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["es.populaton=2"], r"^unknown key es\.populaton in 'es\.populaton=2': did you mean es\.population\?"),
+        (["modle=x"], r"^unknown key modle .*did you mean model\?"),
+        (["es.population=abc"], r"^es\.population=abc: Value 'abc' of type 'str' could not be converted to Integer$"),
+        (["eval.every=1.5"], r"^eval\.every=1\.5: .*Integer$"),
+        (["run.trackers=wandb"], r"^run\.trackers=wandb: .*key=\[a,b\]"),
+        (["es.population=[1"], r"^cannot read the override 'es\.population=\[1'"),
+        (["experiment=nope"], r"^experiment=nope: no such preset; choose one of coverage, cpu_demo, "),
+        (["experiment=cpu_demo"], r"^experiment=cpu_demo: Key 'budget' not in 'ESTrainConfig'; the preset is not for"),
+    ],
+)
 def test_hydra_errors_are_one_line_naming_the_key(args, expected):
     import re
 
@@ -112,12 +148,15 @@ def test_hydra_errors_are_one_line_naming_the_key(args, expected):
     assert check_overrides("es_train", ["es.population=4", "experiment=es_reference_gsm8k", "+eval.paths.x=y"]) is None
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["es.populaton=2"], "did you mean es.population?"),
-    (["es.population=abc"], "es.population=abc"),
-    (["-m", "es.sigma=1e-3,2e-3"], "es-submit --sweep"),
-    (["--multirun", "es.sigma=1e-3"], "es-submit --sweep"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["es.populaton=2"], "did you mean es.population?"),
+        (["es.population=abc"], "es.population=abc"),
+        (["-m", "es.sigma=1e-3,2e-3"], "es-submit --sweep"),
+        (["--multirun", "es.sigma=1e-3"], "es-submit --sweep"),
+    ],
+)
 def test_hydra_errors_and_multirun_exit_2_with_one_line_before_any_work(args, expected, tmp_path):
     res = es_train(*args, f"run.dir={tmp_path / 'run'}", timeout=300)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and expected in res.stderr, res.stderr[-2000:]

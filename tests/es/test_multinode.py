@@ -99,8 +99,9 @@ def test_es_actors_on_two_nodes_stay_bit_identical(two_nodes, tiny_model_dir, tm
     assert any(not torch.equal(w2[k], base[k].float()) for k in w2), "training did not change the weights"
 
 
-def test_node_lost_on_a_full_cluster_stops_cleanly_with_a_checkpoint_from_a_live_actor(two_nodes, tiny_model_dir,
-                                                                                          tmp_path, capsys):
+def test_node_lost_on_a_full_cluster_stops_cleanly_with_a_checkpoint_from_a_live_actor(
+    two_nodes, tiny_model_dir, tmp_path, capsys
+):
     """Both one-CPU nodes hold an actor (no spare capacity). The node of actor 0 is removed after the first
     iteration: its replacement cannot be placed, so within faults.placement_timeout_s the run stops, actor 1 (alive)
     writes the checkpoint of the committed iterations, and the message gives the resume command."""
@@ -114,8 +115,16 @@ def test_node_lost_on_a_full_cluster_stops_cleanly_with_a_checkpoint_from_a_live
     from es_ray.runtime.checkpoint import verify_dir
 
     cluster, _ = two_nodes
-    cfg = tiny_cfg(tiny_model_dir, tmp_path, cluster__num_actors=2, cluster__placement="spread", es__iterations=8,
-                   es__prompts_per_iteration=4, faults__actor_delay_s=1.0, faults__placement_timeout_s=3.0)
+    cfg = tiny_cfg(
+        tiny_model_dir,
+        tmp_path,
+        cluster__num_actors=2,
+        cluster__placement="spread",
+        es__iterations=8,
+        es__prompts_per_iteration=4,
+        faults__actor_delay_s=1.0,
+        faults__placement_timeout_s=3.0,
+    )
     groups, removed = [], {}
     start_workers = driver.start_workers
 

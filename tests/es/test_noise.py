@@ -13,8 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from es_ray.noise import (NOISE_KINDS, PORTABLE_KINDS, NoiseSource, _tables_cpu, counter_noise, derive_seed,
-                          philox4x32, resolve_kind, table_seed)
+from es_ray.noise import (
+    NOISE_KINDS,
+    PORTABLE_KINDS,
+    NoiseSource,
+    _tables_cpu,
+    counter_noise,
+    derive_seed,
+    philox4x32,
+    resolve_kind,
+    table_seed,
+)
 
 SHAPE = torch.Size([64, 48])
 
@@ -31,10 +40,20 @@ def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_derive_seed_is_deterministic_and_63_bit():
-    seeds = [derive_seed(s, t, i, n) for s in (0, 1, 2**40) for t in (-1, 0, 7) for i in (0, 3)
-             for n in ("a", "model.layers.0.mlp.up_proj.weight")]
-    assert seeds == [derive_seed(s, t, i, n) for s in (0, 1, 2**40) for t in (-1, 0, 7) for i in (0, 3)
-                     for n in ("a", "model.layers.0.mlp.up_proj.weight")]
+    seeds = [
+        derive_seed(s, t, i, n)
+        for s in (0, 1, 2**40)
+        for t in (-1, 0, 7)
+        for i in (0, 3)
+        for n in ("a", "model.layers.0.mlp.up_proj.weight")
+    ]
+    assert seeds == [
+        derive_seed(s, t, i, n)
+        for s in (0, 1, 2**40)
+        for t in (-1, 0, 7)
+        for i in (0, 3)
+        for n in ("a", "model.layers.0.mlp.up_proj.weight")
+    ]
     assert all(isinstance(s, int) and 0 <= s < 2**63 for s in seeds)
     assert len(set(seeds)) == len(seeds)  # every tuple differs, so every seed does
     assert table_seed(5) == derive_seed(5, -1, -1, "__noise_table__")
@@ -73,7 +92,7 @@ def test_per_tensor_out_buffer_gives_the_same_values():
     got = src.noise(2, 1, "w", SHAPE, out=view)
     assert torch.equal(got, fresh)
     assert torch.equal(view, fresh)  # written in place
-    assert torch.isnan(flat[SHAPE.numel():]).all()  # nothing written past the view
+    assert torch.isnan(flat[SHAPE.numel() :]).all()  # nothing written past the view
 
 
 @pytest.mark.parametrize("change", ["run_seed", "iteration", "noise_id", "name"])
@@ -160,8 +179,11 @@ _M32 = (1 << 32) - 1
 PHILOX_KAT = [  # Random123 kat_vectors: counter, key, expected
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((_M32,) * 4, (_M32,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
 ]
 TABLES_DIGEST = "9b8c30f2fd95398c"
 """blake2b-8 of the counter's radius, cos and sin tables: a host whose tables differ draws other noise."""
@@ -243,16 +265,18 @@ def test_counter_out_buffer_gives_the_same_values():
     flat = torch.full((SHAPE.numel() + 10,), float("nan"))
     got = src.noise(2, 1, "w", SHAPE, out=flat[: SHAPE.numel()].view(SHAPE))
     assert torch.equal(got, src.noise(2, 1, "w", SHAPE))
-    assert torch.isnan(flat[SHAPE.numel():]).all()
+    assert torch.isnan(flat[SHAPE.numel() :]).all()
 
 
 def test_counter_is_the_same_under_another_cpu_capability():
     """ATen's CPU kernels differ by capability (torch.randn does: DEFAULT draws other numbers than AVX2), the
     counter must not: this process (its native capability) against a subprocess held to DEFAULT."""
-    code = ("import hashlib, torch; from es_ray.noise import counter_noise; "
-            "x = counter_noise(123456789, 17, torch.empty(100003)); "
-            "print(torch.backends.cpu.get_cpu_capability(), "
-            "hashlib.blake2b(x.numpy().tobytes(), digest_size=8).hexdigest())")
+    code = (
+        "import hashlib, torch; from es_ray.noise import counter_noise; "
+        "x = counter_noise(123456789, 17, torch.empty(100003)); "
+        "print(torch.backends.cpu.get_cpu_capability(), "
+        "hashlib.blake2b(x.numpy().tobytes(), digest_size=8).hexdigest())"
+    )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["DEFAULT", _digest(counter_noise(123456789, 17, torch.empty(100003)))]
@@ -276,9 +300,11 @@ def test_counter_elements_and_streams_are_uncorrelated():
         assert abs(_corr(x[:-lag], x[lag:])) < 0.005  # null std 0.001
     assert abs(_corr(x[0::2], x[1::2])) < 0.005  # the two halves of each pair
     assert abs(_corr(x[0::2] ** 2, x[1::2] ** 2)) < 0.01  # independent, not only uncorrelated
-    for other in (src.noise(0, 0, "model.layers.0.self_attn.k_proj.weight", x.shape),  # another tensor
-                  src.noise(0, 1, "model.layers.0.self_attn.q_proj.weight", x.shape),  # another member
-                  src.noise(1, 0, "model.layers.0.self_attn.q_proj.weight", x.shape)):  # another iteration
+    for other in (
+        src.noise(0, 0, "model.layers.0.self_attn.k_proj.weight", x.shape),  # another tensor
+        src.noise(0, 1, "model.layers.0.self_attn.q_proj.weight", x.shape),  # another member
+        src.noise(1, 0, "model.layers.0.self_attn.q_proj.weight", x.shape),
+    ):  # another iteration
         assert abs(_corr(x, other.double())) < 0.005
         assert float((x == other.double()).double().mean()) < 1e-3
 
@@ -309,8 +335,10 @@ def test_counter_is_bit_equal_on_cpu_and_cuda():
     src = NoiseSource(11, kind="counter", device="cuda")
     part = src.noise_slice(4, 2, "w", torch.Size([1000, 37]), slice(100, 300))
     assert torch.equal(_bits(part.cpu()), _bits(NoiseSource(11, kind="counter").noise(4, 2, "w", (1000, 37))[100:300]))
-    assert np.array_equal(counter_noise(77, 5, torch.empty(64, device="cuda")).cpu().numpy().view(np.int32),
-                          np.array([_counter_ref(77, 5 + e) for e in range(64)], dtype=np.float32).view(np.int32))
+    assert np.array_equal(
+        counter_noise(77, 5, torch.empty(64, device="cuda")).cpu().numpy().view(np.int32),
+        np.array([_counter_ref(77, 5 + e) for e in range(64)], dtype=np.float32).view(np.int32),
+    )
 
 
 # -- auto, and the driver's device check --------------------------------------------------------------------

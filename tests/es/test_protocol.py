@@ -121,8 +121,13 @@ def test_per_prompt_values_are_scalars_sized_by_members_times_prompts():
     answer grows as members x prompts scalars, about 9 bytes each pickled."""
     prompts = 16
     rng = np.random.default_rng(1)
-    result = EvalResult(tuple(MemberResult(i, 0.5, 16 * 64, 0, 0.25, tuple(float(v) for v in rng.uniform(size=prompts)))
-                              for i in range(POPULATION)), {"generate": 30.5})
+    result = EvalResult(
+        tuple(
+            MemberResult(i, 0.5, 16 * 64, 0, 0.25, tuple(float(v) for v in rng.uniform(size=prompts)))
+            for i in range(POPULATION)
+        ),
+        {"generate": 30.5},
+    )
     assert bad_leaves(result) == []
     data = pickle.dumps(result)
     assert len(data) < MAX_BYTES + 12 * POPULATION * prompts, len(data)

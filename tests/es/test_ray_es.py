@@ -26,8 +26,10 @@ def default_runs(ray_local, tiny_model_dir, tmp_path_factory) -> dict:
     """tiny_cfg's run with one actor (a checkpoint every iteration) and with two (none between): the same seed, so
     the same run. Run once for the module; the tests below only read them."""
     root = tmp_path_factory.mktemp("ray-es")
-    return {"one": run(tiny_cfg(tiny_model_dir, root / "one", run__checkpoint_every=1)),
-            "two": run(tiny_cfg(tiny_model_dir, root / "two", cluster__num_actors=2))}
+    return {
+        "one": run(tiny_cfg(tiny_model_dir, root / "one", run__checkpoint_every=1)),
+        "two": run(tiny_cfg(tiny_model_dir, root / "two", cluster__num_actors=2)),
+    }
 
 
 def test_two_actors_equal_one_actor_bit_for_bit(default_runs, tiny_model_dir):
@@ -38,8 +40,9 @@ def test_two_actors_equal_one_actor_bit_for_bit(default_runs, tiny_model_dir):
     assert w1.keys() == w2.keys()
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
     assert any(not torch.equal(w1[k], base[k].float()) for k in w1), "training did not change the weights"
-    logs = [[json.loads(x) for x in (Path(r["run_dir"]) / "seed_log.jsonl").read_text().splitlines()]
-            for r in (one, two)]
+    logs = [
+        [json.loads(x) for x in (Path(r["run_dir"]) / "seed_log.jsonl").read_text().splitlines()] for r in (one, two)
+    ]
     assert [r["checksum"] for r in logs[0]] == [r["checksum"] for r in logs[1]]
     assert [r["rewards"] for r in logs[0]] == [r["rewards"] for r in logs[1]]
     rows = _metrics(Path(two["run_dir"]))
@@ -67,8 +70,16 @@ def test_same_seed_same_run_and_checkpoint_loads(default_runs):
 def test_mean_reward_rises(ray_local, tiny_model_dir, tmp_path):
     """A dense reward a tiny model can move: the share of vowels in its greedy output."""
     # sigma 0.02, alpha 0.02 (lr = alpha * sigma): measured +0.23 and +0.22 for run seeds 3 and 4
-    cfg = tiny_cfg(tiny_model_dir, tmp_path / "learn", es__population=8, es__iterations=8, es__sigma=0.02,
-                   es__lr=0.02 * 0.02, es__prompts_per_iteration=8, cluster__num_actors=2)
+    cfg = tiny_cfg(
+        tiny_model_dir,
+        tmp_path / "learn",
+        es__population=8,
+        es__iterations=8,
+        es__sigma=0.02,
+        es__lr=0.02 * 0.02,
+        es__prompts_per_iteration=8,
+        cluster__num_actors=2,
+    )
     run(cfg)
     rewards = [r["reward/mean"] for r in _metrics(tmp_path / "learn")]
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
@@ -94,13 +105,18 @@ def test_lowrank_replicas_agree_across_actor_counts_and_resume_exactly(ray_local
     a run stopped after two iterations and resumed to three ends where the uninterrupted run does (Adam's state
     in the checkpoint); only linear-layer weights move."""
     lowrank = dict(es__perturbation="lowrank", es__rank=4, es__optimizer="adam", es__lr=1e-3)
-    one = load_file(Path(run(tiny_cfg(tiny_model_dir, tmp_path / "one", **lowrank))["final_checkpoint"])
-                    / "model.safetensors")
-    two = load_file(Path(run(tiny_cfg(tiny_model_dir, tmp_path / "two", cluster__num_actors=2, **lowrank))
-                         ["final_checkpoint"]) / "model.safetensors")
+    one = load_file(
+        Path(run(tiny_cfg(tiny_model_dir, tmp_path / "one", **lowrank))["final_checkpoint"]) / "model.safetensors"
+    )
+    two = load_file(
+        Path(run(tiny_cfg(tiny_model_dir, tmp_path / "two", cluster__num_actors=2, **lowrank))["final_checkpoint"])
+        / "model.safetensors"
+    )
     run(tiny_cfg(tiny_model_dir, tmp_path / "cut", es__iterations=2, **lowrank))
-    resumed = load_file(Path(run(tiny_cfg(tiny_model_dir, tmp_path / "cut", run__resume=True, **lowrank))
-                             ["final_checkpoint"]) / "model.safetensors")
+    resumed = load_file(
+        Path(run(tiny_cfg(tiny_model_dir, tmp_path / "cut", run__resume=True, **lowrank))["final_checkpoint"])
+        / "model.safetensors"
+    )
     base = load_file(Path(tiny_model_dir) / "model.safetensors")
     for other in (two, resumed):
         assert other.keys() == one.keys() and all(torch.equal(one[k], other[k]) for k in one)
@@ -114,8 +130,14 @@ def test_samples_per_prompt_replicas_equal_and_every_sample_counted(ray_local, t
     """es.samples_per_prompt=2 with the per-prompt baseline and a pass@2 objective: two actors equal one bit for bit,
     and the ledger counts both samples of every prompt (the tiny random model rarely stops early, so more tokens
     than one sample per prompt could hold prove the second was generated and counted)."""
-    over = dict(es__samples_per_prompt=2, es__fitness_baseline="per_prompt", task__objective="pass_at_k",
-                task__objective_k=2, sampling__temperature=1.0, es__iterations=2)
+    over = dict(
+        es__samples_per_prompt=2,
+        es__fitness_baseline="per_prompt",
+        task__objective="pass_at_k",
+        task__objective_k=2,
+        sampling__temperature=1.0,
+        es__iterations=2,
+    )
     one = run(tiny_cfg(tiny_model_dir, tmp_path / "one", **over))
     two = run(tiny_cfg(tiny_model_dir, tmp_path / "two", cluster__num_actors=2, **over))
     w1 = load_file(Path(one["final_checkpoint"]) / "model.safetensors")

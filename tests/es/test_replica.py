@@ -14,8 +14,19 @@ from helpers import REPLICA_SEED, Engine, initial_params, replica_spec
 from es_ray.es.config import ESConfig, ESTrainConfig
 from es_ray.es.config import replica_spec as spec_from_config
 from es_ray.noise import NoiseSource
-from es_ray.replica import (Replica, ReplicaSpec, Shard, checksum, combine_checksums, gather_shards, gather_states,
-                            mismatches, tensor_checksum, update_health, update_sums)
+from es_ray.replica import (
+    Replica,
+    ReplicaSpec,
+    Shard,
+    checksum,
+    combine_checksums,
+    gather_shards,
+    gather_states,
+    mismatches,
+    tensor_checksum,
+    update_health,
+    update_sums,
+)
 from es_ray.strategy import ask, zscore
 
 SEED = REPLICA_SEED
@@ -231,6 +242,7 @@ def test_realised_measures_what_the_engine_held_not_the_cast():
 def test_an_engine_that_loses_a_write_fails_the_update():
     replica, engine = make_replica(torch.bfloat16, lr=1e-2)
     write = engine.write
+
     def engine_write_dropping_norm(named):
         write((n, t) for n, t in named if n != "model.norm.weight")
 
@@ -310,9 +322,18 @@ def test_state_dict_round_trip_resumes_identically():
 def test_spec_from_config_carries_every_es_setting():
     """Every ReplicaSpec field is read from the config key it names: changing each key changes that field alone.
     The ES settings the replica does not use are listed here, so a new one has to be placed on one side."""
-    driver_only = {"population", "sigma", "iterations", "prompts_per_iteration", "shaping", "estimator",
-                   "checksum_every", "on_mismatch",
-                   "samples_per_prompt", "fitness_baseline"}  # how the workers sample and score, not the update
+    driver_only = {
+        "population",
+        "sigma",
+        "iterations",
+        "prompts_per_iteration",
+        "shaping",
+        "estimator",
+        "checksum_every",
+        "on_mismatch",
+        "samples_per_prompt",
+        "fitness_baseline",
+    }  # how the workers sample and score, not the update
     fields = dataclasses.fields(ReplicaSpec)
     keys = {f.name: f.metadata["config"] for f in fields}
     es_keys = {k.removeprefix("es.") for k in keys.values() if k.startswith("es.")}
@@ -378,8 +399,18 @@ def make_ranks(dtype=torch.float32, params=None, **spec_kw):
     for rank in range(2):
         shards = two_rank_shards(rank)
         engine = RankEngine(params, dtype, shards)
-        out.append((Replica(((k, shards[k].take(v)) for k, v in params.items()), replica_spec(**spec_kw),
-                            engine.write, engine.read, shards=shards), engine))
+        out.append(
+            (
+                Replica(
+                    ((k, shards[k].take(v)) for k, v in params.items()),
+                    replica_spec(**spec_kw),
+                    engine.write,
+                    engine.read,
+                    shards=shards,
+                ),
+                engine,
+            )
+        )
     return out
 
 
@@ -472,8 +503,9 @@ def test_a_split_replica_reads_only_its_part_and_proves_the_split_with_nan(tmp_p
     save_file(params, str(tmp_path / "model.safetensors"))
     shards = two_rank_shards(1)
     engine = RankEngine(params, torch.float32, shards)
-    replica = Replica.from_checkpoint(str(tmp_path), list(params), replica_spec(), engine.write, engine.read,
-                                      shards=shards)
+    replica = Replica.from_checkpoint(
+        str(tmp_path), list(params), replica_spec(), engine.write, engine.read, shards=shards
+    )
     assert engine.nan_outside and replica.engine_mismatches() == {}
     for name, shard in shards.items():
         assert torch.equal(replica.master[name], shard.take(params[name]))

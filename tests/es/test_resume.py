@@ -29,8 +29,7 @@ ITERATIONS = 4
 
 def resume_cfg(model_dir, run_dir, **over):
     """Adam, so the optimizer state must survive the checkpoint too."""
-    base = dict(es__iterations=ITERATIONS, es__optimizer="adam", es__lr=1e-3, run__checkpoint_every=2,
-                eval__every=0)
+    base = dict(es__iterations=ITERATIONS, es__optimizer="adam", es__lr=1e-3, run__checkpoint_every=2, eval__every=0)
     return tiny_cfg(model_dir, run_dir, **{**base, **over})
 
 
@@ -42,8 +41,9 @@ def reference(ray_local, tiny_model_dir, tmp_path_factory):
 
 def test_run_stopped_on_a_mismatch_resumes_to_the_same_weights(reference, tiny_model_dir, tmp_path):
     """Two actors stop at iteration 3 (one replica corrupted); one actor resumes from iter_2 + 1 replayed update."""
-    stopped = resume_cfg(tiny_model_dir, tmp_path, cluster__num_actors=2, faults__corrupt_replica_at_iteration=3,
-                         faults__actor_rank=1)
+    stopped = resume_cfg(
+        tiny_model_dir, tmp_path, cluster__num_actors=2, faults__corrupt_replica_at_iteration=3, faults__actor_rank=1
+    )
     with pytest.raises(ReplicaMismatchError, match=r"iteration 3: replica checksums differ.*es\.on_mismatch=rebuild"):
         run(stopped)
     assert len(SeedLog.read(tmp_path / "seed_log.jsonl")) == 3
@@ -69,12 +69,15 @@ def _cli_overrides(cfg: ESTrainConfig) -> list[str]:
     return out
 
 
-def test_sigterm_writes_a_checkpoint_exits_cleanly_and_resumes_exactly(reference, ray_local, tiny_model_dir,
-                                                                        tmp_path):
+def test_sigterm_writes_a_checkpoint_exits_cleanly_and_resumes_exactly(reference, ray_local, tiny_model_dir, tmp_path):
     cfg = resume_cfg(tiny_model_dir, tmp_path, faults__actor_delay_s=1.5)
     address = ray_local.get_runtime_context().gcs_address
-    proc = subprocess.Popen(["es-train", *_cli_overrides(cfg), f"cluster.address={address}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        ["es-train", *_cli_overrides(cfg), f"cluster.address={address}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     log = tmp_path / "seed_log.jsonl"
     deadline = time.monotonic() + 240
     while not (log.is_file() and log.read_text().count("\n") >= 1) and proc.poll() is None:
@@ -108,8 +111,18 @@ def test_sigterm_writes_a_checkpoint_exits_cleanly_and_resumes_exactly(reference
 
 def test_resume_refuses_settings_that_change_the_run(tiny_model_dir, tmp_path):
     old = dataclasses.asdict(resume_cfg(tiny_model_dir, tmp_path))
-    check_same_run(old, resume_cfg(tiny_model_dir, tmp_path, es__iterations=9, cluster__num_actors=2,
-                                   run__resume=True, faults__actor_delay_s=1.0), RESUME_FREE)
+    check_same_run(
+        old,
+        resume_cfg(
+            tiny_model_dir,
+            tmp_path,
+            es__iterations=9,
+            cluster__num_actors=2,
+            run__resume=True,
+            faults__actor_delay_s=1.0,
+        ),
+        RESUME_FREE,
+    )
     with pytest.raises(ConfigError, match=r"es\.sigma"):
         check_same_run(old, resume_cfg(tiny_model_dir, tmp_path, es__sigma=0.05, run__resume=True), RESUME_FREE)
     os.makedirs(tmp_path / "checkpoints")

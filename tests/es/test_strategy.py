@@ -19,8 +19,7 @@ from helpers import Engine, replica_spec
 from es_ray.noise import NoiseSource
 from es_ray.replica import Replica
 from es_ray.core.config import ConfigError
-from es_ray.strategy import (Member, Optimizer, ask, centered_rank, noise_coefficients, shape_fitness,
-                             zscore)
+from es_ray.strategy import Member, Optimizer, ask, centered_rank, noise_coefficients, shape_fitness, zscore
 
 SEED = 20260
 TABLE_SIZE = 4096
@@ -31,8 +30,9 @@ TABLE_SIZE = 4096
 
 def test_zscore_hand_computed():
     # mean 2.5, population std sqrt(5)/2 -> (r - 2.5) / (sqrt(5)/2) = [-3, -1, 1, 3] / sqrt(5)
-    np.testing.assert_allclose(zscore(np.array([1.0, 2.0, 3.0, 4.0])), np.array([-3, -1, 1, 3]) / np.sqrt(5),
-                               rtol=0, atol=1e-12)
+    np.testing.assert_allclose(
+        zscore(np.array([1.0, 2.0, 3.0, 4.0])), np.array([-3, -1, 1, 3]) / np.sqrt(5), rtol=0, atol=1e-12
+    )
     # the order of the rewards is kept
     np.testing.assert_allclose(zscore([4.0, 1.0, 3.0, 2.0]), np.array([3, -3, 1, -1]) / np.sqrt(5), atol=1e-12)
 
@@ -61,8 +61,9 @@ def test_centered_rank_hand_computed():
     # ties share their mean rank: ranks 0, 1.5, 1.5, 3 over n - 1 = 3
     np.testing.assert_allclose(centered_rank(np.array([1.0, 2.0, 2.0, 3.0])), [-0.5, 0.0, 0.0, 0.5], atol=1e-15)
     # ties at the bottom: ranks 0.5, 0.5, 2, 3 over 3
-    np.testing.assert_allclose(centered_rank(np.array([0.0, 0.0, 5.0, 9.0])),
-                               [0.5 / 3 - 0.5, 0.5 / 3 - 0.5, 2 / 3 - 0.5, 0.5], atol=1e-15)
+    np.testing.assert_allclose(
+        centered_rank(np.array([0.0, 0.0, 5.0, 9.0])), [0.5 / 3 - 0.5, 0.5 / 3 - 0.5, 2 / 3 - 0.5, 0.5], atol=1e-15
+    )
     assert np.array_equal(centered_rank(np.array([7.0])), np.zeros(1))
 
 
@@ -152,8 +153,9 @@ def eps_np(iteration: int, noise_id: int, name: str, shape, noise: str = "per_te
     return src.noise(iteration, noise_id, name, torch.Size(shape)).numpy().astype(np.float64)
 
 
-def reference_g(theta: dict[str, np.ndarray], iteration: int, members, fitness, sigma: float,
-                noise: str = "per_tensor") -> dict[str, np.ndarray]:
+def reference_g(
+    theta: dict[str, np.ndarray], iteration: int, members, fitness, sigma: float, noise: str = "per_tensor"
+) -> dict[str, np.ndarray]:
     """g = 1/(N sigma) sum_i z_i s_i eps_{noise_id(i)}, summed member by member."""
     n = len(members)
     out = {}
@@ -165,8 +167,17 @@ def reference_g(theta: dict[str, np.ndarray], iteration: int, members, fitness, 
     return out
 
 
-def reference_run(steps, *, optimizer="sgd", lr, weight_decay=0.0, anchor_decay=0.0, betas=(0.9, 0.999),
-                  adam_eps=1e-8, noise="per_tensor"):
+def reference_run(
+    steps,
+    *,
+    optimizer="sgd",
+    lr,
+    weight_decay=0.0,
+    anchor_decay=0.0,
+    betas=(0.9, 0.999),
+    adam_eps=1e-8,
+    noise="per_tensor",
+):
     """Plain numpy float64 ES: steps = [(iteration, members, fitness, sigma)]; returns theta and deltas per step."""
     theta = {k: v.numpy().astype(np.float64) for k, v in initial_params().items()}
     theta0 = {k: v.copy() for k, v in theta.items()}
@@ -220,8 +231,15 @@ def test_sgd_update_matches_numpy(dtype, noise, weight_decay, anchor_decay):
     n = 6
     members = ask(n, "one_point")
     steps = [(it, members, fitness_for(it, n), SIGMA) for it in range(3)]
-    replica, engine = make_replica(dtype, optimizer="sgd", lr=LR, weight_decay=weight_decay,
-                                   anchor_decay=anchor_decay, noise=noise, noise_table_size=TABLE_SIZE)
+    replica, engine = make_replica(
+        dtype,
+        optimizer="sgd",
+        lr=LR,
+        weight_decay=weight_decay,
+        anchor_decay=anchor_decay,
+        noise=noise,
+        noise_table_size=TABLE_SIZE,
+    )
     history = reference_run(steps, lr=LR, weight_decay=weight_decay, anchor_decay=anchor_decay, noise=noise)
     for (it, mem, fit, sigma), (theta_ref, deltas) in zip(steps, history):
         stats = replica.update(it, mem, fit, sigma)
@@ -240,8 +258,16 @@ def test_adam_update_matches_numpy_with_bias_correction(weight_decay, anchor_dec
     n, lr = 6, 0.01
     members = ask(n, "one_point")
     steps = [(it, members, fitness_for(it, n), SIGMA) for it in range(4)]
-    replica, engine = make_replica(torch.bfloat16, optimizer="adam", lr=lr, adam_beta1=0.9, adam_beta2=0.999,
-                                   adam_eps=1e-8, weight_decay=weight_decay, anchor_decay=anchor_decay)
+    replica, engine = make_replica(
+        torch.bfloat16,
+        optimizer="adam",
+        lr=lr,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_eps=1e-8,
+        weight_decay=weight_decay,
+        anchor_decay=anchor_decay,
+    )
     history = reference_run(steps, optimizer="adam", lr=lr, weight_decay=weight_decay, anchor_decay=anchor_decay)
     for (it, mem, fit, sigma), (theta_ref, _) in zip(steps, history):
         replica.update(it, mem, fit, sigma)
@@ -261,8 +287,14 @@ def test_antithetic_update_equals_explicit_sum_over_members():
     # explicit: 1/(N sigma) [z0 e0 - z1 e0 + z2 e1 - z3 e1 + z4 e2 - z5 e2]
     for name, th in theta.items():
         e = [eps_np(5, k, name, th.shape) for k in range(3)]
-        explicit = (fitness[0] * e[0] - fitness[1] * e[0] + fitness[2] * e[1] - fitness[3] * e[1]
-                    + fitness[4] * e[2] - fitness[5] * e[2]) / (n * SIGMA)
+        explicit = (
+            fitness[0] * e[0]
+            - fitness[1] * e[0]
+            + fitness[2] * e[1]
+            - fitness[3] * e[1]
+            + fitness[4] * e[2]
+            - fitness[5] * e[2]
+        ) / (n * SIGMA)
         np.testing.assert_allclose(replica.master[name].double().numpy(), th + LR * explicit, rtol=0, atol=ATOL)
     assert_engine_holds_cast_master(replica, engine)
 

@@ -19,8 +19,15 @@ from paths import FIXTURES, REPO
 
 CONF_DIR = REPO / "conf"
 ALL_TASKS = f"eval.tasks=[{','.join(EVAL_TASKS)}]"  # the paper's eight, gated GPQA included (local fixtures)
-TINY = ["eval.n=2", "eval.k=[1,2]", "eval.limit=2", "eval.max_new_tokens=8", f"eval.data_dir={FIXTURES}",
-        "run.progress=false", ALL_TASKS]
+TINY = [
+    "eval.n=2",
+    "eval.k=[1,2]",
+    "eval.limit=2",
+    "eval.max_new_tokens=8",
+    f"eval.data_dir={FIXTURES}",
+    "run.progress=false",
+    ALL_TASKS,
+]
 
 
 def cli(prog: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -40,8 +47,17 @@ def _compose(name: str, overrides: list[str]):
 
 
 def test_es_eval_preset_composes_with_overrides():
-    cfg = _compose("es_eval", ["eval.tasks=[gpqa,math500]", "eval.n=4", "eval.k=[1,4]", "+eval.paths.gpqa=/x.jsonl",
-                               "cluster.num_actors=2", "engine.name=hf"])
+    cfg = _compose(
+        "es_eval",
+        [
+            "eval.tasks=[gpqa,math500]",
+            "eval.n=4",
+            "eval.k=[1,4]",
+            "+eval.paths.gpqa=/x.jsonl",
+            "cluster.num_actors=2",
+            "engine.name=hf",
+        ],
+    )
     ev = to_config(cfg, EvalJobConfig)
     assert isinstance(ev, EvalJobConfig)
     assert ev.eval.tasks == ["gpqa", "math500"] and ev.eval.k == [1, 4] and ev.eval.paths == {"gpqa": "/x.jsonl"}
@@ -53,24 +69,28 @@ def test_es_eval_preset_composes_with_overrides():
 
 
 def test_es_drift_preset_composes():
-    cfg = to_config(_compose("es_drift", ["base=/a", "tuned=/b", "thresholds=[0.001]", "run.dir=/tmp/x"]),
-                    DriftJobConfig)
+    cfg = to_config(
+        _compose("es_drift", ["base=/a", "tuned=/b", "thresholds=[0.001]", "run.dir=/tmp/x"]), DriftJobConfig
+    )
     assert (cfg.base, cfg.tuned, cfg.thresholds, cfg.run.dir) == ("/a", "/b", [0.001], "/tmp/x")
     assert validate_drift(cfg) is cfg
     with pytest.raises(ConfigError, match="tuned="):
         validate_drift(DriftJobConfig())
 
 
-@pytest.mark.parametrize("change,key", [
-    ({"n": 2, "k": [1, 4]}, "eval.n"),
-    ({"k": []}, "eval.k"),
-    ({"k": [0]}, "eval.k"),
-    ({"tasks": ["nope"]}, "eval.tasks"),
-    ({"tasks": []}, "eval.tasks"),
-    ({"temperature": 0.0, "n": 4, "k": [1]}, "eval.temperature"),
-    ({"limit": -1}, "eval.limit"),
-    ({"paths": {"mbpp": "/x"}, "tasks": ["gpqa"]}, "eval.paths"),
-])
+@pytest.mark.parametrize(
+    "change,key",
+    [
+        ({"n": 2, "k": [1, 4]}, "eval.n"),
+        ({"k": []}, "eval.k"),
+        ({"k": [0]}, "eval.k"),
+        ({"tasks": ["nope"]}, "eval.tasks"),
+        ({"tasks": []}, "eval.tasks"),
+        ({"temperature": 0.0, "n": 4, "k": [1]}, "eval.temperature"),
+        ({"limit": -1}, "eval.limit"),
+        ({"paths": {"mbpp": "/x"}, "tasks": ["gpqa"]}, "eval.paths"),
+    ],
+)
 def test_validate_eval_refuses_naming_the_key(change, key):
     cfg = EvalJobConfig()
     for k, v in change.items():
@@ -86,14 +106,19 @@ def test_greedy_single_sample_is_allowed():
     assert validate_eval(cfg) is cfg
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["eval.n=2", "eval.k=[1,4]"], "eval.n"),
-    (["eval.tasks=[nope]"], "eval.tasks"),
-    (["run.dir=relative/dir"], "run.dir"),
-    (["model.path=/nonexistent/model"], "model.path"),
-    (["eval.tasks=[gpqa]", "+eval.paths.gpqa=/nonexistent/gpqa.jsonl"],
-     "eval.paths.gpqa='/nonexistent/gpqa.jsonl' does not exist"),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["eval.n=2", "eval.k=[1,4]"], "eval.n"),
+        (["eval.tasks=[nope]"], "eval.tasks"),
+        (["run.dir=relative/dir"], "run.dir"),
+        (["model.path=/nonexistent/model"], "model.path"),
+        (
+            ["eval.tasks=[gpqa]", "+eval.paths.gpqa=/nonexistent/gpqa.jsonl"],
+            "eval.paths.gpqa='/nonexistent/gpqa.jsonl' does not exist",
+        ),
+    ],
+)
 def test_es_eval_refuses_bad_input_before_any_work(args, expected, tmp_path):
     extra = [] if any(a.startswith("run.dir") for a in args) else [f"run.dir={tmp_path / 'run'}"]
     res = cli("es-eval", *args, *extra, timeout=300)
@@ -147,14 +172,26 @@ def test_es_eval_on_the_tiny_model_runs_every_eval_task_from_fixtures(tiny_model
     """All eight evaluation sets from local files, generation spread over two Ray actors; the same run in one
     process gives the same samples (each chunk has its own seed)."""
     ray_dir, local_dir = tmp_path / "ray", tmp_path / "local"
-    res = cli("es-eval", f"model.path={tiny_model_dir}", *TINY, "cluster.num_actors=2", "engine.batch_size=4",
-              f"run.dir={ray_dir}")
+    res = cli(
+        "es-eval",
+        f"model.path={tiny_model_dir}",
+        *TINY,
+        "cluster.num_actors=2",
+        "engine.batch_size=4",
+        f"run.dir={ray_dir}",
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     assert "| gpqa |" in res.stdout
     results = _check_results(ray_dir, n=2, ks=[1, 2], limit=2)
     assert results["settings"]["actors"] == 2
-    res = cli("es-eval", f"model.path={tiny_model_dir}", *TINY, "cluster.num_actors=0", "engine.batch_size=4",
-              f"run.dir={local_dir}")
+    res = cli(
+        "es-eval",
+        f"model.path={tiny_model_dir}",
+        *TINY,
+        "cluster.num_actors=0",
+        "engine.batch_size=4",
+        f"run.dir={local_dir}",
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     _check_results(local_dir, n=2, ks=[1, 2], limit=2)
     assert _samples(ray_dir) == _samples(local_dir)
@@ -250,23 +287,52 @@ def test_es_eval_with_one_chunk_runs_in_this_process_and_says_so(tiny_model_dir,
     from es_ray.evaluation.config import to_eval_config
     from es_ray.evaluation.es_eval import run
 
-    args = {"eval": {"tasks": ["gsm8k"], "paths": {"gsm8k": str(FIXTURES / "gsm8k.jsonl")}, "n": 2, "k": [1, 2],
-                     "limit": 2, "max_new_tokens": 8, "entropy": True},
-            "engine": {"dtype": "float32", "device": "cpu", "batch_size": 8}, "cluster": {"num_actors": 2}}
+    args = {
+        "eval": {
+            "tasks": ["gsm8k"],
+            "paths": {"gsm8k": str(FIXTURES / "gsm8k.jsonl")},
+            "n": 2,
+            "k": [1, 2],
+            "limit": 2,
+            "max_new_tokens": 8,
+            "entropy": True,
+        },
+        "engine": {"dtype": "float32", "device": "cpu", "batch_size": 8},
+        "cluster": {"num_actors": 2},
+    }
     local_dir, ray_dir = tmp_path / "local", tmp_path / "ray"
-    res = cli("es-eval", f"model.path={tiny_model_dir}", "eval.tasks=[gsm8k]", f"eval.data_dir={FIXTURES}",
-              "eval.n=2", "eval.k=[1,2]", "eval.limit=2", "eval.max_new_tokens=8", "engine.dtype=float32",
-              "engine.device=cpu", "engine.batch_size=8", "cluster.num_actors=2", "run.progress=false",
-              f"run.dir={local_dir}")
+    res = cli(
+        "es-eval",
+        f"model.path={tiny_model_dir}",
+        "eval.tasks=[gsm8k]",
+        f"eval.data_dir={FIXTURES}",
+        "eval.n=2",
+        "eval.k=[1,2]",
+        "eval.limit=2",
+        "eval.max_new_tokens=8",
+        "engine.dtype=float32",
+        "engine.device=cpu",
+        "engine.batch_size=8",
+        "cluster.num_actors=2",
+        "run.progress=false",
+        f"run.dir={local_dir}",
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     assert "es-eval: evaluating in this process (one chunk of work" in res.stdout, res.stdout[-2000:]
     assert "Started a local Ray instance" not in res.stdout + res.stderr
     local = json.loads((local_dir / "results.json").read_text())
     assert local["settings"]["actors"] == 0
     address = ray_local.get_runtime_context().gcs_address  # a cluster named by its address: the actor path
-    on_ray = run(to_eval_config({"model": {"path": str(tiny_model_dir)}, **args,
-                                 "cluster": {**args["cluster"], "address": address},
-                                 "run": {"dir": str(ray_dir), "progress": False, "trackers": []}}))
+    on_ray = run(
+        to_eval_config(
+            {
+                "model": {"path": str(tiny_model_dir)},
+                **args,
+                "cluster": {**args["cluster"], "address": address},
+                "run": {"dir": str(ray_dir), "progress": False, "trackers": []},
+            }
+        )
+    )
     assert on_ray["settings"]["actors"] == 2
     assert _samples(local_dir) == _samples(ray_dir)
     assert local["tasks"]["gsm8k"]["pass@k"] == on_ray["tasks"]["gsm8k"]["pass@k"]
@@ -308,8 +374,18 @@ def test_es_drift_between_a_checkpoint_and_a_perturbed_copy(tiny_model_dir, tmp_
 def test_es_eval_on_the_default_model(tmp_path):
     """The real SmolLM2-135M-Instruct (model.path empty) over all eight eval tasks, kept tiny: 1 problem each."""
     run_dir = tmp_path / "run"
-    res = cli("es-eval", ALL_TASKS, "eval.n=2", "eval.k=[1,2]", "eval.limit=1", "eval.max_new_tokens=16",
-              f"eval.data_dir={FIXTURES}", "run.progress=false", "cluster.num_actors=1", f"run.dir={run_dir}")
+    res = cli(
+        "es-eval",
+        ALL_TASKS,
+        "eval.n=2",
+        "eval.k=[1,2]",
+        "eval.limit=1",
+        "eval.max_new_tokens=16",
+        f"eval.data_dir={FIXTURES}",
+        "run.progress=false",
+        "cluster.num_actors=1",
+        f"run.dir={run_dir}",
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     results = _check_results(run_dir, n=2, ks=[1, 2], limit=1)
     assert results["model"].startswith("embedded")

@@ -51,6 +51,7 @@ def test_update_cosines_against_numpy():
     b = {n: base[n] + torch.randn(4, 3, generator=g) for n in names}
     b[names[2]] = base[names[2]].clone()  # b leaves the norm alone: no angle there
     out = update_cosine((n, base[n], a[n], b[n]) for n in names)
+
     def delta(x, n):
         return x[n].double().numpy().ravel() - base[n].double().numpy().ravel()
 
@@ -67,14 +68,16 @@ def _perturbed(src: Path, dst: Path, scale: float, seed: int) -> Path:
     shutil.copytree(src, dst)
     w = load_file(str(dst / "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
-    save_file({k: v + scale * torch.randn(v.shape, generator=g) for k, v in w.items()},
-              str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v + scale * torch.randn(v.shape, generator=g) for k, v in w.items()},
+        str(dst / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     return dst
 
 
 TASK = "es_test_tasks:VowelTask"  # a dense reward the tiny random model scores above 0
-EVAL = {"tasks": [TASK], "n": 2, "k": [1, 2], "limit": 3, "max_new_tokens": 6, "entropy": False,
-        "temperature": 1.0}
+EVAL = {"tasks": [TASK], "n": 2, "k": [1, 2], "limit": 3, "max_new_tokens": 6, "entropy": False, "temperature": 1.0}
 ENGINE = {"dtype": "float32", "device": "cpu", "batch_size": 8}
 
 
@@ -82,9 +85,17 @@ def _eval_alone(model_dir: Path, run_dir: Path) -> dict:
     from es_ray.evaluation.config import to_eval_config
     from es_ray.evaluation.es_eval import run
 
-    return run(to_eval_config({"model": {"path": str(model_dir)}, "eval": EVAL, "engine": ENGINE,
-                               "cluster": {"num_actors": 0},
-                               "run": {"dir": str(run_dir), "progress": False, "trackers": []}}))
+    return run(
+        to_eval_config(
+            {
+                "model": {"path": str(model_dir)},
+                "eval": EVAL,
+                "engine": ENGINE,
+                "cluster": {"num_actors": 0},
+                "run": {"dir": str(run_dir), "progress": False, "trackers": []},
+            }
+        )
+    )
 
 
 def test_end_points_score_what_es_eval_gives_each_checkpoint(tiny_model_dir, tmp_path):
@@ -93,9 +104,20 @@ def test_end_points_score_what_es_eval_gives_each_checkpoint(tiny_model_dir, tmp
 
     a = _perturbed(tiny_model_dir, tmp_path / "a", 0.05, 1)
     b = _perturbed(tiny_model_dir, tmp_path / "b", 0.05, 2)
-    res = run(to_interpolate_config({"a": str(a), "b": str(b), "base": str(tiny_model_dir), "grid": [0, 0.5, 1],
-                                     "draws": 200, "eval": EVAL, "engine": ENGINE,
-                                     "run": {"dir": str(tmp_path / "path"), "progress": False}}))
+    res = run(
+        to_interpolate_config(
+            {
+                "a": str(a),
+                "b": str(b),
+                "base": str(tiny_model_dir),
+                "grid": [0, 0.5, 1],
+                "draws": 200,
+                "eval": EVAL,
+                "engine": ENGINE,
+                "run": {"dir": str(tmp_path / "path"), "progress": False},
+            }
+        )
+    )
     for end, model in ((0, a), (-1, b)):
         alone = _eval_alone(model, tmp_path / f"alone{end}")["tasks"][TASK]
         curves = res["tasks"][TASK]
@@ -119,9 +141,22 @@ def test_different_architectures_are_refused_in_one_line(tiny_model_dir, tmp_pat
     cfg["num_hidden_layers"] = 3
     (other / "config.json").write_text(json.dumps(cfg))
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run([sys.executable, "-m", "es_ray.evaluation.es_interpolate", f"a={tiny_model_dir}",
-                          f"b={other}", f"base={tiny_model_dir}", "eval.tasks=[gsm8k]",
-                          f"run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300, env=env)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "es_ray.evaluation.es_interpolate",
+            f"a={tiny_model_dir}",
+            f"b={other}",
+            f"base={tiny_model_dir}",
+            "eval.tasks=[gsm8k]",
+            f"run.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-2000:]
     assert "num_hidden_layers" in res.stderr and not (tmp_path / "run").exists()
 
@@ -142,20 +177,52 @@ def test_an_evaluation_leaves_no_hold_on_its_run_dir(tiny_model_dir, tmp_path, m
     run = {"dir": str(run_dir), "progress": False, "trackers": []}
     if program == "eval":
         monkeypatch.setattr(es_eval, "_run_with_progress", fails)
-        call = lambda: es_eval.run(to_eval_config({"model": {"path": str(tiny_model_dir)}, "eval": EVAL,  # noqa
-                                                   "engine": ENGINE, "cluster": {"num_actors": 0}, "run": run}))
+
+        def call():
+            return es_eval.run(
+                to_eval_config(
+                    {
+                        "model": {"path": str(tiny_model_dir)},
+                        "eval": EVAL,
+                        "engine": ENGINE,
+                        "cluster": {"num_actors": 0},
+                        "run": run,
+                    }
+                )
+            )
     elif program == "interpolate":
         monkeypatch.setattr(es_interpolate, "update_cosines", fails)
         a = shutil.copytree(tiny_model_dir, tmp_path / "a")
-        call = lambda: es_interpolate.run(to_interpolate_config({"a": str(a), "base": str(tiny_model_dir),  # noqa
-                                                                 "grid": [0, 1], "eval": EVAL, "engine": ENGINE,
-                                                                 "run": run}))
+
+        def call():
+            return es_interpolate.run(
+                to_interpolate_config(
+                    {
+                        "a": str(a),
+                        "base": str(tiny_model_dir),
+                        "grid": [0, 1],
+                        "eval": EVAL,
+                        "engine": ENGINE,
+                        "run": run,
+                    }
+                )
+            )
     else:
         if program == "drift":
             monkeypatch.setattr(es_drift, "_tensor_index", fails)
         run.pop("trackers")
-        call = lambda: es_drift.run_drift(to_drift_config({"base": str(tiny_model_dir),  # noqa: E731
-                                                            "tuned": str(tiny_model_dir), "run": run}))
+
+        def call():
+            return es_drift.run_drift(
+                to_drift_config(
+                    {
+                        "base": str(tiny_model_dir),
+                        "tuned": str(tiny_model_dir),
+                        "run": run,
+                    }
+                )
+            )
+
     if program == "drift-finishes":
         call()
     else:

@@ -12,18 +12,21 @@ from es_ray.grading.numbers import final_number, parse_number
 # -- final_number -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("23 + 45 = 68", 68),
-    ("#### 1,234", 1234),
-    ("\\boxed{12}", 12),
-    ("The answer is 42.", 42),
-    ("She has 3 apples and buys 4 more.\n3 + 4 = 7\n#### 7", 7),
-    ("So the total is \\boxed{1,500} dollars, not 20.", 1500),
-    ("x = -3.5", Fraction(-7, 2)),
-    ("#### -12", -12),
-    ("First 2 then 5 then 9", 9),
-    ("10 - 3 = 7 apples, then 7 * 2 = 14", 14),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("23 + 45 = 68", 68),
+        ("#### 1,234", 1234),
+        ("\\boxed{12}", 12),
+        ("The answer is 42.", 42),
+        ("She has 3 apples and buys 4 more.\n3 + 4 = 7\n#### 7", 7),
+        ("So the total is \\boxed{1,500} dollars, not 20.", 1500),
+        ("x = -3.5", Fraction(-7, 2)),
+        ("#### -12", -12),
+        ("First 2 then 5 then 9", 9),
+        ("10 - 3 = 7 apples, then 7 * 2 = 14", 14),
+    ],
+)
 def test_final_number_typical_outputs(text, expected):
     got = final_number(text)
     assert isinstance(got, Fraction)
@@ -48,16 +51,19 @@ def test_parse_number():
 # -- countdown: evaluate ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("expr,value,numbers", [
-    ("(1 + 2) / 3", Fraction(1), [1, 2, 3]),
-    ("3 + 5 * 2", Fraction(13), [3, 5, 2]),
-    ("3 + 5 * 2 = 13", Fraction(13), [3, 5, 2]),
-    ("7 / 2", Fraction(7, 2), [7, 2]),
-    ("(7 / 2) * 2", Fraction(7), [7, 2, 2]),
-    ("1 / 3 + 1 / 6", Fraction(1, 2), [1, 3, 1, 6]),
-    ("(95 - 11) / 4 - 1", Fraction(20), [95, 11, 4, 1]),
-    ("  44 ", Fraction(44), [44]),
-])
+@pytest.mark.parametrize(
+    "expr,value,numbers",
+    [
+        ("(1 + 2) / 3", Fraction(1), [1, 2, 3]),
+        ("3 + 5 * 2", Fraction(13), [3, 5, 2]),
+        ("3 + 5 * 2 = 13", Fraction(13), [3, 5, 2]),
+        ("7 / 2", Fraction(7, 2), [7, 2]),
+        ("(7 / 2) * 2", Fraction(7), [7, 2, 2]),
+        ("1 / 3 + 1 / 6", Fraction(1, 2), [1, 3, 1, 6]),
+        ("(95 - 11) / 4 - 1", Fraction(20), [95, 11, 4, 1]),
+        ("  44 ", Fraction(44), [44]),
+    ],
+)
 def test_evaluate_with_exact_fractions(expr, value, numbers):
     got, used = evaluate(expr)
     assert isinstance(got, Fraction)
@@ -65,25 +71,28 @@ def test_evaluate_with_exact_fractions(expr, value, numbers):
     assert used == numbers
 
 
-@pytest.mark.parametrize("expr", [
-    "2**10",
-    "9**9**9**9",
-    "__import__('os')",
-    "__import__('os').system('true')",
-    "abs(-3)",
-    "x + 1",
-    "10 // 3",
-    "10 % 3",
-    "-3 + 5",
-    "1 / 0",
-    "4 / (2 - 2)",
-    "()",
-    "1 2",
-    "",
-    "1e5",
-    "0x10",
-    "(1, 2)",
-])
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "2**10",
+        "9**9**9**9",
+        "__import__('os')",
+        "__import__('os').system('true')",
+        "abs(-3)",
+        "x + 1",
+        "10 // 3",
+        "10 % 3",
+        "-3 + 5",
+        "1 / 0",
+        "4 / (2 - 2)",
+        "()",
+        "1 2",
+        "",
+        "1e5",
+        "0x10",
+        "(1, 2)",
+    ],
+)
 def test_evaluate_refuses(expr):
     with pytest.raises(ExpressionError):
         evaluate(expr)

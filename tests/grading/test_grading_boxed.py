@@ -7,15 +7,18 @@ import pytest
 from es_ray.grading.boxed import last_boxed, normalize, restates_problem
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("so the answer is \\boxed{14}.", "14"),
-    ("\\boxed{1} then \\boxed{\\frac{14}{3}}", "\\frac{14}{3}"),
-    ("nested \\boxed{\\sqrt{2}+\\{x\\}}", "\\sqrt{2}+\\{x\\}"),
-    ("\\fbox{7}", "7"),
-    ("we can find 5^3 by cubing", None),  # no box: no final answer
-    ("the answer is \\boxed{12", None),  # cut off by the token limit
-    ("\\boxed{}", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("so the answer is \\boxed{14}.", "14"),
+        ("\\boxed{1} then \\boxed{\\frac{14}{3}}", "\\frac{14}{3}"),
+        ("nested \\boxed{\\sqrt{2}+\\{x\\}}", "\\sqrt{2}+\\{x\\}"),
+        ("\\fbox{7}", "7"),
+        ("we can find 5^3 by cubing", None),  # no box: no final answer
+        ("the answer is \\boxed{12", None),  # cut off by the token limit
+        ("\\boxed{}", None),
+    ],
+)
 def test_last_boxed(text, expected):
     assert last_boxed(text) == expected
 

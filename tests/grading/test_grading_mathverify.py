@@ -98,12 +98,29 @@ def test_timeouts_and_crashes_score_zero_are_counted_and_the_pool_recovers():
     pool = MathVerifyPool(workers=2, timeout_s=1.0, command=[sys.executable, "-c", FAKE_WORKER])
     try:
         t0 = time.monotonic()
-        grades = pool.check([("x", "good"), ("x", "HANG"), ("x", "bad"), ("x", "CRASH"), ("x", "ERR"),
-                             ("x", "good"), ("x", "HANG"), ("x", "good")])
+        grades = pool.check(
+            [
+                ("x", "good"),
+                ("x", "HANG"),
+                ("x", "bad"),
+                ("x", "CRASH"),
+                ("x", "ERR"),
+                ("x", "good"),
+                ("x", "HANG"),
+                ("x", "good"),
+            ]
+        )
         elapsed = time.monotonic() - t0
         assert [(g.score, g.failure) for g in grades] == [
-            (1.0, None), (0.0, "timeout"), (0.0, None), (0.0, "crash"), (0.0, "error"), (1.0, None),
-            (0.0, "timeout"), (1.0, None)]
+            (1.0, None),
+            (0.0, "timeout"),
+            (0.0, None),
+            (0.0, "crash"),
+            (0.0, "error"),
+            (1.0, None),
+            (0.0, "timeout"),
+            (1.0, None),
+        ]
         assert elapsed < 8, elapsed  # two 1 s timeouts run side by side with the rest, plus restarts
         assert pool.restarts == 3
         assert [g.correct for g in pool.check([("x", "good"), ("x", "bad")])] == [True, False]
@@ -112,8 +129,9 @@ def test_timeouts_and_crashes_score_zero_are_counted_and_the_pool_recovers():
 
 
 def test_a_worker_that_cannot_start_is_reported_unavailable():
-    pool = MathVerifyPool(workers=1, timeout_s=1.0, startup_s=5.0,
-                          command=[sys.executable, "-c", "raise SystemExit(1)"])
+    pool = MathVerifyPool(
+        workers=1, timeout_s=1.0, startup_s=5.0, command=[sys.executable, "-c", "raise SystemExit(1)"]
+    )
     assert [g.failure for g in pool.check([("1", "1"), ("2", "2")])] == ["unavailable", "unavailable"]
 
 

@@ -19,8 +19,16 @@ import pytest
 
 from es_ray.grading.code import build_program, extract_code, grade_programs
 import es_ray.grading.sandbox as sandbox
-from es_ray.grading.sandbox import (BLOCKED_MARK, SandboxLimits, SandboxUnavailable, isolation,
-                                    network_isolation, run_many, run_python, sandbox_plan)
+from es_ray.grading.sandbox import (
+    BLOCKED_MARK,
+    SandboxLimits,
+    SandboxUnavailable,
+    isolation,
+    network_isolation,
+    run_many,
+    run_python,
+    sandbox_plan,
+)
 from paths import FIXTURES
 
 LIMITS = SandboxLimits(wall_s=5.0, cpu_s=2.0, memory_mb=512, output_bytes=64 << 10)
@@ -78,10 +86,15 @@ def test_fork_bomb_scores_zero_and_leaves_no_process():
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert marker not in ps
     # every other way to start a process is refused too
-    for code in ("import subprocess\nsubprocess.run(['true'])\n", "import os\nos.system('true')\n",
-                 "import os\nos.execv('/bin/true', ['true'])\n", "import pty\npty.fork()\n",
-                 "import multiprocessing\nmultiprocessing.Process(target=print).start()\n",
-                 "import os\nos.posix_spawn('/bin/true', ['true'], {})\n", "import ctypes\n"):
+    for code in (
+        "import subprocess\nsubprocess.run(['true'])\n",
+        "import os\nos.system('true')\n",
+        "import os\nos.execv('/bin/true', ['true'])\n",
+        "import pty\npty.fork()\n",
+        "import multiprocessing\nmultiprocessing.Process(target=print).start()\n",
+        "import os\nos.posix_spawn('/bin/true', ['true'], {})\n",
+        "import ctypes\n",
+    ):
         res = run_python(code, LIMITS)
         # refused by the hook (its mark), counted as the program's failure: the kind is never read from stderr
         assert res.status == "failed" and BLOCKED_MARK in res.stderr, (code, res)
@@ -141,8 +154,7 @@ def test_network_connection_is_refused(tcp_server):
         time.sleep(0.05)
     assert hits == [b"probe"]
     hits.clear()
-    program = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-               "s.sendall(b'escaped')\n")
+    program = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\ns.sendall(b'escaped')\n"
     res = run_python(program, LIMITS)
     assert res.status == "failed" and BLOCKED_MARK in res.stderr and not res.passed
     res = run_python("import urllib.request\nurllib.request.urlopen('http://127.0.0.1:%d/')\n" % port, LIMITS)
@@ -156,10 +168,13 @@ def test_network_connection_is_refused(tcp_server):
 def test_network_namespace_blocks_connections_without_the_audit_hook(tcp_server):
     """The kernel layer on its own: plain Python (no hook) inside the namespace cannot reach the host's loopback."""
     port, hits = tcp_server
-    code = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'x')\n"
-            "    print('connected')\nexcept OSError as e:\n    print('refused', e)\n")
-    out = subprocess.run([*network_isolation(), sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=30).stdout
+    code = (
+        f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'x')\n"
+        "    print('connected')\nexcept OSError as e:\n    print('refused', e)\n"
+    )
+    out = subprocess.run(
+        [*network_isolation(), sys.executable, "-c", code], capture_output=True, text=True, timeout=30
+    ).stdout
     assert out.startswith("refused"), out
     assert hits == []
 
@@ -167,21 +182,26 @@ def test_network_namespace_blocks_connections_without_the_audit_hook(tcp_server)
 def test_writing_outside_the_working_directory_is_refused(tmp_path):
     target = tmp_path / f"escape-{uuid.uuid4().hex}.txt"
     os.chmod(tmp_path, 0o777)  # even a world-writable directory
-    for code in (f"open({str(target)!r}, 'w').write('x')\n",
-                 f"import os\nfd = os.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)\nos.write(fd, b'x')\n",
-                 f"import pathlib\npathlib.Path({str(target)!r}).write_text('x')\n",
-                 f"import os\nos.symlink('/etc/passwd', {str(target)!r})\n",
-                 f"import shutil\nopen('src', 'w').write('x')\nshutil.copy('src', {str(target)!r})\n",
-                 "import os\nos.chdir('/tmp')\nopen('es-ray-escape.txt', 'w').write('x')\n"):
+    for code in (
+        f"open({str(target)!r}, 'w').write('x')\n",
+        f"import os\nfd = os.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)\nos.write(fd, b'x')\n",
+        f"import pathlib\npathlib.Path({str(target)!r}).write_text('x')\n",
+        f"import os\nos.symlink('/etc/passwd', {str(target)!r})\n",
+        f"import shutil\nopen('src', 'w').write('x')\nshutil.copy('src', {str(target)!r})\n",
+        "import os\nos.chdir('/tmp')\nopen('es-ray-escape.txt', 'w').write('x')\n",
+    ):
         res = run_python(code, LIMITS)
         assert res.status == "failed" and BLOCKED_MARK in res.stderr, (code, res)
         assert not target.exists() and not target.is_symlink()
     assert not Path("/tmp/es-ray-escape.txt").exists()
     victim = tmp_path / "victim.txt"
     victim.write_text("keep")
-    for code in (f"import os\nos.remove({str(victim)!r})\n", f"import os\nos.rename({str(victim)!r}, 'x')\n",
-                 f"import os\nos.chmod({str(victim)!r}, 0o777)\n",
-                 f"import shutil\nshutil.rmtree({str(tmp_path)!r})\n"):
+    for code in (
+        f"import os\nos.remove({str(victim)!r})\n",
+        f"import os\nos.rename({str(victim)!r}, 'x')\n",
+        f"import os\nos.chmod({str(victim)!r}, 0o777)\n",
+        f"import shutil\nshutil.rmtree({str(tmp_path)!r})\n",
+    ):
         res = run_python(code, LIMITS)
         assert res.status == "failed" and BLOCKED_MARK in res.stderr, (code, res)
         assert victim.read_text() == "keep"
@@ -189,9 +209,11 @@ def test_writing_outside_the_working_directory_is_refused(tmp_path):
 
 
 def test_its_own_directory_is_fresh_and_writable():
-    code = ("import os, tempfile\nassert os.listdir('.') == []\nopen('a.txt', 'w').write('x')\n"
-            "assert open('a.txt').read() == 'x'\nos.mkdir('d')\nos.rename('a.txt', 'd/b.txt')\n"
-            "with tempfile.NamedTemporaryFile('w') as f:\n    f.write('y')\nprint(os.getcwd())\n")
+    code = (
+        "import os, tempfile\nassert os.listdir('.') == []\nopen('a.txt', 'w').write('x')\n"
+        "assert open('a.txt').read() == 'x'\nos.mkdir('d')\nos.rename('a.txt', 'd/b.txt')\n"
+        "with tempfile.NamedTemporaryFile('w') as f:\n    f.write('y')\nprint(os.getcwd())\n"
+    )
     first, second = run_python(code, LIMITS), run_python(code, LIMITS)
     assert first.passed and second.passed, (first, second)
     assert first.stdout != second.stdout  # a new directory every run
@@ -206,8 +228,12 @@ def test_output_is_capped():
 
 
 def test_exiting_early_does_not_pass():
-    for code in ("import sys\nsys.exit(0)\nassert False\n", "import os\nos._exit(0)\nassert False\n",
-                 "import sys\nsys.exit()\nassert False\n", "raise SystemExit\nassert False\n"):
+    for code in (
+        "import sys\nsys.exit(0)\nassert False\n",
+        "import os\nos._exit(0)\nassert False\n",
+        "import sys\nsys.exit()\nassert False\n",
+        "raise SystemExit\nassert False\n",
+    ):
         res = run_python(code, LIMITS)
         assert res.returncode == 0 and not res.passed, (code, res)
 
@@ -232,8 +258,10 @@ def test_as_root_the_program_runs_as_a_dedicated_uid_without_capabilities():
     (bounding set included), inside the seccomp filter."""
     if os.geteuid() != 0 or "-r" in sandbox.namespaces():
         pytest.skip("needs real root")
-    code = ("import os\nprint(*os.getresuid(), *os.getresgid())\nfor line in open('/proc/self/status'):\n"
-            "    if line.startswith(('CapEff', 'CapBnd', 'Seccomp:', 'NoNewPrivs')):\n        print(line.split()[1])\n")
+    code = (
+        "import os\nprint(*os.getresuid(), *os.getresgid())\nfor line in open('/proc/self/status'):\n"
+        "    if line.startswith(('CapEff', 'CapBnd', 'Seccomp:', 'NoNewPrivs')):\n        print(line.split()[1])\n"
+    )
     res = run_python(code, LIMITS)
     assert res.passed, res
     ids = res.stdout.split()[:6]
@@ -277,8 +305,10 @@ def test_without_landlock_the_jail_still_holds(no_landlock, tmp_path):
     assert run_python(GOOD, LIMITS).passed
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or subprocess.run(["unshare", "-r", "true"], capture_output=True).returncode,
-                    reason="needs root and unshare -r")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or subprocess.run(["unshare", "-r", "true"], capture_output=True).returncode,
+    reason="needs root and unshare -r",
+)
 def test_a_failed_drop_refuses_to_grade(tmp_path):
     """An interpreter that runs as root of its own user namespace (which owns neither the mount namespace nor any
     other uid): the confinement fails before any program runs, and grading refuses, naming what to set up."""
@@ -303,13 +333,17 @@ def test_without_namespaces_grading_refuses(no_namespaces):
 def test_frame_walking_finds_no_pass_signal():
     """Everything the harness holds is readable from the program's frames; none of it makes a test pass: exiting
     0 after forging a result line, or after reading every frame, still fails an unknown-answer test."""
-    walk = ("import sys, os\nf = sys._getframe()\nseen = []\nwhile f is not None:\n"
-            "    seen += [v for v in f.f_locals.values() if isinstance(v, str) and len(v) == 32]\n"
-            "    f = f.f_back\nprint('\\n'.join(seen))\nsys.stdout.flush()\n")  # what beat the old token check
-    forge = ("import sys, os, json\nf = sys._getframe()\nwhile f is not None:\n    cfg = f.f_locals.get('cfg')\n"
-             "    if isinstance(cfg, dict) and 'result_fd' in cfg:\n        fd = cfg['result_fd']\n"
-             "        os.write(fd, (json.dumps({'values': [['b', True]] * len(cfg['probes']),"
-             " 'verdicts': [True] * 9}) + '\\n').encode())\n        os._exit(0)\n    f = f.f_back\n")
+    walk = (
+        "import sys, os\nf = sys._getframe()\nseen = []\nwhile f is not None:\n"
+        "    seen += [v for v in f.f_locals.values() if isinstance(v, str) and len(v) == 32]\n"
+        "    f = f.f_back\nprint('\\n'.join(seen))\nsys.stdout.flush()\n"
+    )  # what beat the old token check
+    forge = (
+        "import sys, os, json\nf = sys._getframe()\nwhile f is not None:\n    cfg = f.f_locals.get('cfg')\n"
+        "    if isinstance(cfg, dict) and 'result_fd' in cfg:\n        fd = cfg['result_fd']\n"
+        "        os.write(fd, (json.dumps({'values': [['b', True]] * len(cfg['probes']),"
+        " 'verdicts': [True] * 9}) + '\\n').encode())\n        os._exit(0)\n    f = f.f_back\n"
+    )
     tests = "assert secret_answer(7) == 1234567\nassert secret_answer(8) == 7654321\n"
     wrong = "def secret_answer(x):\n    return 0\n"
     for code in (walk + "os._exit(0)\n" + tests, forge + tests, forge + wrong + tests):
@@ -319,35 +353,50 @@ def test_frame_walking_finds_no_pass_signal():
 
 
 def test_an_object_equal_to_everything_fails():
-    for ret in ("type('A', (), {'__eq__': lambda s, o: True, '__hash__': lambda s: 0})()",
-                "type('L', (list,), {'__eq__': lambda s, o: True})()",  # a builtin subclass with its own __eq__
-                "type('T', (tuple,), {'__iter__': lambda s: iter((1, 2))})()",
-                "float('nan')"):
+    for ret in (
+        "type('A', (), {'__eq__': lambda s, o: True, '__hash__': lambda s: 0})()",
+        "type('L', (list,), {'__eq__': lambda s, o: True})()",  # a builtin subclass with its own __eq__
+        "type('T', (tuple,), {'__iter__': lambda s: iter((1, 2))})()",
+        "float('nan')",
+    ):
         code = f"def f(x):\n    return {ret}\nassert f(1) == (1, 2)\n"
         res = run_python(code, LIMITS)
         assert res.status == "failed", (ret, res)
     # the comparison is done apart: monkeypatching it in the program changes nothing
-    res = run_python("import math\nmath.isclose = lambda *a, **k: True\nimport builtins\nbuiltins.sorted = lambda x: "
-                     "[1, 2]\ndef f():\n    return 9.0\nassert math.isclose(f(), 1.0)\n", LIMITS)
+    res = run_python(
+        "import math\nmath.isclose = lambda *a, **k: True\nimport builtins\nbuiltins.sorted = lambda x: "
+        "[1, 2]\ndef f():\n    return 9.0\nassert math.isclose(f(), 1.0)\n",
+        LIMITS,
+    )
     assert res.status == "failed"
     set_test, isclose_test = "assert set(f(1)) == set([1, 2])\n", "assert math.isclose(f(1)[0], 1.5)\n"
-    for rebind, test in (("from operator import truth as set\n", set_test), ("import operator as set\n", set_test),
-                         ("import types\nmath = types.SimpleNamespace(isclose=lambda *a, **k: True)\n",
-                          isclose_test),
-                         ("class math:\n    isclose = staticmethod(lambda *a, **k: True)\n", isclose_test)):
+    for rebind, test in (
+        ("from operator import truth as set\n", set_test),
+        ("import operator as set\n", set_test),
+        ("import types\nmath = types.SimpleNamespace(isclose=lambda *a, **k: True)\n", isclose_test),
+        ("class math:\n    isclose = staticmethod(lambda *a, **k: True)\n", isclose_test),
+    ):
         res = run_python(rebind + "def f(x):\n    return [9]\n" + test, LIMITS)
         assert res.status == "failed", (rebind, res)
-    res = run_python("def f():\n    return [2, 1]\nimport builtins\nbuiltins.sorted = lambda x: [7]\n"
-                     "assert sorted(f()) == [1, 2]\n", LIMITS)
+    res = run_python(
+        "def f():\n    return [2, 1]\nimport builtins\nbuiltins.sorted = lambda x: [7]\nassert sorted(f()) == [1, 2]\n",
+        LIMITS,
+    )
     assert res.passed, res
     # values the tests legitimately compare against cross faithfully
-    res = run_python("import collections\ndef f():\n    return collections.Counter('aab')\ndef g():\n"
-                     "    return map(int, '12')\ndef h():\n    return collections.namedtuple('P', 'x y')(1, 2)\n"
-                     "assert f() == {'a': 2, 'b': 1}\nassert list(g()) == [1, 2]\nassert h() == (1, 2)\n"
-                     "assert g() != [1, 2]\nassert isinstance(f(), dict)\n", LIMITS)
+    res = run_python(
+        "import collections\ndef f():\n    return collections.Counter('aab')\ndef g():\n"
+        "    return map(int, '12')\ndef h():\n    return collections.namedtuple('P', 'x y')(1, 2)\n"
+        "assert f() == {'a': 2, 'b': 1}\nassert list(g()) == [1, 2]\nassert h() == (1, 2)\n"
+        "assert g() != [1, 2]\nassert isinstance(f(), dict)\n",
+        LIMITS,
+    )
     assert res.passed, res
-    res = run_python("class P:\n    def __init__(s, a):\n        s.x = a\n    def twice(s):\n        return 2 * s.x\n"
-                     "assert P(1).x == 1\nassert P(2).twice() == 4\nassert [P(3).x][0] == 3\n", LIMITS)
+    res = run_python(
+        "class P:\n    def __init__(s, a):\n        s.x = a\n    def twice(s):\n        return 2 * s.x\n"
+        "assert P(1).x == 1\nassert P(2).twice() == 4\nassert [P(3).x][0] == 3\n",
+        LIMITS,
+    )
     assert res.passed, res  # a program's object never crosses; its attributes and methods' results do
 
 
@@ -357,12 +406,14 @@ def test_dir_fd_writes_outside_are_refused_by_the_kernel(tmp_path):
         pytest.skip("needs Landlock or the uid drop")
     os.chmod(tmp_path, 0o777)
     purelib = Path(sysconfig.get_paths()["purelib"])
-    code = (f"import os\nfor d, name in (({str(tmp_path)!r}, 'escape.txt'), ({str(purelib)!r}, 'es_ray_evil.pth'),"
-            f" ({str(purelib)!r}, 'es_ray_evil/__init__.py')):\n"
-            "    try:\n        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)\n"
-            "        if '/' in name:\n            os.mkdir(name.split('/')[0], dir_fd=fd)\n"
-            "        w = os.open(name, os.O_WRONLY | os.O_CREAT, dir_fd=fd)\n        os.write(w, b'import os')\n"
-            "        print('wrote', name)\n    except OSError as e:\n        print('refused', name, e.errno)\n")
+    code = (
+        f"import os\nfor d, name in (({str(tmp_path)!r}, 'escape.txt'), ({str(purelib)!r}, 'es_ray_evil.pth'),"
+        f" ({str(purelib)!r}, 'es_ray_evil/__init__.py')):\n"
+        "    try:\n        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)\n"
+        "        if '/' in name:\n            os.mkdir(name.split('/')[0], dir_fd=fd)\n"
+        "        w = os.open(name, os.O_WRONLY | os.O_CREAT, dir_fd=fd)\n        os.write(w, b'import os')\n"
+        "        print('wrote', name)\n    except OSError as e:\n        print('refused', name, e.errno)\n"
+    )
     res = run_python(code, LIMITS)
     assert "wrote" not in res.stdout and res.stdout.count("refused") == 3, res
     assert not (tmp_path / "escape.txt").exists()
@@ -384,10 +435,12 @@ def test_signals_cannot_reach_the_grader():
     old = signal.signal(signal.SIGUSR1, lambda *a: got.append(a))
     try:
         me = os.getpid()
-        code = ("import os, signal\nout = []\nfor pid in (%d, os.getppid(), 1):\n    try:\n"
-                "        fd = os.pidfd_open(pid)\n        signal.pidfd_send_signal(fd, signal.SIGUSR1)\n"
-                "        out.append('sent %%d' %% pid)\n    except OSError as e:\n        out.append('no %%d' %% pid)\n"
-                "print(out)\n" % me)
+        code = (
+            "import os, signal\nout = []\nfor pid in (%d, os.getppid(), 1):\n    try:\n"
+            "        fd = os.pidfd_open(pid)\n        signal.pidfd_send_signal(fd, signal.SIGUSR1)\n"
+            "        out.append('sent %%d' %% pid)\n    except OSError as e:\n        out.append('no %%d' %% pid)\n"
+            "print(out)\n" % me
+        )
         res = run_python(code, LIMITS)
         time.sleep(0.3)
         assert got == [], res
@@ -399,10 +452,12 @@ def test_signals_cannot_reach_the_grader():
 def test_the_graders_environment_and_proc_are_out_of_sight(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_es_ray_test_secret")
     me = os.getpid()
-    code = ("import os\nprint(dict(os.environ))\nfor p in ('/proc/%d/environ', '/proc/%d/cmdline', "
-            "'/proc/' + str(os.getppid()) + '/environ', '/proc/1/environ'):\n    try:\n"
-            "        print(open(p, 'rb').read())\n    except OSError as e:\n        print('no', p)\n"
-            "print(sorted(os.listdir('/proc'))[:5])\n" % (me, me))
+    code = (
+        "import os\nprint(dict(os.environ))\nfor p in ('/proc/%d/environ', '/proc/%d/cmdline', "
+        "'/proc/' + str(os.getppid()) + '/environ', '/proc/1/environ'):\n    try:\n"
+        "        print(open(p, 'rb').read())\n    except OSError as e:\n        print('no', p)\n"
+        "print(sorted(os.listdir('/proc'))[:5])\n" % (me, me)
+    )
     res = run_python(code, LIMITS)
     assert "hf_es_ray_test_secret" not in res.stdout + res.stderr
     assert set(eval(res.stdout.splitlines()[0])) <= {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONHASHSEED", "LC_CTYPE"}
@@ -410,16 +465,20 @@ def test_the_graders_environment_and_proc_are_out_of_sight(monkeypatch):
 
 def test_no_leftovers_in_dev_shm_and_a_disk_quota():
     name = f"es-ray-{uuid.uuid4().hex}"
-    code = (f"try:\n    open('/dev/shm/{name}', 'wb').write(b'x' * (1 << 20))\nexcept OSError as e:\n"
-            "    print('refused', e.errno)\nfrom multiprocessing import shared_memory\ntry:\n"
-            f"    shared_memory.SharedMemory(name='{name}b', create=True, size=1 << 20)\nexcept Exception as e:\n"
-            "    print('refused', type(e).__name__)\n")
+    code = (
+        f"try:\n    open('/dev/shm/{name}', 'wb').write(b'x' * (1 << 20))\nexcept OSError as e:\n"
+        "    print('refused', e.errno)\nfrom multiprocessing import shared_memory\ntry:\n"
+        f"    shared_memory.SharedMemory(name='{name}b', create=True, size=1 << 20)\nexcept Exception as e:\n"
+        "    print('refused', type(e).__name__)\n"
+    )
     run_python(code, LIMITS)
     assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith(name)]
     if not sandbox_plan().mount_ns:
         pytest.skip("the disk quota needs a mount namespace")
-    fill = ("import errno\nn = 0\ntry:\n    for i in range(100):\n        open('f%d' % i, 'wb').write(b'x' * 60000)\n"
-            "        n += 1\nexcept OSError as e:\n    print('full', n, e.errno == errno.ENOSPC)\n")
+    fill = (
+        "import errno\nn = 0\ntry:\n    for i in range(100):\n        open('f%d' % i, 'wb').write(b'x' * 60000)\n"
+        "        n += 1\nexcept OSError as e:\n    print('full', n, e.errno == errno.ENOSPC)\n"
+    )
     res = run_python(fill, SandboxLimits(wall_s=5.0, cpu_s=2.0, disk_mb=1, output_bytes=64 << 10))
     assert res.stdout.split()[:1] == ["full"] and res.stdout.split()[2] == "True", res
     assert int(res.stdout.split()[1]) < 20
@@ -436,15 +495,17 @@ def test_each_kernel_layer_holds_on_its_own(layers, tmp_path, monkeypatch):
     got = []
     old = signal.signal(signal.SIGUSR1, lambda *a: got.append(a))
     shm = f"es-ray-{uuid.uuid4().hex}"
-    attack = (f"import os, signal\nout = []\ntry:\n    fd = os.open({str(tmp_path)!r}, os.O_RDONLY | os.O_DIRECTORY)\n"
-              "    os.close(os.open('escape', os.O_WRONLY | os.O_CREAT, dir_fd=fd))\n    out.append('wrote')\n"
-              "except OSError:\n    pass\ntry:\n"
-              f"    if b'hf_es_ray' in open('/proc/{os.getpid()}/environ', 'rb').read():\n"
-              "        out.append('secret')\n"
-              f"except OSError:\n    pass\ntry:\n    signal.pidfd_send_signal(os.pidfd_open({os.getpid()}), "
-              "signal.SIGUSR1)\n    out.append('signalled')\nexcept OSError:\n    pass\n"
-              f"try:\n    os.close(os.open('/dev/shm/{shm}', os.O_WRONLY | os.O_CREAT))\nexcept OSError:\n    pass\n"
-              "print(out)\n")
+    attack = (
+        f"import os, signal\nout = []\ntry:\n    fd = os.open({str(tmp_path)!r}, os.O_RDONLY | os.O_DIRECTORY)\n"
+        "    os.close(os.open('escape', os.O_WRONLY | os.O_CREAT, dir_fd=fd))\n    out.append('wrote')\n"
+        "except OSError:\n    pass\ntry:\n"
+        f"    if b'hf_es_ray' in open('/proc/{os.getpid()}/environ', 'rb').read():\n"
+        "        out.append('secret')\n"
+        f"except OSError:\n    pass\ntry:\n    signal.pidfd_send_signal(os.pidfd_open({os.getpid()}), "
+        "signal.SIGUSR1)\n    out.append('signalled')\nexcept OSError:\n    pass\n"
+        f"try:\n    os.close(os.open('/dev/shm/{shm}', os.O_WRONLY | os.O_CREAT))\nexcept OSError:\n    pass\n"
+        "print(out)\n"
+    )
     try:
         res = run_python(attack, LIMITS)
         time.sleep(0.3)
@@ -468,15 +529,21 @@ def test_extract_code_prefers_a_python_block_with_a_definition():
 
 def test_grade_programs_scores_and_counts_failures():
     tests = ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]
-    programs = [build_program("def add(a, b):\n    return a + b", tests),
-                build_program("def add(a, b):\n    return a - b", tests),
-                build_program("def add(a, b):\n    while True:\n        pass", tests),
-                build_program("import socket\nsocket.socket()\ndef add(a, b):\n    return a + b", tests),
-                build_program("def f():\n    return heapq.nsmallest(1, [3, 1])[0]", ["assert f() == 1"],
-                              "import heapq")]
+    programs = [
+        build_program("def add(a, b):\n    return a + b", tests),
+        build_program("def add(a, b):\n    return a - b", tests),
+        build_program("def add(a, b):\n    while True:\n        pass", tests),
+        build_program("import socket\nsocket.socket()\ndef add(a, b):\n    return a + b", tests),
+        build_program("def f():\n    return heapq.nsmallest(1, [3, 1])[0]", ["assert f() == 1"], "import heapq"),
+    ]
     grades = grade_programs(programs, LIMITS, workers=2)
     assert [(g.score, g.correct, g.failure) for g in grades] == [
-        (1.0, True, None), (0.0, False, None), (0.0, False, "timeout"), (0.0, False, None), (1.0, True, None)]
+        (1.0, True, None),
+        (0.0, False, None),
+        (0.0, False, "timeout"),
+        (0.0, False, None),
+        (1.0, True, None),
+    ]
 
 
 def test_mbpp_refuses_to_load_where_programs_cannot_be_confined(no_namespaces):

@@ -24,8 +24,13 @@ LIMITS = SandboxLimits(wall_s=5.0, cpu_s=2.0, memory_mb=512, output_bytes=64 << 
 GOOD = build_program("def add(a, b):\n    return a + b", ["assert add(1, 2) == 3"])
 MARGIN_S = 3.0  # process starts and teardown on a loaded 2-core machine
 # without the minimal root the dedicated uid cannot read a Python under /root (0700): root without capabilities
-OFF = {"seccomp": {"seccomp": ""}, "minimal root": {"jail": (), "drop_to": None}, "audit hook": {"hook": False},
-       "landlock": {"landlock": 0}, "dedicated uid": {"drop_to": None}}
+OFF = {
+    "seccomp": {"seccomp": ""},
+    "minimal root": {"jail": (), "drop_to": None},
+    "audit hook": {"hook": False},
+    "landlock": {"landlock": 0},
+    "dedicated uid": {"drop_to": None},
+}
 
 
 def hostile(name: str, defeat_hook: bool = False, **subst: str) -> str:
@@ -146,9 +151,11 @@ def test_a_second_process_is_killed(layer_off, off):
 
 
 def test_memory_over_the_limit_in_threads_is_the_whole_programs():
-    code = ("import threading\nkeep = []\ndef grab():\n    keep.append(bytearray(200 << 20))\n"
-            "ts = [threading.Thread(target=grab) for _ in range(4)]\n[t.start() for t in ts]\n[t.join() for t in ts]\n"
-            "print(len(keep))\n")
+    code = (
+        "import threading\nkeep = []\ndef grab():\n    keep.append(bytearray(200 << 20))\n"
+        "ts = [threading.Thread(target=grab) for _ in range(4)]\n[t.start() for t in ts]\n[t.join() for t in ts]\n"
+        "print(len(keep))\n"
+    )
     res = run_python(code, LIMITS)  # 4 x 200 MB against 512 MB: the address space is shared
     assert res.stdout.strip() in ("", "0", "1", "2"), res
 
@@ -167,8 +174,19 @@ def test_threads_are_counted_for_the_dedicated_uid(layer_off, off):
         assert n < LIMITS.max_processes, res
 
 
-CRASH = ["crash_snan", "crash_fake_fraction", "crash_fake_decimal", "crash_deep_brackets", "crash_infinity",
-         "hash_collision_set", "forged_marks", "forged_record", "builtin_name", "comprehension_eq", "unittest_main"]
+CRASH = [
+    "crash_snan",
+    "crash_fake_fraction",
+    "crash_fake_decimal",
+    "crash_deep_brackets",
+    "crash_infinity",
+    "hash_collision_set",
+    "forged_marks",
+    "forged_record",
+    "builtin_name",
+    "comprehension_eq",
+    "unittest_main",
+]
 
 
 def test_a_batch_of_crash_values_scores_zero_with_reasons_and_goes_on():
@@ -182,8 +200,16 @@ def test_a_batch_of_crash_values_scores_zero_with_reasons_and_goes_on():
     assert all(g.score == 0.0 for g in grades[:-1]), got
     assert got["crash_deep_brackets"][1] == got["crash_infinity"][1] == "unparseable_result", got
     assert got["hash_collision_set"][1] == "unparseable_result", got
-    for name in ("crash_snan", "crash_fake_fraction", "crash_fake_decimal", "forged_marks", "forged_record",
-                 "builtin_name", "comprehension_eq", "unittest_main"):
+    for name in (
+        "crash_snan",
+        "crash_fake_fraction",
+        "crash_fake_decimal",
+        "forged_marks",
+        "forged_record",
+        "builtin_name",
+        "comprehension_eq",
+        "unittest_main",
+    ):
         assert got[name] == (0.0, None), (name, got)  # a wrong program, not a grader failure
     # the grader's own time per program stays within the wall limit, the check's and a margin
     assert elapsed < len(programs) * (limits.wall_s + limits.check_s + MARGIN_S) / 2, elapsed
@@ -214,9 +240,13 @@ def test_each_other_layer_switched_off_leaves_the_syscall_layer_holding(layer_of
     assert run_python(GOOD, LIMITS).passed
 
 
-@pytest.mark.parametrize("arch,header,prefixes", [
-    ("x86_64", "/usr/include/x86_64-linux-gnu/asm/unistd_64.h", ("__NR_",)),
-    ("aarch64", "/usr/include/asm-generic/unistd.h", ("__NR_", "__NR3264_"))])
+@pytest.mark.parametrize(
+    "arch,header,prefixes",
+    [
+        ("x86_64", "/usr/include/x86_64-linux-gnu/asm/unistd_64.h", ("__NR_",)),
+        ("aarch64", "/usr/include/asm-generic/unistd.h", ("__NR_", "__NR3264_")),
+    ],
+)
 def test_the_seccomp_tables_match_the_kernel_headers(arch, header, prefixes):
     import re
 
@@ -233,6 +263,7 @@ def test_the_seccomp_tables_match_the_kernel_headers(arch, header, prefixes):
 
 
 # -- second round: attacks on the init, the check and the grader itself ------------------------------------------
+
 
 def test_the_init_cannot_be_ended_by_a_signal():
     """SIGINT to pid 1 through a pidfd (no audit event, so with the hook on) or kill -1 ended the init before its
@@ -311,27 +342,40 @@ def test_the_program_holds_nothing_of_the_graders():
 
 
 # attacks that held before this round too; each scores 0 for the reason given
-HELD = {"exec_memfd": "escape_attempt", "io_uring": "escape_attempt", "confusable_builtin": None,
-        "exc_str_raises": None, "recursive_result": None, "close_std": None}
+HELD = {
+    "exec_memfd": "escape_attempt",
+    "io_uring": "escape_attempt",
+    "confusable_builtin": None,
+    "exc_str_raises": None,
+    "recursive_result": None,
+    "close_std": None,
+}
 
 
 def test_a_batch_of_the_second_rounds_attacks_scores_zero_and_stays_bounded():
     names = [*HELD, "signal_init", "prlimit_init", "own_assert_rebinds", "own_assert_forges", "deep_own_assert"]
-    programs = [hostile(n, defeat_hook=n in ("exec_memfd", "io_uring", "prlimit_init"), DEEP="1 + " * 400 + "1")
-                for n in names] + [GOOD]
+    programs = [
+        hostile(n, defeat_hook=n in ("exec_memfd", "io_uring", "prlimit_init"), DEEP="1 + " * 400 + "1") for n in names
+    ] + [GOOD]
     n_tests = [None] * len(HELD) + [None, None, 2, 1, 1, None]
     t0 = time.monotonic()
     grades = grade_programs(programs, LIMITS, workers=2, n_tests=n_tests, setups=["import math"] * len(programs))
     elapsed = time.monotonic() - t0
     got = {n: (g.score, g.failure) for n, g in zip(names, grades)}
-    want = {**{n: (0.0, why) for n, why in HELD.items()}, "signal_init": (0.0, None),
-            "prlimit_init": (0.0, "escape_attempt"), "own_assert_rebinds": (0.0, None),
-            "own_assert_forges": (0.0, None), "deep_own_assert": (0.0, None)}
+    want = {
+        **{n: (0.0, why) for n, why in HELD.items()},
+        "signal_init": (0.0, None),
+        "prlimit_init": (0.0, "escape_attempt"),
+        "own_assert_rebinds": (0.0, None),
+        "own_assert_forges": (0.0, None),
+        "deep_own_assert": (0.0, None),
+    }
     assert got == want and grades[-1].correct, (got, grades[-1])
     assert elapsed < len(programs) * (LIMITS.wall_s + LIMITS.check_s + MARGIN_S) / 2, elapsed
 
 
 # -- third round: failure kinds the program cannot choose, kernel memory, correct programs, the grader's own time --
+
 
 @pytest.mark.parametrize("signame", ["SIGSYS", "SIGKILL", "SIGXFSZ", "SIGXCPU"])
 @pytest.mark.parametrize("defeat", [False, True])
@@ -465,6 +509,7 @@ def test_negative_dentries_on_the_host_binds_are_bounded_by_the_cpu_limit():
     """Misses under the read-only binds of /usr leave negative dentries in the host's cache. They are reclaimable
     (SReclaimable), and the CPU limit bounds how many one program makes: counted here (dentry-state's
     nr_negative, shared machine) and stated in docs/security.md."""
+
     def negative():
         return int(open("/proc/sys/fs/dentry-state").read().split()[4])
 
@@ -475,8 +520,16 @@ def test_negative_dentries_on_the_host_binds_are_bounded_by_the_cpu_limit():
     assert grew < 400_000, grew  # at most one per miss (and others' on this machine)
 
 
-@pytest.mark.parametrize("name,entry", [("formfeed_string", ()), ("big_factorial", ()), ("long_result", ()),
-                                        ("builtin_sum", ("sum",)), ("truthy_match", ())])
+@pytest.mark.parametrize(
+    "name,entry",
+    [
+        ("formfeed_string", ()),
+        ("big_factorial", ()),
+        ("long_result", ()),
+        ("builtin_sum", ("sum",)),
+        ("truthy_match", ()),
+    ],
+)
 def test_correct_programs_are_not_scored_zero_by_the_harness(name, entry):
     res = run_python(hostile(name), LIMITS, n_tests=None, entry=entry)
     assert res.passed, res
@@ -529,9 +582,14 @@ def test_a_batch_of_the_third_rounds_attacks_scores_a_kind_it_did_not_choose():
     elapsed = time.monotonic() - t0
     got = {n: (g.score, g.failure) for n, g in zip(names, grades)}
     assert grades[-1].correct, grades[-1]
-    assert got == {"self_signal": (0.0, None), "forged_memory": (0.0, None), "forged_marks": (0.0, None),
-                   "deep_json_value": (0.0, "unparseable_result"), "xattr_flood": (1.0, None),
-                   "symlink_flood": (1.0, None)}, got
+    assert got == {
+        "self_signal": (0.0, None),
+        "forged_memory": (0.0, None),
+        "forged_marks": (0.0, None),
+        "deep_json_value": (0.0, "unparseable_result"),
+        "xattr_flood": (1.0, None),
+        "symlink_flood": (1.0, None),
+    }, got
     assert elapsed < len(programs) * (LIMITS.wall_s + LIMITS.check_s + MARGIN_S) / 2, elapsed
 
 
@@ -545,8 +603,7 @@ def test_a_truth_test_of_a_wrong_value_still_fails():
 def test_setup_that_uses_the_tasks_own_class_runs_after_the_candidate():
     """MBPP 367 and 927: the setup builds trees of the task's Node class; run before the candidate, every correct
     program failed with a NameError. Its imports still come first (the candidate and the check may use them)."""
-    code = ("class Node:\n    def __init__(self, v):\n        self.v = v\n\n"
-            "def value(n):\n    return math.floor(n.v)\n")
+    code = "class Node:\n    def __init__(self, v):\n        self.v = v\n\ndef value(n):\n    return math.floor(n.v)\n"
     program = build_program(code, ["assert value(root) == 3"], "import math\nroot = Node(3.5)")
     assert program.index("import math") < program.index("class Node") < program.index("root = Node")
     assert run_python(program, LIMITS, n_tests=1, setup="import math\nroot = Node(3.5)").passed

@@ -30,8 +30,13 @@ class CopyCounter(TorchFunctionMode):
         src = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
         if name == "copy_" and isinstance(out, torch.Tensor):
             self.written += out.nbytes
-        elif name in COPIES and isinstance(out, torch.Tensor) and src is not None and out.numel() \
-                and out.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
+        elif (
+            name in COPIES
+            and isinstance(out, torch.Tensor)
+            and src is not None
+            and out.numel()
+            and out.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+        ):
             if out.dtype == src.dtype:
                 self.moved += out.nbytes
             else:
@@ -42,11 +47,15 @@ class CopyCounter(TorchFunctionMode):
 def test_a_colocated_sync_copies_nothing_through_the_host(tiny_model_dir):
     from es_ray.grpo.colocated import ColocatedWorker
 
-    cfg = to_grpo_config({"model": {"path": str(tiny_model_dir)}, "task": {"name": "es_test_tasks:VowelTask",
-                                                                          "train_size": 4},
-                          "engine": {"name": "hf", "threads": 1, "device": "cpu", "dtype": "float32"},
-                          "cluster": {"num_actors": 1}, "grpo": {"colocate": True, "micro_batch_size": 2,
-                                                                 "prompts_per_step": 2, "group_size": 2}})
+    cfg = to_grpo_config(
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "task": {"name": "es_test_tasks:VowelTask", "train_size": 4},
+            "engine": {"name": "hf", "threads": 1, "device": "cpu", "dtype": "float32"},
+            "cluster": {"num_actors": 1},
+            "grpo": {"colocate": True, "micro_batch_size": 2, "prompts_per_step": 2, "group_size": 2},
+        }
+    )
     worker = ColocatedWorker(cfg)
     with torch.no_grad():
         for p in worker.learner.params:
@@ -63,8 +72,10 @@ def test_a_colocated_sync_copies_nothing_through_the_host(tiny_model_dir):
         for k in range(len(worker.learner.chunks)):
             worker.write_weights(worker.learner.weight_chunk(k, "float32"))
     assert apart.moved == model_bytes  # the counter sees the host round trip where there is one
-    print(f"bytes copied per sync (CPU build, tiny model of {model_bytes} B): colocated {together.moved}, "
-          f"through the host {apart.moved}")
+    print(
+        f"bytes copied per sync (CPU build, tiny model of {model_bytes} B): colocated {together.moved}, "
+        f"through the host {apart.moved}"
+    )
 
 
 def test_discarded_weights_are_refused_to_a_generate_until_a_whole_sync_rewrites_them(monkeypatch):
@@ -83,18 +94,23 @@ def test_discarded_weights_are_refused_to_a_generate_until_a_whole_sync_rewrites
             raise RuntimeError("chunk lost")
         return {f"w{k}": torch.zeros(1)}
 
-    engine = SimpleNamespace(sleep=lambda level: calls.append(("sleep", level)),
-                             wake_up=lambda tags: calls.append(("wake", *tags)),
-                             write_weights=lambda items: calls.append(("write", [n for n, _ in items])),
-                             generate=lambda *a: calls.append("generate") or [])
+    engine = SimpleNamespace(
+        sleep=lambda level: calls.append(("sleep", level)),
+        wake_up=lambda tags: calls.append(("wake", *tags)),
+        write_weights=lambda items: calls.append(("write", [n for n, _ in items])),
+        generate=lambda *a: calls.append("generate") or [],
+    )
     worker = object.__new__(colocated.ColocatedWorker)
     worker.cfg, worker.engine, worker.sleeping, worker.discarded = None, engine, [], False
     worker.learner = SimpleNamespace(chunks=[0, 1], train_step=lambda s, a: {}, weight_chunk=weight_chunk)
     monkeypatch.setattr(colocated, "_on_gpu", lambda cfg: True)
     monkeypatch.setattr(colocated, "_release_cached_device_memory", lambda: None)
     monkeypatch.setattr(colocated.RolloutWorker, "generate", lambda self, *a: self.engine.generate(*a))
-    monkeypatch.setattr(colocated.RolloutWorker, "write_weights", lambda self, w: self.engine.write_weights(
-        list(w.items())) or {"bytes": 0})
+    monkeypatch.setattr(
+        colocated.RolloutWorker,
+        "write_weights",
+        lambda self, w: self.engine.write_weights(list(w.items())) or {"bytes": 0},
+    )
     worker.train_step([], [])
     with pytest.raises(RuntimeError, match="chunk lost"):
         worker.sync_local("bfloat16")  # chunk 0 written, chunk 1 not

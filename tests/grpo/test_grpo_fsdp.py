@@ -18,16 +18,31 @@ TOL = 2e-5
 
 def batch(n=4, length=6):
     g = torch.Generator().manual_seed(1)
-    samples = [{"prompt_ids": [1, 2, 3, 4 + i % 2], "completion_ids": torch.randint(10, 1000, (length - i % 3,),
-                                                                                    generator=g).tolist()}
-               for i in range(n)]
+    samples = [
+        {
+            "prompt_ids": [1, 2, 3, 4 + i % 2],
+            "completion_ids": torch.randint(10, 1000, (length - i % 3,), generator=g).tolist(),
+        }
+        for i in range(n)
+    ]
     return samples, [1.0, -1.0, 0.5, -0.5][:n]
 
 
 def config(model_dir, fsdp_size=1, **grpo):
-    return to_grpo_config({"model": {"path": str(model_dir)}, "engine": {"threads": 1},
-                           "grpo": {"lr": 1e-2, "micro_batch_size": 2, "prompts_per_step": 2, "group_size": 2,
-                                    "fsdp_size": fsdp_size, **grpo}})
+    return to_grpo_config(
+        {
+            "model": {"path": str(model_dir)},
+            "engine": {"threads": 1},
+            "grpo": {
+                "lr": 1e-2,
+                "micro_batch_size": 2,
+                "prompts_per_step": 2,
+                "group_size": 2,
+                "fsdp_size": fsdp_size,
+                **grpo,
+            },
+        }
+    )
 
 
 def start_ranks(ray, cfg, world=2):
@@ -67,8 +82,9 @@ def test_two_ranks_equal_one_process(tiny_model_dir, ray_local, loss_type):
         assert max(abs(x - y) for x, y in zip(lp1, lp2)) < 1e-4
         chunk = each(ray_local, actors, "weight_chunk", 1, "bfloat16")
         assert chunk[1] == {} and all(t.dtype == torch.bfloat16 for t in chunk[0].values())
-        assert torch.equal(chunk[0]["model.layers.0.mlp.up_proj.weight"],
-                           w2["model.layers.0.mlp.up_proj.weight"].to(torch.bfloat16))
+        assert torch.equal(
+            chunk[0]["model.layers.0.mlp.up_proj.weight"], w2["model.layers.0.mlp.up_proj.weight"].to(torch.bfloat16)
+        )
     finally:
         for a in actors:
             ray_local.kill(a)
@@ -107,12 +123,18 @@ def test_sharded_checkpoint_resumes_exactly(tiny_model_dir, ray_local, tmp_path)
 
 def run_cfg(model_dir, run_dir, **grpo):
     """A two-step GRPO run on the tiny model (one rollout actor, fp32 engine); ``grpo`` overrides its section."""
-    return to_grpo_config({
-        "model": {"path": str(model_dir)}, "task": {"name": "arithmetic", "train_size": 4},
-        "grpo": {"steps": 2, "lr": 1e-3, "group_size": 2, "prompts_per_step": 2, "micro_batch_size": 4, **grpo},
-        "sampling": {"max_new_tokens": 4, "temperature": 1.0}, "engine": {"threads": 1, "dtype": "float32"},
-        "cluster": {"num_actors": 1, "cpus_per_actor": 0.5}, "eval": {"every": 0},
-        "run": {"dir": str(run_dir), "progress": False, "trackers": []}})
+    return to_grpo_config(
+        {
+            "model": {"path": str(model_dir)},
+            "task": {"name": "arithmetic", "train_size": 4},
+            "grpo": {"steps": 2, "lr": 1e-3, "group_size": 2, "prompts_per_step": 2, "micro_batch_size": 4, **grpo},
+            "sampling": {"max_new_tokens": 4, "temperature": 1.0},
+            "engine": {"threads": 1, "dtype": "float32"},
+            "cluster": {"num_actors": 1, "cpus_per_actor": 0.5},
+            "eval": {"every": 0},
+            "run": {"dir": str(run_dir), "progress": False, "trackers": []},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +146,7 @@ def separate_run(tiny_model_dir, ray_local, tmp_path_factory) -> dict:
     return run(run_cfg(tiny_model_dir, tmp_path_factory.mktemp("grpo-fsdp") / "separate"))
 
 
-def test_grpo_run_with_two_learner_ranks_ends_where_one_rank_does(tiny_model_dir, ray_local, tmp_path,
-                                                                    separate_run):
+def test_grpo_run_with_two_learner_ranks_ends_where_one_rank_does(tiny_model_dir, ray_local, tmp_path, separate_run):
     """The whole loop (rollouts, sharded learner, sync layer by layer from the shards, the probe, the final
     checkpoint): two steps with grpo.fsdp_size=2 against grpo.fsdp_size=1, the same seeds."""
     from es_ray.models import load_hf_weights
@@ -149,8 +170,10 @@ def test_colocated_run_ends_where_the_separate_one_does(tiny_model_dir, ray_loca
     assert apart["reward_mean"] == together["reward_mean"]
     w1, w2 = load_hf_weights(apart["final_checkpoint"]), load_hf_weights(together["final_checkpoint"])
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < TOL
-    ledgers = [__import__("json").loads((Path(d) / "ledger.json").read_text())
-               for d in (apart["run_dir"], tmp_path / "together")]
+    ledgers = [
+        __import__("json").loads((Path(d) / "ledger.json").read_text())
+        for d in (apart["run_dir"], tmp_path / "together")
+    ]
     roles = [sorted(a["role"] for a in led["actors"].values()) for led in ledgers]
     assert roles == [["learner", "rollout"], ["learner+rollout"]]
 
@@ -201,8 +224,13 @@ def test_more_learner_ranks_than_devices_are_refused_naming_the_key(tiny_model_d
     from es_ray.core.config import ConfigError
     from es_ray.grpo.driver import run
 
-    cfg = to_grpo_config({"model": {"path": str(tiny_model_dir)}, "grpo": {"fsdp_size": 2},
-                          "cluster": {"num_actors": 1, "gpus_per_actor": 1},
-                          "run": {"dir": str(tmp_path / "run"), "progress": False, "trackers": []}})
+    cfg = to_grpo_config(
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "grpo": {"fsdp_size": 2},
+            "cluster": {"num_actors": 1, "gpus_per_actor": 1},
+            "run": {"dir": str(tmp_path / "run"), "progress": False, "trackers": []},
+        }
+    )
     with pytest.raises(ConfigError, match=r"grpo.fsdp_size=2 learner ranks x 1 GPUs each exceed the cluster's 0"):
         run(cfg)

@@ -14,14 +14,23 @@ from es_ray.grpo.learner import GRPOLearner
 
 def batch(n=4, prompt=(1, 2, 3, 4, 5), length=5):
     g = torch.Generator().manual_seed(0)
-    samples = [{"prompt_ids": list(prompt), "completion_ids": torch.randint(10, 1000, (length - i % 2,), generator=g)
-                .tolist()} for i in range(n)]
+    samples = [
+        {"prompt_ids": list(prompt), "completion_ids": torch.randint(10, 1000, (length - i % 2,), generator=g).tolist()}
+        for i in range(n)
+    ]
     return samples, [1.0, -1.0, 0.5, -0.5][:n]
 
 
 def learner(model_dir, **grpo):
-    return GRPOLearner(to_grpo_config({"model": {"path": str(model_dir)}, "engine": {"threads": 1},
-                                       "grpo": {"lr": 1e-2, "micro_batch_size": 2, **grpo}}))
+    return GRPOLearner(
+        to_grpo_config(
+            {
+                "model": {"path": str(model_dir)},
+                "engine": {"threads": 1},
+                "grpo": {"lr": 1e-2, "micro_batch_size": 2, **grpo},
+            }
+        )
+    )
 
 
 def test_kl_to_reference_starts_at_zero_and_grows(tiny_model_dir):
@@ -150,7 +159,8 @@ def test_chunked_log_probs_equal_unchunked_and_hold_one_chunk_of_logits(tiny_mod
         head = lrn.model.get_output_embeddings()
         largest[chunk] = 0
         hook = head.register_forward_hook(
-            lambda m, i, out, c=chunk: largest.__setitem__(c, max(largest[c], out.numel())))
+            lambda m, i, out, c=chunk: largest.__setitem__(c, max(largest[c], out.numel()))
+        )
         results[chunk] = scored(lrn, samples, adv)
         hook.remove()
     (lp_a, mask, g_a), (lp_b, _, g_b) = results[3], results[10_000]
@@ -168,8 +178,11 @@ def test_learner_log_probs_are_the_engines_at_the_sampling_temperature(tiny_mode
     instead they are off by far more, so the temperature is applied, not ignored."""
     from es_ray.grpo.rollout import RolloutWorker
 
-    cfg = {"model": {"path": str(tiny_model_dir)}, "engine": {"threads": 1},
-           "sampling": {"max_new_tokens": 6, "temperature": 0.7}}
+    cfg = {
+        "model": {"path": str(tiny_model_dir)},
+        "engine": {"threads": 1},
+        "sampling": {"max_new_tokens": 6, "temperature": 0.7},
+    }
     rollout = RolloutWorker(to_grpo_config(cfg))
     samples = rollout.generate([0, 1], 2, seed=5)["samples"]
     engine = [rollout.engine.token_logprobs(s["prompt_ids"], s["completion_ids"], 0.7) for s in samples]
@@ -186,4 +199,3 @@ def test_learner_log_probs_are_the_engines_at_the_sampling_temperature(tiny_mode
 
     assert worst(learner_lp(0.7)) <= 1e-4
     assert worst(learner_lp(1.0)) > 0.05
-

@@ -84,8 +84,9 @@ def test_padding_does_not_change_the_loss():
     garbage_old[MASK == 0] = -50.0
     for lt in ("grpo", "dr_grpo", "dapo"):
         a = grpo_loss(t(NEW), t(OLD), t(ADV), t(MASK), loss_type=lt, beta=0.1, ref_logp_bt=t(REF), max_tokens=4)[0]
-        b = grpo_loss(t(garbage_new), t(garbage_old), t(ADV), t(MASK), loss_type=lt, beta=0.1, ref_logp_bt=t(REF),
-                      max_tokens=4)[0]
+        b = grpo_loss(
+            t(garbage_new), t(garbage_old), t(ADV), t(MASK), loss_type=lt, beta=0.1, ref_logp_bt=t(REF), max_tokens=4
+        )[0]
         assert torch.isfinite(b) and float(a) == pytest.approx(float(b), rel=1e-12)
 
 
@@ -103,9 +104,23 @@ def test_micro_batches_add_up_to_the_batch_loss():
     t = lambda a: torch.tensor(a, dtype=torch.float64)  # noqa: E731
     for lt in ("grpo", "dr_grpo", "dapo"):
         whole = float(run(lt, beta=0.1)[0])
-        parts = sum(float(grpo_loss(t(NEW[s]), t(OLD[s]), t(ADV[s]), t(MASK[s]), loss_type=lt, beta=0.1,
-                                    ref_logp_bt=t(REF[s]), max_tokens=4, num_sequences=3, num_tokens=MASK.sum())[0])
-                    for s in (slice(0, 1), slice(1, 3)))
+        parts = sum(
+            float(
+                grpo_loss(
+                    t(NEW[s]),
+                    t(OLD[s]),
+                    t(ADV[s]),
+                    t(MASK[s]),
+                    loss_type=lt,
+                    beta=0.1,
+                    ref_logp_bt=t(REF[s]),
+                    max_tokens=4,
+                    num_sequences=3,
+                    num_tokens=MASK.sum(),
+                )[0]
+            )
+            for s in (slice(0, 1), slice(1, 3))
+        )
         assert parts == pytest.approx(whole, rel=1e-12)
 
 
@@ -116,8 +131,11 @@ def test_group_advantages_match_numpy_and_zero_std_groups_give_zero():
     got = group_advantages(torch.tensor(r), "group", eps).numpy()
     np.testing.assert_allclose(got, expect, rtol=1e-12)
     assert np.all(got[1] == 0) and np.all(np.isfinite(got))
-    np.testing.assert_allclose(group_advantages(torch.tensor(r), "batch", eps).numpy(),
-                               (r - r.mean(1, keepdims=True)) / (r.std() + eps), rtol=1e-12)
+    np.testing.assert_allclose(
+        group_advantages(torch.tensor(r), "batch", eps).numpy(),
+        (r - r.mean(1, keepdims=True)) / (r.std() + eps),
+        rtol=1e-12,
+    )
     np.testing.assert_allclose(group_advantages(torch.tensor(r), "none").numpy(), r - r.mean(1, keepdims=True))
     all_equal = group_advantages(torch.zeros(2, 4), "batch")
     assert torch.all(all_equal == 0)

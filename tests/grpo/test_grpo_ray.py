@@ -61,8 +61,9 @@ class Stop(Exception):
     pass
 
 
-def test_dead_rollout_is_replaced_and_a_stopped_run_resumes_bit_identical(ray_local, peaked_model_dir, tmp_path,
-                                                                          monkeypatch):
+def test_dead_rollout_is_replaced_and_a_stopped_run_resumes_bit_identical(
+    ray_local, peaked_model_dir, tmp_path, monkeypatch
+):
     import ray
     from safetensors.torch import load_file
 
@@ -123,7 +124,8 @@ def test_dead_learner_stops_the_run_with_resume_advice(ray_local, peaked_model_d
 
 @pytest.mark.slow  # three 3-step runs: ~130 s on a shared 2-core machine
 def test_a_lost_learner_restarts_from_the_last_checkpoint_and_ends_as_an_undisturbed_run(
-        ray_local, peaked_model_dir, tmp_path, monkeypatch, capsys):
+    ray_local, peaked_model_dir, tmp_path, monkeypatch, capsys
+):
     """Deliverable 52.1 for GRPO: the learner killed mid-run (its worker process gone, as Ray's memory monitor or a
     crash leaves it) restarts GRPOWorkers in the same call from the last checkpoint, or from step 0 without one, and
     the run ends with the undisturbed run's rewards and final weights, bit for bit."""
@@ -144,6 +146,7 @@ def test_a_lost_learner_restarts_from_the_last_checkpoint_and_ends_as_an_undistu
                 killed.append(t)
                 ray.kill(workers.learner[0])  # a worker gone: the step's learner call finds it lost
             return real_step(cfg, workers, t, pool, guard)
+
         return faulty_step
 
     monkeypatch.setattr(driver, "step", kill_learner_once_at(2))
@@ -181,7 +184,8 @@ def test_first_step_is_the_same_with_one_and_two_rollout_actors(ray_local, tiny_
     def learn(workers, method, *args, slow=False):
         if method is GRPOLearner.train_step:  # the samples the learner trains on, as the driver sends them
             batches.setdefault(len(workers.rollouts), []).append(
-                [(s["prompt_index"], list(s["completion_ids"]), s["reward"]) for s in args[0]])
+                [(s["prompt_index"], list(s["completion_ids"]), s["reward"]) for s in args[0]]
+            )
         return real_learn(workers, method, *args, slow=slow)
 
     monkeypatch.setattr(driver.GRPOWorkers, "learn", learn)
@@ -192,7 +196,9 @@ def test_first_step_is_the_same_with_one_and_two_rollout_actors(ray_local, tiny_
         driver.run(cfg)
         rows[n] = json.loads((tmp_path / f"actors{n}" / "metrics.jsonl").read_text().splitlines()[0])
         assert set(json.loads((tmp_path / f"actors{n}" / "ledger.json").read_text())["actors"]) == {
-            "learner_0", *(f"rollout_{r}" for r in range(n))}
+            "learner_0",
+            *(f"rollout_{r}" for r in range(n)),
+        }
     assert len(batches[1]) == len(batches[2]) == 1
     assert batches[1] == batches[2]
     assert len({tuple(c) for _, c, _ in batches[1][0]}) > 1, "the completions must differ from each other"
@@ -226,8 +232,10 @@ def test_a_finished_run_extended_continues_from_final(ray_local, peaked_model_di
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1] and rewards(tmp_path)[:1] == first
     ledger = json.loads((tmp_path / "ledger.json").read_text())
-    assert [(s["start_step"], s["end_step"], s["stop"]) for s in ledger["segments"]] == [(0, 1, "finished"),
-                                                                                          (1, 2, "finished")]
+    assert [(s["start_step"], s["end_step"], s["stop"]) for s in ledger["segments"]] == [
+        (0, 1, "finished"),
+        (1, 2, "finished"),
+    ]
     assert ledger["steps"] == 2 and ledger["redone"]["steps"] == 0
     assert ledger["tokens_generated"] == sum(r["perf/tokens"] for r in rows)
     # the earlier final is kept (run.keep_checkpoints), as a checkpoint of its own step; the new final is step 2

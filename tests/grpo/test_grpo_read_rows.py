@@ -17,8 +17,15 @@ MISSING = "model.layers.0.self_attn.q_proj.weight"
 
 
 def learner(model_dir) -> GRPOLearner:
-    return GRPOLearner(to_grpo_config({"model": {"path": str(model_dir)}, "engine": {"threads": 1},
-                                       "grpo": {"micro_batch_size": 2, "prompts_per_step": 2, "group_size": 2}}))
+    return GRPOLearner(
+        to_grpo_config(
+            {
+                "model": {"path": str(model_dir)},
+                "engine": {"threads": 1},
+                "grpo": {"micro_batch_size": 2, "prompts_per_step": 2, "group_size": 2},
+            }
+        )
+    )
 
 
 def write_dir(path, weights: dict) -> None:

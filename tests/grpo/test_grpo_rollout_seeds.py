@@ -12,8 +12,13 @@ from es_ray.grpo.config import to_grpo_config
 def _worker(tiny_model_dir, engine: dict):
     from es_ray.grpo.rollout import RolloutWorker
 
-    cfg = to_grpo_config({"model": {"path": str(tiny_model_dir)}, "engine": {"threads": 1, **engine},
-                          "sampling": {"max_new_tokens": 8, "temperature": 1.0}})
+    cfg = to_grpo_config(
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "engine": {"threads": 1, **engine},
+            "sampling": {"max_new_tokens": 8, "temperature": 1.0},
+        }
+    )
     return RolloutWorker(cfg)
 
 

@@ -21,8 +21,11 @@ def test_stand_in_refuses_a_host_tensor_and_names_the_call_site():
 
     with StrictDevice(roots=ROOTS) as strict:
         host = torch.tensor([1.0, 2.0], dtype=torch.float64)
-        with pytest.raises(StrictCollectiveError, match=r"all_reduce at tests/grpo/test_grpo_strict_collectives.py:\d+ "
-                                                        r"\(test_stand_in.*made at tests/grpo/test_grpo_strict"):
+        with pytest.raises(
+            StrictCollectiveError,
+            match=r"all_reduce at tests/grpo/test_grpo_strict_collectives.py:\d+ "
+            r"\(test_stand_in.*made at tests/grpo/test_grpo_strict",
+        ):
             dist.all_reduce(host)
         with pytest.raises(StrictCollectiveError, match="on the host"):  # a host op's result stays on the host
             dist.all_reduce(host * 2)

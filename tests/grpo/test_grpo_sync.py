@@ -18,8 +18,14 @@ def pair(tiny_model_dir):
     from es_ray.grpo.learner import GRPOLearner
     from es_ray.grpo.rollout import RolloutWorker
 
-    cfg = to_grpo_config({"model": {"path": str(tiny_model_dir)}, "engine": {"threads": 1},
-                          "grpo": {"lr": 1e-2, "micro_batch_size": 3}, "sampling": {"max_new_tokens": 6}})
+    cfg = to_grpo_config(
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "engine": {"threads": 1},
+            "grpo": {"lr": 1e-2, "micro_batch_size": 3},
+            "sampling": {"max_new_tokens": 6},
+        }
+    )
     return cfg, GRPOLearner(cfg), RolloutWorker(cfg)
 
 
@@ -67,8 +73,13 @@ def test_vllm_engine_takes_the_learner_weights_and_verifies(pair, tiny_model_dir
     from es_ray.grpo.rollout import RolloutWorker
 
     cfg, learner, _ = pair
-    vcfg = to_grpo_config({"model": {"path": str(tiny_model_dir)}, "sampling": {"max_new_tokens": 6},
-                           "engine": {"name": "vllm", "threads": 1, "enforce_eager": True}})
+    vcfg = to_grpo_config(
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "sampling": {"max_new_tokens": 6},
+            "engine": {"name": "vllm", "threads": 1, "enforce_eager": True},
+        }
+    )
     rollout = RolloutWorker(vcfg)
     try:
         out = rollout.generate([0], 2, seed=3)
@@ -77,8 +88,9 @@ def test_vllm_engine_takes_the_learner_weights_and_verifies(pair, tiny_model_dir
         rollout.write_weights(weights)
         assert verify(learner, rollout, sync_tolerance(vcfg)) <= sync_tolerance(vcfg)
         name = "model.layers.1.mlp.down_proj.weight"
-        weights[name] = weights[name] + 0.05 * torch.randn(weights[name].shape,
-                                                           generator=torch.Generator().manual_seed(0))
+        weights[name] = weights[name] + 0.05 * torch.randn(
+            weights[name].shape, generator=torch.Generator().manual_seed(0)
+        )
         rollout.write_weights(weights)
         with pytest.raises(WeightSyncError):  # the engine holds a weight the learner does not
             verify(learner, rollout, sync_tolerance(vcfg))
@@ -147,8 +159,15 @@ def test_first_sync_to_a_bf16_engine_sets_the_tolerance_and_sends_bf16_layer_by_
     from es_ray.grpo.rollout import RolloutWorker
 
     cfg, learner, _ = pair
-    bf16 = RolloutWorker(to_grpo_config({"model": {"path": str(tiny_model_dir)}, "sampling": {"max_new_tokens": 6},
-                                         "engine": {"threads": 1, "dtype": "bfloat16"}}))
+    bf16 = RolloutWorker(
+        to_grpo_config(
+            {
+                "model": {"path": str(tiny_model_dir)},
+                "sampling": {"max_new_tokens": 6},
+                "engine": {"threads": 1, "dtype": "bfloat16"},
+            }
+        )
+    )
     workers = GRPOWorkers.__new__(GRPOWorkers)
     workers.cfg, workers.tol, workers.probe = cfg, sync_tolerance(cfg), None
     workers.colocated, workers.learner_probe = False, GRPOLearner.probe_logprobs
@@ -165,8 +184,9 @@ def test_first_sync_to_a_bf16_engine_sets_the_tolerance_and_sends_bf16_layer_by_
     name = "model.layers.1.mlp.down_proj.weight"
     # 0.5, not 0.05: on the tiny random model a 0.05 error moved the probe's log-probs by 0.005, under the bf16
     # tolerance (~0.008), so it was caught only after some training draws; 0.5 moves them by ~0.07
-    wrong = learner.weights()[name] + 0.5 * torch.randn(learner.named[name].shape,
-                                                        generator=torch.Generator().manual_seed(0))
+    wrong = learner.weights()[name] + 0.5 * torch.randn(
+        learner.named[name].shape, generator=torch.Generator().manual_seed(0)
+    )
     bf16.write_weights({name: wrong})
     with pytest.raises(WeightSyncError, match="rollout engine 0"):
         check_sync(learner.probe_logprobs(*workers.probe), [bf16.probe_logprobs(*workers.probe)], workers.tol, 1)

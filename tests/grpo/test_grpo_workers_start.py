@@ -29,8 +29,10 @@ def _stand_ins(monkeypatch, events: list, fail_ready: str = ""):
             events.append(("wait", self.role, method.__name__))
             if self.role == fail_ready:
                 raise RuntimeError(f"{self.role} failed to start")
-            return [{"rank": r, "built": True, "train_size": 8, "trainable": 1, "dtype": "float32",
-                     "weight_chunks": 1} for r in self.ranks]
+            return [
+                {"rank": r, "built": True, "train_size": 8, "trainable": 1, "dtype": "float32", "weight_chunks": 1}
+                for r in self.ranks
+            ]
 
         def kill(self):
             events.append(("kill", self.role))
@@ -40,8 +42,9 @@ def _stand_ins(monkeypatch, events: list, fail_ready: str = ""):
             events.append(("release",))
 
     monkeypatch.setattr(actors, "ActorGroup", Group)
-    monkeypatch.setattr(placement, "place", lambda cluster, name, count=None: events.append(("place", count))
-                        or Placement())
+    monkeypatch.setattr(
+        placement, "place", lambda cluster, name, count=None: events.append(("place", count)) or Placement()
+    )
     monkeypatch.setattr(driver, "check_devices", lambda cfg: None)
 
 
@@ -65,8 +68,13 @@ def test_rollouts_are_asked_for_before_the_learner_is_waited_on(monkeypatch, tmp
     _stand_ins(monkeypatch, events)
     cfg = _cfg(rollouts=3)
     workers = GRPOWorkers(cfg, Tracker(), tmp_path, lambda: None)
-    assert events == [("place", 4), ("start", "learner", [0]), ("start", "rollout", [1, 2, 3]),
-                      ("wait", "learner", "ready"), ("wait", "rollout", "ready")]
+    assert events == [
+        ("place", 4),
+        ("start", "learner", [0]),
+        ("start", "rollout", [1, 2, 3]),
+        ("wait", "learner", "ready"),
+        ("wait", "rollout", "ready"),
+    ]
     assert workers.learner.cls is GRPOLearner and workers.learner.args == [(cfg, 0, 1)]
     assert workers.rollouts.cls is RolloutWorker and workers.rollouts.args == [(cfg, 0), (cfg, 1), (cfg, 2)]
     assert [info["rank"] for info in workers.infos] == [0, 1, 2] and workers.learner_info["rank"] == 0

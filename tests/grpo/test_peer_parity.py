@@ -44,12 +44,27 @@ def _batch():
 
 def _learner_gradients(model_dir, loss_type, beta, epochs):
     """The gradient the learner's train_step hands its optimizer at each epoch, and its weights after epoch 1."""
-    lrn = GRPOLearner(to_grpo_config({
-        "model": {"path": str(model_dir)}, "engine": {"threads": 1},
-        "sampling": {"temperature": TEMPERATURE, "max_new_tokens": MAX_TOKENS},
-        "grpo": {"lr": 1e-3, "micro_batch_size": G, "loss_type": loss_type, "beta": beta, "max_grad_norm": 0.0,
-                 "epochs_per_batch": epochs, "clip_eps": 0.2, "clip_eps_high": 0.28, "group_size": G,
-                 "prompts_per_step": PROMPTS}}))
+    lrn = GRPOLearner(
+        to_grpo_config(
+            {
+                "model": {"path": str(model_dir)},
+                "engine": {"threads": 1},
+                "sampling": {"temperature": TEMPERATURE, "max_new_tokens": MAX_TOKENS},
+                "grpo": {
+                    "lr": 1e-3,
+                    "micro_batch_size": G,
+                    "loss_type": loss_type,
+                    "beta": beta,
+                    "max_grad_norm": 0.0,
+                    "epochs_per_batch": epochs,
+                    "clip_eps": 0.2,
+                    "clip_eps_high": 0.28,
+                    "group_size": G,
+                    "prompts_per_step": PROMPTS,
+                },
+            }
+        )
+    )
     grads, after = [], []
     real_step = lrn._optimizer_step
 
@@ -86,8 +101,16 @@ def test_grpo_gradient_equals_trl_grpotrainer_loss_gradient(tiny_model_dir, loss
 
     beta = 0.04
     grads, after = _learner_gradients(tiny_model_dir, loss_type, beta, epochs=2)
-    trainer = trl_trainer(str(tiny_model_dir), group_size=G, max_tokens=MAX_TOKENS, temperature=TEMPERATURE,
-                          beta=beta, loss_type=loss_type, clip_eps=0.2, clip_eps_high=0.28)
+    trainer = trl_trainer(
+        str(tiny_model_dir),
+        group_size=G,
+        max_tokens=MAX_TOKENS,
+        temperature=TEMPERATURE,
+        beta=beta,
+        loss_type=loss_type,
+        clip_eps=0.2,
+        clip_eps_high=0.28,
+    )
     samples, adv = _batch()
     inputs = trl_inputs(samples, adv, trainer.processing_class.pad_token_id)
     old = trl_log_probs(trainer, trainer.model, inputs)  # the initial weights: the policy that "sampled" the batch
@@ -131,6 +154,7 @@ def test_trl_bessel_std_scales_the_gradient_by_sqrt_g_over_g_minus_1(tiny_model_
 
 # -- ES: the reference's update and its members' rewards -----------------------------------------------------------
 
+
 def _reference_perturb(model, seed: int, scale: float) -> None:
     """The reference's process_seed perturbation (and, with -sigma, its restore), as it reads at that commit:
     for every named parameter a generator seeded with the member's seed draws randn(param.shape) in the
@@ -165,9 +189,16 @@ def _reference_rewards(model, tok, prompts, problems, task, max_new_tokens) -> f
     as the reference's decode(skip_special_tokens=True) drops what follows it as padding."""
     enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     with torch.inference_mode():
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id,
-                             temperature=None, top_p=None, top_k=None)
-    texts = [tok.decode(row, skip_special_tokens=True) for row in out[:, enc["input_ids"].shape[1]:]]
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+    texts = [tok.decode(row, skip_special_tokens=True) for row in out[:, enc["input_ids"].shape[1] :]]
     return float(np.mean([task.reward(t, p) for t, p in zip(texts, problems)]))
 
 
@@ -176,8 +207,7 @@ def _parity_worker(model_dir, run_dir, noise="per_tensor"):
 
     from es_ray.es.worker import ESWorker
 
-    cfg = tiny_cfg(model_dir, run_dir, es__noise=noise, es__noise_scope="reference", es__sigma=0.05,
-                   es__lr=0.05 * 0.05)
+    cfg = tiny_cfg(model_dir, run_dir, es__noise=noise, es__noise_scope="reference", es__sigma=0.05, es__lr=0.05 * 0.05)
     return cfg, ESWorker(cfg)
 
 
@@ -242,6 +272,7 @@ def test_reference_noise_on_a_cpu_depends_on_the_element_count_only():
     tensor's noise depends on its element count alone, so every equal-sized tensor of every layer gets the same
     noise, and a tensor of n >= 16 elements gets the first n - 16 values of any larger tensor's (all n when 16
     divides n, as for SmolLM2-135M's 576-wide norm weights against its matrices)."""
+
     def draw(shape):
         return torch.randn(shape, generator=torch.Generator().manual_seed(1234))
 

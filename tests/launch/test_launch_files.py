@@ -107,7 +107,7 @@ def entry_point_calls(text: str) -> list[list[str]]:
         if words[0] == "es-submit" and "--" in words:
             cut = words.index("--")
             combos = expand_sweep(_sweep_args(words[:cut]))  # each job of a sweep must compose
-            words = words[cut + 1:]
+            words = words[cut + 1 :]
         if words and ENTRY_POINT.match(words[0]) and words[0] != "es-submit":
             calls.extend([*words, *combo] for combo in combos)
     return calls
@@ -117,7 +117,7 @@ def _sweep_args(options: list[str]) -> list[str]:
     """es-submit's `--sweep k=a,b k2=c` values from its option words."""
     if "--sweep" not in options:
         return []
-    rest = options[options.index("--sweep") + 1:]
+    rest = options[options.index("--sweep") + 1 :]
     return rest[: next((i for i, w in enumerate(rest) if w.startswith("--")), len(rest))]
 
 
@@ -139,8 +139,11 @@ def _texts(node, is_command: bool = False) -> list[str]:
     if isinstance(node, str):
         return [node] if is_command else []
     if isinstance(node, dict):
-        return [t for k, v in node.items()
-                for t in _texts(v, is_command or str(k).endswith("_commands") or k == "entrypoint")]
+        return [
+            t
+            for k, v in node.items()
+            for t in _texts(v, is_command or str(k).endswith("_commands") or k == "entrypoint")
+        ]
     if isinstance(node, list):
         return [t for v in node for t in _texts(v, is_command)]
     return []
@@ -150,10 +153,15 @@ def _readme_commands() -> list[str]:
     return re.findall(r"```bash\n(.*?)```", (LAUNCH / "README.md").read_text(), flags=re.S)
 
 
-CALLS = sorted({(path.relative_to(REPO).as_posix(), shlex.join(call))
-                for path, texts in [(p, _texts(yaml.safe_load(p.read_text()))) for p in YAMLS]
-                + [(LAUNCH / "README.md", _readme_commands())]
-                for text in texts for call in entry_point_calls(text)})
+CALLS = sorted(
+    {
+        (path.relative_to(REPO).as_posix(), shlex.join(call))
+        for path, texts in [(p, _texts(yaml.safe_load(p.read_text()))) for p in YAMLS]
+        + [(LAUNCH / "README.md", _readme_commands())]
+        for text in texts
+        for call in entry_point_calls(text)
+    }
+)
 
 
 def test_every_yaml_parses_and_the_expected_ones_exist():
@@ -173,8 +181,12 @@ def test_the_parser_finds_entry_points_in_shell_text():
 
 def test_every_launch_file_with_a_job_names_an_entry_point():
     files = {f for f, _ in CALLS}
-    assert {"launch/cluster/aws.yaml", "launch/cluster/gcp.yaml", "launch/kuberay/rayjob.yaml",
-            "launch/README.md"} <= files, files
+    assert {
+        "launch/cluster/aws.yaml",
+        "launch/cluster/gcp.yaml",
+        "launch/kuberay/rayjob.yaml",
+        "launch/README.md",
+    } <= files, files
 
 
 @pytest.mark.parametrize("where, command", CALLS, ids=[f"{f}:{c[:60]}" for f, c in CALLS])
@@ -203,14 +215,19 @@ def test_cluster_yamls_pass_rays_own_schema():
                 continue
             assert t["min_workers"] == 0 and t["max_workers"] >= 1, (path, name)
             node = t["node_config"]
-            spot = node.get("InstanceMarketOptions", {}).get("MarketType") == "spot" or \
-                {"preemptible": True} in node.get("scheduling", [])
+            spot = node.get("InstanceMarketOptions", {}).get("MarketType") == "spot" or {
+                "preemptible": True
+            } in node.get("scheduling", [])
             assert spot, f"{path}: worker type {name} is neither spot nor preemptible"
         assert cfg["docker"]["image"].endswith(f":{pyproject()['project']['version']}-gpu"), path
 
 
-HOST_GIB = {"g5.2xlarge": 32, "p4d.24xlarge": 1152, "a2-highgpu-1g": 85e9 / (1 << 30),
-            "a2-highgpu-8g": 680e9 / (1 << 30)}
+HOST_GIB = {
+    "g5.2xlarge": 32,
+    "p4d.24xlarge": 1152,
+    "a2-highgpu-1g": 85e9 / (1 << 30),
+    "a2-highgpu-8g": 680e9 / (1 << 30),
+}
 """Host RAM of the GPU instance types the cluster launcher files name (the clouds' instance tables)."""
 
 
@@ -250,13 +267,16 @@ def test_rayjob_is_a_v1_rayjob_whose_actors_fit_its_gpu_worker_group():
     assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
     spec = job["spec"]
     groups = spec["rayClusterSpec"]["workerGroupSpecs"]
-    gpu_groups = [g for g in groups
-                  if g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu")]
+    gpu_groups = [
+        g for g in groups if g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu")
+    ]
     assert gpu_groups, "the RayJob has no GPU worker group"
     call = entry_point_calls(spec["entrypoint"])[0]
     cluster = check_overrides(hydra_overrides(call))["cluster"]
-    have_gpus = sum(g["replicas"] * int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
-                    for g in gpu_groups)
+    have_gpus = sum(
+        g["replicas"] * int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+        for g in gpu_groups
+    )
     assert cluster["num_actors"] * cluster["gpus_per_actor"] <= have_gpus
     cpus = min(float(g["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"]) for g in gpu_groups)
     assert cluster["cpus_per_actor"] <= cpus
@@ -310,8 +330,8 @@ def pip_installs(shell: str) -> list[list[str]]:
     out = []
     for words in shell_commands(shell):
         at = 1 if re.fullmatch(r"(\S*/)?pip[\d.]*", words[0]) else 3 if words[1:3] == ["-m", "pip"] else None
-        if at is not None and words[at:at + 1] == ["install"]:
-            out.append(words[at + 1:])
+        if at is not None and words[at : at + 1] == ["install"]:
+            out.append(words[at + 1 :])
     return out
 
 
@@ -357,8 +377,9 @@ def test_dockerfile_pins_its_base_image_and_installs_pyprojects_pins(path):
         return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m.group(1) or m.group(2), m.group(0)), text)
 
     images = [expand(a.split()[0]) for k, a in steps if k == "FROM"]
-    assert images and all(re.fullmatch(r"[\w./-]+:\d[\w.-]*", image) for image in images), \
+    assert images and all(re.fullmatch(r"[\w./-]+:\d[\w.-]*", image) for image in images), (
         f"{path.name}: base image {images} is not pinned to a version tag"
+    )
     shell = [expand(a) for k, a in steps if k == "RUN"]
     scripts = [REPO / w for text in shell for w in shlex.split(text) if w.endswith(".sh")]
     assert all(s.is_file() for s in scripts), scripts
@@ -375,8 +396,9 @@ def test_dockerfile_pins_its_base_image_and_installs_pyprojects_pins(path):
         assert m, f"{path.name}: pip install {word!r} is not pinned with =="
         name = m.group(1).lower()
         installed.add(name)
-        assert name not in pins or m.group(3) == pins[name], \
+        assert name not in pins or m.group(3) == pins[name], (
             f"{path.name}: installs {word}, pyproject.toml pins {name}=={pins[name]}"
+        )
     assert IMAGE_INSTALLS[path.name] <= installed, f"{path.name}: installs {installed}"
     python = args.get("PYTHON_VERSION") or re.match(r"python:(\d+\.\d+)", images[-1]).group(1)
     assert python in SpecifierSet(pyproject()["project"]["requires-python"]), f"{path.name}: Python {python}"
@@ -384,18 +406,24 @@ def test_dockerfile_pins_its_base_image_and_installs_pyprojects_pins(path):
     assert copied and all((REPO / w).exists() for w in copied), f"{path.name}: COPY {copied}"
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(DOCKERFILES[0], id="Dockerfile"),
-    pytest.param(DOCKERFILES[1], id="Dockerfile.cpu"),
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(DOCKERFILES[0], id="Dockerfile"),
+        pytest.param(DOCKERFILES[1], id="Dockerfile.cpu"),
+    ],
+)
 def test_dockerfile_copies_every_package_the_project_installs(path):
     """The build reads pyproject.toml and setup.py (which maps grpo/ and launch/ into es_ray); the image copies
     both and every folder setup.py builds from, or the whole context."""
     import ast
 
     tree = ast.parse((REPO / "setup.py").read_text())
-    mapped = next(ast.literal_eval(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
-                  and any(isinstance(t, ast.Name) and t.id == "MAPPED" for t in node.targets))
+    mapped = next(
+        ast.literal_eval(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "MAPPED" for t in node.targets)
+    )
     folders = {"es_ray", *mapped.values()}
     assert folders == {"es_ray", "grpo", "launch"} and all((REPO / f / "__init__.py").is_file() for f in folders)
     needed = folders | {"pyproject.toml", "setup.py", "README.md"}
@@ -405,13 +433,20 @@ def test_dockerfile_copies_every_package_the_project_installs(path):
 
 def test_the_dockerfile_parser_reads_what_docker_reads(tmp_path):
     path = tmp_path / "Dockerfile"
-    path.write_text('ARG V=1.2\nFROM python:3.11-slim\n# a comment\nRUN pip install "a==${V}" \\\n'
-                    '    # dropped\n'
-                    '    && python -m pip install --quiet b==2 -e ".[x]" > /dev/null; echo pip install\n')
+    path.write_text(
+        'ARG V=1.2\nFROM python:3.11-slim\n# a comment\nRUN pip install "a==${V}" \\\n'
+        '    # dropped\n'
+        '    && python -m pip install --quiet b==2 -e ".[x]" > /dev/null; echo pip install\n'
+    )
     steps = dockerfile_instructions(path)
-    assert steps == [("ARG", "V=1.2"), ("FROM", "python:3.11-slim"),
-                     ("RUN", 'pip install "a==${V}"      && python -m pip install --quiet b==2 -e ".[x]" > /dev/null;'
-                             ' echo pip install')]
+    assert steps == [
+        ("ARG", "V=1.2"),
+        ("FROM", "python:3.11-slim"),
+        (
+            "RUN",
+            'pip install "a==${V}"      && python -m pip install --quiet b==2 -e ".[x]" > /dev/null; echo pip install',
+        ),
+    ]
     assert pip_installs(steps[-1][1]) == [["a==${V}"], ["--quiet", "b==2", "-e", ".[x]"]]
 
 
@@ -421,8 +456,9 @@ def test_the_dockerfile_parser_reads_what_docker_reads(tmp_path):
 @pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
 def test_cluster_dashboard_on_loopback_and_every_node_with_token_auth(path):
     cfg = yaml.safe_load(path.read_text())
-    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in cfg[key]
-              if "ray start" in c]
+    starts = [
+        c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in cfg[key] if "ray start" in c
+    ]
     assert len(starts) == 2
     for command in starts:
         assert "export RAY_AUTH_MODE=token;" in command.split("ray start")[0], command
@@ -437,8 +473,7 @@ def test_rayjob_provisions_ray_token_auth_and_runs_non_root():
     assert cluster["authOptions"] == {"mode": "token"}
     major, minor = (int(x) for x in cluster["rayVersion"].split(".")[:2])
     assert (major, minor) >= (2, 52)  # Ray's token authentication starts at 2.52
-    pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in
-                                                             cluster["workerGroupSpecs"]]
+    pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in cluster["workerGroupSpecs"]]
     for pod in pods:
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
 

@@ -57,35 +57,47 @@ def test_run_dir_rules(tmp_path):
     assert other.command == ["python", "-c", "print(1)"] and other.run_dir == ""
 
 
-@pytest.mark.parametrize("command, sweep, root, message", [
-    (["es-train"], [], "", "no run root"),
-    (["es-train"], [], "relative/runs", "must be an absolute path"),
-    (["es-train", "run.dir=rel"], [], "/abs", "must be absolute"),
-    (["es-train", "run.dir=/abs/x"], ["es.sigma=1,2"], "/abs", "same directory"),
-    (["es-train", "es.sigma=1"], ["es.sigma=1,2"], "/abs", "both after `--` and in --sweep"),
-    (["es-train", "-m", "es.sigma=1,2"], [], "/abs", "use es-submit --sweep"),
-    ([], [], "/abs", "no command"),
-])
+@pytest.mark.parametrize(
+    "command, sweep, root, message",
+    [
+        (["es-train"], [], "", "no run root"),
+        (["es-train"], [], "relative/runs", "must be an absolute path"),
+        (["es-train", "run.dir=rel"], [], "/abs", "must be absolute"),
+        (["es-train", "run.dir=/abs/x"], ["es.sigma=1,2"], "/abs", "same directory"),
+        (["es-train", "es.sigma=1"], ["es.sigma=1,2"], "/abs", "both after `--` and in --sweep"),
+        (["es-train", "-m", "es.sigma=1,2"], [], "/abs", "use es-submit --sweep"),
+        ([], [], "/abs", "no command"),
+    ],
+)
 def test_bad_plans_are_refused_with_what_to_change(command, sweep, root, message):
     with pytest.raises(SubmitError, match=message):
         plan(command, sweep, root)
 
 
 def test_everything_after_the_separator_is_the_command():
-    args, command = parse_args(["--address", "http://h:8265", "--sweep", "a=1,2", "b=3", "--", "es-train", "--cfg",
-                                "job", "x=1"])
+    args, command = parse_args(
+        ["--address", "http://h:8265", "--sweep", "a=1,2", "b=3", "--", "es-train", "--cfg", "job", "x=1"]
+    )
     assert args.address == "http://h:8265" and args.sweep == ["a=1,2", "b=3"]
     assert command == ["es-train", "--cfg", "job", "x=1"]
 
 
 def es_submit(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["es-submit", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env=env)
+    return subprocess.run(["es-submit", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
 
 
 def test_dry_run_composes_each_job_and_refuses_a_bad_override(tmp_path):
-    res = es_submit("--dry-run", "--run-root", str(tmp_path), "--sweep", "es.sigma=1e-3,2e-3", "--",
-                    "es-train", "model=qwen2.5-1.5b", "cluster=gpu8")
+    res = es_submit(
+        "--dry-run",
+        "--run-root",
+        str(tmp_path),
+        "--sweep",
+        "es.sigma=1e-3,2e-3",
+        "--",
+        "es-train",
+        "model=qwen2.5-1.5b",
+        "cluster=gpu8",
+    )
     assert res.returncode == 0, res.stderr
     rows = [line.split("\t") for line in res.stdout.splitlines()]
     assert len(rows) == 2 and all(r[1].startswith(str(tmp_path)) for r in rows)
@@ -98,6 +110,7 @@ def test_dry_run_composes_each_job_and_refuses_a_bad_override(tmp_path):
 
 
 # -- a real Ray head with its dashboard and job server -------------------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -133,14 +146,32 @@ def _kill_processes_of(temp_dir: str) -> None:
 def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="esray", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
     dash = _free_port()
-    ports = {"--port": _free_port(), "--dashboard-port": dash, "--ray-client-server-port": _free_port(),
-             "--node-manager-port": _free_port(), "--object-manager-port": _free_port(),
-             "--dashboard-agent-listen-port": _free_port(), "--dashboard-agent-grpc-port": _free_port(),
-             "--runtime-env-agent-port": _free_port(), "--metrics-export-port": _free_port()}
+    ports = {
+        "--port": _free_port(),
+        "--dashboard-port": dash,
+        "--ray-client-server-port": _free_port(),
+        "--node-manager-port": _free_port(),
+        "--object-manager-port": _free_port(),
+        "--dashboard-agent-listen-port": _free_port(),
+        "--dashboard-agent-grpc-port": _free_port(),
+        "--runtime-env-agent-port": _free_port(),
+        "--metrics-export-port": _free_port(),
+    }
     env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-    cmd = ["ray", "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-           "--include-dashboard=true", "--num-cpus=2", "--min-worker-port=0", "--max-worker-port=0",
-           f"--temp-dir={temp_dir}", "--disable-usage-stats", *[f"{k}={v}" for k, v in ports.items()]]
+    cmd = [
+        "ray",
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        "--include-dashboard=true",
+        "--num-cpus=2",
+        "--min-worker-port=0",
+        "--max-worker-port=0",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+        *[f"{k}={v}" for k, v in ports.items()],
+    ]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
@@ -153,11 +184,27 @@ def ray_head():
 @pytest.mark.ray
 def test_es_train_job_succeeds_with_outputs_in_the_absolute_run_dir(ray_head, tiny_model_dir, tmp_path):
     address, env = ray_head
-    res = es_submit("--address", address, "--run-root", str(tmp_path / "runs"), "--wait", "--",
-                    "es-train", f"model.path={tiny_model_dir}", "task.name=arithmetic", "es.population=2",
-                    "es.iterations=1", "es.prompts_per_iteration=2", "sampling.max_new_tokens=4",
-                    "cluster.num_actors=1", "eval.every=0", "run.progress=false", "run.trackers=[]",
-                    timeout=400, env=env)
+    res = es_submit(
+        "--address",
+        address,
+        "--run-root",
+        str(tmp_path / "runs"),
+        "--wait",
+        "--",
+        "es-train",
+        f"model.path={tiny_model_dir}",
+        "task.name=arithmetic",
+        "es.population=2",
+        "es.iterations=1",
+        "es.prompts_per_iteration=2",
+        "sampling.max_new_tokens=4",
+        "cluster.num_actors=1",
+        "eval.every=0",
+        "run.progress=false",
+        "run.trackers=[]",
+        timeout=400,
+        env=env,
+    )
     out = res.stdout
     assert res.returncode == 0, out[-3000:] + res.stderr[-3000:]
     job_id = next(line.split()[1] for line in out.splitlines() if line.startswith("submitted "))
@@ -185,9 +232,22 @@ def test_failing_job_exits_1_and_ships_the_tree_without_git_or_outputs(ray_head)
 
 # -- what is uploaded ------------------------------------------------------------------------------------------
 
-SECRETS = [".env", ".env.local", ".netrc", ".git-credentials", ".aws/credentials", ".ssh/id_rsa", "id_ed25519",
-           "deploy/server.pem", "wandb/run-1/files/config.yaml", "mlruns/0/meta.yaml", "runs/r1/model.safetensors",
-           "checkpoints/step_10/state.pt", "sub/.env", "sub/runs/x.json"]
+SECRETS = [
+    ".env",
+    ".env.local",
+    ".netrc",
+    ".git-credentials",
+    ".aws/credentials",
+    ".ssh/id_rsa",
+    "id_ed25519",
+    "deploy/server.pem",
+    "wandb/run-1/files/config.yaml",
+    "mlruns/0/meta.yaml",
+    "runs/r1/model.safetensors",
+    "checkpoints/step_10/state.pt",
+    "sub/.env",
+    "sub/runs/x.json",
+]
 CODE = ["main.py", "pkg/__init__.py", "pkg/envelope.py", "conf/a.yaml", "README.md"]
 
 
@@ -222,12 +282,19 @@ def test_secrets_and_run_outputs_are_never_uploaded_whatever_the_runtime_env(tmp
 
 # -- the local check finds its command -------------------------------------------------------------------------
 
+
 def test_the_local_check_finds_the_entry_point_beside_es_submit_without_path(tmp_path):
     """A venv that is not activated: es-submit run by its path finds es-train in its own bin dir."""
     bindir = Path(sys.executable).parent
     env = {**os.environ, "PATH": "/usr/bin:/bin"}
-    res = subprocess.run([str(bindir / "es-submit"), "--dry-run", "--run-root", str(tmp_path), "--", "es-train",
-                          "es.population=1"], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    res = subprocess.run(
+        [str(bindir / "es-submit"), "--dry-run", "--run-root", str(tmp_path), "--", "es-train", "es.population=1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=env,
+    )
     assert res.returncode == 2 and "es.population" in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr and res.stderr.strip().count("\n") == 0, res.stderr
 
@@ -242,6 +309,7 @@ def test_a_command_found_nowhere_is_one_line_naming_it(monkeypatch, tmp_path):
 
 
 # -- a job server's refusals, each one line with the fix (a canned HTTP server on loopback) -----------------------
+
 
 class _Canned:
     """A tiny HTTP server on 127.0.0.1 answering /api/version like Ray's job server and every other request with
@@ -313,16 +381,23 @@ def _submit_to(address: str, tmp_path: Path, monkeypatch, capsys, *extra: str) -
     with pytest.raises(SystemExit) as exit_info:
         main([*extra, "--address", address, "--working-dir", str(work), "--no-check", "--", "python", "main.py"])
     err = capsys.readouterr().err
-    return exit_info.value.code, "\n".join(ln for ln in err.splitlines() if ln.startswith("es-submit: ")
-                                           and "uploading" not in ln)
+    return exit_info.value.code, "\n".join(
+        ln for ln in err.splitlines() if ln.startswith("es-submit: ") and "uploading" not in ln
+    )
 
 
-@pytest.mark.parametrize("kw, expected", [
-    ({"status": 500, "body": "No available agent to submit job"}, "dashboard agent is not"),
-    ({"status": 401, "body": "Unauthorized"}, "uses token authentication and no token was sent: set RAY_AUTH_TOKEN"),
-    ({"status": 403, "body": "Forbidden"}, "refused the auth token"),
-    ({"version_status": 404}, "is not a Ray job server"),
-])
+@pytest.mark.parametrize(
+    "kw, expected",
+    [
+        ({"status": 500, "body": "No available agent to submit job"}, "dashboard agent is not"),
+        (
+            {"status": 401, "body": "Unauthorized"},
+            "uses token authentication and no token was sent: set RAY_AUTH_TOKEN",
+        ),
+        ({"status": 403, "body": "Forbidden"}, "refused the auth token"),
+        ({"version_status": 404}, "is not a Ray job server"),
+    ],
+)
 def test_job_server_refusals_are_one_line_with_the_fix(canned, kw, expected, tmp_path, monkeypatch, capsys):
     server = canned(**kw)
     code, line = _submit_to(server.address, tmp_path, monkeypatch, capsys)
@@ -336,8 +411,9 @@ def test_wrong_address_is_one_line(tmp_path, monkeypatch, capsys):
     assert code == 2 and "unreachable" in line and line.count("\n") == 0, line
 
 
-@pytest.mark.parametrize("argv", [["--address", "http://127.0.0.1:9", "status", "job-1"],
-                                  ["--address=http://127.0.0.1:9", "logs", "job-1"]])
+@pytest.mark.parametrize(
+    "argv", [["--address", "http://127.0.0.1:9", "status", "job-1"], ["--address=http://127.0.0.1:9", "logs", "job-1"]]
+)
 def test_address_before_a_job_command_is_taken_as_after_it(argv, capsys):
     """`es-submit --address URL status JOB`, as a submission puts --address first: the job command runs against
     that address (here: nothing answers there), not an argparse refusal of `status JOB`."""
@@ -354,16 +430,23 @@ def test_job_commands_carry_the_token(canned, tmp_path):
     without one the refusal is one line naming the fix. Subprocesses: Ray reads its auth mode once per process."""
     from es_ray.launch.submit import follow_hint
 
-    info = {"type": "SUBMISSION", "job_id": None, "submission_id": "job-1", "status": "FAILED",
-            "entrypoint": "python main.py", "message": "Job entrypoint command failed with exit code 3"}
+    info = {
+        "type": "SUBMISSION",
+        "job_id": None,
+        "submission_id": "job-1",
+        "status": "FAILED",
+        "entrypoint": "python main.py",
+        "message": "Job entrypoint command failed with exit code 3",
+    }
     server = canned(body=json.dumps(info), token="s3cret")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     env["HOME"] = str(tmp_path)  # no ~/.ray/auth_token
     no_token = es_submit("status", "--address", server.address, "job-1", timeout=120, env=env)
     assert no_token.returncode == 2 and "no token was sent: set RAY_AUTH_TOKEN" in no_token.stderr, no_token.stderr
     assert no_token.stderr.strip().count("\n") == 0, no_token.stderr
-    status = es_submit("status", "--address", server.address, "job-1", timeout=120,
-                       env={**env, "RAY_AUTH_TOKEN": "s3cret"})
+    status = es_submit(
+        "status", "--address", server.address, "job-1", timeout=120, env={**env, "RAY_AUTH_TOKEN": "s3cret"}
+    )
     assert status.returncode == 1 and status.stdout.startswith("job-1: FAILED"), status.stdout + status.stderr
     assert "exit code 3" in status.stdout
     assert server.seen[-1][:2] == ("GET", "/api/jobs/job-1") and server.seen[-1][2] == "Bearer s3cret"
@@ -375,17 +458,29 @@ def test_job_commands_carry_the_token(canned, tmp_path):
 @pytest.mark.ray
 def test_sweep_wait_prints_every_jobs_end_state_and_job_commands_work(ray_head):
     address, env = ray_head
-    res = es_submit("--address", address, "--wait", "--sweep", "code=0,3", "--", "python", "-c",
-                    "import sys; print('CODE', sys.argv[-1]); sys.exit(int(sys.argv[-1].split('=')[1]))",
-                    timeout=300, env=env)
+    res = es_submit(
+        "--address",
+        address,
+        "--wait",
+        "--sweep",
+        "code=0,3",
+        "--",
+        "python",
+        "-c",
+        "import sys; print('CODE', sys.argv[-1]); sys.exit(int(sys.argv[-1].split('=')[1]))",
+        timeout=300,
+        env=env,
+    )
     ids = [line.split()[1] for line in res.stdout.splitlines() if line.startswith("submitted ")]
     assert res.returncode == 1 and len(ids) == 2, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"{ids[0]}: SUCCEEDED" in res.stdout and f"{ids[1]}: FAILED" in res.stdout
     assert "1 of 2 jobs SUCCEEDED" in res.stdout
     assert f"es-submit status --address {address} {ids[0]}" in res.stdout
-    status = subprocess.run(["es-submit", "status", "--address", address, ids[0]], capture_output=True, text=True,
-                            timeout=120, env=env)
+    status = subprocess.run(
+        ["es-submit", "status", "--address", address, ids[0]], capture_output=True, text=True, timeout=120, env=env
+    )
     assert status.returncode == 0 and status.stdout.startswith(f"{ids[0]}: SUCCEEDED"), status.stderr[-2000:]
-    logs = subprocess.run(["es-submit", "logs", "--address", address, ids[1]], capture_output=True, text=True,
-                          timeout=120, env=env)
+    logs = subprocess.run(
+        ["es-submit", "logs", "--address", address, ids[1]], capture_output=True, text=True, timeout=120, env=env
+    )
     assert logs.returncode == 0 and "CODE code=3" in logs.stdout, logs.stdout[-2000:] + logs.stderr[-2000:]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from es_ray.core.config import ConfigError
-from es_ray.metrics.coverage import (check_objective, member_fitness, pass_at_k_advantages, prompt_values)
+from es_ray.metrics.coverage import check_objective, member_fitness, pass_at_k_advantages, prompt_values
 from es_ray.metrics.passk import pass_at_k
 from es_ray.grpo.loss import group_advantages, objective_advantages
 
@@ -52,8 +52,9 @@ def test_pass_at_k_of_dense_rewards_is_the_expected_best_of_k():
 @pytest.mark.parametrize("g", [2, 3, 5, 6])
 def test_pass_at_k_advantages_equal_enumeration_over_subsets(g):
     rng = np.random.default_rng(g)
-    rewards = np.concatenate([rng.integers(0, 2, size=(6, g)).astype(float), rng.uniform(size=(3, g)),
-                              np.round(rng.uniform(size=(2, g)), 1)])  # binary, dense, and dense with ties
+    rewards = np.concatenate(
+        [rng.integers(0, 2, size=(6, g)).astype(float), rng.uniform(size=(3, g)), np.round(rng.uniform(size=(2, g)), 1)]
+    )  # binary, dense, and dense with ties
     for k in range(1, g + 1):
         got = pass_at_k_advantages(rewards, k)
         want = [[brute_contribution(list(row), i, k) for i in range(g)] for row in rewards]
@@ -63,8 +64,7 @@ def test_pass_at_k_advantages_equal_enumeration_over_subsets(g):
 def test_k_equal_to_the_group_is_verls_grpo_passk():
     """k = G: r_max - r_second for the best completion, 0 for the rest (ties at the top: 0 for all)."""
     r = np.array([[0.2, 0.9, 0.5, 0.1], [1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
-    np.testing.assert_allclose(pass_at_k_advantages(r, 4), [[0, 0.4, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1.0]],
-                               atol=1e-12)
+    np.testing.assert_allclose(pass_at_k_advantages(r, 4), [[0, 0.4, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1.0]], atol=1e-12)
     # scaled as group_advantages scales: divided by the group's std + eps
     got = objective_advantages(torch.tensor(r), "pass_at_k", 4, "group", 1e-6)
     want = pass_at_k_advantages(r, 4) / (r.std(axis=1, keepdims=True) + 1e-6)
@@ -114,8 +114,12 @@ def test_es_and_grpo_configs_refuse_too_few_samples_for_k():
         to_train_config({"task": {"objective": "pass_at_k", "objective_k": 2}})
     with pytest.raises(ConfigError, match="grpo.group_size=8"):
         to_grpo_config({"task": {"objective": "pass_at_k", "objective_k": 16}})
-    assert to_train_config({"task": {"objective": "pass_at_k", "objective_k": 2},
-                            "es": {"samples_per_prompt": 2}}).es.samples_per_prompt == 2
+    assert (
+        to_train_config(
+            {"task": {"objective": "pass_at_k", "objective_k": 2}, "es": {"samples_per_prompt": 2}}
+        ).es.samples_per_prompt
+        == 2
+    )
 
 
 def test_pass_at_k_weights_sum_to_one():

@@ -12,23 +12,26 @@ from es_ray.metrics.drift import drift, drift_state_dicts, module_type
 from es_ray.metrics.plots import plot_update_histograms
 
 
-@pytest.mark.parametrize("name,kind", [
-    ("model.embed_tokens.weight", "embedding"),
-    ("lm_head.weight", "lm_head"),
-    ("model.norm.weight", "norm"),
-    ("model.layers.0.input_layernorm.weight", "norm"),
-    ("model.layers.0.post_attention_layernorm.weight", "norm"),  # a norm, although it says attention
-    ("model.layers.3.self_attn.q_norm.weight", "norm"),
-    ("model.layers.0.self_attn.q_proj.weight", "attention"),
-    ("model.layers.0.self_attn.o_proj.bias", "attention"),
-    ("model.layers.0.mlp.gate_proj.weight", "mlp"),
-    ("model.layers.0.mlp.down_proj.weight", "mlp"),
-    ("transformer.wte.weight", "embedding"),
-    ("transformer.h.0.attn.c_attn.weight", "attention"),
-    ("transformer.h.0.mlp.c_fc.weight", "mlp"),
-    ("transformer.ln_f.weight", "norm"),
-    ("model.rotary_emb.inv_freq", "other"),
-])
+@pytest.mark.parametrize(
+    "name,kind",
+    [
+        ("model.embed_tokens.weight", "embedding"),
+        ("lm_head.weight", "lm_head"),
+        ("model.norm.weight", "norm"),
+        ("model.layers.0.input_layernorm.weight", "norm"),
+        ("model.layers.0.post_attention_layernorm.weight", "norm"),  # a norm, although it says attention
+        ("model.layers.3.self_attn.q_norm.weight", "norm"),
+        ("model.layers.0.self_attn.q_proj.weight", "attention"),
+        ("model.layers.0.self_attn.o_proj.bias", "attention"),
+        ("model.layers.0.mlp.gate_proj.weight", "mlp"),
+        ("model.layers.0.mlp.down_proj.weight", "mlp"),
+        ("transformer.wte.weight", "embedding"),
+        ("transformer.h.0.attn.c_attn.weight", "attention"),
+        ("transformer.h.0.mlp.c_fc.weight", "mlp"),
+        ("transformer.ln_f.weight", "norm"),
+        ("model.rotary_emb.inv_freq", "other"),
+    ],
+)
 def test_module_type(name, kind):
     assert module_type(name) == kind
 
@@ -60,8 +63,10 @@ def test_drift_hand_values_per_module_type():
     assert emb["l2"] == pytest.approx(math.sqrt(0.0009**2 + 0.0014**2 + 0.0025**2), rel=1e-5)
     assert emb["relative_l2"] is None  # the base tensor is all zeros
     assert emb["share_below"] == pytest.approx({"0.001": 1 / 3, "0.0015": 2 / 3, "0.002": 2 / 3})
-    assert [(x["name"], x["index"]) for x in emb["largest"]] == [("model.embed_tokens.weight", 3),
-                                                                 ("model.embed_tokens.weight", 2)]
+    assert [(x["name"], x["index"]) for x in emb["largest"]] == [
+        ("model.embed_tokens.weight", 3),
+        ("model.embed_tokens.weight", 2),
+    ]
     assert emb["largest"][0]["delta"] == pytest.approx(0.0025)
     assert mlp["share_below"] == pytest.approx({"0.001": 1 / 3, "0.0015": 1 / 3, "0.002": 2 / 3})
     assert mlp["largest"][0]["delta"] == pytest.approx(-0.003)  # signed value, ranked by magnitude

@@ -8,8 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from es_ray.metrics.entropy import (HIST_EDGES, batched_completion_entropies, completion_entropies, entropy_from_logits,
-                                 hist_quantile, histogram, nucleus_entropy_from_logits, summarize, summarize_stats)
+from es_ray.metrics.entropy import (
+    HIST_EDGES,
+    batched_completion_entropies,
+    completion_entropies,
+    entropy_from_logits,
+    hist_quantile,
+    histogram,
+    nucleus_entropy_from_logits,
+    summarize,
+    summarize_stats,
+)
 
 
 def test_entropy_closed_forms():
@@ -47,8 +56,10 @@ def test_chunked_token_scores_entropy_with_masked_tokens_is_finite(grad):
     kept = [0, 1, 3, 4, 6]
     z = (hidden @ head.weight.T + head.bias).detach()[:, kept]
     torch.testing.assert_close(ent, entropy_from_logits(z, 0.8))
-    torch.testing.assert_close(lp.detach(), torch.log_softmax(z / 0.8, -1).gather(-1, torch.tensor(
-        [kept.index(int(t)) for t in tokens])[:, None])[:, 0])
+    torch.testing.assert_close(
+        lp.detach(),
+        torch.log_softmax(z / 0.8, -1).gather(-1, torch.tensor([kept.index(int(t)) for t in tokens])[:, None])[:, 0],
+    )
     if grad:
         lp.sum().backward()
         assert torch.isfinite(hidden.grad).all() and torch.isfinite(head.weight.grad).all()
@@ -82,8 +93,16 @@ def small_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -104,8 +123,9 @@ def assert_each_alone(model, pairs, got, temperatures):
     for (p, c), h in zip(pairs, got):
         assert h.shape == (len(c), len(temperatures))
         for j, t in enumerate(temperatures):
-            np.testing.assert_allclose(h[:, j], completion_entropies(model, p, c, temperature=t).numpy(),
-                                       rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(
+                h[:, j], completion_entropies(model, p, c, temperature=t).numpy(), rtol=1e-5, atol=1e-5
+            )
 
 
 def test_batched_entropies_equal_one_pass_per_completion_at_every_temperature(small_model):
@@ -120,8 +140,9 @@ def test_batched_entropies_equal_one_pass_per_completion_at_every_temperature(sm
     prompt, completion = pairs[0]
     with torch.no_grad():
         logits = small_model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
-    np.testing.assert_allclose(nucleus[0][:, 2], nucleus_entropy_from_logits(logits, 0.6, 0.8).numpy(), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        nucleus[0][:, 2], nucleus_entropy_from_logits(logits, 0.6, 0.8).numpy(), rtol=1e-5, atol=1e-5
+    )
     np.testing.assert_allclose(nucleus[0][:, :2], got[0], rtol=1e-6, atol=1e-6)
 
 
@@ -129,8 +150,15 @@ def test_completions_of_one_prompt_share_it_and_score_as_each_alone(small_model)
     """eval.n samples of a problem: the prompt runs once for the group (prefix.shared_prompt_hidden), mixed with
     prompts of their own; empty and one-token completions included, split across sub-batches by the budget."""
     a, b = [3, 7, 11, 2], [9, 4]
-    pairs = [(a, [5, 9, 1, 40]), (b, [7]), (a, [5]), (a, []), (a, [12, 13, 14, 15, 16, 17]), (b, [2, 30]),
-             ([8, 8, 8], [1, 2])]
+    pairs = [
+        (a, [5, 9, 1, 40]),
+        (b, [7]),
+        (a, [5]),
+        (a, []),
+        (a, [12, 13, 14, 15, 16, 17]),
+        (b, [2, 30]),
+        ([8, 8, 8], [1, 2]),
+    ]
     got = batched_completion_entropies(small_model, pairs, (0.7, 1.0), max_batch_tokens=12, chunk=3)
     assert_each_alone(small_model, pairs, got, (0.7, 1.0))
 
@@ -142,8 +170,7 @@ def test_summary_hand_values():
     assert (s["tokens"], s["completions"]) == (3, 2)
     assert sum(s["histogram"]["counts"]) == 3
     assert s["quantiles"]["p50"] == pytest.approx(2.0, abs=0.1)  # to within a bin
-    same = summarize_stats([3.0, 3.0, 0.0], [2, 1, 0],
-                           histogram(np.array([1.0, 2.0])) + histogram(np.array([3.0])))
+    same = summarize_stats([3.0, 3.0, 0.0], [2, 1, 0], histogram(np.array([1.0, 2.0])) + histogram(np.array([3.0])))
     assert same["mean_per_token"] == s["mean_per_token"] and same["mean_per_completion"] == s["mean_per_completion"]
     assert summarize([])["mean_per_token"] is None
 

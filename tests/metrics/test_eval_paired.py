@@ -13,10 +13,17 @@ import numpy as np
 import pytest
 
 from es_ray.metrics.bootstrap import interval, separated
-from es_ray.metrics.calibration import (SD_METHOD_PROBLEM, THETA, expected_passk, passk_table,
-                                        simulate)
-from es_ray.metrics.paired import (holm, paired_difference, paired_difference_tasks, power, t_quantile,
-                                   t_two_sided_p, t_test, welch)
+from es_ray.metrics.calibration import SD_METHOD_PROBLEM, THETA, expected_passk, passk_table, simulate
+from es_ray.metrics.paired import (
+    holm,
+    paired_difference,
+    paired_difference_tasks,
+    power,
+    t_quantile,
+    t_two_sided_p,
+    t_test,
+    welch,
+)
 
 
 def test_t_distribution_against_known_values():
@@ -61,7 +68,7 @@ def test_floored_variance_keeps_the_seeds_degrees_of_freedom():
     b = np.clip(base + 0.01 + rng.normal(0, 0.1, size=(2, 500)), 0, 1)
     a, b = a - a.mean(1, keepdims=True) + a.mean(), b - b.mean(1, keepdims=True) + b.mean()  # seeds agree exactly
     r = paired_difference(a, b)
-    assert r.var_training == 0 and r.se ** 2 == pytest.approx(float((b.mean(0) - a.mean(0)).var(ddof=1)) / 500)
+    assert r.var_training == 0 and r.se**2 == pytest.approx(float((b.mean(0) - a.mean(0)).var(ddof=1)) / 500)
     assert 1 <= r.df <= 3, r.df
 
 
@@ -69,20 +76,25 @@ def _hetero(rng, replicates, problems, seeds, k):
     """Training variance in one method only (benchmarks/verdict_breaker.py's hetero_seeds): A sv 0 and seed x
     problem sd 0.2 (a base model's seeds: sampling only), B sv 0.5 and sd 0.6, B shifted so E[pass@k] is equal."""
     n, sv, sb = 32, (0.0, 0.5), (0.2, 0.6)
-    sds = [np.sqrt(THETA[1] ** 2 + SD_METHOD_PROBLEM ** 2 + sv[m] ** 2 + sb[m] ** 2) for m in (0, 1)]
+    sds = [np.sqrt(THETA[1] ** 2 + SD_METHOD_PROBLEM**2 + sv[m] ** 2 + sb[m] ** 2) for m in (0, 1)]
     x, wts = np.polynomial.hermite_e.hermegauss(120)
     grid = np.linspace(-3, 3, 601)
-    curve = [float(np.sum(wts * (1 - (1 - 1 / (1 + np.exp(-(THETA[0] + g + sds[1] * x)))) ** k))) / wts.sum()
-             for g in grid]
+    curve = [
+        float(np.sum(wts * (1 - (1 - 1 / (1 + np.exp(-(THETA[0] + g + sds[1] * x)))) ** k))) / wts.sum() for g in grid
+    ]
     target = float(np.sum(wts * (1 - (1 - 1 / (1 + np.exp(-(THETA[0] + sds[0] * x)))) ** k))) / wts.sum()
     shift = float(np.interp(target, curve, grid))
     theta = rng.normal(*THETA, size=(replicates, 1, problems))
     table = passk_table(n, (k,))[:, 0]
     out = []
     for m in (0, 1):
-        logit = (theta + rng.normal(0, SD_METHOD_PROBLEM, size=(replicates, 1, problems)) + (shift if m else 0.0)
-                 + rng.normal(0, sv[m], size=(replicates, seeds, 1)) + rng.normal(0, sb[m], size=(replicates, seeds,
-                                                                                               problems)))
+        logit = (
+            theta
+            + rng.normal(0, SD_METHOD_PROBLEM, size=(replicates, 1, problems))
+            + (shift if m else 0.0)
+            + rng.normal(0, sv[m], size=(replicates, seeds, 1))
+            + rng.normal(0, sb[m], size=(replicates, seeds, problems))
+        )
         out.append(table[rng.binomial(n, 1 / (1 + np.exp(-logit)))])
     return out
 

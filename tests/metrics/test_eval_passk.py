@@ -6,22 +6,31 @@ import math
 
 import pytest
 
-from es_ray.metrics.passk import (NotEnoughSamplesError, expected_majority, maj_at_k, majority_correct, mean_pass_at_k,
-                                 pass_at_k)
+from es_ray.metrics.passk import (
+    NotEnoughSamplesError,
+    expected_majority,
+    maj_at_k,
+    majority_correct,
+    mean_pass_at_k,
+    pass_at_k,
+)
 
 
-@pytest.mark.parametrize("n,c,k,expected", [
-    (5, 2, 1, 1 - 3 / 5),          # 1 - C(3,1)/C(5,1)
-    (5, 2, 2, 1 - 3 / 10),         # 1 - C(3,2)/C(5,2)
-    (5, 2, 3, 1 - 1 / 10),         # 1 - C(3,3)/C(5,3)
-    (5, 2, 4, 1.0),                # fewer than k wrong samples: some correct one is always drawn
-    (5, 0, 3, 0.0),
-    (5, 5, 1, 1.0),
-    (10, 3, 5, 1 - 21 / 252),      # 1 - C(7,5)/C(10,5)
-    (200, 1, 100, 0.5),            # C(199,100)/C(200,100) = 100/200; factorials would overflow floats
-    (1000, 3, 1, 3 / 1000),        # pass@1 is the fraction correct
-    (32, 8, 16, 1 - math.comb(24, 16) / math.comb(32, 16)),
-])
+@pytest.mark.parametrize(
+    "n,c,k,expected",
+    [
+        (5, 2, 1, 1 - 3 / 5),  # 1 - C(3,1)/C(5,1)
+        (5, 2, 2, 1 - 3 / 10),  # 1 - C(3,2)/C(5,2)
+        (5, 2, 3, 1 - 1 / 10),  # 1 - C(3,3)/C(5,3)
+        (5, 2, 4, 1.0),  # fewer than k wrong samples: some correct one is always drawn
+        (5, 0, 3, 0.0),
+        (5, 5, 1, 1.0),
+        (10, 3, 5, 1 - 21 / 252),  # 1 - C(7,5)/C(10,5)
+        (200, 1, 100, 0.5),  # C(199,100)/C(200,100) = 100/200; factorials would overflow floats
+        (1000, 3, 1, 3 / 1000),  # pass@1 is the fraction correct
+        (32, 8, 16, 1 - math.comb(24, 16) / math.comb(32, 16)),
+    ],
+)
 def test_pass_at_k_hand_values(n, c, k, expected):
     assert pass_at_k(n, c, k) == pytest.approx(expected, rel=1e-12, abs=1e-15)
 
@@ -87,6 +96,8 @@ def test_expected_majority_equals_brute_force_over_ordered_subsets():
         right = rnd.choice(["a", "b", "c"])
         correct = [x == right for x in answers]
         for k in range(1, 8):
-            votes = [majority_correct([answers[i] for i in order], [correct[i] for i in order])
-                     for order in itertools.permutations(range(7), k)]
+            votes = [
+                majority_correct([answers[i] for i in order], [correct[i] for i in order])
+                for order in itertools.permutations(range(7), k)
+            ]
             assert expected_majority(answers, correct, k) == pytest.approx(sum(votes) / len(votes), abs=1e-12)

@@ -68,10 +68,11 @@ def test_token_kl_equals_a_brute_force_sum_over_the_vocabulary(temperature, top_
 
 
 def test_summary_is_the_token_weighted_mean_with_per_problem_means():
-    per_sample = [{"tokens": 2, "base_tuned": 0.4, "tuned_base": 0.2}, {"tokens": 3, "base_tuned": 0.3,
-                                                                       "tuned_base": 0.9}, {"tokens": 1,
-                                                                                             "base_tuned": 0.5,
-                                                                                             "tuned_base": 0.1}]
+    per_sample = [
+        {"tokens": 2, "base_tuned": 0.4, "tuned_base": 0.2},
+        {"tokens": 3, "base_tuned": 0.3, "tuned_base": 0.9},
+        {"tokens": 1, "base_tuned": 0.5, "tuned_base": 0.1},
+    ]
     out = summarize_kl(per_sample, [0, 0, 1])
     assert out["base_tuned"] == pytest.approx(1.2 / 6) and out["tuned_base"] == pytest.approx(1.2 / 6)
     assert out["per_problem"]["0"]["base_tuned"] == pytest.approx(0.7 / 5)
@@ -101,8 +102,9 @@ def test_teacher_forced_kl_on_a_model_equals_the_brute_force_sum(tiny_model_dir,
     tuned = AutoModelForCausalLM.from_pretrained(tuned_dir, torch_dtype=torch.float32).eval()
     prompt, completion = [1, 17, 290, 33, 8], [400, 12, 9, 77, 3001, 5]
     with torch.no_grad():
-        sums = completion_kl_sums(completion_logits(base, prompt, completion),
-                                  completion_logits(tuned, prompt, completion), 0.7, 0.9, chunk=4)
+        sums = completion_kl_sums(
+            completion_logits(base, prompt, completion), completion_logits(tuned, prompt, completion), 0.7, 0.9, chunk=4
+        )
         ids = torch.tensor([prompt + completion])
         lb, lt = base(input_ids=ids).logits[0].double().numpy(), tuned(input_ids=ids).logits[0].double().numpy()
     want_bt = want_tb = 0.0
@@ -110,8 +112,9 @@ def test_teacher_forced_kl_on_a_model_equals_the_brute_force_sum(tiny_model_dir,
         p, q = brute_distribution(lb[pos], 0.7, 1.0), brute_distribution(lt[pos], 0.7, 1.0)
         want_bt, want_tb = want_bt + brute_kl(p, q), want_tb + brute_kl(q, p)
     assert sums["tokens"] == len(completion)
-    assert sums["base_tuned"] == pytest.approx(want_bt, rel=1e-4) and sums["tuned_base"] == pytest.approx(want_tb,
-                                                                                                         rel=1e-4)
+    assert sums["base_tuned"] == pytest.approx(want_bt, rel=1e-4) and sums["tuned_base"] == pytest.approx(
+        want_tb, rel=1e-4
+    )
     assert want_bt > 0
 
 
@@ -150,8 +153,20 @@ def test_kl_between_different_vocabularies_is_refused_in_one_line(tiny_model_dir
     cfg["vocab_size"] += 7
     (other / "config.json").write_text(json.dumps(cfg))
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run(["es-eval", f"model.path={tiny_model_dir}", "eval.kl_base=true",
-                          f"eval.kl_reference={other}", "eval.tasks=[gsm8k]", f"eval.data_dir={FIXTURES}",
-                          f"run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300, env=env)
+    res = subprocess.run(
+        [
+            "es-eval",
+            f"model.path={tiny_model_dir}",
+            "eval.kl_base=true",
+            f"eval.kl_reference={other}",
+            "eval.tasks=[gsm8k]",
+            f"eval.data_dir={FIXTURES}",
+            f"run.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-2000:]
     assert "vocab_size" in res.stderr and "eval.kl_reference" in res.stderr and not (tmp_path / "run").exists()

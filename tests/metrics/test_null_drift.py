@@ -39,16 +39,18 @@ def test_a_simulated_walk_with_arbitrary_rewards_follows_the_null(shaping):
         z = shape(rng.exponential(size=n))  # skewed rewards: the null does not care
         eps = rng.normal(size=(n, d))
         theta += lr / (n * sigma) * (z @ eps)
-    p = null_drift(lr=lr, sigma=sigma, population=n, iterations=t_steps, parameters=d, thresholds=TH,
-                   shaping=shaping)
+    p = null_drift(lr=lr, sigma=sigma, population=n, iterations=t_steps, parameters=d, thresholds=TH, shaping=shaping)
     assert np.linalg.norm(theta) == pytest.approx(p["l2"], rel=0.01)
     for t in TH:
         assert np.mean(np.abs(theta) < t) == pytest.approx(p["share_below"][f"{t:g}"], abs=0.005)
 
 
 def test_where_the_null_does_not_apply_it_says_why():
-    for kw, word in [({"optimizer": "adam"}, "es.optimizer=adam"), ({"estimator": "antithetic"}, "antithetic"),
-                     ({"weight_decay": 0.1}, "weight_decay")]:
+    for kw, word in [
+        ({"optimizer": "adam"}, "es.optimizer=adam"),
+        ({"estimator": "antithetic"}, "antithetic"),
+        ({"weight_decay": 0.1}, "weight_decay"),
+    ]:
         p = null_drift(lr=1e-5, sigma=1e-3, population=8, iterations=4, parameters=10, thresholds=TH, **kw)
         assert p["l2"] is None and word in p["why"]
     p = null_drift(lr=1e-5, sigma=1e-3, population=8, iterations=4, parameters=10, thresholds=TH, zero_steps=4)
@@ -65,14 +67,16 @@ def test_the_seed_logs_fitness_gives_the_null_under_centered_ranks_with_ties():
     for t in range(t_steps):
         z = centered_rank(rng.binomial(1, 0.4, size=(n, 4)).mean(axis=1))
         theta += lr / (n * sigma) * (z @ rng.normal(size=(n, d)))
-        log.append({"iteration": t, "lr": lr, "sigma": sigma, "members": [[i, i, 1] for i in range(n)],
-                    "fitness": z.tolist()})
+        log.append(
+            {"iteration": t, "lr": lr, "sigma": sigma, "members": [[i, i, 1] for i in range(n)], "fitness": z.tolist()}
+        )
     p = null_drift_from_log(log, parameters=d, thresholds=TH)
     assert np.linalg.norm(theta) == pytest.approx(p["l2"], rel=0.01)
     for t in TH:
         assert np.mean(np.abs(theta) < t) == pytest.approx(p["share_below"][f"{t:g}"], abs=0.01)
-    settings = null_drift(lr=lr, sigma=sigma, population=n, iterations=t_steps, parameters=d, thresholds=TH,
-                          shaping="centered_rank")
+    settings = null_drift(
+        lr=lr, sigma=sigma, population=n, iterations=t_steps, parameters=d, thresholds=TH, shaping="centered_rank"
+    )
     assert settings["l2"] / np.linalg.norm(theta) > 1.03  # what the no-tie formula said
 
 
@@ -84,8 +88,14 @@ def test_the_seed_log_covers_antithetic_pairs():
         z = centered_rank(rng.binomial(1, 0.5, size=(n, 4)).mean(axis=1))
         eps = rng.normal(size=(n // 2, d))
         theta += lr / (n * sigma) * ((z[0::2] - z[1::2]) @ eps)
-        log.append({"lr": lr, "sigma": sigma, "members": [[i, i // 2, 1 - 2 * (i % 2)] for i in range(n)],
-                    "fitness": z.tolist()})
+        log.append(
+            {
+                "lr": lr,
+                "sigma": sigma,
+                "members": [[i, i // 2, 1 - 2 * (i % 2)] for i in range(n)],
+                "fitness": z.tolist(),
+            }
+        )
     p = null_drift_from_log(log, parameters=d, thresholds=TH)
     assert np.linalg.norm(theta) == pytest.approx(p["l2"], rel=0.015)
     assert null_drift_from_log(log, parameters=d, thresholds=TH, optimizer="adam")["l2"] is None

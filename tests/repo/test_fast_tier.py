@@ -25,8 +25,12 @@ def _pure():
 
 
 def item(function, module: str = "test_fast_tier", fixtures=(), marker=None):
-    return SimpleNamespace(function=function, fspath=TESTS_DIR / f"{module}.py", fixturenames=list(fixtures),
-                           get_closest_marker=lambda name: name if name == marker else None)
+    return SimpleNamespace(
+        function=function,
+        fspath=TESTS_DIR / f"{module}.py",
+        fixturenames=list(fixtures),
+        get_closest_marker=lambda name: name if name == marker else None,
+    )
 
 
 def test_the_rule_sorts_by_module_fixture_marker_and_source():

@@ -16,16 +16,31 @@ es_ray.launch (setup.py's package_dir)."""
 MAPPED = {"grpo": "es_ray.grpo", "launch": "es_ray.launch"}
 LAYERS = {
     "es_ray.launch": 7,  # the comparison and es-submit: above every method
-    "es_ray.es": 6, "es_ray.grpo": 6, "es_ray.evaluation": 6,  # the methods (and the evaluation jobs)
-    "es_ray.runtime": 5, "es_ray.held_out": 5,  # one runtime under every method
-    "es_ray.engines": 4, "es_ray.replica": 4, "es_ray.replica_spec": 4, "es_ray.memory_plan": 4,
-    "es_ray.tasks": 3, "es_ray.grading": 3, "es_ray.models": 3,
+    "es_ray.es": 6,
+    "es_ray.grpo": 6,
+    "es_ray.evaluation": 6,  # the methods (and the evaluation jobs)
+    "es_ray.runtime": 5,
+    "es_ray.held_out": 5,  # one runtime under every method
+    "es_ray.engines": 4,
+    "es_ray.replica": 4,
+    "es_ray.replica_spec": 4,
+    "es_ray.memory_plan": 4,
+    "es_ray.tasks": 3,
+    "es_ray.grading": 3,
+    "es_ray.models": 3,
     # pure math
-    "es_ray.noise": 2, "es_ray.noise_kinds": 2, "es_ray.strategy": 2, "es_ray.perturbation": 2, "es_ray.lowrank": 2,
+    "es_ray.noise": 2,
+    "es_ray.noise_kinds": 2,
+    "es_ray.strategy": 2,
+    "es_ray.perturbation": 2,
+    "es_ray.lowrank": 2,
     "es_ray.metrics": 2,
-    "es_ray.grpo.loss": 2, "es_ray.grpo.loss_kinds": 2,
+    "es_ray.grpo.loss": 2,
+    "es_ray.grpo.loss_kinds": 2,
     # what each part allocates, stated without torch (es_ray/memory_plan/ sums them)
-    "es_ray.model_shape": 2, "es_ray.replica_memory": 2, "es_ray.grpo.learner_memory": 2,
+    "es_ray.model_shape": 2,
+    "es_ray.replica_memory": 2,
+    "es_ray.grpo.learner_memory": 2,
     "es_ray.core": 1,  # imports nothing of the project but itself
 }
 METHODS = ("es_ray.es", "es_ray.grpo", "es_ray.evaluation")
@@ -71,8 +86,12 @@ def imports(path: Path, known: set[str]) -> list[tuple[int, str]]:
             continue
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] in PACKAGES]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                and node.module.split(".")[0] in PACKAGES:  # grpo/launch here: the old names, refused below
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.split(".")[0] in PACKAGES
+        ):  # grpo/launch here: the old names, refused below
             subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known]
             out += [(node.lineno, m) for m in subs] or [(node.lineno, node.module)]
     return out
@@ -86,10 +105,15 @@ def import_graph() -> dict[str, list[tuple[int, str]]]:
 def test_grpo_and_launch_are_imported_by_their_installed_names():
     """`import grpo...` / `import launch...` would load a second copy of a module in a checkout and fail in a
     wheel, which installs them only as es_ray.grpo and es_ray.launch."""
-    files = [p for d in (*PACKAGES, "tests", "scripts", "benchmarks", "docker")
-             for p in sorted((REPO / d).rglob("*.py"))]
-    old = [f"{p.relative_to(REPO)}:{line} imports {name}" for p in files
-           for line, name in imports(p, set()) if name.split(".")[0] in MAPPED]
+    files = [
+        p for d in (*PACKAGES, "tests", "scripts", "benchmarks", "docker") for p in sorted((REPO / d).rglob("*.py"))
+    ]
+    old = [
+        f"{p.relative_to(REPO)}:{line} imports {name}"
+        for p in files
+        for line, name in imports(p, set())
+        if name.split(".")[0] in MAPPED
+    ]
     assert old == []
 
 
@@ -106,9 +130,11 @@ def test_imports_point_down_the_layers_and_methods_do_not_import_each_other():
             if theirs is None or theirs == mine or mine.startswith(theirs + ".") or theirs.startswith(mine + "."):
                 continue
             if LAYERS[theirs] > LAYERS[mine] or (mine in METHODS and theirs in METHODS):
-                bad.append(f"{mod}:{line} imports {other} ({theirs}, layer {LAYERS[theirs]} above {mine}'s "
-                           f"{LAYERS[mine]})" if LAYERS[theirs] > LAYERS[mine] else f"{mod}:{line} imports the "
-                           f"method {other}")
+                bad.append(
+                    f"{mod}:{line} imports {other} ({theirs}, layer {LAYERS[theirs]} above {mine}'s {LAYERS[mine]})"
+                    if LAYERS[theirs] > LAYERS[mine]
+                    else f"{mod}:{line} imports the method {other}"
+                )
     assert bad == []
 
 
@@ -155,8 +181,10 @@ def test_no_import_circle_between_modules():
             name = name.rpartition(".")[0]
         return name or None
 
-    graph = {m: {o for _, n in found if (o := owner(n)) and o != m and not m.startswith(o + ".")}
-             for m, found in import_graph().items()}
+    graph = {
+        m: {o for _, n in found if (o := owner(n)) and o != m and not m.startswith(o + ".")}
+        for m, found in import_graph().items()
+    }
     assert circles(graph) == []
 
 
@@ -173,8 +201,9 @@ def imports_of(source: str, names: set[str]) -> list[tuple[int, str]]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] in names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                and node.module.split(".")[0] in names:
+        elif (
+            isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] in names
+        ):
             out.append((node.lineno, node.module))
     return sorted(out)
 
@@ -185,8 +214,11 @@ def test_no_test_module_imports_another():
     tests = {p.stem: p for p in sorted((REPO / "tests").rglob("test_*.py"))}
     sample = "import os\ndef f():\n    from test_a import x\nimport test_b.c\n"  # the check can fail
     assert imports_of(sample, {"test_a", "test_b"}) == [(3, "test_a"), (4, "test_b.c")]
-    bad = [f"{p.relative_to(REPO)}:{line} imports {name}" for p in tests.values()
-           for line, name in imports_of(p.read_text(), set(tests))]
+    bad = [
+        f"{p.relative_to(REPO)}:{line} imports {name}"
+        for p in tests.values()
+        for line, name in imports_of(p.read_text(), set(tests))
+    ]
     assert bad == [], "move what they share into tests/helpers.py"
 
 
@@ -242,14 +274,18 @@ def engine_name_tests(source: str) -> list[int]:
     engine names): asking which engine it is instead of what it can do."""
 
     def is_engine_name(node: ast.AST) -> bool:
-        return isinstance(node, ast.Attribute) and node.attr == "name" and \
-            ast.unparse(node.value).rpartition(".")[2] == "engine"
+        return (
+            isinstance(node, ast.Attribute)
+            and node.attr == "name"
+            and ast.unparse(node.value).rpartition(".")[2] == "engine"
+        )
 
     def names_engines(node: ast.AST) -> bool:
         if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
             return any(names_engines(e) for e in node.elts)
-        return (isinstance(node, ast.Constant) and isinstance(node.value, str)) or \
-            (isinstance(node, ast.Name) and node.id.isupper())
+        return (isinstance(node, ast.Constant) and isinstance(node.value, str)) or (
+            isinstance(node, ast.Name) and node.id.isupper()
+        )
 
     out = []
     for node in ast.walk(ast.parse(source)):
@@ -264,13 +300,19 @@ def test_engines_are_asked_what_they_can_do_not_named():
     """es_ray/engines/__init__.py: outside es_ray/engines no code tests ``engine.name`` against a name or imports an
     engine's module; what differs between engines is a trait (``ENGINES``: sleep mode, in-process evaluation, LoRA
     slots, ...), so a third engine is added there and nowhere else."""
-    sample = ('if cfg.engine.name != "vllm":\n    pass\nothers = [n for n in names if n != engine.name]\n'
-              'local = cfg.engine.name in IN_PROCESS\nhf = self.engine.name in ("hf",)\n')
+    sample = (
+        'if cfg.engine.name != "vllm":\n    pass\nothers = [n for n in names if n != engine.name]\n'
+        'local = cfg.engine.name in IN_PROCESS\nhf = self.engine.name in ("hf",)\n'
+    )
     assert engine_name_tests(sample) == [1, 4, 5]  # the check can fail; line 3 lists the others by the registry
     mods = project_modules()
     outside = {m: p for m, p in mods.items() if group_of(m) != "es_ray.engines"}
-    bad = [f"{m}:{line} imports {name}" for m, p in outside.items() for line, name in imports(p, set(mods))
-           if group_of(name) == "es_ray.engines" and name not in ENGINE_INTERFACE]
+    bad = [
+        f"{m}:{line} imports {name}"
+        for m, p in outside.items()
+        for line, name in imports(p, set(mods))
+        if group_of(name) == "es_ray.engines" and name not in ENGINE_INTERFACE
+    ]
     bad += [f"{m}:{line} tests engine.name" for m, p in outside.items() for line in engine_name_tests(p.read_text())]
     assert bad == [], "ask the engine's traits (es_ray/engines/__init__.py ENGINES) instead"
 

@@ -7,6 +7,7 @@ under launch/ describe real clusters and are out of its scope. The libraries' ow
 usage stats, MLflow telemetry, the model hub) is switched off for the whole suite in tests/conftest.py; the last
 tests here hold it so.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -68,8 +69,9 @@ def test_no_file_under_tests_benchmarks_or_scripts_names_an_outside_address():
         text = path.read_bytes().decode("latin-1")  # every file, whatever its encoding: an address is ASCII
         for lineno, line in enumerate(text.splitlines(), 1):
             offenders += [f"{path.relative_to(ROOT)}:{lineno}: {addr}" for addr in outside_addresses(line)]
-    assert not offenders, ("addresses off this machine (use a closed loopback port such as 127.0.0.1:9):\n"
-                           + "\n".join(offenders))
+    assert not offenders, "addresses off this machine (use a closed loopback port such as 127.0.0.1:9):\n" + "\n".join(
+        offenders
+    )
 
 
 def _quad(*octets: int) -> str:
@@ -84,26 +86,29 @@ ULA, LINK = ":".join(["fd00", "", "1"]), ":".join(["fe80", "", "1"])
 GOOGLE_DNS6 = ":".join(["2001", "4860", "", "8888"])
 
 
-@pytest.mark.parametrize("text,expected", [
-    (f'cluster.address="{PRIVATE}:6379"', [PRIVATE]),
-    (f"http://{LAN}:8265", [LAN]),
-    (f"ray://{PUBLIC}:10001", [PUBLIC]),
-    (f"--address {RANGE_172}", [RANGE_172]),
-    (f"see {PRIVATE}.", [PRIVATE]),
-    ("127.0.0.1:9 and 127.3.2.1 and 0.0.0.0:8265", []),
-    ("opencv-python-headless==5.1.0.95", []),
-    ("partial-json-parser==0.2.1.1.post7", []),
-    ("torch 2.13.0+cpu, vllm 0.32.0", []),
-    ("999.1.1.1", []),
-    (f"cluster.address={PRIVATE}:6379", [PRIVATE]),
-    (f"--node-ip-address={LAN}", [LAN]),
-    (f"host {OCTAL}", [_quad(8, 1, 2, 3)]),
-    ("pkg>=1.2.3.4, pkg~=1.2.3.4, pkg!=1.2.3.4, opencv_python-4.10.0.84-cp37", []),
-    (f"http://[{ULA}]:8265", [ULA]),
-    (f"host {LINK}%eth0 or {GOOGLE_DNS6}", [LINK, GOOGLE_DNS6]),
-    (f"::ffff:{PRIVATE}", [PRIVATE]),
-    ("[::1]:8265, bind ::, x[0::2], a[i::j], std::vector, 12:30:45, aa:bb:cc:dd:ee:ff", []),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (f'cluster.address="{PRIVATE}:6379"', [PRIVATE]),
+        (f"http://{LAN}:8265", [LAN]),
+        (f"ray://{PUBLIC}:10001", [PUBLIC]),
+        (f"--address {RANGE_172}", [RANGE_172]),
+        (f"see {PRIVATE}.", [PRIVATE]),
+        ("127.0.0.1:9 and 127.3.2.1 and 0.0.0.0:8265", []),
+        ("opencv-python-headless==5.1.0.95", []),
+        ("partial-json-parser==0.2.1.1.post7", []),
+        ("torch 2.13.0+cpu, vllm 0.32.0", []),
+        ("999.1.1.1", []),
+        (f"cluster.address={PRIVATE}:6379", [PRIVATE]),
+        (f"--node-ip-address={LAN}", [LAN]),
+        (f"host {OCTAL}", [_quad(8, 1, 2, 3)]),
+        ("pkg>=1.2.3.4, pkg~=1.2.3.4, pkg!=1.2.3.4, opencv_python-4.10.0.84-cp37", []),
+        (f"http://[{ULA}]:8265", [ULA]),
+        (f"host {LINK}%eth0 or {GOOGLE_DNS6}", [LINK, GOOGLE_DNS6]),
+        (f"::ffff:{PRIVATE}", [PRIVATE]),
+        ("[::1]:8265, bind ::, x[0::2], a[i::j], std::vector, 12:30:45, aa:bb:cc:dd:ee:ff", []),
+    ],
+)
 def test_the_check_finds_outside_addresses_and_passes_loopback_and_versions(text, expected):
     assert outside_addresses(text) == expected
 

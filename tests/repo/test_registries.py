@@ -24,15 +24,22 @@ MAPPED = {"grpo": "es_ray.grpo", "launch": "es_ray.launch"}
 
 
 def import_path_strings(source: str) -> list[tuple[int, str]]:
-    return [(node.lineno, node.value) for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and IMPORT_PATH.match(node.value)]
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and IMPORT_PATH.match(node.value)
+    ]
 
 
 def test_no_string_names_the_projects_code():
     sample = 'A = {"x": "es_ray.grpo.loss:_token_mean"}\nB = "package.module:Task"\nC = "es_ray.noise"\n'
     assert import_path_strings(sample) == [(1, "es_ray.grpo.loss:_token_mean")]  # the check can fail
-    bad = [f"{p.relative_to(REPO)}:{line}: {text}" for d in CODE for p in sorted((REPO / d).rglob("*.py"))
-           for line, text in import_path_strings(p.read_text())]
+    bad = [
+        f"{p.relative_to(REPO)}:{line}: {text}"
+        for d in CODE
+        for p in sorted((REPO / d).rglob("*.py"))
+        for line, text in import_path_strings(p.read_text())
+    ]
     assert bad == [], "import the object and put it in the table (es_ray/core/registry.py)"
 
 
@@ -47,26 +54,39 @@ def registry_tables() -> dict[str, list[str]]:
     out = {}
     for d in ("es_ray", "grpo", "launch"):
         for p in sorted((REPO / d).rglob("*.py")):
-            names = [ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target)
-                     for node in ast.parse(p.read_text()).body
-                     if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call)
-                     and ast.unparse(node.value.func) == "Registry"]
+            names = [
+                ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target)
+                for node in ast.parse(p.read_text()).body
+                if isinstance(node, (ast.Assign, ast.AnnAssign))
+                and isinstance(node.value, ast.Call)
+                and ast.unparse(node.value.func) == "Registry"
+            ]
             if names:
                 out[module_name(p)] = names
     return out
 
 
 def registries() -> list[tuple[str, str, Registry]]:
-    return [(module, attr, getattr(importlib.import_module(module), attr))
-            for module, attrs in registry_tables().items() for attr in attrs]
+    return [
+        (module, attr, getattr(importlib.import_module(module), attr))
+        for module, attrs in registry_tables().items()
+        for attr in attrs
+    ]
 
 
 def test_every_registry_entry_is_an_object_or_a_description():
     """Each entry is the registered object (a function, a class, an instance) or, in an option list that only
     names values, a one-line description; a function or class of another module is public."""
     found = registries()
-    assert len(found) >= 25 and {a for _, a, _ in found} >= {"ENGINES", "TASKS", "LOSS_AGGREGATIONS", "ADV_SCALES",
-                                                             "SHAPERS", "OPTIMIZERS", "TRACKERS"}
+    assert len(found) >= 25 and {a for _, a, _ in found} >= {
+        "ENGINES",
+        "TASKS",
+        "LOSS_AGGREGATIONS",
+        "ADV_SCALES",
+        "SHAPERS",
+        "OPTIMIZERS",
+        "TRACKERS",
+    }
     bad = []
     for module, attr, reg in found:
         assert reg.names(), f"{module}.{attr} is empty"
@@ -103,8 +123,12 @@ def local_imports(cls: type) -> list[tuple[str, str, str]]:
     out = []
     for fn in ast.walk(tree):
         if isinstance(fn, ast.FunctionDef):
-            out += [(fn.name, node.module, a.name) for node in ast.walk(fn)
-                    if isinstance(node, ast.ImportFrom) and node.module for a in node.names]
+            out += [
+                (fn.name, node.module, a.name)
+                for node in ast.walk(fn)
+                if isinstance(node, ast.ImportFrom) and node.module
+                for a in node.names
+            ]
     return out
 
 

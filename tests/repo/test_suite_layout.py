@@ -15,8 +15,10 @@ DEPTH = re.compile(r"Path\(__file__\)(?:\.resolve\(\))?\.parents?\b")
 
 def test_no_test_module_is_left_at_the_top_of_tests():
     moves = [f"git mv tests/{path.name} tests/{folder}/{path.name}" for path, folder in misplaced()]
-    assert moves == [], ("test modules at the top of tests/ go in the folder of the code they test (docs/running.md "
-                         "\"Where a test goes\"); `python tests/layout.py` prints:\n" + "\n".join(moves))
+    assert moves == [], (
+        "test modules at the top of tests/ go in the folder of the code they test (docs/running.md "
+        "\"Where a test goes\"); `python tests/layout.py` prints:\n" + "\n".join(moves)
+    )
 
 
 def test_every_test_module_sits_in_a_folder_of_the_layout():
@@ -35,8 +37,12 @@ def test_a_test_module_name_is_used_once():
 
 
 def test_no_test_module_finds_a_place_from_its_own_depth():
-    bad = [f"{p.relative_to(REPO)}:{n}: {line.strip()}" for p in sorted(TESTS.rglob("test_*.py"))
-           for n, line in enumerate(p.read_text().splitlines(), 1) if DEPTH.search(line)]
+    bad = [
+        f"{p.relative_to(REPO)}:{n}: {line.strip()}"
+        for p in sorted(TESTS.rglob("test_*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if DEPTH.search(line)
+    ]
     here = "Path(__file__)"  # split, so that this line is no example of what it finds
     assert DEPTH.search(f"ROOT = {here}.resolve().parents[1]") and DEPTH.search(f"{here}.parent / 'fixtures'")
     assert not DEPTH.search(f"this = {here}.resolve()")
@@ -64,10 +70,22 @@ def test_the_suggestion_follows_the_name_then_the_imports(tmp_path):
         return suggest(path)
 
     assert module("test_grpo_thing", "from es_ray.metrics.passk import pass_at_k\n") == "grpo"  # the name first
-    assert module("test_thing", "from es_ray.metrics import passk\nfrom es_ray.metrics.kl import kl\n"
-                                "def f():\n    from es_ray.runtime.loop import due\n") == "metrics"
+    assert (
+        module(
+            "test_thing",
+            "from es_ray.metrics import passk\nfrom es_ray.metrics.kl import kl\n"
+            "def f():\n    from es_ray.runtime.loop import due\n",
+        )
+        == "metrics"
+    )
     assert module("test_thing", "from es_ray.launch.compare.run import main\n") == "launch/compare"
-    assert module("test_thing", "from es_ray.core.config import TaskConfig\nfrom es_ray.strategy import ask\n"
-                                "from es_ray.core.dtypes import resolve_dtype\n") == "es"  # core only as a last resort
+    assert (
+        module(
+            "test_thing",
+            "from es_ray.core.config import TaskConfig\nfrom es_ray.strategy import ask\n"
+            "from es_ray.core.dtypes import resolve_dtype\n",
+        )
+        == "es"
+    )  # core only as a last resort
     assert module("test_thing", "from es_ray.core.config import TaskConfig\n") == "core"
     assert module("test_thing", "import json\nfrom es_ray.models import resolve_model\n") == "repo"

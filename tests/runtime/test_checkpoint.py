@@ -18,8 +18,7 @@ import torch
 from helpers import flip_byte
 
 from es_ray.es.state import SeedLog, list_checkpoints, load_es_state, save_es_checkpoint
-from es_ray.runtime.checkpoint import (MANIFEST, CheckpointError, checkpoint_dirs, publish_dir, staging_dir,
-                                       verify_dir)
+from es_ray.runtime.checkpoint import MANIFEST, CheckpointError, checkpoint_dirs, publish_dir, staging_dir, verify_dir
 from paths import REPO
 
 
@@ -57,11 +56,16 @@ def test_the_weights_file_is_hashed_as_it_is_written(tmp_path):
     from es_ray.runtime.checkpoint import write_fp32_safetensors
 
     g = torch.Generator().manual_seed(0)
-    tensors = {"b": torch.randn(3, 5, generator=g), "a": torch.randn(7, generator=g, dtype=torch.float64),
-               "empty": torch.zeros(0, 4), "big": torch.randn(512, 257, generator=g)}
+    tensors = {
+        "b": torch.randn(3, 5, generator=g),
+        "a": torch.randn(7, generator=g, dtype=torch.float64),
+        "empty": torch.zeros(0, 4),
+        "big": torch.randn(512, 257, generator=g),
+    }
     tmp = staging_dir(tmp_path / "ck")
-    digest = write_fp32_safetensors(tmp / "model.safetensors",
-                                    {k: (tuple(t.shape), lambda t=t: t) for k, t in tensors.items()}, {"format": "pt"})
+    digest = write_fp32_safetensors(
+        tmp / "model.safetensors", {k: (tuple(t.shape), lambda t=t: t) for k, t in tensors.items()}, {"format": "pt"}
+    )
     assert digest == sha256_file(tmp / "model.safetensors")
     loaded = load_file(tmp / "model.safetensors")
     assert all(torch.equal(loaded[k], t.float()) for k, t in tensors.items())
@@ -185,13 +189,15 @@ def test_the_converted_default_model_holds_the_gguf_tensors_dequantised(converte
         gguf_name = names.get_name(key.removesuffix(".weight")) + ".weight"
         t = tensors[gguf_name]
         from_gguf = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(
-            [int(n) for n in reversed(t.shape)])
+            [int(n) for n in reversed(t.shape)]
+        )
         proj = key.split(".")[-2]
         assert torch.equal(permute(weight, heads[proj]) if proj in heads else weight, from_gguf), key
         seen.add(gguf_name)
     assert seen == set(tensors)  # every tensor of the file, each once
-    assert {tensors[n].tensor_type.name for n in ("token_embd.weight", "blk.0.ffn_down.weight",
-                                                  "blk.0.attn_norm.weight")} == {"Q8_0", "Q4_1", "F32"}
+    assert {
+        tensors[n].tensor_type.name for n in ("token_embd.weight", "blk.0.ffn_down.weight", "blk.0.attn_norm.weight")
+    } == {"Q8_0", "Q4_1", "F32"}
 
 
 def _tiny_llama_gguf(path: Path) -> Path:
@@ -211,8 +217,22 @@ def _tiny_llama_gguf(path: Path) -> Path:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     w.add_rope_freq_base(10000.0)
-    tokens = [chr(ord("a") + i) for i in range(26)] + ["ab", "bc", "cd", "<s>", "</s>", "<unk>", "de", "ef", "fg",
-                                                       "gh", "hi", "ij", "jk", "kl"]
+    tokens = [chr(ord("a") + i) for i in range(26)] + [
+        "ab",
+        "bc",
+        "cd",
+        "<s>",
+        "</s>",
+        "<unk>",
+        "de",
+        "ef",
+        "fg",
+        "gh",
+        "hi",
+        "ij",
+        "jk",
+        "kl",
+    ]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -236,9 +256,15 @@ def _tiny_llama_gguf(path: Path) -> Path:
         add(f"blk.{i}.attn_norm.weight", (hidden,), quantised=False)
         add(f"blk.{i}.ffn_norm.weight", (hidden,), quantised=False)
         kv = hidden // heads * kv_heads
-        for name, shape in [("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)),
-                            ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
-                            ("ffn_down", (hidden, ffn))]:
+        for name, shape in [
+            ("attn_q", (hidden, hidden)),
+            ("attn_k", (kv, hidden)),
+            ("attn_v", (kv, hidden)),
+            ("attn_output", (hidden, hidden)),
+            ("ffn_gate", (ffn, hidden)),
+            ("ffn_up", (ffn, hidden)),
+            ("ffn_down", (hidden, ffn)),
+        ]:
             add(f"blk.{i}.{name}.weight", shape)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -305,11 +331,14 @@ def test_a_conversion_reads_the_gguf_once_and_writes_the_same_files(tmp_path, mo
 def es_checkpoint(tiny_model_dir, tmp_path) -> Path:
     state = load_es_state(tiny_model_dir)
     master = {n: state["master"][n] for n in state["master"]}
-    opt = {"t": 3, "state": {n: {"m": torch.full_like(t, 0.5), "v": torch.ones_like(t)} for n, t in
-                             list(master.items())[:2]}}
+    opt = {
+        "t": 3,
+        "state": {n: {"m": torch.full_like(t, 0.5), "v": torch.ones_like(t)} for n, t in list(master.items())[:2]},
+    }
     path = tmp_path / "run" / "checkpoints" / "iter_000002"
-    save_es_checkpoint(path, {"master": master, "optimizer": opt, "theta0": None}, tiny_model_dir,
-                       {"iteration": 2, "checksum": "abc"})
+    save_es_checkpoint(
+        path, {"master": master, "optimizer": opt, "theta0": None}, tiny_model_dir, {"iteration": 2, "checksum": "abc"}
+    )
     return path
 
 
@@ -371,8 +400,12 @@ save_es_checkpoint(path, state, model, {"iteration": 4})
 @pytest.mark.parametrize("where, name", [("writing", "iter_000004"), ("between", "iter_000002")])
 def test_a_killed_save_leaves_the_previous_checkpoint_as_the_latest(es_checkpoint, tiny_model_dir, where, name):
     checkpoints = es_checkpoint.parent
-    proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(tiny_model_dir), str(checkpoints / name), where],
-                          cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_SAVE, str(tiny_model_dir), str(checkpoints / name), where],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 9, proc.stderr[-2000:]
     assert any(p.name.startswith(".") for p in checkpoints.iterdir()), "the kill left nothing behind to clean"
     found = list_checkpoints(checkpoints.parent)
@@ -391,8 +424,15 @@ def grpo_checkpoint(tiny_model_dir, tmp_path):
     from es_ray.grpo.learner import GRPOLearner
 
     def make():
-        return GRPOLearner(to_grpo_config({"model": {"path": str(tiny_model_dir)}, "engine": {"threads": 1},
-                                           "grpo": {"lr": 1e-2, "micro_batch_size": 2}}))
+        return GRPOLearner(
+            to_grpo_config(
+                {
+                    "model": {"path": str(tiny_model_dir)},
+                    "engine": {"threads": 1},
+                    "grpo": {"lr": 1e-2, "micro_batch_size": 2},
+                }
+            )
+        )
 
     lrn = make()
     samples = [{"prompt_ids": [1, 2, 3], "completion_ids": [10 + i, 20, 30]} for i in range(2)]
@@ -448,10 +488,13 @@ def _log(tmp_path, n=4) -> Path:
     return tmp_path / "seed_log.jsonl"
 
 
-@pytest.mark.parametrize("edit", [
-    lambda line: line.replace(b"0.15", b"0.25"),  # valid JSON, another number: only the digest sees it
-    lambda line: line[:10] + b"\xff" + line[11:],  # not JSON any more
-])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda line: line.replace(b"0.15", b"0.25"),  # valid JSON, another number: only the digest sees it
+        lambda line: line[:10] + b"\xff" + line[11:],  # not JSON any more
+    ],
+)
 def test_a_corrupt_record_in_the_middle_is_refused_with_its_line_number(tmp_path, edit):
     path = _log(tmp_path)
     lines = path.read_bytes().split(b"\n")
@@ -492,13 +535,14 @@ def test_kuberay_worker_memory_covers_the_es_host_plan_at_7b():
     from es_ray.memory_plan import preset
 
     text = (REPO / "launch" / "kuberay" / "rayjob.yaml").read_text()
-    worker = text[text.index("workerGroupSpecs"):]
+    worker = text[text.index("workerGroupSpecs") :]
     asked = [int(x) for x in re.findall(r"memory: (\d+)Gi", worker)]
     plan = es_actor_host_plan_gib("qwen2.5-7b")
     master_gib = 4 * preset("qwen2.5-7b").parameters() / (1 << 30)
     assert ENGINE_PROCESS_GIB < plan < ENGINE_PROCESS_GIB + master_gib / 4  # streamed: far below one master
-    assert asked and plan <= min(asked) and max(asked) <= plan + 8, \
+    assert asked and plan <= min(asked) and max(asked) <= plan + 8, (
         f"worker memory {asked} Gi out of step with the plan's {plan:.1f} GiB"
+    )
     assert f"{plan:.1f} GiB" in worker  # the comment beside it states the plan's figure
 
 
@@ -536,8 +580,13 @@ def test_the_umask_is_read_without_changing_it_where_proc_does_not_say_it(monkey
     from es_ray.core import manifest
 
     real = Path.read_text
-    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(OSError("no /proc"))
-                        if str(self) == "/proc/self/status" else real(self, *a, **k))
+    monkeypatch.setattr(
+        Path,
+        "read_text",
+        lambda self, *a, **k: (
+            (_ for _ in ()).throw(OSError("no /proc")) if str(self) == "/proc/self/status" else real(self, *a, **k)
+        ),
+    )
     set_to = []
     umask = os.umask
     monkeypatch.setattr(os, "umask", lambda mask: set_to.append(mask) or umask(mask))

@@ -37,11 +37,18 @@ def test_killed_actor_and_odd_replica_are_rebuilt_and_the_run_is_unchanged(clean
     """Actor 0's replica is corrupted after iteration 1 (es.on_mismatch=rebuild: rebuilt in place from the
     initial weights + 2 updates); then it dies mid-evaluation of iteration 3 (replaced: iter_2 + 1 update)."""
     clean_dir, clean = clean_run
-    cfg = faulty_cfg(tiny_model_dir, tmp_path, faults__corrupt_replica_at_iteration=1, es__on_mismatch="rebuild",
-                     faults__kill_actor_at_iteration=3, faults__kill_actor_phase="evaluate")
+    cfg = faulty_cfg(
+        tiny_model_dir,
+        tmp_path,
+        faults__corrupt_replica_at_iteration=1,
+        es__on_mismatch="rebuild",
+        faults__kill_actor_at_iteration=3,
+        faults__kill_actor_phase="evaluate",
+    )
     assert_same_weights(final_weights(run(cfg)), clean)
-    assert [r["checksum"] for r in log_rows(tmp_path, "seed_log.jsonl")] == \
-        [r["checksum"] for r in log_rows(clean_dir, "seed_log.jsonl")]
+    assert [r["checksum"] for r in log_rows(tmp_path, "seed_log.jsonl")] == [
+        r["checksum"] for r in log_rows(clean_dir, "seed_log.jsonl")
+    ]
     rows = log_rows(tmp_path, "metrics.jsonl")
     assert rows[1]["recovery/rebuilds"] == 1 and rows[1]["recovery/replacements"] == 0
     event = rows[3]
@@ -56,8 +63,15 @@ def test_killed_actor_and_odd_replica_are_rebuilt_and_the_run_is_unchanged(clean
 def test_actor_killed_in_the_update_and_a_hung_actor_are_replaced(clean_run, tiny_model_dir, tmp_path):
     """Actor 1 dies before applying update 1 (rebuilt from the initial weights + update 0, then given update 1);
     at iteration 2 it hangs and is killed after faults.actor_timeout_s."""
-    cfg = faulty_cfg(tiny_model_dir, tmp_path, faults__kill_actor_at_iteration=1, faults__kill_actor_phase="update",
-                     faults__hang_actor_at_iteration=2, faults__actor_rank=1, faults__actor_timeout_s=8.0)
+    cfg = faulty_cfg(
+        tiny_model_dir,
+        tmp_path,
+        faults__kill_actor_at_iteration=1,
+        faults__kill_actor_phase="update",
+        faults__hang_actor_at_iteration=2,
+        faults__actor_rank=1,
+        faults__actor_timeout_s=8.0,
+    )
     assert_same_weights(final_weights(run(cfg)), clean_run[1])
     rows = log_rows(tmp_path, "metrics.jsonl")
     assert rows[1]["recovery/replacements"] == 1 and rows[1]["recovery/replayed"] == 1
@@ -69,8 +83,9 @@ def test_memory_killed_actor_is_replaced_and_the_run_is_unchanged(clean_run, tin
     """Actor 1's evaluation of iteration 1 fails with Ray's OutOfMemoryError (its memory monitor's message): the
     actor is replaced as a dead one is, the log line says what used the memory and which key lowers it, and the
     run ends bit for bit where the undisturbed one does."""
-    cfg = faulty_cfg(tiny_model_dir, tmp_path, faults__kill_actor_at_iteration=1, faults__kill_actor_by="oom",
-                     faults__actor_rank=1)
+    cfg = faulty_cfg(
+        tiny_model_dir, tmp_path, faults__kill_actor_at_iteration=1, faults__kill_actor_by="oom", faults__actor_rank=1
+    )
     assert_same_weights(final_weights(run(cfg)), clean_run[1])
     rows = log_rows(tmp_path, "metrics.jsonl")
     assert rows[1]["recovery/replacements"] == 1 and rows[1]["recovery/replayed"] == 1
@@ -80,16 +95,19 @@ def test_memory_killed_actor_is_replaced_and_the_run_is_unchanged(clean_run, tin
     assert not alive_es_actors()
 
 
-@pytest.mark.parametrize("over, key", [
-    ({"faults__kill_actor_at_iteration": 9}, "faults.kill_actor_at_iteration"),
-    ({"faults__corrupt_replica_at_iteration": -2}, "faults.corrupt_replica_at_iteration"),
-    ({"faults__actor_rank": 2}, "faults.actor_rank"),
-    ({"faults__kill_actor_phase": "generate"}, "faults.kill_actor_phase"),
-    ({"faults__kill_actor_by": "sigkill"}, "faults.kill_actor_by"),
-    ({"faults__hang_actor_at_iteration": 1, "faults__actor_timeout_s": 0.0}, "faults.actor_timeout_s"),
-    ({"es__on_mismatch": "ignore"}, "es.on_mismatch"),
-    ({"run__resume": True, "run__dir": ""}, "run.resume"),
-])
+@pytest.mark.parametrize(
+    "over, key",
+    [
+        ({"faults__kill_actor_at_iteration": 9}, "faults.kill_actor_at_iteration"),
+        ({"faults__corrupt_replica_at_iteration": -2}, "faults.corrupt_replica_at_iteration"),
+        ({"faults__actor_rank": 2}, "faults.actor_rank"),
+        ({"faults__kill_actor_phase": "generate"}, "faults.kill_actor_phase"),
+        ({"faults__kill_actor_by": "sigkill"}, "faults.kill_actor_by"),
+        ({"faults__hang_actor_at_iteration": 1, "faults__actor_timeout_s": 0.0}, "faults.actor_timeout_s"),
+        ({"es__on_mismatch": "ignore"}, "es.on_mismatch"),
+        ({"run__resume": True, "run__dir": ""}, "run.resume"),
+    ],
+)
 def test_bad_fault_settings_are_refused_naming_the_key(tiny_model_dir, tmp_path, over, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         faulty_cfg(tiny_model_dir, tmp_path, **over)
@@ -130,9 +148,15 @@ def _flaky_group(fails: list[int], retries: int = 2):
     from es_ray.runtime.placement import Placement
 
     made = iter(fails)  # the first actor fails fails[0] times, its replacement fails[1] times
-    return ActorGroup("flaky", Flaky, 1, lambda rank: (next(made),),
-                      Placement(ClusterConfig(num_actors=1, cpus_per_actor=0), None),
-                      FaultPolicy(unavailable_retries=retries, max_replacements=1), log=lambda msg: None)
+    return ActorGroup(
+        "flaky",
+        Flaky,
+        1,
+        lambda rank: (next(made),),
+        Placement(ClusterConfig(num_actors=1, cpus_per_actor=0), None),
+        FaultPolicy(unavailable_retries=retries, max_replacements=1),
+        log=lambda msg: None,
+    )
 
 
 def test_a_transient_unavailability_is_retried_before_it_counts_as_death(ray_local):
@@ -161,15 +185,15 @@ with InterruptGuard(float(sys.argv[1])):
 
 
 @pytest.mark.parametrize("stop_timeout_s, signals, bound_s", [(1.0, 1, 8.0), (600.0, 2, 5.0)])
-def test_sigterm_ends_a_stuck_run_within_the_stop_timeout_and_a_second_one_at_once(stop_timeout_s, signals,
-                                                                                    bound_s):
+def test_sigterm_ends_a_stuck_run_within_the_stop_timeout_and_a_second_one_at_once(stop_timeout_s, signals, bound_s):
     import signal
     import subprocess
     import sys
     import time
 
-    proc = subprocess.Popen([sys.executable, "-c", _GUARDED, str(stop_timeout_s)], stdout=subprocess.PIPE, text=True,
-                            cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _GUARDED, str(stop_timeout_s)], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
     assert proc.stdout.readline().strip() == "ready"
     t0 = time.monotonic()
     for _ in range(signals):
@@ -199,8 +223,7 @@ def test_no_ray_process_outlives_a_driver_stopped_by_two_signals():
     import sys
     import time
 
-    proc = subprocess.Popen([sys.executable, "-c", _LOCAL_RAY], stdout=subprocess.PIPE, text=True,
-                            cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-c", _LOCAL_RAY], stdout=subprocess.PIPE, text=True, cwd=REPO)
     session = Path(proc.stdout.readline().strip()).name
     assert session.startswith("session_")
     assert processes_of(session), "the local Ray's processes were not found by their session"

@@ -19,8 +19,14 @@ def _schemas() -> dict:
     from es_ray.grpo.config import GRPOTrainConfig
     from es_ray.launch.compare.run import CompareConfig
 
-    return {"es_train": ESTrainConfig, "grpo_train": GRPOTrainConfig, "es_eval": EvalJobConfig,
-            "es_drift": DriftJobConfig, "es_interpolate": InterpolateJobConfig, "es_compare": CompareConfig}
+    return {
+        "es_train": ESTrainConfig,
+        "grpo_train": GRPOTrainConfig,
+        "es_eval": EvalJobConfig,
+        "es_drift": DriftJobConfig,
+        "es_interpolate": InterpolateJobConfig,
+        "es_compare": CompareConfig,
+    }
 
 
 def accepts(schema, key: str) -> bool:
@@ -65,15 +71,18 @@ def test_the_sections_table_is_each_schemas_top_level_keys():
         assert SECTIONS[name] == tuple(f.name for f in dataclasses.fields(schema)), name
 
 
-@pytest.mark.parametrize("config_name, override, must_say", [
-    ("grpo_train", "es.population=4", "es.* is a section of es-train, es-compare, not of grpo-train"),
-    ("es_train", "grpo.lr=1e-6", "grpo.* is a section of grpo-train, es-compare, not of es-train"),
-    ("es_eval", "task.path=/data/x.jsonl", "eval.paths.<task>="),
-    ("es_eval", "sampling.temperature=1.0", "eval.temperature"),
-    ("es_train", "es.popualtion=8", "did you mean es.population?"),
-    ("grpo_train", "grpo.group_sise=8", "did you mean grpo.group_size?"),
-    ("es_drift", "run.dri=/x", "did you mean run.dir?"),
-])
+@pytest.mark.parametrize(
+    "config_name, override, must_say",
+    [
+        ("grpo_train", "es.population=4", "es.* is a section of es-train, es-compare, not of grpo-train"),
+        ("es_train", "grpo.lr=1e-6", "grpo.* is a section of grpo-train, es-compare, not of es-train"),
+        ("es_eval", "task.path=/data/x.jsonl", "eval.paths.<task>="),
+        ("es_eval", "sampling.temperature=1.0", "eval.temperature"),
+        ("es_train", "es.popualtion=8", "did you mean es.population?"),
+        ("grpo_train", "grpo.group_sise=8", "did you mean grpo.group_size?"),
+        ("es_drift", "run.dri=/x", "did you mean run.dir?"),
+    ],
+)
 def test_an_unknown_key_hint_names_keys_of_its_own_command(config_name, override, must_say):
     _register_all()
     text = check_overrides(config_name, [override])
@@ -95,9 +104,11 @@ def test_es_evals_task_errors_name_eval_paths_never_task_path(tmp_path):
     cfg.eval.paths = {"gsm8k": str(tmp_path / "missing.jsonl")}
     with pytest.raises(TaskLoadError) as err:
         load_eval_task(cfg, "gsm8k")
-    hub = in_eval_keys("task math500: could not load HuggingFaceH4/MATH-500 split 'test': ConnectionError: no. "
-                       "Download it elsewhere and point task.path= at a local JSONL file in the same schema.",
-                       "math500")
+    hub = in_eval_keys(
+        "task math500: could not load HuggingFaceH4/MATH-500 split 'test': ConnectionError: no. "
+        "Download it elsewhere and point task.path= at a local JSONL file in the same schema.",
+        "math500",
+    )
     rows = tmp_path / "gsm.jsonl"
     rows.write_text("".join(json.dumps({"question": f"{i}?", "answer": f"#### {i}"}) + "\n" for i in range(5)))
     cfg.eval.paths = {"countdown": str(rows)}
@@ -120,8 +131,12 @@ def test_the_trainers_task_refusals_name_keys_the_trainers_accept(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"question": f"{i}?", "answer": f"#### {i}"}) + "\n" for i in range(40)))
     texts = []
-    for cfg in (TaskConfig(name="gsm8k", path=str(path)), TaskConfig(name="countdown", path=str(path)),
-                TaskConfig(name="gsm8k", path=str(tmp_path / "none.jsonl")), TaskConfig(name="gsm8k", reward="m")):
+    for cfg in (
+        TaskConfig(name="gsm8k", path=str(path)),
+        TaskConfig(name="countdown", path=str(path)),
+        TaskConfig(name="gsm8k", path=str(tmp_path / "none.jsonl")),
+        TaskConfig(name="gsm8k", reward="m"),
+    ):
         with pytest.raises((TaskLoadError, ValueError)) as err:
             load_task(cfg)
         texts.append(str(err.value))

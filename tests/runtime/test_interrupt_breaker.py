@@ -63,8 +63,9 @@ def test_a_refused_resume_leaves_no_hold_on_the_run_dir(tmp_path):
     changed = dataclasses.replace(cfg, es=dataclasses.replace(cfg.es, sigma=cfg.es.sigma * 2))
     with pytest.raises(ConfigError, match="es.sigma"):
         open_run_dir(changed, "es")
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "held", holder.stderr.read() if holder.poll() is not None else ""
     finally:

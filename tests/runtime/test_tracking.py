@@ -24,8 +24,13 @@ STEPS = [0, 1, 2]
 def offline(monkeypatch, tmp_path):
     """Offline W&B (WANDB_MODE=offline, as a user without network sets it), no MLflow URI set; W&B's own caches
     kept out of the home directory."""
-    for var in ("WANDB_PROJECT", "WANDB_API_KEY", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME",
-                "MLFLOW_ALLOW_FILE_STORE"):
+    for var in (
+        "WANDB_PROJECT",
+        "WANDB_API_KEY",
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_NAME",
+        "MLFLOW_ALLOW_FILE_STORE",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
@@ -48,10 +53,10 @@ def wandb_records(run_dir: Path) -> list:
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
         if pos + 7 + length > len(data):  # still being written
             break
-        chunk += data[pos + 7:pos + 7 + length]
+        chunk += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST: a whole record
             rec = wandb_internal_pb2.Record()
@@ -91,8 +96,9 @@ def mlflow_history(run_dir: Path | str) -> tuple[dict[str, list[tuple[int, float
     (exp,) = [e for e in client.search_experiments() if e.name == "es-ray"]
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FINISHED"
-    history = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
-               for k in run.data.metrics}
+    history = {
+        k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)) for k in run.data.metrics
+    }
     return history, run.data.params
 
 
@@ -112,13 +118,24 @@ def _log_three_steps(run_dir: Path, trackers: list[str]) -> None:
     cfg.task.operations = "+" * 600  # longer than MLflow's 500-character parameter value limit
     tracker = Tracker(run_dir, len(STEPS), cfg, trackers, progress=False)
     for t in STEPS:
-        tracker.log(t, {"reward/mean": 0.5 + t, "es/checksums_verified": True, "perf/tokens": 10 * t,
-                        "eval/reward": float("nan"), "note": "text"})
+        tracker.log(
+            t,
+            {
+                "reward/mean": 0.5 + t,
+                "es/checksums_verified": True,
+                "perf/tokens": 10 * t,
+                "eval/reward": float("nan"),
+                "note": "text",
+            },
+        )
     tracker.close()
 
 
-EXPECTED = {"reward/mean": [(t, 0.5 + t) for t in STEPS], "es/checksums_verified": [(t, 1.0) for t in STEPS],
-            "perf/tokens": [(t, 10.0 * t) for t in STEPS]}
+EXPECTED = {
+    "reward/mean": [(t, 0.5 + t) for t in STEPS],
+    "es/checksums_verified": [(t, 1.0) for t in STEPS],
+    "perf/tokens": [(t, 10.0 * t) for t in STEPS],
+}
 
 
 def test_a_tensorboard_writer_that_cannot_open_fails_the_first_row_not_the_close(tmp_path, monkeypatch):
@@ -236,10 +253,19 @@ def test_tensorboard_hparams_declare_the_metrics_runs_are_ranked_by(tmp_path):
     assert len(experiment.hparam_infos) > 50 and "es.population" in {h.name for h in experiment.hparam_infos}
     eval_params = {"eval.tasks": ["gsm8k", "csqa"], "eval.k": [1, 16]}
     assert ranked_metrics(eval_params, "es-eval") == [
-        "eval/gsm8k/pass_at_1", "eval/gsm8k/pass_at_16", "eval/gsm8k/mean_reward",
-        "eval/csqa/pass_at_1", "eval/csqa/pass_at_16", "eval/csqa/mean_reward"]
+        "eval/gsm8k/pass_at_1",
+        "eval/gsm8k/pass_at_16",
+        "eval/gsm8k/mean_reward",
+        "eval/csqa/pass_at_1",
+        "eval/csqa/pass_at_16",
+        "eval/csqa/mean_reward",
+    ]
     assert ranked_metrics({**eval_params, "methods": ["es", "grpo"]}, "es-compare") == [
-        "compare/es/pass_at_1", "compare/es/pass_at_16", "compare/grpo/pass_at_1", "compare/grpo/pass_at_16"]
+        "compare/es/pass_at_1",
+        "compare/es/pass_at_16",
+        "compare/grpo/pass_at_1",
+        "compare/grpo/pass_at_16",
+    ]
 
 
 def test_eval_summary_names_match_the_declared_metrics():
@@ -248,12 +274,19 @@ def test_eval_summary_names_match_the_declared_metrics():
     from es_ray.runtime.tracking import ranked_metrics
     from es_ray.launch.compare.run import tracker_metrics as compare_metrics
 
-    results = {"entropy": {"mean_per_token": 0.5}, "tokens_generated": 10, "timing_s": {"total": 1.0},
-               "tasks": {"gsm8k": {"pass@k": {"1": 0.1, "16": 0.5}, "maj@k": None, "mean_reward": 0.2,
-                                   "entropy": None}}}
+    results = {
+        "entropy": {"mean_per_token": 0.5},
+        "tokens_generated": 10,
+        "timing_s": {"total": 1.0},
+        "tasks": {"gsm8k": {"pass@k": {"1": 0.1, "16": 0.5}, "maj@k": None, "mean_reward": 0.2, "entropy": None}},
+    }
     assert set(ranked_metrics({"eval.tasks": ["gsm8k"], "eval.k": [1, 16]}, "es-eval")) <= set(eval_metrics(results))
-    report = {"methods": {m: {"average": {"1": 0.1, "16": 0.4}, "entropy": {"mean_per_token": 0.3}, "ledger": None}
-                          for m in ("es", "grpo")}}
+    report = {
+        "methods": {
+            m: {"average": {"1": 0.1, "16": 0.4}, "entropy": {"mean_per_token": 0.3}, "ledger": None}
+            for m in ("es", "grpo")
+        }
+    }
     declared = ranked_metrics({"methods": ["es", "grpo"], "eval.k": [1, 16]}, "es-compare")
     assert set(declared) <= set(compare_metrics(report))
 
@@ -298,7 +331,10 @@ ENTRY_POINTS = ("es_train", "grpo_train", "es_eval", "es_compare")
 @pytest.mark.parametrize("primary", ENTRY_POINTS)
 def test_every_entry_point_takes_and_checks_run_trackers(primary, monkeypatch):
     assert _convert(primary, ["run.trackers=[tensorboard,wandb,mlflow]"]).run.trackers == [
-        "tensorboard", "wandb", "mlflow"]
+        "tensorboard",
+        "wandb",
+        "mlflow",
+    ]
     assert _convert(primary, []).run.trackers == ["tensorboard"]
     with pytest.raises(ConfigError, match="run.trackers='nope'"):
         _convert(primary, ["run.trackers=[nope]"])
@@ -315,24 +351,59 @@ def test_eval_and_compare_summaries_use_names_every_backend_takes():
     from es_ray.launch.compare.run import tracker_metrics as compare_metrics
 
     task = {"pass@k": {"1": 0.25, "4": 0.5}, "maj@k": None, "mean_reward": 0.3, "entropy": {"mean_per_token": 0.7}}
-    out = eval_metrics({"tasks": {"math500": task}, "entropy": {"mean_per_token": 0.7}, "tokens_generated": 9,
-                        "timing_s": {"total": 1.5}})
-    assert out == {"eval/math500/pass_at_1": 0.25, "eval/math500/pass_at_4": 0.5, "eval/math500/mean_reward": 0.3,
-                   "eval/math500/entropy": 0.7, "eval/entropy": 0.7, "eval/tokens": 9, "timing_s/total": 1.5}
-    method = {"average": {"1": 0.25}, "entropy": {"mean_per_token": 0.5}, "drift": {"l2": 0.1},
-              "ledger": {"tokens_generated": 100, "wall_s": 3.0, "peak_gpu_bytes_max": None}}
+    out = eval_metrics(
+        {
+            "tasks": {"math500": task},
+            "entropy": {"mean_per_token": 0.7},
+            "tokens_generated": 9,
+            "timing_s": {"total": 1.5},
+        }
+    )
+    assert out == {
+        "eval/math500/pass_at_1": 0.25,
+        "eval/math500/pass_at_4": 0.5,
+        "eval/math500/mean_reward": 0.3,
+        "eval/math500/entropy": 0.7,
+        "eval/entropy": 0.7,
+        "eval/tokens": 9,
+        "timing_s/total": 1.5,
+    }
+    method = {
+        "average": {"1": 0.25},
+        "entropy": {"mean_per_token": 0.5},
+        "drift": {"l2": 0.1},
+        "ledger": {"tokens_generated": 100, "wall_s": 3.0, "peak_gpu_bytes_max": None},
+    }
     out = compare_metrics({"methods": {"es": method, "base": {**method, "drift": None, "ledger": None}}})
-    assert out == {"compare/es/pass_at_1": 0.25, "compare/es/entropy": 0.5, "compare/es/drift_l2": 0.1,
-                   "compare/es/tokens_generated": 100, "compare/es/wall_s": 3.0,
-                   "compare/base/pass_at_1": 0.25, "compare/base/entropy": 0.5}
+    assert out == {
+        "compare/es/pass_at_1": 0.25,
+        "compare/es/entropy": 0.5,
+        "compare/es/drift_l2": 0.1,
+        "compare/es/tokens_generated": 100,
+        "compare/es/wall_s": 3.0,
+        "compare/base/pass_at_1": 0.25,
+        "compare/base/entropy": 0.5,
+    }
 
 
 def test_es_eval_logs_its_summary_once_with_the_config(tiny_model_dir, tmp_path):
     from es_ray.evaluation.es_eval import run
 
-    cfg = _convert("es_eval", [f"model.path={tiny_model_dir}", "eval.tasks=[math500,csqa]", "eval.n=2",
-                               "eval.k=[1,2]", "eval.limit=2", "eval.max_new_tokens=4", f"eval.data_dir={FIXTURES}",
-                               "cluster.num_actors=0", "run.progress=false", "run.trackers=[wandb,mlflow]"])
+    cfg = _convert(
+        "es_eval",
+        [
+            f"model.path={tiny_model_dir}",
+            "eval.tasks=[math500,csqa]",
+            "eval.n=2",
+            "eval.k=[1,2]",
+            "eval.limit=2",
+            "eval.max_new_tokens=4",
+            f"eval.data_dir={FIXTURES}",
+            "cluster.num_actors=0",
+            "run.progress=false",
+            "run.trackers=[wandb,mlflow]",
+        ],
+    )
     cfg.run.dir = str(tmp_path)
     results = run(cfg)
     names = {f"eval/{t}/{m}" for t in ("math500", "csqa") for m in ("pass_at_1", "pass_at_2", "mean_reward")}
@@ -372,8 +443,9 @@ def test_tiny_es_run_lands_in_every_tracker(ray_local, tiny_model_dir, tmp_path)
 
 
 @pytest.mark.parametrize("task, shown", [("arithmetic", "heldout_reward=0.750"), ("gsm8k", "heldout_pass@1=0.500")])
-def test_progress_names_what_it_shows_and_a_resumed_run_counts_from_its_start(tmp_path, capsys, monkeypatch, task,
-                                                                             shown):
+def test_progress_names_what_it_shows_and_a_resumed_run_counts_from_its_start(
+    tmp_path, capsys, monkeypatch, task, shown
+):
     """On a terminal: the bar shows the task's moving held-out metric (the reward where it is dense)."""
     import dataclasses
 
@@ -390,8 +462,7 @@ def test_progress_names_what_it_shows_and_a_resumed_run_counts_from_its_start(tm
     assert "train_reward=0.300" in last and shown in last and "mean=" not in last, last
 
 
-def test_the_bar_shows_the_members_done_within_an_iteration_and_plain_lines_do_not(tmp_path, capsys,
-                                                                                    monkeypatch):
+def test_the_bar_shows_the_members_done_within_an_iteration_and_plain_lines_do_not(tmp_path, capsys, monkeypatch):
     """On a terminal the bar moves within an iteration (members scored, beside the metrics) and drops the position
     once the iteration is logged; without one, a position prints nothing (one line a step stays one line)."""
     monkeypatch.setattr("es_ray.runtime.tracking.on_terminal", lambda: True)
@@ -428,14 +499,33 @@ def test_es_eval_and_es_drift_show_progress(tiny_model_dir, tmp_path, capsys, mo
     from es_ray.evaluation.config import to_drift_config
     from es_ray.evaluation.es_eval import run
 
-    cfg = _convert("es_eval", [f"model.path={tiny_model_dir}", "eval.tasks=[math500,csqa]", "eval.n=1",
-                               "eval.k=[1]", "eval.limit=2", "eval.max_new_tokens=2", f"eval.data_dir={FIXTURES}",
-                               "cluster.num_actors=0", "run.progress=true", "run.trackers=[]"])
+    cfg = _convert(
+        "es_eval",
+        [
+            f"model.path={tiny_model_dir}",
+            "eval.tasks=[math500,csqa]",
+            "eval.n=1",
+            "eval.k=[1]",
+            "eval.limit=2",
+            "eval.max_new_tokens=2",
+            f"eval.data_dir={FIXTURES}",
+            "cluster.num_actors=0",
+            "run.progress=true",
+            "run.trackers=[]",
+        ],
+    )
     cfg.run.dir = str(tmp_path / "eval")
     run(cfg)
     err = capsys.readouterr().err.replace("\r", "\n")
     assert "es-eval: 100%" in err and "4/4 [" in err and "problem" in err and "task=" in err, err[-2000:]
-    run_drift(to_drift_config({"base": str(tiny_model_dir), "tuned": str(tiny_model_dir),
-                               "run": {"dir": str(tmp_path / "drift"), "progress": True}}))
+    run_drift(
+        to_drift_config(
+            {
+                "base": str(tiny_model_dir),
+                "tuned": str(tiny_model_dir),
+                "run": {"dir": str(tmp_path / "drift"), "progress": True},
+            }
+        )
+    )
     err = capsys.readouterr().err.replace("\r", "\n")
     assert "es-drift: 100%" in err and "tensor" in err, err[-2000:]

@@ -10,15 +10,17 @@ from paths import REPO
 
 
 def generated() -> str:
-    res = subprocess.run([sys.executable, "scripts/config_reference.py"], capture_output=True, text=True, cwd=REPO,
-                         timeout=120)
+    res = subprocess.run(
+        [sys.executable, "scripts/config_reference.py"], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stdout
 
 
 def test_docs_config_is_the_generated_reference():
-    assert (REPO / "docs" / "config.md").read_text() == generated(), \
+    assert (REPO / "docs" / "config.md").read_text() == generated(), (
         "docs/config.md is stale: python scripts/config_reference.py > docs/config.md"
+    )
 
 
 def test_every_key_is_documented_and_lists_its_registered_values():

@@ -12,8 +12,13 @@ from paths import REPO
 
 
 def test_gpu_smoke_runs_tiny_on_cpu():
-    res = subprocess.run([sys.executable, "scripts/gpu_smoke.py", "--tiny", "--device", "cpu"], capture_output=True,
-                         text=True, timeout=300, cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "scripts/gpu_smoke.py", "--tiny", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     figures = json.loads(res.stdout.strip().splitlines()[-1])
     assert figures["ok"] and len(figures["checks"]) == 14 and all(figures["checks"].values())

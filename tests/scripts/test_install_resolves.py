@@ -26,9 +26,13 @@ _spec.loader.exec_module(lock)
 def index_reachable():
     """Skips when pip cannot reach the default index (the GPU resolve reads nothing else)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k in lock.NETWORK_SETTINGS}
-    res = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "--timeout", "15", "--retries", "0",
-                          "pip"], env={**env, "PIP_CONFIG_FILE": os.devnull}, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", "--timeout", "15", "--retries", "0", "pip"],
+        env={**env, "PIP_CONFIG_FILE": os.devnull},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if res.returncode != 0:
         pytest.skip("pip cannot reach the package index: " + (res.stderr.strip().splitlines() or ["?"])[-1])
 
@@ -40,8 +44,11 @@ TARGETS = ("cpu", "gpu", "docker")
 def resolves(index_reachable, request, tmp_path_factory) -> Iterator[dict[str, Future]]:
     """lock.check of each target the session runs, all started at once (each is pip in a subprocess, in its own
     work dir): {target: its future}, so a resolve that raises fails its own test only."""
-    wanted = {item.callspec.params["target"] for item in request.session.items  # a -k run starts only its own
-              if item.module is request.module and hasattr(item, "callspec")}
+    wanted = {
+        item.callspec.params["target"]
+        for item in request.session.items  # a -k run starts only its own
+        if item.module is request.module and hasattr(item, "callspec")
+    }
     with ThreadPoolExecutor(len(TARGETS)) as pool:
         yield {t: pool.submit(lock.check, t, tmp_path_factory.mktemp(f"resolve-{t}")) for t in TARGETS if t in wanted}
 

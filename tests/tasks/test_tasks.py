@@ -47,8 +47,7 @@ def test_arithmetic_is_deterministic_in_task_seed():
 
 @pytest.mark.parametrize("operations,num_operands,digits", [("+-", 2, 2), ("+-*", 3, 1), ("*", 2, 3)])
 def test_arithmetic_answers_follow_standard_precedence(operations, num_operands, digits):
-    task = _arith(train_size=30, eval_size=10, seed=5, operations=operations, num_operands=num_operands,
-                  digits=digits)
+    task = _arith(train_size=30, eval_size=10, seed=5, operations=operations, num_operands=num_operands, digits=digits)
     for p in task.train + task.eval:
         expr = p.meta["expression"]
         assert expr in p.question
@@ -102,11 +101,15 @@ def test_arithmetic_terminates_when_fewer_distinct_problems_exist_than_requested
         proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=5)
     except subprocess.TimeoutExpired:
         proc = None
-    assert proc is not None, ("ArithmeticTask.load did not terminate: it loops forever when the configuration has "
-                              "fewer distinct problems than task.train_size + task.eval_size")
+    assert proc is not None, (
+        "ArithmeticTask.load did not terminate: it loops forever when the configuration has "
+        "fewer distinct problems than task.train_size + task.eval_size"
+    )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == ("TaskLoadError: task arithmetic: only 100 distinct problems found for digits=1, "
-                           "operations='+'; lower task.train_size + task.eval_size (128) or raise task.digits\n")
+    assert proc.stdout == (
+        "TaskLoadError: task arithmetic: only 100 distinct problems found for digits=1, "
+        "operations='+'; lower task.train_size + task.eval_size (128) or raise task.digits\n"
+    )
 
 
 # -- countdown --------------------------------------------------------------------------------------------
@@ -119,8 +122,12 @@ def _solve(items: list[tuple[Fraction, str]], target: int) -> str | None:
     for i, j in itertools.combinations(range(len(items)), 2):
         (a, ea), (b, eb) = items[i], items[j]
         rest = [items[k] for k in range(len(items)) if k not in (i, j)]
-        cands = [(a + b, f"({ea} + {eb})"), (a - b, f"({ea} - {eb})"), (b - a, f"({eb} - {ea})"),
-                 (a * b, f"({ea} * {eb})")]
+        cands = [
+            (a + b, f"({ea} + {eb})"),
+            (a - b, f"({ea} - {eb})"),
+            (b - a, f"({eb} - {ea})"),
+            (a * b, f"({ea} * {eb})"),
+        ]
         if b != 0:
             cands.append((a / b, f"({ea} / {eb})"))
         if a != 0:
@@ -160,8 +167,7 @@ def test_countdown_loads_a_local_jsonl_and_skips_malformed_rows():
     task = load_task(TaskConfig(name="countdown", path=str(path), train_size=3, eval_size=2))
     assert isinstance(task, CountdownTask)
     assert task.skipped_rows == 2  # one row without nums, one line that is not JSON
-    assert [(p.answer, p.meta["nums"]) for p in task.train] == [(9, [1, 2, 3]), (20, [95, 11, 4, 1]),
-                                                               (24, [4, 6, 1])]
+    assert [(p.answer, p.meta["nums"]) for p in task.train] == [(9, [1, 2, 3]), (20, [95, 11, 4, 1]), (24, [4, 6, 1])]
     assert [(p.answer, p.meta["nums"]) for p in task.eval] == [(10, [2, 5, 7]), (98, [44, 19, 35])]
     nine = task.train[0]
     assert task.reward("<answer>(1 + 2) * 3</answer>", nine) == 1.0

@@ -15,13 +15,24 @@ from paths import FIXTURES
 
 
 # name -> (valid rows in the fixture, malformed rows in it)
-FIXTURE_ROWS = {"deepscaler": (4, 2), "math500": (4, 1), "aime24": (3, 1), "aime25": (3, 1), "amc23": (3, 1),
-                "gpqa": (3, 1), "csqa": (3, 1), "mbpp": (3, 1), "gsm8k": (4, 1), "countdown": (5, 2)}
+FIXTURE_ROWS = {
+    "deepscaler": (4, 2),
+    "math500": (4, 1),
+    "aime24": (3, 1),
+    "aime25": (3, 1),
+    "amc23": (3, 1),
+    "gpqa": (3, 1),
+    "csqa": (3, 1),
+    "mbpp": (3, 1),
+    "gsm8k": (4, 1),
+    "countdown": (5, 2),
+}
 
 
 def _load(name: str, **kw):
-    return load_task(TaskConfig(name=name, path=str(FIXTURES / f"{name}.jsonl"), eval_size=kw.pop("eval_size", 0),
-                                **kw))
+    return load_task(
+        TaskConfig(name=name, path=str(FIXTURES / f"{name}.jsonl"), eval_size=kw.pop("eval_size", 0), **kw)
+    )
 
 
 def test_every_dataset_of_the_paper_is_registered():
@@ -110,8 +121,16 @@ def test_gpqa_shuffle_is_independent_of_row_order(tmp_path):
 
 
 def test_gpqa_letters_are_spread_over_many_questions(tmp_path):
-    rows = [{"Question": f"Question number {i}?", "Correct Answer": f"right {i}", "Incorrect Answer 1": f"w1 {i}",
-             "Incorrect Answer 2": f"w2 {i}", "Incorrect Answer 3": f"w3 {i}"} for i in range(200)]
+    rows = [
+        {
+            "Question": f"Question number {i}?",
+            "Correct Answer": f"right {i}",
+            "Incorrect Answer 1": f"w1 {i}",
+            "Incorrect Answer 2": f"w2 {i}",
+            "Incorrect Answer 3": f"w3 {i}",
+        }
+        for i in range(200)
+    ]
     path = tmp_path / "gpqa.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     letters = [p.answer for p in load_task(TaskConfig(name="gpqa", path=str(path), eval_size=0)).eval_problems()]
@@ -160,9 +179,16 @@ def test_mbpp_rows_need_string_tests_each_one_assert():
     task = _load("mbpp")
     good = {"text": "t", "test_list": ["assert f(1) == 1"], "test_setup_code": ""}
     assert task.parse(good).answer == ("assert f(1) == 1",)
-    for bad in ({"test_list": [None]}, {"test_list": [1, "assert f(1) == 1"]}, {"test_list": ["x = 1"]},
-                {"test_list": ["assert f(1)\nassert g()"]}, {"test_list": ["assert ("]}, {"test_list": "assert f()"},
-                {"test_setup_code": 3}, {"test_imports": [None]}):
+    for bad in (
+        {"test_list": [None]},
+        {"test_list": [1, "assert f(1) == 1"]},
+        {"test_list": ["x = 1"]},
+        {"test_list": ["assert f(1)\nassert g()"]},
+        {"test_list": ["assert ("]},
+        {"test_list": "assert f()"},
+        {"test_setup_code": 3},
+        {"test_imports": [None]},
+    ):
         with pytest.raises(RowError):
             task.parse({**good, **bad})
     # the program's code cannot swallow a test: fewer trailing asserts than tests fails
@@ -170,6 +196,7 @@ def test_mbpp_rows_need_string_tests_each_one_assert():
     swallow = "```python\ndef f(x):\n    return x\nif False:\n    pass\n```"
     assert task.grade(swallow, p).score == 1.0
     from es_ray.grading.sandbox import run_python
+
     res = run_python("def f(x):\n    return 0\nassert f(1) == 0\nprint('x')\nassert f(2) == 0\n", n_tests=2)
     assert res.status == "failed" and "swallowed" in res.stderr
 
@@ -192,21 +219,27 @@ def test_aime25_from_the_hub_concatenates_both_parts(monkeypatch):
     assert problems[0].question.startswith("I problem 0") and problems[15].question.startswith("II problem 0")
 
 
-@pytest.mark.parametrize("name,hub_id,config,split", [
-    ("deepscaler", "agentica-org/DeepScaleR-Preview-Dataset", None, "train"),
-    ("math500", "HuggingFaceH4/MATH-500", None, "test"),
-    ("aime24", "HuggingFaceH4/aime_2024", None, "train"),
-    ("amc23", "math-ai/amc23", None, "test"),
-    ("gpqa", "Idavidrein/gpqa", "gpqa_diamond", "train"),
-    ("csqa", "tau/commonsense_qa", None, "validation"),
-    ("mbpp", "google-research-datasets/mbpp", "full", "test"),
-])
+@pytest.mark.parametrize(
+    "name,hub_id,config,split",
+    [
+        ("deepscaler", "agentica-org/DeepScaleR-Preview-Dataset", None, "train"),
+        ("math500", "HuggingFaceH4/MATH-500", None, "test"),
+        ("aime24", "HuggingFaceH4/aime_2024", None, "train"),
+        ("amc23", "math-ai/amc23", None, "test"),
+        ("gpqa", "Idavidrein/gpqa", "gpqa_diamond", "train"),
+        ("csqa", "tau/commonsense_qa", None, "validation"),
+        ("mbpp", "google-research-datasets/mbpp", "full", "test"),
+    ],
+)
 def test_hub_ids_configs_and_splits(monkeypatch, name, hub_id, config, split):
     import es_ray.tasks.dataset as dataset
 
     calls = []
-    fixture_rows = [json.loads(x) for x in (FIXTURES / f"{name}.jsonl").read_text().splitlines()
-                    if x.strip().startswith("{") and x.strip().endswith("}")]
+    fixture_rows = [
+        json.loads(x)
+        for x in (FIXTURES / f"{name}.jsonl").read_text().splitlines()
+        if x.strip().startswith("{") and x.strip().endswith("}")
+    ]
 
     def fake_hub_rows(hub_id_, config_, split_, task):
         calls.append((hub_id_, config_, split_))
@@ -238,11 +271,13 @@ def test_bad_rows_are_skipped_and_counted_never_the_whole_file(tmp_path):
 
     path = tmp_path / "mixed.jsonl"
     good = [json.dumps({"problem": f"What is {i}+1?", "answer": str(i + 1)}).encode() for i in range(3)]
-    bad = [b'{"problem": ' + b"[" * 200_000 + b"]" * 200_000 + b', "answer": "1"}',  # nested past the recursion limit
-           b'{"problem": "caf\xe9 \xff", "answer": "1"}',  # not UTF-8
-           json.dumps({"problem": {"text": "a dict"}, "answer": "1"}).encode(),  # wrong types
-           json.dumps({"problem": ["a", "list"], "answer": "1"}).encode(),
-           json.dumps({"problem": "x" * (MAX_QUESTION_CHARS + 1), "answer": "1"}).encode()]  # a 20 kB+ prompt
+    bad = [
+        b'{"problem": ' + b"[" * 200_000 + b"]" * 200_000 + b', "answer": "1"}',  # nested past the recursion limit
+        b'{"problem": "caf\xe9 \xff", "answer": "1"}',  # not UTF-8
+        json.dumps({"problem": {"text": "a dict"}, "answer": "1"}).encode(),  # wrong types
+        json.dumps({"problem": ["a", "list"], "answer": "1"}).encode(),
+        json.dumps({"problem": "x" * (MAX_QUESTION_CHARS + 1), "answer": "1"}).encode(),
+    ]  # a 20 kB+ prompt
     path.write_bytes(b"\n".join([good[0], *bad[:3], good[1], *bad[3:], good[2]]) + b"\n")
     task = load_task(TaskConfig(name="math500", path=str(path), eval_size=0))
     assert sorted(p.answer for p in task.eval_problems()) == ["1", "2", "3"]
@@ -283,8 +318,10 @@ def test_a_bug_in_a_parser_fails_loudly_and_bad_data_is_skipped_and_counted(tmp_
     from es_ray.tasks.dataset import MathTask
 
     path = tmp_path / "math.jsonl"
-    path.write_text('{"problem": "1 + 1?", "answer": "2"}\n{"problem": "no answer"}\n{"problem": "x", "answer": ""}\n'
-                    'not json\n[1, 2]\n')
+    path.write_text(
+        '{"problem": "1 + 1?", "answer": "2"}\n{"problem": "no answer"}\n{"problem": "x", "answer": ""}\n'
+        'not json\n[1, 2]\n'
+    )
 
     class Benchmark(MathTask):
         name = "benchmark"
@@ -308,14 +345,25 @@ def test_a_bug_in_a_parser_fails_loudly_and_bad_data_is_skipped_and_counted(tmp_
 
 # name -> rows whose values have the wrong type: each must be skipped and counted, not crash nor pass
 WRONG_TYPES = {
-    "csqa": [{"question": "q?", "choices": None, "answerKey": "A"},
-             {"question": "q?", "choices": [["A", "B"], ["x", "y"]], "answerKey": "A"},
-             {"question": "q?", "choices": {"label": "AB", "text": ["x", "y"]}, "answerKey": "A"}],
-    "mbpp": [{"text": "t", "test_list": None}, {"text": "t", "test_list": "assert f() == 1"},
-             {"text": "t", "test_list": ["assert f() == 1"], "test_imports": 7}],
+    "csqa": [
+        {"question": "q?", "choices": None, "answerKey": "A"},
+        {"question": "q?", "choices": [["A", "B"], ["x", "y"]], "answerKey": "A"},
+        {"question": "q?", "choices": {"label": "AB", "text": ["x", "y"]}, "answerKey": "A"},
+    ],
+    "mbpp": [
+        {"text": "t", "test_list": None},
+        {"text": "t", "test_list": "assert f() == 1"},
+        {"text": "t", "test_list": ["assert f() == 1"], "test_imports": 7},
+    ],
     "gsm8k": [{"question": None, "answer": "#### 4"}, {"question": "q", "answer": None}],
-    "countdown": [{"target": 9, "nums": None}, {"target": 9, "nums": "1,2,3"}, {"target": 2.5, "nums": [1, 2]},
-                  {"target": None, "nums": [1, 2]}, {"target": 3, "nums": [1, [2]]}, {"target": 3, "nums": [3]}],
+    "countdown": [
+        {"target": 9, "nums": None},
+        {"target": 9, "nums": "1,2,3"},
+        {"target": 2.5, "nums": [1, 2]},
+        {"target": None, "nums": [1, 2]},
+        {"target": 3, "nums": [1, [2]]},
+        {"target": 3, "nums": [3]},
+    ],
 }
 
 

@@ -71,8 +71,9 @@ def module(tmp_path, monkeypatch):
 @pytest.fixture()
 def data(tmp_path):
     path = tmp_path / "mine.jsonl"
-    path.write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": f"#### {i + 1}", "level": i}) + "\n"
-                            for i in range(6)))
+    path.write_text(
+        "".join(json.dumps({"question": f"{i} + 1?", "answer": f"#### {i + 1}", "level": i}) + "\n" for i in range(6))
+    )
     return str(path)
 
 
@@ -105,11 +106,18 @@ def test_a_generated_task_gives_question_and_answer(module):
     assert score(task, ["abc", "de"], task.train[:2]) == ([3.0, 2.0], 0)
 
 
-@pytest.mark.parametrize("fn, words", [("scalar", "not a list of floats"),
-                                       ("short", "returned 1 values for 2 completions"),
-                                       ("not_callable", "not a function"), ("nope", "cannot import"),
-                                       ("later", "async"), ("text", "returned str"),
-                                       ("by_index", "returned dict")])
+@pytest.mark.parametrize(
+    "fn, words",
+    [
+        ("scalar", "not a list of floats"),
+        ("short", "returned 1 values for 2 completions"),
+        ("not_callable", "not a function"),
+        ("nope", "cannot import"),
+        ("later", "async"),
+        ("text", "returned str"),
+        ("by_index", "returned dict"),
+    ],
+)
 def test_a_reward_of_the_wrong_shape_is_refused_at_load_in_one_line(module, data, fn, words):
     with pytest.raises(TaskLoadError) as err:
         _task(data, f"{module}:{fn}")
@@ -146,12 +154,17 @@ def test_the_examples_in_docs_tasks_md_run(tmp_path, monkeypatch):
     for mod in [m for m in sys.modules if m == "my_pkg" or m.startswith("my_pkg.")]:
         monkeypatch.delitem(sys.modules, mod)
     rows = tmp_path / "capitals.jsonl"
-    rows.write_text("".join(json.dumps({"country": c, "capital": k}) + "\n"
-                            for c, k in [("France", "Paris"), ("Peru", "Lima"), ("Chad", "N"), ("Japan", "Tokyo")]
-                            * 3) + "not json\n")
+    rows.write_text(
+        "".join(
+            json.dumps({"country": c, "capital": k}) + "\n"
+            for c, k in [("France", "Paris"), ("Peru", "Lima"), ("Chad", "N"), ("Japan", "Tokyo")] * 3
+        )
+        + "not json\n"
+    )
     task = load_task(TaskConfig(name="my_pkg.tasks:Capitals", path=str(rows), eval_size=2))
-    assert task.skipped_lines() == [f"task capitals: skipped 4 of 13 rows of task.path={rows}: 3 capital too "
-                                    "short, 1 not JSON; first at line 3"]
+    assert task.skipped_lines() == [
+        f"task capitals: skipped 4 of 13 rows of task.path={rows}: 3 capital too short, 1 not JSON; first at line 3"
+    ]
     problem = task.train[0]
     assert task.reward(f"It is {problem.answer}.", problem) == 1.0
     gsm = tmp_path / "gsm.jsonl"
@@ -161,8 +174,9 @@ def test_the_examples_in_docs_tasks_md_run(tmp_path, monkeypatch):
     assert score(own, [f"so {p.answer}", "no"], [p, p]) == ([1.0, 0.0], 0)
 
 
-@pytest.mark.parametrize("source, words", [("def f(:\n", "SyntaxError"),
-                                           ("raise RuntimeError('at import')\n", "RuntimeError: at import")])
+@pytest.mark.parametrize(
+    "source, words", [("def f(:\n", "SyntaxError"), ("raise RuntimeError('at import')\n", "RuntimeError: at import")]
+)
 def test_a_module_that_fails_to_import_is_one_line_not_a_traceback(tmp_path, monkeypatch, data, source, words):
     (tmp_path / "broken_reward_mod.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -181,8 +195,9 @@ def test_a_relative_module_is_refused_naming_the_key(data):
 
 def test_a_module_in_the_current_directory_but_not_on_the_path_says_so(tmp_path, monkeypatch, data):
     """An installed command (es-train) does not search the current directory, where a user's rewards.py sits."""
-    (tmp_path / "rewards_here_only.py").write_text("def f(prompts, completions, **kw):\n"
-                                                   "    return [0.0] * len(completions)\n")
+    (tmp_path / "rewards_here_only.py").write_text(
+        "def f(prompts, completions, **kw):\n    return [0.0] * len(completions)\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
     with pytest.raises(TaskLoadError) as err:
@@ -190,10 +205,15 @@ def test_a_module_in_the_current_directory_but_not_on_the_path_says_so(tmp_path,
     assert "in the current directory" in str(err.value) and "PYTHONPATH=$PWD" in str(err.value)
 
 
-@pytest.mark.parametrize("name, words", [("a:b:c", "is not package.module:TaskClass"),
-                                         (":Capitals", "is not package.module:TaskClass"),
-                                         ("broken_task_mod:Capitals", "RuntimeError: at import"),
-                                         ("os:path", "is a module, not a Task class")])
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("a:b:c", "is not package.module:TaskClass"),
+        (":Capitals", "is not package.module:TaskClass"),
+        ("broken_task_mod:Capitals", "RuntimeError: at import"),
+        ("os:path", "is a module, not a Task class"),
+    ],
+)
 def test_a_user_task_that_cannot_be_used_is_one_line(tmp_path, monkeypatch, name, words):
     """task.name=package.module:TaskClass: a malformed path, a module that raises at import or an object that is no
     Task is refused as the task.reward hook is, in one line naming the key, not a traceback."""

@@ -10,11 +10,25 @@ from pathlib import Path
 import pytest
 
 from es_ray.es.config import ESConfig
-from es_ray.core.config import (ClusterConfig, ConfigError, EngineConfig, ModelConfig, RunConfig, SamplingConfig,
-                                TaskConfig)
+from es_ray.core.config import (
+    ClusterConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    RunConfig,
+    SamplingConfig,
+    TaskConfig,
+)
 from es_ray.evaluation.config import BenchmarkConfig
-from es_ray.launch.compare.run import (METHODS, BudgetConfig, CompareConfig, budget_units, run, stage_plan,
-                            validate_compare)
+from es_ray.launch.compare.run import (
+    METHODS,
+    BudgetConfig,
+    CompareConfig,
+    budget_units,
+    run,
+    stage_plan,
+    validate_compare,
+)
 
 
 def _cfg(model_dir: Path, run_dir: Path, **over) -> CompareConfig:
@@ -29,8 +43,9 @@ def _cfg(model_dir: Path, run_dir: Path, **over) -> CompareConfig:
         grpo=GRPOConfig(prompts_per_step=4, group_size=2, micro_batch_size=8),
         grpo_sampling=GRPOSamplingConfig(max_new_tokens=4),
         budget=BudgetConfig(epochs=2.0),
-        eval=BenchmarkConfig(tasks=["arithmetic"], n=4, k=[1, 2, 4], max_new_tokens=4, limit=3, entropy=True,
-                             grader_workers=1),
+        eval=BenchmarkConfig(
+            tasks=["arithmetic"], n=4, k=[1, 2, 4], max_new_tokens=4, limit=3, entropy=True, grader_workers=1
+        ),
         engine=EngineConfig(batch_size=16),
         cluster=ClusterConfig(num_actors=1, cpus_per_actor=1),
         run=RunConfig(dir=str(run_dir), seed=0, trackers=[], progress=False),
@@ -82,8 +97,12 @@ def test_stage_plan_chains_sequential_halves(tmp_path):
     cfg = _cfg(Path("/models/base"), tmp_path)
     plan = {m: stage_plan(cfg, m, tmp_path, pool=4) for m in METHODS}
     assert [s.name for s in plan["base"]] == ["eval.base"]
-    assert [s.name for s in plan["es_grpo"]] == ["train.es_grpo.es", "train.es_grpo.grpo", "eval.es_grpo",
-                                                 "drift.es_grpo"]
+    assert [s.name for s in plan["es_grpo"]] == [
+        "train.es_grpo.es",
+        "train.es_grpo.grpo",
+        "eval.es_grpo",
+        "drift.es_grpo",
+    ]
     es_half, grpo_half = (s.config() for s in plan["es_grpo"][:2])
     full_es = plan["es"][0].config()
     # Each half gets half the budget in prompts seen; the second half starts from the first's final checkpoint.
@@ -119,9 +138,12 @@ def test_token_and_device_second_budgets_become_each_runs_stop_and_an_unreachabl
     es_half, grpo_half = (s.config() for s in stage_plan(cfg, "es_grpo", tmp_path, pool=4)[:2])
     assert es.run.stop_at_tokens == 60 and es_half.run.stop_at_tokens == grpo_half.run.stop_at_tokens == 30
     assert es.es.iterations == 8 and es.run.stop_at_device_seconds == 0  # the epoch budget is now the cap
-    with pytest.raises(ConfigError, match=r"budget.tokens=10000: es generates 8 completions per iteration at up "
-                                          r"to 16 tokens per completion: about 1,024 tokens within the cap "
-                                          r"budget.epochs=8 \(8 iterations\), below 9,000"):
+    with pytest.raises(
+        ConfigError,
+        match=r"budget.tokens=10000: es generates 8 completions per iteration at up "
+        r"to 16 tokens per completion: about 1,024 tokens within the cap "
+        r"budget.epochs=8 \(8 iterations\), below 9,000",
+    ):
         validate_compare(_cfg(Path("/m"), tmp_path, budget=BudgetConfig(unit="tokens", epochs=8.0, tokens=10_000)))
     secs = _cfg(Path("/m"), tmp_path, budget=BudgetConfig(unit="device_seconds", device_seconds=30.0))
     assert stage_plan(secs, "grpo", tmp_path, pool=4)[0].config().run.stop_at_device_seconds == 30.0
@@ -169,8 +191,11 @@ def test_held_out_curves_sample_as_the_evaluation_and_an_empty_held_out_set_is_r
     cfg = _cfg(Path("/models/base"), tmp_path)
     for s in (stage_plan(cfg, "es", tmp_path, pool=4)[0], stage_plan(cfg, "grpo", tmp_path, pool=4)[0]):
         ev = s.config().eval
-        assert (ev.temperature, ev.top_p, ev.max_new_tokens) == (cfg.eval.temperature, cfg.eval.top_p,
-                                                                 cfg.eval.max_new_tokens)
+        assert (ev.temperature, ev.top_p, ev.max_new_tokens) == (
+            cfg.eval.temperature,
+            cfg.eval.top_p,
+            cfg.eval.max_new_tokens,
+        )
     empty = _cfg(Path("/m"), tmp_path, task=TaskConfig(name="arithmetic", train_size=4, eval_size=0))
     with pytest.raises(ConfigError, match=r"task.eval_size=0 leaves no held-out problems.*curve_every=0"):
         compare.pool_size(empty)
@@ -195,8 +220,12 @@ def test_a_held_out_set_without_problems_scores_none_not_zero():
 def test_every_seed_has_its_own_stages_with_its_own_run_seed(tmp_path):
     cfg = _cfg(Path("/models/base"), tmp_path, seeds=[0, 5])
     s5 = stage_plan(cfg, "es_grpo", tmp_path, pool=4, seed=5)
-    assert [s.name for s in s5] == ["train.es_grpo.es.s5", "train.es_grpo.grpo.s5", "eval.es_grpo.s5",
-                                    "drift.es_grpo.s5"]
+    assert [s.name for s in s5] == [
+        "train.es_grpo.es.s5",
+        "train.es_grpo.grpo.s5",
+        "eval.es_grpo.s5",
+        "drift.es_grpo.s5",
+    ]
     assert all(s.config().run.seed == 5 for s in s5[:3])
     assert s5[1].config().model.path == str(tmp_path / "stages" / "train.es_grpo.es.s5" / "checkpoints" / "final")
 
@@ -244,8 +273,15 @@ def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_pa
     assert ran == ["train.grpo_es.es", "eval.grpo_es", "drift.grpo_es"]  # only what was missing
     assert any("did not finish; starting it again" in s for s in lines)
 
-    for name in ["report.md", "report.json", "reward_curves.png", "entropy.png", "update_histograms.png",
-                 "passk_arithmetic.png", "training_curves.png"]:
+    for name in [
+        "report.md",
+        "report.json",
+        "reward_curves.png",
+        "entropy.png",
+        "update_histograms.png",
+        "passk_arithmetic.png",
+        "training_curves.png",
+    ]:
         assert (root / name).is_file() and (root / name).stat().st_size > 0, name
     rep = json.loads((root / "report.json").read_text())
     assert set(rep["methods"]) == set(METHODS)
@@ -257,9 +293,16 @@ def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_pa
         assert len(widths) == 1, table
     for label in ["Base", "ES", "GRPO", "ES->GRPO", "GRPO->ES"]:
         assert f"| {label} |" in md
-    verdict = md[md.index("## Verdict: the paper's effects in this run"):]
-    for effect in ("coverage at large k", "Pass@1 (paper", "entropy (paper", "L2 distance", "functional sparsity",
-                   "sequential order", "compute (left open"):
+    verdict = md[md.index("## Verdict: the paper's effects in this run") :]
+    for effect in (
+        "coverage at large k",
+        "Pass@1 (paper",
+        "entropy (paper",
+        "L2 distance",
+        "functional sparsity",
+        "sequential order",
+        "compute (left open",
+    ):
         assert f"| {effect}" in verdict, effect
     # Measured compute: ES back-propagates nothing, GRPO does; both generated tokens and have a memory peak.
     led = {m: rep["methods"][m]["ledger"] for m in ("es", "grpo")}
@@ -296,7 +339,8 @@ def test_pipeline_end_to_end_report_and_resume(ray_local, tiny_model_dir, tmp_pa
 
 
 def test_two_seeds_and_a_token_budget_give_paired_tests_budgets_as_reached_and_the_compute_answer(
-        ray_local, tiny_model_dir, tmp_path):
+    ray_local, tiny_model_dir, tmp_path
+):
     root = tmp_path / "seeds"
     budget = BudgetConfig(unit="tokens", epochs=2.0, tokens=40)
     cfg = validate_compare(_cfg(tiny_model_dir, root, methods=["base", "es", "grpo"], seeds=[0, 1], budget=budget))
@@ -307,13 +351,15 @@ def test_two_seeds_and_a_token_budget_give_paired_tests_budgets_as_reached_and_t
     assert any("reachable by every method at the base model's measured" in s for s in lines)
     rep = json.loads((root / "report.json").read_text())
     for stage in ("train.es.s0", "train.grpo.s1"):  # each stopped at the step that lands closest to 40 tokens
-        tokens = [json.loads(x)["perf/tokens"] for x in (root / "stages" / stage / "metrics.jsonl").read_text()
-                  .splitlines()]
-        used = [sum(tokens[:i + 1]) for i in range(len(tokens))]
+        tokens = [
+            json.loads(x)["perf/tokens"] for x in (root / "stages" / stage / "metrics.jsonl").read_text().splitlines()
+        ]
+        used = [sum(tokens[: i + 1]) for i in range(len(tokens))]
         assert all(u + t / 2 < 40 for u, t in zip(used[:-1], tokens[:-1])), (stage, tokens)
         led = json.loads((root / "stages" / stage / "ledger.json").read_text())
         assert (used[-1] + tokens[-1] / 2 >= 40 and "run.stop_at_tokens=40" in led["stop_reason"]) or (
-            len(tokens) == 2 and led["stop_reason"] == ""), (stage, tokens, led["stop_reason"])
+            len(tokens) == 2 and led["stop_reason"] == ""
+        ), (stage, tokens, led["stop_reason"])
         apart = led["device_seconds_apart"]
         assert apart["startup"] > 0 and apart["checkpoint"] > 0 and led["device_seconds_training"] > 0
         assert led["device_seconds_training"] + sum(apart.values()) == pytest.approx(led["device_seconds"])
@@ -331,8 +377,12 @@ def test_two_seeds_and_a_token_budget_give_paired_tests_budgets_as_reached_and_t
         assert parts[0]["matched"] == (abs(parts[0]["used"] / 40 - 1) <= 0.1)
     cmp = rep["comparisons"]
     pairs = {(t["a"], t["b"], t["metric"]) for t in cmp["tests"]}
-    assert {("es", "base", "pass@1"), ("grpo", "base", "pass@4"), ("es", "grpo", "pass@2"),
-            ("es", "grpo", "entropy")} <= pairs
+    assert {
+        ("es", "base", "pass@1"),
+        ("grpo", "base", "pass@4"),
+        ("es", "grpo", "pass@2"),
+        ("es", "grpo", "entropy"),
+    } <= pairs
     assert len(cmp["tests"]) == 3 * 4 and all(t["p_holm"] >= t["p"] and t["seeds"] == 2 for t in cmp["tests"])
     md = (root / "report.md").read_text()
     assert "## Paired differences (first minus second): exploratory" in md and "Holm at 0.05 over these 3" in md
@@ -379,24 +429,58 @@ def test_verdicts_name_one_seed_and_exploratory_comparisons():
     from es_ray.launch.compare.markdown import _difference
     from es_ray.launch.compare.verdict import head_lines, verdict_line
 
-    t = {"claim": "pass@16:es>grpo", "metric": "pass@16", "first": "es", "second": "grpo", "kind": "superiority",
-         "margin": 0.0, "seeds": 1, "problems": 100, "level": "checkpoint", "diff": 0.1, "se": 0.02, "df": 99,
-         "p": 1e-5, "p_holm": 3e-5, "holds": True, "lower": 0.07,
-         "method": {"diff": 0.1, "low": 0.06, "high": 0.14}, "checkpoint": {"diff": 0.1, "low": 0.06, "high": 0.14}}
+    t = {
+        "claim": "pass@16:es>grpo",
+        "metric": "pass@16",
+        "first": "es",
+        "second": "grpo",
+        "kind": "superiority",
+        "margin": 0.0,
+        "seeds": 1,
+        "problems": 100,
+        "level": "checkpoint",
+        "diff": 0.1,
+        "se": 0.02,
+        "df": 99,
+        "p": 1e-5,
+        "p_holm": 3e-5,
+        "holds": True,
+        "lower": 0.07,
+        "method": {"diff": 0.1, "low": 0.06, "high": 0.14},
+        "checkpoint": {"diff": 0.1, "low": 0.06, "high": 0.14},
+    }
     one = verdict_line(t)
     assert one.startswith("holds for this ES run vs this GRPO run") and "no method claim" in one
     three = verdict_line({**t, "seeds": 3})
     assert "these 3 ES runs vs these 3 GRPO runs" in three and "no method claim" in three
     assert verdict_line({**t, "seeds": 5, "level": "method"}) == "holds (method level)"
     assert verdict_line({**t, "seeds": 5, "level": "method", "holds": False}) == "not shown (method level)"
-    rep = {"verdict": {"tests": [t]}, "comparisons": {"tests": [
-        {"a": "es", "b": "grpo", "metric": "pass@1", "diff": 0.01, "low": -0.02, "high": 0.04, "seeds": 1,
-         "seeds_a": 1, "seeds_b": 1}]}}
+    rep = {
+        "verdict": {"tests": [t]},
+        "comparisons": {
+            "tests": [
+                {
+                    "a": "es",
+                    "b": "grpo",
+                    "metric": "pass@1",
+                    "diff": 0.01,
+                    "low": -0.02,
+                    "high": 0.04,
+                    "seeds": 1,
+                    "seeds_a": 1,
+                    "seeds_b": 1,
+                }
+            ]
+        },
+    }
     assert _difference(rep, "es", "grpo", 16)[1] == one
     nums, words = _difference(rep, "es", "grpo", 1)
     assert words.startswith("exploratory") and "higher" not in words and "[-2, +4]" in nums
-    lines = " ".join(head_lines({"seeds": [0], "problems": {"arithmetic": 16},
-                                 "verdict": {"claims": ["pass@max:es>grpo"], "alpha": 0.05}}))
+    lines = " ".join(
+        head_lines(
+            {"seeds": [0], "problems": {"arithmetic": 16}, "verdict": {"claims": ["pass@max:es>grpo"], "alpha": 0.05}}
+        )
+    )
     assert lines.startswith("**Primary family**") and "pass@max:es>grpo" in lines and "arithmetic 16" in lines
     assert "one seed: checkpoint tests only" in lines and "no method claim" in lines
 
@@ -405,8 +489,11 @@ def test_es_budget_counts_every_sample_per_prompt(tmp_path):
     """Each ES member generates es.samples_per_prompt completions per prompt; the token budget's reach counts them."""
     cfg = _cfg(Path("/m"), tmp_path, budget=BudgetConfig(unit="tokens", epochs=8.0, tokens=10_000))
     cfg.es.samples_per_prompt = 4
-    with pytest.raises(ConfigError, match=r"es generates 32 completions per iteration at up to 16 tokens per "
-                                          r"completion: about 4,096 tokens"):
+    with pytest.raises(
+        ConfigError,
+        match=r"es generates 32 completions per iteration at up to 16 tokens per "
+        r"completion: about 4,096 tokens",
+    ):
         validate_compare(cfg)
     cfg.budget.tokens = 4_000  # 2 members x 4 prompts x 4 samples x 16 tokens x 8 iterations = 4,096 reach it
     cfg.methods = ["base", "es"]
@@ -416,13 +503,20 @@ def test_es_budget_counts_every_sample_per_prompt(tmp_path):
 def test_interpolation_stages_join_the_methods_final_weights_and_bad_pairs_are_refused(tmp_path):
     from es_ray.launch.compare.run import InterpolationConfig, interpolation_plan
 
-    cfg = _cfg(Path("/models/base"), tmp_path, seeds=[0, 3], methods=["base", "es", "grpo", "es_grpo"],
-               interpolate=InterpolationConfig(pairs=["base-es", "es-es_grpo"], grid=[0.0, 0.5, 1.0], draws=50))
+    cfg = _cfg(
+        Path("/models/base"),
+        tmp_path,
+        seeds=[0, 3],
+        methods=["base", "es", "grpo", "es_grpo"],
+        interpolate=InterpolationConfig(pairs=["base-es", "es-es_grpo"], grid=[0.0, 0.5, 1.0], draws=50),
+    )
     cfg.eval.kl_base = True  # scored along the path without KL (es-interpolate's own refusal is not hit)
     validate_compare(cfg)
     stages = interpolation_plan(cfg, tmp_path, seed=3)
-    assert [(s.name, s.kind) for s in stages] == [("interpolate.base-es.s3", "interpolate"),
-                                                  ("interpolate.es-es_grpo.s3", "interpolate")]
+    assert [(s.name, s.kind) for s in stages] == [
+        ("interpolate.base-es.s3", "interpolate"),
+        ("interpolate.es-es_grpo.s3", "interpolate"),
+    ]
     base_es, es_seq = (s.config() for s in stages)
     assert base_es.a == "" and base_es.b == str(tmp_path / "stages" / "train.es.s3" / "checkpoints" / "final")
     assert es_seq.b == str(tmp_path / "stages" / "train.es_grpo.grpo.s3" / "checkpoints" / "final")
@@ -430,8 +524,14 @@ def test_interpolation_stages_join_the_methods_final_weights_and_bad_pairs_are_r
     assert base_es.eval.kl_base is False and base_es.eval.n == cfg.eval.n
     for pairs in (["es-ppo"], ["es"], ["es-es"], ["grpo_es-es"]):
         with pytest.raises(ConfigError, match=r"interpolate.pairs: .* is not first-second of two different methods"):
-            validate_compare(_cfg(Path("/m"), tmp_path, methods=["base", "es", "grpo", "es_grpo"],
-                                  interpolate=InterpolationConfig(pairs=pairs)))
+            validate_compare(
+                _cfg(
+                    Path("/m"),
+                    tmp_path,
+                    methods=["base", "es", "grpo", "es_grpo"],
+                    interpolate=InterpolationConfig(pairs=pairs),
+                )
+            )
     with pytest.raises(ConfigError, match=r"grid=\[0.5\] must hold distinct values in \[0, 1\], 0 and 1 among"):
         validate_compare(_cfg(Path("/m"), tmp_path, interpolate=InterpolationConfig(pairs=["base-es"], grid=[0.5])))
 
@@ -453,13 +553,25 @@ def test_report_shows_objectives_kl_with_intervals_and_the_interpolation_curves(
     import numpy as np
 
     from es_ray.metrics.paired import paired_difference, paired_difference_tasks
-    from es_ray.launch.compare.analyses import (interpolation_figure, interpolation_markdown, interpolation_section,
-                                         kl_markdown, kl_section, objectives, objectives_markdown)
+    from es_ray.launch.compare.analyses import (
+        interpolation_figure,
+        interpolation_markdown,
+        interpolation_section,
+        kl_markdown,
+        kl_section,
+        objectives,
+        objectives_markdown,
+    )
     from es_ray.launch.compare.plots import title
     from es_ray.launch.compare.run import InterpolationConfig, interpolation_plan
 
-    cfg = _cfg(Path("/m"), tmp_path, methods=["base", "es", "grpo"], seeds=[0, 1],
-               interpolate=InterpolationConfig(pairs=["es-grpo"], grid=[0.0, 0.5, 1.0]))
+    cfg = _cfg(
+        Path("/m"),
+        tmp_path,
+        methods=["base", "es", "grpo"],
+        seeds=[0, 1],
+        interpolate=InterpolationConfig(pairs=["es-grpo"], grid=[0.0, 0.5, 1.0]),
+    )
     cfg.eval.kl_base, cfg.task.objective, cfg.task.objective_k = True, "pass_at_k", 2
     cfg.es.samples_per_prompt = 2
     plan = {m: {s: stage_plan(cfg, m, tmp_path, pool=4, seed=s) for s in cfg.seeds} for m in cfg.methods}
@@ -473,27 +585,57 @@ def test_report_shows_objectives_kl_with_intervals_and_the_interpolation_curves(
                     _write(st.dir(tmp_path) / "config.json", dataclasses.asdict(st.config()))
             scale = {"base": 0.0, "es": 0.02, "grpo": 0.005}[m]
             kl[(m, s)] = scale * rng.gamma(2.0, size=5)
-            per_problem = {str(p): {"base_tuned": float(v), "tuned_base": float(1.5 * v)}
-                           for p, v in enumerate(kl[(m, s)])}
+            per_problem = {
+                str(p): {"base_tuned": float(v), "tuned_base": float(1.5 * v)} for p, v in enumerate(kl[(m, s)])
+            }
             ev = next(st for st in stages if st.kind == "eval")
             _write(ev.dir(tmp_path) / "results.json", {"tasks": {"arithmetic": {"kl": {"per_problem": per_problem}}}})
     paths = {s: interpolation_plan(cfg, tmp_path, s) for s in cfg.seeds}
     for s, stages in paths.items():
         curve = [0.5, 0.2 + 0.1 * s, 0.4]
-        _write(stages[0].dir(tmp_path) / "interpolation.json", {
-            "grid": [0.0, 0.5, 1.0], "updates": {"cosine": 0.01 * s, "by_module_type": {"mlp": 0.02, "norm": None}},
-            "tasks": {"arithmetic": {f"pass@{k}": {"curve": curve, "barrier": 0.25 - 0.1 * s, "barrier_at": 0.5,
-                                                     "barrier_interval": [0.1, 0.4], "problems": 3}
-                                     for k in cfg.eval.k}}})
+        _write(
+            stages[0].dir(tmp_path) / "interpolation.json",
+            {
+                "grid": [0.0, 0.5, 1.0],
+                "updates": {"cosine": 0.01 * s, "by_module_type": {"mlp": 0.02, "norm": None}},
+                "tasks": {
+                    "arithmetic": {
+                        f"pass@{k}": {
+                            "curve": curve,
+                            "barrier": 0.25 - 0.1 * s,
+                            "barrier_at": 0.5,
+                            "barrier_interval": [0.1, 0.4],
+                            "problems": 3,
+                        }
+                        for k in cfg.eval.k
+                    }
+                },
+            },
+        )
 
     final = lambda st: next(x for x in st if x.kind == "eval")  # noqa: E731
-    rep = {"k": cfg.eval.k, "tasks": ["arithmetic"], "seeds": cfg.seeds, "model": "", "train_task": "arithmetic",
-           "budget": {"unit": "epochs", "epochs": 2.0, "tokens": 0, "device_seconds": 0},
-           "methods": {m: {"label": label} for m, label in (("base", "Base"), ("es", "ES"), ("grpo", "GRPO"))},
-           "objectives": objectives(tmp_path, {m: plan[m][0] for m in plan}),
-           "kl": kl_section(tmp_path, cfg, plan, final), "interpolation": interpolation_section(tmp_path, paths)}
-    assert rep["objectives"]["es"] == [{"stage": "train.es.s0", "part": "es", "task": "es_test_tasks:VowelTask",
-                                        "objective": "pass_at_k", "k": 2, "samples_per_prompt": 2}]
+    rep = {
+        "k": cfg.eval.k,
+        "tasks": ["arithmetic"],
+        "seeds": cfg.seeds,
+        "model": "",
+        "train_task": "arithmetic",
+        "budget": {"unit": "epochs", "epochs": 2.0, "tokens": 0, "device_seconds": 0},
+        "methods": {m: {"label": label} for m, label in (("base", "Base"), ("es", "ES"), ("grpo", "GRPO"))},
+        "objectives": objectives(tmp_path, {m: plan[m][0] for m in plan}),
+        "kl": kl_section(tmp_path, cfg, plan, final),
+        "interpolation": interpolation_section(tmp_path, paths),
+    }
+    assert rep["objectives"]["es"] == [
+        {
+            "stage": "train.es.s0",
+            "part": "es",
+            "task": "es_test_tasks:VowelTask",
+            "objective": "pass_at_k",
+            "k": 2,
+            "samples_per_prompt": 2,
+        }
+    ]
     assert rep["objectives"]["base"] == [] and rep["objectives"]["grpo"][0]["samples_per_prompt"] == 2  # group
     md = "\n".join(objectives_markdown(rep))
     assert "| ES | ES: pass@2 on es_test_tasks:VowelTask (samples per prompt 2) |" in md
@@ -507,8 +649,9 @@ def test_report_shows_objectives_kl_with_intervals_and_the_interpolation_curves(
         assert rep["kl"]["methods"][m]["arithmetic"]["tuned_base"]["mean"] == pytest.approx(1.5 * x.mean())
     assert rep["kl"]["methods"]["base"]["arithmetic"]["base_tuned"]["mean"] == 0.0
     test = next(t for t in rep["kl"]["tests"] if t["direction"] == "base_tuned")
-    ref = paired_difference_tasks([(np.array([kl[("grpo", s)] for s in cfg.seeds]),
-                                    np.array([kl[("es", s)] for s in cfg.seeds]))])
+    ref = paired_difference_tasks(
+        [(np.array([kl[("grpo", s)] for s in cfg.seeds]), np.array([kl[("es", s)] for s in cfg.seeds]))]
+    )
     assert (test["a"], test["b"]) == ("es", "grpo") and test["diff"] == pytest.approx(ref.diff)
     assert test["p"] == pytest.approx(ref.p) and test["p_holm"] >= test["p"] and len(rep["kl"]["tests"]) == 2
     md = "\n".join(kl_markdown(rep))
@@ -517,8 +660,12 @@ def test_report_shows_objectives_kl_with_intervals_and_the_interpolation_curves(
     assert f"| ES | KL(base \\|\\| tuned) | {es_mean:.4g} [" in md
     from es_ray.launch.compare.run import tracker_metrics
 
-    tracked = tracker_metrics({"methods": {m: {"average": {}, "entropy": {"mean_per_token": None}, "ledger": None}
-                                           for m in cfg.methods}, "kl": rep["kl"]})
+    tracked = tracker_metrics(
+        {
+            "methods": {m: {"average": {}, "entropy": {"mean_per_token": None}, "ledger": None} for m in cfg.methods},
+            "kl": rep["kl"],
+        }
+    )
     assert tracked["compare/es/kl_base_tuned"] == pytest.approx(es_mean)
     assert tracked["compare/grpo/kl_tuned_base"] == pytest.approx(1.5 * np.mean([kl[("grpo", s)] for s in cfg.seeds]))
 

@@ -24,8 +24,11 @@ def _cfg(tmp_path, **kw) -> CompareConfig:
 def _trained_run(tmp_path, cfg, method="es", finished=True, **changes):
     """A finished run dir holding the config the comparison's es stage would have (with ``changes``), labelled as a
     run of ``method``."""
-    stage = next(s for s in stage_plan(dataclasses.replace(cfg, from_run={}), "es", tmp_path / "cmp")
-                 if s.kind.startswith("train"))
+    stage = next(
+        s
+        for s in stage_plan(dataclasses.replace(cfg, from_run={}), "es", tmp_path / "cmp")
+        if s.kind.startswith("train")
+    )
     config = json.loads(json.dumps(dataclasses.asdict(stage.config()), default=str))
     config["run"]["dir"] = str(tmp_path / "mine")
     config["es"]["iterations"] += 5  # its own budget: free
@@ -37,8 +40,9 @@ def _trained_run(tmp_path, cfg, method="es", finished=True, **changes):
     (run / "config.json").write_text(json.dumps({"method": method, **config}))
     (run / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "reward/mean": 0.5}) + "\n")
     (run / "ledger.json").write_text(json.dumps({"finished": finished}))
-    (run / "summary.json").write_text(json.dumps({"run_dir": str(run), "final_checkpoint": str(run / "checkpoints"
-                                                                                                  / "final")}))
+    (run / "summary.json").write_text(
+        json.dumps({"run_dir": str(run), "final_checkpoint": str(run / "checkpoints" / "final")})
+    )
     return run
 
 
@@ -63,22 +67,29 @@ def test_a_finished_run_with_the_stages_settings_stands_in_for_training(tmp_path
     assert evaluate.config().model.path == str(d / "checkpoints" / "final")
 
 
-@pytest.mark.parametrize("case, words", [
-    ("settings", "es.sigma (0.5 there"),
-    ("unfinished", "has not finished"),
-    ("method", "is a 'grpo' run"),
-    ("seeds", "is one run, and seeds=[0, 1]"),
-    ("stray", "from_run.grpo: grpo is not among methods"),
-    ("relative", "is not the absolute directory"),
-    ("sequential", "only a method with one training stage"),
-    ("corrupt", "config.json is not a JSON object"),
-    ("list", "config.json is not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("settings", "es.sigma (0.5 there"),
+        ("unfinished", "has not finished"),
+        ("method", "is a 'grpo' run"),
+        ("seeds", "is one run, and seeds=[0, 1]"),
+        ("stray", "from_run.grpo: grpo is not among methods"),
+        ("relative", "is not the absolute directory"),
+        ("sequential", "only a method with one training stage"),
+        ("corrupt", "config.json is not a JSON object"),
+        ("list", "config.json is not a JSON object"),
+    ],
+)
 def test_a_run_that_does_not_fit_is_refused_in_one_line(tmp_path, case, words):
     cfg = _cfg(tmp_path)
-    run = _trained_run(tmp_path, cfg, **({"es.sigma": 0.5} if case == "settings" else {}),
-                       **({"method": "grpo"} if case == "method" else {}),
-                       **({"finished": False} if case == "unfinished" else {}))
+    run = _trained_run(
+        tmp_path,
+        cfg,
+        **({"es.sigma": 0.5} if case == "settings" else {}),
+        **({"method": "grpo"} if case == "method" else {}),
+        **({"finished": False} if case == "unfinished" else {}),
+    )
     cfg.from_run = {"es": str(run)}
     if case == "seeds":
         cfg.seeds = [0, 1]

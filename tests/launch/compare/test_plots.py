@@ -40,8 +40,14 @@ def _legend(ax) -> list[str]:
 
 def test_every_figure_has_a_two_line_title_naming_model_task_seeds_and_budget(rep):
     figs = figures(rep)
-    assert set(figs) == {"passk_arithmetic", "passk_gsm8k", "reward_curves", "training_curves", "entropy",
-                         "update_histograms"}
+    assert set(figs) == {
+        "passk_arithmetic",
+        "passk_gsm8k",
+        "reward_curves",
+        "training_curves",
+        "entropy",
+        "update_histograms",
+    }
     for name, fig in figs.items():
         main = _titles(fig)[0]
         assert main.count("\n") == 1, (name, main)  # at most two lines
@@ -72,8 +78,11 @@ def test_reward_panels_only_for_methods_that_ran_with_axes_from_zero(rep):
     ax = fig.axes[0]
     assert ax.get_ylim()[0] == 0.0 and "axis from 0" in ax.get_ylabel() and _legend(ax) == ["ES"]
     both = copy.deepcopy(rep)
-    both["methods"]["grpo"] = {**copy.deepcopy(rep["methods"]["es"]), "label": "GRPO",
-                               "reward_curve": [[0.5 * i, 0.2 + 0.1 * i, "grpo"] for i in range(3)]}
+    both["methods"]["grpo"] = {
+        **copy.deepcopy(rep["methods"]["es"]),
+        "label": "GRPO",
+        "reward_curve": [[0.5 * i, 0.2 + 0.1 * i, "grpo"] for i in range(3)],
+    }
     fig2 = figures(both)["reward_curves"]
     assert [a.get_title().split(":")[0] for a in fig2.axes] == ["ES", "GRPO"]
     assert "not comparable across the two panels" in fig2._suptitle.get_text()
@@ -121,8 +130,11 @@ def test_drift_histogram_labels_thresholds_and_writes_a_pdf(tmp_path):
     edges = np.linspace(-8, 0, 33)
     counts = np.zeros(32)
     counts[15:20] = [1e6, 2e7, 3e7, 1e7, 5e5]
-    report = {"histogram_edges": edges.tolist(), "thresholds": [1e-3, 1.5e-3, 2e-3],
-              "by_module_type": {"mlp": {"histogram_log10": counts.tolist(), "share_below": {"0.0015": 0.4}}}}
+    report = {
+        "histogram_edges": edges.tolist(),
+        "thresholds": [1e-3, 1.5e-3, 2e-3],
+        "by_module_type": {"mlp": {"histogram_log10": counts.tolist(), "share_below": {"0.0015": 0.4}}},
+    }
     fig = update_histogram_figure(report, "tuned vs base")
     fig.canvas.draw()
     ax = fig.axes[0]
@@ -155,9 +167,14 @@ def test_drift_histogram_panels_share_one_x_range_and_name_the_checkpoints(tmp_p
     narrow, wide = np.zeros(32), np.zeros(32)
     narrow[18:20] = [5, 7]
     wide[4:24] = 3
-    report = {"histogram_edges": edges.tolist(), "thresholds": [1e-3, 1.5e-3, 2e-3],
-              "by_module_type": {"mlp": {"histogram_log10": narrow.tolist(), "share_below": {}},
-                                 "attention": {"histogram_log10": wide.tolist(), "share_below": {}}}}
+    report = {
+        "histogram_edges": edges.tolist(),
+        "thresholds": [1e-3, 1.5e-3, 2e-3],
+        "by_module_type": {
+            "mlp": {"histogram_log10": narrow.tolist(), "share_below": {}},
+            "attention": {"histogram_log10": wide.tolist(), "share_below": {}},
+        },
+    }
     fig = update_histogram_figure(report, "t")
     a, b = fig.axes[0].get_xlim(), fig.axes[1].get_xlim()
     assert a == b and a[0] <= edges[4] and a[1] >= edges[24]
@@ -175,5 +192,9 @@ def test_the_report_warns_when_most_completions_hit_max_new_tokens(rep):
     assert truncation_markdown(rep) == []
     rep["methods"]["es"]["hit_max_new_tokens"] = 1.0
     text = "\n".join(truncation_markdown(rep))
-    assert "most completions hit max_new_tokens" in text and "ES 100%" in text and "Base" not in \
-        text.split("most completions hit")[1].split("\n")[0] and "eval.max_new_tokens=" in text
+    assert (
+        "most completions hit max_new_tokens" in text
+        and "ES 100%" in text
+        and "Base" not in text.split("most completions hit")[1].split("\n")[0]
+        and "eval.max_new_tokens=" in text
+    )

@@ -24,13 +24,19 @@ SEQ = ["arithmetic", "countdown"]
 def _cfg(root: Path, **over) -> CompareConfig:
     from es_ray.grpo.config import GRPOConfig
 
-    cfg = CompareConfig(model=ModelConfig(path="/models/base"), task=TaskConfig(name="arithmetic", train_size=4),
-                        es=ESConfig(population=2, prompts_per_iteration=4), grpo=GRPOConfig(prompts_per_step=2,
-                                                                                           group_size=2),
-                        budget=BudgetConfig(epochs=2.0), sequence=list(SEQ),
-                        eval=BenchmarkConfig(tasks=list(SEQ), n=4, k=[1, 4], max_new_tokens=4, limit=3),
-                        engine=EngineConfig(batch_size=8), cluster=ClusterConfig(num_actors=1),
-                        run=RunConfig(dir=str(root)), seeds=[0, 1])
+    cfg = CompareConfig(
+        model=ModelConfig(path="/models/base"),
+        task=TaskConfig(name="arithmetic", train_size=4),
+        es=ESConfig(population=2, prompts_per_iteration=4),
+        grpo=GRPOConfig(prompts_per_step=2, group_size=2),
+        budget=BudgetConfig(epochs=2.0),
+        sequence=list(SEQ),
+        eval=BenchmarkConfig(tasks=list(SEQ), n=4, k=[1, 4], max_new_tokens=4, limit=3),
+        engine=EngineConfig(batch_size=8),
+        cluster=ClusterConfig(num_actors=1),
+        run=RunConfig(dir=str(root)),
+        seeds=[0, 1],
+    )
     for k, v in over.items():
         setattr(cfg, k, v)
     return cfg
@@ -40,8 +46,12 @@ def test_each_task_trains_from_the_last_ones_weights_and_the_tasks_so_far_are_sc
     cfg = validate_compare(_cfg(tmp_path))
     es = stage_plan(cfg, "es", tmp_path, pool={"arithmetic": 4, "countdown": 8}, seed=1)
     assert [(s.name, s.kind) for s in es] == [
-        ("train.es.arithmetic.s1", "train_es"), ("eval.es.after.arithmetic.s1", "seq_eval"),
-        ("train.es.countdown.s1", "train_es"), ("eval.es.s1", "eval"), ("drift.es.s1", "drift")]
+        ("train.es.arithmetic.s1", "train_es"),
+        ("eval.es.after.arithmetic.s1", "seq_eval"),
+        ("train.es.countdown.s1", "train_es"),
+        ("eval.es.s1", "eval"),
+        ("drift.es.s1", "drift"),
+    ]
     first, between, second, final = (s.config() for s in es[:4])
     assert first.task.name == "arithmetic" and second.task.name == "countdown"
     assert first.model.path == "/models/base"
@@ -52,23 +62,35 @@ def test_each_task_trains_from_the_last_ones_weights_and_the_tasks_so_far_are_sc
     # the budget is per task, in epochs over that task's own pool
     assert first.es.iterations == 2 and second.es.iterations == 4 and (es[0].pool, es[2].pool) == (4, 8)
     seq = stage_plan(cfg, "es_grpo", tmp_path, pool=4, seed=0)
-    assert [s.name for s in seq] == ["train.es_grpo.arithmetic.es.s0", "train.es_grpo.arithmetic.grpo.s0",
-                                     "eval.es_grpo.after.arithmetic.s0", "train.es_grpo.countdown.es.s0",
-                                     "train.es_grpo.countdown.grpo.s0", "eval.es_grpo.s0", "drift.es_grpo.s0"]
+    assert [s.name for s in seq] == [
+        "train.es_grpo.arithmetic.es.s0",
+        "train.es_grpo.arithmetic.grpo.s0",
+        "eval.es_grpo.after.arithmetic.s0",
+        "train.es_grpo.countdown.es.s0",
+        "train.es_grpo.countdown.grpo.s0",
+        "eval.es_grpo.s0",
+        "drift.es_grpo.s0",
+    ]
     assert seq[3].config().model.path.endswith("train.es_grpo.arithmetic.grpo.s0/checkpoints/final")
     assert [s.name for s in stage_plan(cfg, "base", tmp_path, seed=0)] == ["eval.base.s0"]
     # without a sequence the stage names are the one-task ones
     assert [s.name for s in stage_plan(_cfg(tmp_path, sequence=[], seeds=[0]), "es", tmp_path)] == [
-        "train.es", "eval.es", "drift.es"]
+        "train.es",
+        "eval.es",
+        "drift.es",
+    ]
 
 
-@pytest.mark.parametrize("seq, match", [
-    (["countdown"], r"sequence=\['countdown'\]: give two or more distinct task names"),
-    (["arithmetic", "arithmetic"], r"give two or more distinct"),
-    (["arithmetic", ""], r"give two or more distinct"),
-    (["arithmetic", "gsm8k"], r"\['gsm8k'\] not in eval.tasks=\['arithmetic', 'countdown'\]; .*add them"),
-    (["arithmetic", "nope"], r"not in eval.tasks"),
-])
+@pytest.mark.parametrize(
+    "seq, match",
+    [
+        (["countdown"], r"sequence=\['countdown'\]: give two or more distinct task names"),
+        (["arithmetic", "arithmetic"], r"give two or more distinct"),
+        (["arithmetic", ""], r"give two or more distinct"),
+        (["arithmetic", "gsm8k"], r"\['gsm8k'\] not in eval.tasks=\['arithmetic', 'countdown'\]; .*add them"),
+        (["arithmetic", "nope"], r"not in eval.tasks"),
+    ],
+)
 def test_a_bad_sequence_is_refused_in_one_line(tmp_path, seq, match):
     with pytest.raises(ConfigError, match=match) as e:
         validate_compare(_cfg(tmp_path, sequence=seq))
@@ -80,8 +102,9 @@ def _write_samples(path: Path, task: str, correct_pn: np.ndarray) -> None:
     with open(path, "a") as f:
         for p, row in enumerate(correct_pn):
             for i, c in enumerate(row):
-                f.write(json.dumps({"task": task, "problem": p, "sample": i, "correct": bool(c), "score": float(c)})
-                        + "\n")
+                f.write(
+                    json.dumps({"task": task, "problem": p, "sample": i, "correct": bool(c), "score": float(c)}) + "\n"
+                )
 
 
 def test_forgetting_is_the_change_since_each_task_was_trained_paired_over_problems_and_seeds(tmp_path):
@@ -114,9 +137,9 @@ def test_forgetting_is_the_change_since_each_task_was_trained_paired_over_proble
         assert f["methods"]["es"]["arithmetic"]["arithmetic"][q] == pytest.approx(mean_after[0])
         assert f["methods"]["es"]["arithmetic"]["countdown"][q] == pytest.approx(mean_after[1])
         assert f["before"]["countdown"][q] == pytest.approx(
-            np.mean([passk(right[(s, "countdown", "base")], k).mean() for s in cfg.seeds]))
-        d = np.array([passk(right[(s, "arithmetic", 1)], k) - passk(right[(s, "arithmetic", 0)], k)
-                      for s in cfg.seeds])
+            np.mean([passk(right[(s, "countdown", "base")], k).mean() for s in cfg.seeds])
+        )
+        d = np.array([passk(right[(s, "arithmetic", 1)], k) - passk(right[(s, "arithmetic", 0)], k) for s in cfg.seeds])
         ref = paired_difference(np.zeros_like(d), d)
         t = next(t for t in f["tests"] if t["method"] == "es" and t["task"] == "arithmetic" and t["k"] == k)
         assert t["mean"] == pytest.approx(d.mean()) == pytest.approx(mean_after[1] - mean_after[0])
@@ -134,8 +157,9 @@ def test_each_task_of_a_sequence_is_held_to_the_whole_budget(tmp_path):
     report holds each to that, not to the budget divided over the tasks."""
     from es_ray.launch.compare.report import collect_seed
 
-    cfg = _cfg(tmp_path, methods=["es", "es_grpo"], seeds=[0], budget=BudgetConfig(unit="tokens", epochs=8.0,
-                                                                                  tokens=200))
+    cfg = _cfg(
+        tmp_path, methods=["es", "es_grpo"], seeds=[0], budget=BudgetConfig(unit="tokens", epochs=8.0, tokens=200)
+    )
     plan = {m: stage_plan(cfg, m, tmp_path, pool=4) for m in cfg.methods}
     assert [s.config().run.stop_at_tokens for s in plan["es"] if s.kind.startswith("train")] == [200, 200]
     assert [s.config().run.stop_at_tokens for s in plan["es_grpo"] if s.kind.startswith("train")] == [100] * 4
@@ -145,9 +169,14 @@ def test_each_task_of_a_sequence_is_held_to_the_whole_budget(tmp_path):
                 _ledger(s.dir(tmp_path), 200 if m == "es" else 100)
             elif s.kind == "eval":
                 (s.dir(tmp_path)).mkdir(parents=True)
-                (s.dir(tmp_path) / "results.json").write_text(json.dumps(
-                    {"model_dir": "/m", "tasks": {t: {"pass@k": {"1": 0.0, "4": 0.0}, "mean_reward": 0.0}
-                                                  for t in SEQ}}))
+                (s.dir(tmp_path) / "results.json").write_text(
+                    json.dumps(
+                        {
+                            "model_dir": "/m",
+                            "tasks": {t: {"pass@k": {"1": 0.0, "4": 0.0}, "mean_reward": 0.0} for t in SEQ},
+                        }
+                    )
+                )
     rep = collect_seed(tmp_path, cfg, plan, 4)  # no drift.json: drift is left out
     for m, budget in (("es", 200), ("es_grpo", 100)):
         parts = rep["methods"][m]["budget_reached"]["parts"]
@@ -156,7 +185,20 @@ def test_each_task_of_a_sequence_is_held_to_the_whole_budget(tmp_path):
 
 def _ledger(run_dir: Path, tokens: int) -> None:
     run_dir.mkdir(parents=True)
-    (run_dir / "ledger.json").write_text(json.dumps({
-        "tokens_generated": tokens, "tokens_backpropagated": 0, "wall_s": 1.0, "startup_s": 0.0, "device_seconds": 1.0,
-        "device_kind": "cpu", "peak_rss_bytes_max": 1, "phase_seconds": {}, "steps": 1, "stop_reason": "budget",
-        "finished": True}))
+    (run_dir / "ledger.json").write_text(
+        json.dumps(
+            {
+                "tokens_generated": tokens,
+                "tokens_backpropagated": 0,
+                "wall_s": 1.0,
+                "startup_s": 0.0,
+                "device_seconds": 1.0,
+                "device_kind": "cpu",
+                "peak_rss_bytes_max": 1,
+                "phase_seconds": {},
+                "steps": 1,
+                "stop_reason": "budget",
+                "finished": True,
+            }
+        )
+    )

@@ -14,8 +14,15 @@ from scipy import stats
 from es_ray.core.config import ConfigError
 from es_ray.metrics.calibration import shift_for, simulate
 from es_ray.metrics.paired import power, t_test
-from es_ray.metrics.verdict import (PAPER_CLAIMS, claim_problems, claim_test, default_claims, family_verdict,
-                                    one_sided, parse_claim)
+from es_ray.metrics.verdict import (
+    PAPER_CLAIMS,
+    claim_problems,
+    claim_test,
+    default_claims,
+    family_verdict,
+    one_sided,
+    parse_claim,
+)
 from paths import REPO
 
 
@@ -29,8 +36,9 @@ def test_claims_parse_and_the_default_is_the_papers_three_for_the_methods_run():
     for bad in ("pass@16 es>grpo", "acc:es>grpo", "pass@1:es>es"):
         with pytest.raises(ValueError):
             parse_claim(bad)
-    assert claim_problems(["pass@1:es>grpo_es"], ["es", "grpo"], [1])[0].endswith("which the run lacks "
-                                                                              "(methods=['es', 'grpo'])")
+    assert claim_problems(["pass@1:es>grpo_es"], ["es", "grpo"], [1])[0].endswith(
+        "which the run lacks (methods=['es', 'grpo'])"
+    )
     assert "eval.k=[1, 4]" in claim_problems(["pass@16:es>grpo"], ["es", "grpo"], [1, 4])[0]
 
 
@@ -41,15 +49,20 @@ def _cfg(**verdict):
     return CompareConfig(methods=["base", "es", "grpo"], verdict=VerdictConfig(**verdict))
 
 
-@pytest.mark.parametrize("verdict, expected", [
-    ({"margin": 0.0}, "verdict.margin=0.0: give a non-inferiority margin > 0"),
-    ({"margin": -0.02}, "verdict.margin=-0.02"),
-    ({"primary": ["pass@max:es_grpo>grpo"]}, "verdict.primary: 'pass@max:es_grpo>grpo' names es_grpo, which the "
-                                             "run lacks"),
-    ({"primary": ["pass@7:es>grpo"]}, "names pass@7, which the run does not evaluate"),
-    ({"primary": ["coverage:es>grpo"]}, "is not a claim: write METRIC:FIRST>SECOND"),
-    ({"alpha": 1.5}, "verdict.alpha=1.5"),
-])
+@pytest.mark.parametrize(
+    "verdict, expected",
+    [
+        ({"margin": 0.0}, "verdict.margin=0.0: give a non-inferiority margin > 0"),
+        ({"margin": -0.02}, "verdict.margin=-0.02"),
+        (
+            {"primary": ["pass@max:es_grpo>grpo"]},
+            "verdict.primary: 'pass@max:es_grpo>grpo' names es_grpo, which the run lacks",
+        ),
+        ({"primary": ["pass@7:es>grpo"]}, "names pass@7, which the run does not evaluate"),
+        ({"primary": ["coverage:es>grpo"]}, "is not a claim: write METRIC:FIRST>SECOND"),
+        ({"alpha": 1.5}, "verdict.alpha=1.5"),
+    ],
+)
 def test_bad_claims_and_margins_are_refused_in_one_line(verdict, expected):
     from es_ray.launch.compare.verdict import validate_verdict
 
@@ -67,8 +80,12 @@ def test_seeds_that_differ_between_methods_are_refused():
 
 
 def test_es_compare_refuses_a_bad_margin_with_exit_2_before_any_work(tmp_path):
-    res = subprocess.run(["es-compare", "experiment=cpu_demo", "verdict.margin=0", f"run.dir={tmp_path / 'r'}"],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        ["es-compare", "experiment=cpu_demo", "verdict.margin=0", f"run.dir={tmp_path / 'r'}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr[-2000:]
     assert "verdict.margin=0" in res.stderr and not (tmp_path / "r").exists()
 
@@ -76,7 +93,7 @@ def test_es_compare_refuses_a_bad_margin_with_exit_2_before_any_work(tmp_path):
 def test_one_sided_p_and_bound_shift_by_the_margin():
     p, lower = one_sided(-0.01, 0.01, 20.0, 0.02, 100, 0.05)
     assert p == pytest.approx(stats.t.sf(1.0, 20)) and lower == pytest.approx(-0.01 - stats.t.ppf(0.95, 20) * 0.01)
-    assert one_sided(0.5, 0.01, 20.0, 0.0, 4, 0.05)[0] == 2.0 ** -4  # the sign-flip floor on 4 problems
+    assert one_sided(0.5, 0.01, 20.0, 0.0, 4, 0.05)[0] == 2.0**-4  # the sign-flip floor on 4 problems
 
 
 def _pairs(rng, seeds, problems=60, gap=0.0, sv=0.15, k=16):
@@ -104,8 +121,11 @@ def test_each_seed_count_says_what_it_can(seeds, level):
         assert t["checkpoint"]["diff"] == pytest.approx(d) and t["diff"] == pytest.approx(d)
         line = " ".join(seeds_lines({}, [t]))
         assert "between-seed sd" in line and "estimated from 3 seeds per method" in line
-        assert (f"needs S >= {t['seeds_for_claim']} seeds at the estimated spread, if the estimate were the truth"
-                in line if t["seeds_for_claim"] else "no seed count" in line)
+        assert (
+            f"needs S >= {t['seeds_for_claim']} seeds at the estimated spread, if the estimate were the truth" in line
+            if t["seeds_for_claim"]
+            else "no seed count" in line
+        )
         assert t["seeds_for_claim"] is None or t["seeds_for_claim"] >= 5
     else:
         assert words.endswith("(method level)") and t["diff"] == pytest.approx(t["method"]["diff"])
@@ -117,11 +137,12 @@ def test_holm_is_over_the_primary_family_only_and_noninferiority_uses_its_margin
     ni = claim_test(parse_claim("pass@16:grpo>=es"), pairs, margin=0.05, alpha=0.05, family=3, ks=[16])
     sup = claim_test(parse_claim("pass@16:grpo>es"), pairs, margin=0.05, alpha=0.05, family=3, ks=[16])
     d, se, df = ni["diff"], ni["se"], ni["df"]
-    assert ni["p"] == pytest.approx(max(stats.t.sf((d + 0.05) / se, df), 2.0 ** -200))
-    assert sup["p"] == pytest.approx(max(stats.t.sf(d / se, df), 2.0 ** -200)) and sup["margin"] == 0
+    assert ni["p"] == pytest.approx(max(stats.t.sf((d + 0.05) / se, df), 2.0**-200))
+    assert sup["p"] == pytest.approx(max(stats.t.sf(d / se, df), 2.0**-200)) and sup["margin"] == 0
     family_verdict([ni, sup], 0.05)
     assert ni["p_holm"] == pytest.approx(min(1.0, 2 * ni["p"])) or ni["p_holm"] == pytest.approx(
-        max(min(1.0, 2 * min(ni["p"], sup["p"])), ni["p"]))
+        max(min(1.0, 2 * min(ni["p"], sup["p"])), ni["p"])
+    )
 
 
 def test_a_size_past_the_metrics_range_is_not_detectable_at_any_size():
@@ -160,17 +181,27 @@ def test_plan_prices_the_primary_family_from_a_pilot_report(tmp_path):
 
     rng = np.random.default_rng(5)
     a, b = simulate(rng, 1, 200, 3, 0.15, ks=(1, 16))
-    pp = {"problems": {"arithmetic": list(range(200))},
-          "methods": {"grpo": {"pass": {"arithmetic": a[0]}, "entropy": {"arithmetic": a[0, ..., 0] + 1.0}},
-                      "es": {"pass": {"arithmetic": b[0]}, "entropy": {"arithmetic": b[0, ..., 0] + 1.0}}}}
+    pp = {
+        "problems": {"arithmetic": list(range(200))},
+        "methods": {
+            "grpo": {"pass": {"arithmetic": a[0]}, "entropy": {"arithmetic": a[0, ..., 0] + 1.0}},
+            "es": {"pass": {"arithmetic": b[0]}, "entropy": {"arithmetic": b[0, ..., 0] + 1.0}},
+        },
+    }
     cfg = _cfg()
     cfg.methods, cfg.eval.k, cfg.eval.tasks, cfg.eval.limit = ["es", "grpo"], [1, 16], ["arithmetic"], 200
     ver = primary_section(pp, cfg, [1, 16], ["arithmetic"])
     assert [t["claim"] for t in ver["tests"]] == list(PAPER_CLAIMS)
     ledger = lambda m, sec: {"parts": [{"method": m, "steps": 4, "device_s": sec}]}  # noqa: E731
-    (tmp_path / "report.json").write_text(json.dumps(
-        {"verdict": ver, "problems": {"arithmetic": 200},
-         "per_seed": {"0": {"es": {"ledger": ledger("es", 40.0)}, "grpo": {"ledger": ledger("grpo", 80.0)}}}}))
+    (tmp_path / "report.json").write_text(
+        json.dumps(
+            {
+                "verdict": ver,
+                "problems": {"arithmetic": 200},
+                "per_seed": {"0": {"es": {"ledger": ledger("es", 40.0)}, "grpo": {"ledger": ledger("grpo", 80.0)}}},
+            }
+        )
+    )
     cfg.verdict.pilot = str(tmp_path)
     out = plan(cfg, log=lambda s: None)
     six = next(r for r in out["rows"] if r["claim"] == "pass@max:es>grpo" and r["gap"] == 0.06)
@@ -201,8 +232,11 @@ def test_a_report_without_per_problem_scores_is_rerendered_without_a_verdict(tmp
     assert md.splitlines()[2].startswith("**Primary family**") and "**Seeds** per method: 3" in md
     assert all("separable" not in t for t in out["comparisons"]["tests"])
     tests = out["verdict"]["tests"]
-    assert [(t["claim"], t["metric"]) for t in tests] == [("pass@max:es>grpo", "pass@8"),
-                                                       ("entropy:es>grpo", "entropy"), ("pass@1:grpo>=es", "pass@1")]
+    assert [(t["claim"], t["metric"]) for t in tests] == [
+        ("pass@max:es>grpo", "pass@8"),
+        ("entropy:es>grpo", "entropy"),
+        ("pass@1:grpo>=es", "pass@1"),
+    ]
     assert all("p_holm" not in t and "holds" not in t for t in tests) and "holds" not in md.split("## Pass@1")[0]
     ni = tests[2]
     d, se, df = ni["method"]["diff"], ni["method"]["se"], ni["method"]["df"]
@@ -248,8 +282,9 @@ def test_a_size_past_the_room_either_method_leaves_is_not_detectable_and_one_wit
         t = claim_test(parse_claim(text), [(a, b)], margin=0.02, alpha=0.05, family=3, ks=[16])
         assert t["beyond_range"] and t["detectable"] is None and _size(t) == "not detectable at any size", text
     rng = np.random.default_rng(11)  # where the room is ample the size is still printed
-    t = claim_test(parse_claim("pass@16:es>grpo"), _pairs(rng, 5, problems=200), margin=0.02, alpha=0.05, family=3,
-                   ks=[16])
+    t = claim_test(
+        parse_claim("pass@16:es>grpo"), _pairs(rng, 5, problems=200), margin=0.02, alpha=0.05, family=3, ks=[16]
+    )
     assert not t["beyond_range"] and 0 < t["detectable"] < 0.2
 
 
@@ -293,16 +328,25 @@ def _demo_with_counts(tmp_path, seed=4):
     its methods, seeds, tasks and eval.n, drawn here: what report.json keeps from now on."""
     import json
 
-    rep = json.loads((REPO / "docs" / "results" / "cpu-demo" / "report.json")
-                     .read_text())
+    rep = json.loads((REPO / "docs" / "results" / "cpu-demo" / "report.json").read_text())
     rng = np.random.default_rng(seed)
     n, problems = rep["eval"]["n"], {t: list(range(24)) for t in rep["tasks"]}
     skill = {"base": 0.2, "es": 0.35, "grpo": 0.3}
-    rep["per_problem"] = {"n": n, "problems": problems, "methods": {
-        m: {t: {"correct": rng.binomial(n, np.clip(skill[m] + rng.normal(0, 0.2, (3, 24)), 0, 1)).tolist(),
-                "entropy_sum": (rng.gamma(4.0, 2.0, (3, 24)) * (1 + skill[m])).tolist(),
-                "entropy_tokens": rng.integers(0, 60, (3, 24)).tolist()} for t in rep["tasks"]}
-        for m in rep["methods"]}}
+    rep["per_problem"] = {
+        "n": n,
+        "problems": problems,
+        "methods": {
+            m: {
+                t: {
+                    "correct": rng.binomial(n, np.clip(skill[m] + rng.normal(0, 0.2, (3, 24)), 0, 1)).tolist(),
+                    "entropy_sum": (rng.gamma(4.0, 2.0, (3, 24)) * (1 + skill[m])).tolist(),
+                    "entropy_tokens": rng.integers(0, 60, (3, 24)).tolist(),
+                }
+                for t in rep["tasks"]
+            }
+            for m in rep["methods"]
+        },
+    }
     (tmp_path / "report.json").write_text(json.dumps(rep))
     return rep
 
@@ -324,7 +368,7 @@ def test_a_report_json_with_its_per_problem_record_recomputes_every_test(tmp_pat
     assert pp["methods"]["es"]["pass"]["countdown"][2, 5, 1] == pass_at_k(8, c["correct"][2][5], 4)
     tok = c["entropy_tokens"][1][7]
     got = pp["methods"]["es"]["entropy"]["countdown"][1, 7]
-    assert (np.isnan(got) if tok == 0 else got == pytest.approx(c["entropy_sum"][1][7] / tok))
+    assert np.isnan(got) if tok == 0 else got == pytest.approx(c["entropy_sum"][1][7] / tok)
     out = rerender(tmp_path)
     want = primary_section(pp, stored_config(rep, None, None), rep["k"], rep["tasks"])
     tests = out["verdict"]["tests"]
@@ -386,13 +430,14 @@ def test_the_seeds_a_claim_needs_are_said_at_the_estimated_spread_and_at_its_upp
     need = seeds_for_claim(pairs, 0.05 / 3, t["method"]["diff"])
     assert (t["seeds_for_claim"], t["seeds_for_claim_bound"]) == (need["at_estimate"], need["at_bound"])
     assert need["var_seeds_bound"] > 4 * need["var_seeds"] > 0  # 3 seeds: the bound is several times the estimate
-    assert t["seeds_for_claim"] is not None and 5 <= t["seeds_for_claim"] < (t["seeds_for_claim_bound"] or 10 ** 9)
+    assert t["seeds_for_claim"] is not None and 5 <= t["seeds_for_claim"] < (t["seeds_for_claim_bound"] or 10**9)
     pw = power(pairs, alpha=0.05 / 3, bound=False, sides=1)  # N at the bound: the power there clears 80%, N - 1 not
     hi = dataclasses.replace(pw, var_seeds=need["var_seeds_bound"])
     if t["seeds_for_claim_bound"] is not None and t["seeds_for_claim_bound"] > 5:
         n = t["seeds_for_claim_bound"]
-        assert hi.reaches(t["method"]["diff"], pw.problems, n) >= 0.8 > hi.reaches(t["method"]["diff"], pw.problems,
-                                                                                    n - 1)
+        assert (
+            hi.reaches(t["method"]["diff"], pw.problems, n) >= 0.8 > hi.reaches(t["method"]["diff"], pw.problems, n - 1)
+        )
     line = " ".join(seeds_lines({}, [t]))
     sd_hi = f"{100 * need['var_seeds_bound'] ** 0.5:.1f} points"
     assert f"needs S >= {t['seeds_for_claim']} seeds at the estimated spread, if the estimate were the truth" in line
@@ -416,16 +461,26 @@ def _short_row(rep):
     rep["per_problem"]["methods"]["es"]["countdown"]["entropy_sum"][1].pop()
 
 
-@pytest.mark.parametrize("spoil, names", [
-    (lambda rep: rep["per_problem"].pop("n"), "per_problem must hold 'n'"),
-    (lambda rep: rep.update(per_problem=None), "per_problem must hold 'n'"),
-    (lambda rep: rep["per_problem"]["methods"]["es"].pop("countdown"), "per_problem.methods.es.countdown is missing"),
-    (_drop_seed, "per_problem.methods.grpo.arithmetic.correct has 2 seed rows"),
-    (lambda rep: rep.update(seeds=[0, 1]), "seed rows, the report's seeds [0, 1] need 2"),
-    (_negative_count, "per_problem.methods.es.arithmetic.correct holds -1"),
-    (_count_over_n, "per_problem.methods.es.arithmetic.correct holds 9"),
-    (_short_row, "per_problem.methods.es.countdown.entropy_sum: every seed's row needs one value per stored problem"),
-    (lambda rep: rep.pop("k"), "report.json has no 'k'")])
+@pytest.mark.parametrize(
+    "spoil, names",
+    [
+        (lambda rep: rep["per_problem"].pop("n"), "per_problem must hold 'n'"),
+        (lambda rep: rep.update(per_problem=None), "per_problem must hold 'n'"),
+        (
+            lambda rep: rep["per_problem"]["methods"]["es"].pop("countdown"),
+            "per_problem.methods.es.countdown is missing",
+        ),
+        (_drop_seed, "per_problem.methods.grpo.arithmetic.correct has 2 seed rows"),
+        (lambda rep: rep.update(seeds=[0, 1]), "seed rows, the report's seeds [0, 1] need 2"),
+        (_negative_count, "per_problem.methods.es.arithmetic.correct holds -1"),
+        (_count_over_n, "per_problem.methods.es.arithmetic.correct holds 9"),
+        (
+            _short_row,
+            "per_problem.methods.es.countdown.entropy_sum: every seed's row needs one value per stored problem",
+        ),
+        (lambda rep: rep.pop("k"), "report.json has no 'k'"),
+    ],
+)
 def test_a_malformed_per_problem_record_is_refused_in_one_line(tmp_path, spoil, names):
     """rerender recomputes every test from report.json's per-problem record: a record cut short, with seeds that
     differ between the methods (refused before training, launch.compare.verdict.check_seeds) or counts outside
@@ -448,8 +503,9 @@ def test_rerender_refuses_a_bad_report_json_with_exit_2(tmp_path):
     import sys
 
     (tmp_path / "report.json").write_text("{oops")
-    out = subprocess.run([sys.executable, "-m", "es_ray.launch.compare.rerender", str(tmp_path)], capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "es_ray.launch.compare.rerender", str(tmp_path)], capture_output=True, text=True
+    )
     assert out.returncode == 2 and out.stderr.startswith("rerender: ") and "is not JSON" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 
@@ -472,8 +528,9 @@ def test_near_an_end_a_size_is_given_for_each_way_the_gap_can_be_made():
     for moves, d in ((1, up), (-1, down)):
         pw = power([(second, first)], alpha=0.05 / 3, bound=False, sides=1, moves=moves)
         assert pw.reaches(d, pw.problems, pw.seeds) == pytest.approx(0.8, abs=0.01)
-    assert power([(second, first)], alpha=0.05 / 3, bound=False, sides=1, moves=1).reaches(
-        down, 200, 6) > 0.9  # the headline size, the first rising by it
+    assert (
+        power([(second, first)], alpha=0.05 / 3, bound=False, sides=1, moves=1).reaches(down, 200, 6) > 0.9
+    )  # the headline size, the first rising by it
     t = {"metric": "pass@8", "first": "es", "second": "grpo", **out}
     want = f"{100 * down:.1f} points (ES rising {100 * up:.1f} points; GRPO falling {100 * down:.1f} points)"
     assert _size(t) == want
