@@ -91,6 +91,7 @@ def test_memory_check_measures_every_worker_and_the_tightest_rank_decides(tiny_m
     engine.model_dir, engine._gpu_share = str(tiny_model_dir), 0.5
     engine.cfg = EngineConfig(name="vllm", device="cuda", tensor_parallel_size=2)
     engine.dtype = torch.bfloat16
+    engine.lowrank = None  # full-rank ES: no LoRA slots (VLLMEngine.__init__ sets it from es.perturbation)
     asked = []
     spec = replica_spec(0, optimizer="adam")
     for free in ((40 * GiB, 40 * GiB), (40 * GiB, 0)):
