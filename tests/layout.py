@@ -25,6 +25,7 @@ AREAS = {
     "es_ray.engines": "engines",
     "es_ray.memory_plan": "engines",
     "es_ray.model_shape": "engines",
+    "es_ray.engine_memory": "engines",
     "es_ray.es": "es",
     "es_ray.strategy": "es",
     "es_ray.noise": "es",

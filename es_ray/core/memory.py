@@ -1,6 +1,6 @@
 """What a part of a run states about the memory it allocates: ``Line``s (part, item, bytes, how), each part's own
 (the ES replica: es_ray/replica_memory.py; the GRPO learner: grpo/learner_memory.py; the engines:
-es_ray/engines/memory.py), which es_ray/memory_plan/ sums per GPU, and the run's ``Settings`` every part reads.
+es_ray/engine_memory.py), which es_ray/memory_plan/ sums per GPU, and the run's ``Settings`` every part reads.
 Pure: no torch, nothing of the project."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ generation, so a run that cannot fit stops at start-up, not after a whole iterat
 
 The plan itemises nothing itself: each part states what it allocates, as ``Line``s (es_ray/core/memory.py), and
 the plan sums them per GPU. One ES actor is one process holding vLLM and the replica (es_ray/replica.py) on the same
-GPU: the engine's lines (es_ray/engines/memory.py: weights, KV cache, allowance, LoRA slots;
+GPU: the engine's lines (es_ray/engine_memory.py: weights, KV cache, allowance, LoRA slots;
 engine.gpu_memory_utilization = their sum / card) and the replica's (es_ray/replica_memory.py: master, optimizer
 state, theta_0, its buffers, the noise source's memory, slack). A GRPO learner rank (a GPU of its own) holds the
 learner's lines (grpo/learner_memory.py: weights, gradients and AdamW in one of ``LEARNER_VARIANTS``, one chunk of
@@ -22,7 +22,7 @@ command line's table). Callers import from here.
 
 # fmt: off
 from es_ray.core.memory import ALLOCATOR_SLACK_BYTES, CUDA_CONTEXT_BYTES, GiB, Line, gib  # noqa: F401
-from es_ray.engines.memory import MAX_SHARE, vllm_batch_defaults  # noqa: F401
+from es_ray.engine_memory import MAX_SHARE, vllm_batch_defaults  # noqa: F401
 from es_ray.grpo.learner_memory import LEARNER_VARIANTS, LOGIT_COPIES, OFFLOADS, LearnerVariant  # noqa: F401
 from es_ray.memory_plan.plan import (CARD_GIB, CARD_NAMES, ES_CANDIDATES, FSDP_DEGREES, PLAN_MARGIN,  # noqa: F401
                                      PLANNERS, PROMPT_TOKENS, TP_DEGREES, MemoryPlan, Settings,

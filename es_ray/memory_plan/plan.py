@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from es_ray.core.memory import CUDA_CONTEXT_BYTES, GiB, Line, Settings, gib
-from es_ray.engines.memory import MAX_SHARE, SLEEPING_BYTES, engine_lines
+from es_ray.engine_memory import MAX_SHARE, SLEEPING_BYTES, engine_lines
 from es_ray.grpo.learner_memory import OFFLOADS, RESIDENT, build_lines, learner_lines
 from es_ray.model_shape import ModelShape
 from es_ray.noise_kinds import NOISE_MEMORY

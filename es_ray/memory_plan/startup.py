@@ -12,7 +12,7 @@ from pathlib import Path
 
 from es_ray.core.config import ConfigError
 from es_ray.core.memory import CUDA_CONTEXT_BYTES, GiB, gib
-from es_ray.engines.memory import vllm_batch_defaults
+from es_ray.engine_memory import vllm_batch_defaults
 from es_ray.memory_plan.plan import (
     PLAN_MARGIN,
     PLANNERS,

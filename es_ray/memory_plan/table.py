@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from es_ray.core.memory import CUDA_CONTEXT_BYTES, GiB
-from es_ray.engines.memory import vllm_batch_defaults
+from es_ray.engine_memory import vllm_batch_defaults
 from es_ray.grpo.learner_memory import LEARNER_VARIANTS
 from es_ray.memory_plan.plan import (
     CARD_GIB,

@@ -444,7 +444,7 @@ def test_the_parts_statements_import_no_torch():
     import sys
 
     code = (
-        "import sys, es_ray.memory_plan, es_ray.replica_memory, es_ray.grpo.learner_memory, es_ray.engines.memory\n"
+        "import sys, es_ray.memory_plan, es_ray.replica_memory, es_ray.grpo.learner_memory, es_ray.engine_memory\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'ray', 'vllm'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -40,6 +40,7 @@ LAYERS = {
     # what each part allocates, stated without torch (es_ray/memory_plan/ sums them)
     "es_ray.model_shape": 2,
     "es_ray.replica_memory": 2,
+    "es_ray.engine_memory": 2,
     "es_ray.grpo.learner_memory": 2,
     "es_ray.core": 1,  # imports nothing of the project but itself
 }
@@ -263,7 +264,7 @@ prepare(cfg, "grpo", RESUME_FREE)
     assert torch_modules_after(code) == "[]"
 
 
-ENGINE_INTERFACE = {"es_ray.engines", "es_ray.engines.base", "es_ray.engines.memory"}
+ENGINE_INTERFACE = {"es_ray.engines", "es_ray.engines.base"}
 """What code outside es_ray/engines may import of it: the registry and the engines' traits, the interface
 (``make_engine``, ``ReplicaHost``) and what an engine allocates (the memory plan's lines); an engine's own module (hf,
 vllm, ...) is reached through ``make_engine`` only."""
