@@ -42,7 +42,8 @@ def is_run_dir(folder: Path) -> bool:
 def from_run_dir(folder: Path) -> dict:
     """The report of an es-compare run.dir rebuilt from its stages' files with this code (write_report)."""
     from es_ray.launch.compare.report import write_report
-    from es_ray.launch.compare.run import CompareConfig, interpolation_plan, pool_size, stage_plan, training_tasks
+    from es_ray.launch.compare.config import CompareConfig, pool_size, training_tasks
+    from es_ray.launch.compare.stages import interpolation_plan, stage_plan
 
     cfg = to_config(json.loads((folder / "compare_config.json").read_text()), CompareConfig)
     root = folder.resolve()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from layout import FOLDERS, area_of, misplaced, suggest
+from layout import FOLDERS, SHARED, area_of, misplaced, suggest
 from paths import REPO, TESTS
 
 DEPTH = re.compile(r"Path\(__file__\)(?:\.resolve\(\))?\.parents?\b")
@@ -27,6 +27,14 @@ def test_every_test_module_sits_in_a_folder_of_the_layout():
     # pytest imports a module of a folder without __init__.py by its name, with its folder on sys.path; a package
     # would be imported as tests.grpo..., and a tests/grpo package on sys.path would stand for the project's grpo
     assert sorted(p.relative_to(REPO).as_posix() for p in TESTS.rglob("__init__.py")) == []
+
+
+def test_only_the_shared_modules_are_not_tests():
+    """A helper at the top of tests/ is one of SHARED; one inside a folder would stand, for that folder's modules, for
+    the shared one of its name (each folder is put on sys.path): helpers live at the top, under their own name."""
+    code = [p for p in TESTS.rglob("*.py") if not p.name.startswith("test_") and "fixtures" not in p.parts]
+    assert sorted(p.name for p in code if p.parent == TESTS) == sorted(SHARED)
+    assert sorted(p.relative_to(REPO).as_posix() for p in code if p.parent != TESTS) == []
 
 
 def test_a_test_module_name_is_used_once():
