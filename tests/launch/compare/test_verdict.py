@@ -23,7 +23,11 @@ from es_ray.metrics.verdict import (
     one_sided,
     parse_claim,
 )
-from paths import REPO
+from paths import FIXTURES, REPO
+
+OLD_DEMO = FIXTURES / "cpu_demo_report_3seeds.json"
+"""The CPU demo's report.json as committed on 2026-12-06 (3 seeds per method, written before the primary family and
+without a per-problem record): the old format rerender must still read."""
 
 
 def test_claims_parse_and_the_default_is_the_papers_three_for_the_methods_run():
@@ -213,14 +217,15 @@ def test_plan_prices_the_primary_family_from_a_pilot_report(tmp_path):
 
 
 def test_a_report_without_per_problem_scores_is_rerendered_without_a_verdict(tmp_path):
-    """docs/results/cpu-demo/report.json kept its paired tests' summaries only: the re-rendered report names the
-    primary family first, gives the method-level estimates with their one-sided bounds, and calls no verdict."""
+    """The CPU demo's report.json of 2026-12-06 (OLD_DEMO) kept its paired tests' summaries only: the re-rendered
+    report names the primary family first, gives the method-level estimates with their one-sided bounds, and calls
+    no verdict."""
     import json
     import shutil
 
     from es_ray.launch.compare.rerender import rerender
 
-    src = REPO / "docs" / "results" / "cpu-demo" / "report.json"
+    src = OLD_DEMO
     shutil.copy(src, tmp_path / "report.json")
     rep = json.loads(src.read_text())
     for t in rep["comparisons"]["tests"]:  # as written before the primary family
@@ -324,11 +329,11 @@ def test_the_detectable_size_is_the_same_for_scores_near_1_as_for_their_mirror_n
 
 
 def _demo_with_counts(tmp_path, seed=4):
-    """docs/results/cpu-demo/report.json with a per-problem record (launch.compare.report.per_problem_counts) of
-    its methods, seeds, tasks and eval.n, drawn here: what report.json keeps from now on."""
+    """The 3-seed CPU demo's report.json (OLD_DEMO) with a per-problem record (launch.compare.report.per_problem_counts)
+    of its methods, seeds, tasks and eval.n, drawn here: what report.json keeps from now on."""
     import json
 
-    rep = json.loads((REPO / "docs" / "results" / "cpu-demo" / "report.json").read_text())
+    rep = json.loads(OLD_DEMO.read_text())
     rng = np.random.default_rng(seed)
     n, problems = rep["eval"]["n"], {t: list(range(24)) for t in rep["tasks"]}
     skill = {"base": 0.2, "es": 0.35, "grpo": 0.3}
