@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import os
 import sys
 import sysconfig
 import tomllib
@@ -15,6 +16,10 @@ from pathlib import Path
 
 import pytest
 from paths import REPO as ROOT
+
+ELSEWHERE = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+"""The environment an installed wheel is run in: without the suite's PYTHONPATH, which names tests/ (conftest's
+ray_local puts it there for Ray's workers) and would make tests/grpo and tests/launch importable top-level names."""
 
 
 def _pyproject() -> dict:
@@ -79,20 +84,31 @@ def test_a_built_wheel_installed_elsewhere_finds_its_presets(tmp_path):
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     res = subprocess.run(
-        [str(venv / "bin" / "es-train"), "--help"], cwd=outside, capture_output=True, text=True, timeout=300
+        [str(venv / "bin" / "es-train"), "--help"],
+        cwd=outside,
+        env=ELSEWHERE,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "experiment: es_reference_gsm8k" in res.stdout and "model: " in res.stdout, res.stdout[:2000]
     where = subprocess.run(
         [str(venv / "bin" / "python"), "-c", "import es_ray.runtime.entry as e; print(e.CONF_DIR)"],
         cwd=outside,
+        env=ELSEWHERE,
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
     assert Path(where) == site / "es_ray" / "conf" and (Path(where) / "model" / "smollm2-135m.yaml").is_file()
     bad = subprocess.run(
-        [str(venv / "bin" / "es-train"), "experiment=nope"], cwd=outside, capture_output=True, text=True, timeout=300
+        [str(venv / "bin" / "es-train"), "experiment=nope"],
+        cwd=outside,
+        env=ELSEWHERE,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert bad.returncode == 2 and "choose one of coverage, cpu_demo" in bad.stderr, bad.stderr[-2000:]
     # one installed package: what the wheel put into site-packages, and the names Python sees there
@@ -106,7 +122,12 @@ def test_a_built_wheel_installed_elsewhere_finds_its_presets(tmp_path):
         "print([n for n in ('grpo', 'launch') if u.find_spec(n)])"
     )
     names = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", probe], cwd=outside, capture_output=True, text=True, timeout=120
+        [str(venv / "bin" / "python"), "-c", probe],
+        cwd=outside,
+        env=ELSEWHERE,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert names.returncode == 0 and names.stdout.strip() == "[]", names.stderr[-2000:]
     scripts = _pyproject()["project"]["scripts"]
@@ -121,7 +142,12 @@ def test_a_built_wheel_installed_elsewhere_finds_its_presets(tmp_path):
     }
     for script in sorted(set(scripts) - {"es-train"}):
         res = subprocess.run(
-            [str(venv / "bin" / script), "--help"], cwd=outside, capture_output=True, text=True, timeout=300
+            [str(venv / "bin" / script), "--help"],
+            cwd=outside,
+            env=ELSEWHERE,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert res.returncode == 0, (script, res.stderr[-2000:])
         assert ("usage: es-submit" if script == "es-submit" else "== Keys") in res.stdout, (script, res.stdout[:500])
